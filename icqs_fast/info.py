@@ -24,7 +24,8 @@ def collect() -> dict:
     if torch.cuda.is_available():
         device = f"cuda ({torch.cuda.get_device_name(0)})"
     else:
-        device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        cpu = platform.processor() or platform.machine()
+        device = f"cpu ({cpu}, {torch.get_num_threads()} threads)"
     return {
         "icqs_fast": __version__,
         "python": platform.python_version(),

@@ -1,4 +1,5 @@
-"""Public operations, one function each, dispatching to the ``triton``, ``cpp`` or ``torch`` backend.
+"""Public operations, one function each, dispatching to the ``triton``, ``cpp`` or ``torch``
+backend.
 
 Kernels hold no model logic and model code holds no kernel code: everything the scoring methods
 need from the softmax goes through these functions.
@@ -18,7 +19,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_common(targets: torch.Tensor, n: int, v: int, ignore_index: int, temperature: float):
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    ok = isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not (ok and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
@@ -92,7 +94,7 @@ def linear_token_stats(
     chunk_tokens: int = 256,
     chunk_vocab: int = 16384,
 ) -> TokenStats:
-    """Token statistics of ``softmax((hidden @ weight.T + bias) / T)`` without the ``[N, V]`` logits.
+    """Token statistics of ``softmax((hidden @ weight.T + bias) / T)``, never building ``[N, V]``.
 
     The product is computed block by block (``chunk_tokens`` x ``chunk_vocab``); each block is
     reduced to a mergeable per-row state and dropped. Peak extra memory on the cpp/torch backends

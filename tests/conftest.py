@@ -9,7 +9,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
 from _helpers import DEVICE  # noqa: E402,F401
 
 

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from _helpers import DEVICE
+from test_token_stats import compare
 
 from icqs_fast import ops
 from icqs_fast.backends import torch_ref
-
-from _helpers import DEVICE
-from test_token_stats import compare
 
 
 def ref64(h, w, t, b=None, temperature=1.0):

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from _helpers import DEVICE
 
 from icqs_fast import ops
 from icqs_fast.backends import torch_ref
 from icqs_fast.types import FLOAT_FIELDS
-
-from _helpers import DEVICE
 
 # Tolerances per input dtype (the outputs are fp32; inputs are cast exactly, so the error is in
 # the accumulation). Absolute on entropy-like values of size ~log V.
