@@ -42,10 +42,11 @@ class OptionalBuildExt(build_ext):
 
 
 ext_modules = []
-if Pybind11Extension is not None and os.environ.get("ICQS_FAST_NO_EXT") != "1":
-    sources = sorted(
-        os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")
-    )
+sources = sorted(
+    os.path.join("csrc", f) for f in (os.listdir("csrc") if os.path.isdir("csrc") else [])
+    if f.endswith(".cpp")
+)
+if Pybind11Extension is not None and sources and os.environ.get("ICQS_FAST_NO_EXT") != "1":
     ext_modules.append(
         Pybind11Extension(
             "icqs_fast._C",
