@@ -1,0 +1,177 @@
+"""Prefix-sharing batcher: cache the KV states of every demonstration prefix once, then score
+many (context, suffix) rows in padded forwards that attend to those cached prefixes.
+
+Layout of one suffix forward with ``R`` rows (row ``i`` uses prefix entry ``e_i`` of length
+``p_i``; ``P = max p_i`` over the rows; ``S`` = longest suffix)::
+
+    cache slots   0 .. p_i-1        real prefix keys/values of entry e_i (positions 0..p_i-1)
+                  p_i .. P-1        padding, masked out in the 2D attention mask
+    query slots   P .. P+S-1        the suffix tokens, position ids p_i + t
+
+Causality is by slot index (transformers builds it from the cache length), so every suffix token
+sees all real prefix slots and the earlier suffix tokens; the explicit ``position_ids`` give RoPE
+and absolute-position models the positions the tokens would have in an unpadded prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def decoder_body(model: Any) -> Any:
+    """The decoder without the LM head (``model.model`` for Llama, ``model.transformer`` for
+    GPT-2); its output hidden states are already final-normed for these architectures."""
+    body = getattr(model, "base_model", None)
+    if body is None or body is model:
+        raise TypeError(f"{type(model).__name__} has no separate decoder body (base_model)")
+    return body
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # transformers >= 4.56 caches hold a list of layers with .keys/.values [B, H, T, D].
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(k, v) for k, v, *_ in cache]
+
+
+class PrefixBank:
+    """KV states of token prefixes, stored padded: per layer ``keys[layer]`` and
+    ``values[layer]`` are ``[E, H_kv, P_bank, D]`` (model dtype) with entry ``e`` real in
+    ``[:, :, :lengths[e]]``.
+
+    Entries are only ever appended (by building new tensors); stored tensors are never written
+    to after creation, so scoring cannot change them.
+    """
+
+    def __init__(self, model: Any, pad_id: int, token_budget: int) -> None:
+        self.model = model
+        self.body = decoder_body(model)
+        self.pad_id = int(pad_id)
+        self.token_budget = int(token_budget)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @torch.no_grad()
+    def add(self, prefixes: Sequence[Sequence[int]]) -> list[int]:
+        """Compute and store the KV states of ``prefixes`` (lists of token ids, each non-empty),
+        in padded batches of at most ``token_budget`` tokens; returns their entry indices."""
+        if not prefixes:
+            return []
+        if any(len(p) == 0 for p in prefixes):
+            raise ValueError("a prefix must hold at least one token")
+        dev = model_device(self.model)
+        new_k: list[list[torch.Tensor]] = []
+        new_v: list[list[torch.Tensor]] = []
+        new_len: list[int] = []
+        order = list(range(len(prefixes)))
+        start = 0
+        while start < len(order):
+            # Greedy chunk: rows x longest row <= budget (at least one row).
+            end, longest = start, 0
+            while end < len(order):
+                ln = max(longest, len(prefixes[order[end]]))
+                if end > start and (end - start + 1) * ln > self.token_budget:
+                    break
+                longest, end = ln, end + 1
+            rows = [list(prefixes[i]) for i in order[start:end]]
+            ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), longest), dtype=torch.long)
+            for r, p in enumerate(rows):
+                ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+                mask[r, : len(p)] = 1
+            pos = torch.arange(longest).expand(len(rows), -1)
+            out = self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                            position_ids=pos.to(dev), use_cache=True)
+            kv = _layer_kv(out.past_key_values)
+            new_k.append([k for k, _ in kv])
+            new_v.append([v for _, v in kv])
+            new_len.extend(len(p) for p in rows)
+            start = end
+        p_new = max(new_len)
+        p_all = max([p_new, *self.lengths]) if self.lengths else p_new
+        n_layers = len(new_k[0])
+        keys, values = [], []
+        for li in range(n_layers):
+            parts_k = [self.keys[li]] if self.keys else []
+            parts_v = [self.values[li]] if self.values else []
+            parts_k += [blk[li] for blk in new_k]
+            parts_v += [blk[li] for blk in new_v]
+            keys.append(torch.cat([_pad_slots(t, p_all) for t in parts_k]))
+            values.append(torch.cat([_pad_slots(t, p_all) for t in parts_v]))
+        first = len(self.lengths)
+        self.keys, self.values = keys, values
+        self.lengths = self.lengths + new_len
+        return list(range(first, first + len(new_len)))
+
+    def gather(self, entries: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                      torch.Tensor, torch.Tensor]:
+        """Fresh per-row copies of the entries' KV states, trimmed to the longest used.
+
+        Returns:
+            ``kv``: per layer (keys, values), each ``[R, H_kv, P, D]``; ``prefix_mask``:
+            ``[R, P]`` int64, 1 on real prefix slots; ``lengths``: ``[R]`` int64.
+        """
+        dev = self.keys[0].device
+        idx = torch.tensor(list(entries), dtype=torch.long, device=dev)
+        lens = torch.tensor([self.lengths[e] for e in entries], dtype=torch.long)
+        p = int(lens.max())
+        kv = [(k.index_select(0, idx)[:, :, :p], v.index_select(0, idx)[:, :, :p])
+              for k, v in zip(self.keys, self.values, strict=True)]
+        mask = (torch.arange(p)[None, :] < lens[:, None]).long()
+        return kv, mask, lens
+
+
+def _pad_slots(t: torch.Tensor, p: int) -> torch.Tensor:
+    if t.shape[2] == p:
+        return t
+    pad = t.new_zeros(t.shape[0], t.shape[1], p - t.shape[2], t.shape[3])
+    return torch.cat([t, pad], dim=2)
+
+
+@torch.no_grad()
+def suffix_hidden(
+    model: Any,
+    bank: PrefixBank,
+    entries: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One padded forward of ``R`` suffixes, row ``i`` continuing bank entry ``entries[i]``.
+
+    Args:
+        entries: ``R`` bank entry indices.
+        suffixes: ``R`` non-empty token id lists.
+
+    Returns:
+        ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
+        ``suffix_mask``: ``[R, S]`` bool, True on real tokens.
+    """
+    from transformers import DynamicCache
+
+    dev = model_device(model)
+    kv, prefix_mask, lens = bank.gather(entries)
+    r = len(suffixes)
+    s = max(len(x) for x in suffixes)
+    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
+    smask = torch.zeros((r, s), dtype=torch.long)
+    for i, x in enumerate(suffixes):
+        ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        smask[i, : len(x)] = 1
+    pos = lens[:, None] + torch.arange(s)[None, :]
+    attn = torch.cat([prefix_mask, smask], dim=1)
+    # A fresh cache object around copies of the stored states: the forward appends to it.
+    cache = DynamicCache(ddp_cache_data=kv)
+    out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                              position_ids=pos.to(dev), past_key_values=cache, use_cache=True)
+    return out.last_hidden_state, smask.bool().to(dev)

@@ -1,0 +1,375 @@
+"""ICQS / ICQS-Epistemic scoring engine with a prefix-sharing batcher.
+
+For every response (x, y) and every demonstration set (ratio j, set l),
+``l_{j,l} = log P(y | demos_{j,l}, x)``; ICQS on set l is ``r_k``, ``k = argmax_j l_{j,l}``, and
+ICQS-Epistemic is ``r_k`` with ``k = argmax_j mean_l l_{j,l}``.
+
+The engine computes the KV caches of the ``(M+1) L`` demonstration prefixes once, then runs the
+query + response tokens of many (response, context) rows in padded forwards against them, and
+applies the LM head only at the response positions, through
+:func:`icqs_fast.ops.linear_token_stats` (no ``[T, V]`` logits tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import ops
+from .batching import PrefixBank, suffix_hidden
+from .prompts import DemoSet, Template, build_demo_sets
+from .types import TokenStats
+
+DEFAULT_TOKEN_BUDGET = 16384
+
+
+@dataclass
+class ICQSResult:
+    """Scores of one response.
+
+    Attributes:
+        score: ICQS-Epistemic score, ``ratios[argmax_j mean_l loglik[j, l]]``.
+        score_per_set: ``L`` floats, plain ICQS on each set l: ``ratios[argmax_j loglik[j, l]]``.
+        loglik: ``[M+1, L]`` fp32, ``log P(y | demos_{j,l}, x)`` summed over y's tokens.
+        ratios: ``M+1`` floats ``j / M``.
+        n_response_tokens: number of scored tokens of y.
+        n_prompt_tokens: ``[M+1, L]`` int64, prompt tokens before y (prefix + query) per context.
+        n_dropped_demos: ``[M+1, L]`` int64, demonstrations dropped to fit the max length.
+        token_stats: per-token statistics, each field ``[M+1, L, T]``, when requested.
+        index: the response's position in the input stream.
+    """
+
+    score: float
+    score_per_set: list[float]
+    loglik: torch.Tensor
+    ratios: list[float]
+    n_response_tokens: int
+    n_prompt_tokens: torch.Tensor
+    n_dropped_demos: torch.Tensor
+    token_stats: TokenStats | None = None
+    index: int = 0
+
+
+# --------------------------------------------------------------------------- shared helpers
+# (the naive reference uses these too, so both see the same demo sets and the same token ids)
+
+
+def model_max_length(model: Any, max_length: int | None) -> int | None:
+    """The longest prompt the model takes: ``max_length`` if given, capped by the config's
+    ``max_position_embeddings`` / ``n_positions``; None if neither is known."""
+    cfg = model.config
+    lim = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if max_length is not None:
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+        return min(max_length, lim) if lim else max_length
+    return int(lim) if lim else None
+
+
+def check_model(model: Any) -> None:
+    """Refuse models whose logits are not ``hidden @ W.T + b`` (the head the ops compute)."""
+    cfg = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        val = getattr(cfg, attr, None)
+        if val not in (None, 1, 1.0):
+            raise NotImplementedError(
+                f"{type(model).__name__} post-processes its logits ({attr}={val}); the engine "
+                "only supports a plain linear LM head"
+            )
+
+
+def parse_response(i: int, item: Any) -> tuple[str, str]:
+    """Validate the i-th response: an (x, y) pair or a dict with "x" and "y", both str, y
+    non-empty."""
+    if isinstance(item, dict):
+        missing = [k for k in ("x", "y") if k not in item]
+        if missing:
+            raise ValueError(f"response {i}: missing field(s) {missing} (need 'x' and 'y')")
+        x, y = item["x"], item["y"]
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        x, y = item
+    else:
+        raise TypeError(f"response {i}: expected an (x, y) pair or a dict with 'x'/'y', "
+                        f"got {type(item).__name__}")
+    for name, v in (("x", x), ("y", y)):
+        if not isinstance(v, str):
+            raise TypeError(f"response {i}: field '{name}' must be a str, got {type(v).__name__}")
+    if y == "":
+        raise ValueError(f"response {i}: field 'y' is empty (nothing to score)")
+    return x, y
+
+
+class PromptTokens:
+    """Tokenises prompt parts separately (prefix, query, response) with caching of prefixes.
+
+    ``prefix_ids(c, drop)`` is the prefix of context ``c`` (flat index ``j * L + l``) without
+    its ``drop`` oldest demonstrations; BOS is prepended when the tokenizer normally adds it.
+    """
+
+    def __init__(self, tokenizer: Any, template: Template, sets: list[list[DemoSet]]) -> None:
+        self.tok = tokenizer
+        self.template = template
+        self.flat = [s for row in sets for s in row]
+        probe = tokenizer("a")["input_ids"]
+        bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        self.bos = [bos] if (bos is not None and len(probe) > len(bare) and probe[0] == bos) else []
+        self._prefix: dict[tuple[int, int], list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_ids(self, c: int, drop: int = 0) -> list[int]:
+        key = (c, drop)
+        if key not in self._prefix:
+            demos = self.flat[c].examples[drop:]
+            self._prefix[key] = self.bos + self.encode(self.template.format_prefix(demos))
+        return self._prefix[key]
+
+    def response_parts(self, i: int, x: str, y: str) -> tuple[list[int], list[int]]:
+        q = self.encode(self.template.format_query(x))
+        r = self.encode(self.template.format_response(y))
+        if not q:
+            raise ValueError(f"response {i}: the query part {self.template.format_query(x)!r} "
+                             "has no tokens; the template's query must produce at least one")
+        if not r:
+            raise ValueError(f"response {i}: field 'y' gives no response tokens")
+        return q, r
+
+    def fit(self, i: int, c: int, n_suffix: int, max_len: int | None, drop_oldest: bool) -> int:
+        """How many oldest demonstrations context ``c`` must drop so that prefix + ``n_suffix``
+        tokens fit in ``max_len``; raises ValueError when it can't (or may not) drop."""
+        if max_len is None:
+            return 0
+        n_demos = len(self.flat[c].examples)
+        full = len(self.prefix_ids(c, 0)) + n_suffix
+        if full <= max_len:
+            return 0
+        if drop_oldest:
+            for d in range(1, n_demos):  # keep at least one demonstration
+                if len(self.prefix_ids(c, d)) + n_suffix <= max_len:
+                    return d
+        ds = self.flat[c]
+        raise ValueError(
+            f"response {i}: prompt of {full} tokens (prefix {full - n_suffix} + query/response "
+            f"{n_suffix}) for ratio {ds.ratio:g} set {ds.set_index} exceeds the model's max "
+            f"length {max_len}"
+            + (" even with a single demonstration" if drop_oldest
+               else "; pass drop_oldest_demos=True to drop demonstrations")
+        )
+
+
+def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
+              n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None
+              ) -> ICQSResult:
+    """Build an :class:`ICQSResult` from ``loglik`` ``[M+1, L]`` (fp32)."""
+    ll = loglik.double()
+    per_set = [ratios[int(k)] for k in torch.argmax(ll, dim=0)]
+    score = ratios[int(torch.argmax(ll.mean(dim=1)))]
+    return ICQSResult(score=score, score_per_set=per_set, loglik=loglik.float(), ratios=ratios,
+                      n_response_tokens=n_resp, n_prompt_tokens=n_prompt,
+                      n_dropped_demos=n_drop, token_stats=stats, index=index)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class ICQSScorer:
+    """ICQS / ICQS-Epistemic scorer with cached demonstration prefixes.
+
+    Args:
+        model: a causal LM (Llama-like or GPT-2-like: ``base_model`` body + linear
+            ``get_output_embeddings()`` head), in eval mode.
+        tokenizer: its tokenizer (needs a pad or eos token).
+        good, bad: demonstration pools of (x, y) str pairs.
+        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement: see
+            :func:`icqs_fast.prompts.build_demo_sets` (``M+1``, ``N``, ``L``).
+        template: prompt formats; the default "Sentence/Answer" :class:`Template` if None.
+        backend: backend of :func:`icqs_fast.ops.linear_token_stats`.
+        token_budget: max rows x (prefix + suffix) tokens per forward.
+        max_length: prompt length limit (default: the model's max positions).
+        drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
+            until it fits instead of raising.
+        return_token_stats: attach per-token :class:`TokenStats` to each result.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        good: Sequence,
+        bad: Sequence,
+        *,
+        num_ratios: int = 5,
+        demos_per_set: int = 8,
+        sets_per_ratio: int = 4,
+        template: Template | None = None,
+        seed: int = 0,
+        mixing: str = "exact",
+        replacement: bool = False,
+        backend: str = "auto",
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        max_length: int | None = None,
+        drop_oldest_demos: bool = False,
+        return_token_stats: bool = False,
+    ) -> None:
+        check_model(model)
+        if not isinstance(token_budget, int) or token_budget < 1:
+            raise ValueError(f"token_budget must be an int >= 1, got {token_budget!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template if template is not None else Template()
+        self.sets = build_demo_sets(good, bad, num_ratios=num_ratios,
+                                    demos_per_set=demos_per_set, sets_per_ratio=sets_per_ratio,
+                                    seed=seed, mixing=mixing, replacement=replacement)
+        self.ratios = [row[0].ratio for row in self.sets]
+        self.num_ratios, self.sets_per_ratio = num_ratios, sets_per_ratio
+        self.n_contexts = num_ratios * sets_per_ratio
+        self.backend = backend
+        self.token_budget = token_budget
+        self.max_length = model_max_length(model, max_length)
+        self.drop_oldest_demos = drop_oldest_demos
+        self.return_token_stats = return_token_stats
+        self.tokens = PromptTokens(tokenizer, self.template, self.sets)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        self._bank: PrefixBank | None = None
+        self._entry: dict[tuple[int, int], int] = {}
+
+    # -- prefix caches --------------------------------------------------------------------
+    @property
+    def prefix_bank(self) -> PrefixBank:
+        """The stored prefix KV states, computed on first use (all contexts, batched)."""
+        if self._bank is None:
+            bank = PrefixBank(self.model, self.pad_id, self.token_budget)
+            ids = [self.tokens.prefix_ids(c, 0) for c in range(self.n_contexts)]
+            for c, e in enumerate(bank.add(ids)):
+                self._entry[(c, 0)] = e
+            self._bank = bank
+        return self._bank
+
+    def _entry_of(self, c: int, drop: int) -> int:
+        bank = self.prefix_bank
+        if (c, drop) not in self._entry:
+            self._entry[(c, drop)] = bank.add([self.tokens.prefix_ids(c, drop)])[0]
+        return self._entry[(c, drop)]
+
+    # -- scoring --------------------------------------------------------------------------
+    def score_one(self, x: str, y: str) -> ICQSResult:
+        """Score a single response (x, y)."""
+        return next(iter(self.score([(x, y)])))
+
+    def score(self, responses: Iterable) -> Iterator[ICQSResult]:
+        """Score a stream of responses lazily, in order.
+
+        Args:
+            responses: iterable of (x, y) str pairs or dicts with "x" and "y".
+
+        Yields:
+            one :class:`ICQSResult` per response, in input order; input is pulled only as far
+            as the current batch needs.
+        """
+        c_n = self.n_contexts
+        pending: list[dict] = []  # prepared responses whose rows are not all done yet
+        rows: list[tuple[dict, int]] = []  # queued (response, context) rows
+        it = enumerate(responses)
+        exhausted = False
+        while True:
+            # Fill the row queue until one forward's budget is reached (or the input ends).
+            while not exhausted and self._queued_tokens(rows) < self.token_budget:
+                try:
+                    i, item = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                rec = self._prepare(i, item)
+                pending.append(rec)
+                rows.extend((rec, c) for c in range(c_n))
+            if not rows:
+                break
+            take = self._take(rows)
+            batch, rows = rows[:take], rows[take:]
+            self._run(batch)
+            while pending and pending[0]["done"] == c_n:
+                yield self._finish(pending.pop(0))
+        while pending:  # only reached when every row ran
+            yield self._finish(pending.pop(0))
+
+    def _prepare(self, i: int, item: Any) -> dict:
+        x, y = parse_response(i, item)
+        q, r = self.tokens.response_parts(i, x, y)
+        n_suf = len(q) + len(r)
+        drops = [self.tokens.fit(i, c, n_suf, self.max_length, self.drop_oldest_demos)
+                 for c in range(self.n_contexts)]
+        entries = [self._entry_of(c, d) for c, d in enumerate(drops)]
+        bank = self.prefix_bank
+        return {"index": i, "query": q, "resp": r, "suffix": q + r[:-1], "drops": drops,
+                "entries": entries, "plen": [bank.lengths[e] for e in entries],
+                "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
+                "stats": [None] * self.n_contexts, "done": 0}
+
+    def _row_cost(self, rows: list[tuple[dict, int]]) -> int:
+        if not rows:
+            return 0
+        p = max(rec["plen"][c] for rec, c in rows)
+        s = max(len(rec["suffix"]) for rec, _ in rows)
+        return len(rows) * (p + s)
+
+    def _queued_tokens(self, rows: list[tuple[dict, int]]) -> int:
+        return self._row_cost(rows)
+
+    def _take(self, rows: list[tuple[dict, int]]) -> int:
+        """Largest leading run of rows within the token budget (at least one)."""
+        p = s = 0
+        for n, (rec, c) in enumerate(rows):
+            p2, s2 = max(p, rec["plen"][c]), max(s, len(rec["suffix"]))
+            if n > 0 and (n + 1) * (p2 + s2) > self.token_budget:
+                return n
+            p, s = p2, s2
+        return len(rows)
+
+    def _run(self, batch: list[tuple[dict, int]]) -> None:
+        entries = [rec["entries"][c] for rec, c in batch]
+        suffixes = [rec["suffix"] for rec, _ in batch]
+        hidden, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id)
+        # Suffix position q-1+t predicts response token t.
+        rows_idx, pos_idx, targets, seg = [], [], [], []
+        for b, (rec, _) in enumerate(batch):
+            nq, nr = len(rec["query"]), len(rec["resp"])
+            rows_idx.extend([b] * nr)
+            pos_idx.extend(range(nq - 1, nq - 1 + nr))
+            targets.extend(rec["resp"])
+            seg.append(nr)
+        dev = hidden.device
+        h = hidden[torch.tensor(rows_idx, device=dev), torch.tensor(pos_idx, device=dev)]
+        head = self.model.get_output_embeddings()
+        st = ops.linear_token_stats(h, head.weight, torch.tensor(targets, device=dev),
+                                    bias=getattr(head, "bias", None), backend=self.backend)
+        lp = st.logprob.detach().double().cpu()
+        start = 0
+        for (rec, c), nr in zip(batch, seg, strict=True):
+            rec["loglik"][c] = lp[start:start + nr].sum()
+            if self.return_token_stats:
+                rec["stats"][c] = st.map(lambda t, a=start, b=start + nr: t[a:b].detach().cpu())
+            rec["done"] += 1
+            start += nr
+
+    def _finish(self, rec: dict) -> ICQSResult:
+        m1, ls = self.num_ratios, self.sets_per_ratio
+        ll = rec["loglik"].float().reshape(m1, ls)
+        nq = len(rec["query"])
+        n_prompt = torch.tensor([p + nq for p in rec["plen"]], dtype=torch.long).reshape(m1, ls)
+        n_drop = torch.tensor(rec["drops"], dtype=torch.long).reshape(m1, ls)
+        stats = None
+        if self.return_token_stats:
+            parts = rec["stats"]
+            stats = TokenStats(**{
+                k: torch.stack([getattr(p, k) for p in parts]).reshape(m1, ls, -1)
+                for k in parts[0].as_dict()
+            })
+        return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
+                         stats)

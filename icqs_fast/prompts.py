@@ -1,0 +1,181 @@
+"""Prompt templates and demonstration sets for ICQS / ICQS-Epistemic.
+
+A demonstration set for ratio ``r`` holds ``N`` (x, y) examples, a fraction ``r`` of them drawn
+from the good pool and the rest from the bad pool. The prompt for a response (x, y) is
+
+    system + demo(x_1, y_1) + separator + ... + demo(x_N, y_N) + separator   <- prefix (cached)
+    + query(x)                                                               <- query
+    + response(y)                                                            <- scored tokens
+
+and the three parts are tokenised separately so the response's ids never depend on the demos.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Example = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Template:
+    """Text formats of the prompt parts; ``{x}`` and ``{y}`` are replaced by the example's fields.
+
+    Attributes:
+        demo: one demonstration, e.g. ``"Sentence: {x}\\nAnswer: {y}\\n"``.
+        query: the scored example's prefix, e.g. ``"Sentence: {x}\\nAnswer:"`` (needs ``{x}``).
+        response: the scored text, e.g. ``" {y}\\n"`` (needs ``{y}``); its tokens are scored.
+        separator: text after each demonstration (between demos and before the query).
+        system: optional text at the very start of the prompt (an instruction).
+    """
+
+    demo: str = "Sentence: {x}\nAnswer: {y}\n"
+    query: str = "Sentence: {x}\nAnswer:"
+    response: str = " {y}\n"
+    separator: str = "\n"
+    system: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("demo", "query", "response", "separator", "system"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Template.{name} must be a str, got {type(getattr(self, name))}")
+        if "{y}" not in self.response:
+            raise ValueError(f"Template.response must contain '{{y}}', got {self.response!r}")
+        if "{x}" not in self.query:
+            raise ValueError(f"Template.query must contain '{{x}}', got {self.query!r}")
+
+    def format_demo(self, x: str, y: str) -> str:
+        """One demonstration's text (followed by nothing; the separator is added by the prefix)."""
+        return self.demo.replace("{x}", x).replace("{y}", y)
+
+    def format_prefix(self, demos: Sequence[Example]) -> str:
+        """The cached part: ``system`` then every demonstration followed by ``separator``."""
+        return self.system + "".join(self.format_demo(x, y) + self.separator for x, y in demos)
+
+    def format_query(self, x: str) -> str:
+        """The scored example's prompt part (after the demonstrations)."""
+        return self.query.replace("{x}", x)
+
+    def format_response(self, y: str) -> str:
+        """The scored text."""
+        return self.response.replace("{y}", y)
+
+
+@dataclass(frozen=True)
+class DemoSet:
+    """One demonstration set: its ratio, the chosen examples in prompt order, and which are good.
+
+    Attributes:
+        ratio: the nominal fraction of good demonstrations, ``j / M``.
+        examples: the ``N`` (x, y) pairs in prompt order.
+        is_good: ``N`` bools, True where the example came from the good pool.
+        ratio_index: ``j``; set_index: ``l`` (which of the L sets of this ratio).
+    """
+
+    ratio: float
+    examples: tuple[Example, ...]
+    is_good: tuple[bool, ...]
+    ratio_index: int = 0
+    set_index: int = 0
+
+    @property
+    def n_good(self) -> int:
+        return sum(self.is_good)
+
+
+def _check_pool(pool: Sequence, name: str) -> list[Example]:
+    out: list[Example] = []
+    for i, ex in enumerate(pool):
+        if isinstance(ex, dict):
+            if "x" not in ex or "y" not in ex:
+                raise ValueError(f"{name}[{i}]: a dict example needs keys 'x' and 'y'")
+            x, y = ex["x"], ex["y"]
+        else:
+            try:
+                x, y = ex
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{name}[{i}]: expected an (x, y) pair or a dict, got {ex!r}"
+                ) from None
+        for fname, v in (("x", x), ("y", y)):
+            if not isinstance(v, str):
+                raise TypeError(f"{name}[{i}].{fname} must be a str, got {type(v).__name__}")
+        out.append((x, y))
+    return out
+
+
+def build_demo_sets(
+    good: Sequence[Example],
+    bad: Sequence[Example],
+    *,
+    num_ratios: int = 5,
+    demos_per_set: int = 8,
+    sets_per_ratio: int = 4,
+    seed: int = 0,
+    mixing: str = "exact",
+    replacement: bool = False,
+) -> list[list[DemoSet]]:
+    """Seeded demonstration sets for ratios ``r_j = j / M``, ``j = 0..M`` (``M + 1 = num_ratios``).
+
+    Args:
+        good, bad: pools of (x, y) str pairs (or dicts with "x"/"y").
+        num_ratios: ``M + 1 >= 2``.
+        demos_per_set: ``N >= 1`` demonstrations per set.
+        sets_per_ratio: ``L >= 1`` sets per ratio.
+        seed: everything is deterministic given the seed.
+        mixing: ``"exact"``: ``round(r * N)`` good demos, in shuffled order; ``"bernoulli"``: each
+            demo is good with probability ``r``.
+        replacement: draw examples with replacement (a set may then repeat an example); without
+            it each set holds distinct examples, so each pool needs as many as a set may draw.
+
+    Returns:
+        ``sets[j][l]``: a :class:`DemoSet`, ``j`` in ``0..M``, ``l`` in ``0..L-1``.
+
+    Raises:
+        ValueError: bad sizes, unknown mixing, or a pool too small for ``N`` without replacement.
+    """
+    for name, v, lo in (("num_ratios", num_ratios, 2), ("demos_per_set", demos_per_set, 1),
+                        ("sets_per_ratio", sets_per_ratio, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if mixing not in ("exact", "bernoulli"):
+        raise ValueError(f"mixing must be 'exact' or 'bernoulli', got {mixing!r}")
+    g = _check_pool(good, "good")
+    b = _check_pool(bad, "bad")
+    n = demos_per_set
+    # The pure ratios (r=1, r=0) need N of one pool whatever the mixing.
+    if not g or not b or (not replacement and (len(g) < n or len(b) < n)):
+        raise ValueError(
+            f"too few examples for demos_per_set={n}: {len(g)} good and {len(b)} bad "
+            f"(each pool needs at least {n if not replacement else 1}"
+            + ("" if replacement else "; or pass replacement=True") + ")"
+        )
+    m = num_ratios - 1
+    rng = random.Random(seed)
+    sets: list[list[DemoSet]] = []
+    for j in range(num_ratios):
+        r = j / m
+        row = []
+        for li in range(sets_per_ratio):
+            if mixing == "exact":
+                n_good = int(math.floor(r * n + 0.5))  # round half up, unlike Python's round()
+                flags = [True] * n_good + [False] * (n - n_good)
+                rng.shuffle(flags)
+            else:
+                flags = [rng.random() < r for _ in range(n)]
+            k = sum(flags)
+            if replacement:
+                gi = [rng.randrange(len(g)) for _ in range(k)]
+                bi = [rng.randrange(len(b)) for _ in range(n - k)]
+            else:
+                gi = rng.sample(range(len(g)), k)
+                bi = rng.sample(range(len(b)), n - k)
+            it_g, it_b = iter(gi), iter(bi)
+            examples = tuple(g[next(it_g)] if f else b[next(it_b)] for f in flags)
+            row.append(DemoSet(ratio=r, examples=examples, is_good=tuple(flags),
+                               ratio_index=j, set_index=li))
+        sets.append(row)
+    return sets
