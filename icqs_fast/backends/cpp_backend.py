@@ -1,0 +1,112 @@
+"""C++/OpenMP CPU backend: ``token_stats`` and the block reduction on the ``icqs_fast._C`` module.
+
+The extension takes raw pointers (no torch headers): this wrapper checks dtypes, devices and
+layouts, allocates the outputs, and turns the per-row state into :class:`TokenStats` with
+:func:`state.finalize`. Each row of logits is read once (see ``csrc/token_stats.cpp``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import TokenStats
+from . import state as _state
+
+try:
+    from .. import _C
+except ImportError as exc:  # not built (no compiler, or ICQS_FAST_NO_EXT=1)
+    _C = None
+    _IMPORT_ERROR = str(exc)
+else:
+    _IMPORT_ERROR = ""
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def available() -> tuple[bool, str]:
+    """(True, ISA level and threads) when ``icqs_fast._C`` is importable, else (False, why)."""
+    if _C is None:
+        return False, (f"icqs_fast._C is not built ({_IMPORT_ERROR}); rebuild with "
+                       "`pip install --no-build-isolation -e .`")
+    omp = "OpenMP" if _C.openmp else "no OpenMP"
+    return True, f"ok ({_C.simd_level()}, {omp})"
+
+
+def _rows(z: torch.Tensor) -> torch.Tensor:
+    """A 2-D CPU view with unit column stride (copied only when the last dim is strided)."""
+    if z.device.type != "cpu":
+        raise ValueError(f"the cpp backend needs CPU tensors, got {z.device}")
+    if z.dim() != 2:
+        raise ValueError(f"expected a 2-D [N, V] tensor, got shape {list(z.shape)}")
+    if z.shape[1] > 1 and z.stride(1) != 1:
+        z = z.contiguous()
+    return z
+
+
+def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Tensor,
+            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n, v = z.shape
+    state = torch.empty(n, _state.STATE_WIDTH, dtype=torch.float64)
+    counts = torch.empty(n, 2, dtype=torch.int64)
+    if n == 0:
+        return state, counts
+    t = t.to(torch.int64).contiguous()
+    z_t = z_t.to(torch.float64).contiguous()
+    shift = shift.to(torch.float64).contiguous()
+    _C.reduce_rows(z.data_ptr(), z.stride(0) if n > 1 else v, n, v, _DTYPE_CODES[z.dtype],
+                   t.data_ptr(), z_t.data_ptr(), shift.data_ptr(), float(temperature),
+                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    return state, counts
+
+
+def reduce_block(
+    z: torch.Tensor,
+    t_local: torch.Tensor,
+    z_t: torch.Tensor,
+    shift: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """C++ version of :func:`icqs_fast.backends.state.reduce_block` (same semantics).
+
+    Args:
+        z: ``[N, Vb]`` fp32/fp16/bf16 logits of one vocabulary block (float64 goes to the torch
+            version, since the kernel reads 32/16-bit floats).
+        t_local: ``[N]`` int64 target index relative to the block (may lie outside it).
+        z_t: ``[N]`` float64 target logits; shift: ``[N]`` float64 shift K (x units).
+        temperature: T > 0.
+
+    Returns:
+        ``(state [N, 7] float64, counts [N, 2] int64)``.
+    """
+    if z.dtype not in _DTYPE_CODES:
+        return _state.reduce_block(z, t_local, z_t, shift, temperature)
+    return _reduce(_rows(z), t_local, z_t, shift, temperature)
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+) -> TokenStats:
+    """Token statistics of ``logits [N, V]`` (fp32/fp16/bf16, CPU) at ``targets [N]`` int64.
+
+    One read of each row in C++ to the [N, 7] state, then :func:`state.finalize`. See
+    :func:`icqs_fast.ops.token_stats` for the contract; float64 logits use the torch reference.
+    """
+    if logits.dtype not in _DTYPE_CODES:
+        from . import torch_ref
+
+        return torch_ref.token_stats(logits, targets, ignore_index, temperature,
+                                     compute_dtype=logits.dtype)
+    z = _rows(logits)
+    n, v = z.shape
+    valid = targets != ignore_index
+    safe_t = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    if v == 0 and n:
+        raise ValueError("logits have an empty vocabulary dimension (V = 0)")
+    z_t = z.gather(1, safe_t[:, None])[:, 0].double()
+    ok = torch.isfinite(z_t) & valid
+    shift = torch.where(ok, z_t / temperature, torch.zeros_like(z_t))
+    st, counts = _reduce(z, safe_t, z_t, shift, temperature)
+    return _state.finalize(st, counts, z_t, valid, temperature)
