@@ -1,0 +1,245 @@
+"""``icqs-fast bench kernels``: the token-statistics kernels against the usual torch sequence.
+
+Each record times one backend of ``token_stats`` / ``linear_token_stats`` side by side with the
+baseline a user would write (``log_softmax``, ``gather``, entropy ``-(p * logp).sum``, variance
+``logp.var`` as separate ops; after a matmul for the linear op), alternating the two in every
+repeat and taking the median after a warm-up. ``max_abs_err`` is the largest absolute error of
+the backend over all float fields against a float64 reference; ``gbps`` counts the logits read
+once, to be compared with ``copy_gbps``, the device's measured copy bandwidth (read + write of a
+``clone``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .. import backends, ops
+from ..backends import torch_ref
+from ..types import FLOAT_FIELDS, TokenStats
+
+BASELINE = "torch log_softmax+gather+entropy+var"
+BASELINE_LINEAR = "torch matmul+log_softmax+gather+entropy+var"
+FIELDS = ("op", "backend", "baseline", "device", "dtype", "shape", "time_ms", "baseline_ms",
+          "speedup", "gbps", "max_abs_err")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def baseline_token_stats(logits: torch.Tensor, targets: torch.Tensor):
+    """The unfused torch sequence: ``[N, V]`` logits (upcast to fp32) -> logprob, entropy, var."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    logprob = logp.gather(-1, targets[:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    var = logp.var(-1)
+    return logprob, entropy, var
+
+
+def baseline_linear(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """Materialise ``hidden @ weight.T`` (fp32 on the CPU, native dtype on CUDA), then the
+    sequence of :func:`baseline_token_stats`."""
+    if hidden.device.type == "cpu":
+        hidden, weight = hidden.float(), weight.float()
+    return baseline_token_stats(hidden @ weight.t(), targets)
+
+
+def reference64(logits_fn: Callable[[int, int], torch.Tensor], n: int, targets: torch.Tensor,
+                rows: int = 256) -> TokenStats:
+    """Float64 reference statistics, ``rows`` rows of logits at a time (bounded memory).
+
+    ``logits_fn(r0, r1)`` returns the float64 logits of rows ``r0:r1``.
+    """
+    parts = []
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        parts.append(torch_ref.token_stats(logits_fn(r0, r1), targets[r0:r1],
+                                           compute_dtype=torch.float64))
+    return TokenStats.cat(parts)
+
+
+def max_abs_err(out: TokenStats, ref: TokenStats) -> float:
+    """Largest |out - ref| over every float field (NaN if any output is not finite)."""
+    worst = 0.0
+    for name in FLOAT_FIELDS:
+        a = getattr(out, name).double().cpu()
+        b = getattr(ref, name).double().cpu()
+        if not torch.isfinite(a).all():
+            return math.nan
+        worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
+    return worst
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_by_side(cand: Callable[[], object], base: Callable[[], object] | None, repeat: int,
+                 device: torch.device) -> tuple[float, float | None]:
+    """Median milliseconds of ``cand`` and ``base``, alternated in each repeat after a warm-up,
+    so both see the same machine load."""
+    fns = [cand] + ([base] if base is not None else [])
+    times: list[list[float]] = [[] for _ in fns]
+    for f in fns:  # warm-up: lazy imports, allocator, autotuning
+        f()
+    _sync(device)
+    for _ in range(max(1, repeat)):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            _sync(device)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    med = [statistics.median(t) for t in times]
+    return med[0], (med[1] if base is not None else None)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeat: int = 5) -> float:
+    """GB/s of ``clone`` on ``device`` (bytes read + bytes written), median of ``repeat``."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    ms, _ = side_by_side(lambda: x.clone(), None, repeat, device)
+    return 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def _record(op, backend, baseline, device, dtype, shape, t_ms, b_ms, nbytes, err, extra):
+    rec = {
+        "op": op, "backend": backend, "baseline": baseline, "device": device.type,
+        "dtype": dtype, "shape": list(shape), "time_ms": round(t_ms, 3),
+        "baseline_ms": None if b_ms is None else round(b_ms, 3),
+        "speedup": None if b_ms is None else round(b_ms / t_ms, 3),
+        "gbps": None if nbytes is None else round(nbytes / (t_ms * 1e-3) / 1e9, 3),
+        "max_abs_err": err,
+    }
+    rec.update(extra)
+    return rec
+
+
+def bench_token_stats(backend: str, device: torch.device, dtype: str, n: int, v: int,
+                      repeat: int, extra: dict) -> dict:
+    """One ``token_stats`` record: ``backend`` vs the baseline on ``[n, v]`` logits ~ N(0, 4^2)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(n, v, generator=gen) * 4).to(_DTYPES[dtype]).to(device)
+    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    run = lambda: ops.token_stats(logits, targets, backend=backend)
+    t_ms, b_ms = side_by_side(run, lambda: baseline_token_stats(logits, targets), repeat, device)
+    ref = reference64(lambda r0, r1: logits[r0:r1].double(), n, targets)
+    out = run()
+    err = max_abs_err(out, ref)
+    ints_ok = (torch.equal(out.target_rank, ref.target_rank)
+               and torch.equal(out.is_greedy, ref.is_greedy))
+    lp, ent, var = baseline_token_stats(logits, targets)
+    base_err = max(float((a.double() - b.double()).abs().max()) for a, b in
+                   ((lp, ref.logprob), (ent, ref.entropy), (var, ref.logprob_var)))
+    nbytes = logits.numel() * logits.element_size()
+    return _record("token_stats", backend, BASELINE, device, dtype, (n, v), t_ms, b_ms, nbytes,
+                   err, {**extra, "int_fields_exact": ints_ok, "baseline_max_abs_err": base_err})
+
+
+def bench_linear(backend: str, device: torch.device, dtype: str, n: int, h: int, v: int,
+                 repeat: int, extra: dict) -> dict:
+    """One ``linear_token_stats`` record: hidden ``[n, h]``, weight ``[v, h]`` (an LM head)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    hidden = torch.randn(n, h, generator=gen).to(_DTYPES[dtype]).to(device)
+    weight = (torch.randn(v, h, generator=gen) * (3 / h**0.5)).to(_DTYPES[dtype]).to(device)
+    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    run = lambda: ops.linear_token_stats(hidden, weight, targets, backend=backend)
+    t_ms, b_ms = side_by_side(run, lambda: baseline_linear(hidden, weight, targets), repeat,
+                              device)
+    w64 = weight.double()
+    ref = reference64(lambda r0, r1: hidden[r0:r1].double() @ w64.t(), n, targets)
+    out = run()
+    err = max_abs_err(out, ref)
+    ints_ok = (torch.equal(out.target_rank, ref.target_rank)
+               and torch.equal(out.is_greedy, ref.is_greedy))
+    gflops = 2 * n * h * v / (t_ms * 1e-3) / 1e9
+    # gbps is not meaningful for a matmul-bound op: report its GFLOP/s instead.
+    return _record("linear_token_stats", backend, BASELINE_LINEAR, device, dtype, (n, h, v),
+                   t_ms, b_ms, None, err,
+                   {**extra, "gflops": round(gflops, 1), "int_fields_exact": ints_ok,
+                    "note": "shape is [N, H, V]; target_rank may differ from the float64 "
+                            "reference where fp32 matmul rounding reorders near-ties"})
+
+
+def plan(quick: bool, cuda: bool) -> list[tuple]:
+    """The list of (kind, backend, device, dtype, shape) records to run."""
+    avail = backends.availability()
+    cpu_backends = [b for b in ("cpp", "torch") if avail[b][0]]
+    jobs: list[tuple] = []
+    ts = (64, 4096) if quick else (2048, 49152)
+    lin = (64, 64, 4096) if quick else (2048, 576, 49152)  # SmolLM2-135M's head
+    for b in cpu_backends:
+        jobs.append(("token_stats", b, "cpu", "fp32", ts))
+    if "cpp" in cpu_backends:
+        jobs.append(("token_stats", "cpp", "cpu", "bf16", ts))
+        jobs.append(("linear_token_stats", "cpp", "cpu", "fp32", lin))
+    if cuda:
+        gpu_backends = [b for b in ("triton", "torch") if avail[b][0]]
+        big = (256, 151936) if quick else (8192, 151936)
+        for b in gpu_backends:
+            jobs.append(("token_stats", b, "cuda", "fp32", ts))
+            jobs.append(("token_stats", b, "cuda", "bf16", ts))
+            jobs.append(("token_stats", b, "cuda", "bf16", big))
+        if "triton" in gpu_backends:
+            glin = (256, 64, 4096) if quick else (8192, 576, 49152)
+            jobs.append(("linear_token_stats", "triton", "cuda", "bf16", glin))
+    return jobs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the records as a JSON list")
+    p.add_argument("--repeat", type=int, default=5, help="timed repeats per side (median)")
+    p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    p.add_argument("--out", default=None, help="also write the JSON records to this file")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (torch.set_num_threads; the cpp backend follows it)")
+    p.add_argument("--no-cuda", action="store_true", help="CPU records only")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    copy_bytes = (64 << 20) if args.quick else (1 << 30)
+    copy = {"cpu": copy_bandwidth(torch.device("cpu"), copy_bytes // 4, args.repeat)}
+    if cuda:
+        copy["cuda"] = copy_bandwidth(torch.device("cuda"), copy_bytes, args.repeat)
+    records = []
+    for kind, backend, dev, dtype, shape in plan(args.quick, cuda):
+        device = torch.device(dev)
+        extra = {"copy_gbps": round(copy[dev], 3), "repeat": args.repeat,
+                 "threads": torch.get_num_threads() if dev == "cpu" else None}
+        if kind == "token_stats":
+            rec = bench_token_stats(backend, device, dtype, *shape, args.repeat, extra)
+            rec["frac_of_copy_bw"] = round(rec["gbps"] / copy[dev], 3)
+        else:
+            rec = bench_linear(backend, device, dtype, *shape, args.repeat, extra)
+        records.append(rec)
+        if not args.json:
+            _print_row(rec)
+        if cuda:
+            torch.cuda.empty_cache()
+    # Valid JSON, one record per line.
+    text = "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]"
+    if args.json:
+        print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _print_row(r: dict) -> None:
+    speed = "" if r["speedup"] is None else f"{r['speedup']:6.2f}x"
+    gbps = "" if r["gbps"] is None else f"{r['gbps']:7.2f} GB/s"
+    print(f"{r['op']:19s} {r['backend']:7s} {r['device']:4s} {r['dtype']:4s} "
+          f"{str(r['shape']):20s} {r['time_ms']:10.2f} ms  base {r['baseline_ms']:10.2f} ms "
+          f"{speed} {gbps}  err {r['max_abs_err']:.2e}", flush=True)

@@ -1,0 +1,148 @@
+"""cpp backend specifics: its block reduction against the float64 torch one on edge cases the
+shared tests do not reach, thread-count invariance, and the kernels benchmark's JSON."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from icqs_fast.backends import cpp_backend, state
+
+pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
+                                reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
+
+
+def ref_block(z, t_local, z_t, shift, temperature):
+    """The torch block reduction, in float64 (the definition of the state)."""
+    return state.reduce_block(z.double(), t_local, z_t, shift, temperature)
+
+
+def check_block(z, t_local, z_t, shift, temperature=1.0, rtol=2e-6):
+    st, cnt = cpp_backend.reduce_block(z, t_local, z_t, shift, temperature)
+    rst, rcnt = ref_block(z, t_local, z_t, shift, temperature)
+    assert torch.equal(cnt, rcnt), f"counts {cnt.tolist()} != {rcnt.tolist()}"
+    # m and n exactly, the sums to fp32-rounding accuracy relative to their natural scale:
+    # s0 for the s sums, sqrt(n * u2) for u1 (its terms cancel), u2 for u2.
+    assert torch.equal(st[:, 0], rst[:, 0])
+    assert torch.equal(st[:, 4], rst[:, 4])
+    s0, u2 = rst[:, 1].abs(), rst[:, 6].abs()
+    scales = {1: s0, 2: s0, 3: s0, 5: (rst[:, 4] * u2).sqrt(), 6: u2}
+    for k, scale in scales.items():
+        scale = scale + rst[:, k].abs() + 1.0
+        err = (st[:, k] - rst[:, k]).abs()
+        assert (err <= rtol * scale).all(), f"state[:, {k}] err {err.max():.3e}"
+
+
+def test_available_reports_isa():
+    ok, why = cpp_backend.available()
+    assert ok and "x86-64" in why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_multi_block_rows_with_growing_max(dtype):
+    """Rows longer than the 2048-element block whose max grows block after block (rescaling),
+    V not a multiple of the 16-lane vector, temperature != 1."""
+    n, v = 5, 2048 * 3 + 37
+    z = torch.randn(n, v) * 3 + torch.linspace(0, 30, v)[None, :]
+    z = z.to(dtype)
+    t = torch.randint(0, v, (n,))
+    z_t = z.double().gather(1, t[:, None])[:, 0]
+    shift = z_t / 0.7
+    check_block(z, t, z_t, shift, temperature=0.7)
+
+
+def test_targets_outside_block_and_unrepresentable_z_t():
+    """Chunked mode: the target may lie before/after the block, and z_t need not be a float
+    (it comes from a different product), so ">" and "==" must be exact against float64."""
+    n, v = 6, 3000
+    z = torch.randn(n, v)
+    z[:, 100] = 0.25
+    z[:, 2500] = 0.25
+    t = torch.tensor([-5, v + 10, 2500, 100, 2999, 0])
+    z_t = torch.tensor([0.25, 0.25, 0.25, 0.25 + 1e-12, 0.25 - 1e-12, float(z[5, 0])],
+                       dtype=torch.float64)
+    check_block(z, t, z_t, torch.zeros(n, dtype=torch.float64))
+
+
+def test_non_finite_entries():
+    """NaN and +-inf are not finite: left out of max, sums and counts of finite entries; the
+    rank comparisons follow IEEE (NaN never compares, +inf is greater than any z_t)."""
+    n, v = 4, 4099
+    z = torch.randn(n, v) * 2
+    z[0, ::7] = float("nan")
+    z[1, 5] = float("inf")
+    z[1, 9] = float("-inf")
+    z[2, :] = float("-inf")  # nothing finite: m = -inf, sums 0
+    z[3, 4000:] = float("nan")
+    t = torch.tensor([3, 100, 10, 4050])
+    z_t = torch.tensor([float(z[0, 3]), float(z[1, 100]), float("-inf"), 0.0],
+                       dtype=torch.float64)
+    shift = torch.tensor([float(z[0, 3]), 1.0, 0.0, 0.0], dtype=torch.float64)
+    check_block(z, t, z_t, shift)
+
+
+def test_fp16_specials_convert_exactly():
+    """The kernel's own fp16 -> fp32 conversion: subnormals, zero, -0, max, inf."""
+    vals = torch.tensor([6e-8, -6e-8, 1e-5, 0.0, -0.0, 65504.0, -65504.0, 1.0, -2.5, float("inf")])
+    z = vals.half().repeat(2, 5)
+    z[1, -1] = float("nan")
+    t = torch.tensor([7, 2])
+    z_t = z.double().gather(1, t[:, None])[:, 0]
+    check_block(z, t, z_t, z_t.clone(), temperature=1000.0)
+
+
+def test_large_offset_shift_precision():
+    """u sums relative to a shift far from the logits (the target at the tail of the row)."""
+    n, v = 3, 49152
+    z = torch.randn(n, v) * 4 + 1000
+    t = z.argmin(-1)
+    z_t = z.double().gather(1, t[:, None])[:, 0]
+    st, _ = cpp_backend.reduce_block(z, t, z_t, z_t.clone(), 1.0)
+    rst, _ = ref_block(z, t, z_t, z_t.clone(), 1.0)
+    nn = rst[:, 4]
+    var = (st[:, 6] - st[:, 5] ** 2 / nn) / (nn - 1)
+    rvar = (rst[:, 6] - rst[:, 5] ** 2 / nn) / (nn - 1)
+    assert torch.allclose(var, rvar, rtol=1e-5), (var, rvar)
+
+
+def test_strided_rows_and_thread_count_invariance():
+    big = torch.randn(9, 5000)
+    z = big[:, 3:4003]  # row stride 5000
+    t = torch.randint(0, 4000, (9,))
+    z_t = z.double().gather(1, t[:, None])[:, 0]
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = cpp_backend.reduce_block(z, t, z_t, z_t.clone(), 1.0)
+        torch.set_num_threads(2)
+        b = cpp_backend.reduce_block(z, t, z_t, z_t.clone(), 1.0)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    check_block(z, t, z_t, z_t.clone())
+
+
+def test_bench_kernels_quick_json(capsys, tmp_path):
+    from icqs_fast import cli
+
+    out = tmp_path / "k.json"
+    rc = cli.main(["bench", "kernels", "--json", "--quick", "--repeat", "1", "--no-cuda",
+                   "--out", str(out)])
+    assert rc == 0
+    records = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == records
+    from icqs_fast.benchmarks.kernels import FIELDS
+
+    seen = set()
+    for r in records:
+        assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
+        assert r["time_ms"] > 0 and r["baseline_ms"] > 0
+        assert math.isclose(r["speedup"], r["baseline_ms"] / r["time_ms"], rel_tol=1e-2)
+        assert r["max_abs_err"] < 1e-3, r
+        assert r["int_fields_exact"] or r["op"] == "linear_token_stats", r
+        if r["op"] == "token_stats":
+            assert r["gbps"] > 0
+        seen.add((r["op"], r["backend"], r["dtype"]))
+    assert {("token_stats", "cpp", "fp32"), ("token_stats", "cpp", "bf16"),
+            ("token_stats", "torch", "fp32"), ("linear_token_stats", "cpp", "fp32")} <= seen
