@@ -212,7 +212,14 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
             pass1<DT, true>(in.row, b0, bl, c, buf, acc);
         } else {
             pass1<DT, false>(in.row, b0, bl, c, buf, acc);
-            for (int64_t j = b0; j < t_lim; ++j) eq_before += load1<DT>(in.row, j) == eqval;
+            if (std::isfinite(eqval)) {
+                // buf holds the block's finite values (-inf elsewhere): same answer, in L1.
+                int64_t cnt = 0;
+                for (int64_t j = 0; j < t_lim - b0; ++j) cnt += buf[j] == eqval;
+                eq_before += cnt;
+            } else {
+                for (int64_t j = b0; j < t_lim; ++j) eq_before += load1<DT>(in.row, j) == eqval;
+            }
         }
         const v16f bmax = acc.bmax;
         const v16i gtv = acc.gtv, eqv = acc.eqv, nv = acc.nv;
