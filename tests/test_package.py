@@ -1,0 +1,71 @@
+"""Packaging facts: the kernels live under icqs_fast.kernels, the package works without the
+extension, and `icqs-fast info` reports the backends."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import torch
+
+import icqs_fast
+from icqs_fast import backends, ops
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernels_are_namespaced():
+    spec = importlib.util.find_spec("icqs_fast.kernels")
+    assert spec is not None and pathlib.Path(spec.origin).parent.name == "kernels"
+    # A top-level `kernels` module of ours would shadow the package bitsandbytes imports.
+    top = subprocess.run(
+        [sys.executable, "-c",
+         "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)"],
+        capture_output=True, text=True, cwd="/", check=True,
+    ).stdout.strip()
+    assert str(REPO) not in top, f"top-level `kernels` resolves to our folder: {top}"
+
+
+def test_falls_back_without_extension():
+    """With icqs_fast._C unimportable, the package imports, cpp reports why, auto picks torch."""
+    code = (
+        "import sys; sys.modules['icqs_fast._C'] = None\n"
+        "import torch, icqs_fast\n"
+        "from icqs_fast import backends\n"
+        "ok, why = backends.availability()['cpp']\n"
+        "assert not ok and why, (ok, why)\n"
+        "assert backends.resolve('auto', torch.device('cpu')) == 'torch'\n"
+        "s = icqs_fast.token_stats(torch.randn(3, 10), torch.tensor([1, 2, 3]))\n"
+        "print(why)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
+def test_info_json_lists_backends():
+    out = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "info", "--json"],
+                         capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    assert info["icqs_fast"] == icqs_fast.__version__
+    assert info["torch"] == torch.__version__
+    assert set(info["backends"]) == {"torch", "cpp", "triton"}
+    assert info["backends"]["torch"]["available"] is True
+    for b in info["backends"].values():
+        assert b["reason"]
+
+
+def test_cpp_extension_is_built():
+    """CI builds the extension: a missing compiler or a build error must fail here, loudly."""
+    ok, why = backends.availability()["cpp"]
+    assert ok, f"cpp backend unavailable: {why}"
+    assert backends.resolve("auto", torch.device("cpu")) == "cpp"
+
+
+def test_auto_matches_reference():
+    z = torch.randn(4, 300)
+    t = torch.randint(0, 300, (4,))
+    a = ops.token_stats(z, t)
+    b = ops.token_stats(z, t, backend="torch")
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-4, rtol=1e-5)
