@@ -162,3 +162,89 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
     if not parts:
         return _state.finalize(*_state.empty(0, hidden.device), z_t, valid, temperature)
     return TokenStats.cat(parts)
+
+
+def attention_entropy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_range: torch.Tensor,
+    query_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output plus the entropy of flagged rows over a key range, without ever building
+    the ``[B, Hq, Tq, Tk]`` attention matrix.
+
+    For query row i with scores ``s_ij = q_i . k_j * scale`` over its allowed keys (causal: key
+    position <= ``Tk - Tq + i``; not padded), the entropy is that of ``softmax_j(s_ij)``
+    renormalised over ``key_range[b] = [k0, k1)``. A row with no allowed key in the range gets
+    entropy 0; a row with no allowed key at all gets output 0.
+
+    Args:
+        q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
+        k, v: ``[B, Hk, Tk, D]``, same dtype and device; ``Hq`` a multiple of ``Hk`` (GQA).
+        key_range: ``[B, 2]`` int64 ``(start, end)`` key positions (clipped to ``[0, Tk]``).
+        query_mask: ``[B, Tq]`` bool, rows whose entropy is wanted.
+        attention_mask: ``[B, Tk]`` bool (True = real token, False = padding) or None.
+        causal: causal masking with queries at the last ``Tq`` positions.
+        scale: score multiplier, ``1 / sqrt(D)`` if None.
+        backend: ``"auto"`` (triton on CUDA, torch otherwise), ``"triton"`` (CUDA, or CPU under
+            ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Returns:
+        ``(out [B, Hq, Tq, D]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32, 0 where
+        ``query_mask`` is False).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4D tensor [B, H, T, D], got "
+                             f"{getattr(t, 'shape', type(t))}")
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    b, hq, tq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B={b}, Hk, Tk, D={d}]; got k {list(k.shape)}, "
+                         f"v {list(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k and v must share dtype and device")
+    hk, tk = k.shape[1], k.shape[2]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    if causal and tq > tk:
+        raise ValueError(f"causal attention needs Tq <= Tk, got Tq={tq}, Tk={tk}")
+    if key_range.shape != (b, 2) or key_range.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"key_range must be [{b}, 2] int64, got {list(key_range.shape)} "
+                         f"{key_range.dtype}")
+    if query_mask.shape != (b, tq) or query_mask.dtype != torch.bool:
+        raise ValueError(f"query_mask must be [{b}, {tq}] bool, got {list(query_mask.shape)} "
+                         f"{query_mask.dtype}")
+    if attention_mask is not None and (attention_mask.shape != (b, tk)
+                                       or attention_mask.dtype != torch.bool):
+        raise ValueError(f"attention_mask must be [{b}, {tk}] bool or None, got "
+                         f"{list(attention_mask.shape)} {attention_mask.dtype}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if backend == "auto":
+        backend = "triton" if q.device.type == "cuda" else "torch"
+    key_range = key_range.to(q.device).long()
+    query_mask = query_mask.to(q.device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(q.device)
+    if backend == "torch":
+        from .attention import attention_entropy_torch
+
+        return attention_entropy_torch(q, k, v, key_range, query_mask, attention_mask,
+                                       bool(causal), float(scale))
+    if backend == "triton":
+        if q.device.type != "cuda" and not backends.triton_interpreting():
+            raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+        from .kernels import attention_entropy as _k
+
+        return _k.attention_entropy(q, k, v, key_range, query_mask, attention_mask,
+                                    bool(causal), float(scale))
+    raise ValueError(f"unknown attention_entropy backend {backend!r}; use 'auto', 'triton' or "
+                     "'torch'")
