@@ -134,6 +134,12 @@ def load_model(
                 f"model {path!r} is neither a local folder nor a cached hub id "
                 "(no network access is used; pass a local folder)"
             )
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        # Otherwise the tokenizer fails first, with an unrelated-looking ValueError.
+        raise FileNotFoundError(
+            f"could not load model {path!r}: the folder has no config.json "
+            "(expected a Hugging Face checkpoint folder)"
+        )
     kwargs: dict[str, Any] = {"dtype": dt, "local_files_only": local_only}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

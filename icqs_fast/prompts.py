@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 Example = tuple[str, str]
+
+_FIELD = re.compile(r"\{([xy])\}")
+
+
+def _fill(fmt: str, **values: str) -> str:
+    # One pass, so a "{y}" inside x is kept as text rather than substituted again.
+    return _FIELD.sub(lambda m: values.get(m.group(1), m.group(0)), fmt)
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class Template:
 
     def format_demo(self, x: str, y: str) -> str:
         """One demonstration's text (followed by nothing; the separator is added by the prefix)."""
-        return self.demo.replace("{x}", x).replace("{y}", y)
+        return _fill(self.demo, x=x, y=y)
 
     def format_prefix(self, demos: Sequence[Example]) -> str:
         """The cached part: ``system`` then every demonstration followed by ``separator``."""
@@ -57,11 +65,11 @@ class Template:
 
     def format_query(self, x: str) -> str:
         """The scored example's prompt part (after the demonstrations)."""
-        return self.query.replace("{x}", x)
+        return _fill(self.query, x=x)
 
     def format_response(self, y: str) -> str:
         """The scored text."""
-        return self.response.replace("{y}", y)
+        return _fill(self.response, y=y)
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,18 @@ def icqs_naive(
     max_length: int | None = None,
     drop_oldest_demos: bool = False,
     return_token_stats: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
     **_ignored: Any,
 ) -> list[ICQSResult]:
     """Naive ICQS / ICQS-Epistemic; arguments as :class:`icqs_fast.ICQSScorer` (engine-only ones
     such as ``backend`` and ``token_budget`` are accepted and ignored).
 
+    ``compute_dtype`` is the dtype of the full-vocabulary ``log_softmax`` (the logits are cast
+    to it): float32 as usually written, float64 for an accuracy reference (fp32 log_softmax over
+    a 49k vocabulary is off by ~5e-6 per token, which adds up over long responses).
+
     Returns:
-        one :class:`ICQSResult` per response; ``loglik`` ``[M+1, L]`` fp32 from fp32
-        ``log_softmax`` of the full logits.
+        one :class:`ICQSResult` per response; ``loglik`` ``[M+1, L]`` fp32 (summed in float64).
     """
     check_model(model)
     template = template if template is not None else Template()
@@ -70,13 +74,14 @@ def icqs_naive(
             d = toks.fit(i, c, len(q) + len(r), max_len, drop_oldest_demos)
             prompt = toks.prefix_ids(c, d) + q
             ids = torch.tensor([prompt + r], device=dev)
-            logits = model(input_ids=ids).logits[0].float()  # [len, V]
+            logits = model(input_ids=ids).logits[0].to(compute_dtype)  # [len, V]
             logp = torch.log_softmax(logits, dim=-1)
             pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(r), device=dev)
             tgt = torch.tensor(r, device=dev)
             ll[c] = logp[pos, tgt].double().sum()
             if return_token_stats:
-                stats.append(torch_ref.token_stats(logits[pos], tgt).map(lambda t: t.cpu()))
+                stats.append(torch_ref.token_stats(logits[pos], tgt, compute_dtype=compute_dtype)
+                             .map(lambda t: t.cpu()))
             n_prompt.append(len(prompt))
             n_drop.append(d)
         st = None

@@ -1,0 +1,218 @@
+"""ICQS engine vs the naive reference (one full forward + log_softmax per prompt)."""
+
+import pytest
+import torch
+from _helpers import DEVICE
+
+from icqs_fast import ICQSResult, ICQSScorer
+from icqs_fast.models import embedded_model_dir, load_model
+from icqs_fast.reference import icqs_naive
+
+# Demonstrations of quite different lengths, so prefixes differ in length across contexts.
+GOOD = [
+    ("the movie was great", "positive"),
+    ("I loved it", "positive"),
+    ("superb acting and a moving, beautifully shot story about two brothers", "positive"),
+    ("dull", "negative"),
+    ("a tedious, overlong and frankly insulting mess", "negative"),
+]
+BAD = [
+    ("terrible film", "positive"),
+    ("boring", "positive"),
+    ("a joyous, generous celebration of life that left the whole audience in tears", "negative"),
+    ("wonderful", "negative"),
+    ("I would watch it again tomorrow", "negative"),
+]
+RESPONSES = [
+    ("a wonderful time", "positive"),
+    ("awful", "negative"),
+    # Longer response than some of the prefixes.
+    ("what was it", "a long and pointless exercise in tedium, truly the worst film of the year, "
+     "with wooden acting and a plot that goes nowhere at all, negative"),
+    ("not bad at all", "positive"),
+]
+ATOL = 1e-4
+# The reference takes log_softmax in float64: fp32 over a 49k vocabulary drifts ~5e-6 per token.
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def _tiny(kind: str, attn: str, vocab: int):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, vocab_size=vocab,
+                          attn_implementation=attn)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=256,
+                         bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+        model = GPT2LMHeadModel(cfg)
+    return model.to(DEVICE).eval()
+
+
+def _compare(a: list[ICQSResult], b: list[ICQSResult], atol: float = ATOL) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.index == y.index == i
+        assert x.loglik.dtype == torch.float32 and x.loglik.shape == y.loglik.shape
+        torch.testing.assert_close(x.loglik, y.loglik, atol=atol, rtol=0)
+        # Same argmax: identical scores.
+        assert x.score == y.score and x.score_per_set == y.score_per_set
+        assert x.ratios == y.ratios
+        assert x.n_response_tokens == y.n_response_tokens
+        assert torch.equal(x.n_prompt_tokens, y.n_prompt_tokens)
+        assert torch.equal(x.n_dropped_demos, y.n_dropped_demos)
+
+
+def _check_scores(r: ICQSResult) -> None:
+    # Score definitions, recomputed directly from the log-likelihoods.
+    ll = r.loglik.double()
+    assert r.score == r.ratios[int(ll.mean(1).argmax())]
+    assert r.score_per_set == [r.ratios[int(k)] for k in ll.argmax(0)]
+
+
+KW = dict(num_ratios=3, demos_per_set=2, sets_per_ratio=2, seed=1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tiny_engine_matches_naive(tokenizer, kind, attn):
+    model = _tiny(kind, attn, len(tokenizer))
+    # A small budget splits a response's contexts over several forwards.
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, token_budget=200, backend="torch", **KW)
+    got = list(scorer.score(RESPONSES))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES, compute_dtype=F64, **KW)
+    _compare(got, ref)
+    for r in got:
+        _check_scores(r)
+    lens = scorer.prefix_bank.lengths
+    assert len(set(lens)) > 1  # prefixes of different lengths
+    assert got[2].n_response_tokens > min(lens)  # a response longer than some prefixes
+
+
+def test_token_stats_match_reference(tokenizer):
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, return_token_stats=True, **KW)
+    got = list(scorer.score(RESPONSES[:2]))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES[:2], return_token_stats=True,
+                     compute_dtype=F64, **KW)
+    for x, y in zip(got, ref, strict=True):
+        t = x.n_response_tokens
+        assert x.token_stats.logprob.shape == (3, 2, t)
+        for name, v in x.token_stats.as_dict().items():
+            w = getattr(y.token_stats, name)
+            if v.is_floating_point():
+                torch.testing.assert_close(v, w, atol=2e-4, rtol=1e-4, msg=name)
+            else:
+                assert torch.equal(v, w), name
+        torch.testing.assert_close(x.token_stats.logprob.double().sum(-1).float(), x.loglik,
+                                   atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_not_mutated_and_batching_invariant(tokenizer):
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, token_budget=100_000, **KW)
+    bank = scorer.prefix_bank
+    before_k = [k.clone() for k in bank.keys]
+    before_v = [v.clone() for v in bank.values]
+    ids_before = [id(k) for k in bank.keys]
+    together = list(scorer.score(RESPONSES))  # all responses in one forward
+    assert [id(k) for k in bank.keys] == ids_before
+    for a, b in zip(before_k + before_v, bank.keys + bank.values, strict=True):
+        assert torch.equal(a, b)
+    one_by_one = [scorer.score_one(x, y) for x, y in RESPONSES]
+    for a, b in zip(together, one_by_one, strict=True):
+        torch.testing.assert_close(a.loglik, b.loglik, atol=1e-5, rtol=0)
+        assert a.score == b.score
+    # Still unchanged after more scoring.
+    for a, b in zip(before_k + before_v, bank.keys + bank.values, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_streaming_is_lazy(tokenizer):
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, token_budget=300, **KW)
+    pulled = []
+
+    def gen():
+        for i in range(8):
+            pulled.append(i)
+            yield {"x": f"sentence number {i}", "y": "positive" if i % 2 else "negative"}
+
+    out = scorer.score(gen())
+    first = next(out)
+    assert first.index == 0
+    assert len(pulled) < 8  # the first result came before the input was exhausted
+    rest = list(out)
+    assert [r.index for r in rest] == list(range(1, 8))
+    assert len(pulled) == 8
+
+
+def test_drop_oldest_demos(tokenizer):
+    model = _tiny("gpt2", "sdpa", len(tokenizer))
+    kw = dict(KW, max_length=60)
+    with pytest.raises(ValueError, match=r"response 2: prompt of \d+ tokens .* max length 60"):
+        list(ICQSScorer(model, tokenizer, GOOD, BAD, **kw).score(RESPONSES[:3]))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, drop_oldest_demos=True, **kw)
+    got = list(scorer.score(RESPONSES[:3]))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES[:3], drop_oldest_demos=True,
+                     compute_dtype=F64, **kw)
+    _compare(got, ref)
+    assert int(got[2].n_dropped_demos.sum()) > 0
+    assert int((got[2].n_prompt_tokens + got[2].n_response_tokens).max()) <= 60
+    # A single demonstration that still does not fit: a clear error.
+    with pytest.raises(ValueError, match="even with a single demonstration"):
+        list(ICQSScorer(model, tokenizer, GOOD, BAD, drop_oldest_demos=True,
+                        **dict(KW, max_length=30)).score(RESPONSES[2:3]))
+
+
+def test_input_errors(tokenizer):
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
+    with pytest.raises(ValueError, match=r"response 1: field 'y' is empty"):
+        list(scorer.score([("a", "b"), ("c", "")]))
+    with pytest.raises(TypeError, match=r"response 0: field 'x' must be a str, got int"):
+        list(scorer.score([(3, "b")]))
+    with pytest.raises(TypeError, match=r"response 2: field 'y' must be a str, got NoneType"):
+        list(scorer.score([("a", "b"), {"x": "a", "y": "b"}, {"x": "a", "y": None}]))
+    with pytest.raises(ValueError, match=r"response 0: missing field\(s\) \['y'\]"):
+        list(scorer.score([{"x": "a"}]))
+    with pytest.raises(TypeError, match=r"response 0: expected an \(x, y\) pair"):
+        list(scorer.score(["just a string"]))
+    with pytest.raises(ValueError, match=r"2 good and 5 bad"):
+        ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3)
+    ok = ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3,
+                    sets_per_ratio=1, replacement=True)
+    assert ok.score_one("a", "b").loglik.shape == (3, 1)
+
+
+# --------------------------------------------------------------------------- embedded model
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    model, tok = load_model(device=DEVICE, dtype="float32")
+    return model, tok
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_embedded_engine_matches_naive(embedded, attn):
+    model, tok = embedded
+    model.set_attn_implementation(attn)
+    try:
+        kw = dict(num_ratios=3, demos_per_set=3, sets_per_ratio=2, seed=0)
+        resp = RESPONSES[:3] if attn == "sdpa" else RESPONSES[2:3]
+        got = list(ICQSScorer(model, tok, GOOD, BAD, **kw).score(resp))
+        ref = icqs_naive(model, tok, GOOD, BAD, resp, compute_dtype=F64, **kw)
+        _compare(got, ref)
+    finally:
+        model.set_attn_implementation("sdpa")

@@ -1,0 +1,124 @@
+"""Demonstration sets and templates (no model needed)."""
+
+import math
+
+import pytest
+
+from icqs_fast.prompts import Template, build_demo_sets
+
+GOOD = [(f"good x {i}", f"good y {i}") for i in range(12)]
+BAD = [(f"bad x {i}", f"bad y {i}") for i in range(10)]
+
+
+def _n_good_expected(r: float, n: int) -> int:
+    return int(math.floor(r * n + 0.5))
+
+
+@pytest.mark.parametrize("num_ratios,n", [(2, 1), (3, 4), (5, 8), (4, 7)])
+def test_exact_counts_and_ratios(num_ratios, n):
+    sets = build_demo_sets(GOOD, BAD, num_ratios=num_ratios, demos_per_set=n, sets_per_ratio=3,
+                           seed=3)
+    assert len(sets) == num_ratios
+    ratios = [row[0].ratio for row in sets]
+    assert ratios[0] == 0.0 and ratios[-1] == 1.0
+    assert ratios == pytest.approx([j / (num_ratios - 1) for j in range(num_ratios)])
+    good_set, bad_set = set(GOOD), set(BAD)
+    for j, row in enumerate(sets):
+        assert len(row) == 3
+        for li, ds in enumerate(row):
+            assert (ds.ratio_index, ds.set_index) == (j, li)
+            assert len(ds.examples) == n == len(ds.is_good)
+            assert ds.n_good == _n_good_expected(ds.ratio, n)
+            # Flags tell the truth about the pool each example came from.
+            for ex, g in zip(ds.examples, ds.is_good, strict=True):
+                assert ex in (good_set if g else bad_set)
+            # Without replacement: distinct examples within a set.
+            assert len(set(ds.examples)) == n
+
+
+def test_seeded_and_deterministic():
+    a = build_demo_sets(GOOD, BAD, num_ratios=5, demos_per_set=6, sets_per_ratio=4, seed=7)
+    b = build_demo_sets(GOOD, BAD, num_ratios=5, demos_per_set=6, sets_per_ratio=4, seed=7)
+    c = build_demo_sets(GOOD, BAD, num_ratios=5, demos_per_set=6, sets_per_ratio=4, seed=8)
+    assert a == b
+    assert a != c
+    # The L sets of a ratio differ (shuffled order / different draws).
+    assert len({ds.examples for ds in a[2]}) > 1
+
+
+def test_exact_mixing_shuffles_positions():
+    sets = build_demo_sets(GOOD, BAD, num_ratios=3, demos_per_set=8, sets_per_ratio=20, seed=0)
+    patterns = {ds.is_good for ds in sets[1]}
+    assert len(patterns) > 1  # good demos are not always in the same slots
+
+
+def test_bernoulli_reproducible_and_plausible():
+    kw = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=50, seed=11, mixing="bernoulli",
+              replacement=True)
+    a = build_demo_sets(GOOD, BAD, **kw)
+    assert a == build_demo_sets(GOOD, BAD, **kw)
+    assert a != build_demo_sets(GOOD, BAD, **{**kw, "seed": 12})
+    # r=0 and r=1 are deterministic in composition; intermediate ratios vary around r*N.
+    assert all(ds.n_good == 0 for ds in a[0]) and all(ds.n_good == 8 for ds in a[-1])
+    counts = [ds.n_good for ds in a[2]]
+    assert len(set(counts)) > 1
+    mean = sum(counts) / len(counts)
+    assert abs(mean - 4.0) < 1.0  # 50 sets x 8 Bernoulli(0.5): sd of the mean ~0.28
+
+
+def test_too_few_examples_names_counts():
+    with pytest.raises(ValueError, match=r"3 good and 10 bad"):
+        build_demo_sets(GOOD[:3], BAD, num_ratios=3, demos_per_set=4, sets_per_ratio=1)
+    with pytest.raises(ValueError, match=r"12 good and 2 bad"):
+        build_demo_sets(GOOD, BAD[:2], num_ratios=3, demos_per_set=4, sets_per_ratio=1)
+    # With replacement a tiny pool is fine.
+    sets = build_demo_sets(GOOD[:2], BAD[:1], num_ratios=3, demos_per_set=4, sets_per_ratio=2,
+                           replacement=True)
+    assert sets[-1][0].examples[0] in GOOD[:2]
+    with pytest.raises(ValueError, match=r"0 good"):
+        build_demo_sets([], BAD, num_ratios=3, demos_per_set=1, sets_per_ratio=1,
+                        replacement=True)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_ratios"):
+        build_demo_sets(GOOD, BAD, num_ratios=1, demos_per_set=2, sets_per_ratio=1)
+    with pytest.raises(ValueError, match="mixing"):
+        build_demo_sets(GOOD, BAD, num_ratios=3, demos_per_set=2, sets_per_ratio=1,
+                        mixing="half")
+    with pytest.raises(TypeError, match=r"good\[1\]\.y must be a str"):
+        build_demo_sets([("a", "b"), ("c", 3)] + GOOD, BAD, num_ratios=3, demos_per_set=2,
+                        sets_per_ratio=1)
+    with pytest.raises(ValueError, match=r"bad\[0\]: a dict example needs"):
+        build_demo_sets(GOOD, [{"x": "a"}] + BAD, num_ratios=3, demos_per_set=2,
+                        sets_per_ratio=1)
+
+
+def test_dict_examples_accepted():
+    good = [{"x": x, "y": y} for x, y in GOOD]
+    assert build_demo_sets(good, BAD, num_ratios=3, demos_per_set=3, sets_per_ratio=2,
+                           seed=1) == build_demo_sets(GOOD, BAD, num_ratios=3, demos_per_set=3,
+                                                      sets_per_ratio=2, seed=1)
+
+
+def test_template_formats():
+    t = Template()
+    assert t.format_prefix([("a b", "pos"), ("c", "neg")]) == (
+        "Sentence: a b\nAnswer: pos\n\nSentence: c\nAnswer: neg\n\n")
+    assert t.format_query("z") == "Sentence: z\nAnswer:"
+    assert t.format_response("pos") == " pos\n"
+    # Braces in the data are not format fields.
+    assert t.format_query("{y} {0}") == "Sentence: {y} {0}\nAnswer:"
+    custom = Template(demo="Q: {x} A: {y}", query="Q: {x} A:", response=" {y}", separator="\n",
+                      system="Rate it.\n")
+    assert custom.format_prefix([("1", "2")]) == "Rate it.\nQ: 1 A: 2\n"
+    with pytest.raises(ValueError, match="response must contain"):
+        Template(response="no field")
+    with pytest.raises(ValueError, match="query must contain"):
+        Template(query="Answer:")
+
+
+def test_template_field_text_not_substituted_twice():
+    t = Template()
+    assert t.format_demo("{y}", "pos") == "Sentence: {y}\nAnswer: pos\n"
+    assert t.format_response("{x}") == " {x}\n"
