@@ -1,0 +1,263 @@
+"""Attention entropy without the attention matrix: every backend against a float64 reference on
+random q/k/v, and the Hugging Face hook against eager ``output_attentions=True`` on the embedded
+model."""
+
+import math
+
+import pytest
+import torch
+from _helpers import DEVICE
+
+from icqs_fast import backends, ops
+from icqs_fast.attention import (
+    attention_entropy_torch,
+    capture_attention_entropy,
+    eager_range_entropy,
+)
+
+BACKENDS = ["torch", "triton"]
+
+
+def _need(backend: str) -> None:
+    if backend == "triton" and DEVICE == "cpu" and not backends.triton_interpreting():
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def reference64(q, k, v, key_range, query_mask, attention_mask, causal, scale):
+    """Float64, fully materialised: out [B,Hq,Tq,D] and entropy [B,Hq,Tq] (0 for unflagged rows
+    and rows with no allowed key in the range; output 0 for rows with no allowed key)."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    b, hq, tq, _ = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hk, 1)
+    v = v.repeat_interleave(hq // hk, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    allow = torch.ones(b, tq, tk, dtype=torch.bool)
+    if attention_mask is not None:
+        allow &= attention_mask.cpu()[:, None, :]
+    if causal:
+        allow &= (torch.arange(tk)[None, :] <= (tk - tq + torch.arange(tq))[:, None])[None]
+    s = s.masked_fill(~allow[:, None], -math.inf)
+    out = torch.zeros(b, hq, tq, v.shape[-1], dtype=torch.float64)
+    ent = torch.zeros(b, hq, tq, dtype=torch.float64)
+    for bi in range(b):
+        k0, k1 = (int(x) for x in key_range[bi])
+        for h in range(hq):
+            for i in range(tq):
+                row = s[bi, h, i]
+                ok = torch.isfinite(row)
+                if ok.any():
+                    p = torch.softmax(row, -1)
+                    out[bi, h, i] = p @ v[bi, h]
+                sel = ok.clone()
+                sel[: max(k0, 0)] = False
+                sel[max(k1, 0):] = False
+                if query_mask[bi, i] and sel.any():
+                    pr = torch.softmax(row[sel], -1)
+                    ent[bi, h, i] = -(pr * torch.log(pr)).sum()
+    return out, ent
+
+
+def _inputs(b, hq, hk, tq, tk, d, dtype=torch.float32):
+    q = torch.randn(b, hq, tq, d, device=DEVICE).to(dtype)
+    k = (torch.randn(b, hk, tk, d, device=DEVICE) * 1.5).to(dtype)
+    v = torch.randn(b, hk, tk, d, device=DEVICE).to(dtype)
+    return q, k, v
+
+
+# (B, Hq, Hk, Tq, Tk, D, causal, padding, key ranges)
+CASES = {
+    "gqa_leftpad_ranges": (2, 4, 2, 37, 37, 16, True, "left", [[0, 20], [11, 30]]),
+    "mha_rightpad_mid": (2, 3, 3, 37, 37, 16, True, "right", [[5, 37], [17, 26]]),
+    "odd_head_dim_no_pad": (2, 4, 1, 23, 23, 12, True, None, [[0, 23], [9, 10]]),
+    "suffix_queries": (2, 4, 2, 7, 37, 16, True, "left", [[3, 30], [0, 37]]),
+    "non_causal": (2, 2, 1, 19, 33, 16, False, "right", [[0, 33], [20, 40]]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_float64(backend, case):
+    _need(backend)
+    b, hq, hk, tq, tk, d, causal, pad, ranges = CASES[case]
+    q, k, v = _inputs(b, hq, hk, tq, tk, d)
+    am = None
+    if pad is not None:
+        am = torch.ones(b, tk, dtype=torch.bool, device=DEVICE)
+        if pad == "left":
+            am[1, :6] = False
+        else:
+            am[1, tk - 6:] = False
+    qm = torch.rand(b, tq, device=DEVICE) > 0.3
+    qm[:, -1] = True
+    kr = torch.tensor(ranges, dtype=torch.int64)
+    scale = 0.3
+    out, ent = ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, attention_mask=am,
+                                     causal=causal, scale=scale, backend=backend)
+    ro, re = reference64(q, k, v, kr, qm.cpu(), am, causal, scale)
+    assert out.shape == (b, hq, tq, d) and out.dtype == q.dtype
+    assert ent.shape == (b, hq, tq) and ent.dtype == torch.float32
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5), (out.double().cpu() - ro).abs().max()
+    assert torch.allclose(ent.double().cpu(), re, atol=2e-5), (ent.double().cpu() - re).abs().max()
+    # Unflagged rows are exactly 0 and flagged rows with > 1 key in range are informative.
+    assert bool((ent[~qm[:, None, :].expand_as(ent)] == 0).all())
+    assert float(re.max()) > 0.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_keys_in_range(backend):
+    """Causal row i < k0 sees no key of [k0, k1) -> entropy 0; a fully padded sequence -> output
+    0 and entropy 0; an empty range -> 0; a single key -> 0."""
+    _need(backend)
+    b, hq, hk, t, d = 3, 2, 2, 21, 16
+    q, k, v = _inputs(b, hq, hk, t, t, d)
+    am = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    am[2] = False
+    qm = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    kr = torch.tensor([[10, 15], [4, 4], [0, t]])
+    out, ent = ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, attention_mask=am,
+                                     backend=backend)
+    ro, re = reference64(q, k, v, kr, qm.cpu(), am, True, 1 / math.sqrt(d))
+    assert torch.isfinite(out).all() and torch.isfinite(ent).all()
+    assert bool((ent[0, :, :10] == 0).all())  # rows before the range start
+    assert bool((ent[0, :, 10] == 0).all())  # exactly one key in range
+    assert bool((ent[0, :, 11:] > 0).all())
+    assert bool((ent[1] == 0).all()) and bool((ent[2] == 0).all()) and bool((out[2] == 0).all())
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+    assert torch.allclose(ent.double().cpu(), re, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_and_strided(backend):
+    """bf16 inputs with HF's [B, T, H, D] -> [B, H, T, D] transposed (non-contiguous) layout."""
+    _need(backend)
+    b, hq, hk, t, d = 2, 4, 2, 29, 16
+    q = torch.randn(b, t, hq, d, device=DEVICE).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, t, hk, d, device=DEVICE).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(b, t, hk, d, device=DEVICE).to(torch.bfloat16).transpose(1, 2)
+    qm = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    kr = torch.tensor([[0, 12], [3, 29]])
+    out, ent = ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, backend=backend)
+    ro, re = reference64(q, k, v, kr, qm.cpu(), None, True, 1 / math.sqrt(d))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.double().cpu(), ro, atol=3e-2)
+    # Scores are accumulated in fp32 from the exact bf16 values: entropy stays fp32-accurate.
+    assert torch.allclose(ent.double().cpu(), re, atol=1e-4), (ent.double().cpu() - re).abs().max()
+
+
+def test_torch_chunking_matches_unchunked():
+    """Small query chunks (several per sequence, padding + causal offset) give the same result."""
+    b, hq, hk, tq, tk, d = 2, 4, 2, 30, 41, 16
+    q, k, v = _inputs(b, hq, hk, tq, tk, d)
+    am = torch.ones(b, tk, dtype=torch.bool, device=DEVICE)
+    am[0, :7] = False
+    qm = torch.rand(b, tq, device=DEVICE) > 0.5
+    kr = torch.tensor([[2, 25], [15, 41]])
+    out, ent = attention_entropy_torch(q, k, v, kr, qm, am, True, 0.25, chunk=7)
+    ro, re = reference64(q, k, v, kr, qm.cpu(), am, True, 0.25)
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+    assert torch.allclose(ent.double().cpu(), re, atol=2e-5)
+
+
+def test_bad_inputs_are_named():
+    q, k, v = _inputs(2, 4, 2, 8, 8, 16)
+    qm = torch.ones(2, 8, dtype=torch.bool)
+    kr = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        ops.attention_entropy(q, k[:, :1].expand(2, 3, 8, 16), v[:, :1].expand(2, 3, 8, 16),
+                              key_range=kr, query_mask=qm)
+    with pytest.raises(ValueError, match="key_range"):
+        ops.attention_entropy(q, k, v, key_range=kr[:1], query_mask=qm)
+    with pytest.raises(ValueError, match="query_mask"):
+        ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm.long())
+    with pytest.raises(ValueError, match="attention_mask"):
+        ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm,
+                              attention_mask=torch.ones(2, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        ops.attention_entropy(q, k[:, :, :4], v[:, :, :4], key_range=kr, query_mask=qm)
+    with pytest.raises(ValueError, match="backend"):
+        ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, backend="cpp")
+
+
+# --------------------------------------------------------------------------- embedded model
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    from icqs_fast.models import load_model
+
+    try:
+        model, tok = load_model(attn_implementation="eager", dtype="fp32", device=DEVICE)
+    except FileNotFoundError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+    return model, tok
+
+
+def _padded_batch(tok, side):
+    """Two chat-like inputs of different lengths: instruction tokens then response tokens.
+    Returns ids, attention_mask, query_mask (response rows) and key_range (instruction keys)."""
+    pairs = [
+        ("Explain why the sky is blue in one short paragraph.",
+         " Sunlight scatters off air molecules, and blue light scatters most."),
+        ("Name a fruit.", " An apple."),
+    ]
+    seqs, spans = [], []
+    for ins, resp in pairs:
+        a = tok(ins, add_special_tokens=False).input_ids
+        r = tok(resp, add_special_tokens=False).input_ids
+        seqs.append(a + r)
+        spans.append((len(a), len(r)))
+    t = max(len(s) for s in seqs)
+    pad = tok.pad_token_id
+    ids = torch.full((2, t), pad, dtype=torch.long)
+    am = torch.zeros(2, t, dtype=torch.long)
+    qm = torch.zeros(2, t, dtype=torch.bool)
+    kr = torch.zeros(2, 2, dtype=torch.long)
+    for i, (s, (na, nr)) in enumerate(zip(seqs, spans, strict=True)):
+        o = t - len(s) if side == "left" else 0
+        ids[i, o:o + len(s)] = torch.tensor(s)
+        am[i, o:o + len(s)] = 1
+        qm[i, o + na:o + na + nr] = True
+        kr[i] = torch.tensor([o, o + na])
+    assert spans[0] != spans[1] and bool((am == 0).any())
+    return ids.to(DEVICE), am.to(DEVICE), qm.to(DEVICE), kr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side,backend", [("left", "torch"), ("right", "torch"),
+                                          ("left", "triton")])
+def test_hf_hook_matches_eager(model_tok, side, backend):
+    _need(backend)
+    model, tok = model_tok
+    ids, am, qm, kr = _padded_batch(tok, side)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=am, output_attentions=True, use_cache=False)
+        with capture_attention_entropy(model, qm, kr, backend=backend) as cap:
+            assert model.config._attn_implementation != "eager"
+            out = model(ids, attention_mask=am, use_cache=False)
+    assert model.config._attn_implementation == "eager"  # restored
+    cfg = model.config
+    b, t = ids.shape
+    assert cap.entropy.shape == (b, cfg.num_hidden_layers, cfg.num_attention_heads, t)
+    want = torch.stack([eager_range_entropy(a, kr, qm) for a in ref.attentions], dim=1)
+    assert torch.allclose(cap.entropy, want, atol=1e-4), (cap.entropy - want).abs().max()
+    assert bool((cap.entropy[~qm[:, None, None, :].expand_as(cap.entropy)] == 0).all())
+    assert float(want.max()) > 0.5
+    real = am.bool()
+    assert torch.allclose(out.logits[real], ref.logits[real], atol=1e-4), (
+        (out.logits - ref.logits)[real].abs().max())
+
+
+@pytest.mark.slow
+def test_hf_hook_restores_on_error(model_tok):
+    model, tok = model_tok
+    ids, am, qm, kr = _padded_batch(tok, "left")
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture_attention_entropy(model, qm, kr):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "eager"
+    # A forward with the wrong number of positions is refused with a clear message.
+    with pytest.raises(ValueError, match="query_mask has"):
+        with torch.no_grad(), capture_attention_entropy(model, qm[:, :-1], kr):
+            model(ids, attention_mask=am, use_cache=False)
+    assert model.config._attn_implementation == "eager"
