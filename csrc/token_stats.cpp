@@ -7,8 +7,11 @@
 //
 // No torch headers: Python passes raw data pointers, strides and sizes, and allocates the
 // outputs. Rows are split over OpenMP threads; inside a row the work is done in blocks of
-// kBlock elements with GCC vector extensions (16 float lanes), compiled for AVX-512, AVX2 and
-// baseline x86-64 via target_clones and picked at load time, so the module runs on any x86-64.
+// kBlock elements with GCC vector extensions of the machine's native width: the kernel is a
+// template on the width W, instantiated for AVX-512 (W = 16), AVX2+FMA (W = 8) and the build's
+// baseline x86-64-v2 (W = 4) with per-function target attributes, and picked at run time from
+// the CPU's features - so the module runs on any x86-64-v2 machine. (One wide type for all
+// three does not work: GCC scalarises 512-bit vector selects on AVX2.)
 //
 // Per block: pass 1 reads (and converts) the block once into an L1-resident buffer while taking
 // its max, the finite count, the rank/greedy counts and the u sums; if the max grew, the double
@@ -30,135 +33,180 @@
 
 namespace py = pybind11;
 
-// The 64-byte vector helpers are always inlined, so no vector crosses a call boundary.
+// The vector helpers are always inlined, so no vector crosses a call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int64_t kBlock = 2048;  // elements per block: 8 KiB of fp32, stays in L1
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef double v8d __attribute__((vector_size(64)));
-
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum Isa : int { kIsaV2 = 0, kIsaV3 = 1, kIsaV4 = 2 };
 
 #define ICQS_INLINE inline __attribute__((always_inline))
 
-ICQS_INLINE v16f splat(float a) { return v16f{} + a; }
-ICQS_INLINE v16i splati(int32_t a) { return v16i{} + a; }
+// Vector types of W lanes (W floats = 4W bytes).
+template <int W>
+struct V {
+    typedef float f __attribute__((vector_size(4 * W)));
+    typedef int32_t i __attribute__((vector_size(4 * W)));
+    typedef uint32_t u __attribute__((vector_size(4 * W)));
+    typedef uint16_t h __attribute__((vector_size(2 * W)));
+    typedef float fh __attribute__((vector_size(2 * W)));   // half a vector of floats
+    typedef double dh __attribute__((vector_size(4 * W)));  // ... as doubles
+};
 
-ICQS_INLINE v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
-
-// Portable IEEE half -> float on 16 lanes (normal, subnormal, zero, inf, NaN), branch-free.
-ICQS_INLINE v16f half_to_float(v16u h) {
-    const v16u sign = (h & 0x8000u) << 16;
-    const v16u mag = h & 0x7fffu;
-    const v16u expo = h & 0x7c00u;
-    const v16u normal = (mag << 13) + ((127u - 15u) << 23);
-    const v16u special = (mag << 13) | 0x7f800000u;  // inf / NaN keep their payload
-    const v16f sub = __builtin_convertvector(mag, v16f) * splat(5.9604644775390625e-8f);  // 2^-24
-    v16u out = expo == 0x7c00u ? special : normal;
-    out = expo == 0u ? (v16u)sub : out;
-    return (v16f)(out | sign);
+template <int W>
+ICQS_INLINE typename V<W>::f splat(float a) {
+    return typename V<W>::f{} + a;
 }
 
-// Load 16 logits starting at element j of a row as float; lanes at or past `valid` are NaN
+template <int W>
+ICQS_INLINE typename V<W>::f vmax(typename V<W>::f a, typename V<W>::f b) {
+    return a > b ? a : b;
+}
+
+// Portable IEEE half -> float (normal, subnormal, zero, inf, NaN), branch-free.
+template <int W>
+ICQS_INLINE typename V<W>::f half_to_float(typename V<W>::u h) {
+    using U = typename V<W>::u;
+    using F = typename V<W>::f;
+    const U sign = (h & 0x8000u) << 16;
+    const U mag = h & 0x7fffu;
+    const U expo = h & 0x7c00u;
+    const U normal = (mag << 13) + ((127u - 15u) << 23);
+    const U special = (mag << 13) | 0x7f800000u;  // inf / NaN keep their payload
+    const F sub = __builtin_convertvector(mag, F) * splat<W>(5.9604644775390625e-8f);  // 2^-24
+    U out = expo == 0x7c00u ? special : normal;
+    out = expo == 0u ? (U)sub : out;
+    return (F)(out | sign);
+}
+
+// Load W logits starting at element j of a row as float; lanes at or past `valid` are NaN
 // (NaN fails every comparison and counts as non-finite, so padding changes nothing).
-template <int DT>
-ICQS_INLINE v16f load16(const void* row, int64_t j, int64_t valid) {
+template <int W, int DT>
+ICQS_INLINE typename V<W>::f load(const void* row, int64_t j, int64_t valid) {
+    using F = typename V<W>::f;
     if (DT == kF32) {
         const float* p = static_cast<const float*>(row) + j;
-        v16f z;
-        if (valid >= kLanes) {
+        F z;
+        if (valid >= W) {
             std::memcpy(&z, p, sizeof(z));
         } else {
-            z = splat(std::numeric_limits<float>::quiet_NaN());
+            z = splat<W>(std::numeric_limits<float>::quiet_NaN());
             for (int64_t k = 0; k < valid; ++k) z[k] = p[k];
         }
         return z;
     } else {
+        using H = typename V<W>::h;
         const uint16_t* p = static_cast<const uint16_t*>(row) + j;
-        v16h raw;
-        if (valid >= kLanes) {
+        H raw;
+        if (valid >= W) {
             std::memcpy(&raw, p, sizeof(raw));
         } else {
             // Quiet NaN padding: 0x7fc0 in bf16, 0x7e00 in fp16.
-            raw = v16h{} + (uint16_t)(DT == kBF16 ? 0x7fc0u : 0x7e00u);
+            raw = H{} + (uint16_t)(DT == kBF16 ? 0x7fc0u : 0x7e00u);
             for (int64_t k = 0; k < valid; ++k) raw[k] = p[k];
         }
-        const v16u h = __builtin_convertvector(raw, v16u);
-        if (DT == kBF16) return (v16f)(h << 16);
-        return half_to_float(h);
+        const typename V<W>::u h = __builtin_convertvector(raw, typename V<W>::u);
+        if (DT == kBF16) return (F)(h << 16);
+        return half_to_float<W>(h);
     }
 }
 
 template <int DT>
 ICQS_INLINE float load1(const void* row, int64_t j) {
-    return load16<DT>(row, j, 1)[0];
+    if (DT == kF32) return static_cast<const float*>(row)[j];
+    const uint32_t h = static_cast<const uint16_t*>(row)[j];
+    if (DT == kBF16) {
+        const uint32_t b = h << 16;
+        float f;
+        std::memcpy(&f, &b, sizeof(f));
+        return f;
+    }
+    // Same steps as half_to_float, one value.
+    const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
+    uint32_t out;
+    if (expo == 0x7c00u) {
+        out = (mag << 13) | 0x7f800000u;
+    } else if (expo == 0u) {
+        const float sub = static_cast<float>(mag) * 5.9604644775390625e-8f;
+        std::memcpy(&out, &sub, sizeof(out));
+    } else {
+        out = (mag << 13) + ((127u - 15u) << 23);
+    }
+    out |= (h & 0x8000u) << 16;
+    float f;
+    std::memcpy(&f, &out, sizeof(f));
+    return f;
 }
 
 // e^d for d <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp);
 // d < -87 (including the -100 that stands for -inf) gives exactly 0.
-ICQS_INLINE v16f exp_neg(v16f d) {
-    const v16f log2e = splat(1.44269504088896341f);
-    const v16f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    const v16f t = d * log2e + magic;
-    const v16f nf = t - magic;
-    const v16i n = (v16i)t - (v16i)magic;
-    v16f r = d - nf * splat(0.693359375f);
-    r = r - nf * splat(-2.12194440e-4f);
-    v16f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    const v16i n_safe = n < splati(-126) ? splati(-126) : n;
-    const v16f scale = (v16f)((n_safe + 127) << 23);
-    const v16f e = p * scale;
-    return d < splat(-87.0f) ? splat(0.0f) : e;
+template <int W>
+ICQS_INLINE typename V<W>::f exp_neg(typename V<W>::f d) {
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    const F magic = splat<W>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    const F t = d * splat<W>(1.44269504088896341f) + magic;
+    const F nf = t - magic;
+    const I n = (I)t - (I)magic;
+    F r = d - nf * splat<W>(0.693359375f);
+    r = r - nf * splat<W>(-2.12194440e-4f);
+    F p = splat<W>(1.9875691500e-4f);
+    p = p * r + splat<W>(1.3981999507e-3f);
+    p = p * r + splat<W>(8.3334519073e-3f);
+    p = p * r + splat<W>(4.1665795894e-2f);
+    p = p * r + splat<W>(1.6666665459e-1f);
+    p = p * r + splat<W>(5.0000001201e-1f);
+    p = p * (r * r) + r + splat<W>(1.0f);
+    const I n_safe = n < -126 ? I{} - 126 : n;
+    const F e = p * (F)((n_safe + 127) << 23);
+    return d < splat<W>(-87.0f) ? F{} : e;
 }
 
+template <int W>
 struct Consts {
-    v16f gthr, eqval, cz, inv_t;
+    typename V<W>::f gthr, eqval, cz, inv_t;
 };
 
+template <int W>
 struct Pass1 {
-    v16f bmax;      // max of finite z
-    v16i gtv, eqv;  // z > z_t, z == z_t (negated counts: masks are -1)
-    v16i nv;        // finite count (negated)
-    v8d u1v, u2v;   // sum u, sum u^2 with u = (z - cz) / T over finite entries
+    typename V<W>::f bmax;      // max of finite z
+    typename V<W>::i gtv, eqv;  // z > z_t, z == z_t (negated counts: masks are -1)
+    typename V<W>::i nv;        // finite count (negated)
+    typename V<W>::dh u1v, u2v; // sum u, sum u^2 with u = (z - cz) / T over finite entries
 };
 
 // Pass 1 over one block of bl elements: read (and convert) it once, store the finite values
 // (-inf elsewhere) in buf, and accumulate max, counts and u sums.
-template <int DT, bool EQ>
-ICQS_INLINE void pass1(const void* row, int64_t b0, int64_t bl, const Consts& c, float* buf,
-                       Pass1& a) {
-    const v16f vninf = splat(-std::numeric_limits<float>::infinity());
-    const int64_t nvec = (bl + kLanes - 1) / kLanes;
+template <int W, int DT, bool EQ>
+ICQS_INLINE void pass1(const void* row, int64_t b0, int64_t bl, const Consts<W>& c, float* buf,
+                       Pass1<W>& a) {
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    using FH = typename V<W>::fh;
+    using DH = typename V<W>::dh;
+    const F vninf = splat<W>(-std::numeric_limits<float>::infinity());
+    const int64_t nvec = (bl + W - 1) / W;
     for (int64_t k = 0; k < nvec; ++k) {
-        const v16f z = load16<DT>(row, b0 + k * kLanes, bl - k * kLanes);
-        const v16i fin = ((v16i)z & 0x7f800000) != 0x7f800000;
+        const F z = load<W, DT>(row, b0 + k * W, bl - k * W);
+        const I fin = ((I)z & 0x7f800000) != 0x7f800000;
         a.gtv -= z > c.gthr;
         if (EQ) a.eqv -= z == c.eqval;
         a.nv -= fin;
-        const v16f zf = fin ? z : vninf;
-        a.bmax = vmax(a.bmax, zf);
-        const v16f u = fin ? (z - c.cz) * c.inv_t : v16f{};
+        const F zf = fin ? z : vninf;
+        a.bmax = vmax<W>(a.bmax, zf);
+        const F u = fin ? (z - c.cz) * c.inv_t : F{};
         // u sums in double: x - K can be large next to the spread of x (cancellation).
-        const v8d ulo = __builtin_convertvector(
-            __builtin_shufflevector(u, u, 0, 1, 2, 3, 4, 5, 6, 7), v8d);
-        const v8d uhi = __builtin_convertvector(
-            __builtin_shufflevector(u, u, 8, 9, 10, 11, 12, 13, 14, 15), v8d);
+        FH lo, hi;
+        std::memcpy(&lo, &u, sizeof(lo));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&u) + sizeof(lo), sizeof(hi));
+        const DH ulo = __builtin_convertvector(lo, DH);
+        const DH uhi = __builtin_convertvector(hi, DH);
         a.u1v += ulo + uhi;
         a.u2v += ulo * ulo + uhi * uhi;
-        std::memcpy(buf + k * kLanes, &zf, sizeof(zf));
+        std::memcpy(buf + k * W, &zf, sizeof(zf));
     }
 }
 
@@ -173,8 +221,9 @@ struct RowIn {
 
 // The mode-independent row reduction: used for whole rows (token_stats) and for vocabulary
 // blocks (reduce_block) alike, since both are "a row of logits plus a target index".
-template <int DT>
+template <int W, int DT>
 ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts) {
+    using F = typename V<W>::f;
     const float inf = std::numeric_limits<float>::infinity();
     const float nan = std::numeric_limits<float>::quiet_NaN();
     const float inv_t = static_cast<float>(1.0 / in.temp);
@@ -187,14 +236,13 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
                             ? static_cast<float>(in.z_t) : nan;
     // u = x - K is computed as (z - cz) / T in float (cz = K * T rounded), then corrected by
     // delta = cz / T - K in double, so an offset between K and the logits costs no precision.
-    double cz_d = in.shift * in.temp;
-    float cz = std::isfinite(cz_d) && std::fabs(cz_d) < 3.0e38 ? static_cast<float>(cz_d) : 0.0f;
+    const double cz_d = in.shift * in.temp;
+    const float cz = std::isfinite(cz_d) && std::fabs(cz_d) < 3.0e38 ? static_cast<float>(cz_d)
+                                                                      : 0.0f;
     const double delta = static_cast<double>(cz) / in.temp - in.shift;
-    const int32_t t_lim = in.t < 0 ? 0 : (in.t > in.v ? static_cast<int32_t>(in.v)
-                                                       : static_cast<int32_t>(in.t));
+    const int64_t t_lim = in.t < 0 ? 0 : (in.t > in.v ? in.v : in.t);
 
-    const Consts c{splat(gthr), splat(eqval), splat(cz), splat(inv_t)};
-    const v16f vninf = splat(-inf);
+    const Consts<W> c{splat<W>(gthr), splat<W>(eqval), splat<W>(cz), splat<W>(inv_t)};
 
     double s0 = 0, s1 = 0, s2 = 0, su = 0, suu = 0;
     int64_t n_fin = 0, greater = 0, eq_before = 0;
@@ -203,15 +251,15 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
 
     for (int64_t b0 = 0; b0 < in.v; b0 += kBlock) {
         const int64_t bl = in.v - b0 < kBlock ? in.v - b0 : kBlock;
-        const int64_t nvec = (bl + kLanes - 1) / kLanes;
-        Pass1 acc{vninf, {}, {}, {}, {}, {}};
+        const int64_t nvec = (bl + W - 1) / W;
+        Pass1<W> acc{splat<W>(-inf), {}, {}, {}, {}, {}};
         // Equal-to-target entries count only before the target: whole blocks before it are
         // counted in the vector loop, the one block holding it by a scalar loop (an index mask
         // in the vector loop makes GCC scalarise it).
         if (b0 + bl <= t_lim) {
-            pass1<DT, true>(in.row, b0, bl, c, buf, acc);
+            pass1<W, DT, true>(in.row, b0, bl, c, buf, acc);
         } else {
-            pass1<DT, false>(in.row, b0, bl, c, buf, acc);
+            pass1<W, DT, false>(in.row, b0, bl, c, buf, acc);
             if (std::isfinite(eqval)) {
                 // buf holds the block's finite values (-inf elsewhere): same answer, in L1.
                 int64_t cnt = 0;
@@ -221,19 +269,16 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
                 for (int64_t j = b0; j < t_lim; ++j) eq_before += load1<DT>(in.row, j) == eqval;
             }
         }
-        const v16f bmax = acc.bmax;
-        const v16i gtv = acc.gtv, eqv = acc.eqv, nv = acc.nv;
-        const v8d u1v = acc.u1v, u2v = acc.u2v;
         float bm = -inf;
-        for (int k = 0; k < kLanes; ++k) {
-            bm = bmax[k] > bm ? bmax[k] : bm;
-            greater += gtv[k];
-            eq_before += eqv[k];
-            n_fin += nv[k];
+        for (int k = 0; k < W; ++k) {
+            bm = acc.bmax[k] > bm ? acc.bmax[k] : bm;
+            greater += acc.gtv[k];
+            eq_before += acc.eqv[k];
+            n_fin += acc.nv[k];
         }
-        for (int k = 0; k < kLanes / 2; ++k) {
-            su += u1v[k];
-            suu += u2v[k];
+        for (int k = 0; k < W / 2; ++k) {
+            su += acc.u1v[k];
+            suu += acc.u2v[k];
         }
         if (!(bm > -inf)) continue;  // nothing finite in this block
         if (bm > zmax) {
@@ -247,21 +292,21 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
             }
             zmax = bm;
         }
-        const v16f vm = splat(zmax), vinv = c.inv_t;
-        v16f a0 = {}, a1 = {}, a2 = {};
+        const F vm = splat<W>(zmax), lo = splat<W>(-100.0f);
+        F a0 = {}, a1 = {}, a2 = {};
         for (int64_t k = 0; k < nvec; ++k) {
-            v16f zb;
-            std::memcpy(&zb, buf + k * kLanes, sizeof(zb));
+            F zb;
+            std::memcpy(&zb, buf + k * W, sizeof(zb));
             // -inf (non-finite or padding) becomes -100: e = 0 and e * d = 0, never NaN.
-            const v16f d = vmax((zb - vm) * vinv, splat(-100.0f));
-            const v16f e = exp_neg(d);
-            const v16f ed = e * d;
+            const F d = vmax<W>((zb - vm) * c.inv_t, lo);
+            const F e = exp_neg<W>(d);
+            const F ed = e * d;
             a0 += e;
             a1 += ed;
             a2 += ed * d;
         }
         double b_0 = 0, b_1 = 0, b_2 = 0;
-        for (int k = 0; k < kLanes; ++k) {
+        for (int k = 0; k < W; ++k) {
             b_0 += a0[k];
             b_1 += a1[k];
             b_2 += a2[k];
@@ -286,22 +331,41 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
     counts[1] = eq_before;
 }
 
-// One clone per ISA level; the loader picks the best the CPU supports.
-#define ICQS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+typedef void (*RowFn)(const RowIn&, double*, int64_t*);
 
-ICQS_CLONES __attribute__((noinline)) void reduce_row_f32(const RowIn& in, double* s, int64_t* c) {
-    reduce_row_impl<kF32>(in, s, c);
-}
-ICQS_CLONES __attribute__((noinline)) void reduce_row_f16(const RowIn& in, double* s, int64_t* c) {
-    reduce_row_impl<kF16>(in, s, c);
-}
-ICQS_CLONES __attribute__((noinline)) void reduce_row_bf16(const RowIn& in, double* s, int64_t* c) {
-    reduce_row_impl<kBF16>(in, s, c);
+// One instantiation per (ISA, dtype); the helpers are always-inlined into these, so each is
+// compiled entirely for its target.
+#define ICQS_ROW_FNS(NAME, TARGET, W)                                                        \
+    TARGET void NAME##_f32(const RowIn& in, double* s, int64_t* c) {                         \
+        reduce_row_impl<W, kF32>(in, s, c);                                                  \
+    }                                                                                        \
+    TARGET void NAME##_f16(const RowIn& in, double* s, int64_t* c) {                         \
+        reduce_row_impl<W, kF16>(in, s, c);                                                  \
+    }                                                                                        \
+    TARGET void NAME##_bf16(const RowIn& in, double* s, int64_t* c) {                        \
+        reduce_row_impl<W, kBF16>(in, s, c);                                                 \
+    }
+
+ICQS_ROW_FNS(row_v4, __attribute__((target("arch=x86-64-v4"))), 16)
+ICQS_ROW_FNS(row_v3, __attribute__((target("arch=x86-64-v3"))), 8)
+ICQS_ROW_FNS(row_v2, , 4)
+
+const RowFn kRowFns[3][3] = {
+    {row_v2_f32, row_v2_f16, row_v2_bf16},
+    {row_v3_f32, row_v3_f16, row_v3_bf16},
+    {row_v4_f32, row_v4_f16, row_v4_bf16},
+};
+
+int best_isa() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return kIsaV4;
+    if (__builtin_cpu_supports("x86-64-v3")) return kIsaV3;
+    return kIsaV2;
 }
 
 void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int dtype,
                  uintptr_t t_ptr, uintptr_t zt_ptr, uintptr_t shift_ptr, double temperature,
-                 uintptr_t state_ptr, uintptr_t counts_ptr, int nthreads) {
+                 uintptr_t state_ptr, uintptr_t counts_ptr, int nthreads, int isa) {
     if (n < 0 || v < 0) throw std::invalid_argument("reduce_rows: n and v must be >= 0");
     if (v >= (int64_t(1) << 31) - kBlock)
         throw std::invalid_argument("reduce_rows: vocabulary size must be < 2^31");
@@ -309,6 +373,13 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
         throw std::invalid_argument("reduce_rows: temperature must be finite and > 0");
     if (dtype != kF32 && dtype != kF16 && dtype != kBF16)
         throw std::invalid_argument("reduce_rows: dtype code must be 0 (fp32), 1 (fp16), 2 (bf16)");
+    const int best = best_isa();
+    if (isa < 0) isa = best;
+    if (isa > best)
+        throw std::invalid_argument("reduce_rows: isa " + std::to_string(isa) +
+                                    " is not supported by this CPU (best: " +
+                                    std::to_string(best) + ")");
+    const RowFn fn = kRowFns[isa][dtype];
     const size_t esize = dtype == kF32 ? 4 : 2;
     const char* z = reinterpret_cast<const char*>(z_ptr);
     const int64_t* t = reinterpret_cast<const int64_t*>(t_ptr);
@@ -321,22 +392,14 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
     py::gil_scoped_release nogil;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 1 && nthreads > 1)
     for (int64_t i = 0; i < n; ++i) {
-        RowIn in{z + static_cast<size_t>(i) * static_cast<size_t>(row_stride) * esize, v, t[i],
-                 zt[i], shift[i], temperature};
-        double* s = state + 7 * i;
-        int64_t* c = counts + 2 * i;
-        if (dtype == kF32) reduce_row_f32(in, s, c);
-        else if (dtype == kF16) reduce_row_f16(in, s, c);
-        else reduce_row_bf16(in, s, c);
+        const RowIn in{z + static_cast<size_t>(i) * static_cast<size_t>(row_stride) * esize, v,
+                       t[i], zt[i], shift[i], temperature};
+        fn(in, state + 7 * i, counts + 2 * i);
     }
 }
 
-std::string simd_level() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4 (AVX-512)";
-    if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2+FMA)";
-    return "x86-64 baseline (SSE2)";
-}
+const char* const kIsaNames[3] = {"x86-64-v2 (SSE4.2, 4 lanes)", "x86-64-v3 (AVX2+FMA, 8 lanes)",
+                                  "x86-64-v4 (AVX-512, 16 lanes)"};
 
 int max_threads() {
 #ifdef _OPENMP
@@ -353,11 +416,18 @@ PYBIND11_MODULE(_C, m) {
     m.def("reduce_rows", &reduce_rows, py::arg("z_ptr"), py::arg("row_stride"), py::arg("n"),
           py::arg("v"), py::arg("dtype"), py::arg("t_ptr"), py::arg("zt_ptr"),
           py::arg("shift_ptr"), py::arg("temperature"), py::arg("state_ptr"),
-          py::arg("counts_ptr"), py::arg("nthreads"),
+          py::arg("counts_ptr"), py::arg("nthreads"), py::arg("isa") = -1,
           "Per-row softmax state [n,7] float64 and counts [n,2] int64 of a [n,v] logits array "
           "(row_stride in elements, unit column stride; dtype 0=fp32, 1=fp16, 2=bf16; t int64, "
-          "zt/shift float64 per row). Writes into the given output buffers.");
-    m.def("simd_level", &simd_level, "ISA level of the kernel clone this CPU runs");
+          "zt/shift float64 per row). Writes into the given output buffers. isa: -1 = best for "
+          "this CPU, else 0 (x86-64-v2), 1 (x86-64-v3), 2 (x86-64-v4) - for tests.");
+    m.def("best_isa", &best_isa, "the ISA level reduce_rows uses by default (0, 1 or 2)");
+    m.def("isa_name", [](int isa) -> std::string {
+        if (isa < 0 || isa > 2) throw std::invalid_argument("isa must be 0, 1 or 2");
+        return kIsaNames[isa];
+    });
+    m.def("simd_level", []() -> std::string { return kIsaNames[best_isa()]; },
+          "ISA level (and vector width) of the kernel this CPU runs");
     m.def("max_threads", &max_threads, "OpenMP's default thread count (1 without OpenMP)");
 #ifdef _OPENMP
     m.attr("openmp") = true;

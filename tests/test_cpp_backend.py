@@ -13,6 +13,21 @@ pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
                                 reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
 
 
+def _isa_param(level):
+    from icqs_fast import _C
+
+    ok = cpp_backend.available()[0] and level <= _C.best_isa()
+    return pytest.param(level, marks=pytest.mark.skipif(not ok, reason=f"CPU lacks ISA {level}"),
+                        id=f"isa{level}")
+
+
+@pytest.fixture(params=[_isa_param(level) for level in (0, 1, 2)])
+def isa(request, monkeypatch):
+    """Run the test on every kernel ISA level this CPU can execute (SSE4.2, AVX2, AVX-512)."""
+    monkeypatch.setattr(cpp_backend, "FORCE_ISA", request.param)
+    return request.param
+
+
 def ref_block(z, t_local, z_t, shift, temperature):
     """The torch block reduction, in float64 (the definition of the state)."""
     return state.reduce_block(z.double(), t_local, z_t, shift, temperature)
@@ -40,7 +55,22 @@ def test_available_reports_isa():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_multi_block_rows_with_growing_max(dtype):
+def test_token_stats_every_isa(isa, dtype):
+    """Whole-row mode on each ISA level, against the float64 reference."""
+    from test_token_stats import compare, ref64
+
+    from icqs_fast import ops
+
+    z = (torch.randn(7, 5000) * 4).to(dtype)
+    z[1, ::5] = float("-inf")
+    t = torch.randint(0, 5000, (7,))
+    t[2] = -100
+    compare(ops.token_stats(z, t, temperature=0.8, backend="cpp"),
+            ref64(z, t, temperature=0.8), 2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_multi_block_rows_with_growing_max(dtype, isa):
     """Rows longer than the 2048-element block whose max grows block after block (rescaling),
     V not a multiple of the 16-lane vector, temperature != 1."""
     n, v = 5, 2048 * 3 + 37
@@ -52,7 +82,7 @@ def test_multi_block_rows_with_growing_max(dtype):
     check_block(z, t, z_t, shift, temperature=0.7)
 
 
-def test_targets_outside_block_and_unrepresentable_z_t():
+def test_targets_outside_block_and_unrepresentable_z_t(isa):
     """Chunked mode: the target may lie before/after the block, and z_t need not be a float
     (it comes from a different product), so ">" and "==" must be exact against float64."""
     n, v = 6, 3000
@@ -65,7 +95,7 @@ def test_targets_outside_block_and_unrepresentable_z_t():
     check_block(z, t, z_t, torch.zeros(n, dtype=torch.float64))
 
 
-def test_non_finite_entries():
+def test_non_finite_entries(isa):
     """NaN and +-inf are not finite: left out of max, sums and counts of finite entries; the
     rank comparisons follow IEEE (NaN never compares, +inf is greater than any z_t)."""
     n, v = 4, 4099
@@ -82,7 +112,7 @@ def test_non_finite_entries():
     check_block(z, t, z_t, shift)
 
 
-def test_fp16_specials_convert_exactly():
+def test_fp16_specials_convert_exactly(isa):
     """The kernel's own fp16 -> fp32 conversion: subnormals, zero, -0, max, inf."""
     vals = torch.tensor([6e-8, -6e-8, 1e-5, 0.0, -0.0, 65504.0, -65504.0, 1.0, -2.5, float("inf")])
     z = vals.half().repeat(2, 5)
@@ -92,7 +122,7 @@ def test_fp16_specials_convert_exactly():
     check_block(z, t, z_t, z_t.clone(), temperature=1000.0)
 
 
-def test_large_offset_shift_precision():
+def test_large_offset_shift_precision(isa):
     """u sums relative to a shift far from the logits (the target at the tail of the row)."""
     n, v = 3, 49152
     z = torch.randn(n, v) * 4 + 1000
@@ -106,7 +136,7 @@ def test_large_offset_shift_precision():
     assert torch.allclose(var, rvar, rtol=1e-5), (var, rvar)
 
 
-def test_strided_rows_and_thread_count_invariance():
+def test_strided_rows_and_thread_count_invariance(isa):
     big = torch.randn(9, 5000)
     z = big[:, 3:4003]  # row stride 5000
     t = torch.randint(0, 4000, (9,))

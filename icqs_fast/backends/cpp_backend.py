@@ -22,6 +22,10 @@ else:
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
+FORCE_ISA: int | None = None
+"""Kernel ISA level to use instead of the CPU's best: 0 x86-64-v2 (SSE4.2), 1 x86-64-v3 (AVX2),
+2 x86-64-v4 (AVX-512); None = best. For tests, which check every level this CPU can run."""
+
 
 def available() -> tuple[bool, str]:
     """(True, ISA level and threads) when ``icqs_fast._C`` is importable, else (False, why)."""
@@ -55,7 +59,8 @@ def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Te
     shift = shift.to(torch.float64).contiguous()
     _C.reduce_rows(z.data_ptr(), z.stride(0) if n > 1 else v, n, v, _DTYPE_CODES[z.dtype],
                    t.data_ptr(), z_t.data_ptr(), shift.data_ptr(), float(temperature),
-                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads(),
+                   -1 if FORCE_ISA is None else int(FORCE_ISA))
     return state, counts
 
 
