@@ -390,7 +390,8 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
     if (nthreads < 1) nthreads = 1;
 
     py::gil_scoped_release nogil;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 1 && nthreads > 1)
+// Dynamic chunks of rows: on a shared machine a descheduled thread does not hold up the rest.
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (n > 1 && nthreads > 1)
     for (int64_t i = 0; i < n; ++i) {
         const RowIn in{z + static_cast<size_t>(i) * static_cast<size_t>(row_stride) * esize, v,
                        t[i], zt[i], shift[i], temperature};

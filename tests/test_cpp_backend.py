@@ -168,7 +168,9 @@ def test_bench_kernels_quick_json(capsys, tmp_path):
     for r in records:
         assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
         assert r["time_ms"] > 0 and r["baseline_ms"] > 0
-        assert math.isclose(r["speedup"], r["baseline_ms"] / r["time_ms"], rel_tol=1e-2)
+        # Both sides are rounded in the record (times to 1 us, speedup to 1e-3).
+        assert math.isclose(r["speedup"], r["baseline_ms"] / r["time_ms"], rel_tol=2e-2,
+                            abs_tol=2e-3)
         assert r["max_abs_err"] < 1e-3, r
         assert r["int_fields_exact"] or r["op"] == "linear_token_stats", r
         if r["op"] == "token_stats":

@@ -122,9 +122,10 @@ def _record(op, backend, baseline, device, dtype, shape, t_ms, b_ms, nbytes, err
 def bench_token_stats(backend: str, device: torch.device, dtype: str, n: int, v: int,
                       repeat: int, extra: dict) -> dict:
     """One ``token_stats`` record: ``backend`` vs the baseline on ``[n, v]`` logits ~ N(0, 4^2)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    logits = (torch.randn(n, v, generator=gen) * 4).to(_DTYPES[dtype]).to(device)
-    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    # Generated on the device itself: [8192, 151936] would take seconds on the host.
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(n, v, generator=gen, device=device) * 4).to(_DTYPES[dtype])
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
     run = lambda: ops.token_stats(logits, targets, backend=backend)
     t_ms, b_ms = side_by_side(run, lambda: baseline_token_stats(logits, targets), repeat, device)
     ref = reference64(lambda r0, r1: logits[r0:r1].double(), n, targets)
@@ -143,10 +144,10 @@ def bench_token_stats(backend: str, device: torch.device, dtype: str, n: int, v:
 def bench_linear(backend: str, device: torch.device, dtype: str, n: int, h: int, v: int,
                  repeat: int, extra: dict) -> dict:
     """One ``linear_token_stats`` record: hidden ``[n, h]``, weight ``[v, h]`` (an LM head)."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    hidden = torch.randn(n, h, generator=gen).to(_DTYPES[dtype]).to(device)
-    weight = (torch.randn(v, h, generator=gen) * (3 / h**0.5)).to(_DTYPES[dtype]).to(device)
-    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    hidden = torch.randn(n, h, generator=gen, device=device).to(_DTYPES[dtype])
+    weight = (torch.randn(v, h, generator=gen, device=device) * (3 / h**0.5)).to(_DTYPES[dtype])
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
     run = lambda: ops.linear_token_stats(hidden, weight, targets, backend=backend)
     t_ms, b_ms = side_by_side(run, lambda: baseline_linear(hidden, weight, targets), repeat,
                               device)
