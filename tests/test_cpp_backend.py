@@ -54,6 +54,18 @@ def test_available_reports_isa():
     assert ok and "x86-64" in why
 
 
+def test_bad_per_row_inputs_are_rejected():
+    z = torch.randn(4, 100)
+    t = torch.zeros(4, dtype=torch.long)
+    zt = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"z_t must be a CPU tensor of shape \[4\]"):
+        cpp_backend.reduce_block(z, t, zt[:3], zt, 1.0)
+    with pytest.raises(ValueError, match="targets"):
+        cpp_backend.reduce_block(z, t[:, None], zt, zt, 1.0)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        cpp_backend.reduce_block(z.to("meta"), t, zt, zt, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_token_stats_every_isa(isa, dtype):
     """Whole-row mode on each ISA level, against the float64 reference."""

@@ -28,7 +28,7 @@ FORCE_ISA: int | None = None
 
 
 def available() -> tuple[bool, str]:
-    """(True, ISA level and threads) when ``icqs_fast._C`` is importable, else (False, why)."""
+    """(True, kernel ISA level) when ``icqs_fast._C`` is importable, else (False, why)."""
     if _C is None:
         return False, (f"icqs_fast._C is not built ({_IMPORT_ERROR}); rebuild with "
                        "`pip install --no-build-isolation -e .`")
@@ -54,6 +54,11 @@ def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Te
     counts = torch.empty(n, 2, dtype=torch.int64)
     if n == 0:
         return state, counts
+    # The kernel reads raw pointers: check every per-row input really is [N] on the CPU.
+    for name, x in (("targets", t), ("z_t", z_t), ("shift", shift)):
+        if x.shape != (n,) or x.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor of shape [{n}], got "
+                             f"{list(x.shape)} on {x.device}")
     t = t.to(torch.int64).contiguous()
     z_t = z_t.to(torch.float64).contiguous()
     shift = shift.to(torch.float64).contiguous()
