@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -214,18 +215,29 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         copy["cuda"] = copy_bandwidth(torch.device("cuda"), copy_bytes, args.repeat)
     records = []
+    failed = 0
     for kind, backend, dev, dtype, shape in plan(args.quick, cuda):
         device = torch.device(dev)
         extra = {"copy_gbps": round(copy[dev], 3), "repeat": args.repeat,
                  "threads": torch.get_num_threads() if dev == "cpu" else None}
-        if kind == "token_stats":
-            rec = bench_token_stats(backend, device, dtype, *shape, args.repeat, extra)
-            rec["frac_of_copy_bw"] = round(rec["gbps"] / copy[dev], 3)
+        try:
+            if kind == "token_stats":
+                rec = bench_token_stats(backend, device, dtype, *shape, args.repeat, extra)
+                rec["frac_of_copy_bw"] = round(rec["gbps"] / copy[dev], 3)
+            else:
+                rec = bench_linear(backend, device, dtype, *shape, args.repeat, extra)
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            # One failing backend (e.g. out of memory) must not lose the other records; the
+            # command still exits non-zero.
+            failed += 1
+            print(f"bench kernels: {kind} {backend} {dev} {dtype} {list(shape)} failed: {exc}",
+                  file=sys.stderr)
+            rec = {**dict.fromkeys(FIELDS), "op": kind, "backend": backend, "device": dev,
+                   "dtype": dtype, "shape": list(shape), **extra, "error": str(exc)[:500]}
         else:
-            rec = bench_linear(backend, device, dtype, *shape, args.repeat, extra)
+            if not args.json:
+                _print_row(rec)
         records.append(rec)
-        if not args.json:
-            _print_row(rec)
         if cuda:
             torch.cuda.empty_cache()
     # Valid JSON, one record per line.
@@ -235,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0
+    return 1 if failed else 0
 
 
 def _print_row(r: dict) -> None:
