@@ -346,9 +346,10 @@ typedef void (*RowFn)(const RowIn&, double*, int64_t*);
         reduce_row_impl<W, kBF16>(in, s, c);                                                 \
     }
 
+ICQS_ROW_FNS(row_v2, , 4)
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
 ICQS_ROW_FNS(row_v4, __attribute__((target("arch=x86-64-v4"))), 16)
 ICQS_ROW_FNS(row_v3, __attribute__((target("arch=x86-64-v3"))), 8)
-ICQS_ROW_FNS(row_v2, , 4)
 
 const RowFn kRowFns[3][3] = {
     {row_v2_f32, row_v2_f16, row_v2_bf16},
@@ -362,6 +363,13 @@ int best_isa() {
     if (__builtin_cpu_supports("x86-64-v3")) return kIsaV3;
     return kIsaV2;
 }
+#else
+// Other architectures (e.g. aarch64 NEON): the portable 4-lane kernel only
+// (-DICQS_FAST_GENERIC_ONLY builds this variant on x86-64, to test it).
+const RowFn kRowFns[1][3] = {{row_v2_f32, row_v2_f16, row_v2_bf16}};
+
+int best_isa() { return kIsaV2; }
+#endif
 
 void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int dtype,
                  uintptr_t t_ptr, uintptr_t zt_ptr, uintptr_t shift_ptr, double temperature,
@@ -399,8 +407,12 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
     }
 }
 
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
 const char* const kIsaNames[3] = {"x86-64-v2 (SSE4.2, 4 lanes)", "x86-64-v3 (AVX2+FMA, 8 lanes)",
                                   "x86-64-v4 (AVX-512, 16 lanes)"};
+#else
+const char* const kIsaNames[3] = {"generic (4 lanes)", "", ""};
+#endif
 
 int max_threads() {
 #ifdef _OPENMP
@@ -424,7 +436,8 @@ PYBIND11_MODULE(_C, m) {
           "this CPU, else 0 (x86-64-v2), 1 (x86-64-v3), 2 (x86-64-v4) - for tests.");
     m.def("best_isa", &best_isa, "the ISA level reduce_rows uses by default (0, 1 or 2)");
     m.def("isa_name", [](int isa) -> std::string {
-        if (isa < 0 || isa > 2) throw std::invalid_argument("isa must be 0, 1 or 2");
+        if (isa < 0 || isa > best_isa())
+            throw std::invalid_argument("isa must be between 0 and best_isa()");
         return kIsaNames[isa];
     });
     m.def("simd_level", []() -> std::string { return kIsaNames[best_isa()]; },
