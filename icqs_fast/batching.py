@@ -171,11 +171,8 @@ def suffix_hidden(
     pos = lens[:, None] + torch.arange(s)[None, :]
     attn = torch.cat([prefix_mask, smask], dim=1)
     # A fresh cache object around per-batch copies of the stored states (the forward appends
-    # to it). Built empty, then pointed at the copies: DynamicCache(ddp_cache_data=kv) would
-    # concatenate them onto an empty tensor, one more full copy of every layer's KV.
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
-    for layer, (k, v) in zip(cache.layers, kv, strict=True):
-        layer.keys, layer.values = k, v
+    # to it, so the bank itself is never written).
+    cache = DynamicCache(ddp_cache_data=kv)
     out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                               position_ids=pos.to(dev), past_key_values=cache, use_cache=True)
     return out.last_hidden_state, smask.bool().to(dev)

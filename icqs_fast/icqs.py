@@ -12,6 +12,7 @@ applies the LM head only at the response positions, through
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -217,6 +218,9 @@ class ICQSScorer:
         return_token_stats: bool = False,
     ) -> None:
         check_model(model)
+        if getattr(model, "training", False):
+            warnings.warn("the model is in training mode (dropout is active); call model.eval() "
+                          "for deterministic scores", stacklevel=2)
         if not isinstance(token_budget, int) or token_budget < 1:
             raise ValueError(f"token_budget must be an int >= 1, got {token_budget!r}")
         self.model = model
@@ -332,6 +336,7 @@ class ICQSScorer:
             p, s = p2, s2
         return len(rows)
 
+    @torch.no_grad()
     def _run(self, batch: list[tuple[dict, int]]) -> None:
         entries = [rec["entries"][c] for rec, c in batch]
         suffixes = [rec["suffix"] for rec, _ in batch]

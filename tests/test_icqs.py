@@ -6,6 +6,7 @@ from _helpers import DEVICE
 
 from icqs_fast import ICQSResult, ICQSScorer
 from icqs_fast.models import embedded_model_dir, load_model
+from icqs_fast.prompts import Template
 from icqs_fast.reference import icqs_naive
 
 # Demonstrations of quite different lengths, so prefixes differ in length across contexts.
@@ -175,6 +176,19 @@ def test_drop_oldest_demos(tokenizer):
                         **dict(KW, max_length=30)).score(RESPONSES[2:3]))
 
 
+def test_custom_template_and_bernoulli(tokenizer):
+    model = _tiny("llama", "eager", len(tokenizer))
+    tpl = Template(demo="Review: {x} => {y}", query="Review: {x} =>", response=" {y}",
+                   separator="\n", system="Label each review.\n")
+    kw = dict(KW, template=tpl, mixing="bernoulli", replacement=True, seed=5)
+    got = list(ICQSScorer(model, tokenizer, GOOD, BAD, **kw).score(RESPONSES[:2]))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES[:2], compute_dtype=F64, **kw)
+    _compare(got, ref)
+    # The response is tokenised alone: " positive" under this template.
+    assert got[0].n_response_tokens == len(tokenizer(" positive", add_special_tokens=False)
+                                           ["input_ids"])
+
+
 def test_input_errors(tokenizer):
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
@@ -190,6 +204,9 @@ def test_input_errors(tokenizer):
         list(scorer.score(["just a string"]))
     with pytest.raises(ValueError, match=r"2 good and 5 bad"):
         ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3)
+    with pytest.warns(UserWarning, match="training mode"):
+        ICQSScorer(model.train(), tokenizer, GOOD, BAD, **KW)
+    model.eval()
     ok = ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3,
                     sets_per_ratio=1, replacement=True)
     assert ok.score_one("a", "b").loglik.shape == (3, 1)
