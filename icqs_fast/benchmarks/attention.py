@@ -1,0 +1,229 @@
+"""``icqs-fast bench attention``: attention-entropy features of the embedded model without the
+attention matrices, against eager ``output_attentions=True``.
+
+Both sides run one forward of the embedded model over a ``seq_len``-token input (instruction =
+first half, response = second half) and produce the same ``[B, layers, heads, T]`` entropies of
+each response row's attention renormalised over the instruction keys:
+
+* ours: :func:`icqs_fast.attention.capture_attention_entropy` (``ops.attention_entropy``: the
+  chunked torch path on the CPU, the Triton kernel on CUDA);
+* eager: ``attn_implementation="eager"`` with ``output_attentions=True``, then the entropies from
+  the returned ``[B, heads, T, T]`` matrices (fp32, the way a user would write it).
+
+Neither side needs the logits, so both run with ``logits_to_keep=1`` (the LM head would otherwise
+dominate time and memory equally on both sides). Times are medians of alternated repeats after a
+warm-up. Peak memory is measured per side in a fresh subprocess as the growth of peak RSS over the
+measured forward (CPU; the peak is reset through ``/proc/self/clear_refs``), or as
+``torch.cuda.max_memory_allocated`` growth on CUDA. ``max_abs_err`` compares our entropies to the
+float64 entropies of the eager attention matrices. On CUDA the record also times one attention
+call of the Triton forward-with-entropy against plain SDPA (``triton_vs_sdpa``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..attention import capture_attention_entropy, eager_range_entropy
+from .kernels import side_by_side
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def make_inputs(vocab: int, seq_len: int, device: torch.device, seed: int = 0):
+    """Deterministic token ids ``[1, seq_len]``; instruction = first half, response = the rest.
+
+    Returns ``(ids, query_mask [1, T] bool, key_range [1, 2] int64)``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the low ids (special tokens in SmolLM2's vocabulary).
+    ids = torch.randint(100, vocab, (1, seq_len), generator=gen)
+    n_ins = seq_len // 2
+    qm = torch.zeros(1, seq_len, dtype=torch.bool)
+    qm[:, n_ins:] = True
+    kr = torch.tensor([[0, n_ins]], dtype=torch.int64)
+    return ids.to(device), qm.to(device), kr
+
+
+def eager_entropies(attentions, key_range: torch.Tensor, query_mask: torch.Tensor):
+    """Baseline: entropies from materialised attention ``[B, H, T, T]`` per layer, in fp32.
+
+    Returns ``[B, layers, H, T]`` fp32.
+    """
+    per_layer = []
+    for a in attentions:
+        bsz, h, tq, _ = a.shape
+        out = torch.zeros(bsz, h, tq, dtype=torch.float32, device=a.device)
+        for b in range(bsz):
+            k0, k1 = int(key_range[b, 0]), int(key_range[b, 1])
+            rows = query_mask[b].nonzero()[:, 0]
+            p = a[b][:, rows, k0:k1].float()
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+            out[b][:, rows] = -torch.special.xlogy(p, p).sum(-1)
+        per_layer.append(out)
+    return torch.stack(per_layer, dim=1)
+
+
+def run_ours(model, ids, qm, kr) -> torch.Tensor:
+    """Our side: one forward inside the capture; returns ``[B, layers, H, T]`` fp32."""
+    with torch.no_grad(), capture_attention_entropy(model, qm, kr) as cap:
+        model(ids, use_cache=False, logits_to_keep=1)
+    return cap.entropy
+
+
+def run_eager(model, ids, qm, kr, prec64: bool = False) -> torch.Tensor:
+    """Eager side: ``output_attentions=True`` then entropies from the matrices."""
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(ids, use_cache=False, logits_to_keep=1, output_attentions=True)
+    finally:
+        model.set_attn_implementation(prev)
+    if prec64:
+        return torch.stack([eager_range_entropy(a, kr, qm) for a in out.attentions], dim=1)
+    return eager_entropies(out.attentions, kr, qm)
+
+
+def _load(device: torch.device):
+    from ..models import load_model
+
+    model, _ = load_model(dtype="fp32" if device.type == "cpu" else "bf16", device=device,
+                          attn_implementation="sdpa")
+    return model
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def measure_peak_child(side: str, seq_len: int, device: str) -> dict:
+    """Run in a fresh process: load the model, warm up on a short input, then measure the peak
+    memory growth of one ``seq_len`` forward of ``side`` ("ours" or "eager")."""
+    dev = torch.device(device)
+    model = _load(dev)
+    vocab = model.config.vocab_size
+    fn = run_ours if side == "ours" else run_eager
+    ids, qm, kr = make_inputs(vocab, 32, dev)
+    fn(model, ids, qm, kr)  # lazy imports and one-time allocations, not part of the peak
+    ids, qm, kr = make_inputs(vocab, seq_len, dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(model, ids, qm, kr)
+        torch.cuda.synchronize()
+        return {"peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    base = _rss_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    fn(model, ids, qm, kr)
+    return {"peak_mb": (_rss_kb("VmHWM") - base) / 1024}
+
+
+def _peak_in_subprocess(side: str, seq_len: int, device: str) -> float:
+    code = ("import json, sys; from icqs_fast.benchmarks.attention import measure_peak_child; "
+            f"print(json.dumps(measure_peak_child({side!r}, {seq_len}, {device!r})))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=1200)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory measurement of {side!r} failed:\n{res.stderr[-2000:]}")
+    return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"])
+
+
+def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> dict:
+    """CUDA only: one bf16 attention call, Triton forward-with-entropy vs plain SDPA (causal)."""
+    from .. import ops
+
+    dev = torch.device("cuda")
+    q = torch.randn(1, heads, t, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+    qm = torch.zeros(1, t, dtype=torch.bool, device=dev)
+    qm[:, t // 2:] = True
+    kr = torch.tensor([[0, t // 2]])
+    ours = lambda: ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, backend="triton")
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    t_ms, s_ms = side_by_side(ours, sdpa, max(repeat, 10), dev)
+    return {"shape": [1, heads, kv_heads, t, d], "triton_ms": round(t_ms, 4),
+            "sdpa_ms": round(s_ms, 4), "ratio": round(t_ms / s_ms, 3)}
+
+
+def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool = True) -> dict:
+    """The benchmark record (see the module docstring for the fields)."""
+    model = _load(device)
+    cfg = model.config
+    ids, qm, kr = make_inputs(cfg.vocab_size, seq_len, device)
+    t_ms, e_ms = side_by_side(lambda: run_ours(model, ids, qm, kr),
+                              lambda: run_eager(model, ids, qm, kr), repeat, device)
+    ours = run_ours(model, ids, qm, kr).double().cpu()
+    ref = run_eager(model, ids, qm, kr, prec64=True).double().cpu()
+    err = float((ours - ref).abs().max())
+    rec = {
+        "model": MODEL, "device": device.type, "seq_len": seq_len,
+        "time_ms": round(t_ms, 2), "eager_ms": round(e_ms, 2), "speedup": round(e_ms / t_ms, 3),
+        "peak_mem_mb": None, "eager_peak_mem_mb": None, "mem_ratio": None,
+        "max_abs_err": err,
+        "instruction_tokens": int(kr[0, 1]), "response_tokens": seq_len - int(kr[0, 1]),
+        "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(), "repeat": repeat,
+        "note": "both sides skip the LM head (logits_to_keep=1); peak memory = growth over one "
+                "forward in a fresh process",
+    }
+    if measure_memory:
+        dev = str(device)
+        p_ours = _peak_in_subprocess("ours", seq_len, dev)
+        p_eager = _peak_in_subprocess("eager", seq_len, dev)
+        rec.update(peak_mem_mb=round(p_ours, 1), eager_peak_mem_mb=round(p_eager, 1),
+                   mem_ratio=round(p_eager / max(p_ours, 1e-3), 2))
+    if device.type == "cuda":
+        d = cfg.hidden_size // cfg.num_attention_heads
+        rec["triton_vs_sdpa"] = [
+            triton_vs_sdpa(repeat, cfg.num_attention_heads, cfg.num_key_value_heads, seq_len, d),
+            triton_vs_sdpa(repeat, 32, 8, 4096, 128),
+        ]
+    return rec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the record as JSON")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="input tokens (instruction = first half, response = second half)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats per side (median)")
+    p.add_argument("--quick", action="store_true", help="128 tokens, one repeat (for tests)")
+    p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+
+
+def run(args: argparse.Namespace) -> int:
+    seq_len = 128 if args.quick else args.seq_len
+    repeat = 1 if args.quick else args.repeat
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    t0 = time.perf_counter()
+    rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory)
+    rec["bench_s"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(rec, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        for key, val in rec.items():
+            print(f"{key:>20}: {val}")
+    return 0
