@@ -32,14 +32,31 @@ def test_matches_reference(backend, with_bias):
     compare(out, ref64(hid, w, t, b), 2e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_bf16_and_temperature(backend):
+    dev = "cpu" if backend == "cpp" else DEVICE
     n, h, v = 9, 16, 777
     hid = torch.randn(n, h).bfloat16()
     w = (torch.randn(v, h) / 4).bfloat16()
     t = torch.randint(0, v, (n,))
-    out = ops.linear_token_stats(hid, w, t, temperature=0.7, backend=backend, chunk_vocab=100)
+    out = ops.linear_token_stats(hid.to(dev), w.to(dev), t.to(dev), temperature=0.7,
+                                 backend=backend, chunk_vocab=100)
     compare(out, ref64(hid.float(), w.float(), t, temperature=0.7), 2e-4)
+
+
+@pytest.mark.parametrize("tiles,block_m", [(1, 16), (3, 16), (2, 32)])
+def test_triton_chunk_merge(tiles, block_m):
+    """Several tiles per program and several chunks to merge; one row (N = 1) and N not a
+    multiple of the row block; a strided hidden view."""
+    from icqs_fast.backends import triton_backend
+
+    for n in (1, 19):
+        hid = torch.randn(n, 2 * 20)[:, ::2].to(DEVICE)  # column stride 2
+        w = (torch.randn(1000, 20) / 3).to(DEVICE)
+        t = torch.randint(0, 1000, (n,)).to(DEVICE)
+        out = triton_backend.linear_token_stats(hid, w, t, None, tiles=tiles, block_m=block_m,
+                                                block_n=64)
+        compare(out, ref64(hid.cpu(), w.cpu(), t.cpu()), 2e-4)
 
 
 _MEM_SCRIPT = r"""

@@ -125,6 +125,23 @@ def test_strided_rows(backend):
     compare(out, ref64(z, t), 2e-4)
 
 
+@pytest.mark.parametrize("block_v", [16, 64])
+def test_triton_small_blocks(block_v):
+    """Many vocabulary blocks per row: the max moves between blocks (rescaling), whole blocks
+    are -inf, the row starts with -inf blocks, and every logit carries a +1000 offset."""
+    from icqs_fast.backends import triton_backend
+
+    z = torch.randn(6, 517) * 3
+    z[0, :200] = float("-inf")  # leading -inf blocks
+    z[1, 100:300] = float("-inf")
+    z[2] += 1000.0
+    z[3] = torch.linspace(-20, 20, 517)  # max grows in every block
+    z[4] = torch.linspace(20, -20, 517)  # max found in the first block
+    t = torch.tensor([300, 50, 7, 516, 0, -100])
+    out = triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=block_v)
+    compare(out, ref64(z, t), 2e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_large_vocab(backend):
     """Qwen-sized vocabulary."""

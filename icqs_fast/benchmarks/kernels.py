@@ -159,10 +159,16 @@ def bench_linear(backend: str, device: torch.device, dtype: str, n: int, h: int,
     ints_ok = (torch.equal(out.target_rank, ref.target_rank)
                and torch.equal(out.is_greedy, ref.is_greedy))
     gflops = 2 * n * h * v / (t_ms * 1e-3) / 1e9
+    # The plain product alone (what the statistics are allowed to add at most 10% to), timed
+    # side by side with the fused op.
+    mm_ms, _ = side_by_side(lambda: hidden @ weight.t(), None, repeat, device)
     # gbps is not meaningful for a matmul-bound op: report its GFLOP/s instead.
     return _record("linear_token_stats", backend, BASELINE_LINEAR, device, dtype, (n, h, v),
                    t_ms, b_ms, None, err,
                    {**extra, "gflops": round(gflops, 1), "int_fields_exact": ints_ok,
+                    "matmul_ms": round(mm_ms, 3),
+                    "matmul_gflops": round(2 * n * h * v / (mm_ms * 1e-3) / 1e9, 1),
+                    "fraction_of_matmul": round(mm_ms / t_ms, 3),
                     "note": "shape is [N, H, V]; target_rank may differ from the float64 "
                             "reference where fp32 matmul rounding reorders near-ties"})
 

@@ -1,0 +1,154 @@
+"""Triton backend: ``token_stats`` and ``linear_token_stats`` on the kernels in
+``icqs_fast.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``).
+
+The kernels write the per-row fp32 state of :mod:`icqs_fast.backends.state`; this wrapper checks
+inputs, allocates outputs, merges partial states and calls :func:`state.finalize`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import TokenStats
+from . import state as _state
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def available() -> tuple[bool, str]:
+    """(True, version) when triton imports and can run here (a CUDA device or the interpreter)."""
+    from . import triton_interpreting
+
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        return False, f"triton does not import: {exc}"
+    try:
+        from ..kernels import linear_token_stats, token_stats  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return False, f"icqs_fast.kernels does not import: {exc}"
+    if torch.cuda.is_available():
+        return True, f"ok (triton {triton.__version__}, CUDA)"
+    if triton_interpreting():
+        return True, f"ok (triton {triton.__version__}, CPU interpreter: slow, for tests)"
+    return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+
+
+def _prepare(targets: torch.Tensor, ignore_index: int):
+    valid = targets != ignore_index
+    safe_t = torch.where(valid, targets, torch.zeros_like(targets)).long().contiguous()
+    return valid, safe_t
+
+
+def _shift(z_t: torch.Tensor, temperature: float) -> torch.Tensor:
+    # K = the target's x: the u sums are then of log-prob differences of moderate size.
+    return torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    *,
+    block_v: int | None = None,
+) -> TokenStats:
+    """Token statistics of ``logits [N, V]`` (fp32/fp16/bf16) at ``targets [N]`` int64, one
+    program per row reading it once. float64 logits go to the torch reference. ``block_v``
+    overrides the vocabulary block (tests use small ones to exercise the rescaling)."""
+    if logits.dtype not in _DTYPES:
+        from . import torch_ref
+
+        return torch_ref.token_stats(logits, targets, ignore_index, temperature,
+                                     compute_dtype=logits.dtype)
+    from ..kernels import token_stats as _k
+
+    n, v = logits.shape
+    if v == 0 and n:
+        raise ValueError("logits have an empty vocabulary dimension (V = 0)")
+    z = logits if (v <= 1 or logits.stride(1) == 1) else logits.contiguous()
+    valid, safe_t = _prepare(targets, ignore_index)
+    z_t = z.gather(1, safe_t[:, None])[:, 0].float().contiguous()
+    shift = _shift(z_t, temperature).contiguous()
+    st = torch.empty(n, _state.STATE_WIDTH, dtype=torch.float32, device=z.device)
+    counts = torch.empty(n, 2, dtype=torch.int64, device=z.device)
+    _k.reduce_rows(z, safe_t, z_t, shift, temperature, st, counts, block_v=block_v)
+    return _state.finalize(st.double(), counts, z_t.double(), valid, temperature)
+
+
+def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``[C, N, 7]`` partial states of disjoint vocabulary chunks into ``[N, 7]`` float64
+    (all chunks at once; same algebra as :func:`state.merge`)."""
+    s = pstate.double()
+    m = s[..., 0].amax(0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    nonempty = s[..., 1] > 0
+    d = torch.where(nonempty, s[..., 0] - m_safe, torch.zeros_like(s[..., 0]))
+    w = torch.where(nonempty, torch.exp(d), torch.zeros_like(d))
+    s0, s1, s2 = s[..., 1], s[..., 2], s[..., 3]
+    out = torch.stack([
+        m,
+        (w * s0).sum(0),
+        (w * (s1 + d * s0)).sum(0),
+        (w * (s2 + 2 * d * s1 + d * d * s0)).sum(0),
+        s[..., 4].sum(0), s[..., 5].sum(0), s[..., 6].sum(0),
+    ], dim=-1)
+    return out, pcounts.sum(0)
+
+
+def linear_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    *,
+    block_m: int | None = None,
+    block_n: int = 128,
+    block_k: int | None = None,
+    tiles: int | None = None,
+) -> TokenStats:
+    """Fused ``hidden @ weight.T`` + statistics (see :mod:`icqs_fast.kernels.linear_token_stats`).
+
+    Extra memory: ``[C, N, 7]`` fp32 + ``[C, N, 2]`` int64 partial states with
+    ``C = cdiv(V, block_n * tiles)`` chunks; never ``[N, V]``.
+    """
+    from ..kernels import linear_token_stats as _k
+    from . import triton_interpreting
+
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must share a float32/float16/bfloat16 dtype, got "
+                        f"{hidden.dtype} and {weight.dtype}")
+    if weight.device != hidden.device or targets.device != hidden.device:
+        raise ValueError("hidden, weight and targets must be on one device")
+    n, hdim = hidden.shape
+    v = weight.shape[0]
+    valid, safe_t = _prepare(targets, ignore_index)
+    # Target logits from one row-wise fp32 dot product (the kernel compares every logit to it).
+    z_t = (hidden.float() * weight.index_select(0, safe_t).float()).sum(-1)
+    if bias is not None:
+        bias = bias.contiguous()
+        z_t = z_t + bias.float().index_select(0, safe_t)
+    z_t = z_t.contiguous()
+    shift = _shift(z_t, temperature).contiguous()
+    interp = triton_interpreting() and hidden.device.type != "cuda"
+    if block_m is None:
+        block_m = 16 if interp else (64 if n >= 64 else 16)
+    if block_k is None:
+        block_k = min(64, max(16, 1 << (max(hdim, 1) - 1).bit_length()))
+    if tiles is None:
+        # Enough vocabulary per program to amortise the state write; enough programs to fill
+        # the GPU when N is small.
+        tiles = 1 if interp else max(1, min(16, v // (block_n * 64)))
+    chunks = -(-v // (block_n * tiles)) if v else 0
+    pstate = torch.empty(chunks, n, _state.STATE_WIDTH, dtype=torch.float32,
+                         device=hidden.device)
+    pcounts = torch.empty(chunks, n, 2, dtype=torch.int64, device=hidden.device)
+    if n and v:
+        _k.launch(hidden, weight, bias, safe_t, z_t, shift, temperature, pstate, pcounts,
+                  block_m=block_m, block_n=block_n, block_k=block_k, tiles=tiles,
+                  fp32_dot=interp or hidden.dtype == torch.float32)
+    st, counts = merge_partials(pstate, pcounts) if chunks else _state.empty(n, hidden.device)
+    return _state.finalize(st, counts, z_t.double(), valid, temperature)
