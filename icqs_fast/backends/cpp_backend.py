@@ -50,8 +50,8 @@ def _rows(z: torch.Tensor) -> torch.Tensor:
 def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Tensor,
             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     n, v = z.shape
-    state = torch.empty(n, _state.STATE_WIDTH, dtype=torch.float64)
-    counts = torch.empty(n, 2, dtype=torch.int64)
+    state = _state.new_buffer(n, _state.STATE_WIDTH, dtype=torch.float64)
+    counts = _state.new_buffer(n, 2, dtype=torch.int64)
     if n == 0:
         return state, counts
     # The kernel reads raw pointers: check every per-row input really is [N] on the CPU.

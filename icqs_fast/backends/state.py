@@ -28,6 +28,14 @@ from ..types import TokenStats
 STATE_WIDTH = 7
 
 
+def new_buffer(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+               ) -> torch.Tensor:
+    """Uninitialised output buffer for a kernel to fill. Every backend allocates through this
+    one function so tests can swap in a poisoned allocator (NaN / sentinel-filled) and catch any
+    element a kernel forgets to write."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 def empty(n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     state = torch.zeros(n, STATE_WIDTH, dtype=torch.float64, device=device)
     state[:, 0] = float("-inf")

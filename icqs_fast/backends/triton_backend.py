@@ -70,8 +70,8 @@ def token_stats(
     valid, safe_t = _prepare(targets, ignore_index)
     z_t = z.gather(1, safe_t[:, None])[:, 0].float().contiguous()
     shift = _shift(z_t, temperature).contiguous()
-    st = torch.empty(n, _state.STATE_WIDTH, dtype=torch.float32, device=z.device)
-    counts = torch.empty(n, 2, dtype=torch.int64, device=z.device)
+    st = _state.new_buffer(n, _state.STATE_WIDTH, dtype=torch.float32, device=z.device)
+    counts = _state.new_buffer(n, 2, dtype=torch.int64, device=z.device)
     _k.reduce_rows(z, safe_t, z_t, shift, temperature, st, counts, block_v=block_v)
     return _state.finalize(st.double(), counts, z_t.double(), valid, temperature)
 
@@ -143,9 +143,9 @@ def linear_token_stats(
         # the GPU when N is small.
         tiles = 1 if interp else max(1, min(16, v // (block_n * 64)))
     chunks = -(-v // (block_n * tiles)) if v else 0
-    pstate = torch.empty(chunks, n, _state.STATE_WIDTH, dtype=torch.float32,
+    pstate = _state.new_buffer(chunks, n, _state.STATE_WIDTH, dtype=torch.float32,
                          device=hidden.device)
-    pcounts = torch.empty(chunks, n, 2, dtype=torch.int64, device=hidden.device)
+    pcounts = _state.new_buffer(chunks, n, 2, dtype=torch.int64, device=hidden.device)
     if n and v:
         _k.launch(hidden, weight, bias, safe_t, z_t, shift, temperature, pstate, pcounts,
                   block_m=block_m, block_n=block_n, block_k=block_k, tiles=tiles,
