@@ -1,0 +1,262 @@
+"""Input readers (JSONL/CSV/TSV, field mapping, laziness, errors naming file+line+field), the
+flushing JSONL writer, the resume scan and the Financial PhraseBank reader."""
+
+import gzip
+import itertools
+import json
+
+import pytest
+
+from icqs_fast.io import (
+    InputError,
+    JsonlWriter,
+    detect_format,
+    fpb_examples,
+    read_examples,
+    read_fpb,
+    read_records,
+    read_resume_state,
+    shared_data_dir,
+)
+
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _jsonl(path, rows):
+    return _write(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def test_jsonl_records_ids_labels_and_blank_lines(tmp_path):
+    p = _write(tmp_path / "a.jsonl",
+               '{"x": "a", "y": "b", "id": 7, "gold": 1}\n\n   \n'
+               '{"x": "", "y": "d", "gold": "neg"}\n')
+    recs = list(read_records(p, label_field="gold"))
+    assert [(r.index, r.line, r.x, r.y, r.id, r.label) for r in recs] == [
+        (0, 1, "a", "b", 7, 1), (1, 4, "", "d", None, "neg")]
+
+
+def test_csv_quoting_multiline_and_mapping(tmp_path):
+    p = _write(tmp_path / "a.csv",
+               'uid,question,answer\n'
+               '1,"hello, ""world""",pos\n'
+               '2,"two\nlines",neg\n'
+               '\n'
+               '3,plain,"quoted, answer"\n')
+    recs = list(read_records(p, x_field="question", y_field="answer", id_field="uid"))
+    assert [(r.index, r.line, r.x, r.y, r.id) for r in recs] == [
+        (0, 2, 'hello, "world"', "pos", "1"),
+        (1, 3, "two\nlines", "neg", "2"),
+        (2, 6, "plain", "quoted, answer", "3"),
+    ]
+
+
+def test_tsv_is_plain_and_explicit_format(tmp_path):
+    # A GLUE-style TSV: quotes are text, not quoting.
+    p = _write(tmp_path / "dev.txt", 'sentence\tlabel\n"it \'s great\t1\nbad film\t0\n')
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        read_records(p)
+    recs = list(read_records(p, format="tsv", x_field="sentence", y_field="label",
+                             label_field="label"))
+    assert [(r.x, r.y, r.label, r.line) for r in recs] == [
+        ('"it \'s great', "1", "1", 2), ("bad film", "0", "0", 3)]
+
+
+def test_gzip_and_dotted_fields(tmp_path):
+    p = tmp_path / "a.jsonl.gz"
+    with gzip.open(p, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"q": {"turns": ["first", "second"]}, "a": {"text": "ans"}}) + "\n")
+    assert detect_format(p) == "jsonl"
+    (r,) = read_records(p, x_field="q.turns.1", y_field="a.text")
+    assert (r.x, r.y) == ("second", "ans")
+
+
+def test_detect_format():
+    assert detect_format("a.JSONL") == "jsonl"
+    assert detect_format("a.ndjson") == "jsonl"
+    assert detect_format("a.csv.gz") == "csv"
+    assert detect_format("x", "TSV") == "tsv"
+    with pytest.raises(ValueError, match="unknown input format"):
+        detect_format("a.csv", "xml")
+
+
+def test_read_examples(tmp_path):
+    p = _jsonl(tmp_path / "g.jsonl", [{"x": "a", "y": "b"}, {"x": "c", "y": "d"}])
+    assert read_examples(p) == [("a", "b"), ("c", "d")]
+    empty = _write(tmp_path / "e.jsonl", "\n")
+    with pytest.raises(InputError, match=r"e\.jsonl: no examples"):
+        read_examples(empty)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_examples(tmp_path / "nope.jsonl")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("line, field, pattern", [
+    ('{"x": "a"}', "y", r"field 'y': missing \(this record's keys: x\)"),
+    ('{"x": 3, "y": "b"}', "x", r"field 'x': must be a string, got int 3"),
+    ('{"x": "a", "y": null}', "y", r"field 'y': must be a string, got NoneType"),
+    ('{"x": "a", "y": "  "}', "y", r"field 'y': empty response"),
+    ('{"x": "a", "y": "b", "id": [1]}', "id", r"field 'id': must be a string or a number"),
+    ('{"x": "a", "y" "b"}', None, r"invalid JSON \(Expecting ':' delimiter at column 16\)"),
+    ('["a", "b"]', None, r"expected a JSON object, got list"),
+])
+def test_jsonl_errors_name_file_line_field(tmp_path, line, field, pattern):
+    p = _write(tmp_path / "in.jsonl", '{"x": "ok", "y": "ok"}\n\n' + line + "\n")
+    it = read_records(p)
+    assert next(it).x == "ok"
+    with pytest.raises(InputError, match=rf"in\.jsonl:3: {pattern}") as ei:
+        next(it)
+    err = ei.value
+    assert isinstance(err, ValueError)
+    assert (err.path, err.line, err.field) == (str(p), 3, field)
+
+
+def test_csv_errors(tmp_path):
+    p = _write(tmp_path / "in.csv", "x,y\na,b\nc\nd,e,f\ng,\n")
+    errs = []
+    recs = list(read_records(p, on_error=errs.append))
+    assert [r.x for r in recs] == ["a"]
+    msgs = [str(e) for e in errs]
+    assert msgs[0].endswith("in.csv:3: field 'y': missing (this record's columns: x)")
+    assert msgs[1].endswith("in.csv:4: 3 columns but the header has 2")
+    assert msgs[2].endswith("in.csv:5: field 'y': empty response (nothing to score)")
+    with pytest.raises(InputError, match=r"in\.csv:1: field 'answer': no such column in the "
+                                         r"header \(columns: x, y\)"):
+        list(read_records(p, y_field="answer"))
+
+
+def test_label_field_required(tmp_path):
+    p = _jsonl(tmp_path / "in.jsonl", [{"x": "a", "y": "b"}])
+    with pytest.raises(InputError, match=r"in\.jsonl:1: field 'gold': missing"):
+        list(read_records(p, label_field="gold"))
+
+
+def test_on_error_goes_on_and_indices_count_bad_rows(tmp_path):
+    p = _write(tmp_path / "in.jsonl",
+               '{"x": "a", "y": "b"}\nnot json\n{"x": "c"}\n{"x": "d", "y": "e"}\n')
+    errs = []
+    recs = list(read_records(p, on_error=errs.append))
+    assert [(r.index, r.line, r.x) for r in recs] == [(0, 1, "a"), (3, 4, "d")]
+    assert [(e.line, e.field) for e in errs] == [(2, None), (3, "y")]
+
+
+def test_skip_does_not_parse_skipped_rows(tmp_path):
+    p = _write(tmp_path / "in.jsonl", 'not json\n{"x": 1}\n{"x": "c", "y": "d"}\n')
+    (r,) = read_records(p, skip=2)
+    assert (r.index, r.line, r.x) == (2, 3, "c")
+    c = _write(tmp_path / "in.csv", 'x,y\n"multi\nline",1\nbad\nc,d\n')
+    (r,) = read_records(c, skip=2)
+    assert (r.index, r.line, r.x) == (2, 5, "c")
+
+
+def test_reading_is_lazy(tmp_path):
+    """Records come one at a time: the reader never looks past what was asked for (a broken
+    tail is not seen) and opens nothing until the first record is requested."""
+    p = tmp_path / "big.jsonl"
+    with open(p, "w", encoding="utf-8") as f:
+        for i in range(200_000):
+            f.write(f'{{"x": "q{i}", "y": "a{i}"}}\n')
+        f.write("{ broken\n")
+    it = read_records(p, id_field=None)
+    p.rename(tmp_path / "moved.jsonl")  # not opened yet, so the generator fails on first use
+    with pytest.raises(FileNotFoundError):
+        next(it)
+    it = read_records(tmp_path / "moved.jsonl")
+    first = list(itertools.islice(it, 3))
+    assert [r.x for r in first] == ["q0", "q1", "q2"]
+    it.close()
+    # And the whole file streams with a small footprint (a broken last line is still found).
+    n = 0
+    with pytest.raises(InputError, match=r"moved\.jsonl:200001: invalid JSON"):
+        for _ in read_records(tmp_path / "moved.jsonl"):
+            n += 1
+    assert n == 200_000
+
+
+def test_reader_memory_is_flat(tmp_path):
+    import tracemalloc
+
+    p = tmp_path / "big.csv"
+    with open(p, "w", encoding="utf-8") as f:
+        f.write("x,y\n")
+        for i in range(20_000):
+            f.write(f"question number {i},answer number {i}\n")
+    tracemalloc.start()
+    n = sum(1 for _ in read_records(p))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert n == 20_000
+    # Holding every record would take several MB (the file alone is ~0.8 MB).
+    assert peak < 500_000, peak
+
+
+# --------------------------------------------------------------------------- results
+
+
+def test_writer_flushes_each_record(tmp_path):
+    p = tmp_path / "sub" / "out.jsonl"
+    with JsonlWriter(p) as w:
+        w.write({"index": 0, "score": 0.5})
+        # Visible to another reader before close.
+        assert p.read_text(encoding="utf-8") == '{"index": 0, "score": 0.5}\n'
+        w.write({"index": 1, "s": "é"})
+    with JsonlWriter(p, append=True) as w:
+        w.write({"index": 2})
+    assert [json.loads(x)["index"] for x in p.read_text(encoding="utf-8").splitlines()] == [
+        0, 1, 2]
+
+
+def test_resume_state(tmp_path):
+    p = _write(tmp_path / "out.jsonl", '{"index": 0}\n{"index": 2, "id": "b"}\n{"index": 3, "sc')
+    st = read_resume_state(p)
+    assert st.count == 2 and st.last == {"index": 2, "id": "b"}
+    assert st.end == len('{"index": 0}\n{"index": 2, "id": "b"}\n')
+    assert read_resume_state(_write(tmp_path / "e.jsonl", "")).last is None
+    bad = _write(tmp_path / "bad.jsonl", '{"index": 0}\ngarbage\n{"index": 1}\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: not a complete result record"):
+        read_resume_state(bad)
+
+
+# --------------------------------------------------------------------------- real data
+
+
+def test_fpb_reader_on_small_file(tmp_path):
+    p = tmp_path / "fpb.txt"
+    p.write_bytes("Caf\xe9 sales rose .@positive\nA @ sign inside @ text .@negative\n\n"
+                  "Flat .@neutral\n".encode("latin-1"))
+    recs = list(read_fpb(p))
+    assert [(r.x, r.y, r.line) for r in recs] == [
+        ("Café sales rose .", "positive", 1), ("A @ sign inside @ text .", "negative", 2),
+        ("Flat .", "neutral", 4)]
+    bad = _write(tmp_path / "bad.txt", "fine .@positive\nno label here\n")
+    with pytest.raises(InputError, match=r"bad\.txt:2: field 'label': no '@label'"):
+        list(read_fpb(bad))
+    with pytest.raises(FileNotFoundError):
+        read_fpb(tmp_path / "missing.txt")
+
+
+FPB = shared_data_dir() / "fpb" / "Sentences_AllAgree.txt"
+
+
+@pytest.mark.skipif(not FPB.is_file(), reason=f"real data not available at {FPB} "
+                    "(../shared/data is not part of the repository)")
+def test_fpb_real_data():
+    recs = list(read_fpb())
+    assert len(recs) == 2264
+    counts = {lab: sum(r.y == lab for r in recs) for lab in ("positive", "negative", "neutral")}
+    assert counts == {"positive": 570, "negative": 303, "neutral": 1391}
+    good, bad, rest = fpb_examples(n_good=16, n_bad=16, seed=3)
+    assert len(good) == len(bad) == 16 and len(rest) == 2264 - 32
+    truth = {r.x: r.y for r in recs}
+    assert all(truth[x] == y for x, y in good)  # right labels
+    assert all(truth[x] != y and y != "neutral" for x, y in bad)  # flipped labels
+    assert {y for _, y in good} == {"positive", "negative"}
+    assert not {x for x, _ in good} & {x for x, _ in bad}
+    assert fpb_examples(n_good=16, n_bad=16, seed=3)[0] == good  # seeded
