@@ -1,0 +1,218 @@
+"""``icqs-fast score`` end to end on a tiny random Llama saved to disk, and ``icqs-fast demo``
+on the embedded model."""
+
+import json
+
+import pytest
+import torch
+
+from icqs_fast import ICQSScorer, models
+from icqs_fast.cli import main
+from icqs_fast.score_cli import meta_path
+
+GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
+    {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]
+BAD = [{"x": f"profit rose {i}%", "y": "negative"} for i in range(3)] + [
+    {"x": f"loss widened by {i} million", "y": "positive"} for i in range(3)]
+RESPONSES = [{"id": f"r{i}", "x": f"sales up {i}%", "y": ["positive", "negative"][i % 2],
+              "gold": i % 2} for i in range(8)]
+KW = ["--num-ratios", "3", "--demos-per-set", "2", "--sets-per-ratio", "2", "--seed", "1"]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
+                      max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir):
+    return models.load_model(tiny_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def files(tmp_path, tiny_dir, loaded, monkeypatch):
+    """Input/demo files, and load_model answering from the already loaded tiny model (the
+    first test below loads it for real through the CLI)."""
+    real = models.load_model
+
+    def cached(name_or_path=None, **kw):
+        if name_or_path is not None and str(name_or_path) == str(tiny_dir):
+            return loaded
+        return real(name_or_path, **kw)
+
+    monkeypatch.setattr(models, "load_model", cached)
+    g = _jsonl(tmp_path / "good.jsonl", GOOD)
+    b = _jsonl(tmp_path / "bad.jsonl", BAD)
+    return tmp_path, g, b
+
+
+def _score(inp, out, g, b, model, *extra):
+    return main(["score", str(inp), "-o", str(out), "--good", str(g), "--bad", str(b),
+                 "--model", str(model), *KW, *extra])
+
+
+def test_score_writes_valid_lines(tmp_path, tiny_dir, capsys):
+    g = _jsonl(tmp_path / "good.jsonl", GOOD)
+    b = _jsonl(tmp_path / "bad.jsonl", BAD)
+    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES)
+    out = tmp_path / "out.jsonl"
+    assert _score(inp, out, g, b, tiny_dir, "--label-field", "gold", "--backend", "torch") == 0
+    err = capsys.readouterr().err
+    assert "scored 8 responses" in err and "responses/s" in err and "mean score" in err
+    assert "mean score by label: 0:" in err
+    rows = _read(out)
+    assert [r["index"] for r in rows] == list(range(8))
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(8)]
+    assert [r["line"] for r in rows] == list(range(1, 9))
+    assert [r["label"] for r in rows] == [i % 2 for i in range(8)]
+    # Same numbers as the library with the same settings.
+    model, tok = models.load_model(tiny_dir, dtype="float32", device="cpu")
+    scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],
+                        [(d["x"], d["y"]) for d in BAD], num_ratios=3, demos_per_set=2,
+                        sets_per_ratio=2, seed=1, backend="torch")
+    ref = list(scorer.score([(r["x"], r["y"]) for r in RESPONSES]))
+    for r, e in zip(rows, ref, strict=True):
+        assert r["ratios"] == [0.0, 0.5, 1.0]
+        assert r["score"] == e.score and r["score_per_set"] == e.score_per_set
+        assert torch.allclose(torch.tensor(r["loglik"]), e.loglik, atol=1e-5)
+        assert len(r["loglik"]) == 3 and len(r["loglik"][0]) == 2
+        assert r["n_response_tokens"] == e.n_response_tokens
+        assert r["n_prompt_tokens"] == e.n_prompt_tokens.tolist()
+        assert "n_dropped_demos" not in r
+    assert json.loads(meta_path(out).read_text())["seed"] == 1
+
+
+def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
+    d, g, b = files
+    rows = [json.dumps(r) for r in RESPONSES]
+    rows[4] = json.dumps({"id": "r4", "x": "sales up"})  # line 5: no y
+    inp = _jsonl(d / "in.jsonl", rows)
+    out = d / "out.jsonl"
+    # A budget that pulls several responses into the first forward: those before the bad line
+    # must still be scored and written.
+    assert _score(inp, out, g, b, tiny_dir, "--token-budget", "4000") == 2
+    err = capsys.readouterr().err
+    assert f"icqs-fast: error: {inp}:5: field 'y': missing" in err
+    assert "--resume" in err
+    assert [r["index"] for r in _read(out)] == [0, 1, 2, 3]
+
+    # Without --resume an existing output is not overwritten.
+    assert _score(inp, out, g, b, tiny_dir) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    # Other settings than the output was written with: refused.
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--seed", "2") == 2
+    assert "seed differ" in capsys.readouterr().err
+
+    _jsonl(inp, RESPONSES)  # fixed
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--token-budget", "4000") == 0
+    assert "4 records there, continuing at input record 4" in capsys.readouterr().err
+    got = _read(out)
+    assert [r["index"] for r in got] == list(range(8))
+    assert [r["id"] for r in got] == [f"r{i}" for i in range(8)]
+
+    # Resuming a complete output adds nothing; a record cut off mid-write is replaced.
+    assert _score(inp, out, g, b, tiny_dir, "--resume") == 0
+    assert _read(out) == got
+    text = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text("".join(text[:6]) + text[6][:25], encoding="utf-8")
+    assert _score(inp, out, g, b, tiny_dir, "--resume") == 0
+    assert "removed an incomplete last line" in capsys.readouterr().err
+    again = _read(out)
+    assert [r["index"] for r in again] == list(range(8))
+    for r, e in zip(again, got, strict=True):
+        assert r["score"] == e["score"]
+        assert torch.allclose(torch.tensor(r["loglik"]), torch.tensor(e["loglik"]), atol=1e-5)
+
+    # An input that changed under the output (other id at the last written index): refused.
+    changed = [dict(r, id=f"new{i}") for i, r in enumerate(RESPONSES)] + [RESPONSES[0]]
+    _jsonl(inp, changed)
+    assert _score(inp, out, g, b, tiny_dir, "--resume") == 2
+    assert "the input changed" in capsys.readouterr().err
+
+
+def test_on_error_skip(files, tiny_dir, capsys):
+    d, g, b = files
+    rows = [json.dumps(r) for r in RESPONSES]
+    rows[1] = "{not json"
+    rows[3] = json.dumps({"id": "r3", "x": "a", "y": 5})
+    rows[5] = json.dumps({"id": "r5", "x": "long text " * 80, "y": "positive"})  # too long
+    inp = _jsonl(d / "in.jsonl", rows)
+    out = d / "out.jsonl"
+    assert _score(inp, out, g, b, tiny_dir, "--on-error", "skip", "--max-length", "120",
+                  "--token-budget", "4000") == 0
+    err = capsys.readouterr().err
+    assert f"skipping bad record: {inp}:2: invalid JSON" in err
+    assert f"skipping bad record: {inp}:4: field 'y': must be a string, got int 5" in err
+    assert f"skipping bad record: {inp}:6: prompt of" in err
+    assert "3 bad records skipped" in err
+    assert [r["index"] for r in _read(out)] == [0, 2, 4, 6, 7]
+
+
+def test_too_long_record_stops_after_earlier_ones(files, tiny_dir, capsys):
+    """A record only the scorer can reject (prompt too long) stops the run too, with the
+    records pulled before it still scored and written."""
+    d, g, b = files
+    rows = list(RESPONSES)
+    rows[5] = {"id": "r5", "x": "long text " * 80, "y": "positive"}
+    inp = _jsonl(d / "in.jsonl", rows)
+    out = d / "out.jsonl"
+    assert _score(inp, out, g, b, tiny_dir, "--max-length", "120", "--token-budget",
+                  "4000") == 2
+    assert f"icqs-fast: error: {inp}:6: prompt of" in capsys.readouterr().err
+    assert [r["index"] for r in _read(out)] == [0, 1, 2, 3, 4]
+
+
+def test_csv_input_and_missing_files(files, tiny_dir, capsys):
+    d, g, b = files
+    inp = d / "in.csv"
+    inp.write_text("uid,question,answer\n1,revenue fell,negative\n2,\"profit, up\",positive\n",
+                   encoding="utf-8")
+    out = d / "out.jsonl"
+    assert _score(inp, out, g, b, tiny_dir, "--x-field", "question", "--y-field", "answer",
+                  "--id-field", "uid") == 2  # the demo files have no question/answer fields
+    assert f"{g}:1: field 'question': missing" in capsys.readouterr().err
+    g2 = _jsonl(d / "g2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in GOOD])
+    b2 = _jsonl(d / "b2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in BAD])
+    assert _score(inp, out, g2, b2, tiny_dir, "--x-field", "question", "--y-field", "answer",
+                  "--id-field", "uid", "--overwrite") == 0
+    assert [(r["id"], r["line"]) for r in _read(out)] == [("1", 2), ("2", 3)]
+    assert _score(d / "nope.jsonl", out, g, b, tiny_dir, "--overwrite") == 2
+    assert "no such input file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_json_on_embedded_model(capsys):
+    # Smaller than the default demo (M+1=5, L=4, N=8 takes ~50 s on 2 busy CPU cores).
+    assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
+                 "--demos-per-set", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["ratios"] == [0.0, 0.5, 1.0]
+    res = doc["results"]
+    assert len(res) == 16
+    assert {r["quality"] for r in res} == {"good", "bad"}
+    for r in res:
+        assert r["score"] in (0.0, 0.5, 1.0) and len(r["score_per_set"]) == 1
+        assert all(v < 0 for row in r["loglik"] for v in row)
+    s = doc["summary"]
+    assert s["n_responses"] == 16 and s["score_seconds"] > 0
+    assert -1 <= s["difference"] <= 1
