@@ -89,7 +89,8 @@ def score_records(
             if not pending or not msg.startswith(tag):
                 raise  # not about one record
             bad = pending.pop()
-            reason = msg[len(tag):]
+            reason = msg[len(tag):].replace("pass drop_oldest_demos=True",
+                                            "pass drop_oldest_demos=True (--drop-oldest-demos)")
             field = y_field if "field 'y'" in reason else None
             err = InputError(path, bad.line, field, reason.replace("field 'y' ", "").strip())
             replay.extendleft(reversed(pending))
