@@ -244,6 +244,8 @@ def read_records(
     name = _display(path)
     if name != "<stdin>" and not os.path.exists(os.fspath(path)):
         raise FileNotFoundError(f"no such input file: {name}")
+    if name != "<stdin>" and os.path.isdir(os.fspath(path)):
+        raise InputError(name, None, None, "is a folder, not an input file")
     return _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip,
                     on_error)
 

@@ -93,6 +93,9 @@ def test_read_examples(tmp_path):
         read_examples(empty)
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         read_examples(tmp_path / "nope.jsonl")
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(InputError, match=r"dir\.jsonl: is a folder"):
+        read_examples(tmp_path / "dir.jsonl")
 
 
 # --------------------------------------------------------------------------- errors
