@@ -38,7 +38,7 @@ def data_file(name: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.split("\n\n")[0]
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
     p.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")

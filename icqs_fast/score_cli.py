@@ -159,7 +159,7 @@ class Summary:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.split("\n\n")[0]
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
     p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz); '-' = JSONL stdin")
     p.add_argument("-o", "--output", required=True, help="results JSONL (one line per response)")
     p.add_argument("--good", required=True, help="good demonstrations (JSONL/CSV/TSV, x/y fields)")
