@@ -216,3 +216,27 @@ def test_demo_json_on_embedded_model(capsys):
     s = doc["summary"]
     assert s["n_responses"] == 16 and s["score_seconds"] > 0
     assert -1 <= s["difference"] <= 1
+
+
+def test_score_records_streams(loaded):
+    """Results come out while the input is still being read (one forward's worth at a time)."""
+    from icqs_fast.io import Record
+    from icqs_fast.score_cli import score_records
+
+    model, tok = loaded
+    scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],
+                        [(d["x"], d["y"]) for d in BAD], num_ratios=3, demos_per_set=2,
+                        sets_per_ratio=2, token_budget=300)
+    pulled = []
+
+    def records():
+        for i in range(40):
+            pulled.append(i)
+            yield Record(index=i, line=i + 1, x=f"sales up {i}%", y="positive")
+
+    seen = []
+    for rec, res in score_records(scorer, records()):
+        seen.append((rec.index, len(pulled)))
+        assert res.index >= 0
+    assert [i for i, _ in seen] == list(range(40))
+    assert seen[0][1] < 10  # the first result came long before the 40th record was read
