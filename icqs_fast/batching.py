@@ -146,12 +146,17 @@ def suffix_hidden(
     entries: Sequence[int],
     suffixes: Sequence[Sequence[int]],
     pad_id: int,
+    cascade: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded forward of ``R`` suffixes, row ``i`` continuing bank entry ``entries[i]``.
 
     Args:
         entries: ``R`` bank entry indices.
         suffixes: ``R`` non-empty token id lists.
+        cascade: run the attention as cascade attention against the bank's shared prefix
+            states (:mod:`icqs_fast.cascade`: no per-row KV copy; fastest when the rows are
+            ordered by entry); None = when the model supports it (Llama family, GPT-2).
+            False = the per-row KV-copy path below (any model with a transformers KV cache).
 
     Returns:
         ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
@@ -159,6 +164,12 @@ def suffix_hidden(
     """
     from transformers import DynamicCache
 
+    from . import cascade as casc
+
+    if cascade is None:
+        cascade = casc.supports_cascade(model)
+    if cascade:
+        return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id)
     dev = model_device(model)
     kv, prefix_mask, lens = bank.gather(entries)
     r = len(suffixes)
@@ -176,3 +187,47 @@ def suffix_hidden(
     out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                               position_ids=pos.to(dev), past_key_values=cache, use_cache=True)
     return out.last_hidden_state, smask.bool().to(dev)
+
+
+def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
+                           suffixes: Sequence[Sequence[int]], pad_id: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`suffix_hidden` through :func:`icqs_fast.cascade.cascade_attention`: the forward
+    sees only the suffix tokens (no KV cache, explicit position ids ``p_i + t``); rows are put
+    in entry-major order for the attention (and back afterwards, when they were not)."""
+    from .cascade import CascadePlan, cascade_plan
+
+    dev = model_device(model)
+    r = len(suffixes)
+    order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry
+    ordered = order == list(range(r))
+    ent = [entries[i] for i in order]
+    s = max(len(x) for x in suffixes)
+    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
+    smask = torch.zeros((r, s), dtype=torch.bool)
+    for row, i in enumerate(order):
+        x = suffixes[i]
+        ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        smask[row, : len(x)] = True
+    lens = torch.tensor([bank.lengths[e] for e in ent], dtype=torch.long)
+    pos = lens[:, None] + torch.arange(s)[None, :]
+    groups_e, starts, counts = [], [], []
+    for row, e in enumerate(ent):
+        if groups_e and groups_e[-1] == e:
+            counts[-1] += 1
+        else:
+            groups_e.append(e)
+            starts.append(row)
+            counts.append(1)
+    plan = CascadePlan(bank.keys, bank.values, groups_e, starts, counts,
+                       [bank.lengths[e] for e in groups_e])
+    with cascade_plan(model, plan):
+        out = decoder_body(model)(input_ids=ids.to(dev), position_ids=pos.to(dev),
+                                  use_cache=False)
+    hidden = out.last_hidden_state
+    if not ordered:
+        inv = torch.empty(r, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(r)
+        hidden = hidden.index_select(0, inv.to(dev))
+        smask = smask[inv]
+    return hidden, smask.to(dev)
