@@ -1,0 +1,447 @@
+"""Glass-box self-evaluation features: how confident the evaluator model is about a response.
+
+Every feature is computed from one padded forward of ``prompt + response`` per batch, where the
+prompt is the instruction formatted with the tokenizer's chat template (or a plain
+``### Instruction / ### Response`` template when there is none). Prompt and response are
+tokenised separately and their ids concatenated, so the response tokens never depend on the
+prompt. In the standard mode the response token ``y_t`` at position ``t`` is scored by the hidden
+state at position ``t - 1``; the LM-head statistics come from :func:`icqs_fast.ops.
+linear_token_stats` on the gathered response hidden states (the ``[tokens, vocab]`` log-softmax
+is never built).
+
+Features (per response; ``FEATURE_DIRECTION`` gives +1 where higher = better quality and -1
+where lower = better, the reading of the SelfEval paper, in which entropy / variance /
+disagreement are uncertainty and uncertainty means lower quality):
+
+==================  ==========================================================================  ===
+``sent_logprob``    mean over response tokens of ``log p(y_t | prefix)``                        +1
+``softmax_ent``     mean over response tokens of the Shannon entropy ``-sum_v p_v log p_v``     -1
+``softmax_var``     mean over response tokens of the (unbiased) variance of ``log p_v`` over    -1
+                    the vocabulary (``TokenStats.logprob_var``; equals the variance of the
+                    logits, since log-softmax only shifts them)
+``token_prob_var``  variance (population, ddof=0; 0 for one token) over response tokens of      -1
+                    ``p(y_t)``
+``softmax_combo``   ``(minmax(softmax_ent) + minmax(softmax_var)) / 2``, min-max over the        -1
+                    items scored in the same call (a constant feature normalises to 0)
+``attn_ent_avg``    attention entropy of each response query over the instruction keys (the     -1
+                    instruction's own tokens, not the template or history), renormalised over
+                    those keys, averaged over response tokens per layer x head, then averaged
+                    over layer x head
+``attn_ent_min``    the same, minimised over layer x head                                        -1
+==================  ==========================================================================  ===
+
+``mode="selfeval-compat"`` reproduces the formulas of the original SelfEval code (a plain torch
+path over the full logits, for comparison only). With ``p`` = prompt length and ``L`` = sequence
+length of a row and ``z = logits``:
+
+* ``sent_logprob`` = mean of ``log_softmax(z[p-1:L-1])`` gathered at ``ids[p:L]`` (the usual
+  window);
+* ``softmax_ent`` = mean over positions ``[p, L)`` - i.e. the window shifted by one, the last
+  position predicting past the response and the first response token's own prediction left out -
+  of ``mean_v(log_softmax(z)_v * z_v)`` (no minus sign, a mean over the vocabulary, not a sum;
+  it is *not* a Shannon entropy);
+* ``softmax_var`` = mean over the same shifted positions of ``torch.var(log_softmax(z), -1)``
+  (unbiased);
+* ``token_prob_var`` = unbiased ``torch.var`` over the usual window of ``p(y_t)`` (NaN for one
+  token);
+* ``softmax_combo`` and the attention features as in the standard mode.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from . import ops
+from .batching import decoder_body, model_device
+
+FEATURE_DIRECTION: dict[str, int] = {
+    "sent_logprob": +1,
+    "softmax_ent": -1,
+    "softmax_var": -1,
+    "token_prob_var": -1,
+    "softmax_combo": -1,
+    "attn_ent_avg": -1,
+    "attn_ent_min": -1,
+    # ensembles (icqs_fast.ensembles)
+    "unt_exp": +1,
+    "unt_var": -1,
+}
+"""+1: higher value = better response; -1: lower value = better response."""
+
+ALL_FEATURES: tuple[str, ...] = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var",
+                                 "softmax_combo", "attn_ent_avg", "attn_ent_min")
+ATTN_FEATURES = ("attn_ent_avg", "attn_ent_min")
+MODES = ("standard", "selfeval-compat")
+
+_SENTINEL = "\u0000ICQS_INSTRUCTION\u0000"
+
+
+@dataclass(frozen=True)
+class GlassboxItem:
+    """One response to score.
+
+    Attributes:
+        instruction: the (current-turn) user instruction.
+        response: the scored assistant answer.
+        reference: optional reference answer (used by the reference augmentations).
+        history: earlier ``(user, assistant)`` turns placed before the instruction (e.g. MT-Bench
+            turn 1 when scoring turn 2).
+        system_prompt: per-item system prompt; overrides the call's ``system_prompt``.
+    """
+
+    instruction: str
+    response: str
+    reference: str | None = None
+    history: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    system_prompt: str | None = None
+
+
+def as_item(x: Any) -> GlassboxItem:
+    """Normalise ``(instruction, response[, reference])`` tuples, dicts with those keys (plus
+    optional ``history`` and ``system_prompt``) or :class:`GlassboxItem` objects."""
+    if isinstance(x, GlassboxItem):
+        return x
+    if isinstance(x, Mapping):
+        missing = [k for k in ("instruction", "response") if k not in x]
+        if missing:
+            raise ValueError(f"item {x!r:.80} lacks field(s) {missing}")
+        hist = tuple((str(q), str(a)) for q, a in (x.get("history") or ()))
+        return GlassboxItem(str(x["instruction"]), str(x["response"]), x.get("reference"), hist,
+                            x.get("system_prompt"))
+    if isinstance(x, (tuple, list)) and len(x) in (2, 3):
+        return GlassboxItem(str(x[0]), str(x[1]), x[2] if len(x) == 3 else None)
+    raise TypeError(f"an item must be (instruction, response[, reference]), a dict or a "
+                    f"GlassboxItem, got {type(x).__name__}")
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+@dataclass
+class _Encoded:
+    ids: list[int]
+    prompt_len: int
+    instr: tuple[int, int]  # key range of the instruction's own tokens
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _ids(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
+           use_chat_template: bool | None = None) -> _Encoded:
+    """Token ids of ``prompt + response`` and where the instruction sits.
+
+    The prompt text is built with a sentinel in place of the instruction and split around it, so
+    ``head``, ``instruction``, ``tail`` and ``response`` are tokenised separately and concatenated.
+    """
+    sp = item.system_prompt if item.system_prompt is not None else system_prompt
+    chat = _has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
+    if chat:
+        msgs = [{"role": "system", "content": sp}] if sp else []
+        for q, a in item.history:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": _SENTINEL})
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        special = False  # the template writes its own special tokens
+    else:
+        text = (sp + "\n\n") if sp else ""
+        for q, a in item.history:
+            text += f"### Instruction:\n{q}\n\n### Response:\n{a}\n\n"
+        text += f"### Instruction:\n{_SENTINEL}\n\n### Response:\n"
+        special = True
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template did not keep the instruction as one piece of text")
+    head, tail = text.split(_SENTINEL)
+    h = _ids(tokenizer, head, special)
+    ins = _ids(tokenizer, item.instruction)
+    t = _ids(tokenizer, tail)
+    prompt = h + ins + t
+    if not prompt:
+        raise ValueError("empty prompt: the instruction and template produce no tokens")
+    resp = _ids(tokenizer, item.response)
+    return _Encoded(prompt + resp, len(prompt), (len(h), len(h) + len(ins)))
+
+
+# --------------------------------------------------------------------------- main entry
+
+
+def _check_features(features: Iterable[str]) -> list[str]:
+    feats = list(features)
+    bad = [f for f in feats if f not in ALL_FEATURES]
+    if bad:
+        raise ValueError(f"unknown feature(s) {bad}; choose from {list(ALL_FEATURES)}")
+    return feats
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pid = getattr(tokenizer, "pad_token_id", None)
+    if pid is None:
+        pid = getattr(tokenizer, "eos_token_id", None)
+    return int(pid) if pid is not None else 0
+
+
+def _batches(encs: list[_Encoded], batch_size: int) -> list[list[int]]:
+    order = sorted(range(len(encs)), key=lambda i: len(encs[i].ids))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _padded(encs: list[_Encoded], idx: list[int], pad_id: int, dev: torch.device):
+    t = max(len(encs[i].ids) for i in idx)
+    ids = torch.full((len(idx), t), pad_id, dtype=torch.long)
+    am = torch.zeros((len(idx), t), dtype=torch.long)
+    for r, i in enumerate(idx):
+        n = len(encs[i].ids)
+        ids[r, :n] = torch.tensor(encs[i].ids, dtype=torch.long)
+        am[r, :n] = 1
+    return ids.to(dev), am.to(dev)
+
+
+def _attn_summary(ent: torch.Tensor | None, r: int, p: int, n: int) -> dict[str, float]:
+    if ent is None or n == 0:
+        return {"attn_ent_avg": math.nan, "attn_ent_min": math.nan}
+    per_head = ent[r, :, :, p:n].double().mean(-1)  # [layers, heads]
+    return {"attn_ent_avg": float(per_head.mean()), "attn_ent_min": float(per_head.min())}
+
+
+def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
+    dev = model_device(model)
+    ids, am = _padded(encs, idx, pad_id, dev)
+    body = decoder_body(model)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
+    ent = None
+    if want_attn:
+        from .attention import capture_attention_entropy
+
+        qm = torch.zeros(ids.shape, dtype=torch.bool, device=dev)
+        kr = torch.zeros((len(idx), 2), dtype=torch.long, device=dev)
+        for r, i in enumerate(idx):
+            qm[r, encs[i].prompt_len:len(encs[i].ids)] = True
+            kr[r, 0], kr[r, 1] = encs[i].instr
+        attn_backend = backend if backend in ("torch", "triton") else "auto"
+        with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
+            out = body(input_ids=ids, attention_mask=am, use_cache=False)
+        ent = cap.entropy
+    else:
+        out = body(input_ids=ids, attention_mask=am, use_cache=False)
+    hidden = out[0]
+    rows, cols, spans = [], [], []
+    start = 0
+    for r, i in enumerate(idx):
+        p, n = encs[i].prompt_len, len(encs[i].ids)
+        rows += [r] * (n - p)
+        cols += list(range(p - 1, n - 1))
+        spans.append((start, start + n - p))
+        start += n - p
+    rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    cols_t = torch.tensor(cols, dtype=torch.long, device=dev)
+    h = hidden[rows_t, cols_t]
+    targets = ids[rows_t, cols_t + 1]
+    ts = ops.linear_token_stats(h, head.weight, targets, bias=getattr(head, "bias", None),
+                                backend=backend)
+    res = []
+    for r, i in enumerate(idx):
+        s, e = spans[r]
+        n = e - s
+        d: dict[str, float] = {"n_tokens": n}
+        if n == 0:
+            d.update(sent_logprob=math.nan, softmax_ent=math.nan, softmax_var=math.nan,
+                     token_prob_var=math.nan)
+        else:
+            lp = ts.logprob[s:e].double()
+            d["sent_logprob"] = float(lp.mean())
+            d["softmax_ent"] = float(ts.entropy[s:e].double().mean())
+            d["softmax_var"] = float(ts.logprob_var[s:e].double().mean())
+            d["token_prob_var"] = float(lp.exp().var(unbiased=False))
+        d.update(_attn_summary(ent, r, encs[i].prompt_len, len(encs[i].ids)))
+        res.append(d)
+    return res
+
+
+def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
+                      ) -> dict[str, float]:
+    """The SelfEval code's formulas for one unpadded row (``logits [L, V]``, ``ids [L]``); see
+    the module docstring. Plain torch in the logits' dtype."""
+    p = prompt_len
+    lsm = torch.log_softmax(logits[p - 1:-1], dim=-1)
+    lp = lsm.gather(-1, ids[p:, None])[:, 0]
+    z = logits[p:]
+    lz = torch.log_softmax(z, dim=-1)
+    return {
+        "n_tokens": int(ids.shape[0] - p),
+        "sent_logprob": float(lp.mean()),
+        "softmax_ent": float((lz * z).mean(-1).mean()),
+        "softmax_var": float(torch.var(lz, dim=-1).mean()),
+        "token_prob_var": float(torch.var(lp.exp())),
+    }
+
+
+def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
+    dev = model_device(model)
+    ids, am = _padded(encs, idx, pad_id, dev)
+    ent = None
+    if want_attn:
+        from .attention import capture_attention_entropy
+
+        qm = torch.zeros(ids.shape, dtype=torch.bool, device=dev)
+        kr = torch.zeros((len(idx), 2), dtype=torch.long, device=dev)
+        for r, i in enumerate(idx):
+            qm[r, encs[i].prompt_len:len(encs[i].ids)] = True
+            kr[r, 0], kr[r, 1] = encs[i].instr
+        attn_backend = backend if backend in ("torch", "triton") else "auto"
+        with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
+            logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+        ent = cap.entropy
+    else:
+        logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+    res = []
+    nan = math.nan
+    for r, i in enumerate(idx):
+        p, n = encs[i].prompt_len, len(encs[i].ids)
+        if n == p:
+            d = {"n_tokens": 0, "sent_logprob": nan, "softmax_ent": nan, "softmax_var": nan,
+                 "token_prob_var": nan}
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # var of one token: NaN, as in the original
+                d = selfeval_formulas(logits[r, :n].float(), ids[r, :n], p)
+        d.update(_attn_summary(ent, r, p, n))
+        res.append(d)
+    return res
+
+
+def _minmax(vals: list[float]) -> list[float]:
+    ok = [v for v in vals if math.isfinite(v)]
+    if not ok:
+        return [math.nan] * len(vals)
+    lo, hi = min(ok), max(ok)
+    if hi == lo:
+        return [0.0 if math.isfinite(v) else math.nan for v in vals]
+    return [(v - lo) / (hi - lo) if math.isfinite(v) else math.nan for v in vals]
+
+
+def add_softmax_combo(rows: list[dict[str, float]]) -> None:
+    """Set ``softmax_combo`` in place: min-max normalised entropy and variance, averaged."""
+    ne = _minmax([r["softmax_ent"] for r in rows])
+    nv = _minmax([r["softmax_var"] for r in rows])
+    for r, a, b in zip(rows, ne, nv, strict=True):
+        r["softmax_combo"] = (a + b) / 2
+
+
+@torch.no_grad()
+def glassbox(
+    model: Any,
+    tokenizer: Any,
+    items: Sequence[Any],
+    *,
+    features: Iterable[str] = ALL_FEATURES,
+    mode: str = "standard",
+    batch_size: int = 4,
+    system_prompt: str | None = None,
+    backend: str = "auto",
+    use_chat_template: bool | None = None,
+    reference: str | None = None,
+    calibration_factor: float = 1.0,
+) -> list[dict[str, float]]:
+    """Glass-box features of each response (see the module docstring for definitions and the
+    sign convention, ``FEATURE_DIRECTION``).
+
+    Args:
+        model, tokenizer: a Hugging Face causal LM (Llama/SmolLM2, GPT-2, ...) and its tokenizer.
+        items: ``(instruction, response[, reference])`` tuples, dicts or :class:`GlassboxItem`.
+        features: names from ``ALL_FEATURES``.
+        mode: ``"standard"`` or ``"selfeval-compat"``.
+        batch_size: items per padded forward (items are sorted by length first; results come
+            back in input order and do not depend on the batching).
+        system_prompt: system prompt for every item without its own.
+        backend: token-statistics backend (``"auto"``, ``"cpp"``, ``"torch"``, ``"triton"``);
+            the attention entropy uses ``"torch"``/``"triton"`` when named, else auto.
+        use_chat_template: None = use the tokenizer's chat template when it has one.
+        reference: None; ``"illustrate"``: items with a reference get ``(instruction, reference)``
+            prepended as a demonstration turn; ``"calibrate"``: every feature becomes
+            ``feature(response) - calibration_factor * feature(reference as the response)``
+            (items without a reference keep the plain feature).
+        calibration_factor: the factor of ``"calibrate"``.
+
+    Returns:
+        one dict per item, in order, with the requested features plus ``n_tokens`` (response
+        tokens). Features of an empty response are NaN.
+    """
+    feats = _check_features(features)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {list(MODES)}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    its = [as_item(x) for x in items]
+    if reference not in (None, "illustrate", "calibrate"):
+        raise ValueError(f"reference must be None, 'illustrate' or 'calibrate', got {reference!r}")
+    if reference == "illustrate":
+        its = [illustrate(it) for it in its]
+    elif reference == "calibrate":
+        kw = dict(features=feats, mode=mode, batch_size=batch_size, system_prompt=system_prompt,
+                  backend=backend, use_chat_template=use_chat_template)
+        return calibrate(model, tokenizer, its, factor=calibration_factor, **kw)
+    if not its:
+        return []
+    encs = [encode(tokenizer, it, system_prompt, use_chat_template) for it in its]
+    want_attn = any(f in ATTN_FEATURES for f in feats)
+    fn = _standard_batch if mode == "standard" else _compat_batch
+    pad_id = _pad_id(tokenizer)
+    rows: list[dict[str, float] | None] = [None] * len(its)
+    for idx in _batches(encs, batch_size):
+        for i, d in zip(idx, fn(model, encs, idx, pad_id, want_attn, backend), strict=True):
+            rows[i] = d
+    full = [r for r in rows if r is not None]
+    if "softmax_combo" in feats:
+        add_softmax_combo(full)
+    return [{"n_tokens": r["n_tokens"], **{f: r[f] for f in feats}} for r in full]
+
+
+# --------------------------------------------------------------------------- references
+
+
+def illustrate(item: Any, template: str | None = None) -> GlassboxItem:
+    """In-context illustration: the instruction with its reference answer, prepended as an
+    earlier demonstration turn ``(instruction, reference)``; items without a reference are
+    returned unchanged."""
+    it = as_item(item)
+    if not it.reference:
+        return it
+    return replace(it, history=((it.instruction, it.reference),) + tuple(it.history))
+
+
+def calibrate(model: Any, tokenizer: Any, items: Sequence[Any], *, factor: float = 1.0,
+              **kwargs: Any) -> list[dict[str, float]]:
+    """Reference calibration: ``feature(response) - factor * feature(reference)``, where the
+    reference answer is scored as if it were the response to the same prompt. Both sets are
+    scored in one :func:`glassbox` call (``softmax_combo`` is then normalised over responses and
+    references together). Items without a reference keep their uncalibrated features."""
+    its = [as_item(x) for x in items]
+    has_ref = [bool(it.reference) for it in its]
+    refs = [replace(it, response=it.reference) for it, h in zip(its, has_ref, strict=True) if h]
+    out = glassbox(model, tokenizer, its + refs, **kwargs)
+    plain, ref_rows = out[:len(its)], iter(out[len(its):])
+    res = []
+    for row, h in zip(plain, has_ref, strict=True):
+        row = dict(row)
+        if h:
+            rr = next(ref_rows)
+            for k, v in rr.items():
+                if k != "n_tokens":
+                    row[k] = row[k] - factor * v
+        res.append(row)
+    return res
