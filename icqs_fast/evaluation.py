@@ -1,0 +1,180 @@
+"""``icqs-fast eval mtbench``: correlation of glass-box features with GPT-4 scores on MT-Bench.
+
+Data (read in place, never copied): ``question.jsonl``, ``model_answer_<model>.jsonl`` (answers
+in ``choices[0].turns``), ``judgment_gpt-4_single.jsonl`` (``question_id``, ``model``, ``turn``,
+``score``; judgments with a score below 1, i.e. GPT-4's ``-1`` = unparsable, are dropped) and,
+for the reference augmentations, ``reference_answer_gpt-4.jsonl``.
+
+Each judged (question, turn, model) answer is scored by the evaluator (default: the embedded
+SmolLM2-135M-Instruct). Turn 1 is prompted with question 1; turn 2 with question 1 and the model's
+own turn-1 answer as an earlier chat turn, then question 2 (the attention features use the
+question-2 tokens as "instruction keys"). The answers come from other models (Llama-2-7B-chat and
+Vicuna-7B), so with the embedded evaluator this is *cross*-evaluation, not self-evaluation.
+
+The table reports the raw correlation of each feature's value with the GPT-4 score, together
+with the feature's direction (``FEATURE_DIRECTION``: +1 if higher = better). A feature works as
+intended when ``direction x correlation > 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DATA = "../shared/data/mtbench"
+ENSEMBLE_FEATURES = ("unt_exp", "unt_var")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_mtbench(data: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Judged MT-Bench answers as records ``{question_id, model, turn, score, item}``, where
+    ``item`` is a dict for :func:`icqs_fast.features.glassbox` (with ``history`` for turn 2 and
+    ``reference`` when a GPT-4 reference answer exists).
+
+    Records are sorted by (question_id, turn, model). ``limit`` keeps ``limit`` records spread
+    evenly over that order (so every category is represented), not the first ``limit``.
+    """
+    root = Path(data)
+    qfile = root / "question.jsonl"
+    jfile = root / "judgment_gpt-4_single.jsonl"
+    for f in (qfile, jfile):
+        if not f.is_file():
+            raise FileNotFoundError(f"MT-Bench file {f} not found (pass --data FOLDER)")
+    questions = {q["question_id"]: q for q in _read_jsonl(qfile)}
+    refs: dict[int, list[str]] = {}
+    rfile = root / "reference_answer_gpt-4.jsonl"
+    if rfile.is_file():
+        refs = {r["question_id"]: r["choices"][0]["turns"] for r in _read_jsonl(rfile)}
+    answers: dict[str, dict[int, list[str]]] = {}
+    recs = []
+    for j in _read_jsonl(jfile):
+        score = float(j["score"])
+        if score < 1:
+            continue
+        model = j["model"]
+        if model not in answers:
+            afile = root / f"model_answer_{model}.jsonl"
+            if not afile.is_file():
+                raise FileNotFoundError(f"answers of {model!r} not found: {afile}")
+            answers[model] = {a["question_id"]: a["choices"][0]["turns"]
+                              for a in _read_jsonl(afile)}
+        qid, turn = int(j["question_id"]), int(j["turn"])
+        q = questions[qid]["turns"]
+        a = answers[model][qid]
+        ref = refs.get(qid)
+        item: dict[str, Any] = {"instruction": q[turn - 1], "response": a[turn - 1],
+                                "reference": ref[turn - 1] if ref and len(ref) >= turn else None}
+        if turn == 2:
+            item["history"] = [(q[0], a[0])]
+        recs.append({"question_id": qid, "model": model, "turn": turn, "score": score,
+                     "item": item})
+    recs.sort(key=lambda r: (r["question_id"], r["turn"], r["model"]))
+    if limit is not None and 0 < limit < len(recs):
+        n = len(recs)
+        recs = [recs[(i * n) // limit] for i in range(limit)]
+    return recs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .features import ALL_FEATURES, MODES
+
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"MT-Bench folder (default {DEFAULT_DATA})")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--limit", type=int, default=None,
+                   help="score N judged answers spread evenly over the set (default: all)")
+    p.add_argument("--model", default=None, help="evaluator folder (default: embedded SmolLM2)")
+    p.add_argument("--features", nargs="+", default=list(ALL_FEATURES),
+                   choices=list(ALL_FEATURES) + list(ENSEMBLE_FEATURES), metavar="FEATURE",
+                   help=f"features (default all of {' '.join(ALL_FEATURES)}; "
+                        "unt_exp / unt_var run the 7-prompt ensemble)")
+    p.add_argument("--mode", default="standard", choices=list(MODES))
+    p.add_argument("--reference", default="none", choices=["none", "illustrate", "calibrate"],
+                   help="reference augmentation for questions with a GPT-4 reference answer")
+    p.add_argument("--calibration-factor", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is much faster on an "
+                        "oversubscribed machine)")
+
+
+def _fmt(v: float) -> str:
+    return "   nan" if not math.isfinite(v) else f"{v:+.3f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .ensembles import prompt_ensemble
+    from .features import FEATURE_DIRECTION, glassbox
+    from .metrics import correlations
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not Path(args.data).is_dir():
+        print(f"icqs-fast eval mtbench: data folder {args.data} not found; nothing to do",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    recs = load_mtbench(args.data, args.limit)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    t_load = time.perf_counter() - t0
+    items = [r["item"] for r in recs]
+    ref = None if args.reference == "none" else args.reference
+    base = [f for f in args.features if f not in ENSEMBLE_FEATURES]
+    ens = [f for f in args.features if f in ENSEMBLE_FEATURES]
+    t1 = time.perf_counter()
+    values: dict[str, list[float]] = {f: [] for f in args.features}
+    with torch.no_grad():
+        if base:
+            rows = glassbox(model, tok, items, features=base, mode=args.mode,
+                            batch_size=args.batch_size, backend=args.backend, reference=ref,
+                            calibration_factor=args.calibration_factor)
+            for f in base:
+                values[f] = [r[f] for r in rows]
+        if ens:
+            its = items
+            if ref == "illustrate":
+                from .features import illustrate
+
+                its = [illustrate(it) for it in items]
+            erows = prompt_ensemble(model, tok, its, batch_size=args.batch_size,
+                                    backend=args.backend, mode=args.mode)
+            for f in ens:
+                values[f] = [r[f] for r in erows]
+    t_score = time.perf_counter() - t1
+    scores = [r["score"] for r in recs]
+    table = {f: {"direction": FEATURE_DIRECTION[f], **correlations(values[f], scores)}
+             for f in args.features}
+    meta = {"n": len(recs), "evaluator": args.model or "embedded SmolLM2-135M-Instruct",
+            "mode": args.mode, "reference": args.reference, "load_s": round(t_load, 2),
+            "score_s": round(t_score, 2), "answers_per_s": round(len(recs) / t_score, 3)}
+    if args.json:
+        out = {"meta": meta, "correlations": table,
+               "records": [{k: r[k] for k in ("question_id", "model", "turn", "score")}
+                           | {f: values[f][i] for f in args.features}
+                           for i, r in enumerate(recs)]}
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"MT-Bench: {len(recs)} judged answers, evaluator {meta['evaluator']}, mode "
+          f"{args.mode}, reference {args.reference}")
+    print(f"{'feature':<15} {'dir':>3} {'pearson':>8} {'spearman':>8} {'kendall':>8}")
+    for f, row in table.items():
+        print(f"{f:<15} {row['direction']:>+3d} {_fmt(row['pearson']):>8} "
+              f"{_fmt(row['spearman']):>8} {_fmt(row['kendall']):>8}")
+    print("raw correlations with the GPT-4 score; dir = +1 if higher feature = better, so a "
+          "feature agrees with GPT-4 when dir x correlation > 0")
+    print(f"time: load {t_load:.1f} s, scoring {t_score:.1f} s "
+          f"({meta['answers_per_s']} answers/s)")
+    return 0
