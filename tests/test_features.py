@@ -1,0 +1,290 @@
+"""Glass-box features vs a plain float64 reference (full log_softmax, eager attentions), batching
+invariance, the SelfEval-compat formulas, ensembles, reference augmentation and the MT-Bench
+evaluation on a few real answers."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import DEVICE
+
+from icqs_fast.attention import eager_range_entropy
+from icqs_fast.ensembles import decoding_ensemble, default_system_prompts, prompt_ensemble
+from icqs_fast.features import (
+    ALL_FEATURES,
+    FEATURE_DIRECTION,
+    as_item,
+    calibrate,
+    encode,
+    glassbox,
+    illustrate,
+    selfeval_formulas,
+)
+from icqs_fast.models import embedded_model_dir
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mtbench"
+
+ITEMS = [
+    ("What is the capital of France?", "The capital of France is Paris.", "Paris."),
+    ("Write a haiku about rain.", "Soft rain on the roof\nwhispers to the sleeping town\n"
+     "puddles hold the sky", None),
+    {"instruction": "And now in French?", "response": "La capitale de la France est Paris.",
+     "history": [("What is the capital of France?", "Paris.")]},
+    ("Say hi", "Hi!"),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Two OpenMP threads on a shared, oversubscribed 2-core machine are ~20x slower than one.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=len(tokenizer),
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from icqs_fast.models import load_model
+
+    return load_model(None, dtype="float32")
+
+
+def reference_features(model, tokenizer, items, f64=True, **enc_kw):
+    """Unpadded, one item at a time: full log_softmax (float64) + eager attentions."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    if f64:
+        ref = ref.double()
+    out = []
+    for it in items:
+        e = encode(tokenizer, as_item(it), **enc_kw)
+        ids = torch.tensor([e.ids], device=DEVICE)
+        p, n = e.prompt_len, len(e.ids)
+        with torch.no_grad():
+            o = ref(ids, output_attentions=True, use_cache=False)
+        lsm = torch.log_softmax(o.logits[0].double(), -1)[p - 1:n - 1]
+        prob = lsm.exp()
+        lp = lsm.gather(-1, ids[0, p:, None])[:, 0]
+        qm = torch.zeros(1, n, dtype=torch.bool, device=DEVICE)
+        qm[0, p:] = True
+        kr = torch.tensor([e.instr], device=DEVICE)
+        ent = torch.stack([eager_range_entropy(a.double(), kr, qm)[0] for a in o.attentions])
+        per_head = ent[:, :, p:].double().mean(-1)
+        out.append({
+            "n_tokens": n - p,
+            "sent_logprob": lp.mean().item(),
+            "softmax_ent": (-(prob * lsm).sum(-1)).mean().item(),
+            "softmax_var": lsm.var(-1).mean().item(),
+            "token_prob_var": lp.exp().var(unbiased=False).item(),
+            "attn_ent_avg": per_head.mean().item(),
+            "attn_ent_min": per_head.min().item(),
+        })
+    ent_ = torch.tensor([r["softmax_ent"] for r in out])
+    var_ = torch.tensor([r["softmax_var"] for r in out])
+    mm = lambda t: (t - t.min()) / (t.max() - t.min())  # noqa: E731
+    for r, a, b in zip(out, mm(ent_), mm(var_), strict=True):
+        r["softmax_combo"] = ((a + b) / 2).item()
+    return out
+
+
+NO_COMBO = tuple(k for k in ALL_FEATURES if k != "softmax_combo")
+
+
+def _check_combo(got):
+    """softmax_combo = mean of min-max normalised softmax_ent and softmax_var over the set. (With
+    a random-init model every entropy is ~log V and min-max amplifies fp32 rounding, so the combo
+    is checked against the returned entropies / variances, not the float64 reference.)"""
+    ent = torch.tensor([r["softmax_ent"] for r in got], dtype=torch.float64)
+    var = torch.tensor([r["softmax_var"] for r in got], dtype=torch.float64)
+    mm = lambda t: (t - t.min()) / (t.max() - t.min())  # noqa: E731
+    for r, want in zip(got, (mm(ent) + mm(var)) / 2, strict=True):
+        assert r["softmax_combo"] == pytest.approx(want.item(), abs=1e-12)
+
+
+def _close(got, want, atol, rtol=0.0, keys=NO_COMBO):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g["n_tokens"] == w["n_tokens"]
+        for k in keys:
+            assert g[k] == pytest.approx(w[k], abs=atol, rel=rtol), k
+
+
+def test_tiny_matches_float64_reference(tiny, tokenizer):
+    got = glassbox(tiny, tokenizer, ITEMS, batch_size=3, backend="torch")
+    _close(got, reference_features(tiny, tokenizer, ITEMS), atol=1e-4, rtol=1e-5)
+    _check_combo(got)
+    got_auto = glassbox(tiny, tokenizer, ITEMS, batch_size=3)
+    _close(got_auto, got, atol=1e-4, rtol=1e-5)
+
+
+def test_batching_and_padding_invariance(tiny, tokenizer):
+    one = glassbox(tiny, tokenizer, ITEMS, batch_size=1)
+    three = glassbox(tiny, tokenizer, ITEMS, batch_size=3)
+    _close(three, one, atol=2e-5, rtol=1e-5)
+    _check_combo(three)
+    # Order of the results is the input order.
+    rev = glassbox(tiny, tokenizer, ITEMS[::-1], batch_size=3)
+    _close(rev[::-1], three, atol=2e-5, rtol=1e-5)
+
+
+def test_plain_template_and_instruction_span(tiny, tokenizer):
+    it = as_item(ITEMS[2])
+    for chat in (True, False):
+        e = encode(tokenizer, it, use_chat_template=chat)
+        assert tokenizer.decode(e.ids[e.instr[0]:e.instr[1]]) == it.instruction
+        assert tokenizer.decode(e.ids[e.prompt_len:]) == it.response
+    got = glassbox(tiny, tokenizer, ITEMS, use_chat_template=False)
+    _close(got, reference_features(tiny, tokenizer, ITEMS, use_chat_template=False), atol=1e-4,
+           rtol=1e-5)
+
+
+def test_empty_response_is_nan_and_bad_args(tiny, tokenizer):
+    r = glassbox(tiny, tokenizer, [("Say hi", "")] + ITEMS[:1])
+    assert r[0]["n_tokens"] == 0 and all(math.isnan(r[0][k]) for k in ALL_FEATURES)
+    assert math.isfinite(r[1]["sent_logprob"])
+    with pytest.raises(ValueError, match="unknown feature"):
+        glassbox(tiny, tokenizer, ITEMS, features=["nope"])
+    with pytest.raises(ValueError, match="mode"):
+        glassbox(tiny, tokenizer, ITEMS, mode="x")
+    with pytest.raises(TypeError):
+        glassbox(tiny, tokenizer, [42])
+    assert set(FEATURE_DIRECTION) >= set(ALL_FEATURES)
+
+
+def _selfeval_direct(logits, ids, p):
+    """The SelfEval code's formulas, written out in float64 with explicit loops."""
+    logits = logits.double()
+    lp, ent, var = [], [], []
+    for t in range(p, ids.shape[0]):  # logprob: logits[p-1:-1] vs ids[p:]
+        z = logits[t - 1]
+        lp.append(z[ids[t]] - torch.logsumexp(z, 0))
+    for t in range(p, logits.shape[0]):  # entropy / variance: logits[p:] (shifted by one)
+        z = logits[t]
+        ls = z - torch.logsumexp(z, 0)
+        ent.append((ls * z).sum() / z.numel())
+        var.append(((ls - ls.mean()) ** 2).sum() / (z.numel() - 1))
+    lp = torch.stack(lp)
+    pr = lp.exp()
+    return {"sent_logprob": lp.mean().item(), "softmax_ent": torch.stack(ent).mean().item(),
+            "softmax_var": torch.stack(var).mean().item(),
+            "token_prob_var": (((pr - pr.mean()) ** 2).sum() / (pr.numel() - 1)).item()}
+
+
+def test_selfeval_formulas_direct():
+    logits = torch.randn(12, 50, dtype=torch.float64) * 3
+    ids = torch.randint(0, 50, (12,))
+    got = selfeval_formulas(logits, ids, 5)
+    want = _selfeval_direct(logits, ids, 5)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-10, abs=1e-12), k
+
+
+def test_compat_mode_matches_direct(tiny, tokenizer):
+    got = glassbox(tiny, tokenizer, ITEMS, mode="selfeval-compat", batch_size=3)
+    keys = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var")
+    for it, g in zip(ITEMS, got, strict=True):
+        e = encode(tokenizer, as_item(it))
+        ids = torch.tensor(e.ids, device=DEVICE)
+        with torch.no_grad():
+            logits = tiny(ids[None]).logits[0]
+        want = _selfeval_direct(logits, ids, e.prompt_len)
+        for k in keys:
+            assert g[k] == pytest.approx(want[k], abs=1e-4, rel=1e-4), k
+    # The compat "entropy" is a different quantity from the standard one.
+    std = glassbox(tiny, tokenizer, ITEMS, features=["softmax_ent"])
+    assert got[0]["softmax_ent"] != pytest.approx(std[0]["softmax_ent"], rel=1e-2)
+    # Attention features are the same in both modes.
+    for g, s in zip(got, glassbox(tiny, tokenizer, ITEMS), strict=True):
+        assert g["attn_ent_avg"] == pytest.approx(s["attn_ent_avg"], abs=1e-5)
+
+
+def test_prompt_ensemble(tiny, tokenizer):
+    pool = default_system_prompts()
+    assert len(pool) == 7 and len(set(pool)) == 7
+    res = prompt_ensemble(tiny, tokenizer, ITEMS[:2], system_prompts=pool[:3], batch_size=4)
+    assert len(res) == 2
+    for it, r in zip(ITEMS[:2], res, strict=True):
+        per = [math.exp(glassbox(tiny, tokenizer, [it], features=["sent_logprob"],
+                                 system_prompt=sp)[0]["sent_logprob"]) for sp in pool[:3]]
+        assert r["members"] == pytest.approx(per, rel=1e-5)
+        mean = sum(per) / 3
+        assert r["unt_exp"] == pytest.approx(mean, rel=1e-5)
+        assert r["unt_var"] == pytest.approx(sum((p - mean) ** 2 for p in per) / 3, rel=1e-4,
+                                             abs=1e-12)
+    assert len(prompt_ensemble(tiny, tokenizer, ITEMS[:1])[0]["members"]) == 7
+
+
+def test_decoding_ensemble_seeded(tiny, tokenizer):
+    a = decoding_ensemble(tiny, tokenizer, ITEMS[:2], k=2, max_new_tokens=4, seed=3)
+    b = decoding_ensemble(tiny, tokenizer, ITEMS[:2], k=2, max_new_tokens=4, seed=3)
+    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+    for r in a:
+        assert len(r["members"]) == 2 and len(r["samples"]) == 2
+        assert r["unt_var"] >= 0 and (math.isnan(r["unt_exp"]) or 0 < r["unt_exp"] <= 1)
+
+
+def test_reference_illustration_and_calibration(tiny, tokenizer):
+    it = as_item(ITEMS[0])
+    ill = illustrate(it)
+    assert ill.history == ((it.instruction, it.reference),)
+    assert illustrate(ITEMS[1]) == as_item(ITEMS[1])  # no reference: unchanged
+    keys = [k for k in ALL_FEATURES if k != "softmax_combo"]
+    plain = glassbox(tiny, tokenizer, ITEMS[:2], features=keys)
+    as_resp = glassbox(tiny, tokenizer, [(it.instruction, it.reference)], features=keys)[0]
+    cal = calibrate(tiny, tokenizer, ITEMS[:2], factor=0.5, features=keys)
+    for k in keys:
+        assert cal[0][k] == pytest.approx(plain[0][k] - 0.5 * as_resp[k], abs=2e-5)
+        assert cal[1][k] == pytest.approx(plain[1][k], abs=2e-5)  # no reference
+    via = glassbox(tiny, tokenizer, ITEMS[:2], features=keys, reference="calibrate",
+                   calibration_factor=0.5)
+    _close(via, cal, atol=1e-6, keys=keys)
+    ill_f = glassbox(tiny, tokenizer, ITEMS[:1], features=keys, reference="illustrate")
+    _close(ill_f, glassbox(tiny, tokenizer, [ill], features=keys), atol=1e-6, keys=keys)
+
+
+def test_embedded_model_matches_reference(embedded):
+    model, tok = embedded
+    got = glassbox(model, tok, ITEMS[:3], batch_size=3)
+    # Reference in the model's fp32 weights, log_softmax / entropies in float64.
+    want = reference_features(model, tok, ITEMS[:3], f64=False)
+    _close(got, want, atol=2e-3, rtol=2e-4, keys=ALL_FEATURES)
+
+
+def test_eval_mtbench_three_answers(capsys):
+    if not (DATA / "judgment_gpt-4_single.jsonl").is_file():
+        pytest.skip(f"MT-Bench data not found at {DATA}; skipping the real-data evaluation")
+    from icqs_fast.cli import main
+    from icqs_fast.evaluation import load_mtbench
+
+    recs = load_mtbench(DATA)
+    assert len(recs) == 318 and all(r["score"] >= 1 for r in recs)
+    t2 = next(r for r in recs if r["turn"] == 2)
+    assert len(t2["item"]["history"]) == 1
+    assert main(["eval", "mtbench", "--data", str(DATA), "--limit", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["meta"]["n"] == 3 and len(out["records"]) == 3
+    assert set(out["correlations"]) == set(ALL_FEATURES)
+    for rec in out["records"]:
+        assert all(math.isfinite(rec[f]) for f in ALL_FEATURES)
