@@ -21,10 +21,15 @@ import torch
 
 from . import ops
 from .batching import PrefixBank, suffix_hidden
+from .cascade import supports_cascade
 from .prompts import DemoSet, Template, build_demo_sets
 from .types import TokenStats
 
 DEFAULT_TOKEN_BUDGET = 16384
+# Suffix forwards with cascade attention on the CPU: at most this many rows x suffix tokens per
+# forward (bigger forwards push the elementwise work out of the caches and measured slower on the
+# shared 2-core CPU; the GPU uses the full token budget).
+SUFFIX_CHUNK_CPU = 4096
 
 
 @dataclass
@@ -190,7 +195,12 @@ class ICQSScorer:
             :func:`icqs_fast.prompts.build_demo_sets` (``M+1``, ``N``, ``L``).
         template: prompt formats; the default "Sentence/Answer" :class:`Template` if None.
         backend: backend of :func:`icqs_fast.ops.linear_token_stats`.
-        token_budget: max rows x (prefix + suffix) tokens per forward.
+        token_budget: tokens per forward: rows x suffix tokens with cascade attention
+            (Llama family, GPT-2: the prefix states are shared, not copied per row), rows x
+            (prefix + suffix) tokens on the KV-copy fallback path; also the prefix forwards'
+            rows x prefix tokens (capped at ``PREFIX_CHUNK_CPU`` on the CPU).
+        cascade: suffix forwards with cascade attention (:mod:`icqs_fast.cascade`); None =
+            when the model supports it, False = always the per-row KV-copy path.
         max_length: prompt length limit (default: the model's max positions).
         drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
             until it fits instead of raising.
@@ -216,6 +226,7 @@ class ICQSScorer:
         max_length: int | None = None,
         drop_oldest_demos: bool = False,
         return_token_stats: bool = False,
+        cascade: bool | None = None,
     ) -> None:
         check_model(model)
         if getattr(model, "training", False):
@@ -237,12 +248,20 @@ class ICQSScorer:
         self.max_length = model_max_length(model, max_length)
         self.drop_oldest_demos = drop_oldest_demos
         self.return_token_stats = return_token_stats
+        self.cascade = supports_cascade(model) if cascade is None else bool(cascade)
         self.tokens = PromptTokens(tokenizer, self.template, self.sets)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self._bank: PrefixBank | None = None
         self._entry: dict[tuple[int, int], int] = {}
+
+    @property
+    def _budget(self) -> int:
+        """Tokens per suffix forward (see ``token_budget``)."""
+        if self.cascade and next(self.model.parameters()).device.type == "cpu":
+            return min(self.token_budget, SUFFIX_CHUNK_CPU)
+        return self.token_budget
 
     # -- prefix caches --------------------------------------------------------------------
     @property
@@ -284,7 +303,7 @@ class ICQSScorer:
         exhausted = False
         while True:
             # Fill the row queue until one forward's budget is reached (or the input ends).
-            while not exhausted and self._queued_tokens(rows) < self.token_budget:
+            while not exhausted and self._queued_tokens(rows) < self._budget:
                 try:
                     i, item = next(it)
                 except StopIteration:
@@ -319,7 +338,7 @@ class ICQSScorer:
     def _row_cost(self, rows: list[tuple[dict, int]]) -> int:
         if not rows:
             return 0
-        p = max(rec["plen"][c] for rec, c in rows)
+        p = 0 if self.cascade else max(rec["plen"][c] for rec, c in rows)
         s = max(len(rec["suffix"]) for rec, _ in rows)
         return len(rows) * (p + s)
 
@@ -327,20 +346,32 @@ class ICQSScorer:
         return self._row_cost(rows)
 
     def _take(self, rows: list[tuple[dict, int]]) -> int:
-        """Largest leading run of rows within the token budget (at least one)."""
+        """Largest leading run of rows within the token budget (at least one); with cascade
+        attention cut at a response boundary when one fits, so every prefix entry gets the same
+        number of rows (the attention then runs as one batched call per layer)."""
         p = s = 0
+        take = len(rows)
         for n, (rec, c) in enumerate(rows):
-            p2, s2 = max(p, rec["plen"][c]), max(s, len(rec["suffix"]))
-            if n > 0 and (n + 1) * (p2 + s2) > self.token_budget:
-                return n
+            p2 = 0 if self.cascade else max(p, rec["plen"][c])
+            s2 = max(s, len(rec["suffix"]))
+            if n > 0 and (n + 1) * (p2 + s2) > self._budget:
+                take = n
+                break
             p, s = p2, s2
-        return len(rows)
+        if self.cascade and take < len(rows):
+            bounds = [n for n in range(1, take + 1) if rows[n][0] is not rows[n - 1][0]]
+            if bounds:
+                take = bounds[-1]
+        return take
 
     @torch.no_grad()
     def _run(self, batch: list[tuple[dict, int]]) -> None:
+        if self.cascade:  # entry-major rows: the cascade attention groups rows by entry
+            batch = sorted(batch, key=lambda rc: rc[0]["entries"][rc[1]])
         entries = [rec["entries"][c] for rec, c in batch]
         suffixes = [rec["suffix"] for rec, _ in batch]
-        hidden, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id)
+        hidden, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
+                                  cascade=self.cascade)
         # Suffix position q-1+t predicts response token t.
         rows_idx, pos_idx, targets, seg = [], [], [], []
         for b, (rec, _) in enumerate(batch):
