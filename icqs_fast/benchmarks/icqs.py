@@ -1,0 +1,344 @@
+"""``icqs-fast bench icqs``: the ICQS engine (:class:`icqs_fast.ICQSScorer`) against the naive
+method (:func:`icqs_fast.reference.icqs_naive`: one full forward, full-vocabulary logits and
+``log_softmax`` per (response, demonstration set)) in one run, on the same responses.
+
+Setting: ``M+1 = 5`` ratios, ``L = 4`` sets per ratio, ``N = 8`` demonstrations per set (20
+contexts per response), demonstrations from the built-in financial-news files
+(``icqs_fast/data/demo_good.jsonl`` / ``demo_bad.jsonl``) and responses from the short
+financial-news headlines below (written for this benchmark; each headline is scored with both
+answers), with the ``icqs-fast demo`` prompt template.
+
+Fields:
+
+* ``naive_s``: the naive method over all responses; ``fast_s``: a fresh engine over all
+  responses, *including* the computation of its prefix caches (``prefix_s`` of it);
+  ``speedup = naive_s / fast_s``.
+* ``cold_single_speedup``: a fresh engine scoring one response (prefix caches included) against
+  the naive method on that response.
+* ``peak_mem_*_mb``: per side in a fresh subprocess, after loading the model and a warm-up, the
+  growth of peak RSS (CPU; reset through ``/proc/self/clear_refs``) or of
+  ``torch.cuda.max_memory_allocated`` (CUDA) while scoring ``mem_responses`` responses (the
+  naive peak is per prompt, so its count does not matter; the engine runs full-size batches).
+* ``max_abs_loglik_diff``: largest ``|loglik_fast - loglik_naive|`` over all responses and
+  contexts; ``score_agreement``: fraction of responses whose ICQS-Epistemic score and per-set ICQS
+  scores are identical.
+
+``--random-weights --config llama-1b`` uses a ~1.1B-parameter Llama with random weights (bf16 on
+CUDA, fp32 on the CPU) and the embedded model's tokenizer, for GPU runs; ``--config tiny`` is a
+tiny random Llama (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Short financial-news headlines (written for this benchmark). Each is scored with both answers.
+HEADLINES = [
+    "Operating profit rose 18% to EUR 42 million in the second quarter",
+    "The retailer cut 600 jobs after sales fell for a third year",
+    "Net sales increased to EUR 1.2 billion from EUR 1.05 billion",
+    "The airline reported a wider loss as fuel costs climbed",
+    "The bank raised its dividend by 10% after record earnings",
+    "Shares slumped 15% after the profit warning",
+    "The shipyard won a EUR 300 million order for two ferries",
+    "Quarterly revenue dropped 9% on weak demand in Europe",
+    "The group's order backlog reached an all-time high",
+    "The mining company suspended production at its largest site",
+    "Earnings per share improved to EUR 0.45 from EUR 0.31",
+    "The insurer posted a net loss of EUR 80 million",
+    "The telecom operator added 120,000 new subscribers",
+    "Credit rating agencies downgraded the utility to junk status",
+    "The paper maker returned to profit thanks to lower pulp prices",
+    "The car maker recalled 400,000 vehicles over faulty brakes",
+    "Cash flow from operations doubled to EUR 95 million",
+    "The software firm missed analysts' revenue estimates",
+    "The brewer expects sales volumes to grow in all markets",
+    "The chemicals group closed two plants and wrote down assets",
+    "Comparable sales rose 6% in the holiday season",
+    "The property developer defaulted on a bond payment",
+    "The engineering company signed a five-year service contract",
+    "Margins narrowed as raw material costs surged",
+    "The lender's bad loans fell to the lowest level in a decade",
+    "The drug maker's trial failed to meet its main goal",
+    "The utility completed its acquisition ahead of schedule",
+    "Exports fell sharply after new tariffs took effect",
+    "The startup raised EUR 50 million in a funding round",
+    "The steel producer lowered its full-year guidance",
+    "Profit before taxes grew to EUR 12.4 million",
+    "The fashion chain filed for bankruptcy protection",
+]
+ANSWERS = ("positive", "negative")
+SETTINGS = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=4, seed=0)
+CONFIGS = ("llama-1b", "tiny")
+
+
+def responses(n: int) -> list[tuple[str, str]]:
+    """``n`` (headline, answer) pairs: every headline with each answer, cycled."""
+    pairs = [(h, a) for a in ANSWERS for h in HEADLINES]
+    return [pairs[i % len(pairs)] for i in range(n)]
+
+
+def demos() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    from ..demo import data_file
+
+    def read(name: str) -> list[tuple[str, str]]:
+        with open(data_file(name), encoding="utf-8") as f:
+            return [(r["x"], r["y"]) for r in map(json.loads, f) if r]
+
+    return read("demo_good.jsonl"), read("demo_bad.jsonl")
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load(device: torch.device, random_weights: bool = False, config: str = "llama-1b"):
+    """``(model, tokenizer, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA), or a
+    random-weight Llama of ``config`` with the embedded model's tokenizer."""
+    from ..models import embedded_model_dir, load_model
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if not random_weights:
+        model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
+        return model, tok, "SmolLM2-135M-Instruct"
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if config not in CONFIGS:
+        raise ValueError(f"unknown --config {config!r}; use one of {list(CONFIGS)}")
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if config == "llama-1b":  # ~1.1B parameters (TinyLlama-like shape)
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                          num_attention_heads=32, num_key_value_heads=4, vocab_size=len(tok),
+                          max_position_embeddings=2048, tie_word_embeddings=False)
+    else:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                          max_position_embeddings=2048)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return model, tok, f"random-{config}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _scorer(model, tok, good, bad, settings=None):
+    from ..demo import TEMPLATE
+    from ..icqs import ICQSScorer
+
+    return ICQSScorer(model, tok, good, bad, template=TEMPLATE, **(settings or SETTINGS))
+
+
+def _naive(model, tok, good, bad, resp, settings=None):
+    from ..demo import TEMPLATE
+    from ..reference import icqs_naive
+
+    return icqs_naive(model, tok, good, bad, resp, template=TEMPLATE, **(settings or SETTINGS))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
+                       config: str) -> dict:
+    """Run in a fresh process: load the model, warm up (one response, tiny settings), then the
+    peak memory growth of scoring ``n`` responses with ``side`` ("fast" or "naive")."""
+    dev = torch.device(device)
+    model, tok, _ = load(dev, random_weights, config)
+    good, bad = demos()
+    resp = responses(n)
+    from ..demo import TEMPLATE
+    from ..icqs import ICQSScorer
+    from ..reference import icqs_naive
+
+    warm = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1)
+    list(ICQSScorer(model, tok, good, bad, template=TEMPLATE, **warm).score(resp[:1]))
+    icqs_naive(model, tok, good, bad, resp[:1], template=TEMPLATE, **warm)
+
+    def work():
+        if side == "fast":
+            return list(_scorer(model, tok, good, bad).score(resp))
+        return _naive(model, tok, good, bad, resp)
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        work()
+        torch.cuda.synchronize()
+        return {"peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    base = _rss_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    work()
+    return {"peak_mb": (_rss_kb("VmHWM") - base) / 1024}
+
+
+def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
+                        config: str) -> float:
+    code = ("import json; from icqs_fast.benchmarks.icqs import measure_peak_child; "
+            f"print(json.dumps(measure_peak_child({side!r}, {n}, {device!r}, "
+            f"{random_weights!r}, {config!r})))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory measurement of {side!r} failed:\n{res.stderr[-2000:]}")
+    return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"])
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def bench(n_responses: int = 64, device: str | torch.device = "auto",
+          random_weights: bool = False, config: str = "llama-1b",
+          measure_memory: bool = True, mem_responses: int = 16,
+          settings: dict | None = None) -> dict:
+    """The benchmark record (fields: see the module docstring). ``settings`` overrides the
+    ICQS settings (``num_ratios``, ``demos_per_set``, ``sets_per_ratio``, ``seed``; tests use
+    small ones); the memory subprocesses always use the default settings."""
+    settings = dict(SETTINGS, **(settings or {}))
+    if n_responses < 1:
+        raise ValueError(f"--responses must be >= 1, got {n_responses}")
+    dev = _resolve_device(str(device))
+    model, tok, name = load(dev, random_weights, config)
+    good, bad = demos()
+    resp = responses(n_responses)
+
+    # Warm-up (lazy imports, allocator, kernels), not timed.
+    from ..demo import TEMPLATE
+    from ..icqs import ICQSScorer
+    from ..reference import icqs_naive
+
+    warm = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1)
+    list(ICQSScorer(model, tok, good, bad, template=TEMPLATE, **warm).score(resp[:1]))
+    icqs_naive(model, tok, good, bad, resp[:1], template=TEMPLATE, **warm)
+
+    # Cold single response: a fresh engine (prefix caches included) vs naive on that response.
+    _sync(dev)
+    t0 = time.perf_counter()
+    _scorer(model, tok, good, bad, settings).score_one(*resp[0])
+    _sync(dev)
+    cold_fast = time.perf_counter() - t0
+
+    # Naive, one response at a time (its time on response 0 is the cold-single baseline).
+    ref, naive_times = [], []
+    for r in resp:
+        _sync(dev)
+        t0 = time.perf_counter()
+        ref.extend(_naive(model, tok, good, bad, [r], settings))
+        _sync(dev)
+        naive_times.append(time.perf_counter() - t0)
+    naive_s = sum(naive_times)
+
+    # Engine over all responses, from a fresh scorer (prefix caches included).
+    _sync(dev)
+    t0 = time.perf_counter()
+    scorer = _scorer(model, tok, good, bad, settings)
+    bank = scorer.prefix_bank
+    _sync(dev)
+    prefix_s = time.perf_counter() - t0
+    got = list(scorer.score(resp))
+    _sync(dev)
+    fast_s = time.perf_counter() - t0
+
+    diff = max(float((a.loglik.double() - b.loglik.double()).abs().max())
+               for a, b in zip(got, ref, strict=True))
+    agree = sum(a.score == b.score and a.score_per_set == b.score_per_set
+                for a, b in zip(got, ref, strict=True)) / len(got)
+    tokens = scorer.tokens
+    q_lens, r_lens = [], []
+    for i, (x, y) in enumerate(resp):
+        q, r = tokens.response_parts(i, x, y)
+        q_lens.append(len(q))
+        r_lens.append(len(r))
+    rec = {
+        "model": name,
+        "device": dev.type,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "responses": n_responses,
+        "contexts": scorer.n_contexts,
+        "demo_tokens_mean": round(sum(bank.lengths[:scorer.n_contexts]) / scorer.n_contexts, 1),
+        "response_tokens_mean": round(sum(r_lens) / len(r_lens), 2),
+        "naive_s": round(naive_s, 3),
+        "fast_s": round(fast_s, 3),
+        "speedup": round(naive_s / fast_s, 2),
+        "cold_single_speedup": round(naive_times[0] / cold_fast, 2),
+        "peak_mem_naive_mb": None,
+        "peak_mem_fast_mb": None,
+        "max_abs_loglik_diff": diff,
+        "score_agreement": agree,
+        # extras
+        "query_tokens_mean": round(sum(q_lens) / len(q_lens), 2),
+        "prefix_s": round(prefix_s, 3),
+        "cold_single_fast_s": round(cold_fast, 3),
+        "cold_single_naive_s": round(naive_times[0], 3),
+        "mem_ratio": None,
+        "mem_responses": None,
+        "cascade": scorer.cascade,
+        "settings": settings,
+        "threads": torch.get_num_threads(),
+    }
+    if measure_memory:
+        m = min(n_responses, mem_responses)
+        pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config)
+        pn = _peak_in_subprocess("naive", min(m, 2), str(dev), random_weights, config)
+        rec.update(peak_mem_fast_mb=round(pf, 1), peak_mem_naive_mb=round(pn, 1),
+                   mem_ratio=round(pf / pn, 3) if pn > 0 else None,
+                   mem_responses={"fast": m, "naive": min(m, 2)})
+    return rec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0].replace("``", "").replace(":class:", "") \
+        .replace(":func:", "")
+    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    p.add_argument("--responses", type=int, default=64, help="responses to score (default 64)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--random-weights", action="store_true",
+                   help="a random-weight model of --config instead of the embedded model")
+    p.add_argument("--config", default="llama-1b", choices=CONFIGS,
+                   help="model shape with --random-weights (llama-1b: ~1.1B params)")
+    p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--mem-responses", type=int, default=16,
+                   help="responses scored in the engine's memory subprocess (default 16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    rec = bench(args.responses, args.device, args.random_weights, args.config,
+                measure_memory=not args.no_memory, mem_responses=args.mem_responses)
+    rec["bench_s"] = round(time.perf_counter() - t0, 1)
+    rec["cpu"] = platform.processor() or platform.machine()
+    rec["cpu_count"] = os.cpu_count()
+    text = json.dumps(rec, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(json.dumps(rec))
+    else:
+        for key, val in rec.items():
+            print(f"{key:>22}: {val}")
+    return 0
