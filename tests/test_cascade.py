@@ -1,0 +1,47 @@
+"""Cascade attention (shared prefix states, no per-row KV copy) against the per-row KV-copy path
+of ``suffix_hidden``: same hidden states for unsorted entries, irregular entry groups, prefixes
+of different lengths, Llama (GQA, RoPE) and GPT-2 (absolute positions)."""
+
+import pytest
+import torch
+
+from icqs_fast.batching import PrefixBank, suffix_hidden
+from icqs_fast.cascade import supports_cascade
+
+
+def _model(kind: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, vocab_size=300,
+                          max_position_embeddings=512)
+        cfg._attn_implementation = "sdpa"
+        return LlamaForCausalLM(cfg).eval()
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=512)
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", ["uniform", "irregular"])
+def test_cascade_matches_kv_copy(kind, layout):
+    model = _model(kind)
+    assert supports_cascade(model)
+    g = torch.Generator().manual_seed(1)
+    bank = PrefixBank(model, 0, 10_000)
+    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
+    bank.add(prefixes)
+    if layout == "uniform":  # every entry twice, rows not in entry order
+        entries = [2, 0, 1, 0, 1, 2]
+    else:
+        entries = [1, 0, 0, 2, 0, 1, 0]
+    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    h_ref, m_ref = suffix_hidden(model, bank, entries, suffixes, 0, cascade=False)
+    h, m = suffix_hidden(model, bank, entries, suffixes, 0, cascade=True)
+    assert torch.equal(m, m_ref)
+    torch.testing.assert_close(h[m], h_ref[m], atol=1e-5, rtol=1e-5)
+    # The model's attention implementation is restored.
+    assert model.config._attn_implementation == ("sdpa" if kind == "llama" else "eager")
