@@ -24,15 +24,22 @@ IMPL_NAME = "icqs_entropy"
 # --------------------------------------------------------------------------- torch backend
 
 
-def _entropy_rows(s: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax over the last dim of fp32 scores ``s [..., K]`` (``-inf`` = excluded);
-    0 for rows with no finite score. Shifted form: ``H = log l - t / l``."""
+def _entropy_rows(s: torch.Tensor, allow: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of softmax over the last dim of fp32 scores ``s [..., K]``, restricted to
+    ``allow`` (bool, broadcastable to ``s``; None = every key); 0 for rows with no allowed key.
+    Shifted form ``H = log l - t / l`` with ``l = sum e^z``, ``t = sum e^z z``, ``z = s - max``.
+    ``s`` is overwritten (in place keeps the CPU path at two score-sized buffers)."""
+    if allow is not None:
+        s.masked_fill_(~allow, float("-inf"))
     m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    z = s - m
+    if allow is not None:
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z = s.sub_(m)
     e = torch.exp(z)
     l_ = e.sum(-1)
-    t = (e * torch.where(torch.isfinite(z), z, torch.zeros_like(z))).sum(-1)
+    if allow is not None:
+        z.masked_fill_(~allow, 0.0)  # e = 0 there; avoid 0 * -inf
+    t = e.mul_(z).sum(-1)
     ok = l_ > 0
     safe = torch.where(ok, l_, torch.ones_like(l_))
     return torch.where(ok, (torch.log(safe) - t / safe).clamp_min(0.0), torch.zeros_like(l_))
@@ -48,18 +55,21 @@ def attention_entropy_torch(
     causal: bool,
     scale: float,
     chunk: int = 512,
+    ent_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch forward with entropy (inputs already validated by ``icqs_fast.ops``).
 
     The output comes from ``scaled_dot_product_attention`` one block of ``chunk`` query rows at a
     time (its mask block is ``[B, 1, chunk, Tk]`` bool); the entropy is computed only for the
-    flagged rows and only over the key range, ``chunk`` rows at a time (scores
-    ``[Hq, chunk, k1 - k0]`` fp32). Memory is O(B * Hq * chunk * Tk), never ``[B, Hq, Tq, Tk]``
-    for ``Tq > chunk``.
+    flagged rows and only over the key range, ``ent_chunk`` rows at a time (scores
+    ``[Hq, ent_chunk, k1 - k0]`` fp32; by default about 1M scores, at most ``chunk`` rows).
+    Memory is O(B * Hq * chunk * Tk), never ``[B, Hq, Tq, Tk]`` for ``Tq > chunk``.
 
     Args:
         q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hk, Tk, D]``; key_range ``[B, 2]`` int64;
-        query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]`` bool or None; causal; scale.
+        query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]`` bool or None; causal; scale;
+        chunk: query rows per masked SDPA block; ent_chunk: flagged rows per entropy block
+        (None = automatic).
 
     Returns:
         ``out [B, Hq, Tq, D]`` in q's dtype and ``entropy [B, Hq, Tq]`` fp32.
@@ -103,18 +113,25 @@ def attention_entropy_torch(
         kb = k[b, :, k0:k1].float()  # [Hk, K, D]
         key_ok = (attention_mask[b, k0:k1].bool() if attention_mask is not None
                   else torch.ones(k1 - k0, dtype=torch.bool, device=dev))
-        for r0 in range(0, rows.numel(), chunk):
-            idx = rows[r0:r0 + chunk]
+        all_keys_ok = bool(key_ok.all())
+        # About 1M scores (4 MB) per block: cache-friendly on the CPU and a small peak.
+        step = ent_chunk or min(chunk, max(16, (1 << 20) // (hq * (k1 - k0))))
+        for r0 in range(0, rows.numel(), step):
+            idx = rows[r0:r0 + step]
             n = idx.numel()
             qb = q[b][:, idx].float()  # [Hq, n, D]
             # GQA: query head h uses key head h // group, so group the query heads per key head.
             s = torch.matmul(qb.reshape(hk, group * n, d), kb.transpose(1, 2)) * scale
             s = s.reshape(hq, n, k1 - k0)
-            allow = key_ok[None, :].expand(n, -1)
-            if causal:
-                allow = allow & (kpos[None, k0:k1] <= (off + idx)[:, None])
-            s = s.masked_fill(~allow[None], float("-inf"))
-            ent[b][:, idx] = _entropy_rows(s)
+            # A mask only where some key of the range is hidden from some row of the chunk
+            # (the common case, response rows over instruction keys, needs none).
+            allow = None
+            if not all_keys_ok or (causal and off + int(idx[0]) < k1 - 1):
+                allow = key_ok[None, :].expand(n, -1)
+                if causal:
+                    allow = allow & (kpos[None, k0:k1] <= (off + idx)[:, None])
+                allow = allow[None]
+            ent[b][:, idx] = _entropy_rows(s, allow)
     return out, ent
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..attention import capture_attention_entropy, eager_range_entropy
+from . import environment
 from .kernels import side_by_side
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
+    rec.update(environment(device))
     text = json.dumps(rec, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

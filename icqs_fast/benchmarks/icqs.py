@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from . import environment
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -331,8 +331,7 @@ def run(args: argparse.Namespace) -> int:
     rec = bench(args.responses, args.device, args.random_weights, args.config,
                 measure_memory=not args.no_memory, mem_responses=args.mem_responses)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
-    rec["cpu"] = platform.processor() or platform.machine()
-    rec["cpu_count"] = os.cpu_count()
+    rec.update(environment(rec["device"]))
     text = json.dumps(rec, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

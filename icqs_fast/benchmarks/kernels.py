@@ -24,6 +24,7 @@ import torch
 from .. import backends, ops
 from ..backends import torch_ref
 from ..types import FLOAT_FIELDS, TokenStats
+from . import environment
 
 BASELINE = "torch log_softmax+gather+entropy+var"
 BASELINE_LINEAR = "torch matmul+log_softmax+gather+entropy+var"
@@ -222,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         copy["cuda"] = copy_bandwidth(torch.device("cuda"), copy_bytes, args.repeat)
     records = []
     failed = 0
+    envs = {dev: environment(dev) for dev in copy}
     for kind, backend, dev, dtype, shape in plan(args.quick, cuda):
         device = torch.device(dev)
         extra = {"copy_gbps": round(copy[dev], 3), "repeat": args.repeat,
@@ -243,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if not args.json:
                 _print_row(rec)
-        records.append(rec)
+        records.append({**rec, **{k: v for k, v in envs[dev].items() if k not in rec}})
         if cuda:
             torch.cuda.empty_cache()
     # Valid JSON, one record per line.
