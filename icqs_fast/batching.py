@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 # Prefix forwards on the CPU run in chunks of at most this many tokens: larger batches spill the
 # elementwise work (SiLU, norms, RoPE) out of the caches and measured slower on a 2-core CPU
-# (20 prefixes of ~215 tokens: 7.2 s in chunks of 2000 tokens, 8.3 s in one forward).
-PREFIX_CHUNK_CPU = 2048
+# (20 prefixes of ~215 tokens: 7.2 s in chunks of 2000 tokens, 8.3 s in one forward); chunks of
+# 512 tokens measured as fast (8-10 s on the shared machine) and keep the activations' peak small
+# next to the bank (bank + 2048-token chunk ~390 MB, bank + 512-token chunk ~240 MB).
+PREFIX_CHUNK_CPU = 512
 
 
 def decoder_body(model: Any) -> Any:
@@ -70,7 +73,11 @@ class PrefixBank:
     @torch.no_grad()
     def add(self, prefixes: Sequence[Sequence[int]]) -> list[int]:
         """Compute and store the KV states of ``prefixes`` (lists of token ids, each non-empty),
-        in padded batches of at most ``token_budget`` tokens; returns their entry indices."""
+        in padded batches of at most ``token_budget`` tokens; returns their entry indices.
+
+        Each layer's keys/values are written straight into the new bank tensors while the
+        forward runs (:class:`_BankWriter`), so building the bank never holds a second copy of
+        it: the extra peak is one chunk's activations."""
         if not prefixes:
             return []
         if any(len(p) == 0 for p in prefixes):
@@ -79,46 +86,32 @@ class PrefixBank:
         budget = self.token_budget
         if dev.type == "cpu":
             budget = min(budget, PREFIX_CHUNK_CPU)
-        new_k: list[list[torch.Tensor]] = []
-        new_v: list[list[torch.Tensor]] = []
-        new_len: list[int] = []
-        order = list(range(len(prefixes)))
+        first = len(self.lengths)
+        new_len = [len(p) for p in prefixes]
+        p_all = max([*new_len, *self.lengths])
+        writer = _BankWriter(self.keys, self.values, first, first + len(new_len), p_all)
         start = 0
-        while start < len(order):
+        while start < len(prefixes):
             # Greedy chunk: rows x longest row <= budget (at least one row).
             end, longest = start, 0
-            while end < len(order):
-                ln = max(longest, len(prefixes[order[end]]))
+            while end < len(prefixes):
+                ln = max(longest, new_len[end])
                 if end > start and (end - start + 1) * ln > budget:
                     break
                 longest, end = ln, end + 1
-            rows = [list(prefixes[i]) for i in order[start:end]]
+            rows = [list(prefixes[i]) for i in range(start, end)]
             ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(rows), longest), dtype=torch.long)
             for r, p in enumerate(rows):
                 ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
                 mask[r, : len(p)] = 1
             pos = torch.arange(longest).expand(len(rows), -1)
-            out = self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                            position_ids=pos.to(dev), use_cache=True)
-            kv = _layer_kv(out.past_key_values)
-            new_k.append([k for k, _ in kv])
-            new_v.append([v for _, v in kv])
-            new_len.extend(len(p) for p in rows)
+            writer.rows = (first + start, first + end)
+            self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                      position_ids=pos.to(dev), past_key_values=writer, use_cache=True)
             start = end
-        p_new = max(new_len)
-        p_all = max([p_new, *self.lengths]) if self.lengths else p_new
-        n_layers = len(new_k[0])
-        keys, values = [], []
-        for li in range(n_layers):
-            parts_k = [self.keys[li]] if self.keys else []
-            parts_v = [self.values[li]] if self.values else []
-            parts_k += [blk[li] for blk in new_k]
-            parts_v += [blk[li] for blk in new_v]
-            keys.append(torch.cat([_pad_slots(t, p_all) for t in parts_k]))
-            values.append(torch.cat([_pad_slots(t, p_all) for t in parts_v]))
-        first = len(self.lengths)
-        self.keys, self.values = keys, values
+        # Slots past a prefix's length stay zero (masked out, and finite so 0 * v is 0).
+        self.keys, self.values = writer.keys, writer.values
         self.lengths = self.lengths + new_len
         return list(range(first, first + len(new_len)))
 
@@ -140,11 +133,43 @@ class PrefixBank:
         return kv, mask, lens
 
 
-def _pad_slots(t: torch.Tensor, p: int) -> torch.Tensor:
-    if t.shape[2] == p:
-        return t
-    pad = t.new_zeros(t.shape[0], t.shape[1], p - t.shape[2], t.shape[3])
-    return torch.cat([t, pad], dim=2)
+class _BankWriter(DynamicCache):
+    """A cache for a prefix forward from an empty cache that keeps nothing itself: each layer's
+    new keys/values (``[rows, H_kv, T, D]``) are copied into slots ``rows`` of fresh bank tensors
+    ``[E, H_kv, P, D]`` (zero-filled, entries ``[0, first)`` copied from ``old``) and returned
+    unchanged for the attention. Its layers stay empty, so the model sees no past tokens."""
+
+    def __init__(self, old_k: list[torch.Tensor], old_v: list[torch.Tensor], first: int,
+                 total: int, p_all: int) -> None:
+        super().__init__()
+        self.old_k, self.old_v = old_k, old_v
+        self.first, self.total, self.p_all = first, total, p_all
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows = (first, first)
+
+    def _layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.keys) <= li:
+            i = len(self.keys)
+            shape = (self.total, like.shape[1], self.p_all, like.shape[3])
+            k = like.new_zeros(shape)
+            v = like.new_zeros(shape)
+            if self.old_k:
+                p_old = self.old_k[i].shape[2]
+                k[: self.first, :, :p_old] = self.old_k[i]
+                v[: self.first, :, :p_old] = self.old_v[i]
+            self.keys.append(k)
+            self.values.append(v)
+        return self.keys[li], self.values[li]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._layer(layer_idx, key_states)
+        r0, r1 = self.rows
+        t = key_states.shape[2]
+        k[r0:r1, :, :t] = key_states
+        v[r0:r1, :, :t] = value_states
+        return key_states, value_states
 
 
 @torch.no_grad()
@@ -170,8 +195,6 @@ def suffix_hidden(
         ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
         ``suffix_mask``: ``[R, S]`` bool, True on real tokens.
     """
-    from transformers import DynamicCache
-
     from . import cascade as casc
 
     if cascade is None:
