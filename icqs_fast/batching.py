@@ -110,7 +110,8 @@ class PrefixBank:
             self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                       position_ids=pos.to(dev), past_key_values=writer, use_cache=True)
             start = end
-        # Slots past a prefix's length stay zero (masked out, and finite so 0 * v is 0).
+        # Slots past a prefix's length hold zeros or its chunk's padding states: masked out in
+        # attention, and finite, so their zero weights contribute exactly 0.
         self.keys, self.values = writer.keys, writer.values
         self.lengths = self.lengths + new_len
         return list(range(first, first + len(new_len)))

@@ -45,3 +45,30 @@ def test_cascade_matches_kv_copy(kind, layout):
     torch.testing.assert_close(h[m], h_ref[m], atol=1e-5, rtol=1e-5)
     # The model's attention implementation is restored.
     assert model.config._attn_implementation == ("sdpa" if kind == "llama" else "eager")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bank_states_match_a_plain_forward(kind):
+    """Every entry's stored keys/values equal those of a plain, unpadded forward of that prefix
+    (written straight into the bank, in chunks; padding slots finite); adding entries later
+    (longer and shorter than the stored ones) keeps the earlier entries intact."""
+    from transformers import DynamicCache
+
+    from icqs_fast.batching import _layer_kv, decoder_body
+
+    model = _model(kind)
+    g = torch.Generator().manual_seed(2)
+    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30, 5, 41, 3)]
+    bank = PrefixBank(model, 0, 40)  # a 40-token budget forces several chunks
+    assert bank.add(prefixes[:3]) == [0, 1, 2]
+    assert bank.add(prefixes[3:]) == [3, 4, 5]
+    assert bank.lengths == [17, 9, 30, 5, 41, 3]
+    for e, p in enumerate(prefixes):
+        with torch.no_grad():
+            out = decoder_body(model)(input_ids=torch.tensor([p]), use_cache=True,
+                                      past_key_values=DynamicCache())
+        for li, (k, v) in enumerate(_layer_kv(out.past_key_values)):
+            torch.testing.assert_close(bank.keys[li][e, :, :len(p)], k[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bank.values[li][e, :, :len(p)], v[0], atol=1e-5, rtol=1e-5)
+            # Slots past the prefix hold zeros or the padding tokens' states: masked, but finite.
+            assert bank.keys[li][e].isfinite().all() and bank.values[li][e].isfinite().all()
