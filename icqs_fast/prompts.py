@@ -17,6 +17,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Example = tuple[str, str]
 
@@ -55,6 +56,55 @@ class Template:
         if "{x}" not in self.query:
             raise ValueError(f"Template.query must contain '{{x}}', got {self.query!r}")
 
+    @classmethod
+    def from_chat_template(cls, tokenizer: Any, system: str | None = None) -> Template:
+        """A template that lays the prompt out as a chat in ``tokenizer``'s chat template: each
+        demonstration is a user turn ``x`` and an assistant turn ``y``, the query is a user turn
+        ``x`` plus the assistant header, and the response is ``y`` with the end of its turn.
+
+        Args:
+            tokenizer: a Hugging Face tokenizer with a chat template.
+            system: system message text; None keeps whatever the chat template puts there by
+                default (e.g. SmolLM2's default system prompt), "" too when it adds none.
+
+        Raises:
+            ValueError: the tokenizer has no chat template, or its layout can't be split into
+                per-turn formats (e.g. a template that rewrites earlier turns).
+        """
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{type(tokenizer).__name__} has no chat template; use the plain "
+                             "Template() or pass explicit formats")
+        # Marker words a template will not trim or escape; rendered, then split around.
+        x1, y1, x2, y2 = "ICQSMARKXONE", "ICQSMARKYONE", "ICQSMARKXTWO", "ICQSMARKYTWO"
+        msgs = [] if system is None else [{"role": "system", "content": system}]
+        msgs += [{"role": "user", "content": x1}, {"role": "assistant", "content": y1},
+                 {"role": "user", "content": x2}, {"role": "assistant", "content": y2}]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        try:
+            i_x1, i_y1, i_x2, i_y2 = (text.index(m) for m in (x1, y1, x2, y2))
+        except ValueError:
+            raise ValueError("the chat template dropped a message; it can't be used for "
+                             "demonstrations") from None
+        before = text[:i_x1]
+        mid = text[i_x1 + len(x1):i_y1]  # end of the user turn + assistant header
+        between = text[i_y1 + len(y1):i_x2]  # end of the assistant turn + user header
+        if text[i_x2 + len(x2):i_y2] != mid:
+            raise ValueError("the chat template formats the two user turns differently")
+        tail = text[i_y2 + len(y2):]
+        end = between if not tail else tail
+        if not between.startswith(end):
+            raise ValueError("the chat template ends assistant turns differently; it can't be "
+                             "split into per-turn formats")
+        user_head = between[len(end):]
+        if not before.endswith(user_head):
+            raise ValueError("the chat template formats the first user turn differently")
+        sys_text = before[: len(before) - len(user_head)]
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and sys_text.startswith(bos) and _adds_bos(tokenizer):
+            sys_text = sys_text[len(bos):]  # the engine adds BOS as an id, like the tokenizer
+        return cls(demo=user_head + "{x}" + mid + "{y}" + end, query=user_head + "{x}" + mid,
+                   response="{y}" + end, separator="", system=sys_text)
+
     def format_demo(self, x: str, y: str) -> str:
         """One demonstration's text (followed by nothing; the separator is added by the prefix)."""
         return _fill(self.demo, x=x, y=y)
@@ -92,6 +142,16 @@ class DemoSet:
     @property
     def n_good(self) -> int:
         return sum(self.is_good)
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether encoding text prepends the BOS token (as ``PromptTokens`` does for the prefix)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    probe = tokenizer("a")["input_ids"]
+    return len(probe) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and \
+        probe[0] == bos
 
 
 def _check_pool(pool: Sequence, name: str) -> list[Example]:

@@ -189,6 +189,36 @@ def test_custom_template_and_bernoulli(tokenizer):
                                            ["input_ids"])
 
 
+def test_chat_template_prompts(tokenizer):
+    """Template.from_chat_template lays the prompt out exactly as the tokenizer's chat template
+    renders the same conversation, and the engine matches the naive method with it."""
+    tpl = Template.from_chat_template(tokenizer, system="Label each review.")
+    demos = [GOOD[0], BAD[1]]
+    x, y = RESPONSES[0]
+    msgs = [{"role": "system", "content": "Label each review."}]
+    for dx, dy in [*demos, (x, y)]:
+        msgs += [{"role": "user", "content": dx}, {"role": "assistant", "content": dy}]
+    text = tpl.format_prefix(demos) + tpl.format_query(x) + tpl.format_response(y)
+    assert text == tokenizer.apply_chat_template(msgs, tokenize=False)
+    # Chat markers are single special tokens in the response part (y + end of turn).
+    n_resp = len(tokenizer(tpl.format_response(y), add_special_tokens=False)["input_ids"])
+    assert n_resp == len(tokenizer(y, add_special_tokens=False)["input_ids"]) + 2
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    kw = dict(KW, template=tpl)
+    got = list(ICQSScorer(model, tokenizer, GOOD, BAD, **kw).score(RESPONSES[:2]))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES[:2], compute_dtype=F64, **kw)
+    _compare(got, ref)
+    assert got[0].n_response_tokens == n_resp
+
+
+def test_chat_template_missing():
+    class NoChat:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="no chat template"):
+        Template.from_chat_template(NoChat())
+
+
 def test_input_errors(tokenizer):
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
