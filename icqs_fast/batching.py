@@ -21,12 +21,18 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-# Prefix forwards on the CPU run in chunks of at most this many tokens: larger batches spill the
-# elementwise work (SiLU, norms, RoPE) out of the caches and measured slower on a 2-core CPU
-# (20 prefixes of ~215 tokens: 7.2 s in chunks of 2000 tokens, 8.3 s in one forward); chunks of
-# 512 tokens measured as fast (8-10 s on the shared machine) and keep the activations' peak small
-# next to the bank (bank + 2048-token chunk ~390 MB, bank + 512-token chunk ~240 MB).
-PREFIX_CHUNK_CPU = 512
+# Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
+# prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
+# 256 tokens, 6.9 s at 512, 6.4 s at 1024, 6.5 s at 2048 (larger batches spill the elementwise
+# work out of the caches; one forward of everything measured 8.3 s). 1024 also matches the
+# suffix forwards' chunk (SUFFIX_CHUNK_CPU), so building the bank peaks no higher than scoring.
+PREFIX_CHUNK_CPU = 1024
+# What one more prefix forward costs, in tokens of compute (GPU, CPU): it reads every weight once
+# whatever its size (the embedded model on the 2-core CPU: ~50-70 ms for a 1-token forward,
+# ~1.4 ms a token in long ones). Shared runs of prefix tokens that save less are recomputed per
+# prefix, and a chunk takes that much padding rather than a forward of its own. The GPU value
+# is an estimate (a forward's ~300 kernel launches against ~2 us a token for a 1B model).
+FORWARD_COST_TOKENS = (1024, 40)
 
 
 def decoder_body(model: Any) -> Any:
@@ -66,14 +72,26 @@ class PrefixBank:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
+        # Tokens run through prefix forwards so far, padding included (trie sharing makes this
+        # smaller than the prefixes' total length).
+        self.forward_tokens = 0
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     @torch.no_grad()
     def add(self, prefixes: Sequence[Sequence[int]]) -> list[int]:
-        """Compute and store the KV states of ``prefixes`` (lists of token ids, each non-empty),
-        in padded batches of at most ``token_budget`` tokens; returns their entry indices.
+        """Compute and store the KV states of ``prefixes`` (lists of token ids, each non-empty);
+        returns their entry indices.
+
+        Tokens the new prefixes share are computed once: the prefixes form a token trie (all
+        demonstration prefixes start with the same BOS + system text, and sets often share
+        their first demonstrations) and each trie edge is one row of a forward that continues
+        from its parent's states, already in the bank (:func:`_trie_edges`); on the embedded
+        model's benchmark prompts (20 prefixes, 4256 tokens) the edges hold 3771 tokens. The
+        trie runs level by level (shared runs too short to pay for a forward are not split off,
+        :data:`FORWARD_COST_TOKENS`); a level's edges run sorted by length, in chunks of at most
+        ``token_budget`` rows x longest edge.
 
         Each layer's keys/values are written straight into the new bank tensors while the
         forward runs (:class:`_BankWriter`), so building the bank never holds a second copy of
@@ -87,34 +105,58 @@ class PrefixBank:
         if dev.type == "cpu":
             budget = min(budget, PREFIX_CHUNK_CPU)
         first = len(self.lengths)
-        new_len = [len(p) for p in prefixes]
-        p_all = max([*new_len, *self.lengths])
-        writer = _BankWriter(self.keys, self.values, first, first + len(new_len), p_all)
-        start = 0
-        while start < len(prefixes):
-            # Greedy chunk: rows x longest row <= budget (at least one row).
-            end, longest = start, 0
-            while end < len(prefixes):
-                ln = max(longest, new_len[end])
-                if end > start and (end - start + 1) * ln > budget:
-                    break
-                longest, end = ln, end + 1
-            rows = [list(prefixes[i]) for i in range(start, end)]
-            ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), longest), dtype=torch.long)
-            for r, p in enumerate(rows):
-                ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-                mask[r, : len(p)] = 1
-            pos = torch.arange(longest).expand(len(rows), -1)
-            writer.rows = (first + start, first + end)
-            self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                      position_ids=pos.to(dev), past_key_values=writer, use_cache=True)
-            start = end
-        # Slots past a prefix's length hold zeros or its chunk's padding states: masked out in
-        # attention, and finite, so their zero weights contribute exactly 0.
-        self.keys, self.values = writer.keys, writer.values
+        seqs = [list(map(int, p)) for p in prefixes]
+        new_len = [len(p) for p in seqs]
+        build = _BankBuild(self.keys, self.values, first, first + len(seqs),
+                           max([*new_len, *self.lengths]))
+        cost = FORWARD_COST_TOKENS[dev.type == "cpu"]
+        for level in _trie_edges(seqs, cost):
+            level = sorted(level, key=lambda e: e[1] - e[0])
+            start = 0
+            while start < len(level):
+                # Greedy chunk: rows x longest edge <= budget (at least one row); an edge joins
+                # when the padding it adds costs less than another forward would.
+                end, longest = start, 0
+                while end < len(level):
+                    ln = level[end][1] - level[end][0]
+                    n = end - start
+                    if n > 0 and ((n + 1) * ln > budget or n * (ln - longest) > cost):
+                        break
+                    longest, end = ln, end + 1
+                self._forward_edges(build, seqs, level[start:end], dev)
+                start = end
+        # Slots past a prefix's length hold zeros: masked out in attention, and finite, so their
+        # zero weights contribute exactly 0.
+        self.keys, self.values = build.keys, build.values
         self.lengths = self.lengths + new_len
-        return list(range(first, first + len(new_len)))
+        return list(range(first, first + len(seqs)))
+
+    def _forward_edges(self, build: _BankBuild, seqs: list[list[int]],
+                       edges: list[tuple[int, int, list[int]]], dev: torch.device) -> None:
+        """One padded forward of trie edges ``(depth, end, rows)``: row ``i`` is tokens
+        ``[depth_i, end_i)`` of the sequences ``rows_i``, after a past of ``depth_i`` tokens whose
+        states are stored in bank row ``rows_i[0]`` (the pasts are padded to the longest and
+        masked, as in :func:`suffix_hidden`'s KV-copy path)."""
+        n = len(edges)
+        d_max = max(d for d, _, _ in edges)
+        t_max = max(e - d for d, e, _ in edges)
+        ids = torch.full((n, t_max), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, d_max + t_max), dtype=torch.long)
+        pos = torch.empty((n, t_max), dtype=torch.long)
+        for i, (d, e, rows) in enumerate(edges):
+            ids[i, : e - d] = torch.tensor(seqs[rows[0]][d:e], dtype=torch.long)
+            mask[i, :d] = 1
+            mask[i, d_max: d_max + e - d] = 1
+            pos[i] = d + torch.arange(t_max)
+        past = None
+        if d_max > 0:
+            src = torch.tensor([build.first + rows[0] for _, _, rows in edges], device=dev)
+            past = [(k.index_select(0, src)[:, :, :d_max], v.index_select(0, src)[:, :, :d_max])
+                    for k, v in zip(build.keys, build.values, strict=True)]
+        targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
+        self.forward_tokens += n * t_max
+        self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                  past_key_values=_BankWriter(build, targets, past), use_cache=True)
 
     def gather(self, entries: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                                       torch.Tensor, torch.Tensor]:
@@ -134,22 +176,68 @@ class PrefixBank:
         return kv, mask, lens
 
 
-class _BankWriter(DynamicCache):
-    """A cache for a prefix forward from an empty cache that keeps nothing itself: each layer's
-    new keys/values (``[rows, H_kv, T, D]``) are copied into slots ``rows`` of fresh bank tensors
-    ``[E, H_kv, P, D]`` (zero-filled, entries ``[0, first)`` copied from ``old``) and returned
-    unchanged for the attention. Its layers stay empty, so the model sees no past tokens."""
+def _trie_edges(seqs: list[list[int]], forward_cost: int = 0
+                ) -> list[list[tuple[int, int, list[int]]]]:
+    """The edges of the token trie of ``seqs``, by level (a level's parents are in earlier
+    levels).
+
+    An edge ``(depth, end, rows)`` is the run of tokens ``[depth, end)`` that exactly the
+    sequences ``rows`` share after sharing their first ``depth`` tokens (a single sequence's
+    edge runs to its end). A sequence that is a prefix of another, or equal to it, ends on a
+    node. A shared edge that would save fewer than ``forward_cost`` tokens
+    (``(len(rows) - 1) * (end - depth)``) is not kept: each of its children (and the sequences
+    ending on it) runs from ``depth`` instead, since a level costs at least one more forward.
+    """
+    def split(depth: int, rows: list[int]) -> list[list]:
+        groups: dict[int, list[int]] = {}
+        for r in rows:
+            if len(seqs[r]) > depth:
+                groups.setdefault(seqs[r][depth], []).append(r)
+        out = []
+        for g in groups.values():
+            end, lim, lead = depth + 1, min(len(seqs[r]) for r in g), seqs[g[0]]
+            while end < lim and all(seqs[r][end] == lead[end] for r in g[1:]):
+                end += 1
+            out.append([depth, end, g])
+        return out
+
+    levels: list[list[tuple[int, int, list[int]]]] = []
+    todo = split(0, list(range(len(seqs))))
+    while todo:
+        level, nxt = [], []
+        while todo:
+            d, e, rows = todo.pop()
+            longer = [r for r in rows if len(seqs[r]) > e]
+            if not longer:  # a leaf (one sequence, or identical ones)
+                level.append((d, e, rows))
+                continue
+            kids = split(e, longer)
+            if (len(rows) - 1) * (e - d) < forward_cost:
+                ending = [r for r in rows if len(seqs[r]) == e]
+                todo.extend([d, ke, kr] for _, ke, kr in kids)
+                if ending:
+                    level.append((d, e, ending))
+                continue
+            level.append((d, e, rows))
+            nxt.extend(kids)
+        levels.append(level)
+        todo = nxt
+    return levels
+
+
+class _BankBuild:
+    """The new bank tensors while :meth:`PrefixBank.add` runs: per layer ``[E, H_kv, P, D]``,
+    zero-filled and allocated at the layer's first write (shapes and dtype from the model's
+    states), entries ``[0, first)`` copied from the old bank."""
 
     def __init__(self, old_k: list[torch.Tensor], old_v: list[torch.Tensor], first: int,
                  total: int, p_all: int) -> None:
-        super().__init__()
         self.old_k, self.old_v = old_k, old_v
         self.first, self.total, self.p_all = first, total, p_all
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.rows = (first, first)
 
-    def _layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.keys) <= li:
             i = len(self.keys)
             shape = (self.total, like.shape[1], self.p_all, like.shape[3])
@@ -163,14 +251,35 @@ class _BankWriter(DynamicCache):
             self.values.append(v)
         return self.keys[li], self.values[li]
 
+
+class _BankWriter(DynamicCache):
+    """The cache of one trie-edge forward. It holds the rows' pasts (``[n, H_kv, d_max, D]``,
+    padded and masked) so the model sees those tokens, and never grows: each layer's new
+    keys/values ``[n, H_kv, T, D]`` are copied (row ``i``'s first ``t_i`` tokens) into slots
+    ``[depth_i, depth_i + t_i)`` of every bank entry under edge ``i``, then returned after the
+    past for the attention."""
+
+    def __init__(self, build: _BankBuild, targets: list[tuple[list[int], int, int]],
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        if past:
+            super().__init__(ddp_cache_data=past)
+        else:
+            super().__init__()
+        self.build, self.targets = build, targets
+        self.has_past = bool(past)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._layer(layer_idx, key_states)
-        r0, r1 = self.rows
-        t = key_states.shape[2]
-        k[r0:r1, :, :t] = key_states
-        v[r0:r1, :, :t] = value_states
-        return key_states, value_states
+        k, v = self.build.layer(layer_idx, key_states)
+        for i, (rows, d, t) in enumerate(self.targets):
+            for r in rows:
+                k[r, :, d:d + t] = key_states[i, :, :t]
+                v[r, :, d:d + t] = value_states[i, :, :t]
+        if not self.has_past:
+            return key_states, value_states
+        layer = self.layers[layer_idx]
+        return (torch.cat([layer.keys, key_states], dim=2),
+                torch.cat([layer.values, value_states], dim=2))
 
 
 @torch.no_grad()

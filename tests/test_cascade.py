@@ -72,3 +72,47 @@ def test_bank_states_match_a_plain_forward(kind):
             torch.testing.assert_close(bank.values[li][e, :, :len(p)], v[0], atol=1e-5, rtol=1e-5)
             # Slots past the prefix hold zeros or the padding tokens' states: masked, but finite.
             assert bank.keys[li][e].isfinite().all() and bank.values[li][e].isfinite().all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_shared_tokens_are_computed_once(kind, monkeypatch):
+    """Prefixes that share leading tokens (all of them, nested groups, one a prefix of another,
+    two identical) are computed along their token trie: each shared token runs once, and every
+    entry still equals a plain forward of its own prefix."""
+    from transformers import DynamicCache
+
+    from icqs_fast import batching
+    from icqs_fast.batching import _layer_kv, _trie_edges, decoder_body
+
+    monkeypatch.setattr(batching, "FORWARD_COST_TOKENS", (0, 0))  # split off every shared run
+    model = _model(kind)
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(n):
+        return torch.randint(1, 300, (n,), generator=g).tolist()
+
+    head, a, b = rnd(6), rnd(5), rnd(4)
+    prefixes = [head + a + rnd(7), head + a + rnd(3), head + a, head + b + rnd(9), head + rnd(2),
+                head + b + rnd(9), head + a + [7, 8]]
+    prefixes.append(list(prefixes[3]))  # identical to entry 3
+    # Trie tokens: head 6, a 5, three tails under a (7, 3, 2), b 4, two tails (9, 9), tail 2.
+    assert sum(e - d for level in _trie_edges(prefixes) for d, e, _ in level) == 47
+    # With a forward costing 12 tokens, shared runs saving less are recomputed per branch: b
+    # (4 tokens under 3 sequences, two of them identical: saves 8) runs twice, a (5 tokens x 4
+    # sequences: saves 15) and head stay shared.
+    assert sum(e - d for level in _trie_edges(prefixes, 12) for d, e, _ in level) == 47 + 4
+    bank = PrefixBank(model, 0, 10_000)
+    bank.add(prefixes[:1])  # a later add copies the earlier entries
+    computed = bank.forward_tokens
+    assert bank.add(prefixes[1:]) == list(range(1, len(prefixes)))
+    # Padding adds little: a level's edges run sorted by length, near-equal ones together.
+    assert bank.forward_tokens - computed <= 47 + 10
+    assert bank.forward_tokens - computed < sum(map(len, prefixes[1:])) // 2
+    for e, p in enumerate(prefixes):
+        with torch.no_grad():
+            out = decoder_body(model)(input_ids=torch.tensor([p]), use_cache=True,
+                                      past_key_values=DynamicCache())
+        for li, (k, v) in enumerate(_layer_kv(out.past_key_values)):
+            torch.testing.assert_close(bank.keys[li][e, :, :len(p)], k[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bank.values[li][e, :, :len(p)], v[0], atol=1e-5, rtol=1e-5)
+            assert not bank.keys[li][e, :, len(p):].any()  # unused slots stay zero
