@@ -37,6 +37,12 @@ def test_record_fields_are_sane(record):
     assert 0 <= record["max_abs_loglik_diff"] < 1e-3
     assert record["cascade"] is True
     assert record["peak_mem_naive_mb"] is None  # memory skipped here
+    # The cold comparison is the ratio of medians over interleaved repeats.
+    assert len(record["cold_single_fast_all_s"]) == len(record["cold_single_naive_all_s"]) == 3
+    assert record["cold_single_speedup"] == pytest.approx(
+        record["cold_single_naive_s"] / record["cold_single_fast_s"], rel=0.02)
+    # Every prefix starts with the same BOS + system text: the bank computes it once.
+    assert 0 < record["prefix_forward_tokens"] < record["prefix_tokens_total"]
     json.dumps(record)
 
 
@@ -52,8 +58,12 @@ def test_responses_and_arguments():
                       "--device", "cpu", "--out", "x.json"])
     assert (a.random_weights, a.config, a.responses, a.json, a.device, a.out) == \
         (True, "llama-1b", 4, True, "cpu", "x.json")
+    assert a.cold_repeats == 3
     with pytest.raises(ValueError, match="responses"):
         bench_icqs.bench(0, "cpu", random_weights=True, config="tiny", measure_memory=False)
+    with pytest.raises(ValueError, match="cold-repeats"):
+        bench_icqs.bench(1, "cpu", random_weights=True, config="tiny", measure_memory=False,
+                         cold_repeats=0)
 
 
 def test_peak_memory_child_runs():

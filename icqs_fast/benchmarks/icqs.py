@@ -14,7 +14,8 @@ Fields:
   responses, *including* the computation of its prefix caches (``prefix_s`` of it);
   ``speedup = naive_s / fast_s``.
 * ``cold_single_speedup``: a fresh engine scoring one response (prefix caches included) against
-  the naive method on that response.
+  the naive method on that response; each side runs ``cold_repeats`` times, interleaved, and the
+  ratio is of the medians (one sample of each swings by 10-20% on a shared machine).
 * ``peak_mem_*_mb``: per side in a fresh subprocess, after loading the model and a warm-up, the
   growth of peak RSS (CPU; reset through ``/proc/self/clear_refs``) or of
   ``torch.cuda.max_memory_allocated`` (CUDA) while scoring ``mem_responses`` responses (the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -214,13 +216,15 @@ def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
 def bench(n_responses: int = 64, device: str | torch.device = "auto",
           random_weights: bool = False, config: str = "llama-1b",
           measure_memory: bool = True, mem_responses: int = 16,
-          settings: dict | None = None) -> dict:
+          settings: dict | None = None, cold_repeats: int = 3) -> dict:
     """The benchmark record (fields: see the module docstring). ``settings`` overrides the
     ICQS settings (``num_ratios``, ``demos_per_set``, ``sets_per_ratio``, ``seed``; tests use
     small ones); the memory subprocesses always use the default settings."""
     settings = dict(SETTINGS, **(settings or {}))
     if n_responses < 1:
         raise ValueError(f"--responses must be >= 1, got {n_responses}")
+    if cold_repeats < 1:
+        raise ValueError(f"--cold-repeats must be >= 1, got {cold_repeats}")
     dev = _resolve_device(str(device))
     model, tok, name = load(dev, random_weights, config)
     good, bad = demos()
@@ -235,14 +239,22 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     list(ICQSScorer(model, tok, good, bad, template=TEMPLATE, **warm).score(resp[:1]))
     icqs_naive(model, tok, good, bad, resp[:1], template=TEMPLATE, **warm)
 
-    # Cold single response: a fresh engine (prefix caches included) vs naive on that response.
-    _sync(dev)
-    t0 = time.perf_counter()
-    _scorer(model, tok, good, bad, settings).score_one(*resp[0])
-    _sync(dev)
-    cold_fast = time.perf_counter() - t0
+    # Cold single response: a fresh engine (prefix caches included) vs naive on that response,
+    # interleaved, medians.
+    cold_fast_all, cold_naive_all = [], []
+    for _ in range(cold_repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        _scorer(model, tok, good, bad, settings).score_one(*resp[0])
+        _sync(dev)
+        cold_fast_all.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _naive(model, tok, good, bad, resp[:1], settings)
+        _sync(dev)
+        cold_naive_all.append(time.perf_counter() - t0)
+    cold_fast, cold_naive = statistics.median(cold_fast_all), statistics.median(cold_naive_all)
 
-    # Naive, one response at a time (its time on response 0 is the cold-single baseline).
+    # Naive, one response at a time.
     ref, naive_times = [], []
     for r in resp:
         _sync(dev)
@@ -284,7 +296,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "naive_s": round(naive_s, 6),
         "fast_s": round(fast_s, 6),
         "speedup": round(naive_s / fast_s, 2),
-        "cold_single_speedup": round(naive_times[0] / cold_fast, 2),
+        "cold_single_speedup": round(cold_naive / cold_fast, 2),
         "peak_mem_naive_mb": None,
         "peak_mem_fast_mb": None,
         "max_abs_loglik_diff": diff,
@@ -293,7 +305,11 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "query_tokens_mean": round(sum(q_lens) / len(q_lens), 2),
         "prefix_s": round(prefix_s, 3),
         "cold_single_fast_s": round(cold_fast, 3),
-        "cold_single_naive_s": round(naive_times[0], 3),
+        "cold_single_naive_s": round(cold_naive, 3),
+        "cold_single_fast_all_s": [round(t, 3) for t in cold_fast_all],
+        "cold_single_naive_all_s": [round(t, 3) for t in cold_naive_all],
+        "prefix_forward_tokens": bank.forward_tokens,
+        "prefix_tokens_total": sum(bank.lengths[:scorer.n_contexts]),
         "mem_ratio": None,
         "mem_responses": None,
         "cascade": scorer.cascade,
@@ -322,6 +338,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model shape with --random-weights (llama-1b: ~1.1B params)")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--cold-repeats", type=int, default=3,
+                   help="runs of each side of the cold single-response comparison (median)")
     p.add_argument("--mem-responses", type=int, default=16,
                    help="responses scored in the engine's memory subprocess (default 16)")
 
@@ -329,7 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(args.responses, args.device, args.random_weights, args.config,
-                measure_memory=not args.no_memory, mem_responses=args.mem_responses)
+                measure_memory=not args.no_memory, mem_responses=args.mem_responses,
+                cold_repeats=args.cold_repeats)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     text = json.dumps(rec, indent=2)
