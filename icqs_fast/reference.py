@@ -42,10 +42,13 @@ def icqs_naive(
     drop_oldest_demos: bool = False,
     return_token_stats: bool = False,
     compute_dtype: torch.dtype = torch.float32,
-    **_ignored: Any,
+    backend: str | None = None,
+    token_budget: int | None = None,
+    cascade: bool | None = None,
 ) -> list[ICQSResult]:
-    """Naive ICQS / ICQS-Epistemic; arguments as :class:`icqs_fast.ICQSScorer` (engine-only ones
-    such as ``backend`` and ``token_budget`` are accepted and ignored).
+    """Naive ICQS / ICQS-Epistemic; arguments as :class:`icqs_fast.ICQSScorer`. The engine-only
+    ``backend``, ``token_budget`` and ``cascade`` are accepted (so one settings dict drives both)
+    and have no effect here; any other unknown argument is a TypeError.
 
     ``compute_dtype`` is the dtype of the full-vocabulary ``log_softmax`` (the logits are cast
     to it): float32 as usually written, float64 for an accuracy reference (fp32 log_softmax over

@@ -234,12 +234,50 @@ def test_input_errors(tokenizer):
         list(scorer.score(["just a string"]))
     with pytest.raises(ValueError, match=r"2 good and 5 bad"):
         ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3)
+    with pytest.raises(ValueError, match=r"5 good and 1 bad"):
+        ICQSScorer(model, tokenizer, GOOD, BAD[:1], num_ratios=3, demos_per_set=3)
+    with pytest.raises(TypeError, match="demos_per_sett"):  # misspelt: not silently ignored
+        icqs_naive(model, tokenizer, GOOD, BAD, RESPONSES[:1], demos_per_sett=3)
     with pytest.warns(UserWarning, match="training mode"):
         ICQSScorer(model.train(), tokenizer, GOOD, BAD, **KW)
     model.eval()
     ok = ICQSScorer(model, tokenizer, GOOD[:2], BAD, num_ratios=3, demos_per_set=3,
                     sets_per_ratio=1, replacement=True)
     assert ok.score_one("a", "b").loglik.shape == (3, 1)
+
+
+def test_one_forward_per_batch_and_head_only_at_response_tokens(tokenizer, monkeypatch):
+    """After the prefix bank is built, all (M+1) L contexts of a response run in one decoder
+    forward (two responses in one too, within the token budget), the LM head module never runs,
+    and the head's product is taken only at the response tokens (rows = contexts x tokens)."""
+    from icqs_fast import icqs as icqs_mod
+    from icqs_fast import ops
+
+    model = _tiny("llama", "sdpa", len(tokenizer))
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
+    scorer.prefix_bank  # noqa: B018
+    calls = {"body": [], "head": 0, "lts_rows": []}
+    body = model.base_model
+    h1 = body.register_forward_hook(
+        lambda mod, args, kw, out: calls["body"].append(kw["input_ids"].shape), with_kwargs=True)
+    h2 = model.get_output_embeddings().register_forward_hook(
+        lambda *a: calls.__setitem__("head", calls["head"] + 1))
+    real = ops.linear_token_stats
+
+    def counting(h, *a, **k):
+        calls["lts_rows"].append(h.shape[0])
+        return real(h, *a, **k)
+
+    monkeypatch.setattr(icqs_mod.ops, "linear_token_stats", counting)
+    try:
+        res = list(scorer.score(RESPONSES[:2]))
+    finally:
+        h1.remove()
+        h2.remove()
+    n_ctx = scorer.n_contexts
+    assert len(calls["body"]) == 1 and calls["body"][0][0] == 2 * n_ctx
+    assert calls["head"] == 0
+    assert calls["lts_rows"] == [n_ctx * sum(r.n_response_tokens for r in res)]
 
 
 # --------------------------------------------------------------------------- embedded model

@@ -72,6 +72,29 @@ def test_load_8bit_on_cpu(embedded):
     assert float(cos) > 0.99
 
 
+def test_load_4bit_on_cpu(embedded):
+    import bitsandbytes as bnb
+
+    _, _, model, tok = embedded
+    q, qtok = load_model(load_in_4bit=True, device="cpu")
+    lin = q.model.layers[0].self_attn.q_proj
+    assert isinstance(lin, bnb.nn.Linear4bit)
+    a, b = _logits(model, tok, PROMPTS[0]), _logits(q, qtok, PROMPTS[0])
+    # 4-bit weights: further from the fp32 model than 8-bit, still the right next token.
+    assert tok.decode(int(b[-1].argmax())).strip() == "Paris"
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert float(cos) > 0.85  # measured 0.89
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("ICQS_FAST_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    monkeypatch.setenv("ICQS_FAST_CACHE", "~/x")
+    assert cache_dir() == cache_dir().home() / "x"
+    monkeypatch.delenv("ICQS_FAST_CACHE")
+    assert cache_dir() == cache_dir().home() / ".cache" / "icqs_fast"
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="at most one of load_in_8bit and load_in_4bit"):
         load_model(load_in_8bit=True, load_in_4bit=True)
