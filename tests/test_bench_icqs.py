@@ -43,6 +43,7 @@ def test_record_fields_are_sane(record):
         record["cold_single_naive_s"] / record["cold_single_fast_s"], rel=0.02)
     # Every prefix starts with the same BOS + system text: the bank computes it once.
     assert 0 < record["prefix_forward_tokens"] < record["prefix_tokens_total"]
+    assert record["prefix_bank_mb"] > 0
     json.dumps(record)
 
 

@@ -20,6 +20,9 @@ Fields:
   growth of peak RSS (CPU; reset through ``/proc/self/clear_refs``) or of
   ``torch.cuda.max_memory_allocated`` (CUDA) while scoring ``mem_responses`` responses (the
   naive peak is per prompt, so its count does not matter; the engine runs full-size batches).
+  ``mem_ratio = peak_mem_naive_mb / peak_mem_fast_mb`` (above 1: the engine needs less, as in
+  ``bench attention``); ``prefix_bank_mb`` is the stored prefix KV states alone (every
+  context's keys and values, all layers), which the engine keeps for as long as it scores.
 * ``max_abs_loglik_diff``: largest ``|loglik_fast - loglik_naive|`` over all responses and
   contexts; ``score_agreement``: fraction of responses whose ICQS-Epistemic score and per-set ICQS
   scores are identical.
@@ -309,6 +312,8 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "cold_single_fast_all_s": [round(t, 3) for t in cold_fast_all],
         "cold_single_naive_all_s": [round(t, 3) for t in cold_naive_all],
         "prefix_forward_tokens": bank.forward_tokens,
+        "prefix_bank_mb": round(sum(t.numel() * t.element_size()
+                                    for t in (*bank.keys, *bank.values)) / 2**20, 1),
         "prefix_tokens_total": sum(bank.lengths[:scorer.n_contexts]),
         "mem_ratio": None,
         "mem_responses": None,
@@ -321,7 +326,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config)
         pn = _peak_in_subprocess("naive", min(m, 2), str(dev), random_weights, config)
         rec.update(peak_mem_fast_mb=round(pf, 1), peak_mem_naive_mb=round(pn, 1),
-                   mem_ratio=round(pf / pn, 3) if pn > 0 else None,
+                   mem_ratio=round(pn / pf, 3) if pf > 0 else None,
                    mem_responses={"fast": m, "naive": min(m, 2)})
     return rec
 
