@@ -1,4 +1,4 @@
-"""icqs-fast: fast LLM-based quality scoring (ICQS, glass-box self-evaluation features, ALLURE)."""
+"""icqs-fast: fast LLM-based quality scoring (ICQS, glass-box self-evaluation features)."""
 
 from __future__ import annotations
 
