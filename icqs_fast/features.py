@@ -30,27 +30,41 @@ disagreement are uncertainty and uncertainty means lower quality):
 ``attn_ent_min``    the same, minimised over layer x head                                        -1
 ==================  ==========================================================================  ===
 
-``mode="selfeval-compat"`` reproduces the formulas of the original SelfEval code (a plain torch
-path over the full logits, for comparison only). With ``p`` = prompt length and ``L`` = sequence
-length of a row and ``z = logits``:
+``mode="selfeval-compat"`` reproduces the formulas of the original SelfEval code
+(``get_single_evaluation`` in ``llm_judge/gen_single_answer_selfeval.py`` of HuihuiChyan/SelfEval,
+modes ``logprobs``, ``logprobs-entropy``, ``logprobs-variance``; a plain torch path over the full
+logits, for comparison only). With ``p`` = prompt length and ``L`` = sequence length of a row,
+``z_t`` = the logits at position ``t`` and ``ls_t = log_softmax(z_t)``, the original masks every
+position ``t < p`` to 0 and keeps positions ``[p, L)`` - the usual window ``[p-1, L-1)`` shifted by
+one: the first response token's own prediction (position ``p - 1``) is left out and the last
+position, which predicts past the response, is included:
 
-* ``sent_logprob`` = mean of ``log_softmax(z[p-1:L-1])`` gathered at ``ids[p:L]`` (the usual
-  window);
-* ``softmax_ent`` = mean over positions ``[p, L)`` - i.e. the window shifted by one, the last
-  position predicting past the response and the first response token's own prediction left out -
-  of ``mean_v(log_softmax(z)_v * z_v)`` (no minus sign, a mean over the vocabulary, not a sum;
-  it is *not* a Shannon entropy);
-* ``softmax_var`` = mean over the same shifted positions of ``torch.var(log_softmax(z), -1)``
+* ``sent_logprob`` = ``(sum_{t=p}^{L-2} ls_t[ids[t+1]] + ls_{L-1}[ids[0]]) / (L - p)``. The
+  original gathers at the ids rolled left by one (``torch.roll(ids, -1)``), so position ``t``
+  reads ``ids[t+1]`` and the last position wraps around to ``ids[0]`` (the first token of the
+  prompt); the sum over ``L - p`` positions is divided by ``target_len = L - p``. It is therefore
+  *not* the usual mean response log-probability: ``y_p`` is never scored and one term is the
+  log-probability of the sequence's first token after the end of the response;
+* ``softmax_ent`` = mean over positions ``[p, L)`` of ``mean_v(ls_t[v] * z_t[v])`` (no minus sign;
+  it is *not* a Shannon entropy). The original divides the sum over the vocabulary by the constant
+  32000 (Llama-2's vocabulary size); we divide by the model's vocabulary size ``V``, the same for a
+  32000-token vocabulary and a constant factor ``V / 32000`` otherwise;
+* ``softmax_var`` = mean over positions ``[p, L)`` of ``torch.var(ls_t)`` over the vocabulary
   (unbiased);
-* ``token_prob_var`` = unbiased ``torch.var`` over the usual window of ``p(y_t)`` (NaN for one
-  token);
+* ``token_prob_var`` has no counterpart in the original code (neither ``get_single_evaluation``
+  nor the ensemble driver ``llm_judge/gen_model_answer_selfeval.py`` computes a variance of the
+  token probabilities; the latter only averages the members' scores). The compat value is our
+  definition: unbiased ``torch.var`` of ``p(y_t)`` over the *usual* window (``ls_{t-1}[ids[t]]``,
+  ``t`` in ``[p, L)``; NaN for one token);
 * ``softmax_combo`` and the attention features as in the standard mode.
+
+In a batch every row is right-padded and sliced back to its own ``L`` before these formulas are
+applied, so the window, the wrap-around token ``ids[0]`` and ``L - p`` are the row's own.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -274,19 +288,25 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
 
 def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
                       ) -> dict[str, float]:
-    """The SelfEval code's formulas for one unpadded row (``logits [L, V]``, ``ids [L]``); see
-    the module docstring. Plain torch in the logits' dtype."""
-    p = prompt_len
-    lsm = torch.log_softmax(logits[p - 1:-1], dim=-1)
-    lp = lsm.gather(-1, ids[p:, None])[:, 0]
-    z = logits[p:]
-    lz = torch.log_softmax(z, dim=-1)
+    """The SelfEval code's formulas for one unpadded row (``logits [L, V]``, ``ids [L]``,
+    ``1 <= prompt_len < L``); see the module docstring. Plain torch in the logits' dtype."""
+    p, n = prompt_len, int(ids.shape[0])
+    if not 1 <= p < n:
+        raise ValueError(f"need 1 <= prompt_len < len(ids), got {p} and {n}")
+    ls = torch.log_softmax(logits[p - 1:], dim=-1)  # rows: positions p-1 .. L-1
+    # SelfEval's window: positions [p, L); position t reads ids[t+1], the last wraps to ids[0].
+    nxt = torch.cat([ids[p + 1:], ids[:1]])
+    lp_compat = ls[1:].gather(-1, nxt[:, None])[:, 0]
+    # The usual window (positions [p-1, L-1) vs ids[p:]), for our token_prob_var only.
+    lp_usual = ls[:-1].gather(-1, ids[p:, None])[:, 0]
+    z, lz = logits[p:], ls[1:]
     return {
-        "n_tokens": int(ids.shape[0] - p),
-        "sent_logprob": float(lp.mean()),
+        "n_tokens": n - p,
+        "sent_logprob": float(lp_compat.sum() / (n - p)),
         "softmax_ent": float((lz * z).mean(-1).mean()),
         "softmax_var": float(torch.var(lz, dim=-1).mean()),
-        "token_prob_var": float(torch.var(lp.exp())),
+        # unbiased, as torch.var; NaN for one token (said here, without torch's warning)
+        "token_prob_var": float(torch.var(lp_usual.exp())) if n - p > 1 else math.nan,
     }
 
 
@@ -316,9 +336,7 @@ def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str
             d = {"n_tokens": 0, "sent_logprob": nan, "softmax_ent": nan, "softmax_var": nan,
                  "token_prob_var": nan}
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # var of one token: NaN, as in the original
-                d = selfeval_formulas(logits[r, :n].float(), ids[r, :n], p)
+            d = selfeval_formulas(logits[r, :n].float(), ids[r, :n], p)
         d.update(_attn_summary(ent, r, p, n))
         res.append(d)
     return res
