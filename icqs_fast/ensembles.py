@@ -11,8 +11,10 @@ mean of the response's token probabilities (length-normalised, so long answers a
 Two ensembles:
 
 * **prompt ensemble** (:func:`prompt_ensemble`): the same response scored under each system prompt
-  of a pool (default: the 7 prompts of ``icqs_fast/data/system_prompts.json``); all members of all
-  items are scored in the same padded batches of one :func:`icqs_fast.features.glassbox` call.
+  of a pool (default: the 7 prompts of ``icqs_fast/data/system_prompts.json``). The members of an
+  item share the response, so they go through one padded forward together (``batch_size`` items,
+  i.e. ``batch_size x len(pool)`` rows, per forward; default one item); an item's members are
+  never split over forwards.
 * **decoding ensemble** (:func:`decoding_ensemble`): ``k`` responses sampled from the evaluator
   for the instruction with ``model.generate`` under fixed seeds (``seed + j`` for member ``j``),
   each scored by the evaluator. It measures the model's uncertainty about the *instruction* and
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from .batching import model_device
-from .features import as_item, encode, glassbox
+from .features import as_item, encode, glassbox, illustrate
 
 
 def default_system_prompts() -> list[str]:
@@ -51,15 +53,25 @@ def _summary(logprobs: list[float]) -> dict[str, Any]:
 
 
 def prompt_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *,
-                    system_prompts: Sequence[str] | None = None, **kwargs: Any
-                    ) -> list[dict[str, Any]]:
+                    system_prompts: Sequence[str] | None = None, batch_size: int = 1,
+                    reference: str | None = None, calibration_factor: float = 1.0,
+                    **kwargs: Any) -> list[dict[str, Any]]:
     """``unt_exp`` / ``unt_var`` over a pool of system prompts (see the module docstring).
 
     Args:
         items: as for :func:`icqs_fast.features.glassbox` (a per-item system prompt is replaced
             by each pool member).
         system_prompts: the pool; the 7 built-in prompts if None.
-        **kwargs: passed to ``glassbox`` (``batch_size``, ``backend``, ``mode``, ...).
+        batch_size: items per forward; each contributes all ``len(pool)`` members to it, so one
+            forward holds ``batch_size * len(pool)`` rows (items in input order, not re-sorted).
+        reference: None; ``"illustrate"``: items with a reference get it as a demonstration turn
+            (:func:`icqs_fast.features.illustrate`) before being expanded over the pool;
+            ``"calibrate"``: ``unt_exp`` and ``unt_var`` become ``value(response) -
+            calibration_factor * value(reference)``, the reference answer scored as the response
+            by the same ensemble (items without a reference keep the plain values; ``members``
+            stay the response's own, the reference's are in ``reference_members``).
+        calibration_factor: the factor of ``"calibrate"``.
+        **kwargs: passed to ``glassbox`` (``backend``, ``mode``, ``use_chat_template``, ...).
 
     Returns:
         per item ``{"unt_exp", "unt_var", "members": [P_m per prompt]}``.
@@ -67,12 +79,38 @@ def prompt_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *,
     pool = list(system_prompts) if system_prompts is not None else default_system_prompts()
     if not pool:
         raise ValueError("system_prompts must hold at least one prompt")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if reference not in (None, "illustrate", "calibrate"):
+        raise ValueError(f"reference must be None, 'illustrate' or 'calibrate', got {reference!r}")
+    kwargs.pop("system_prompt", None)  # replaced by each pool member
     its = [as_item(x) for x in items]
-    expanded = [replace(it, system_prompt=sp) for it in its for sp in pool]
-    rows = glassbox(model, tokenizer, expanded, features=["sent_logprob"], **kwargs)
+    if reference == "illustrate":
+        its = [illustrate(it) for it in its]
+    elif reference == "calibrate":
+        has_ref = [bool(it.reference) for it in its]
+        refs = [replace(it, response=it.reference) for it, h in zip(its, has_ref, strict=True)
+                if h]
+        kw = dict(system_prompts=pool, batch_size=batch_size, **kwargs)
+        plain = prompt_ensemble(model, tokenizer, its, **kw)
+        ref_rows = iter(prompt_ensemble(model, tokenizer, refs, **kw))
+        for row, h in zip(plain, has_ref, strict=True):
+            if h:
+                rr = next(ref_rows)
+                for k in ("unt_exp", "unt_var"):
+                    row[k] = row[k] - calibration_factor * rr[k]
+                row["reference_members"] = rr["members"]
+        return plain
     m = len(pool)
-    return [_summary([r["sent_logprob"] for r in rows[i * m:(i + 1) * m]])
-            for i in range(len(its))]
+    res = []
+    for s in range(0, len(its), batch_size):
+        group = [replace(it, system_prompt=sp) for it in its[s:s + batch_size] for sp in pool]
+        # One glassbox call whose batch is the whole group: exactly one padded forward.
+        rows = glassbox(model, tokenizer, group, features=["sent_logprob"],
+                        batch_size=len(group), **kwargs)
+        res += [_summary([r["sent_logprob"] for r in rows[i * m:(i + 1) * m]])
+                for i in range(len(group) // m)]
+    return res
 
 
 @torch.no_grad()

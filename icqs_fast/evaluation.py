@@ -14,6 +14,11 @@ Vicuna-7B), so with the embedded evaluator this is *cross*-evaluation, not self-
 The table reports the raw correlation of each feature's value with the GPT-4 score, together
 with the feature's direction (``FEATURE_DIRECTION``: +1 if higher = better). A feature works as
 intended when ``direction x correlation > 0``.
+
+``--reference illustrate|calibrate`` applies to every feature of answers whose question has a
+GPT-4 reference answer, the ensemble features included: with ``calibrate``, ``unt_exp`` and
+``unt_var`` become ``value(answer) - factor x value(reference)``, the reference answer scored by
+the same 7-prompt ensemble (:func:`icqs_fast.ensembles.prompt_ensemble`).
 """
 
 from __future__ import annotations
@@ -99,8 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="standard", choices=list(MODES))
     p.add_argument("--reference", default="none", choices=["none", "illustrate", "calibrate"],
                    help="reference augmentation for questions with a GPT-4 reference answer")
-    p.add_argument("--calibration-factor", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--calibration-factor", type=float, default=1.0,
+                   help="calibrate: feature(answer) - factor x feature(reference answer), for "
+                        "every feature including unt_exp / unt_var")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="answers per padded forward for the glass-box features (default 4); "
+                        "the prompt ensemble puts one answer's members in each forward")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=None,
@@ -144,13 +153,9 @@ def run(args: argparse.Namespace) -> int:
             for f in base:
                 values[f] = [r[f] for r in rows]
         if ens:
-            its = items
-            if ref == "illustrate":
-                from .features import illustrate
-
-                its = [illustrate(it) for it in items]
-            erows = prompt_ensemble(model, tok, its, batch_size=args.batch_size,
-                                    backend=args.backend, mode=args.mode)
+            # One forward per answer: its members (one per system prompt) share the response.
+            erows = prompt_ensemble(model, tok, items, backend=args.backend, mode=args.mode,
+                                    reference=ref, calibration_factor=args.calibration_factor)
             for f in ens:
                 values[f] = [r[f] for r in erows]
     t_score = time.perf_counter() - t1

@@ -174,31 +174,64 @@ def test_empty_response_is_nan_and_bad_args(tiny, tokenizer):
 
 
 def _selfeval_direct(logits, ids, p):
-    """The SelfEval code's formulas, written out in float64 with explicit loops."""
-    logits = logits.double()
-    lp, ent, var = [], [], []
-    for t in range(p, ids.shape[0]):  # logprob: logits[p-1:-1] vs ids[p:]
-        z = logits[t - 1]
-        lp.append(z[ids[t]] - torch.logsumexp(z, 0))
-    for t in range(p, logits.shape[0]):  # entropy / variance: logits[p:] (shifted by one)
+    """The SelfEval code's formulas (``get_single_evaluation``, modes logprobs /
+    logprobs-entropy / logprobs-variance), followed literally in float64 with explicit loops:
+    every position of the row is visited, positions ``t < p`` (the instruction) contribute 0, the
+    target of position ``t`` is the id rolled left by one (``ids[(t + 1) % L]``: the last position
+    wraps around to ``ids[0]``), and the sums are divided by ``target_len = L - p``. The vocabulary
+    "entropy" divides by the vocabulary size (the original's constant 32000 is Llama-2's).
+    ``token_prob_var`` has no counterpart in the original; ours is the unbiased variance of
+    ``p(y_t)`` over the usual window."""
+    logits = logits.double().cpu()
+    ids = ids.cpu()
+    n, v = logits.shape
+    target_len = n - p
+    lp_sum = ent_sum = var_sum = 0.0
+    for t in range(n):
+        if t < p:  # instruction masking: log-probs set to 0
+            continue
         z = logits[t]
         ls = z - torch.logsumexp(z, 0)
-        ent.append((ls * z).sum() / z.numel())
-        var.append(((ls - ls.mean()) ** 2).sum() / (z.numel() - 1))
-    lp = torch.stack(lp)
-    pr = lp.exp()
-    return {"sent_logprob": lp.mean().item(), "softmax_ent": torch.stack(ent).mean().item(),
-            "softmax_var": torch.stack(var).mean().item(),
-            "token_prob_var": (((pr - pr.mean()) ** 2).sum() / (pr.numel() - 1)).item()}
+        lp_sum += ls[ids[(t + 1) % n]].item()
+        ent_sum += ((ls * z).sum() / v).item()
+        var_sum += (((ls - ls.mean()) ** 2).sum() / (v - 1)).item()
+    pr = []
+    for t in range(p, n):  # our token_prob_var: logits[t-1] scores ids[t]
+        z = logits[t - 1]
+        pr.append(math.exp((z[ids[t]] - torch.logsumexp(z, 0)).item()))
+    mean = sum(pr) / len(pr)
+    tpv = sum((x - mean) ** 2 for x in pr) / (len(pr) - 1) if len(pr) > 1 else math.nan
+    return {"sent_logprob": lp_sum / target_len, "softmax_ent": ent_sum / target_len,
+            "softmax_var": var_sum / target_len, "token_prob_var": tpv}
 
 
 def test_selfeval_formulas_direct():
+    torch.manual_seed(0)
     logits = torch.randn(12, 50, dtype=torch.float64) * 3
     ids = torch.randint(0, 50, (12,))
-    got = selfeval_formulas(logits, ids, 5)
-    want = _selfeval_direct(logits, ids, 5)
-    for k, v in want.items():
-        assert got[k] == pytest.approx(v, rel=1e-10, abs=1e-12), k
+    for p in (1, 5, 10):
+        got = selfeval_formulas(logits, ids, p)
+        want = _selfeval_direct(logits, ids, p)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-10, abs=1e-12), (p, k)
+    # The wrap-around: the last position is scored at ids[0], and the first response token's own
+    # prediction (logits[p-1]) does not enter sent_logprob.
+    ids2 = ids.clone()
+    ids2[0] = (ids[0] + 1) % 50
+    lsm = torch.log_softmax(logits[-1], -1)
+    d = selfeval_formulas(logits, ids2, 5)["sent_logprob"] - selfeval_formulas(logits, ids, 5)[
+        "sent_logprob"]
+    assert d == pytest.approx((lsm[ids2[0]] - lsm[ids[0]]).item() / 7, rel=1e-10)
+    moved = logits.clone()
+    moved[4] = torch.randn(50, dtype=torch.float64)
+    assert selfeval_formulas(moved, ids, 5)["sent_logprob"] == pytest.approx(
+        selfeval_formulas(logits, ids, 5)["sent_logprob"], rel=1e-12)
+    # One response token: the only term is the wrap-around one.
+    one = selfeval_formulas(logits, ids, 11)
+    assert one["sent_logprob"] == pytest.approx(lsm[ids[0]].item(), rel=1e-12)
+    assert math.isnan(one["token_prob_var"])
+    with pytest.raises(ValueError):
+        selfeval_formulas(logits, ids, 12)
 
 
 def test_compat_mode_matches_direct(tiny, tokenizer):
@@ -234,6 +267,111 @@ def test_prompt_ensemble(tiny, tokenizer):
         assert r["unt_var"] == pytest.approx(sum((p - mean) ** 2 for p in per) / 3, rel=1e-4,
                                              abs=1e-12)
     assert len(prompt_ensemble(tiny, tokenizer, ITEMS[:1])[0]["members"]) == 7
+
+
+def _count_forwards(model):
+    """Forward hook on the decoder body: the batch size of every forward, in order."""
+    from icqs_fast.batching import decoder_body
+
+    rows = []
+
+    def hook(module, args, kwargs, output):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows.append(int(ids.shape[0]))
+
+    return rows, decoder_body(model).register_forward_hook(hook, with_kwargs=True)
+
+
+def test_prompt_ensemble_one_forward_per_item(tiny, tokenizer):
+    """The 7 members of an item (same response, different system prompts) share one forward,
+    and the values equal scoring each member on its own."""
+    pool = default_system_prompts()
+    items = ITEMS[:3]
+    rows, h = _count_forwards(tiny)
+    try:
+        res = prompt_ensemble(tiny, tokenizer, items)
+        assert rows == [7, 7, 7]  # one forward per item, all 7 members in it
+        rows.clear()
+        res2 = prompt_ensemble(tiny, tokenizer, items, batch_size=2)
+        assert rows == [14, 7]  # batch_size counts items; members are never split
+    finally:
+        h.remove()
+    for it, r, r2 in zip(items, res, res2, strict=True):
+        per = [math.exp(glassbox(tiny, tokenizer, [it], features=["sent_logprob"],
+                                 system_prompt=sp, batch_size=1)[0]["sent_logprob"])
+               for sp in pool]
+        assert r["members"] == pytest.approx(per, rel=1e-5)
+        assert r2["members"] == pytest.approx(per, rel=1e-5)
+        mean = sum(per) / 7
+        assert r["unt_exp"] == pytest.approx(mean, rel=1e-5)
+        assert r["unt_var"] == pytest.approx(sum((p - mean) ** 2 for p in per) / 7, rel=1e-3,
+                                             abs=1e-12)
+    with pytest.raises(ValueError, match="batch_size"):
+        prompt_ensemble(tiny, tokenizer, items, batch_size=0)
+
+
+def test_prompt_ensemble_reference_calibration(tiny, tokenizer):
+    """calibrate: unt_exp / unt_var of the answer minus factor x the same ensemble value of the
+    reference answer scored as the response; items without a reference keep the plain values."""
+    pool = default_system_prompts()[:3]
+    items = ITEMS[:2]  # the first has a reference, the second not
+    plain = prompt_ensemble(tiny, tokenizer, items, system_prompts=pool)
+    it = as_item(items[0])
+    ref = prompt_ensemble(tiny, tokenizer, [(it.instruction, it.reference)], system_prompts=pool)[0]
+    cal = prompt_ensemble(tiny, tokenizer, items, system_prompts=pool, reference="calibrate",
+                          calibration_factor=0.5)
+    for k in ("unt_exp", "unt_var"):
+        assert cal[0][k] == pytest.approx(plain[0][k] - 0.5 * ref[k], rel=1e-4, abs=1e-9), k
+        assert cal[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-12), k
+    assert cal[0]["members"] == pytest.approx(plain[0]["members"], rel=1e-5)
+    assert cal[0]["reference_members"] == pytest.approx(ref["members"], rel=1e-5)
+    assert "reference_members" not in cal[1]
+    ill = prompt_ensemble(tiny, tokenizer, items[:1], system_prompts=pool, reference="illustrate")
+    want = prompt_ensemble(tiny, tokenizer, [illustrate(it)], system_prompts=pool)
+    assert ill[0]["members"] == pytest.approx(want[0]["members"], rel=1e-5)
+    with pytest.raises(ValueError, match="reference"):
+        prompt_ensemble(tiny, tokenizer, items, reference="nope")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_eval_mtbench_calibrates_ensemble_features(tiny, tokenizer, tmp_path, monkeypatch,
+                                                   capsys):
+    """``eval mtbench --reference calibrate`` calibrates unt_exp / unt_var too (a tiny MT-Bench
+    folder, the tiny model as the evaluator)."""
+    import icqs_fast.models
+    from icqs_fast.cli import main
+
+    _write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 1, "turns": ["What is the capital of France?", "And of Italy?"]},
+        {"question_id": 2, "turns": ["Write a haiku about rain.", "Now one about snow."]}])
+    _write_jsonl(tmp_path / "model_answer_m.jsonl", [
+        {"question_id": 1, "choices": [{"turns": ["Paris is the capital.", "Rome."]}]},
+        {"question_id": 2, "choices": [{"turns": ["Rain on the roof.", "Snow on the hill."]}]}])
+    _write_jsonl(tmp_path / "reference_answer_gpt-4.jsonl", [
+        {"question_id": 1, "choices": [{"turns": ["Paris.", "Rome."]}]}])
+    _write_jsonl(tmp_path / "judgment_gpt-4_single.jsonl", [
+        {"question_id": q, "model": "m", "turn": t, "score": s}
+        for q, t, s in ((1, 1, 8), (1, 2, 6), (2, 1, 3))])
+    monkeypatch.setattr(icqs_fast.models, "load_model", lambda *a, **k: (tiny, tokenizer))
+    out = {}
+    for ref in ("none", "calibrate"):
+        assert main(["eval", "mtbench", "--data", str(tmp_path), "--json", "--features",
+                     "unt_exp", "unt_var", "--reference", ref,
+                     "--calibration-factor", "0.5"]) == 0
+        out[ref] = json.loads(capsys.readouterr().out)["records"]
+    from icqs_fast.evaluation import load_mtbench
+
+    items = [r["item"] for r in load_mtbench(tmp_path)]
+    want = prompt_ensemble(tiny, tokenizer, items, reference="calibrate", calibration_factor=0.5)
+    for rec, w in zip(out["calibrate"], want, strict=True):
+        for k in ("unt_exp", "unt_var"):
+            assert rec[k] == pytest.approx(w[k], rel=1e-5, abs=1e-12), k
+    # Questions 1 (turns 1 and 2) have a reference: their values change; question 2 keeps its.
+    assert out["calibrate"][0]["unt_exp"] != pytest.approx(out["none"][0]["unt_exp"], rel=1e-3)
+    assert out["calibrate"][2]["unt_exp"] == pytest.approx(out["none"][2]["unt_exp"], rel=1e-5)
 
 
 def test_decoding_ensemble_seeded(tiny, tokenizer):
