@@ -261,3 +261,53 @@ def test_hf_hook_restores_on_error(model_tok):
         with torch.no_grad(), capture_attention_entropy(model, qm[:, :-1], kr):
             model(ids, attention_mask=am, use_cache=False)
     assert model.config._attn_implementation == "eager"
+
+
+# --------------------------------------------------------------------------- tiny GPT-2
+
+
+def _random_padded_batch(vocab, side, gen):
+    """Two random-id rows of different lengths, padded on ``side``: instruction keys then response
+    queries. Returns ids, attention_mask, query_mask and key_range."""
+    lens = [(9, 7), (4, 3)]  # (instruction, response) tokens per row
+    t = max(a + r for a, r in lens)
+    ids = torch.zeros(2, t, dtype=torch.long)
+    am = torch.zeros(2, t, dtype=torch.long)
+    qm = torch.zeros(2, t, dtype=torch.bool)
+    kr = torch.zeros(2, 2, dtype=torch.long)
+    for i, (na, nr) in enumerate(lens):
+        n = na + nr
+        o = t - n if side == "left" else 0
+        ids[i, o:o + n] = torch.randint(0, vocab, (n,), generator=gen)
+        am[i, o:o + n] = 1
+        qm[i, o + na:o + n] = True
+        kr[i] = torch.tensor([o, o + na])
+    return ids.to(DEVICE), am.to(DEVICE), qm.to(DEVICE), kr
+
+
+@pytest.mark.parametrize("side,inverse_layer_scale", [("right", False), ("left", True)])
+def test_hf_hook_matches_eager_tiny_gpt2(side, inverse_layer_scale):
+    """GPT-2 (absolute positions, its own per-layer ``scaling``) goes through the registered
+    implementation: entropies and logits equal eager ``output_attentions=True``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                     scale_attn_by_inverse_layer_idx=inverse_layer_scale,
+                     attn_implementation="eager")
+    model = GPT2LMHeadModel(cfg).to(DEVICE).eval()
+    ids, am, qm, kr = _random_padded_batch(cfg.vocab_size, side, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids, attention_mask=am, output_attentions=True, use_cache=False)
+        with capture_attention_entropy(model, qm, kr, backend="torch") as cap:
+            assert model.config._attn_implementation != "eager"
+            out = model(ids, attention_mask=am, use_cache=False)
+    assert model.config._attn_implementation == "eager"  # restored
+    assert cap.entropy.shape == (2, cfg.n_layer, cfg.n_head, ids.shape[1])
+    want = torch.stack([eager_range_entropy(a, kr, qm) for a in ref.attentions], dim=1)
+    assert torch.allclose(cap.entropy, want, atol=1e-5), (cap.entropy - want).abs().max()
+    assert bool((cap.entropy[~qm[:, None, None, :].expand_as(cap.entropy)] == 0).all())
+    assert float(want.max()) > 0.5
+    real = am.bool()
+    assert torch.allclose(out.logits[real], ref.logits[real], atol=1e-5), (
+        (out.logits - ref.logits)[real].abs().max())

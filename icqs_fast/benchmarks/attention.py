@@ -17,6 +17,10 @@ measured forward (CPU; the peak is reset through ``/proc/self/clear_refs``), or 
 ``torch.cuda.max_memory_allocated`` growth on CUDA. ``max_abs_err`` compares our entropies to the
 float64 entropies of the eager attention matrices. On CUDA the record also times one attention
 call of the Triton forward-with-entropy against plain SDPA (``triton_vs_sdpa``).
+
+``--random-weights --config tiny`` runs the same comparison on a tiny random-weight Llama (2
+layers; for tests), ``--config llama-1b`` on a ~1.1B-parameter one (the shapes of
+``icqs-fast bench icqs``); ``model`` then reads ``random-<config>``.
 """
 
 from __future__ import annotations
@@ -92,12 +96,19 @@ def run_eager(model, ids, qm, kr, prec64: bool = False) -> torch.Tensor:
     return eager_entropies(out.attentions, kr, qm)
 
 
-def _load(device: torch.device):
+def _load(device: torch.device, random_weights: bool = False, config: str = "tiny"):
+    """``(model, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA) or a random-weight
+    Llama of ``config`` (see :func:`icqs_fast.benchmarks.icqs.load`), with sdpa attention."""
+    if random_weights:
+        from .icqs import load
+
+        model, _, name = load(device, True, config)
+        return model, name
     from ..models import load_model
 
     model, _ = load_model(dtype="fp32" if device.type == "cpu" else "bf16", device=device,
                           attn_implementation="sdpa")
-    return model
+    return model, MODEL
 
 
 def _rss_kb(field: str) -> int:
@@ -107,14 +118,15 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def measure_peak_child(side: str, seq_len: int, device: str) -> dict:
+def measure_peak_child(side: str, seq_len: int, device: str, random_weights: bool = False,
+                       config: str = "tiny") -> dict:
     """Run in a fresh process: load the model, warm up on a short input, then measure the peak
     memory growth of one ``seq_len`` forward of ``side`` ("ours" or "eager")."""
     dev = torch.device(device)
-    model = _load(dev)
+    model, _ = _load(dev, random_weights, config)
     vocab = model.config.vocab_size
     fn = run_ours if side == "ours" else run_eager
-    ids, qm, kr = make_inputs(vocab, 32, dev)
+    ids, qm, kr = make_inputs(vocab, min(32, seq_len), dev)
     fn(model, ids, qm, kr)  # lazy imports and one-time allocations, not part of the peak
     ids, qm, kr = make_inputs(vocab, seq_len, dev)
     if dev.type == "cuda":
@@ -130,9 +142,11 @@ def measure_peak_child(side: str, seq_len: int, device: str) -> dict:
     return {"peak_mb": (_rss_kb("VmHWM") - base) / 1024}
 
 
-def _peak_in_subprocess(side: str, seq_len: int, device: str) -> float:
+def _peak_in_subprocess(side: str, seq_len: int, device: str, random_weights: bool = False,
+                        config: str = "tiny") -> float:
     code = ("import json, sys; from icqs_fast.benchmarks.attention import measure_peak_child; "
-            f"print(json.dumps(measure_peak_child({side!r}, {seq_len}, {device!r})))")
+            f"print(json.dumps(measure_peak_child({side!r}, {seq_len}, {device!r}, "
+            f"{random_weights!r}, {config!r})))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False, timeout=1200)
     if res.returncode != 0:
@@ -159,9 +173,14 @@ def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> di
             "sdpa_ms": round(s_ms, 4), "ratio": round(t_ms / s_ms, 3)}
 
 
-def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool = True) -> dict:
+def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool = True,
+          random_weights: bool = False, config: str = "tiny") -> dict:
     """The benchmark record (see the module docstring for the fields)."""
-    model = _load(device)
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    model, name = _load(device, random_weights, config)
     cfg = model.config
     ids, qm, kr = make_inputs(cfg.vocab_size, seq_len, device)
     t_ms, e_ms = side_by_side(lambda: run_ours(model, ids, qm, kr),
@@ -170,7 +189,7 @@ def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool 
     ref = run_eager(model, ids, qm, kr, prec64=True).double().cpu()
     err = float((ours - ref).abs().max())
     rec = {
-        "model": MODEL, "device": device.type, "seq_len": seq_len,
+        "model": name, "device": device.type, "seq_len": seq_len,
         "time_ms": round(t_ms, 2), "eager_ms": round(e_ms, 2), "speedup": round(e_ms / t_ms, 3),
         "peak_mem_mb": None, "eager_peak_mem_mb": None, "mem_ratio": None,
         "max_abs_err": err,
@@ -183,8 +202,8 @@ def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool 
     }
     if measure_memory:
         dev = str(device)
-        p_ours = _peak_in_subprocess("ours", seq_len, dev)
-        p_eager = _peak_in_subprocess("eager", seq_len, dev)
+        p_ours = _peak_in_subprocess("ours", seq_len, dev, random_weights, config)
+        p_eager = _peak_in_subprocess("eager", seq_len, dev, random_weights, config)
         rec.update(peak_mem_mb=round(p_ours, 1), eager_peak_mem_mb=round(p_eager, 1),
                    mem_ratio=round(p_eager / max(p_ours, 1e-3), 2))
     if device.type == "cuda":
@@ -205,6 +224,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--random-weights", action="store_true",
+                   help="a random-weight Llama of --config instead of the embedded model")
+    p.add_argument("--config", default="tiny", choices=("tiny", "llama-1b"),
+                   help="model shape with --random-weights (tiny: 2 layers, for tests)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device(args.device)
     t0 = time.perf_counter()
-    rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory)
+    rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory,
+                random_weights=args.random_weights, config=args.config)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(device))
     text = json.dumps(rec, indent=2)
