@@ -96,12 +96,25 @@ def linear_token_stats(
 ) -> TokenStats:
     """Token statistics of ``softmax((hidden @ weight.T + bias) / T)``, never building ``[N, V]``.
 
-    The product is computed block by block (``chunk_tokens`` x ``chunk_vocab``); each block is
-    reduced to a mergeable per-row state and dropped. Peak extra memory on the cpp/torch backends
-    is about ``chunk_tokens * chunk_vocab * 4`` bytes for the fp32 logits block (x ~6 on the torch
-    backend, whose block reduction makes temporaries; 16 MiB x ~1 on cpp with the defaults), plus
-    ``O(N)`` for the states - independent of N x V. The triton backend fuses the product and the
-    reduction and keeps only ``O(N * V / BLOCK_V)`` partial states.
+    The product is computed block by block: for each chunk of ``c = min(chunk_tokens, N)``
+    tokens, the chunk's target logits (from its ``[c, H]`` gathered weight rows), then the fp32
+    logits of each ``c x b`` block, ``b = min(chunk_vocab, V)``, each reduced to a mergeable
+    per-row state and dropped. Peak extra memory on the cpp/torch backends, beyond the inputs,
+    in bytes (``s``: bytes per weight element; ``[...]``: only when that input is not fp32)::
+
+        72 N                          per-token states and outputs
+      + [4 c H]                       fp32 copy of the token chunk's hidden rows
+      + max(4 c b + max([4 b H], R),  logits block + fp32 weight rows or the block reduction
+            c H (s + [4]))            target-logit step
+
+    where ``R`` is 72 c on cpp and 18 c b on torch (float64 temporaries), plus the BLAS
+    library's GEMM workspace. It grows with N only through ``72 N``: never ``N x V`` nor
+    ``N x H``. With the default chunks and fp32 inputs that is 16 MiB (cpp) or 88 MiB (torch)
+    + 72 bytes per token; a bf16 weight makes the middle term ``4 b H`` (256 MiB at H = 4096
+    with the default ``chunk_vocab``: pass a smaller one to lower it). The triton backend fuses
+    the product and the reduction: ``[C, N]`` partial states, ``C = cdiv(V, block_n * tiles)``,
+    about 140 bytes per chunk and token at the peak (see
+    :func:`icqs_fast.backends.triton_backend.linear_token_stats`), plus ``O(N)``.
 
     Args:
         hidden: ``[N, H]`` float32/float16/bfloat16 hidden states (e.g. before the LM head).
@@ -138,28 +151,30 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
     n, v = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
-    # Target logits once, from the same fp32 product as the blocks use (row-wise dot product).
-    w_t = weight.index_select(0, safe_t)
-    z_t = (hidden.float() * w_t.float()).sum(-1).double()
-    if bias is not None:
-        z_t = z_t + bias.float().index_select(0, safe_t).double()
-    shift = torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
     parts = []
-    wf = weight
     for r0 in range(0, n, ct):
         r1 = min(n, r0 + ct)
         h = hidden[r0:r1].float()
+        t = safe_t[r0:r1]
+        # This chunk's target logits, from the same fp32 operands as its blocks (row-wise dot
+        # product): [ct, H] gathered weight rows, never [N, H].
+        z_t = weight.index_select(0, t).float().mul_(h).sum(-1).double()
+        if bias is not None:
+            z_t += bias.index_select(0, t).double()
+        shift = torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
         acc = _state.empty(r1 - r0, hidden.device)
         for c0 in range(0, v, cv):
             c1 = min(v, c0 + cv)
-            z = h @ wf[c0:c1].float().t()
+            z = h @ weight[c0:c1].float().t()
             if bias is not None:
                 z += bias[c0:c1].float()
-            blk = reduce_block(z, safe_t[r0:r1] - c0, z_t[r0:r1], shift[r0:r1], temperature)
+            blk = reduce_block(z, t - c0, z_t, shift, temperature)
             acc = _state.merge(acc, blk)
-            del z
-        parts.append(_state.finalize(*acc, z_t[r0:r1], valid[r0:r1], temperature))
+            del z, blk
+        parts.append(_state.finalize(*acc, z_t, valid[r0:r1], temperature))
+        del h, acc
     if not parts:
+        z_t = torch.zeros(0, dtype=torch.float64, device=hidden.device)
         return _state.finalize(*_state.empty(0, hidden.device), z_t, valid, temperature)
     return TokenStats.cat(parts)
 

@@ -6,6 +6,9 @@ Program ``(i, c)`` computes the logits tile ``hidden[rows_i] @ weight[cols].T (+
 (the same ``m, s0, s1, s2, n, u1, u2`` + rank counts as ``kernels.token_stats``) and writes one
 partial state per (chunk, row). The ``[N, V]`` logits never reach memory: the only extra storage
 is ``[chunks, N, 7]`` fp32 + ``[chunks, N, 2]`` int64, merged afterwards by the caller.
+
+``target_logits`` computes each row's target logit ``hidden[r] . weight[t_r] (+ bias[t_r])`` in
+fp32 straight from the inputs (``[N]`` out, no ``[N, H]`` gather).
 """
 
 from __future__ import annotations
@@ -126,4 +129,43 @@ def launch(hidden, weight, bias, targets, z_t, shift, temperature: float, pstate
         HAS_BIAS=bias is not None, FP32_DOT=fp32_dot, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles,
         num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+@triton.jit
+def _target_logits_kernel(
+    HID, W, BIAS, T, ZT,
+    N, H,
+    s_hn, s_hh, s_wv, s_wh,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    t = tl.load(T + rows, mask=row_ok, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (kk < H)[None, :]
+        h = tl.load(HID + rows64[:, None] * s_hn + kk[None, :] * s_hh, mask=ok, other=0.0)
+        w = tl.load(W + t[:, None] * s_wv + kk[None, :] * s_wh, mask=ok, other=0.0)
+        acc += h.to(tl.float32) * w.to(tl.float32)
+    z = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        z += tl.load(BIAS + t, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(ZT + rows, z, mask=row_ok)
+
+
+def target_logits(hidden, weight, bias, targets, out, *, block_m: int = 16,
+                  block_k: int = 64) -> None:
+    """Fill ``out [N]`` fp32 with ``hidden[r] . weight[targets[r]] (+ bias[targets[r]])``,
+    accumulated in fp32; ``targets`` int64, in range."""
+    n, hdim = hidden.shape
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, block_m),)
+    _target_logits_kernel[grid](
+        hidden, weight, bias if bias is not None else hidden, targets, out, n, hdim,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_K=block_k,
     )

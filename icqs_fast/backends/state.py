@@ -49,7 +49,10 @@ def reduce_block(
     shift: torch.Tensor,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch implementation of one block's state (materialises ``[N, Vb]`` temporaries).
+    """Torch implementation of one block's state.
+
+    Works in place on one float64 copy of the block: the temporaries are two float64 and a few
+    bool ``[N, Vb]`` arrays (about 20 bytes per logit, i.e. ~5x an fp32 block).
 
     Args:
         z: ``[N, Vb]`` logits of one vocabulary block, any float dtype.
@@ -59,23 +62,29 @@ def reduce_block(
         shift: ``[N]`` float64 shift K for the u sums (in x = z/T units).
         temperature: T > 0.
     """
-    z = z.double()
-    x = z / temperature
-    fin = torch.isfinite(x)
-    m = torch.where(fin, x, torch.full_like(x, float("-inf"))).max(-1).values
+    x = z.to(torch.float64, copy=True)
+    x.div_(temperature)
+    nonfin = ~torch.isfinite(x)
+    x.masked_fill_(nonfin, float("-inf"))
+    m = x.amax(-1)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    d = torch.where(fin, x - m_safe[:, None], torch.zeros_like(x))
-    e = torch.where(fin, torch.exp(d), torch.zeros_like(x))
-    u = torch.where(fin, x - shift[:, None], torch.zeros_like(x))
-    state = torch.stack(
-        [m, e.sum(-1), (e * d).sum(-1), (e * d * d).sum(-1), fin.sum(-1).double(),
-         u.sum(-1), (u * u).sum(-1)],
-        dim=-1,
-    )
+    n_fin = x.shape[1] - nonfin.sum(-1)
+    u = (x - shift[:, None]).masked_fill_(nonfin, 0.0)  # x - K over finite entries
+    u1 = u.sum(-1)
+    u2 = u.square_().sum(-1)
+    del u
+    d = x.sub_(m_safe[:, None])  # x - m; -inf where not finite, so e = 0 there
+    e = torch.exp(d)
+    d.masked_fill_(nonfin, 0.0)
+    s0 = e.sum(-1)
+    s1 = e.mul_(d).sum(-1)
+    s2 = e.mul_(d).sum(-1)
+    del d, e
+    state = torch.stack([m, s0, s1, s2, n_fin.double(), u1, u2], dim=-1)
     cols = torch.arange(z.shape[1], device=z.device)[None, :]
-    not_t = cols != t_local[:, None]
-    greater = ((z > z_t[:, None]) & not_t).sum(-1)
-    eq_before = ((z == z_t[:, None]) & (cols < t_local[:, None])).sum(-1)
+    z_t2 = z_t[:, None]
+    greater = ((z > z_t2) & (cols != t_local[:, None])).sum(-1)
+    eq_before = ((z == z_t2) & (cols < t_local[:, None])).sum(-1)
     return state, torch.stack([greater, eq_before], dim=-1)
 
 

@@ -112,8 +112,10 @@ def linear_token_stats(
 ) -> TokenStats:
     """Fused ``hidden @ weight.T`` + statistics (see :mod:`icqs_fast.kernels.linear_token_stats`).
 
-    Extra memory: ``[C, N, 7]`` fp32 + ``[C, N, 2]`` int64 partial states with
-    ``C = cdiv(V, block_n * tiles)`` chunks; never ``[N, V]``.
+    Extra memory: ``[C, N, 7]`` fp32 + ``[C, N, 2]`` int64 partial states (44 bytes per chunk
+    and row) with ``C = cdiv(V, block_n * tiles)`` chunks, about 140 bytes per chunk and row at
+    the peak while :func:`merge_partials` folds them in float64, plus ``O(N)`` per-row vectors;
+    never ``[N, V]`` nor ``[N, H]``.
     """
     from ..kernels import linear_token_stats as _k
     from . import triton_interpreting
@@ -126,12 +128,12 @@ def linear_token_stats(
     n, hdim = hidden.shape
     v = weight.shape[0]
     valid, safe_t = _prepare(targets, ignore_index)
-    # Target logits from one row-wise fp32 dot product (the kernel compares every logit to it).
-    z_t = (hidden.float() * weight.index_select(0, safe_t).float()).sum(-1)
     if bias is not None:
         bias = bias.contiguous()
-        z_t = z_t + bias.float().index_select(0, safe_t)
-    z_t = z_t.contiguous()
+    # Target logits, one fp32 row-wise dot product each, read straight from hidden and weight
+    # (the kernel compares every logit to them): [N] out, no [N, H] gather.
+    z_t = _state.new_buffer(n, dtype=torch.float32, device=hidden.device)
+    _k.target_logits(hidden, weight, bias, safe_t, z_t)
     shift = _shift(z_t, temperature).contiguous()
     interp = triton_interpreting() and hidden.device.type != "cuda"
     if block_m is None:
