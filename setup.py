@@ -73,6 +73,8 @@ setup(
     ],
     # Triton kernels live in the top-level kernels/ folder but install as icqs_fast.kernels:
     # a top-level `kernels` module would shadow the `kernels` package bitsandbytes imports.
+    # (From the repository root the folder is on sys.path anyway: kernels/__init__.py then
+    # steps aside for any other `kernels`, or fails the import as if absent.)
     package_dir={"icqs_fast.kernels": "kernels"},
     package_data={"icqs_fast.data": ["*.txt", "*.json", "*.jsonl"]},
     ext_modules=ext_modules,

@@ -3,6 +3,7 @@ extension, and `icqs-fast info` reports the backends."""
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,7 +16,39 @@ from icqs_fast import backends, ops
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_kernels_are_namespaced():
+_FROM_ROOT = r"""
+import json, sys
+out = {}
+try:
+    import kernels
+except ImportError as exc:
+    out["kernels"] = type(exc).__name__
+else:
+    out["kernels"] = list(kernels.__path__) if not kernels.__path__ else kernels.__file__
+try:
+    from kernels import get_kernel
+except ImportError:
+    out["get_kernel"] = "ImportError"
+else:
+    out["get_kernel"] = get_kernel()
+import icqs_fast.kernels.attention_entropy, icqs_fast.kernels.linear_token_stats
+import icqs_fast.kernels.token_stats
+out["ours"] = [sys.modules[m].__file__ for m in
+               ("icqs_fast.kernels", "icqs_fast.kernels.token_stats")]
+from transformers import LlamaConfig  # transformers probes `kernels` (find_spec + import)
+out["transformers"] = "ok"
+print(json.dumps(out))
+"""
+
+
+def _run_from_root(**env):
+    out = subprocess.run([sys.executable, "-c", _FROM_ROOT], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_are_namespaced(tmp_path):
     spec = importlib.util.find_spec("icqs_fast.kernels")
     assert spec is not None and pathlib.Path(spec.origin).parent.name == "kernels"
     # A top-level `kernels` module of ours would shadow the package bitsandbytes imports.
@@ -25,6 +58,27 @@ def test_kernels_are_namespaced():
         capture_output=True, text=True, cwd="/", check=True,
     ).stdout.strip()
     assert str(REPO) not in top, f"top-level `kernels` resolves to our folder: {top}"
+
+    # From the repository root (first on sys.path there), `import kernels` must not give our
+    # kernels either: it is an empty package, as an empty folder would be (no submodules, so
+    # `from kernels import get_kernel` is an ImportError, which bitsandbytes catches) ...
+    ours = REPO / "kernels"
+    res = _run_from_root(PYTHONPATH="")
+    assert res["kernels"] == []
+    assert res["get_kernel"] == "ImportError", res
+    assert res["transformers"] == "ok", res
+    # ... while icqs_fast.kernels still imports its kernel modules from the folder.
+    assert [pathlib.Path(f) for f in res["ours"]] == [ours / "__init__.py",
+                                                      ours / "token_stats.py"], res
+
+    # An installed `kernels` package (later on sys.path than the root) is the one imported.
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("def get_kernel():\n    return 'installed'\n")
+    res = _run_from_root(PYTHONPATH=str(tmp_path / "site"))
+    assert res["kernels"] == str(other / "__init__.py"), res
+    assert res["get_kernel"] == "installed", res
+    assert pathlib.Path(res["ours"][1]) == ours / "token_stats.py", res
 
 
 def test_falls_back_without_extension():
