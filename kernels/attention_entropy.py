@@ -30,6 +30,7 @@ def _attn_entropy_fwd(
     sob, soh, som, sod,
     Tq, Tk, D, HQ, GROUP, scale,
     CAUSAL: tl.constexpr, HAS_KEYOK: tl.constexpr, FP32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -80,7 +81,7 @@ def _attn_entropy_fwd(
         if FP32_DOT:
             kt = kt.to(tl.float32)
             vb = vb.to(tl.float32)
-        s = tl.dot(q, kt) * scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * scale
         allowed = n_ok[None, :] & row_ok[:, None]
         if HAS_KEYOK:
             kok = tl.load(KEYOK + b * Tk + offs_n, mask=n_ok, other=0) != 0
@@ -97,7 +98,7 @@ def _attn_entropy_fwd(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if FP32_DOT:
-            acc += tl.dot(p, vb)
+            acc += tl.dot(p, vb, input_precision=PRECISION)
         else:
             acc += tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
@@ -166,14 +167,18 @@ def attention_entropy(
     interp = _interpreting()
     block_m = 16 if interp else (64 if block_d <= 64 else 32)
     block_n = 16 if interp else (64 if block_d <= 128 else 32)
-    # The interpreter has no bf16/fp16 tl.dot: compute in fp32 there.
+    # The interpreter has no bf16/fp16 tl.dot: compute in fp32 there. fp32 dots run in full
+    # precision ("ieee"), not Triton's default TF32 (10-bit mantissa on Ampere/Hopper), as in
+    # kernels/linear_token_stats.py; 16-bit inputs ignore the setting.
     fp32_dot = interp or q.dtype == torch.float32
+    precision = "ieee" if fp32_dot else "tf32"
     grid = (triton.cdiv(tq, block_m), bsz * hq)
     _attn_entropy_fwd[grid](
         q, k, v, out, ent, keyok, qm, kr,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         tq, tk, d, hq, hq // hk, float(scale),
         CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None, FP32_DOT=fp32_dot,
+        PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2,
     )
