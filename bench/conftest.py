@@ -12,6 +12,7 @@ def pytest_configure(config):
 
 
 QUICK = os.environ.get("ICQS_BENCH_QUICK", "0") not in ("", "0")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPE = (64, 4096) if QUICK else (2048, 49152)
 
 
@@ -21,3 +22,14 @@ def logits_targets():
     gen = torch.Generator().manual_seed(0)
     n, v = SHAPE
     return torch.randn(n, v, generator=gen) * 4, torch.randint(0, v, (n,), generator=gen)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """``(model, tokenizer)``: the embedded SmolLM2-135M with sdpa attention on ``DEVICE``."""
+    from icqs_fast.models import load_model
+
+    try:
+        return load_model(device=DEVICE, attn_implementation="sdpa")
+    except FileNotFoundError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")

@@ -7,23 +7,17 @@ Run: ``pytest bench --benchmark-only -k attention`` (compare the two rows of the
 
 import pytest
 import torch
-from conftest import QUICK
+from conftest import DEVICE, QUICK
 
 from icqs_fast.benchmarks.attention import make_inputs, run_eager, run_ours
 
 SEQ = 128 if QUICK else 1024
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GROUP = f"attention entropy SmolLM2-135M {SEQ} tokens {DEVICE.type}"
 
 
 @pytest.fixture(scope="module")
-def model_inputs():
-    from icqs_fast.models import load_model
-
-    try:
-        model, _ = load_model(device=DEVICE, attn_implementation="sdpa")
-    except FileNotFoundError as exc:
-        pytest.skip(f"embedded model unavailable: {exc}")
+def model_inputs(embedded):
+    model, _ = embedded
     return (model, *make_inputs(model.config.vocab_size, SEQ, DEVICE))
 
 

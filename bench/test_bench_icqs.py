@@ -8,27 +8,21 @@ has its prefix caches already built; ``icqs-fast bench icqs`` reports the cold n
 
 import pytest
 import torch
-from conftest import QUICK
+from conftest import DEVICE, QUICK
 
 from icqs_fast.benchmarks.icqs import demos, responses
 from icqs_fast.demo import TEMPLATE
 from icqs_fast.icqs import ICQSScorer
 from icqs_fast.reference import icqs_naive
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N_RESP = 2 if QUICK else 4
 KW = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=1, seed=0, template=TEMPLATE)
 GROUP = f"ICQS SmolLM2-135M {N_RESP} responses x 5 contexts {DEVICE.type}"
 
 
 @pytest.fixture(scope="module")
-def setup():
-    from icqs_fast.models import load_model
-
-    try:
-        model, tok = load_model(device=DEVICE, attn_implementation="sdpa")
-    except FileNotFoundError as exc:
-        pytest.skip(f"embedded model unavailable: {exc}")
+def setup(embedded):
+    model, tok = embedded
     good, bad = demos()
     return model, tok, good, bad, responses(N_RESP)
 
