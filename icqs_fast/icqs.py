@@ -22,7 +22,7 @@ import torch
 from . import ops
 from .batching import PrefixBank, suffix_hidden
 from .cascade import supports_cascade
-from .prompts import DemoSet, Template, build_demo_sets
+from .prompts import DemoSet, Template, adds_bos, build_demo_sets
 from .types import TokenStats
 
 DEFAULT_TOKEN_BUDGET = 16384
@@ -120,10 +120,7 @@ class PromptTokens:
         self.tok = tokenizer
         self.template = template
         self.flat = [s for row in sets for s in row]
-        probe = tokenizer("a")["input_ids"]
-        bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-        bos = tokenizer.bos_token_id
-        self.bos = [bos] if (bos is not None and len(probe) > len(bare) and probe[0] == bos) else []
+        self.bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
         self._prefix: dict[tuple[int, int], list[int]] = {}
 
     def encode(self, text: str) -> list[int]:

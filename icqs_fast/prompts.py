@@ -100,7 +100,7 @@ class Template:
             raise ValueError("the chat template formats the first user turn differently")
         sys_text = before[: len(before) - len(user_head)]
         bos = getattr(tokenizer, "bos_token", None)
-        if bos and sys_text.startswith(bos) and _adds_bos(tokenizer):
+        if bos and sys_text.startswith(bos) and adds_bos(tokenizer):
             sys_text = sys_text[len(bos):]  # the engine adds BOS as an id, like the tokenizer
         return cls(demo=user_head + "{x}" + mid + "{y}" + end, query=user_head + "{x}" + mid,
                    response="{y}" + end, separator="", system=sys_text)
@@ -144,8 +144,9 @@ class DemoSet:
         return sum(self.is_good)
 
 
-def _adds_bos(tokenizer: Any) -> bool:
-    """Whether encoding text prepends the BOS token (as ``PromptTokens`` does for the prefix)."""
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer prepends its BOS token when encoding text (the engine then puts
+    BOS, as an id, before each demonstration prefix)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return False
