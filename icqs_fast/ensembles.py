@@ -33,7 +33,14 @@ from typing import Any
 import torch
 
 from .batching import model_device
-from .features import as_item, encode, glassbox, illustrate
+from .features import (
+    as_item,
+    encode,
+    glassbox,
+    illustrate,
+    pair_references,
+    with_references,
+)
 
 
 def default_system_prompts() -> list[str]:
@@ -88,19 +95,17 @@ def prompt_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *,
     if reference == "illustrate":
         its = [illustrate(it) for it in its]
     elif reference == "calibrate":
-        has_ref = [bool(it.reference) for it in its]
-        refs = [replace(it, response=it.reference) for it, h in zip(its, has_ref, strict=True)
-                if h]
-        kw = dict(system_prompts=pool, batch_size=batch_size, **kwargs)
-        plain = prompt_ensemble(model, tokenizer, its, **kw)
-        ref_rows = iter(prompt_ensemble(model, tokenizer, refs, **kw))
-        for row, h in zip(plain, has_ref, strict=True):
-            if h:
-                rr = next(ref_rows)
+        scored, has_ref = with_references(its)
+        rows = prompt_ensemble(model, tokenizer, scored, system_prompts=pool,
+                               batch_size=batch_size, **kwargs)
+        res = []
+        for row, rr in pair_references(rows, has_ref):
+            if rr is not None:
                 for k in ("unt_exp", "unt_var"):
                     row[k] = row[k] - calibration_factor * rr[k]
                 row["reference_members"] = rr["members"]
-        return plain
+            res.append(row)
+        return res
     m = len(pool)
     res = []
     for s in range(0, len(its), batch_size):

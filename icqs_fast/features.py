@@ -448,18 +448,31 @@ def calibrate(model: Any, tokenizer: Any, items: Sequence[Any], *, factor: float
     reference answer is scored as if it were the response to the same prompt. Both sets are
     scored in one :func:`glassbox` call (``softmax_combo`` is then normalised over responses and
     references together). Items without a reference keep their uncalibrated features."""
-    its = [as_item(x) for x in items]
-    has_ref = [bool(it.reference) for it in its]
-    refs = [replace(it, response=it.reference) for it, h in zip(its, has_ref, strict=True) if h]
-    out = glassbox(model, tokenizer, its + refs, **kwargs)
-    plain, ref_rows = out[:len(its)], iter(out[len(its):])
+    scored, has_ref = with_references(items)
     res = []
-    for row, h in zip(plain, has_ref, strict=True):
+    for row, rr in pair_references(glassbox(model, tokenizer, scored, **kwargs), has_ref):
         row = dict(row)
-        if h:
-            rr = next(ref_rows)
+        if rr is not None:
             for k, v in rr.items():
                 if k != "n_tokens":
                     row[k] = row[k] - factor * v
         res.append(row)
     return res
+
+
+def with_references(items: Sequence[Any]) -> tuple[list[GlassboxItem], list[bool]]:
+    """The items, followed by the reference answer of each item that has one, as the response to
+    the same prompt (what calibration scores), and which items have one."""
+    its = [as_item(x) for x in items]
+    has_ref = [bool(it.reference) for it in its]
+    refs = [replace(it, response=it.reference) for it, h in zip(its, has_ref, strict=True) if h]
+    return its + refs, has_ref
+
+
+def pair_references(rows: Sequence[Any], has_ref: Sequence[bool]) -> list[tuple[Any, Any]]:
+    """Rows scored on :func:`with_references`'s items, back per item: ``(row, reference row or
+    None)``."""
+    n = len(has_ref)
+    ref_rows = iter(rows[n:])
+    return [(row, next(ref_rows) if h else None)
+            for row, h in zip(rows[:n], has_ref, strict=True)]
