@@ -229,7 +229,13 @@ def _padded_batch(tok, side):
 def test_hf_hook_matches_eager(model_tok, side, backend):
     _need(backend)
     model, tok = model_tok
-    ids, am, qm, kr = _padded_batch(tok, side)
+    _assert_hook_matches_eager(model, *_padded_batch(tok, side), backend, atol=1e-4)
+
+
+def _assert_hook_matches_eager(model, ids, am, qm, kr, backend, atol):
+    """Entropies captured through the registered implementation equal those of eager
+    ``output_attentions=True`` (0 on unflagged rows), the logits too, and the model's eager
+    implementation is restored afterwards."""
     with torch.no_grad():
         ref = model(ids, attention_mask=am, output_attentions=True, use_cache=False)
         with capture_attention_entropy(model, qm, kr, backend=backend) as cap:
@@ -240,11 +246,11 @@ def test_hf_hook_matches_eager(model_tok, side, backend):
     b, t = ids.shape
     assert cap.entropy.shape == (b, cfg.num_hidden_layers, cfg.num_attention_heads, t)
     want = torch.stack([eager_range_entropy(a, kr, qm) for a in ref.attentions], dim=1)
-    assert torch.allclose(cap.entropy, want, atol=1e-4), (cap.entropy - want).abs().max()
+    assert torch.allclose(cap.entropy, want, atol=atol), (cap.entropy - want).abs().max()
     assert bool((cap.entropy[~qm[:, None, None, :].expand_as(cap.entropy)] == 0).all())
     assert float(want.max()) > 0.5
     real = am.bool()
-    assert torch.allclose(out.logits[real], ref.logits[real], atol=1e-4), (
+    assert torch.allclose(out.logits[real], ref.logits[real], atol=atol), (
         (out.logits - ref.logits)[real].abs().max())
 
 
@@ -296,18 +302,6 @@ def test_hf_hook_matches_eager_tiny_gpt2(side, inverse_layer_scale):
                      scale_attn_by_inverse_layer_idx=inverse_layer_scale,
                      attn_implementation="eager")
     model = GPT2LMHeadModel(cfg).to(DEVICE).eval()
-    ids, am, qm, kr = _random_padded_batch(cfg.vocab_size, side, torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids, attention_mask=am, output_attentions=True, use_cache=False)
-        with capture_attention_entropy(model, qm, kr, backend="torch") as cap:
-            assert model.config._attn_implementation != "eager"
-            out = model(ids, attention_mask=am, use_cache=False)
-    assert model.config._attn_implementation == "eager"  # restored
-    assert cap.entropy.shape == (2, cfg.n_layer, cfg.n_head, ids.shape[1])
-    want = torch.stack([eager_range_entropy(a, kr, qm) for a in ref.attentions], dim=1)
-    assert torch.allclose(cap.entropy, want, atol=1e-5), (cap.entropy - want).abs().max()
-    assert bool((cap.entropy[~qm[:, None, None, :].expand_as(cap.entropy)] == 0).all())
-    assert float(want.max()) > 0.5
-    real = am.bool()
-    assert torch.allclose(out.logits[real], ref.logits[real], atol=1e-5), (
-        (out.logits - ref.logits)[real].abs().max())
+    batch = _random_padded_batch(cfg.vocab_size, side, torch.Generator().manual_seed(1))
+    assert batch[0].shape[0] == 2
+    _assert_hook_matches_eager(model, *batch, "torch", atol=1e-5)
