@@ -1,0 +1,63 @@
+"""Launch descriptions: what a backend would launch on a GPU, as plain data (no tensors).
+
+Each kernel module exposes ``gpu_launches(...) -> list[Launch]`` built from the same
+launch-settings function its launcher uses, so the static compiler
+(``icqs-fast bench static``) compiles exactly the configurations a GPU run picks. The workload
+fields are what the performance model (:mod:`icqs_fast.gpu_model`) needs besides the SASS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch.
+
+    Attributes:
+        kernel: short name of the operation, e.g. ``"token_stats"``.
+        fn: the ``@triton.jit`` function.
+        signature: every parameter of ``fn`` in order -> Triton type (``"*bf16"``, ``"*fp32"``,
+            ``"*i64"``, ``"i32"``, ``"i64"``, ``"fp32"``) or ``"constexpr"``.
+        constexprs: value of each ``constexpr`` parameter.
+        num_warps, num_stages: launch options.
+        grid: programs per grid axis (3 entries).
+        hbm_bytes: compulsory DRAM traffic of the whole launch (each input byte read once,
+            each output byte written once), a lower bound on its memory time.
+        tensor_flops: ``tl.dot`` FLOPs of the whole launch (``2 M N K``); 0 when none.
+        elements: the logits / scores the launch reduces (for per-element figures).
+        loop_iters: trip count of the hot (innermost) loop per program, averaged over programs.
+        loop_elements: elements one program handles per hot-loop iteration.
+        label: configuration in words (block sizes, warps), for names and reports.
+        extra: anything else a report should carry (e.g. ``{"variant": "no_entropy"}``).
+    """
+
+    kernel: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    hbm_bytes: int
+    tensor_flops: int = 0
+    elements: int = 0
+    loop_iters: float = 1.0
+    loop_elements: int = 0
+    label: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+TRITON_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+"""torch dtype name (``str(dtype).split('.')[-1]``) -> Triton pointer type."""
+
+
+def ptr(dtype) -> str:
+    """Triton pointer type of a torch float dtype (``torch.bfloat16`` -> ``"*bf16"``)."""
+    return TRITON_PTR[str(dtype).split(".")[-1]]
