@@ -15,8 +15,13 @@ left out of every sum, as in the torch reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+from .launch import Launch, ptr
 
 STATE_WIDTH = 7  # m, s0, s1, s2, n, u1, u2 (see icqs_fast.backends.state)
 
@@ -94,25 +99,78 @@ def _token_stats_kernel(
     tl.store(COUNTS + row * 2 + 1, eq_before)
 
 
-def reduce_rows(z, targets, z_t, shift, temperature: float, state, counts,
-                block_v: int | None = None) -> None:
-    """Launch one program per row.
+@dataclass(frozen=True)
+class TokenStatsSettings:
+    """Launch settings of :func:`launch_token_stats` for one shape (chosen in one place)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+
+    @property
+    def label(self) -> str:
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}"
+
+
+def token_stats_settings(n: int, v: int, dtype: torch.dtype,
+                         block_v: int | None = None) -> TokenStatsSettings:
+    """Block size, warps, stages and grid for ``z [n, v]`` of ``dtype`` (``block_v`` overrides
+    the vocabulary block; tests use small ones to exercise the rescaling)."""
+    if block_v is None:
+        # Big blocks keep a 150k row at ~37 iterations on a GPU; the interpreter's cost is per
+        # element, so the block size does not matter there beyond padding waste.
+        block_v = min(4096, triton.next_power_of_2(max(v, 16)))
+    return TokenStatsSettings(block_v=block_v, num_warps=8 if block_v >= 2048 else 4,
+                              num_stages=3, grid=(n, 1, 1))
+
+
+def _signature(dtype: torch.dtype) -> dict[str, str]:
+    return {"Z": ptr(dtype), "T": "*i64", "ZT": "*fp32", "SHIFT": "*fp32", "STATE": "*fp32",
+            "COUNTS": "*i64", "V": "i32", "stride_row": "i32", "inv_temp": "fp32",
+            "BLOCK_V": "constexpr"}
+
+
+def gpu_launches(n: int, v: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches :func:`launch_token_stats` issues on a CUDA device for contiguous
+    ``logits [n, v]`` of ``dtype`` (fp32/fp16/bf16), as :class:`~.launch.Launch` data.
+
+    ``extra["divisible_by_16"]`` names the arguments the Triton runtime specialises as
+    multiples of 16 (aligned pointers; ``V`` and the row stride when ``v % 16 == 0``), so a
+    static compile sees the same alignment (vector loads) as the real launch.
+    """
+    cfg = token_stats_settings(n, v, dtype)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    # Compulsory traffic: logits once; targets, z_t, shift in; state and counts out.
+    hbm = n * v * elsize + n * (8 + 4 + 4) + n * (STATE_WIDTH * 4 + 2 * 8)
+    div16 = ["Z", "T", "ZT", "SHIFT", "STATE", "COUNTS"]
+    if v % 16 == 0:
+        div16 += ["V", "stride_row"]
+    return [Launch(
+        kernel="token_stats", fn=_token_stats_kernel, signature=_signature(dtype),
+        constexprs={"BLOCK_V": cfg.block_v}, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        grid=cfg.grid, hbm_bytes=hbm, elements=n * v, loop_iters=float(triton.cdiv(v, cfg.block_v)),
+        loop_elements=cfg.block_v, label=cfg.label, extra={"divisible_by_16": div16},
+    )]
+
+
+def launch_token_stats(z, targets, z_t, shift, temperature: float, state, counts,
+                       block_v: int | None = None) -> None:
+    """Reduce each row of ``z`` to its state, one program per row.
 
     Args:
         z: ``[N, V]`` fp32/fp16/bf16 with unit column stride.
         targets: ``[N]`` int64 (in range; masked rows carry any valid index).
         z_t: ``[N]`` fp32 target logits; shift: ``[N]`` fp32 shift K (x units).
         state: ``[N, 7]`` fp32 output; counts: ``[N, 2]`` int64 output.
+        block_v: vocabulary block override (tests).
     """
     n, v = z.shape
     if n == 0:
         return
-    if block_v is None:
-        # Big blocks keep a 150k row at ~37 iterations on a GPU; the interpreter's cost is per
-        # element, so the block size does not matter there beyond padding waste.
-        block_v = min(4096, triton.next_power_of_2(max(v, 16)))
+    cfg = token_stats_settings(n, v, z.dtype, block_v)
     stride = z.stride(0) if n > 1 else v
-    _token_stats_kernel[(n,)](
+    _token_stats_kernel[cfg.grid](
         z, targets, z_t, shift, state, counts, v, stride, 1.0 / temperature,
-        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -72,7 +72,7 @@ def token_stats(
     shift = _shift(z_t, temperature).contiguous()
     st = _state.new_buffer(n, _state.STATE_WIDTH, dtype=torch.float32, device=z.device)
     counts = _state.new_buffer(n, 2, dtype=torch.int64, device=z.device)
-    _k.reduce_rows(z, safe_t, z_t, shift, temperature, st, counts, block_v=block_v)
+    _k.launch_token_stats(z, safe_t, z_t, shift, temperature, st, counts, block_v=block_v)
     return _state.finalize(st.double(), counts, z_t.double(), valid, temperature)
 
 
