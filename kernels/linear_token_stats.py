@@ -13,9 +13,13 @@ fp32 straight from the inputs (``[N]`` out, no ``[N, H]`` gather).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, ptr
 from .token_stats import _rescale
 
 
@@ -104,31 +108,78 @@ def _linear_token_stats_kernel(
     tl.store(PCOUNTS + cbase + 1, eq_before, mask=row_ok)
 
 
-def launch(hidden, weight, bias, targets, z_t, shift, temperature: float, pstate, pcounts, *,
-           block_m: int, block_n: int, block_k: int, tiles: int, fp32_dot: bool,
-           num_warps: int = 4, num_stages: int = 3) -> None:
-    """Fill ``pstate [chunks, N, 7]`` fp32 and ``pcounts [chunks, N, 2]`` int64, where
-    ``chunks = cdiv(V, block_n * tiles)``.
+@dataclass(frozen=True)
+class Settings:
+    """Launch settings of the fused kernel for one problem, chosen by :func:`launch_settings`
+    (the only place block sizes, warps and stages are picked)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    tiles: int  # BLOCK_N-wide vocabulary tiles per program
+    num_warps: int
+    num_stages: int
+    fp32_dot: bool  # cast tiles to fp32 before tl.dot (fp32 inputs or the CPU interpreter)
+    precision: str
+    row_blocks: int
+    chunks: int  # vocabulary chunks = partial states per row
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.row_blocks, self.chunks, 1)
+
+    @property
+    def label(self) -> str:
+        return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_t{self.tiles}"
+                f"_w{self.num_warps}_s{self.num_stages}")
+
+
+def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bool = False,
+                    block_m: int | None = None, block_n: int | None = None,
+                    block_k: int | None = None, tiles: int | None = None) -> Settings:
+    """Block sizes, warps, stages and grid of the fused kernel for ``[N, H] x [V, H]``.
+
+    ``interpret``: the CPU interpreter (small blocks for speed, fp32 dots); the explicit block
+    arguments override the choice (tests use small ones to exercise the chunk merge).
+    """
+    fp32_dot = interpret or dtype == torch.float32
+    precision = "ieee" if fp32_dot else "tf32"
+    if block_m is None:
+        block_m = 16 if interpret else (64 if n >= 64 else 16)
+    if block_n is None:
+        block_n = 128
+    if block_k is None:
+        block_k = min(64, max(16, 1 << (max(h, 1) - 1).bit_length()))
+    if tiles is None:
+        # Enough vocabulary per program to amortise the state write; enough programs to fill
+        # the GPU when N is small.
+        tiles = 1 if interpret else max(1, min(16, v // (block_n * 64)))
+    chunks = triton.cdiv(v, block_n * tiles) if v else 0
+    return Settings(block_m=block_m, block_n=block_n, block_k=block_k, tiles=tiles,
+                    num_warps=4, num_stages=3, fp32_dot=fp32_dot, precision=precision,
+                    row_blocks=triton.cdiv(n, block_m), chunks=chunks)
+
+
+def launch(hidden, weight, bias, targets, z_t, shift, temperature: float, pstate, pcounts,
+           cfg: Settings) -> None:
+    """Fill ``pstate [chunks, N, 7]`` fp32 and ``pcounts [chunks, N, 2]`` int64
+    (``chunks = cfg.chunks``).
 
     Args:
         hidden: ``[N, H]``; weight: ``[V, H]`` (same dtype); bias: ``[V]`` or None.
         targets: ``[N]`` int64 in range; z_t: ``[N]`` fp32 target logits; shift: ``[N]`` fp32.
-        fp32_dot: cast tiles to fp32 before ``tl.dot`` (fp32 inputs, or the CPU interpreter,
-            which has no half-precision dot).
+        cfg: from :func:`launch_settings` for this shape and dtype.
     """
     n, hdim = hidden.shape
     v = weight.shape[0]
-    chunks = pstate.shape[0]
-    precision = "ieee" if fp32_dot or hidden.dtype.itemsize == 4 else "tf32"
-    grid = (triton.cdiv(n, block_m), chunks)
-    _linear_token_stats_kernel[grid](
+    _linear_token_stats_kernel[cfg.grid[:2]](
         hidden, weight, bias if bias is not None else hidden, targets, z_t, shift,
         pstate, pcounts, n, v, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         1.0 / temperature,
-        HAS_BIAS=bias is not None, FP32_DOT=fp32_dot, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None, FP32_DOT=cfg.fp32_dot, PRECISION=cfg.precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILES=cfg.tiles,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -156,16 +207,93 @@ def _target_logits_kernel(
     tl.store(ZT + rows, z, mask=row_ok)
 
 
-def target_logits(hidden, weight, bias, targets, out, *, block_m: int = 16,
-                  block_k: int = 64) -> None:
+TARGET_BLOCK_M, TARGET_BLOCK_K, TARGET_WARPS, TARGET_STAGES = 16, 64, 4, 3
+
+
+def target_logits(hidden, weight, bias, targets, out) -> None:
     """Fill ``out [N]`` fp32 with ``hidden[r] . weight[targets[r]] (+ bias[targets[r]])``,
     accumulated in fp32; ``targets`` int64, in range."""
     n, hdim = hidden.shape
     if n == 0:
         return
-    grid = (triton.cdiv(n, block_m),)
+    grid = (triton.cdiv(n, TARGET_BLOCK_M),)
     _target_logits_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, targets, out, n, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=TARGET_BLOCK_M, BLOCK_K=TARGET_BLOCK_K,
+        num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
     )
+
+
+def _signature(params: dict[str, str], ints: dict[str, int], consts: dict
+               ) -> tuple[dict[str, str], dict, list[str]]:
+    """Signature, constexprs and 16-divisible parameters as Triton's JIT specialises them for
+    these argument values: an int equal to 1 becomes a constexpr; pointers (torch allocations
+    are 256-byte aligned) and ints that are multiples of 16 get ``tt.divisibility`` 16, which
+    lets loads vectorise (pass them as ``attrs`` to ``ASTSource`` to compile the same code)."""
+    sig, const, div16 = {}, {}, []
+    for name, kind in params.items():
+        if kind == "i32" and ints[name] == 1:
+            sig[name], const[name] = "constexpr", 1
+            continue
+        sig[name] = kind
+        if kind.startswith("*") or (kind == "i32" and ints[name] % 16 == 0):
+            div16.append(name)
+    for name, value in consts.items():
+        sig[name], const[name] = "constexpr", value
+    return sig, const, div16
+
+
+def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = False
+                 ) -> list[Launch]:
+    """The launches :func:`icqs_fast.backends.triton_backend.linear_token_stats` issues on a
+    CUDA device for contiguous ``hidden [N, H]`` and ``weight [V, H]`` of ``dtype``: the
+    target-logits kernel, then the fused kernel (settings from :func:`launch_settings`).
+
+    ``loop_iters`` of the fused launch counts its innermost (K) loop per program
+    (``tiles * cdiv(H, BLOCK_K)``); ``loop_elements`` is the logits finished per K iteration
+    on average (``BLOCK_M * BLOCK_N / cdiv(H, BLOCK_K)``, rounded). ``extra`` has the exact
+    tile figures and ``divisible_by_16`` (the parameters the JIT marks 16-divisible).
+    """
+    s = torch.empty(0, dtype=dtype).element_size()
+    p = ptr(dtype)
+    ints = {"N": n, "V": v, "H": h, "s_hn": h, "s_hh": 1, "s_wv": h, "s_wh": 1}
+    strides = {"s_hn": "i32", "s_hh": "i32", "s_wv": "i32", "s_wh": "i32"}
+    tsig, tconst, tdiv = _signature(
+        {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "N": "i32", "H": "i32",
+         **strides},
+        ints, {"HAS_BIAS": has_bias, "BLOCK_M": TARGET_BLOCK_M, "BLOCK_K": TARGET_BLOCK_K})
+    target = Launch(
+        kernel="linear_token_stats.target_logits", fn=_target_logits_kernel,
+        signature=tsig, constexprs=tconst, num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
+        grid=(triton.cdiv(n, TARGET_BLOCK_M), 1, 1),
+        hbm_bytes=2 * n * h * s + n * (8 + 4) + (n * s if has_bias else 0),
+        elements=n, loop_iters=triton.cdiv(h, TARGET_BLOCK_K),
+        loop_elements=TARGET_BLOCK_M * TARGET_BLOCK_K,
+        label=f"m{TARGET_BLOCK_M}_k{TARGET_BLOCK_K}_w{TARGET_WARPS}",
+        extra={"divisible_by_16": tdiv},
+    )
+    cfg = launch_settings(n, h, v, dtype)
+    msig, mconst, mdiv = _signature(
+        {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "SHIFT": "*fp32",
+         "PSTATE": "*fp32", "PCOUNTS": "*i64", "N": "i32", "V": "i32", "H": "i32", **strides,
+         "inv_temp": "fp32"},
+        ints, {"HAS_BIAS": has_bias, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
+               "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+               "TILES": cfg.tiles})
+    k_iters = triton.cdiv(h, cfg.block_k)
+    main = Launch(
+        kernel="linear_token_stats", fn=_linear_token_stats_kernel,
+        signature=msig, constexprs=mconst, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        grid=cfg.grid,
+        hbm_bytes=((n + v) * h * s + (v * s if has_bias else 0) + n * (8 + 4 + 4)
+                   + cfg.chunks * n * (28 + 16)),
+        tensor_flops=2 * n * v * h, elements=n * v,
+        loop_iters=cfg.tiles * k_iters,
+        loop_elements=round(cfg.block_m * cfg.block_n / k_iters),
+        label=cfg.label,
+        extra={"tiles": cfg.tiles, "k_iters_per_tile": k_iters,
+               "tile_elements": cfg.block_m * cfg.block_n, "chunks": cfg.chunks,
+               "divisible_by_16": mdiv},
+    )
+    return [target, main]

@@ -106,7 +106,7 @@ def linear_token_stats(
     temperature: float = 1.0,
     *,
     block_m: int | None = None,
-    block_n: int = 128,
+    block_n: int | None = None,
     block_k: int | None = None,
     tiles: int | None = None,
 ) -> TokenStats:
@@ -136,21 +136,15 @@ def linear_token_stats(
     _k.target_logits(hidden, weight, bias, safe_t, z_t)
     shift = _shift(z_t, temperature).contiguous()
     interp = triton_interpreting() and hidden.device.type != "cuda"
-    if block_m is None:
-        block_m = 16 if interp else (64 if n >= 64 else 16)
-    if block_k is None:
-        block_k = min(64, max(16, 1 << (max(hdim, 1) - 1).bit_length()))
-    if tiles is None:
-        # Enough vocabulary per program to amortise the state write; enough programs to fill
-        # the GPU when N is small.
-        tiles = 1 if interp else max(1, min(16, v // (block_n * 64)))
-    chunks = -(-v // (block_n * tiles)) if v else 0
+    # Block sizes, warps, stages and grid come from the one settings function that
+    # kernels.linear_token_stats.gpu_launches also describes.
+    cfg = _k.launch_settings(n, hdim, v, hidden.dtype, interpret=interp, block_m=block_m,
+                             block_n=block_n, block_k=block_k, tiles=tiles)
+    chunks = cfg.chunks
     pstate = _state.new_buffer(chunks, n, _state.STATE_WIDTH, dtype=torch.float32,
                          device=hidden.device)
     pcounts = _state.new_buffer(chunks, n, 2, dtype=torch.int64, device=hidden.device)
     if n and v:
-        _k.launch(hidden, weight, bias, safe_t, z_t, shift, temperature, pstate, pcounts,
-                  block_m=block_m, block_n=block_n, block_k=block_k, tiles=tiles,
-                  fp32_dot=interp or hidden.dtype == torch.float32)
+        _k.launch(hidden, weight, bias, safe_t, z_t, shift, temperature, pstate, pcounts, cfg)
     st, counts = merge_partials(pstate, pcounts) if chunks else _state.empty(n, hidden.device)
     return _state.finalize(st, counts, z_t.double(), valid, temperature)
