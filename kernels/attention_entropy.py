@@ -15,10 +15,13 @@ output 0.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import Launch, ptr
 
 
 @triton.jit
@@ -132,6 +135,95 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@dataclass(frozen=True)
+class AttentionSettings:
+    """Launch settings of :func:`attention_entropy` for one shape (chosen in one place)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    fp32_dot: bool
+    precision: str
+    grid: tuple[int, int, int]
+
+    @property
+    def label(self) -> str:
+        return (f"bm{self.block_m}_bn{self.block_n}_bd{self.block_d}_w{self.num_warps}"
+                f"_s{self.num_stages}")
+
+
+def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.dtype,
+                       interpret: bool = False) -> AttentionSettings:
+    """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``.
+
+    ``interpret``: the CPU interpreter's settings (small tiles, fp32 dots: it has no bf16/fp16
+    ``tl.dot``); :func:`gpu_launches` always describes the CUDA path (``interpret=False``).
+    """
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = 16 if interpret else (64 if block_d <= 64 else 32)
+    block_n = 16 if interpret else (64 if block_d <= 128 else 32)
+    # fp32 dots run in full precision ("ieee"), not Triton's default TF32 (10-bit mantissa on
+    # Ampere/Hopper), as in kernels/linear_token_stats.py; 16-bit inputs ignore the setting.
+    fp32_dot = interpret or dtype == torch.float32
+    return AttentionSettings(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=4,
+                             num_stages=2, fp32_dot=fp32_dot,
+                             precision="ieee" if fp32_dot else "tf32",
+                             grid=(triton.cdiv(tq, block_m), b * hq, 1))
+
+
+def _signature(dtype: torch.dtype) -> dict[str, str]:
+    sig = {"Q": ptr(dtype), "K": ptr(dtype), "V": ptr(dtype), "OUT": ptr(dtype), "ENT": "*fp32",
+           "KEYOK": "*i8", "QMASK": "*i8", "KR": "*i64"}
+    for t in "qkvo":
+        for dim in "bhmd" if t in "qo" else "bhnd":
+            sig[f"s{t}{dim}"] = "i32"
+    sig.update({"Tq": "i32", "Tk": "i32", "D": "i32", "HQ": "i32", "GROUP": "i32",
+                "scale": "fp32"})
+    for c in ("CAUSAL", "HAS_KEYOK", "FP32_DOT", "PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D"):
+        sig[c] = "constexpr"
+    return sig
+
+
+def _allowed_pairs(tq: int, tk: int, causal: bool) -> int:
+    """(query, key) pairs a causal / full attention allows (queries at the last tq positions)."""
+    if not causal:
+        return tq * tk
+    # query i sees keys 0 .. tk - tq + i: sum over i of (tk - tq + i + 1)
+    return tq * (tk - tq) + tq * (tq + 1) // 2
+
+
+def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torch.dtype,
+                 causal: bool, entropy: bool = True) -> list[Launch]:
+    """The launch :func:`attention_entropy` issues on a CUDA device for ``q [b, hq, tq, d]``,
+    ``k/v [b, hk, tk, d]`` of ``dtype`` (contiguous), as :class:`~.launch.Launch` data.
+
+    ``tensor_flops`` = 4 d x the allowed (query, key) pairs (QK^T and PV); ``hbm_bytes`` reads
+    q, k, v once and writes out and the entropy once (k/v are re-read by every query block of a
+    head, served by L2, not counted); no padding mask. ``entropy=False`` is not yet a separate
+    build of this kernel (the entropy state is always compiled in).
+    """
+    cfg = attention_settings(b, hq, tq, tk, d, dtype)
+    el = torch.empty((), dtype=dtype).element_size()
+    pairs = _allowed_pairs(tq, tk, causal)
+    hbm = (2 * b * hq * tq * d + 2 * b * hk * tk * d) * el + b * hq * tq * 4 + b * tq + b * 16
+    iters = [triton.cdiv(min(tk, tk - tq + (i + 1) * cfg.block_m) if causal else tk, cfg.block_n)
+             for i in range(cfg.grid[0])]
+    return [Launch(
+        kernel="attention_entropy", fn=_attn_entropy_fwd, signature=_signature(dtype),
+        constexprs={"CAUSAL": bool(causal), "HAS_KEYOK": False, "FP32_DOT": cfg.fp32_dot,
+                    "PRECISION": cfg.precision, "BLOCK_M": cfg.block_m,
+                    "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d},
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=cfg.grid, hbm_bytes=hbm,
+        tensor_flops=4 * d * b * hq * pairs, elements=b * hq * pairs,
+        loop_iters=sum(iters) / len(iters), loop_elements=cfg.block_m * cfg.block_n,
+        label=cfg.label, extra={"variant": "entropy" if entropy else "no_entropy",
+                                "divisible_by_16": ["Q", "K", "V", "OUT", "ENT", "KEYOK",
+                                                    "QMASK", "KR"]},
+    )]
+
+
 def attention_entropy(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,23 +255,15 @@ def attention_entropy(
     qm = query_mask.to(device=q.device, dtype=torch.int8).contiguous()
     keyok = (attention_mask.to(device=q.device, dtype=torch.int8).contiguous()
              if attention_mask is not None else qm)  # unused placeholder pointer when None
-    block_d = max(16, triton.next_power_of_2(d))
-    interp = _interpreting()
-    block_m = 16 if interp else (64 if block_d <= 64 else 32)
-    block_n = 16 if interp else (64 if block_d <= 128 else 32)
-    # The interpreter has no bf16/fp16 tl.dot: compute in fp32 there. fp32 dots run in full
-    # precision ("ieee"), not Triton's default TF32 (10-bit mantissa on Ampere/Hopper), as in
-    # kernels/linear_token_stats.py; 16-bit inputs ignore the setting.
-    fp32_dot = interp or q.dtype == torch.float32
-    precision = "ieee" if fp32_dot else "tf32"
-    grid = (triton.cdiv(tq, block_m), bsz * hq)
+    cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=_interpreting())
+    grid = cfg.grid[:2]
     _attn_entropy_fwd[grid](
         q, k, v, out, ent, keyok, qm, kr,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         tq, tk, d, hq, hq // hk, float(scale),
-        CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None, FP32_DOT=fp32_dot,
-        PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None, FP32_DOT=cfg.fp32_dot,
+        PRECISION=cfg.precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, ent
