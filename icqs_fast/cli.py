@@ -18,6 +18,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "kernels"), "icqs_fast.benchmarks.kernels", "token-statistics kernels vs torch"),
     (("bench", "icqs"), "icqs_fast.benchmarks.icqs", "ICQS engine vs the naive method"),
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
+    (("bench", "static"), "icqs_fast.benchmarks.static",
+     "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
     (("eval", "mtbench"), "icqs_fast.evaluation", "glass-box features vs GPT-4 on MT-Bench"),
 ]
 

@@ -1,0 +1,570 @@
+"""``icqs-fast bench static``: compile every Triton kernel for sm_90 / sm_80 without a GPU and
+predict its time with :mod:`icqs_fast.gpu_model`.
+
+For each shape of :func:`shape_table` the kernel modules describe their CUDA launches
+(``gpu_launches(...) -> list[Launch]``, built from the same settings function their launchers
+use); each distinct ``(fn, signature, constexprs, 16-divisible arguments, warps, stages, arch)``
+is compiled once with ``triton.compile`` (fresh ``TRITON_CACHE_DIR``,
+``TRITON_DEFAULT_FP_FUSION=1``), its cubin read with ``cuobjdump -res-usage`` and
+``nvdisasm -c``, and one JSON record written per launch and arch.
+
+Validation records (``"validation": true``) compile kernels nobody here wrote, from the installed
+packages (TRL's fused log-prob/entropy forward, Liger's cross-entropy forward) at the shapes of
+their published H100 timings, and compare.
+
+Triton's interpreter (``TRITON_INTERPRET=1`` at import time, as the test suite sets it) turns
+``@triton.jit`` functions into objects that cannot be compiled, so :func:`run` re-executes this
+module in a child process with a clean environment when it finds the interpreter on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .. import gpu_model
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+ARCHS = ("sm_90", "sm_80")
+
+
+def clean_env(cache_dir: str | None = None) -> dict[str, str]:
+    """The environment a compiling child needs: no ``TRITON_INTERPRET``, FP fusion pinned on,
+    a fresh Triton cache (a new temporary directory unless ``cache_dir`` is given)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["TRITON_CACHE_DIR"] = cache_dir or tempfile.mkdtemp(prefix="icqs-static-cache-")
+    return env
+
+
+def _interpreting() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    try:
+        from triton import knobs  # triton >= 3.4
+        return bool(getattr(knobs.runtime, "interpret", False))
+    except (ImportError, AttributeError):
+        return False
+
+
+def _tools():
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return bindir / "cuobjdump", bindir / "nvdisasm", get_ptxas
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation (must run with the interpreter off)
+
+def compile_key(launch, arch: str) -> tuple:
+    """What makes two launches the same compiled kernel."""
+    fn = launch.fn
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', repr(fn))}"
+    div = tuple(sorted(launch.extra.get("divisible_by_16", ())))
+    return (name, tuple(launch.signature.items()), tuple(sorted(
+        (k, repr(v)) for k, v in launch.constexprs.items())), div, launch.num_warps,
+        launch.num_stages, arch)
+
+
+def _attrs(launch) -> dict:
+    names = list(launch.signature)
+    return {(names.index(n),): [["tt.divisibility", 16]]
+            for n in launch.extra.get("divisible_by_16", ()) if n in names}
+
+
+def compile_launch(launch, arch: str) -> dict[str, Any]:
+    """Compile ``launch`` for ``arch`` (``"sm_90"``/``"sm_80"``); needs Triton's interpreter off.
+
+    Returns ``{"cubin": bytes, "sass": str, "res": {regs, stack, static_smem, local},
+    "dynamic_smem": int, "ptxas": str}``.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not hasattr(launch.fn, "arg_names"):
+        raise RuntimeError("kernel is not a JIT function (is TRITON_INTERPRET set?)")
+    cc = int(arch.removeprefix("sm_"))
+    cuobjdump, nvdisasm, get_ptxas = _tools()
+    src = ASTSource(launch.fn, dict(launch.signature), constexprs=dict(launch.constexprs),
+                    attrs=_attrs(launch))
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    cubin = k.asm["cubin"]
+    with tempfile.TemporaryDirectory(prefix="icqs-static-") as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    ptxas = get_ptxas(cc)
+    return {"cubin": cubin, "sass": sass, "res": gpu_model.parse_res_usage(res),
+            "dynamic_smem": int(k.metadata.shared), "ptxas": getattr(ptxas, "version", "")}
+
+
+class Compiler:
+    """Compiles each distinct configuration once per process (see :func:`compile_key`)."""
+
+    def __init__(self, keep: str | Path | None = None):
+        self.cache: dict[tuple, dict[str, Any]] = {}
+        self.keep = Path(keep) if keep else None
+        if self.keep:
+            self.keep.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, launch, arch: str) -> dict[str, Any]:
+        key = compile_key(launch, arch)
+        if key not in self.cache:
+            try:
+                out = compile_launch(launch, arch)
+            except Exception as exc:  # noqa: BLE001 - one failing kernel must not stop the table
+                out = {"error": f"{type(exc).__name__}: {exc}"}
+            else:
+                out["summary"] = gpu_model.summarize(out["sass"])
+                if self.keep:
+                    tag = hashlib.sha1(repr(key).encode()).hexdigest()[:6]
+                    stem = f"{launch.kernel}_{launch.label or 'default'}_{arch}_{tag}"
+                    (self.keep / f"{stem}.cubin").write_bytes(out["cubin"])
+                    (self.keep / f"{stem}.sass").write_text(out["sass"])
+            self.cache[key] = out
+        return self.cache[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Analysis
+
+def _dtype_of(launch) -> str:
+    for kind in launch.signature.values():
+        if kind in ("*bf16", "*fp16", "*fp32"):
+            return {"*bf16": "bfloat16", "*fp16": "float16", "*fp32": "float32"}[kind]
+    return "?"
+
+
+def analyze(launch, arch: str, compiled: dict[str, Any], hw=None) -> dict[str, Any]:
+    """One JSON record for ``launch`` compiled for ``arch`` (see the module docstring)."""
+    hw = hw or gpu_model.hardware(arch)
+    rec: dict[str, Any] = {
+        "kernel": launch.kernel, "arch": arch, "device_model": hw.name,
+        "dtype": _dtype_of(launch),
+        "config": {"label": launch.label, "num_warps": launch.num_warps,
+                   "num_stages": launch.num_stages,
+                   "constexprs": {k: v if isinstance(v, (int, float, bool, str)) else repr(v)
+                                  for k, v in launch.constexprs.items()},
+                   "grid": list(launch.grid)},
+    }
+    if "error" in compiled:
+        rec["error"] = compiled["error"]
+        return rec
+    res, s = compiled["res"], compiled["summary"]
+    smem = res["static_smem"] + compiled["dynamic_smem"]
+    pred = gpu_model.predict(
+        hw, s, num_warps=launch.num_warps, programs=launch.programs,
+        loop_iters=launch.loop_iters if s.body else 0.0, hbm_bytes=launch.hbm_bytes,
+        tensor_flops=launch.tensor_flops, regs=res["regs"], smem_bytes=smem)
+    rec.update(
+        regs=res["regs"], spill_bytes=res["stack"] + res["local"], stack_bytes=res["stack"],
+        local_bytes=res["local"], smem_bytes=smem, smem_limit=hw.smem_per_block,
+        occupancy=pred["occupancy"], waves=pred["waves"],
+        tensor_cores=s.tensor is not None, tensor_instr=s.tensor,
+        sass={"instructions": s.total, "loops": s.loops, "hot_loop_body": s.body,
+              "hot_loop": s.loop_counts},
+    )
+    if launch.loop_elements and s.body:
+        per = launch.num_warps / launch.loop_elements
+        rec["sass_per_element"] = {
+            "instructions": s.loop_counts["instructions"] * per,
+            "barriers": s.loop_counts["barrier"] * per,
+            "shuffles": s.loop_counts["shuffle"] * per,
+            "mufu": s.loop_counts["mufu"] * per,
+        }
+    rec.update(
+        predicted_ms=pred["predicted_s"] * 1e3, bound=pred["bound"],
+        terms_ms={k[2:-2]: v * 1e3 for k, v in pred.items()
+                  if k.startswith("t_") and k.endswith("_s")},
+        hbm_bytes=launch.hbm_bytes, tensor_flops=launch.tensor_flops,
+        loop_iters=launch.loop_iters, loop_elements=launch.loop_elements,
+    )
+    if launch.hbm_bytes:
+        rec["predicted_frac_hbm"] = pred["frac_hbm"]
+        rec["predicted_frac_hbm_spec"] = pred["frac_hbm_spec"]
+    if "frac_tensor" in pred:
+        rec["predicted_frac_tensor"] = pred["frac_tensor"]
+        rec["predicted_frac_tensor_achievable"] = pred["frac_tensor_achievable"]
+    extra = {k: v for k, v in launch.extra.items() if k != "divisible_by_16"}
+    if extra:
+        rec["extra"] = extra
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape table
+
+TOKEN_V = (32000, 49152, 128256, 151936)
+TOKEN_N = (1, 64, 1024, 8192, 65536)
+LINEAR_H = (2048, 4096, 8192)
+LINEAR_V = (151936, 128256)
+LINEAR_N = (16, 512, 8192)
+
+
+def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(op, module, kwargs of its gpu_launches)`` for every shape of issue 9 item 1.
+
+    token_stats: fp32/fp16/bf16 x V in {32000, 49152, 128256, 151936} x N in
+    {1, 64, 1024, 8192, 65536}; linear_token_stats: bf16/fp16, H in {2048, 4096, 8192} x
+    V in {151936, 128256} x N in {16, 512, 8192}; attention entropy: bf16/fp16, head dim 64/128,
+    hq/hk 32/8 (GQA) and 32/32, causal and not, T = 1024 / 4096, with and without the entropy
+    state. ``quick`` keeps one shape per op and dtype (for tests of the command).
+    """
+    import torch
+
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    dts = (torch.float32, torch.float16, torch.bfloat16)
+    for dt in dts:
+        for v in (TOKEN_V[-1:] if quick else TOKEN_V):
+            for n in ((8192,) if quick else TOKEN_N):
+                rows.append(("token_stats", "icqs_fast.kernels.token_stats",
+                             {"n": n, "v": v, "dtype": dt}))
+    for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
+        for h in ((4096,) if quick else LINEAR_H):
+            for v in (LINEAR_V[:1] if quick else LINEAR_V):
+                for n in ((16, 8192) if quick else LINEAR_N):
+                    rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats",
+                                 {"n": n, "h": h, "v": v, "dtype": dt}))
+    for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
+        for d in ((128,) if quick else (64, 128)):
+            for hq, hk in ((32, 8),) if quick else ((32, 8), (32, 32)):
+                for causal in ((True,) if quick else (True, False)):
+                    for t in ((4096,) if quick else (1024, 4096)):
+                        for ent in (True, False):
+                            rows.append(("attention_entropy",
+                                         "icqs_fast.kernels.attention_entropy",
+                                         {"b": 1, "hq": hq, "hk": hk, "tq": t, "tk": t, "d": d,
+                                          "dtype": dt, "causal": causal, "entropy": ent}))
+    return rows
+
+
+def _jsonable(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v).split(".")[-1] if k == "dtype" else v) for k, v in kwargs.items()}
+
+
+def table_records(archs: tuple[str, ...], quick: bool, compiler: Compiler) -> list[dict]:
+    """Records of every shape of :func:`shape_table` for ``archs``."""
+    import importlib
+
+    records: list[dict] = []
+    for op, modname, kwargs in shape_table(quick):
+        shape = _jsonable(kwargs)
+        try:
+            launches = importlib.import_module(modname).gpu_launches(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - report the op, continue with the others
+            for arch in archs:
+                records.append({"kernel": op, "arch": arch, "shape": shape,
+                                "error": f"gpu_launches: {type(exc).__name__}: {exc}"})
+            continue
+        for arch in archs:
+            recs = [analyze(ln, arch, compiler(ln, arch)) for ln in launches]
+            total = sum(r.get("predicted_ms", float("nan")) for r in recs)
+            for r in recs:
+                r["op"] = op
+                r["shape"] = shape
+                r["dtype"] = shape.get("dtype", r["dtype"])
+                r["op_launches"] = len(recs)
+                r["op_predicted_ms"] = total
+            records.extend(recs)
+    _entropy_ratios(records)
+    return records
+
+
+def _entropy_ratios(records: list[dict]) -> None:
+    """``predicted_ratio_vs_no_entropy`` on attention records: with / without entropy state."""
+    def key(r):
+        s = {k: v for k, v in r["shape"].items() if k != "entropy"}
+        return (r["arch"], json.dumps(s, sort_keys=True))
+
+    base = {key(r): r for r in records
+            if r.get("op") == "attention_entropy" and r["shape"].get("entropy") is False
+            and "predicted_ms" in r}
+    for r in records:
+        if r.get("op") == "attention_entropy" and r["shape"].get("entropy") and "predicted_ms" in r:
+            b = base.get(key(r))
+            if b:
+                r["predicted_ratio_vs_no_entropy"] = r["predicted_ms"] / b["predicted_ms"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation against published timings of kernels nobody here wrote
+
+TRL_7244 = {
+    "source": "huggingface/trl issue #7244 (H100, bf16, logits [8, 1024, 151936]): fused "
+              "log-prob + entropy forward 0.89 ms",
+    "published_ms": 0.89, "b": 8, "t": 1024, "v": 151936,
+}
+LIGER_CSV = ("linkedin/Liger-Kernel benchmark/data/all_benchmark_data.csv: "
+             "megatron_cross_entropy, kernel_provider=liger, forward, speed (y_value_50), "
+             "gpu_name='NVIDIA H100 80GB HBM3', liger 0.8.0, S=2048, B=4, TP=1, bf16 logits")
+# (V, median ms) of those rows.
+LIGER_H100_CE = ((4096, 0.1386), (8192, 0.2626), (16384, 0.4158), (32768, 0.8098),
+                 (65536, 1.5309), (131072, 2.9675))
+
+
+def _launch_cls():
+    from ..kernels.launch import Launch
+    return Launch
+
+
+def trl_launches() -> list:
+    """TRL's ``_forward_kernel`` (``trl.kernels.logprob_entropy``, the installed package) at
+    the shape of TRL issue 7244, with the arguments its wrapper passes."""
+    from trl.kernels import logprob_entropy as m
+
+    Launch = _launch_cls()
+    b, t, v = TRL_7244["b"], TRL_7244["t"], TRL_7244["v"]
+    n = b * t
+    sig = {"logits_ptr": "*bf16", "index_ptr": "*i64", "row_mask_ptr": "*i64",
+           "logprobs_ptr": "*fp32", "entropy_ptr": "*fp32", "log_z_ptr": "*fp32",
+           "expected_logit_ptr": "*fp32", "logits_batch_stride": "i32",
+           "logits_row_stride": "i32", "index_batch_stride": "i32", "index_row_stride": "i32",
+           "mask_batch_stride": "i32", "mask_row_stride": "i32", "n_cols": "constexpr",
+           "rows_per_batch": "i32", "TEMPERATURE": "constexpr", "HAS_MASK": "constexpr",
+           "BLOCK_SIZE": "constexpr"}
+    ints = {"logits_batch_stride": t * v, "logits_row_stride": v, "index_batch_stride": t,
+            "index_row_stride": 1, "mask_batch_stride": 0, "mask_row_stride": 0,
+            "rows_per_batch": t}
+    div = [k for k, s in sig.items() if s.startswith("*")]
+    div += [k for k, x in ints.items() if x % 16 == 0]
+    block = m._BLOCK_SIZE
+    return [Launch(
+        kernel="trl._forward_kernel", fn=m._forward_kernel, signature=sig,
+        constexprs={"n_cols": v, "TEMPERATURE": 1.0, "HAS_MASK": False, "BLOCK_SIZE": block},
+        num_warps=4, num_stages=3, grid=(n, 1, 1),
+        hbm_bytes=n * v * 2 + n * 8 + 4 * n * 4 + n * 2, elements=n * v,
+        loop_iters=float(-(-v // block)), loop_elements=block, label=f"b{block}_w4",
+        extra={"divisible_by_16": div})]
+
+
+def liger_launches(v: int, s: int = 2048, b: int = 4) -> list:
+    """Liger's Megatron cross-entropy forward at ``[s, b, v]`` bf16 (TP=1), as its
+    ``LigerVocabParallelCEFunction.forward`` runs it: ``x.amax(-1)`` (a torch reduction,
+    modelled by bandwidth only, kernel ``torch.amax``) then
+    ``liger_vocab_parallel_ce_forward_kernel`` (installed package) with its own block size and
+    warps."""
+    from liger_kernel.ops import vocab_parallel_cross_entropy as m
+
+    Launch = _launch_cls()
+    bt = s * b
+    block = m._select_block_size(v)
+    warps = m._get_num_warps(block)
+    sig = {"X_ptr": "*bf16", "X_stride": "i32", "EXP_ptr": "*fp32", "EXP_stride": "i32",
+           "logits_max_ptr": "*fp32", "Y_ptr": "*i64", "pred_ptr": "*fp32",
+           "sum_exp_ptr": "*fp32", "vocab_start": "i32", "n_cols": "i32",
+           "ignore_index": "i32", "BLOCK_SIZE": "constexpr"}
+    div = [k for k, t in sig.items() if t.startswith("*")]
+    div += [k for k, x in {"X_stride": v, "EXP_stride": v, "vocab_start": 0,
+                           "n_cols": v}.items() if x % 16 == 0]
+    kern = Launch(
+        kernel="liger_vocab_parallel_ce_forward_kernel",
+        fn=m.liger_vocab_parallel_ce_forward_kernel,
+        signature=sig, constexprs={"BLOCK_SIZE": block}, num_warps=warps, num_stages=3,
+        grid=(bt, 1, 1), hbm_bytes=bt * v * (2 + 4) + bt * (4 + 8 + 4 + 4 + 2),
+        elements=bt * v, loop_iters=float(-(-v // block)), loop_elements=block,
+        label=f"b{block}_w{warps}", extra={"divisible_by_16": div})
+    return [kern]
+
+
+# Small torch launches in LigerVocabParallelCEFunction.forward besides amax and the kernel
+# (.float(), log, subtract, ==, zeros_like, where): launch overhead each.
+LIGER_SMALL_LAUNCHES = 6
+
+
+def validation_records(compiler: Compiler, arch: str = "sm_90") -> list[dict]:
+    """Predicted vs published H100 times (``"validation": true`` records)."""
+    hw = gpu_model.hardware(arch)
+    out: list[dict] = []
+
+    def record(kernel, source, shape, published, recs, extra_s=0.0, note=""):
+        if any("error" in r for r in recs):
+            out.append({"validation": True, "kernel": kernel, "source": source, "shape": shape,
+                        "arch": arch, "published_ms": published,
+                        "error": "; ".join(r["error"] for r in recs if "error" in r)})
+            return
+        pred = sum(r["predicted_ms"] for r in recs) + extra_s * 1e3
+        out.append({"validation": True, "kernel": kernel, "source": source, "shape": shape,
+                    "arch": arch, "published_ms": published, "predicted_ms": pred,
+                    "rel_error": (pred - published) / published,
+                    "bound": recs[0]["bound"], "regs": recs[0]["regs"],
+                    "spill_bytes": recs[0]["spill_bytes"], "terms_ms": recs[0]["terms_ms"],
+                    "config": recs[0]["config"], "note": note})
+
+    try:
+        launches = trl_launches()
+        recs = [analyze(ln, arch, compiler(ln, arch), hw) for ln in launches]
+    except Exception as exc:  # noqa: BLE001
+        recs = [{"error": f"{type(exc).__name__}: {exc}"}]
+    record("trl._forward_kernel (logprob_entropy)", TRL_7244["source"],
+           {"b": TRL_7244["b"], "t": TRL_7244["t"], "v": TRL_7244["v"], "dtype": "bfloat16"},
+           TRL_7244["published_ms"], recs)
+    for v, ms in LIGER_H100_CE:
+        try:
+            launches = liger_launches(v)
+            recs = [analyze(ln, arch, compiler(ln, arch), hw) for ln in launches]
+        except Exception as exc:  # noqa: BLE001
+            recs = [{"error": f"{type(exc).__name__}: {exc}"}]
+        bt = 2048 * 4
+        amax_s = bt * v * 2 / hw.hbm_achievable + hw.launch_overhead_s
+        small_s = LIGER_SMALL_LAUNCHES * hw.launch_overhead_s
+        record("liger LigerMegatronCrossEntropy forward (amax + "
+               "liger_vocab_parallel_ce_forward_kernel)", LIGER_CSV,
+               {"s": 2048, "b": 4, "v": v, "dtype": "bfloat16"}, ms, recs,
+               extra_s=amax_s + small_s,
+               note=f"kernel compiled from liger-kernel {_version('liger-kernel')} (published "
+                    "with 0.8.0); amax modelled as bandwidth + launch, 6 small torch ops as "
+                    "launch overhead; host (Python) time not modelled")
+    return out
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="all", choices=("sm_90", "sm_80", "all"),
+                   help="target architecture (default: both)")
+    p.add_argument("--json", action="store_true", help="print the records as a JSON list")
+    p.add_argument("--out", default=None,
+                   help="write the JSON records here (one arch) or to FILE with _sm90/_sm80 "
+                        "inserted before the suffix (--arch all); default: print only")
+    p.add_argument("--results", action="store_true",
+                   help="write bench/results/static_sm90.json and static_sm80.json")
+    p.add_argument("--keep", default=None, help="write each compiled cubin and its SASS here")
+    p.add_argument("--quick", action="store_true", help="one shape per op and dtype")
+    p.add_argument("--no-validation", action="store_true", help="skip the validation records")
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--arch", args.arch]
+    for flag in ("json", "quick", "no_validation", "results"):
+        if getattr(args, flag, False):
+            argv.append("--" + flag.replace("_", "-"))
+    for opt in ("out", "keep"):
+        if getattr(args, opt, None):
+            argv += ["--" + opt, str(Path(getattr(args, opt)).resolve())]
+    return argv
+
+
+def collect(archs: tuple[str, ...], quick: bool, keep: str | None,
+            validation: bool) -> dict[str, list[dict]]:
+    """Records per arch (table + validation), each stamped with commit, date, versions."""
+    import triton
+
+    from . import environment
+
+    env = environment()
+    stamp = {"commit": env["commit"], "date": env["date"], "triton": triton.__version__,
+             "torch": env["torch"]}
+    compiler = Compiler(keep)
+    out: dict[str, list[dict]] = {}
+    for arch in archs:
+        recs = table_records((arch,), quick, compiler)
+        if validation:
+            recs += validation_records(compiler, arch)
+        for r in recs:
+            r.update(stamp)
+        out[arch] = recs
+    return out
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(records: list[dict]) -> None:
+    """Human-readable summary of records."""
+    head = (f"{'arch':6} {'kernel':34} {'dtype':9} {'shape':44} {'regs':>4} {'spill':>5} "
+            f"{'smem':>6} {'TC':5} {'instr/el':>8} {'ms':>9} {'bound':8} {'fracHBM':>7} "
+            f"{'fracTC':>6}")
+    print(head)
+    for r in records:
+        if r.get("validation"):
+            continue
+        shape = ",".join(f"{k}={v}" for k, v in r.get("shape", {}).items() if k != "dtype")
+        if "error" in r:
+            print(f"{r['arch']:6} {r['kernel'][:34]:34} {'':9} {shape[:44]:44} ERROR {r['error']}")
+            continue
+        spe = r.get("sass_per_element", {}).get("instructions")
+        print(f"{r['arch']:6} {r['kernel'][:34]:34} {r['dtype'][:9]:9} {shape[:44]:44} "
+              f"{r['regs']:>4} {r['spill_bytes']:>5} {r['smem_bytes']:>6} "
+              f"{str(r['tensor_instr'] or '-'):5} {_fmt(spe, '.2f'):>8} "
+              f"{r['predicted_ms']:>9.4f} {r['bound']:8} "
+              f"{_fmt(r.get('predicted_frac_hbm'), '.2f'):>7} "
+              f"{_fmt(r.get('predicted_frac_tensor'), '.2f'):>6}")
+    vals = [r for r in records if r.get("validation")]
+    if vals:
+        print("\nvalidation (published vs predicted)")
+        for r in vals:
+            shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
+            if "error" in r:
+                print(f"  {r['kernel'][:60]:60} {shape:34} ERROR {r['error']}")
+                continue
+            print(f"  {r['kernel'][:60]:60} {shape:34} published {r['published_ms']:.4f} ms "
+                  f"predicted {r['predicted_ms']:.4f} ms ({r['rel_error']:+.0%}, {r['bound']})")
+
+
+CHILD_ENV = "ICQS_STATIC_CHILD"
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.environ.get(CHILD_ENV) or _interpreting():
+        # Every run compiles in a child: a fresh Triton cache and FP fusion pinned from the
+        # start, and no interpreter (@triton.jit functions imported under TRITON_INTERPRET=1
+        # cannot be compiled).
+        cmd = [sys.executable, "-m", "icqs_fast.benchmarks.static", *_argv(args)]
+        env = clean_env()
+        env[CHILD_ENV] = "1"
+        return subprocess.run(cmd, env=env, check=False).returncode
+    archs = ARCHS if args.arch == "all" else (args.arch,)
+    by_arch = collect(archs, args.quick, args.keep, not args.no_validation)
+    outs: dict[str, Path] = {}
+    if args.results:
+        outs = {a: RESULTS / f"static_{a.replace('_', '')}.json" for a in archs}
+    elif args.out:
+        base = Path(args.out)
+        outs = ({archs[0]: base} if len(archs) == 1 else
+                {a: base.with_name(f"{base.stem}_{a.replace('_', '')}{base.suffix}")
+                 for a in archs})
+    for arch, path in outs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(by_arch[arch], indent=1) + "\n")
+    records = [r for a in archs for r in by_arch[a]]
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        print_table(records)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m icqs_fast.benchmarks.static`` (the child :func:`run` starts)."""
+    p = argparse.ArgumentParser(prog="icqs-fast bench static", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
