@@ -6,27 +6,39 @@
 * :func:`read_examples` reads a (small) good or bad demonstration file into ``(x, y)`` pairs.
 * :func:`read_fpb` / :func:`fpb_examples` read the Financial PhraseBank ``sentence@label``
   format and build good (correct label) / bad (flipped label) demonstrations from it.
-* :class:`JsonlWriter` writes one JSON object per line and flushes after each one.
+* :class:`JsonlWriter` writes one JSON object per line, each with a single ``write`` (so a crash
+  leaves at most one incomplete last line, which :func:`read_resume_state` detects).
+* :class:`OutputLock` is an advisory lock (``fcntl.flock`` on ``OUT.lock``) held by the process
+  writing an output, so a second writer refuses at once.
 
 Every problem with the input raises :class:`InputError` (a ``ValueError``) whose message names
-the file, the line and the field, e.g. ``data.jsonl:17: field 'y': missing (keys: x, id)``.
+the file, the line and the field, e.g. ``data.jsonl:17: field 'y': missing (keys: x, id)``;
+a problem with one record is a :class:`RecordError` (an ``InputError`` that also carries the
+record's index), which per-record error handling uses instead of reading message text.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
 import gzip
-import io
 import json
 import os
 import random
+import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 FORMATS = ("jsonl", "csv", "tsv")
+# A JSONL line longer than this is a bad record (read in bounded pieces, never held whole): one
+# record of a scoring file is a prompt and a response, and a multi-megabyte line is almost always
+# a broken export (a whole file on one line) that would otherwise be tokenised for minutes.
+MAX_LINE_BYTES = 1 << 20
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 
 PathLike = str | os.PathLike
@@ -50,6 +62,20 @@ class InputError(ValueError):
         where = self.path if line is None else f"{self.path}:{line}"
         what = f"field {field!r}: {reason}" if field is not None else reason
         super().__init__(f"{where}: {what}")
+
+
+class RecordError(InputError):
+    """A problem with one record (the rest of the file can still be read).
+
+    Attributes:
+        index: 0-based record index (counted as in :class:`Record`; bad records count too).
+        path, line, field, reason: as in :class:`InputError`.
+    """
+
+    def __init__(self, path: PathLike, line: int | None, field: str | None, reason: str, *,
+                 index: int) -> None:
+        super().__init__(path, line, field, reason)
+        self.index = index
 
 
 @dataclass
@@ -96,13 +122,13 @@ def detect_format(path: PathLike, format: str | None = None) -> str:
     return _EXTENSIONS[suffix]
 
 
-def _open_text(path: PathLike, encoding: str = "utf-8") -> IO[str]:
+def _open_binary(path: PathLike) -> IO[bytes]:
     name = os.fspath(path)
     if name == "-":
-        return io.TextIOWrapper(sys.stdin.buffer, encoding=encoding, newline="")
+        return sys.stdin.buffer
     if name.lower().endswith(".gz"):
-        return gzip.open(name, "rt", encoding=encoding, newline="")
-    return open(name, encoding=encoding, newline="")
+        return gzip.open(name, "rb")
+    return open(name, "rb")
 
 
 def _display(path: PathLike) -> str:
@@ -132,38 +158,116 @@ def _keys(row: dict) -> str:
     return ", ".join(ks[:12]) + (", ..." if len(ks) > 12 else "") if ks else "none"
 
 
-def _jsonl_rows(f: IO[str], name: str, skip: int) -> Iterator[tuple[int, int, Any]]:
-    """(index, line, object) per non-blank line; the object is None for the first ``skip``
-    records (counted, not parsed) and an :class:`InputError` for a bad line (reading goes on)."""
-    index = 0
-    for lineno, text in enumerate(f, start=1):
-        if lineno == 1 and text.startswith("\ufeff"):
-            text = text[1:]
-        if not text.strip():
+def _raw_lines(f: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, bytes, length) per physical line; bytes is None for a line longer than
+    ``limit`` (read and dropped piece by piece, so it is never held in memory)."""
+    lineno = 0
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield lineno, raw, len(raw)
             continue
-        if index < skip:
-            index += 1
-            yield index - 1, lineno, None
+        n = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = f.readline(1 << 16)
+            if not raw:
+                break
+            n += len(raw)
+        yield lineno, None, n
+
+
+def _undecodable(exc: UnicodeDecodeError, encoding: str) -> str:
+    bad = exc.object[exc.start:exc.start + 1]
+    return (f"not valid {encoding} text (byte 0x{bad.hex()} at byte {exc.start + 1} of the "
+            "line); pass the right encoding (--encoding)")
+
+
+def _bad_field(obj: Any, prefix: str = "") -> str | None:
+    """The first (dotted) field of a JSON value decoded with surrogateescape that holds an
+    undecodable byte (a lone surrogate), or None."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            name = f"{prefix}{k}"
+            if _has_surrogate(str(k)):
+                return name
+            sub = _bad_field(v, name + ".")
+            if sub is not None:
+                return sub
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            sub = _bad_field(v, f"{prefix}{i}.")
+            if sub is not None:
+                return sub
+    elif isinstance(obj, str) and _has_surrogate(obj):
+        return prefix[:-1]
+    return None
+
+
+def _has_surrogate(s: str) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for ch in s)
+
+
+def _jsonl_rows(f: IO[bytes], name: str, skip: int, encoding: str, max_line_bytes: int
+                ) -> Iterator[tuple[int, int, Any]]:
+    """(index, line, object) per non-blank line; the object is None for the first ``skip``
+    records (counted, not parsed) and a :class:`RecordError` for a bad line (reading goes on)."""
+    index = 0
+    for lineno, raw, n in _raw_lines(f, max_line_bytes):
+        if raw is not None and not raw.strip():
             continue
         index += 1
+        if index <= skip:
+            yield index - 1, lineno, None
+            continue
+        if raw is None:
+            yield index - 1, lineno, RecordError(
+                name, lineno, None, f"line of {n} bytes is longer than the limit of "
+                f"{max_line_bytes} bytes (a record is one prompt and one response)",
+                index=index - 1)
+            continue
+        try:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError as exc:
+            # Decode again, keeping the bad bytes, only to name the field that holds them.
+            try:
+                field = _bad_field(json.loads(raw.decode(encoding, "surrogateescape")))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                field = None
+            yield index - 1, lineno, RecordError(name, lineno, field,
+                                                 _undecodable(exc, encoding), index=index - 1)
+            continue
+        if lineno == 1 and text.startswith("\ufeff"):
+            text = text[1:]
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            yield index - 1, lineno, InputError(
-                name, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})")
+            yield index - 1, lineno, RecordError(
+                name, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})",
+                index=index - 1)
             continue
         if not isinstance(obj, dict):
-            obj = InputError(name, lineno, None,
-                             f"expected a JSON object, got {type(obj).__name__}")
+            obj = RecordError(name, lineno, None,
+                              f"expected a JSON object, got {type(obj).__name__}",
+                              index=index - 1)
         yield index - 1, lineno, obj
 
 
-def _table_rows(f: IO[str], name: str, delimiter: str, fields: list[str], skip: int
-                ) -> Iterator[tuple[int, int, Any]]:
+def _text_lines(f: IO[bytes], encoding: str) -> Iterator[str]:
+    # Bad bytes become lone surrogates, found per cell afterwards (so the error names the row
+    # and the column, and the rows around it are still read).
+    for raw in f:
+        yield raw.decode(encoding, "surrogateescape")
+
+
+def _table_rows(f: IO[bytes], name: str, delimiter: str, fields: list[str], skip: int,
+                encoding: str) -> Iterator[tuple[int, int, Any]]:
     """Like :func:`_jsonl_rows`, for CSV/TSV with a header row (a bad header raises)."""
     # TSV is read as plain tab-separated text (no quoting, as in GLUE); CSV with standard quoting.
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+    reader = csv.reader(_text_lines(f, encoding), delimiter=delimiter, quoting=quoting)
     try:
         header = next(reader)
     except StopIteration:
@@ -173,6 +277,9 @@ def _table_rows(f: IO[str], name: str, delimiter: str, fields: list[str], skip: 
     if header and header[0].startswith("\ufeff"):
         header[0] = header[0][1:]
     header = [h.strip() for h in header]
+    if any(_has_surrogate(h) for h in header):
+        raise InputError(name, 1, None, f"header is not valid {encoding} text; pass the right "
+                         "encoding (--encoding)")
     for field in fields:
         if field not in header:
             raise InputError(name, 1, field,
@@ -189,7 +296,8 @@ def _table_rows(f: IO[str], name: str, delimiter: str, fields: list[str], skip: 
             last = reader.line_num
             index += 1
             if index > skip:
-                yield index - 1, start, InputError(name, start, None, f"malformed row ({exc})")
+                yield index - 1, start, RecordError(name, start, None, f"malformed row ({exc})",
+                                                    index=index - 1)
             continue
         last = reader.line_num
         if not row or (len(row) == 1 and not row[0].strip()):
@@ -198,10 +306,17 @@ def _table_rows(f: IO[str], name: str, delimiter: str, fields: list[str], skip: 
         if index <= skip:
             yield index - 1, start, None
         elif len(row) > len(header):
-            yield index - 1, start, InputError(
-                name, start, None, f"{len(row)} columns but the header has {len(header)}")
+            yield index - 1, start, RecordError(
+                name, start, None, f"{len(row)} columns but the header has {len(header)}",
+                index=index - 1)
         else:
-            yield index - 1, start, dict(zip(header, row, strict=False))
+            bad = [h for h, v in zip(header, row, strict=False) if _has_surrogate(v)]
+            if bad:
+                yield index - 1, start, RecordError(
+                    name, start, bad[0], f"not valid {encoding} text; pass the right encoding "
+                    "(--encoding)", index=index - 1)
+            else:
+                yield index - 1, start, dict(zip(header, row, strict=False))
 
 
 def read_records(
@@ -214,7 +329,9 @@ def read_records(
     label_field: str | None = None,
     encoding: str = "utf-8",
     skip: int = 0,
-    on_error: Callable[[InputError], None] | None = None,
+    on_error: Callable[[RecordError], None] | str | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    allow_empty: bool = True,
 ) -> Iterator[Record]:
     """Stream the records of a JSONL, CSV or TSV file (``"-"``: JSONL on standard input).
 
@@ -227,17 +344,24 @@ def read_records(
             dotted path such as ``"turns.0"``). CSV/TSV files need a header row.
         id_field: the field with the record's id; ``None`` uses ``"id"`` when a record has it.
         label_field: a field to carry along (e.g. a gold label); required in every record.
-        encoding: text encoding.
+        encoding: text encoding (an ASCII-compatible one: lines are split on ``\\n`` bytes).
         skip: records before this index are counted but neither parsed nor checked (resume).
-        on_error: called with each :class:`InputError` of a single record, and reading goes on;
-            if None the error is raised. Errors about the whole file (bad header, unreadable
-            file) are always raised.
+        on_error: what to do with a bad record (a :class:`RecordError`): None raises it; a
+            callable is called with it and reading goes on; ``"yield"`` yields it in place of
+            the record (so the caller sees good and bad records in file order). Errors about
+            the whole file (bad header, unreadable file, empty file) are always raised.
+        max_line_bytes: a JSONL line longer than this is a bad record (see ``MAX_LINE_BYTES``).
+            CSV/TSV cells are limited by Python's ``csv`` module (131072 characters).
+        allow_empty: if False, a file without a single record (empty, blank lines only, a
+            header only) raises :class:`InputError`.
 
     Yields:
-        :class:`Record` s in file order.
+        :class:`Record` s in file order (and :class:`RecordError` s with ``on_error="yield"``).
 
     Raises:
-        InputError: missing field, non-string x/y, invalid JSON, empty response, ...
+        RecordError: missing field, non-string x/y, invalid JSON, empty response, bytes that
+            are not valid text, an over-long line, ...
+        InputError: a bad header, a folder, an empty file (``allow_empty=False``).
         FileNotFoundError: no such file.
     """
     fmt = detect_format(path, format)
@@ -246,74 +370,81 @@ def read_records(
         raise FileNotFoundError(f"no such input file: {name}")
     if name != "<stdin>" and os.path.isdir(os.fspath(path)):
         raise InputError(name, None, None, "is a folder, not an input file")
+    if isinstance(on_error, str) and on_error != "yield":
+        raise ValueError(f"on_error must be None, a callable or 'yield', got {on_error!r}")
     return _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip,
-                    on_error)
+                    on_error, max_line_bytes, allow_empty)
 
 
-def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip, on_error):
+def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip, on_error,
+             max_line_bytes, allow_empty):
     required = [x_field, y_field] + ([label_field] if label_field else [])
-    with _open_text(path, encoding) as f:
+    n_rows = 0
+    f = _open_binary(path)
+    try:
         if fmt == "jsonl":
-            rows = _jsonl_rows(f, name, skip)
+            rows = _jsonl_rows(f, name, skip, encoding, max_line_bytes)
         else:
             cols = required + ([id_field] if id_field else [])
-            rows = _table_rows(f, name, "," if fmt == "csv" else "\t", cols, skip)
-        while True:
-            try:
-                index, line, row = next(rows)
-            except StopIteration:
-                return
-            except UnicodeDecodeError as exc:
-                raise InputError(name, None, None,
-                                 f"not valid {encoding} text ({exc.reason}); pass the right "
-                                 "encoding") from None
+            rows = _table_rows(f, name, "," if fmt == "csv" else "\t", cols, skip, encoding)
+        for index, line, row in rows:
+            n_rows += 1
             if row is None:
                 continue
             try:
-                if isinstance(row, InputError):
+                if isinstance(row, RecordError):
                     raise row
                 rec = _record(row, index, line, name, fmt, x_field, y_field, id_field,
                               label_field)
-            except InputError as exc:
+            except RecordError as exc:
                 if on_error is None:
                     raise
-                on_error(exc)
+                if on_error == "yield":
+                    yield exc
+                else:
+                    on_error(exc)
                 continue
             yield rec
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+    if n_rows == 0 and not allow_empty:
+        raise InputError(name, None, None, "no records (the file is empty or has only blank "
+                         "lines" + (" and a header)" if fmt != "jsonl" else ")"))
 
 
 def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str, y_field: str,
             id_field: str | None, label_field: str | None) -> Record:
+    def err(field: str | None, reason: str) -> RecordError:
+        return RecordError(name, line, field, reason, index=index)
+
     values = {}
     for field in (x_field, y_field):
         found, v = _get(row, field)
         if not found or (fmt != "jsonl" and v is None):
             what = "keys" if fmt == "jsonl" else "columns"
-            raise InputError(name, line, field,
-                             f"missing (this record's {what}: {_keys(row)})")
+            raise err(field, f"missing (this record's {what}: {_keys(row)})")
         if not isinstance(v, str):
-            raise InputError(name, line, field,
-                             f"must be a string, got {type(v).__name__} {_short(v)}")
+            raise err(field, f"must be a string, got {type(v).__name__} {_short(v)}")
         values[field] = v
     y = values[y_field]
     if not y.strip():
-        raise InputError(name, line, y_field, "empty response (nothing to score)")
+        raise err(y_field, "empty response (nothing to score)" if not y else
+                  "whitespace-only response (nothing to score)")
     rid = None
     if id_field is not None:
         found, rid = _get(row, id_field)
         if not found or rid is None:
-            raise InputError(name, line, id_field, f"missing (this record's keys: {_keys(row)})")
+            raise err(id_field, f"missing (this record's keys: {_keys(row)})")
     elif "id" in row:
         rid = row["id"]
     if rid is not None and not isinstance(rid, (str, int, float, bool)):
-        raise InputError(name, line, id_field or "id",
-                         f"must be a string or a number, got {type(rid).__name__}")
+        raise err(id_field or "id", f"must be a string or a number, got {type(rid).__name__}")
     label = None
     if label_field is not None:
         found, label = _get(row, label_field)
         if not found or (fmt != "jsonl" and label is None):
-            raise InputError(name, line, label_field,
-                             f"missing (this record's keys: {_keys(row)})")
+            raise err(label_field, f"missing (this record's keys: {_keys(row)})")
     return Record(index=index, line=line, x=values[x_field], y=y, id=rid, label=label)
 
 
@@ -346,39 +477,150 @@ def read_examples(
 
 
 class JsonlWriter:
-    """Append-or-create JSONL writer that flushes every record as soon as it is written.
+    """Append-or-create JSONL writer; each record is one line written with a single ``write``.
+
+    What a crash (even SIGKILL or power loss) can leave: every record whose ``write`` returned,
+    then at most one incomplete last line (no newline), which :func:`read_resume_state` finds
+    and a resume truncates away. Records go to the OS at once (no user-space buffer, so another
+    process reads them immediately); ``os.fsync`` runs every ``fsync_every`` seconds and on
+    close, so a machine crash loses at most that many seconds of records, and never leaves a
+    half-written record before a complete one.
 
     Args:
         path: output file; parent folders are created.
         append: append to an existing file instead of truncating it.
-        fsync: also ``os.fsync`` after each record (survives a machine crash, slower).
+        fsync_every: seconds between ``os.fsync`` calls (0: after every record).
+
+    Test hook: ``ICQS_FAST_TEST_CRASH=MODE:N`` (read at construction) makes the process kill
+    itself with SIGKILL at the N-th record this writer writes (0-based): ``before`` writing it,
+    ``mid`` (after writing the first half of its line) or ``hold`` (after writing it, sleep until
+    killed from outside). The crash-resume tests use it to stop runs at chosen points.
     """
 
-    def __init__(self, path: PathLike, *, append: bool = False, fsync: bool = False) -> None:
+    def __init__(self, path: PathLike, *, append: bool = False, fsync_every: float = 5.0
+                 ) -> None:
         self.path = os.fspath(path)
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
-        self._fsync = fsync
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._fsync_every = fsync_every
+        self._last_sync = time.monotonic()
         self.count = 0
+        self._crash = _crash_hook()
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n")
-        self._f.flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
+        """Append ``record`` as one JSON line (NaN/inf written as JSON5-style literals)."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        data = (json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n").encode("utf-8")
+        if self._crash is not None and self._crash[0] != "hold" and self._crash[1] == self.count:
+            _crash(self._crash[0], self._fd, data)
+        view = memoryview(data)
+        while view:  # a regular file takes it in one call; loop only for a short write
+            view = view[os.write(self._fd, view):]
         self.count += 1
+        if self._crash is not None and self._crash == ("hold", self.count - 1):
+            _crash("hold", self._fd, b"")
+        now = time.monotonic()
+        if now - self._last_sync >= self._fsync_every:
+            os.fsync(self._fd)
+            self._last_sync = now
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> JsonlWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _crash_hook() -> tuple[str, int] | None:
+    spec = os.environ.get("ICQS_FAST_TEST_CRASH")
+    if not spec:
+        return None
+    mode, _, n = spec.partition(":")
+    if mode not in ("before", "mid", "hold") or not n.isdigit():
+        raise ValueError(f"ICQS_FAST_TEST_CRASH must be before|mid|hold:N, got {spec!r}")
+    return mode, int(n)
+
+
+def _crash(mode: str, fd: int, data: bytes) -> None:
+    if mode == "mid":
+        os.write(fd, data[: len(data) // 2])
+        os.fsync(fd)
+    if mode == "hold":
+        os.fsync(fd)
+        deadline = time.monotonic() + 600  # never outlive a test that forgot to kill us
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class OutputLockedError(ValueError):
+    """Another process holds the output's lock (a usage error: exit code 2 in the CLI)."""
+
+
+class OutputLock:
+    """Advisory exclusive lock on an output file, held for the life of the writing process.
+
+    ``fcntl.flock`` on ``OUT.lock`` (created next to the output, holding the holder's pid). The
+    OS releases it when the process exits or crashes, so a stale lock never blocks anyone; the
+    file itself stays (removing it would race with a process that just opened it) and means
+    nothing when no process holds the lock. Only cooperating writers (icqs-fast commands)
+    check it.
+
+    Raises:
+        OutputLockedError: from :meth:`acquire` when another process holds the lock (its pid
+            is in the message).
+    """
+
+    def __init__(self, output: PathLike) -> None:
+        self.output = os.fspath(output)
+        self.path = self.output + ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+            holder = os.read(fd, 64).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f"pid {holder}" if holder.isdigit() else "a process whose pid is not known yet"
+            raise OutputLockedError(
+                f"{self.output} is being written by another icqs-fast process ({who}; lock "
+                f"{self.path}); wait for it to finish or stop it, or use another output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass

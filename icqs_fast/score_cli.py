@@ -2,11 +2,14 @@
 
     icqs-fast score responses.jsonl -o scores.jsonl --good good.jsonl --bad bad.jsonl
 
-Each response gets one output line as soon as it is scored (written and flushed), so a run that
-stops - a bad input line, Ctrl-C, a crash - keeps everything computed so far, and ``--resume``
-continues after the last written record without redoing or duplicating any. A bad input line
-stops the run with an error naming the file, line and field (``--on-error stop``, the default)
-or is reported on stderr and skipped (``--on-error skip``).
+Each response gets one output line as soon as it is scored (one ``write`` per line), so a run
+that stops - a bad input line, Ctrl-C, SIGKILL, a power cut - keeps everything computed so far,
+and ``--resume`` continues after the last written record without redoing or duplicating any (a
+line cut off mid-write is truncated away and redone). One process at a time writes an output:
+it holds an advisory lock on ``OUT.lock`` and a second one refuses at once, naming the holder's
+pid. A bad input line stops the run with an error naming the file, line and field
+(``--on-error stop``, the default) or is reported on stderr and recorded in the output as a
+``{"index", "line", "error": {"field", "reason"}}`` line (``--on-error skip``).
 
 Output record fields: ``index`` (0-based record number in the input; bad records count too),
 ``line``, ``id`` (when the input has one), ``label`` (with ``--label-field``), ``score``
@@ -28,7 +31,16 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .io import InputError, JsonlWriter, Record, read_examples, read_records, read_resume_state
+from .io import (
+    InputError,
+    JsonlWriter,
+    OutputLock,
+    Record,
+    RecordError,
+    read_examples,
+    read_records,
+    read_resume_state,
+)
 
 ON_ERROR = ("stop", "skip")
 
@@ -36,68 +48,98 @@ ON_ERROR = ("stop", "skip")
 # --------------------------------------------------------------------------- library part
 
 
+def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: str = "x",
+                 y_field: str = "y") -> RecordError | None:
+    """What the scorer would reject in ``rec`` (before it is sent to the scorer), or None.
+
+    The same checks as the scorer's own (through its public ``tokens``, ``template``,
+    ``max_length``, ``drop_oldest_demos`` and ``n_contexts``): x and y strings, y non-empty,
+    query and response giving tokens, every context's prompt within the max length. Checking
+    here means the error is built for this record by construction, with its index, line and
+    field, instead of being recovered from the scorer's message text.
+    """
+    def err(field: str | None, reason: str) -> RecordError:
+        return RecordError(path, rec.line, field, reason, index=rec.index)
+
+    for field, v in ((x_field, rec.x), (y_field, rec.y)):
+        if not isinstance(v, str):
+            return err(field, f"must be a string, got {type(v).__name__}")
+    if not rec.y.strip():
+        return err(y_field, "empty response (nothing to score)")
+    tokens = scorer.tokens
+    q = tokens.encode(scorer.template.format_query(rec.x))
+    r = tokens.encode(scorer.template.format_response(rec.y))
+    if not q:
+        return err(x_field, f"the query part {scorer.template.format_query(rec.x)!r} has no "
+                   "tokens; the template's query must produce at least one")
+    if not r:
+        return err(y_field, "gives no response tokens")
+    n_suffix = len(q) + len(r)
+    for c in range(scorer.n_contexts):
+        try:
+            tokens.fit(rec.index, c, n_suffix, scorer.max_length, scorer.drop_oldest_demos)
+        except ValueError:
+            full = len(tokens.prefix_ids(c, 0)) + n_suffix
+            ds = tokens.flat[c]
+            return err(None, f"prompt of {full} tokens (prefix {full - n_suffix} + query/response "
+                       f"{n_suffix}) for ratio {ds.ratio:g} set {ds.set_index} exceeds the "
+                       f"model's max length {scorer.max_length}"
+                       + (" even with a single demonstration" if scorer.drop_oldest_demos
+                          else "; pass drop_oldest_demos=True (--drop-oldest-demos) to drop "
+                          "demonstrations"))
+    return None
+
+
 def score_records(
     scorer: Any,
-    records: Iterable[Record],
+    records: Iterable[Record | RecordError],
     *,
     path: str = "<input>",
+    x_field: str = "x",
     y_field: str = "y",
-    on_error: Callable[[InputError], None] | None = None,
+    on_error: Callable[[RecordError], None] | None = None,
 ) -> Iterator[tuple[Record, Any]]:
     """Score :class:`~icqs_fast.io.Record` s with an :class:`~icqs_fast.icqs.ICQSScorer`,
     yielding ``(record, result)`` in input order, lazily.
 
-    A record the scorer rejects (its response gives no tokens, its prompt is too long, ...)
-    becomes an :class:`InputError` naming ``path`` and the record's line. With ``on_error``
-    it is passed there and scoring goes on; without, every record before it - and before any
-    :class:`InputError` the ``records`` iterator raises - is still scored and yielded, then
-    the error is raised.
+    ``records`` may also hold :class:`RecordError` s in place of bad records (``read_records(...,
+    on_error="yield")``); a record the scorer would reject (see :func:`check_record`) becomes
+    one too. With ``on_error`` each is passed there - in input order, interleaved with the
+    yielded results, so a caller writing both keeps the file order - and scoring goes on.
+    Without, every record before the first bad one (or before an :class:`InputError` the
+    ``records`` iterator raises) is still scored and yielded, then the error is raised.
     """
     source = iter(records)
-    replay: deque[Record] = deque()  # pulled by a scorer that failed, not yet scored
+    queue: deque[Record | RecordError] = deque()  # fed records and errors, in input order
     fatal: list[InputError] = []
-    while True:
-        pending: deque[Record] = deque()
-        fed = [0]
-        stop = bool(fatal)
 
-        def feed(pending=pending, fed=fed, stop=stop):
-            while True:
-                if replay:
-                    rec = replay.popleft()
-                elif stop:
-                    return
-                else:
-                    try:
-                        rec = next(source)
-                    except StopIteration:
-                        return
-                    except InputError as exc:
-                        fatal.append(exc)  # end the stream; what came before is still scored
-                        return
-                pending.append(rec)
-                fed[0] += 1
-                yield (rec.x, rec.y)
-
-        try:
-            for res in scorer.score(feed()):
-                yield pending.popleft(), res
-            break
-        except ValueError as exc:
-            msg = str(exc)
-            tag = f"response {fed[0] - 1}: "
-            if not pending or not msg.startswith(tag):
-                raise  # not about one record
-            bad = pending.pop()
-            reason = msg[len(tag):].replace("pass drop_oldest_demos=True",
-                                            "pass drop_oldest_demos=True (--drop-oldest-demos)")
-            field = y_field if "field 'y'" in reason else None
-            err = InputError(path, bad.line, field, reason.replace("field 'y' ", "").strip())
-            replay.extendleft(reversed(pending))
+    def feed() -> Iterator[tuple[str, str]]:
+        while not fatal:
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            except InputError as exc:
+                fatal.append(exc)  # end the stream; what came before is still scored
+                return
+            if not isinstance(item, RecordError):
+                bad = check_record(scorer, item, path=path, x_field=x_field, y_field=y_field)
+                if bad is None:
+                    queue.append(item)
+                    yield (item.x, item.y)
+                    continue
+                item = bad
             if on_error is None:
-                fatal[:] = [err]  # this record comes before any the reader failed on
-            else:
-                on_error(err)
+                fatal.append(item)
+                return
+            queue.append(item)
+
+    for res in scorer.score(feed()):
+        while isinstance(queue[0], RecordError):
+            on_error(queue.popleft())
+        yield queue.popleft(), res
+    while queue:  # only errors are left
+        on_error(queue.popleft())
     if fatal:
         raise fatal[0]
 
@@ -251,41 +293,84 @@ def meta_path(output: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(output)}.meta.json")
 
 
-def run(args: argparse.Namespace) -> int:
-    from .icqs import DEFAULT_TOKEN_BUDGET, ICQSScorer
-    from .models import load_model
+def runtime_settings(model: Any, backend: str) -> dict:
+    """The model-side part of the resume fingerprint: the weights' dtype, the device type and
+    the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
+    read from the loaded model's parameters."""
+    from . import backends
 
+    p = next(model.parameters())
+    return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+            "backend": backends.resolve(backend, p.device)}
+
+
+def _differ(old: dict, new: dict, keys: Iterable[str]) -> list[str]:
+    return sorted(k for k in keys if old.get(k) != new[k])
+
+
+def _refuse(out: Path, old: dict, new: dict, diff: list[str]) -> ValueError:
+    what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
+                     f"{k}: not recorded there" for k in diff)
+    return ValueError(f"cannot --resume {out}: it was written with other settings ({what}); "
+                      "use another output or --overwrite")
+
+
+def _write_meta(out: Path, settings: dict) -> None:
+    # Written whole then renamed, so a crash never leaves a half-written settings file.
+    mp = meta_path(out)
+    tmp = mp.with_name(mp.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(settings, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, mp)
+
+
+def skipped_record(err: RecordError) -> dict:
+    """The output line of a bad record skipped with ``--on-error skip``: ``index``, ``line``
+    and ``error`` (``field``, ``reason``); it keeps the record's place in the output, so a
+    resume neither redoes nor loses it."""
+    return {"index": err.index, "line": err.line,
+            "error": {"field": err.field, "reason": err.reason}}
+
+
+def run(args: argparse.Namespace) -> int:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     out = Path(args.output)
     for name in ("good", "bad"):
         if not os.path.isfile(getattr(args, name)):
             raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
-    if args.input != "-" and not os.path.isfile(args.input):
+    if args.input != "-" and not os.path.exists(args.input):
         raise FileNotFoundError(f"no such input file: {args.input}")
+    if args.input != "-" and os.path.isdir(args.input):
+        raise InputError(args.input, None, None, "is a folder, not an input file")
     if args.resume and args.overwrite:
         raise ValueError("choose at most one of --resume and --overwrite")
+    # Held until this process ends (or crashes: the OS drops it), before the output is touched.
+    with OutputLock(out):
+        return _run_locked(args, out, log)
+
+
+def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -> int:
+    from .icqs import DEFAULT_TOKEN_BUDGET, ICQSScorer
+    from .models import load_model
+
     template, template_spec = _load_template(args.template)
     settings = _settings(args, template_spec)
 
-    start, last, append = 0, None, False
+    start, last, append, old = 0, None, False, None
     if args.resume and out.exists():
         state = read_resume_state(out)
         mp = meta_path(out)
         if mp.is_file():
             old = json.loads(mp.read_text(encoding="utf-8"))
-            diff = sorted(k for k in settings if old.get(k) != settings[k])
+            diff = _differ(old, settings, settings)  # before the model is loaded: fail fast
             if diff:
-                raise ValueError(f"cannot --resume {out}: it was written with other settings "
-                                 f"({', '.join(diff)} differ); use another output or --overwrite")
-        if out.stat().st_size != state.end:
-            with open(out, "r+b") as f:  # drop a record cut off mid-write
-                f.truncate(state.end)
-            log(f"icqs-fast: removed an incomplete last line from {out}")
+                raise _refuse(out, old, settings, diff)
         last = state.last
         start = last["index"] + 1 if last is not None else 0
         append = True
-        log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
-            f"record {start}")
+        cut = out.stat().st_size != state.end
     elif out.exists() and out.stat().st_size > 0 and not args.overwrite and not args.resume:
         raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
 
@@ -296,6 +381,11 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     t_load = time.perf_counter() - t_load
+    settings.update(runtime_settings(model, args.backend))
+    if old is not None:
+        diff = _differ(old, settings, ("dtype", "device", "backend"))
+        if diff:
+            raise _refuse(out, old, settings, diff)
     scorer = ICQSScorer(
         model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
         sets_per_ratio=args.sets_per_ratio, template=template, seed=args.seed,
@@ -306,37 +396,47 @@ def run(args: argparse.Namespace) -> int:
     log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
         f"demonstrations, {args.num_ratios} ratios x {args.sets_per_ratio} sets of "
         f"{args.demos_per_set}")
+    if append:
+        if cut:
+            with open(out, "r+b") as f:  # drop a record cut off mid-write
+                f.truncate(state.end)
+            log(f"icqs-fast: removed an incomplete last line from {out}")
+        log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
+            f"record {start}")
+    else:
+        _write_meta(out, settings)
 
     summary = Summary()
     path_name = "<stdin>" if args.input == "-" else args.input
-
-    def skip(err: InputError) -> None:
-        summary.skipped += 1
-        log(f"icqs-fast: skipping bad record: {err}")
-
     with_label = args.label_field is not None
-    # Resuming after a record with an id: read that record again and check it is the same one.
-    check = last is not None and "id" in last
+    # Resuming after a scored record with an id: read that record again and check it is the
+    # same one (a skipped record's line has no id to compare).
+    check = last is not None and "id" in last and "error" not in last
     records = read_records(
         args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
         id_field=args.id_field, label_field=args.label_field, encoding=args.encoding,
-        skip=start - 1 if check else start, on_error=skip if args.on_error == "skip" else None,
+        skip=start - 1 if check else start, on_error="yield" if args.on_error == "skip" else None,
+        allow_empty=start > 0,
     )
     if check:
         records = _checked(records, last, path_name)
 
-    if not append:
-        meta_path(out).write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
     with JsonlWriter(out, append=append) as writer:
+        def skip(err: RecordError) -> None:
+            writer.write(skipped_record(err))
+            summary.skipped += 1
+            log(f"icqs-fast: skipping bad record: {err}")
+
         try:
-            for rec, res in score_records(scorer, records, path=path_name, y_field=args.y_field,
+            for rec, res in score_records(scorer, records, path=path_name, x_field=args.x_field,
+                                          y_field=args.y_field,
                                           on_error=skip if args.on_error == "skip" else None):
                 writer.write(result_record(rec, res, with_label=with_label))
                 summary.add(res.score, rec.label, with_label)
         except InputError:
             log(summary.text("icqs-fast: stopped: "))
-            log(f"icqs-fast: the {summary.n} results before the bad record are in {out}; fix "
-                "it and rerun with --resume, or pass --on-error skip")
+            log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
+                "with --resume, or pass --on-error skip")
             raise
         except KeyboardInterrupt:
             log(summary.text("icqs-fast: interrupted: "))
@@ -346,17 +446,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checked(records: Iterator[Record], last: dict, path: str) -> Iterator[Record]:
+def _checked(records: Iterator[Record | RecordError], last: dict, path: str
+             ) -> Iterator[Record | RecordError]:
     """Drop the already-written record ``last["index"]``, checking its id still matches."""
     first = True
     for rec in records:
         if first:
             first = False
             if rec.index == last["index"]:
-                if rec.id != last["id"]:
+                if isinstance(rec, RecordError) or rec.id != last["id"]:
+                    got = "is now a bad record" if isinstance(rec, RecordError) else \
+                        f"has id {rec.id!r}"
                     raise ValueError(
-                        f"cannot --resume: {path}:{rec.line} (record {rec.index}) has id "
-                        f"{rec.id!r} but the output's last record has id {last['id']!r}; "
-                        "the input changed since the output was written")
+                        f"cannot --resume: {path}:{rec.line} (record {rec.index}) {got} but the "
+                        f"output's last record has id {last['id']!r}; the input changed since "
+                        "the output was written")
                 continue
         yield rec

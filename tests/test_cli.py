@@ -121,7 +121,7 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
     assert "pass --resume" in capsys.readouterr().err
     # Other settings than the output was written with: refused.
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--seed", "2") == 2
-    assert "seed differ" in capsys.readouterr().err
+    assert "other settings (seed: 1 there, 2 now)" in capsys.readouterr().err
 
     _jsonl(inp, RESPONSES)  # fixed
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--token-budget", "4000") == 0
@@ -165,7 +165,16 @@ def test_on_error_skip(files, tiny_dir, capsys):
     assert f"skipping bad record: {inp}:4: field 'y': must be a string, got int 5" in err
     assert f"skipping bad record: {inp}:6: prompt of" in err
     assert "3 bad records skipped" in err
-    assert [r["index"] for r in _read(out)] == [0, 2, 4, 6, 7]
+    rows = _read(out)
+    # Skipped records keep their place in the output (a resume neither redoes nor loses them).
+    assert [r["index"] for r in rows] == list(range(8))
+    assert [r["index"] for r in rows if "score" in r] == [0, 2, 4, 6, 7]
+    assert rows[1] == {"index": 1, "line": 2, "error": {
+        "field": None, "reason": "invalid JSON (Expecting property name enclosed in double "
+                                 "quotes at column 2)"}}
+    assert rows[3]["error"] == {"field": "y", "reason": "must be a string, got int 5"}
+    assert rows[5]["error"]["field"] is None
+    assert rows[5]["error"]["reason"].startswith("prompt of")
 
 
 def test_too_long_record_stops_after_earlier_ones(files, tiny_dir, capsys):

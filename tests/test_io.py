@@ -10,6 +10,7 @@ import pytest
 from icqs_fast.io import (
     InputError,
     JsonlWriter,
+    RecordError,
     detect_format,
     fpb_examples,
     read_examples,
@@ -105,7 +106,8 @@ def test_read_examples(tmp_path):
     ('{"x": "a"}', "y", r"field 'y': missing \(this record's keys: x\)"),
     ('{"x": 3, "y": "b"}', "x", r"field 'x': must be a string, got int 3"),
     ('{"x": "a", "y": null}', "y", r"field 'y': must be a string, got NoneType"),
-    ('{"x": "a", "y": "  "}', "y", r"field 'y': empty response"),
+    ('{"x": "a", "y": "  "}', "y", r"field 'y': whitespace-only response"),
+    ('{"x": "a", "y": ""}', "y", r"field 'y': empty response"),
     ('{"x": "a", "y": "b", "id": [1]}', "id", r"field 'id': must be a string or a number"),
     ('{"x": "a", "y" "b"}', None, r"invalid JSON \(Expecting ':' delimiter at column 16\)"),
     ('["a", "b"]', None, r"expected a JSON object, got list"),
@@ -117,8 +119,8 @@ def test_jsonl_errors_name_file_line_field(tmp_path, line, field, pattern):
     with pytest.raises(InputError, match=rf"in\.jsonl:3: {pattern}") as ei:
         next(it)
     err = ei.value
-    assert isinstance(err, ValueError)
-    assert (err.path, err.line, err.field) == (str(p), 3, field)
+    assert isinstance(err, RecordError) and isinstance(err, ValueError)
+    assert (err.path, err.line, err.field, err.index) == (str(p), 3, field, 1)
 
 
 def test_csv_errors(tmp_path):
