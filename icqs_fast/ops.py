@@ -16,6 +16,8 @@ from .backends import state as _state
 from .types import TokenStats
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# linear_token_stats: what every backend's kernels take (float64 is not one of them).
+_LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_common(targets: torch.Tensor, n: int, v: int, ignore_index: int, temperature: float):
@@ -51,7 +53,8 @@ def token_stats(
         logits: ``[N, V]`` (or ``[..., V]``, flattened) float32, float16 or bfloat16; rows may be
             strided (the last dimension must be contiguous for the cpp and triton backends,
             otherwise it is copied).
-        targets: ``[N]`` (or ``[...]``) int64 target ids; ``ignore_index`` marks rows to skip.
+        targets: ``[N]`` (or ``[...]``) int64 target ids; ``ignore_index`` marks rows to skip;
+            on ``logits``' device (else a ValueError, the same on every backend).
         ignore_index: target value of masked rows; their outputs are 0 and ``valid`` False.
         temperature: T > 0; statistics are of softmax(z / T).
         backend: ``"auto"`` (triton on CUDA, cpp on CPU when built, torch otherwise),
@@ -74,9 +77,11 @@ def token_stats(
     v = logits.shape[-1]
     z = logits.reshape(-1, v)
     t = targets.reshape(-1)
-    _check_common(t, z.shape[0], v, ignore_index, temperature)
+    # Before anything reads the targets' values, so every backend gives this same error.
     if targets.device != logits.device:
-        raise ValueError(f"logits on {logits.device} but targets on {targets.device}")
+        raise ValueError(f"token_stats needs all inputs on one device; got logits on "
+                         f"{logits.device}, targets on {targets.device}")
+    _check_common(t, z.shape[0], v, ignore_index, temperature)
     name = backends.resolve(backend, logits.device)
     out = backends.module(name).token_stats(z, t.long(), ignore_index, float(temperature))
     return out.map(lambda x: x.reshape(lead)) if len(lead) != 1 else out
@@ -116,11 +121,19 @@ def linear_token_stats(
     about 140 bytes per chunk and token at the peak (see
     :func:`icqs_fast.backends.triton_backend.linear_token_stats`), plus ``O(N)``.
 
+    Dtype and device policy (the same on every backend, applied here before dispatch):
+    ``hidden``, ``weight`` and ``bias`` may mix float32/float16/bfloat16; they are all cast to
+    ``torch.promote_types`` of their dtypes first (an fp32 head on a bf16 body computes in
+    fp32 on the CPU and on the GPU alike; casting the weight costs one ``[V, H]`` copy per
+    call, so keep it in the body's dtype or wider). Any other dtype is a TypeError. ``hidden``,
+    ``weight``, ``targets`` and ``bias`` must be on one device, else a ValueError naming the
+    devices.
+
     Args:
         hidden: ``[N, H]`` float32/float16/bfloat16 hidden states (e.g. before the LM head).
-        weight: ``[V, H]`` LM-head weight, same dtype as ``hidden``.
+        weight: ``[V, H]`` float32/float16/bfloat16 LM-head weight (promoted with ``hidden``).
         targets: ``[N]`` int64 target ids; ``ignore_index`` rows are skipped.
-        bias: optional ``[V]`` bias.
+        bias: optional ``[V]`` float32/float16/bfloat16 bias (promoted with the others).
         temperature, ignore_index, backend: as in :func:`token_stats`.
         chunk_tokens, chunk_vocab: block sizes of the cpp/torch path.
 
@@ -134,6 +147,7 @@ def linear_token_stats(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {list(bias.shape)}")
+    hidden, weight, bias = _common_dtype_device(hidden, weight, targets, bias)
     n, v = hidden.shape[0], weight.shape[0]
     _check_common(targets, n, v, ignore_index, temperature)
     if chunk_tokens < 1 or chunk_vocab < 1:
@@ -145,6 +159,29 @@ def linear_token_stats(
                                       float(temperature))
     return _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, float(temperature),
                            chunk_tokens, chunk_vocab, mod.reduce_block)
+
+
+def _common_dtype_device(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``linear_token_stats``' dtype/device policy, before any backend sees the inputs (the
+    backends used to differ: triton refused mixed dtypes that cpp/torch upcast silently, and
+    only triton checked devices)."""
+    named = [("hidden", hidden), ("weight", weight), ("targets", targets)]
+    if bias is not None:
+        named.append(("bias", bias))
+    if len({t.device for _, t in named}) > 1:
+        where = ", ".join(f"{k} on {t.device}" for k, t in named)
+        raise ValueError(f"linear_token_stats needs all inputs on one device; got {where}")
+    floats = [(k, t) for k, t in named if k != "targets"]
+    for k, t in floats:
+        if t.dtype not in _LINEAR_DTYPES:
+            raise TypeError(f"{k} must be float32, float16 or bfloat16, got {t.dtype}")
+    dt = hidden.dtype
+    for _, t in floats[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    cast = (lambda t: t if t is None or t.dtype == dt else t.to(dt))  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
 
 
 def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct, cv, reduce_block):
