@@ -10,6 +10,36 @@ from pathlib import Path
 import torch
 
 
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def peak_growth_mb(fn, device: torch.device | str = "cpu") -> tuple[float, object]:
+    """Run ``fn()`` and return ``(peak memory growth in MiB over the call, fn's result)``.
+
+    CUDA: growth of ``torch.cuda.max_memory_allocated`` over the allocated bytes before the call.
+    CPU: growth of the process's peak RSS (``VmHWM``, reset to the current RSS through
+    ``/proc/self/clear_refs``) over the RSS before the call. The CPU figure counts pages touched,
+    so memory the allocator already holds from earlier work is invisible: call it in a fresh
+    process (after a warm-up) for a figure that means "what this call needs".
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        out = fn()
+        torch.cuda.synchronize(dev)
+        return (torch.cuda.max_memory_allocated(dev) - base) / 2**20, out
+    base = _rss_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    out = fn()
+    return (_rss_kb("VmHWM") - base) / 1024, out
+
+
 def _commit() -> str | None:
     # The package may run from a git checkout (editable install) or from a wheel (no commit).
     root = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..attention import capture_attention_entropy, eager_range_entropy
-from . import environment
+from . import environment, peak_growth_mb
 from .kernels import side_by_side
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -111,13 +111,6 @@ def _load(device: torch.device, random_weights: bool = False, config: str = "tin
     return model, MODEL
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
 def measure_peak_child(side: str, seq_len: int, device: str, random_weights: bool = False,
                        config: str = "tiny") -> dict:
     """Run in a fresh process: load the model, warm up on a short input, then measure the peak
@@ -129,17 +122,8 @@ def measure_peak_child(side: str, seq_len: int, device: str, random_weights: boo
     ids, qm, kr = make_inputs(vocab, min(32, seq_len), dev)
     fn(model, ids, qm, kr)  # lazy imports and one-time allocations, not part of the peak
     ids, qm, kr = make_inputs(vocab, seq_len, dev)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn(model, ids, qm, kr)
-        torch.cuda.synchronize()
-        return {"peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
-    base = _rss_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    fn(model, ids, qm, kr)
-    return {"peak_mb": (_rss_kb("VmHWM") - base) / 1024}
+    peak, _ = peak_growth_mb(lambda: fn(model, ids, qm, kr), dev)
+    return {"peak_mb": peak}
 
 
 def _peak_in_subprocess(side: str, seq_len: int, device: str, random_weights: bool = False,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from . import environment
+from . import environment, peak_growth_mb
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -160,17 +160,11 @@ def _naive(model, tok, good, bad, resp, settings=None):
 # --------------------------------------------------------------------------- memory
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
 def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
-                       config: str) -> dict:
+                       config: str, settings: dict | None = None) -> dict:
     """Run in a fresh process: load the model, warm up (one response, tiny settings), then the
-    peak memory growth of scoring ``n`` responses with ``side`` ("fast" or "naive")."""
+    peak memory growth of scoring ``n`` responses with ``side`` ("fast" or "naive") under
+    ``settings`` (ICQS settings; the benchmark's ``SETTINGS`` if None)."""
     dev = torch.device(device)
     model, tok, _ = load(dev, random_weights, config)
     good, bad = demos()
@@ -185,20 +179,11 @@ def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
 
     def work():
         if side == "fast":
-            return list(_scorer(model, tok, good, bad).score(resp))
-        return _naive(model, tok, good, bad, resp)
+            return list(_scorer(model, tok, good, bad, settings).score(resp))
+        return _naive(model, tok, good, bad, resp, settings)
 
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        work()
-        torch.cuda.synchronize()
-        return {"peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
-    base = _rss_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    work()
-    return {"peak_mb": (_rss_kb("VmHWM") - base) / 1024}
+    peak, _ = peak_growth_mb(work, dev)
+    return {"peak_mb": peak}
 
 
 def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
