@@ -374,13 +374,49 @@ def test_eval_mtbench_calibrates_ensemble_features(tiny, tokenizer, tmp_path, mo
     assert out["calibrate"][2]["unt_exp"] == pytest.approx(out["none"][2]["unt_exp"], rel=1e-5)
 
 
+def _sample_direct(model, tokenizer, item, seed, steps):
+    """Independent ancestral sampling (no KV cache, no ``generate``): full forward per step,
+    fp32 softmax of the last logits, ``torch.multinomial`` under ``manual_seed(seed)``; stops
+    after EOS and decodes without special tokens."""
+    from dataclasses import replace
+
+    ids = torch.tensor([encode(tokenizer, replace(as_item(item), response="")).ids],
+                       device=DEVICE)
+    torch.manual_seed(seed)
+    new = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(ids, use_cache=False).logits[0, -1].float()
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1)
+        if int(nxt) == tokenizer.eos_token_id:
+            break
+        new.append(int(nxt))
+        ids = torch.cat([ids, nxt[None]], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
 def test_decoding_ensemble_seeded(tiny, tokenizer):
-    a = decoding_ensemble(tiny, tokenizer, ITEMS[:2], k=2, max_new_tokens=4, seed=3)
-    b = decoding_ensemble(tiny, tokenizer, ITEMS[:2], k=2, max_new_tokens=4, seed=3)
-    assert [r["samples"] for r in a] == [r["samples"] for r in b]
-    for r in a:
-        assert len(r["members"]) == 2 and len(r["samples"]) == 2
-        assert r["unt_var"] >= 0 and (math.isnan(r["unt_exp"]) or 0 < r["unt_exp"] <= 1)
+    """Member j is the sample drawn under seed + j (checked against an independent sampling
+    loop), and unt_exp / unt_var are the mean / population variance of the members' sentence
+    probabilities exp(mean token logprob) from the float64 reference forward."""
+    from dataclasses import replace
+
+    k, seed, steps = 3, 3, 4
+    got = decoding_ensemble(tiny, tokenizer, ITEMS[:2], k=k, max_new_tokens=steps, seed=seed)
+    assert len(got) == 2
+    for item, r in zip(ITEMS[:2], got, strict=True):
+        want = [_sample_direct(tiny, tokenizer, item, seed + j, steps) for j in range(k)]
+        assert r["samples"] == want
+        assert len(set(want)) == k  # the seeds differ per member (a random model: ~uniform)
+        ref = reference_features(tiny, tokenizer, [replace(as_item(item), response=s)
+                                                   for s in want])
+        probs = [math.exp(x["sent_logprob"]) for x in ref]
+        mean = sum(probs) / k
+        var = sum((p - mean) ** 2 for p in probs) / k
+        assert r["members"] == pytest.approx(probs, rel=1e-4)
+        assert r["unt_exp"] == pytest.approx(mean, rel=1e-4)
+        # The variance of nearly equal members cancels: compare on the scale of mean**2.
+        assert r["unt_var"] == pytest.approx(var, rel=1e-3, abs=1e-6 * mean**2)
 
 
 def test_reference_illustration_and_calibration(tiny, tokenizer):
