@@ -380,6 +380,85 @@ def liger_launches(v: int, s: int = 2048, b: int = 4) -> list:
     return [kern]
 
 
+LIGER_FLCE_CSV = ("linkedin/Liger-Kernel benchmark/data/all_benchmark_data.csv: "
+                  "fused_linear_cross_entropy, kernel_provider=liger, forward, speed "
+                  "(y_value_50), gpu_name='NVIDIA A100-SXM4-80GB', liger 0.4.2, H=4096, "
+                  "V=128256, bf16 (no H100 rows for this kernel in the CSV)")
+LIGER_CE_A100_CSV = ("linkedin/Liger-Kernel benchmark/data/all_benchmark_data.csv: "
+                     "cross_entropy, kernel_provider=liger, forward, speed (y_value_50), "
+                     "gpu_name='NVIDIA A100-SXM4-80GB', liger 0.2.1, B=8, T=2048, fp32 logits")
+LIGER_A100_CE = ((4096, 0.5324), (8192, 0.8101), (16384, 1.4321), (32768, 2.8378),
+                 (65536, 6.8051), (131072, 15.0094))
+# (BT, median ms) of those rows.
+LIGER_A100_FLCE = ((4096, 119.5215), (8192, 168.0856), (16384, 274.0734), (32768, 508.4652))
+
+
+def liger_ce_launch(rows: int, v: int, n_non_ignore: int, dtype: str = "bf16") -> Any:
+    """Liger's ``liger_cross_entropy_kernel`` (installed package) on ``[rows, v]`` logits of
+    ``dtype`` (``"bf16"``/``"fp32"``), as its cross-entropy and fused-linear-cross-entropy
+    forwards launch it (gradient written in place, mean reduction, no weights / softcap /
+    z-loss)."""
+    from liger_kernel.ops import cross_entropy as m
+
+    Launch = _launch_cls()
+    block = min(32768, 1 << (v - 1).bit_length())
+    el = 2 if dtype == "bf16" else 4
+    sig = {"X_ptr": f"*{dtype}", "X_stride": "i32", "Y_ptr": "*i64", "Y_stride": "i32",
+           "weight_ptr": "constexpr", "loss_ptr": "*fp32", "z_loss_ptr": "constexpr",
+           "loss_stride": "i32", "token_accuracy_ptr": "constexpr",
+           "token_accuracy_stride": "i32", "predicted_tokens_ptr": "constexpr",
+           "predicted_tokens_stride": "i32", "n_cols": "i32", "n_non_ignore": "i32",
+           "sum_non_ignore_weight": "i32", "weight_sum": "fp32", "ignore_index": "i32",
+           "lse_square_scale": "constexpr", "label_smoothing": "constexpr",
+           "reduction": "constexpr", "softcap": "constexpr", "RETURN_Z_LOSS": "constexpr",
+           "RETURN_TOKEN_ACCURACY": "constexpr", "RETURN_PREDICTED_TOKENS": "constexpr",
+           "BLOCK_SIZE": "constexpr", "HAS_WEIGHT": "constexpr", "HAS_SOFTCAPPING": "constexpr",
+           "HAS_GRADIENTS": "constexpr"}
+    const = {"weight_ptr": None, "z_loss_ptr": None, "token_accuracy_ptr": None,
+             "predicted_tokens_ptr": None, "lse_square_scale": 0.0, "label_smoothing": 0.0,
+             "reduction": "mean", "softcap": None, "RETURN_Z_LOSS": False,
+             "RETURN_TOKEN_ACCURACY": False, "RETURN_PREDICTED_TOKENS": False,
+             "BLOCK_SIZE": block, "HAS_WEIGHT": False, "HAS_SOFTCAPPING": False,
+             "HAS_GRADIENTS": True}
+    ints = {"X_stride": v, "Y_stride": 1, "loss_stride": 1, "token_accuracy_stride": 0,
+            "predicted_tokens_stride": 0, "n_cols": v, "n_non_ignore": n_non_ignore,
+            "sum_non_ignore_weight": n_non_ignore, "ignore_index": -100}
+    div = [k for k, t in sig.items() if t.startswith("*")]
+    div += [k for k, x in ints.items() if x % 16 == 0]
+    return Launch(
+        kernel="liger_cross_entropy_kernel", fn=m.liger_cross_entropy_kernel, signature=sig,
+        constexprs=const, num_warps=32, num_stages=3, grid=(rows, 1, 1),
+        # Compulsory: logits read once, gradient written once in place; targets, loss.
+        hbm_bytes=rows * v * el * 2 + rows * (8 + 4), elements=rows * v,
+        loop_iters=float(-(-v // block)), loop_elements=block, label=f"b{block}_w32",
+        extra={"divisible_by_16": div})
+
+
+def matmul_seconds(hw, m: int, n: int, k: int, bytes_: float) -> float:
+    """A cuBLAS matmul ``[m, k] @ [k, n]`` modelled at the achievable tensor peak or bandwidth,
+    whichever is slower, plus one launch."""
+    return max(2 * m * n * k / hw.tensor_bf16_achievable, bytes_ / hw.hbm_achievable) + \
+        hw.launch_overhead_s
+
+
+def flce_seconds(hw, ce_record: dict, bt: int, h: int, v: int) -> tuple[float, int, int]:
+    """Liger 0.4.2's fused-linear-cross-entropy forward (which also computes the gradients):
+    per chunk of ``c = next_pow2(cdiv(BT, cdiv(V, H)))`` rows, ``logits = x_c W^T``, the CE
+    kernel (``ce_record``, the compiled kernel's prediction for one chunk), ``grad = logits *
+    alpha``, ``grad_input_c = grad W`` and ``grad_W += grad^T x_c`` (bf16 ``addmm``).
+    Returns ``(seconds, chunk rows, chunks)``."""
+    inc = -(-v // h)
+    c = 1 << (-(-bt // inc) - 1).bit_length()
+    chunks = -(-bt // c)
+    e = 2  # bf16 bytes
+    t = matmul_seconds(hw, c, v, h, (c * h + v * h + c * v) * e)          # logits
+    t += ce_record["predicted_ms"] * 1e-3                                  # CE kernel
+    t += 2 * c * v * e / hw.hbm_achievable + hw.launch_overhead_s           # grad = logits*a
+    t += matmul_seconds(hw, c, h, v, (c * v + v * h + c * h) * e)          # grad_input
+    t += matmul_seconds(hw, v, h, c, (c * v + c * h + 2 * v * h) * e)      # grad_W addmm
+    return chunks * t, c, chunks
+
+
 # Small torch launches in LigerVocabParallelCEFunction.forward besides amax and the kernel
 # (.float(), log, subtract, ==, zeros_like, where): launch overhead each.
 LIGER_SMALL_LAUNCHES = 6
@@ -404,6 +483,45 @@ def validation_records(compiler: Compiler, arch: str = "sm_90") -> list[dict]:
                     "spill_bytes": recs[0]["spill_bytes"], "terms_ms": recs[0]["terms_ms"],
                     "config": recs[0]["config"], "note": note})
 
+    if arch == "sm_80":
+        for v, ms in LIGER_A100_CE:
+            bt = 8 * 2048
+            try:
+                ln = liger_ce_launch(bt, v, bt, "fp32")
+                recs = [analyze(ln, arch, compiler(ln, arch), hw)]
+            except Exception as exc:  # noqa: BLE001
+                recs = [{"error": f"{type(exc).__name__}: {exc}"}]
+            record("liger cross_entropy forward (liger_cross_entropy_kernel)", LIGER_CE_A100_CSV,
+                   {"bt": bt, "v": v, "dtype": "float32"}, ms, recs,
+                   extra_s=2 * hw.launch_overhead_s,
+                   note="kernel compiled from liger-kernel "
+                        f"{_version('liger-kernel')} (published with 0.2.1); bytes = logits read "
+                        "once + gradient written once (the kernel's second pass re-reads each "
+                        "row: from L2 only while the rows in flight fit in it); + loss "
+                        "zeros/sum launches")
+        h, v = 4096, 128256
+        for bt, ms in LIGER_A100_FLCE:
+            inc = -(-v // h)
+            c = 1 << (-(-bt // inc) - 1).bit_length()
+            try:
+                ln = liger_ce_launch(c, v, bt)
+                recs = [analyze(ln, arch, compiler(ln, arch), hw)]
+            except Exception as exc:  # noqa: BLE001
+                recs = [{"error": f"{type(exc).__name__}: {exc}"}]
+            if "error" in recs[0]:
+                record("liger fused_linear_cross_entropy forward", LIGER_FLCE_CSV,
+                       {"bt": bt, "h": h, "v": v, "dtype": "bfloat16"}, ms, recs)
+                continue
+            secs, c, chunks = flce_seconds(hw, recs[0], bt, h, v)
+            record("liger fused_linear_cross_entropy forward", LIGER_FLCE_CSV,
+                   {"bt": bt, "h": h, "v": v, "dtype": "bfloat16"}, ms, recs,
+                   extra_s=secs - recs[0]["predicted_ms"] * 1e-3,
+                   note=f"{chunks} chunks of {c} rows; per chunk 3 cuBLAS matmuls (max of "
+                        "FLOPs at the achievable tensor peak and bytes at the achievable "
+                        "bandwidth) + liger_cross_entropy_kernel compiled from liger-kernel "
+                        f"{_version('liger-kernel')} (published with 0.4.2) + one elementwise "
+                        "scale; the compiled kernel's terms are for one chunk")
+        return out
     try:
         launches = trl_launches()
         recs = [analyze(ln, arch, compiler(ln, arch), hw) for ln in launches]
@@ -477,7 +595,7 @@ def collect(archs: tuple[str, ...], quick: bool, keep: str | None,
 
     env = environment()
     stamp = {"commit": env["commit"], "date": env["date"], "triton": triton.__version__,
-             "torch": env["torch"]}
+             "torch": env["torch"], "kernels_modified": _modified_kernels()}
     compiler = Compiler(keep)
     out: dict[str, list[dict]] = {}
     for arch in archs:
@@ -488,6 +606,20 @@ def collect(archs: tuple[str, ...], quick: bool, keep: str | None,
             r.update(stamp)
         out[arch] = recs
     return out
+
+
+def _modified_kernels() -> list[str] | None:
+    """Kernel files that differ from the recorded commit (uncommitted edits), or None when
+    there is no git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kernels"],
+                             capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return sorted(line[3:] for line in out.stdout.splitlines() if line.strip())
 
 
 def _fmt(x, spec=".3f") -> str:
