@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_INDEX ?=
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench bench-gpu lint clean
 
 $(VENV)/.setup-done: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ demo: setup
 bench: setup
 	$(VENV)/bin/icqs-fast bench kernels --json
 	$(VENV)/bin/pytest -q bench --benchmark-only
+
+# On a machine with an NVIDIA GPU: measured kernel/attention/ICQS times beside the static model's
+# predictions, into bench/results/. Uses .venv when `make setup` made one there, else the system
+# python3 with its own CUDA torch and triton, installing this package in place without
+# dependencies (GPU machines here reach no package registry).
+BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+bench-gpu:
+	$(BENCH_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'bench-gpu: no CUDA device')"
+	$(BENCH_PY) -c "import icqs_fast.kernels" 2>/dev/null || \
+		$(BENCH_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	$(BENCH_PY) -m icqs_fast.cli bench gpu --out-dir bench/results
 
 lint: setup
 	$(PY) -m ruff check .

@@ -20,6 +20,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
     (("bench", "static"), "icqs_fast.benchmarks.static",
      "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
+    (("bench", "gpu"), "icqs_fast.benchmarks.gpu",
+     "measured GPU times beside the static model's predictions (needs CUDA)"),
     (("eval", "mtbench"), "icqs_fast.evaluation", "glass-box features vs GPT-4 on MT-Bench"),
 ]
 
