@@ -35,9 +35,33 @@ DEFAULT_DATA = "../shared/data/mtbench"
 ENSEMBLE_FEATURES = ("unt_exp", "unt_var")
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _read_jsonl(path: Path) -> list[tuple[int, int, dict[str, Any]]]:
+    """``(index, line, object)`` per record; errors name the file, line and field."""
+    from .io import read_json_objects
+
+    return [(i, line, obj) for i, (line, obj) in enumerate(read_json_objects(path))]
+
+
+def _turns(path: Path, i: int, line: int, obj: dict, field: str) -> list[str]:
+    from .io import RecordError, field_of
+
+    turns = field_of(obj, field, list, path=path, line=line, index=i)
+    for t, text in enumerate(turns):
+        if not isinstance(text, str):
+            raise RecordError(path, line, f"{field}.{t}",
+                              f"must be str, got {type(text).__name__}", index=i)
+    return turns
+
+
+def _by_question(path: Path, field: str) -> dict[int, tuple[list[str], int]]:
+    """question_id -> (turns, line) of a question / answer / reference file."""
+    from .io import field_of
+
+    out = {}
+    for i, line, obj in _read_jsonl(path):
+        qid = field_of(obj, "question_id", int, path=path, line=line, index=i)
+        out[qid] = (_turns(path, i, line, obj, field), line)
+    return out
 
 
 def load_mtbench(data: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
@@ -47,35 +71,58 @@ def load_mtbench(data: str | Path, limit: int | None = None) -> list[dict[str, A
 
     Records are sorted by (question_id, turn, model). ``limit`` keeps ``limit`` records spread
     evenly over that order (so every category is represented), not the first ``limit``.
+
+    Every file is read whole before anything is scored, and any problem (invalid JSON, a missing
+    or mistyped field, a judgment of a question or answer that is not there) raises
+    :class:`icqs_fast.io.InputError` naming the file, line and field. An empty answer is a
+    valid record (the real data has one, judged by GPT-4); its features are NaN.
     """
+    from .io import RecordError, field_of
+
     root = Path(data)
     qfile = root / "question.jsonl"
     jfile = root / "judgment_gpt-4_single.jsonl"
     for f in (qfile, jfile):
-        if not f.is_file():
+        if not f.exists():
             raise FileNotFoundError(f"MT-Bench file {f} not found (pass --data FOLDER)")
-    questions = {q["question_id"]: q for q in _read_jsonl(qfile)}
-    refs: dict[int, list[str]] = {}
+    questions = _by_question(qfile, "turns")
+    refs: dict[int, tuple[list[str], int]] = {}
     rfile = root / "reference_answer_gpt-4.jsonl"
-    if rfile.is_file():
-        refs = {r["question_id"]: r["choices"][0]["turns"] for r in _read_jsonl(rfile)}
-    answers: dict[str, dict[int, list[str]]] = {}
+    if rfile.exists():
+        refs = _by_question(rfile, "choices.0.turns")
+    answers: dict[str, dict[int, tuple[list[str], int]]] = {}
     recs = []
-    for j in _read_jsonl(jfile):
-        score = float(j["score"])
+    for i, line, j in _read_jsonl(jfile):
+        def need(field, kind, j=j, i=i, line=line):
+            return field_of(j, field, kind, path=jfile, line=line, index=i)
+
+        score = float(need("score", (int, float)))
         if score < 1:
             continue
-        model = j["model"]
+        model = need("model", str)
+        qid, turn = need("question_id", int), need("turn", int)
+        if turn not in (1, 2):
+            raise RecordError(jfile, line, "turn", f"must be 1 or 2, got {turn}", index=i)
         if model not in answers:
             afile = root / f"model_answer_{model}.jsonl"
-            if not afile.is_file():
-                raise FileNotFoundError(f"answers of {model!r} not found: {afile}")
-            answers[model] = {a["question_id"]: a["choices"][0]["turns"]
-                              for a in _read_jsonl(afile)}
-        qid, turn = int(j["question_id"]), int(j["turn"])
-        q = questions[qid]["turns"]
-        a = answers[model][qid]
-        ref = refs.get(qid)
+            if not afile.exists():
+                raise FileNotFoundError(f"answers of {model!r} not found: {afile} (needed by "
+                                        f"{jfile}:{line})")
+            answers[model] = _by_question(afile, "choices.0.turns")
+        if qid not in questions:
+            raise RecordError(jfile, line, "question_id", f"no question {qid} in {qfile}",
+                              index=i)
+        if qid not in answers[model]:
+            raise RecordError(jfile, line, "question_id",
+                              f"model {model!r} has no answer to question {qid}", index=i)
+        (q, qline), (a, aline) = questions[qid], answers[model][qid]
+        for f, turns, fline, field in ((qfile, q, qline, "turns"),
+                                       (root / f"model_answer_{model}.jsonl", a, aline,
+                                        "choices.0.turns")):
+            if len(turns) < turn:
+                raise RecordError(f, fline, field, f"{len(turns)} turn(s), but {jfile}:{line} "
+                                  f"judges turn {turn}", index=i)
+        ref = refs.get(qid, (None, 0))[0]
         item: dict[str, Any] = {"instruction": q[turn - 1], "response": a[turn - 1],
                                 "reference": ref[turn - 1] if ref and len(ref) >= turn else None}
         if turn == 2:
@@ -132,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not Path(args.data).is_dir():
-        print(f"icqs-fast eval mtbench: data folder {args.data} not found; nothing to do",
+        what = "is not a folder" if Path(args.data).exists() else "not found"
+        print(f"icqs-fast eval mtbench: data folder {args.data} {what}; nothing to do",
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()

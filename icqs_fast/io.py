@@ -3,6 +3,8 @@
 * :func:`read_records` streams :class:`Record` s from JSONL, CSV or TSV (optionally gzipped):
   one row at a time, so a file of millions of rows is never held in memory. Field names are
   mapped (``x_field``, ``y_field``, ``id_field``, ``label_field``).
+* :func:`read_json_objects` / :func:`field_of` read JSONL files with their own schema (MT-Bench)
+  with the same errors.
 * :func:`read_examples` reads a (small) good or bad demonstration file into ``(x, y)`` pairs.
 * :func:`read_fpb` / :func:`fpb_examples` read the Financial PhraseBank ``sentence@label``
   format and build good (correct label) / bad (flipped label) demonstrations from it.
@@ -446,6 +448,56 @@ def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str,
         if not found or (fmt != "jsonl" and label is None):
             raise err(label_field, f"missing (this record's keys: {_keys(row)})")
     return Record(index=index, line=line, x=values[x_field], y=y, id=rid, label=label)
+
+
+def read_json_objects(path: PathLike, *, encoding: str = "utf-8",
+                      max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
+    """Stream ``(line, object)`` for each non-blank line of a JSONL file (``.gz`` allowed), for
+    files with their own schema (MT-Bench); the caller checks the fields, raising
+    :class:`RecordError` (see :func:`field_of`).
+
+    Raises:
+        RecordError: invalid JSON, not an object, bytes that are not valid text, a line longer
+            than ``max_line_bytes``.
+        InputError: a folder, or a file without a single record.
+        FileNotFoundError: no such file.
+    """
+    name = _display(path)
+    if not os.path.exists(os.fspath(path)):
+        raise FileNotFoundError(f"no such input file: {name}")
+    if os.path.isdir(os.fspath(path)):
+        raise InputError(name, None, None, "is a folder, not an input file")
+    return _json_objects(path, name, encoding, max_line_bytes)
+
+
+def _json_objects(path, name, encoding, max_line_bytes):
+    n = 0
+    with _open_binary(path) as f:
+        for _, line, obj in _jsonl_rows(f, name, 0, encoding, max_line_bytes):
+            n += 1
+            if isinstance(obj, RecordError):
+                raise obj
+            yield line, obj
+    if n == 0:
+        raise InputError(name, None, None, "no records (the file is empty or has only blank "
+                         "lines)")
+
+
+def field_of(obj: dict, field: str, kind: type | tuple[type, ...], *, path: PathLike, line: int,
+             index: int) -> Any:
+    """``obj[field]`` (a dotted path allowed, e.g. ``"choices.0.turns"``), checked to be a
+    ``kind``; a :class:`RecordError` naming the file, line and field otherwise (bool is not
+    accepted as a number)."""
+    found, v = _get(obj, field)
+    if not found:
+        raise RecordError(path, line, field, f"missing (this record's keys: {_keys(obj)})",
+                          index=index)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise RecordError(path, line, field,
+                          f"must be {want}, got {type(v).__name__} {_short(v)}", index=index)
+    return v
 
 
 def _short(v: Any, n: int = 40) -> str:
