@@ -227,7 +227,7 @@ def _jsonl_rows(f: IO[bytes], name: str, skip: int, encoding: str, max_line_byte
         if raw is None:
             yield index - 1, lineno, RecordError(
                 name, lineno, None, f"line of {n} bytes is longer than the limit of "
-                f"{max_line_bytes} bytes (a record is one prompt and one response)",
+                f"{max_line_bytes} bytes",
                 index=index - 1)
             continue
         try:
@@ -244,11 +244,12 @@ def _jsonl_rows(f: IO[bytes], name: str, skip: int, encoding: str, max_line_byte
         if lineno == 1 and text.startswith("\ufeff"):
             text = text[1:]
         try:
-            obj = json.loads(text)
+            # Without the line end, a line cut off inside a string reads "Unterminated string".
+            obj = json.loads(text.rstrip("\r\n"))
         except json.JSONDecodeError as exc:
+            at = exc.msg if exc.msg.endswith(" at") else exc.msg + " at"
             yield index - 1, lineno, RecordError(
-                name, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})",
-                index=index - 1)
+                name, lineno, None, f"invalid JSON ({at} column {exc.colno})", index=index - 1)
             continue
         if not isinstance(obj, dict):
             obj = RecordError(name, lineno, None,

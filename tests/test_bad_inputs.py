@@ -1,0 +1,292 @@
+"""The bad-input corpus (``tests/data/bad/``) through every command that reads files.
+
+``icqs-fast score`` (input and ``--good``/``--bad`` files) and ``icqs-fast eval mtbench --data``
+(its JSONL files) must answer each bad file with exit code 2 and an error naming the file, the
+line and the field (where there is one), and ``score`` must keep every record scored before the
+bad one; ``--resume`` after fixing the input completes the file exactly as an uninterrupted run.
+In each corpus file the bad record is the third (line 3; line 4 of a CSV, after its header).
+The 10 MB line is generated here (not committed). Parquet input does not exist yet, so there is
+no wrong-schema Parquet case.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from icqs_fast import models
+from icqs_fast.cli import main
+from icqs_fast.io import InputError, RecordError, read_records
+
+BAD = Path(__file__).parent / "data" / "bad"
+GOOD_DEMOS = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(2)] + [
+    {"x": f"loss widened by {i} million", "y": "negative"} for i in range(2)]
+BAD_DEMOS = [{"x": d["x"], "y": "negative" if d["y"] == "positive" else "positive"}
+             for d in GOOD_DEMOS]
+KW = ["--num-ratios", "2", "--demos-per-set", "1", "--sets-per-ratio", "1", "--seed", "0",
+      "--dtype", "float32", "--device", "cpu", "--quiet"]
+BIG = 10 * 1024 * 1024
+
+# file -> (line, field, the message after "FILE:LINE: ")
+CASES = {
+    "truncated.jsonl": (3, None, r"invalid JSON \(Unterminated string starting at column 39\)"),
+    "wrong_type.jsonl": (3, "y", r"field 'y': must be a string, got int 5"),
+    "missing_field.jsonl": (3, "y", r"field 'y': missing \(this record's keys: id, x\)"),
+    "empty_response.jsonl": (3, "y", r"field 'y': empty response \(nothing to score\)"),
+    "whitespace_response.jsonl": (3, "y",
+                                  r"field 'y': whitespace-only response \(nothing to score\)"),
+    "non_utf8.jsonl": (3, "y", r"field 'y': not valid utf-8 text \(byte 0xff at byte 45 of "
+                               r"the line\); pass the right encoding \(--encoding\)"),
+    "non_utf8.csv": (4, "y", r"field 'y': not valid utf-8 text; pass the right encoding"),
+    "ragged.csv": (4, None, r"4 columns but the header has 3"),
+    "big.jsonl": (3, None, rf"line of {BIG + 1} bytes is longer than the limit of 1048576 "
+                           r"bytes$"),
+}
+WHOLE_FILE = {
+    "empty.jsonl": r"no records \(the file is empty or has only blank lines\)",
+    "folder.jsonl": r"is a folder, not an input file",
+}
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _corpus(name, tmp_path):
+    """The corpus file (the 10 MB line written into tmp_path)."""
+    if name != "big.jsonl":
+        return BAD / name
+    lines = (BAD / "wrong_type.jsonl").read_bytes().splitlines(keepends=True)
+    lines[2] = b"x" * BIG + b"\n"
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(b"".join(lines))
+    return p
+
+
+def test_corpus_is_complete():
+    on_disk = {p.name for p in BAD.iterdir()}
+    assert on_disk == (set(CASES) - {"big.jsonl"}) | set(WHOLE_FILE)
+    assert (BAD / "empty.jsonl").stat().st_size == 0 and (BAD / "folder.jsonl").is_dir()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reader_names_line_and_field_and_goes_on(name, tmp_path):
+    path = _corpus(name, tmp_path)
+    line, field, msg = CASES[name]
+    with pytest.raises(RecordError, match=rf"^{path}:{line}: {msg}") as ei:
+        list(read_records(path))
+    assert (ei.value.path, ei.value.line, ei.value.field, ei.value.index) == (
+        str(path), line, field, 2)
+    # The records around it are read (skip mode sees them all, in order).
+    got = list(read_records(path, on_error="yield"))
+    assert [type(r).__name__ for r in got] == ["Record"] * 2 + ["RecordError"] + ["Record"] * 2
+    assert [r.index for r in got] == list(range(5))
+    assert [r.id for r in got if not isinstance(r, RecordError)] == ["r0", "r1", "r3", "r4"]
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_FILE))
+def test_reader_whole_file_errors(name):
+    with pytest.raises(InputError, match=rf"^{BAD / name}: {WHOLE_FILE[name]}") as ei:
+        list(read_records(BAD / name, allow_empty=False))
+    assert not isinstance(ei.value, RecordError) and ei.value.line is None
+
+
+# --------------------------------------------------------------------------- icqs-fast score
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
+                      max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, models.load_model(d, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def score(tiny, tmp_path, monkeypatch):
+    """``icqs-fast score INPUT -o OUT`` with the tiny model (loaded once for the module)."""
+    model_dir, loaded = tiny
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
+    good = _jsonl(tmp_path / "good.jsonl", GOOD_DEMOS)
+    bad = _jsonl(tmp_path / "bad.jsonl", BAD_DEMOS)
+
+    def run(inp, out, *extra, good=good, bad=bad):
+        return main(["score", str(inp), "-o", str(out), "--good", str(good), "--bad", str(bad),
+                     "--model", str(model_dir), *KW, *extra])
+    return run
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_score_stops_with_exit_2_and_keeps_earlier_records(name, score, tmp_path, capsys):
+    path = _corpus(name, tmp_path)
+    line, _, msg = CASES[name]
+    out = tmp_path / "out.jsonl"
+    assert score(path, out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"icqs-fast: error: {path}:{line}: ") and \
+        re.search(msg, err), err
+    assert [(r["index"], r["id"]) for r in _rows(out)] == [(0, "r0"), (1, "r1")]
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_FILE))
+def test_score_whole_file_errors(name, score, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert score(BAD / name, out) == 2
+    err = capsys.readouterr().err
+    assert f"icqs-fast: error: {BAD / name}: " in err and "no records" in err or \
+        "is a folder" in err, err
+    assert not out.exists() or _rows(out) == []
+
+
+@pytest.mark.parametrize("name", ["truncated.jsonl", "non_utf8.jsonl", "ragged.csv"])
+def test_resume_after_fixing_the_input_completes_the_file(name, score, tmp_path, capsys):
+    src = BAD / name
+    inp = tmp_path / name
+    shutil.copy(src, inp)
+    out = tmp_path / "out.jsonl"
+    assert score(inp, out) == 2
+    assert [r["index"] for r in _rows(out)] == [0, 1]
+    # Fix the bad record (the same record as the others, in the file's own format).
+    text = inp.read_bytes().splitlines(keepends=True)
+    bad_at = 2 if name.endswith(".jsonl") else 3
+    text[bad_at] = (json.dumps({"id": "r2", "x": "sales up 2%", "y": "positive"}) + "\n"
+                    if name.endswith(".jsonl") else "r2,sales up 2%,positive\n").encode()
+    inp.write_bytes(b"".join(text))
+    assert score(inp, out, "--resume") == 0
+    ref = tmp_path / "ref.jsonl"
+    assert score(inp, ref) == 0
+    assert out.read_bytes() == ref.read_bytes()
+    assert [r["id"] for r in _rows(out)] == [f"r{i}" for i in range(5)]
+
+
+def test_skip_mode_runs_the_whole_corpus_file(score, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert score(BAD / "wrong_type.jsonl", out, "--on-error", "skip") == 0
+    rows = _rows(out)
+    assert [r["index"] for r in rows] == list(range(5))
+    assert rows[2] == {"index": 2, "line": 3,
+                       "error": {"field": "y", "reason": "must be a string, got int 5"}}
+
+
+@pytest.mark.parametrize("name", ["wrong_type.jsonl", "non_utf8.jsonl", "empty.jsonl",
+                                  "folder.jsonl"])
+def test_bad_demonstration_file(name, score, tmp_path, capsys):
+    inp = _jsonl(tmp_path / "in.jsonl", [{"x": "sales up", "y": "positive"}])
+    out = tmp_path / "out.jsonl"
+    assert score(inp, out, good=BAD / name) == 2
+    err = capsys.readouterr().err
+    if name in CASES:
+        line, _, msg = CASES[name]
+        assert f"icqs-fast: error: {BAD / name}:{line}: " in err
+        assert re.search(msg, err), err
+    else:
+        assert f"icqs-fast: error: {BAD / name}" in err or f"--good file: {BAD / name}" in err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- eval mtbench
+
+
+def _mtbench(root: Path) -> Path:
+    root.mkdir()
+    _jsonl(root / "question.jsonl", [
+        {"question_id": q, "category": "writing", "turns": [f"Question {q}?", f"And {q}?"]}
+        for q in (81, 82)])
+    _jsonl(root / "model_answer_m.jsonl", [
+        {"question_id": q, "model_id": "m", "choices": [{"index": 0, "turns": [
+            f"Answer {q}.", f"More {q}."]}]} for q in (81, 82)])
+    _jsonl(root / "judgment_gpt-4_single.jsonl", [
+        {"question_id": q, "model": "m", "turn": t, "score": float(q - 78 + t)}
+        for q in (81, 82) for t in (1, 2)])
+    return root
+
+
+def _break(path: Path, kind: str, line: int = 2) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    obj = json.loads(lines[line - 1])
+    if kind == "truncated":
+        cut = lines[line - 1].index(b'"model": "') + len(b'"model": "') + 1
+        lines[line - 1] = lines[line - 1][:cut] + b"\n"  # cut inside the "model" string
+    elif kind == "wrong_type":
+        lines[line - 1] = (json.dumps(dict(obj, score="high")) + "\n").encode()
+    elif kind == "missing_field":
+        obj.pop("model")
+        lines[line - 1] = (json.dumps(obj) + "\n").encode()
+    elif kind == "non_utf8":
+        lines[line - 1] = lines[line - 1].replace(b'"m"', b'"m\xff"')
+    elif kind == "big":
+        lines[line - 1] = b" " * BIG + lines[line - 1]
+    path.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("kind, field, msg", [
+    ("truncated", None, r"invalid JSON \(Unterminated string starting at column 30\)$"),
+    ("wrong_type", "score", r"field 'score': must be int or float, got str 'high'"),
+    ("missing_field", "model", r"field 'model': missing \(this record's keys: question_id, "
+                               r"turn, score\)"),
+    ("non_utf8", "model", r"field 'model': not valid utf-8 text \(byte 0xff at byte 32 of "
+                          r"the line"),
+    ("big", None, rf"line of {BIG + 59} bytes is longer than the limit of 1048576 bytes$"),
+])
+def test_eval_mtbench_bad_judgment_line(kind, field, msg, tmp_path, capsys):
+    root = _mtbench(tmp_path / "mtbench")
+    jfile = root / "judgment_gpt-4_single.jsonl"
+    _break(jfile, kind)
+    assert main(["eval", "mtbench", "--data", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"icqs-fast: error: {jfile}:2: ") and re.search(
+        msg, err), err
+
+
+def test_eval_mtbench_other_bad_files(tmp_path, capsys):
+    root = _mtbench(tmp_path / "mtbench")
+    afile = root / "model_answer_m.jsonl"
+    a = afile.read_text().splitlines()
+    afile.write_text(a[0] + "\n" + a[1].replace('"turns": ["Answer 82.", "More 82."]',
+                                                '"turns": ["Answer 82.", 7]') + "\n")
+    assert main(["eval", "mtbench", "--data", str(root)]) == 2
+    assert f"error: {afile}:2: field 'choices.0.turns.1': must be str, got int" in \
+        capsys.readouterr().err
+    afile.write_text(a[0] + "\n")  # question 82 has no answer
+    assert main(["eval", "mtbench", "--data", str(root)]) == 2
+    assert (f"{root / 'judgment_gpt-4_single.jsonl'}:3: field 'question_id': model 'm' has "
+            "no answer to question 82") in capsys.readouterr().err
+    (root / "question.jsonl").write_bytes(b"")
+    assert main(["eval", "mtbench", "--data", str(root)]) == 2
+    assert f"{root / 'question.jsonl'}: no records (the file is empty" in \
+        capsys.readouterr().err
+    (root / "question.jsonl").unlink()
+    (root / "question.jsonl").mkdir()
+    assert main(["eval", "mtbench", "--data", str(root)]) == 2
+    assert f"{root / 'question.jsonl'}: is a folder" in capsys.readouterr().err
+    assert main(["eval", "mtbench", "--data", str(afile)]) == 2
+    assert f"data folder {afile} is not a folder" in capsys.readouterr().err
+
+
+def test_eval_mtbench_empty_answer_is_a_record(tmp_path):
+    """An empty answer is kept (the real MT-Bench data has one, judged by GPT-4); the
+    glass-box features of an empty response are NaN, which the correlations leave out."""
+    from icqs_fast.evaluation import load_mtbench
+
+    root = _mtbench(tmp_path / "mtbench")
+    afile = root / "model_answer_m.jsonl"
+    afile.write_text(afile.read_text().replace('"Answer 82."', '""'))
+    recs = load_mtbench(root)
+    assert [(r["question_id"], r["turn"], r["item"]["response"]) for r in recs] == [
+        (81, 1, "Answer 81."), (81, 2, "More 81."), (82, 1, ""), (82, 2, "More 82.")]
+    assert recs[3]["item"]["history"] == [("Question 82?", "")]
