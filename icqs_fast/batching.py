@@ -15,6 +15,7 @@ and absolute-position models the positions the tokens would have in an unpadded 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,44 @@ def decoder_body(model: Any) -> Any:
     return body
 
 
+def padded_kv_problem(model: Any) -> str | None:
+    """Why the bank's padded KV layout gives wrong states for this model, or None when it is
+    fine. The prefix bank (trie pasts padded to the longest) and the KV-copy suffix forwards put
+    padding *inside* the sequence, masked in the 2D attention mask, with explicit position ids.
+    transformers' sliding-window (and chunked) masks measure distance in cache slots, not
+    positions, so a row with padding would lose keys that are inside its window (a tiny Mistral
+    with a 4-token window: hidden states off by ~2.5); full causal attention only looks at the
+    mask and is exact."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    types = list(getattr(cfg, "layer_types", None) or [])
+    local = [t for t in types if t in ("sliding_attention", "chunked_attention")]
+    window = getattr(cfg, "sliding_window", None)
+    if local:
+        return (f"{len(local)} of its {len(types)} layers use {local[0].replace('_', '-')} "
+                f"(sliding_window={window}, attention_chunk_size="
+                f"{getattr(cfg, 'attention_chunk_size', None)})")
+    if window and getattr(cfg, "use_sliding_window", True) is not False:
+        return f"it uses sliding-window attention (sliding_window={window})"
+    return None
+
+
+def check_padded_kv(model: Any) -> None:
+    """Raise NotImplementedError, naming the model type and the reason, for models whose
+    attention makes the bank's padded KV layout wrong (:func:`padded_kv_problem`)."""
+    why = padded_kv_problem(model)
+    if why is not None:
+        mt = getattr(model.config, "model_type", None)
+        raise NotImplementedError(
+            f"{type(model).__name__} (model_type {mt!r}) is not supported by the prefix-sharing "
+            f"engine: {why}. The prefix bank and the suffix forwards keep padding inside the "
+            "sequence, and transformers' sliding-window masks count cache slots, not positions, "
+            "so the scores would silently differ from a plain forward. Use the naive reference "
+            "(icqs_fast.reference.icqs_naive) for this model."
+        )
+
+
 def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -57,14 +96,20 @@ def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 class PrefixBank:
     """KV states of token prefixes, stored padded: per layer ``keys[layer]`` and
-    ``values[layer]`` are ``[E, H_kv, P_bank, D]`` (model dtype) with entry ``e`` real in
-    ``[:, :, :lengths[e]]``.
+    ``values[layer]`` are ``[E, H_kv, P_bank, D]`` (model dtype; ``P_bank`` = the longest
+    entry) with entry ``e`` real in ``[:, :, :lengths[e]]`` and zeros past it.
 
-    Entries are only ever appended (by building new tensors); stored tensors are never written
-    to after creation, so scoring cannot change them.
+    They are views of capacity buffers ``[E_cap, H_kv, P_cap, D]`` that grow geometrically
+    (:data:`BANK_GROWTH` over entries and over prefix length, the first :meth:`add` exactly to
+    size): appending one entry at a time (``drop_oldest_demos`` adds one per dropped set) writes
+    into spare rows and copies the bank only when a capacity is exceeded, so ``k`` appends copy
+    ``O(total)`` bytes in all (``copied_bytes``), not ``O(k * total)``. Entries are only ever
+    appended; an entry's slots are never written after its :meth:`add` returns, so scoring
+    cannot change them (rows past ``E`` are not part of the views).
     """
 
     def __init__(self, model: Any, pad_id: int, token_budget: int) -> None:
+        check_padded_kv(model)
         self.model = model
         self.body = decoder_body(model)
         self.pad_id = int(pad_id)
@@ -72,9 +117,14 @@ class PrefixBank:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
+        # The capacity buffers behind keys/values, per layer [E_cap, H_kv, P_cap, D].
+        self._kbuf: list[torch.Tensor] = []
+        self._vbuf: list[torch.Tensor] = []
         # Tokens run through prefix forwards so far, padding included (trie sharing makes this
         # smaller than the prefixes' total length).
         self.forward_tokens = 0
+        # Bytes of stored entries copied into bigger buffers so far (keys and values).
+        self.copied_bytes = 0
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -93,9 +143,11 @@ class PrefixBank:
         :data:`FORWARD_COST_TOKENS`); a level's edges run sorted by length, in chunks of at most
         ``token_budget`` rows x longest edge.
 
-        Each layer's keys/values are written straight into the new bank tensors while the
-        forward runs (:class:`_BankWriter`), so building the bank never holds a second copy of
-        it: the extra peak is one chunk's activations."""
+        Each layer's keys/values are written straight into the bank's buffers while the
+        forward runs (:class:`_BankWriter`): into spare capacity when it suffices (no copy, no
+        extra memory), else into grown buffers the stored entries are copied to (the old ones are
+        dropped when the add returns: old + grown bank at the peak, at the rare adds that grow
+        it). The other extra peak is one chunk's activations."""
         if not prefixes:
             return []
         if any(len(p) == 0 for p in prefixes):
@@ -107,8 +159,8 @@ class PrefixBank:
         first = len(self.lengths)
         seqs = [list(map(int, p)) for p in prefixes]
         new_len = [len(p) for p in seqs]
-        build = _BankBuild(self.keys, self.values, first, first + len(seqs),
-                           max([*new_len, *self.lengths]))
+        build = _BankBuild(self._kbuf, self._vbuf, first, first + len(seqs),
+                           max([*new_len, *self.lengths]), max(self.lengths, default=0))
         cost = FORWARD_COST_TOKENS[dev.type == "cpu"]
         for level in _trie_edges(seqs, cost):
             level = sorted(level, key=lambda e: e[1] - e[0])
@@ -127,9 +179,20 @@ class PrefixBank:
                 start = end
         # Slots past a prefix's length hold zeros: masked out in attention, and finite, so their
         # zero weights contribute exactly 0.
-        self.keys, self.values = build.keys, build.values
+        self._kbuf, self._vbuf = build.keys, build.values
+        self.copied_bytes += build.copied_bytes
         self.lengths = self.lengths + new_len
+        e, p = len(self.lengths), max(self.lengths)
+        self.keys = [k[:e, :, :p] for k in self._kbuf]
+        self.values = [v[:e, :, :p] for v in self._vbuf]
         return list(range(first, first + len(seqs)))
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """``(E_cap, P_cap)`` of the buffers behind ``keys``/``values``."""
+        if not self._kbuf:
+            return (0, 0)
+        return (int(self._kbuf[0].shape[0]), int(self._kbuf[0].shape[2]))
 
     def _forward_edges(self, build: _BankBuild, seqs: list[list[int]],
                        edges: list[tuple[int, int, list[int]]], dev: torch.device) -> None:
@@ -151,7 +214,7 @@ class PrefixBank:
         past = None
         if d_max > 0:
             src = torch.tensor([build.first + rows[0] for _, _, rows in edges], device=dev)
-            past = [(k.index_select(0, src)[:, :, :d_max], v.index_select(0, src)[:, :, :d_max])
+            past = [(k[:, :, :d_max].index_select(0, src), v[:, :, :d_max].index_select(0, src))
                     for k, v in zip(build.keys, build.values, strict=True)]
         targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
         self.forward_tokens += n * t_max
@@ -225,28 +288,59 @@ def _trie_edges(seqs: list[list[int]], forward_cost: int = 0
     return levels
 
 
+# Growth factor of the bank's capacity, over entries and over prefix length. With g, k
+# one-entry appends copy at most ~ total / (g - 1) per dimension; 1.5 keeps the spare capacity
+# (memory never used) at most a third of the buffer, where doubling would allow half: the bank
+# is the engine's largest allocation (197 MB for the embedded model's 20 prefixes).
+BANK_GROWTH = 1.5
+
+
 class _BankBuild:
-    """The new bank tensors while :meth:`PrefixBank.add` runs: per layer ``[E, H_kv, P, D]``,
-    zero-filled and allocated at the layer's first write (shapes and dtype from the model's
-    states), entries ``[0, first)`` copied from the old bank."""
+    """The bank's buffers while :meth:`PrefixBank.add` runs, per layer ``[E_cap, H_kv, P_cap,
+    D]``, resolved at the layer's first write (shapes and dtype from the model's states): the
+    old buffer when entries ``[first, total)`` and length ``p_all`` fit in it (those rows are
+    zeroed first: a failed earlier add may have left states there), else a zero-filled buffer
+    grown by :data:`BANK_GROWTH` into which the ``first`` stored entries (``p_used`` slots) are
+    copied."""
 
     def __init__(self, old_k: list[torch.Tensor], old_v: list[torch.Tensor], first: int,
-                 total: int, p_all: int) -> None:
+                 total: int, p_all: int, p_used: int) -> None:
         self.old_k, self.old_v = old_k, old_v
-        self.first, self.total, self.p_all = first, total, p_all
+        self.first, self.total, self.p_all, self.p_used = first, total, p_all, p_used
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.copied_bytes = 0
+
+    @staticmethod
+    def _grow(cap: int, need: int) -> int:
+        return cap if need <= cap else max(need, math.ceil(cap * BANK_GROWTH))
 
     def layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.keys) <= li:
             i = len(self.keys)
-            shape = (self.total, like.shape[1], self.p_all, like.shape[3])
-            k = like.new_zeros(shape)
-            v = like.new_zeros(shape)
-            if self.old_k:
-                p_old = self.old_k[i].shape[2]
-                k[: self.first, :, :p_old] = self.old_k[i]
-                v[: self.first, :, :p_old] = self.old_v[i]
+            shape = (like.shape[1], like.shape[3])
+            if i < len(self.old_k):
+                ok, ov = self.old_k[i], self.old_v[i]
+                e_cap, p_cap = ok.shape[0], ok.shape[2]
+                fits = (self.total <= e_cap and self.p_all <= p_cap and ok.dtype == like.dtype
+                        and ok.device == like.device and (ok.shape[1], ok.shape[3]) == shape)
+                if fits:
+                    ok[self.first:self.total].zero_()
+                    ov[self.first:self.total].zero_()
+                    self.keys.append(ok)
+                    self.values.append(ov)
+                    continue
+                e_cap, p_cap = self._grow(e_cap, self.total), self._grow(p_cap, self.p_all)
+            else:
+                e_cap, p_cap = self.total, self.p_all  # the first add: exactly to size
+            k = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
+            v = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
+            if i < len(self.old_k) and self.first:
+                src_k = self.old_k[i][: self.first, :, : self.p_used]
+                src_v = self.old_v[i][: self.first, :, : self.p_used]
+                k[: self.first, :, : self.p_used] = src_k
+                v[: self.first, :, : self.p_used] = src_v
+                self.copied_bytes += 2 * src_k.numel() * k.element_size()
             self.keys.append(k)
             self.values.append(v)
         return self.keys[li], self.values[li]
@@ -299,7 +393,9 @@ def suffix_hidden(
         cascade: run the attention as cascade attention against the bank's shared prefix
             states (:mod:`icqs_fast.cascade`: no per-row KV copy; fastest when the rows are
             ordered by entry); None = when the model supports it (Llama family, GPT-2).
-            False = the per-row KV-copy path below (any model with a transformers KV cache).
+            False = the per-row KV-copy path below (any model with a transformers KV cache and
+            full attention: sliding-window / hybrid models are refused, see
+            :func:`check_padded_kv`).
 
     Returns:
         ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
@@ -307,6 +403,7 @@ def suffix_hidden(
     """
     from . import cascade as casc
 
+    check_padded_kv(model)
     if cascade is None:
         cascade = casc.supports_cascade(model)
     if cascade:
