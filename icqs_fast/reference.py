@@ -14,7 +14,6 @@ from .backends import torch_ref
 from .icqs import (
     ICQSResult,
     PromptTokens,
-    check_model,
     model_max_length,
     parse_response,
     summarise,
@@ -57,7 +56,8 @@ def icqs_naive(
     Returns:
         one :class:`ICQSResult` per response; ``loglik`` ``[M+1, L]`` fp32 (summed in float64).
     """
-    check_model(model)
+    # No check_model here: this path scores the model's own logits, so it is right for models
+    # whose head the engine refuses.
     template = template if template is not None else Template()
     sets = build_demo_sets(good, bad, num_ratios=num_ratios, demos_per_set=demos_per_set,
                            sets_per_ratio=sets_per_ratio, seed=seed, mixing=mixing,
