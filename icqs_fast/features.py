@@ -21,8 +21,10 @@ disagreement are uncertainty and uncertainty means lower quality):
                     logits, since log-softmax only shifts them)
 ``token_prob_var``  variance (population, ddof=0; 0 for one token) over response tokens of      -1
                     ``p(y_t)``
-``softmax_combo``   ``(minmax(softmax_ent) + minmax(softmax_var)) / 2``, min-max over the        -1
-                    items scored in the same call (a constant feature normalises to 0)
+``softmax_combo``   ``(norm(softmax_ent) + norm(softmax_var)) / 2`` with fixed constants        -1
+                    (:class:`ComboScale`), so per item: by default ``softmax_ent / log V`` and
+                    ``softmax_var / (log V)^2``; or min-max against a calibration set's ranges
+                    (``ComboScale.fit``)
 ``attn_ent_avg``    attention entropy of each response query over the instruction keys (the     -1
                     instruction's own tokens, not the template or history), renormalised over
                     those keys, averaged over response tokens per layer x head, then averaged
@@ -56,7 +58,20 @@ position, which predicts past the response, is included:
   token probabilities; the latter only averages the members' scores). The compat value is our
   definition: unbiased ``torch.var`` of ``p(y_t)`` over the *usual* window (``ls_{t-1}[ids[t]]``,
   ``t`` in ``[p, L)``; NaN for one token);
-* ``softmax_combo`` and the attention features as in the standard mode.
+* ``softmax_combo`` and the attention features as in the standard mode (the combo's default
+  ``ComboScale.intrinsic`` then scales the compat ``softmax_ent``, which is not an entropy, by
+  ``log V`` all the same: a fixed per-item scale, not a range).
+
+``softmax_combo`` is per item. SelfEval averages the entropy and the variance features after
+min-max normalising each over the evaluated set, so that the two, in different units (nats,
+nats^2), weigh alike. Normalising over "whatever is scored in the same call" made an answer's
+value depend on its batch (and on sharding or streaming), so the constants are now fixed: by
+default from the model alone (``[0, log V]`` is the entropy's exact range, and ``(log V)^2`` the
+matching unit for a variance of log-probabilities), or fitted once on a calibration set with
+``ComboScale.fit`` and passed as ``combo_scale`` (stored with ``ComboScale.as_dict``).
+``ComboScale.fit`` on the evaluated set itself gives back SelfEval's dataset-level min-max.
+Because the combo is affine in the two features, its rank correlations depend only on the ratio
+of the two scales: the intrinsic default weighs them differently from a dataset min-max.
 
 In a batch every row is right-padded and sliced back to its own ``L`` before these formulas are
 applied, so the window, the wrap-around token ``ids[0]`` and ``L - p`` are the row's own.
@@ -73,6 +88,7 @@ import torch
 
 from . import ops
 from .batching import decoder_body, model_device
+from .icqs import check_model
 
 FEATURE_DIRECTION: dict[str, int] = {
     "sent_logprob": +1,
@@ -198,6 +214,13 @@ def _check_features(features: Iterable[str]) -> list[str]:
     if bad:
         raise ValueError(f"unknown feature(s) {bad}; choose from {list(ALL_FEATURES)}")
     return feats
+
+
+def _vocab_size(model: Any) -> int:
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -342,22 +365,73 @@ def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str
     return res
 
 
-def _minmax(vals: list[float]) -> list[float]:
-    ok = [v for v in vals if math.isfinite(v)]
-    if not ok:
-        return [math.nan] * len(vals)
-    lo, hi = min(ok), max(ok)
-    if hi == lo:
-        return [0.0 if math.isfinite(v) else math.nan for v in vals]
-    return [(v - lo) / (hi - lo) if math.isfinite(v) else math.nan for v in vals]
+@dataclass(frozen=True)
+class ComboScale:
+    """Fixed normalisation constants of ``softmax_combo``: the ranges ``[ent_lo, ent_hi]`` of
+    ``softmax_ent`` and ``[var_lo, var_hi]`` of ``softmax_var`` (floats). An item's combo is
+    ``((ent - ent_lo) / (ent_hi - ent_lo) + (var - var_lo) / (var_hi - var_lo)) / 2``, not
+    clipped (an item outside the calibration range gets a value outside [0, 1]; ranks are kept);
+    a term with an empty range (``hi == lo``) is 0, as min-max gives for a constant feature.
+
+    :meth:`fit` takes the constants from a calibration set's feature rows (SelfEval's min-max,
+    with the set fixed once instead of "whatever shares the call"); :meth:`intrinsic` is the
+    default, from the model alone (see the module docstring). Store :meth:`as_dict` with a run
+    to score more items on the same scale later.
+    """
+
+    ent_lo: float
+    ent_hi: float
+    var_lo: float
+    var_hi: float
+
+    @classmethod
+    def intrinsic(cls, vocab_size: int) -> ComboScale:
+        """``softmax_ent / log V`` and ``softmax_var / (log V)^2``: the entropy's own range
+        ``[0, log V]`` and the matching unit for a variance of log-probabilities."""
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        lv = math.log(vocab_size)
+        return cls(0.0, lv, 0.0, lv * lv)
+
+    @classmethod
+    def fit(cls, rows: Iterable[Mapping[str, float]]) -> ComboScale:
+        """Min and max of the finite ``softmax_ent`` / ``softmax_var`` values of ``rows`` (e.g.
+        :func:`glassbox` rows of a calibration set)."""
+        rows = list(rows)
+        out = []
+        for k in ("softmax_ent", "softmax_var"):
+            ok = [float(r[k]) for r in rows if math.isfinite(r[k])]
+            if not ok:
+                raise ValueError(f"ComboScale.fit: no finite {k} in {len(rows)} row(s)")
+            out += [min(ok), max(ok)]
+        return cls(*out)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, float]) -> ComboScale:
+        """Inverse of :meth:`as_dict`."""
+        return cls(**{k: float(d[k]) for k in ("ent_lo", "ent_hi", "var_lo", "var_hi")})
+
+    def as_dict(self) -> dict[str, float]:
+        """The four constants, e.g. to store with a run's output."""
+        return {"ent_lo": self.ent_lo, "ent_hi": self.ent_hi, "var_lo": self.var_lo,
+                "var_hi": self.var_hi}
+
+    def apply(self, ent: float, var: float) -> float:
+        """The combo of one item (NaN when either input is NaN)."""
+        if not (math.isfinite(ent) and math.isfinite(var)):
+            return math.nan
+        a = (ent - self.ent_lo) / (self.ent_hi - self.ent_lo) if self.ent_hi != self.ent_lo \
+            else 0.0
+        b = (var - self.var_lo) / (self.var_hi - self.var_lo) if self.var_hi != self.var_lo \
+            else 0.0
+        return (a + b) / 2
 
 
-def add_softmax_combo(rows: list[dict[str, float]]) -> None:
-    """Set ``softmax_combo`` in place: min-max normalised entropy and variance, averaged."""
-    ne = _minmax([r["softmax_ent"] for r in rows])
-    nv = _minmax([r["softmax_var"] for r in rows])
-    for r, a, b in zip(rows, ne, nv, strict=True):
-        r["softmax_combo"] = (a + b) / 2
+def add_softmax_combo(rows: list[dict[str, float]], scale: ComboScale) -> None:
+    """Set ``softmax_combo`` in place from each row's own ``softmax_ent`` and ``softmax_var``
+    and the fixed ``scale``: a row's value never depends on the other rows."""
+    for r in rows:
+        r["softmax_combo"] = scale.apply(r["softmax_ent"], r["softmax_var"])
 
 
 @torch.no_grad()
@@ -374,6 +448,7 @@ def glassbox(
     use_chat_template: bool | None = None,
     reference: str | None = None,
     calibration_factor: float = 1.0,
+    combo_scale: ComboScale | Mapping[str, float] | None = None,
 ) -> list[dict[str, float]]:
     """Glass-box features of each response (see the module docstring for definitions and the
     sign convention, ``FEATURE_DIRECTION``).
@@ -394,10 +469,17 @@ def glassbox(
             ``feature(response) - calibration_factor * feature(reference as the response)``
             (items without a reference keep the plain feature).
         calibration_factor: the factor of ``"calibrate"``.
+        combo_scale: the normalisation of ``softmax_combo`` (:class:`ComboScale` or its
+            ``as_dict()``); None = :meth:`ComboScale.intrinsic` of the model's vocabulary.
+            Either way an item's value depends on that item alone.
 
     Returns:
         one dict per item, in order, with the requested features plus ``n_tokens`` (response
         tokens). Features of an empty response are NaN.
+
+    Raises:
+        NotImplementedError: in the standard mode, when the model's own logits are not what
+            the fused LM head computes (:func:`icqs_fast.icqs.check_model`).
     """
     feats = _check_features(features)
     if mode not in MODES:
@@ -411,10 +493,12 @@ def glassbox(
         its = [illustrate(it) for it in its]
     elif reference == "calibrate":
         kw = dict(features=feats, mode=mode, batch_size=batch_size, system_prompt=system_prompt,
-                  backend=backend, use_chat_template=use_chat_template)
+                  backend=backend, use_chat_template=use_chat_template, combo_scale=combo_scale)
         return calibrate(model, tokenizer, its, factor=calibration_factor, **kw)
     if not its:
         return []
+    if mode == "standard":  # the fused LM head replaces the model's logits: check them once
+        check_model(model)
     encs = [encode(tokenizer, it, system_prompt, use_chat_template) for it in its]
     want_attn = any(f in ATTN_FEATURES for f in feats)
     fn = _standard_batch if mode == "standard" else _compat_batch
@@ -425,7 +509,11 @@ def glassbox(
             rows[i] = d
     full = [r for r in rows if r is not None]
     if "softmax_combo" in feats:
-        add_softmax_combo(full)
+        if combo_scale is None:
+            combo_scale = ComboScale.intrinsic(_vocab_size(model))
+        elif not isinstance(combo_scale, ComboScale):
+            combo_scale = ComboScale.from_dict(combo_scale)
+        add_softmax_combo(full, combo_scale)
     return [{"n_tokens": r["n_tokens"], **{f: r[f] for f in feats}} for r in full]
 
 
@@ -446,8 +534,8 @@ def calibrate(model: Any, tokenizer: Any, items: Sequence[Any], *, factor: float
               **kwargs: Any) -> list[dict[str, float]]:
     """Reference calibration: ``feature(response) - factor * feature(reference)``, where the
     reference answer is scored as if it were the response to the same prompt. Both sets are
-    scored in one :func:`glassbox` call (``softmax_combo`` is then normalised over responses and
-    references together). Items without a reference keep their uncalibrated features."""
+    scored in one :func:`glassbox` call (``softmax_combo`` is per item, so it is calibrated like
+    the other features). Items without a reference keep their uncalibrated features."""
     scored, has_ref = with_references(items)
     res = []
     for row, rr in pair_references(glassbox(model, tokenizer, scored, **kwargs), has_ref):

@@ -101,26 +101,23 @@ def reference_features(model, tokenizer, items, f64=True, **enc_kw):
             "attn_ent_avg": per_head.mean().item(),
             "attn_ent_min": per_head.min().item(),
         })
-    ent_ = torch.tensor([r["softmax_ent"] for r in out])
-    var_ = torch.tensor([r["softmax_var"] for r in out])
-    mm = lambda t: (t - t.min()) / (t.max() - t.min())  # noqa: E731
-    for r, a, b in zip(out, mm(ent_), mm(var_), strict=True):
-        r["softmax_combo"] = ((a + b) / 2).item()
+        # Per item: entropy over its range [0, log V], variance in units of (log V)^2.
+        lv = math.log(o.logits.shape[-1])
+        out[-1]["softmax_combo"] = (out[-1]["softmax_ent"] / lv
+                                    + out[-1]["softmax_var"] / lv**2) / 2
     return out
 
 
 NO_COMBO = tuple(k for k in ALL_FEATURES if k != "softmax_combo")
 
 
-def _check_combo(got):
-    """softmax_combo = mean of min-max normalised softmax_ent and softmax_var over the set. (With
-    a random-init model every entropy is ~log V and min-max amplifies fp32 rounding, so the combo
-    is checked against the returned entropies / variances, not the float64 reference.)"""
-    ent = torch.tensor([r["softmax_ent"] for r in got], dtype=torch.float64)
-    var = torch.tensor([r["softmax_var"] for r in got], dtype=torch.float64)
-    mm = lambda t: (t - t.min()) / (t.max() - t.min())  # noqa: E731
-    for r, want in zip(got, (mm(ent) + mm(var)) / 2, strict=True):
-        assert r["softmax_combo"] == pytest.approx(want.item(), abs=1e-12)
+def _check_combo(got, vocab):
+    """softmax_combo = (softmax_ent / log V + softmax_var / (log V)^2) / 2 of each item's own
+    returned entropy and variance (the intrinsic ComboScale; nothing from the other items)."""
+    lv = math.log(vocab)
+    for r in got:
+        want = (r["softmax_ent"] / lv + r["softmax_var"] / lv**2) / 2
+        assert r["softmax_combo"] == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def _close(got, want, atol, rtol=0.0, keys=NO_COMBO):
@@ -133,8 +130,9 @@ def _close(got, want, atol, rtol=0.0, keys=NO_COMBO):
 
 def test_tiny_matches_float64_reference(tiny, tokenizer):
     got = glassbox(tiny, tokenizer, ITEMS, batch_size=3, backend="torch")
-    _close(got, reference_features(tiny, tokenizer, ITEMS), atol=1e-4, rtol=1e-5)
-    _check_combo(got)
+    _close(got, reference_features(tiny, tokenizer, ITEMS), atol=1e-4, rtol=1e-5,
+           keys=ALL_FEATURES)
+    _check_combo(got, len(tokenizer))
     got_auto = glassbox(tiny, tokenizer, ITEMS, batch_size=3)
     _close(got_auto, got, atol=1e-4, rtol=1e-5)
 
@@ -142,8 +140,8 @@ def test_tiny_matches_float64_reference(tiny, tokenizer):
 def test_batching_and_padding_invariance(tiny, tokenizer):
     one = glassbox(tiny, tokenizer, ITEMS, batch_size=1)
     three = glassbox(tiny, tokenizer, ITEMS, batch_size=3)
-    _close(three, one, atol=2e-5, rtol=1e-5)
-    _check_combo(three)
+    _close(three, one, atol=2e-5, rtol=1e-5, keys=ALL_FEATURES)
+    _check_combo(three, len(tokenizer))
     # Order of the results is the input order.
     rev = glassbox(tiny, tokenizer, ITEMS[::-1], batch_size=3)
     _close(rev[::-1], three, atol=2e-5, rtol=1e-5)
