@@ -249,3 +249,43 @@ def test_score_records_streams(loaded):
         assert res.index >= 0
     assert [i for i, _ in seen] == list(range(40))
     assert seen[0][1] < 10  # the first result came long before the 40th record was read
+
+
+def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, capsys,
+                                                     monkeypatch):
+    """A resume in another dtype or with another kernel backend is refused (it would mix, e.g.,
+    fp32 and bf16 scores in one file); the meta file records what was used."""
+    d, g, b = files
+    inp = _jsonl(d / "in.jsonl", RESPONSES[:3])
+    out = d / "out.jsonl"
+    assert _score(inp, out, g, b, tiny_dir, "--dtype", "float32", "--backend", "torch") == 0
+    meta = json.loads(meta_path(out).read_text())
+    assert (meta["dtype"], meta["device"], meta["backend"]) == ("float32", "cpu", "torch")
+    before = out.read_bytes()
+    _jsonl(inp, RESPONSES[:5])  # more input: a resume would add records
+
+    import copy
+
+    model, tok = loaded
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    # The fixture's cached loader ignores the dtype; answer bfloat16 with a bf16 copy.
+    cached = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda p=None, **kw: (
+        (bf16, tok) if kw.get("dtype") == "bfloat16" else cached(p, **kw)))
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--dtype", "bfloat16",
+                  "--backend", "torch") == 2
+    err = capsys.readouterr().err
+    assert "other settings (dtype: 'float32' there, 'bfloat16' now)" in err
+    assert out.read_bytes() == before
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--backend", "cpp") == 2
+    assert "(backend: 'torch' there, 'cpp' now)" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    # An output written before these were recorded: refused too, saying so.
+    meta.pop("dtype")
+    meta_path(out).write_text(json.dumps(meta))
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--backend", "torch") == 2
+    assert "(dtype: not recorded there)" in capsys.readouterr().err
+    meta["dtype"] = "float32"
+    meta_path(out).write_text(json.dumps(meta))
+    assert _score(inp, out, g, b, tiny_dir, "--resume", "--backend", "torch") == 0
+    assert [r["index"] for r in _read(out)] == list(range(5))

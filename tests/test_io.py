@@ -10,11 +10,15 @@ import pytest
 from icqs_fast.io import (
     InputError,
     JsonlWriter,
+    OutputLock,
+    OutputLockedError,
     RecordError,
     detect_format,
+    field_of,
     fpb_examples,
     read_examples,
     read_fpb,
+    read_json_objects,
     read_records,
     read_resume_state,
     shared_data_dir,
@@ -265,3 +269,36 @@ def test_fpb_real_data():
     assert {y for _, y in good} == {"positive", "negative"}
     assert not {x for x, _ in good} & {x for x, _ in bad}
     assert fpb_examples(n_good=16, n_bad=16, seed=3)[0] == good  # seeded
+
+
+def test_output_lock_refuses_a_second_holder(tmp_path):
+    import os
+
+    out = tmp_path / "out.jsonl"
+    with OutputLock(out) as held:
+        assert (tmp_path / "out.jsonl.lock").read_text() == f"{os.getpid()}\n"
+        # flock conflicts between two open descriptions, even within one process.
+        with pytest.raises(OutputLockedError, match=rf"{out} is being written by another "
+                                                    rf"icqs-fast process \(pid {os.getpid()};"):
+            OutputLock(out).acquire()
+        assert held.path == f"{out}.lock"
+    with OutputLock(out):  # released on exit
+        pass
+
+
+def test_json_objects_and_field_of(tmp_path):
+    p = _write(tmp_path / "q.jsonl", '{"a": {"b": [1, "x"]}, "n": true}\n\n{"a": 2}\n')
+    got = list(read_json_objects(p))
+    assert [line for line, _ in got] == [1, 3]
+    obj = got[0][1]
+    assert field_of(obj, "a.b.1", str, path=p, line=1, index=0) == "x"
+    with pytest.raises(RecordError, match=r"q\.jsonl:1: field 'n': must be int, got bool true"):
+        field_of(obj, "n", int, path=p, line=1, index=0)
+    with pytest.raises(RecordError, match=r"q\.jsonl:1: field 'a.c': missing \(this record's "
+                                          r"keys: a, n\)") as ei:
+        field_of(obj, "a.c", int, path=p, line=1, index=0)
+    assert (ei.value.line, ei.value.field, ei.value.index) == (1, "a.c", 0)
+    with pytest.raises(RecordError, match=r"r\.jsonl:2: expected a JSON object, got list"):
+        list(read_json_objects(_write(tmp_path / "r.jsonl", '{"a": 1}\n[1]\n')))
+    with pytest.raises(InputError, match=r"e\.jsonl: no records"):
+        list(read_json_objects(_write(tmp_path / "e.jsonl", "\n")))
