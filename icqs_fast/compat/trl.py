@@ -4,7 +4,9 @@
 dimensions and return the same shapes and dtypes as TRL's, but read the logits once through
 :func:`icqs_fast.ops.token_stats` instead of materialising ``log_softmax`` over the vocabulary.
 Both are differentiable: the backward recomputes the softmax in row chunks (forward-only users
-pay nothing for that).
+pay nothing for that). They go through the ``torch.library`` ops of :mod:`icqs_fast.torch_ops`
+(``icqs_fast::selective_log_softmax``, ``icqs_fast::entropy_from_logits`` and their backward
+ops), so they also run inside ``torch.compile(fullgraph=True)``, forward and backward.
 
 Usage in a package that imports TRL's helpers::
 
@@ -15,65 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-
-_BACKWARD_CHUNK_ROWS = 128
-
-
-def _stats(flat: torch.Tensor, idx: torch.Tensor, temperature: float):
-    return ops.token_stats(flat.detach(), idx, temperature=temperature, ignore_index=-(2**62))
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor, idx: torch.Tensor, temperature: float):
-        # idx: [R, K]; the statistics kernel reads each row once for the first index, which
-        # gives the log-normaliser; the other K-1 are gathers.
-        s = _stats(flat, idx[:, 0].contiguous(), temperature)
-        x_first = flat.gather(-1, idx[:, :1]).float()[:, 0] / temperature
-        lse = x_first - s.logprob
-        out = flat.gather(-1, idx).float() / temperature - lse[:, None]
-        ctx.save_for_backward(flat, idx, lse)
-        ctx.temperature = temperature
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        flat, idx, lse = ctx.saved_tensors
-        t = ctx.temperature
-        grad = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-        for r0 in range(0, flat.shape[0], _BACKWARD_CHUNK_ROWS):
-            r1 = min(flat.shape[0], r0 + _BACKWARD_CHUNK_ROWS)
-            p = torch.exp(flat[r0:r1].float() / t - lse[r0:r1, None])
-            g = grad_out[r0:r1].float()
-            # d/dz_v sum_k g_k (z_{i_k}/T - lse) = (sum_k g_k [v == i_k] - p_v sum_k g_k) / T
-            blk = -p * g.sum(-1, keepdim=True)
-            blk.scatter_add_(-1, idx[r0:r1], g)
-            grad[r0:r1] = blk / t
-        return grad.to(flat.dtype), None, None
-
-
-class _Entropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor):
-        idx = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-        s = _stats(flat, idx, 1.0)
-        lse = flat[:, 0].float() - s.logprob
-        ctx.save_for_backward(flat, lse, s.entropy)
-        return s.entropy
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        flat, lse, ent = ctx.saved_tensors
-        grad = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-        for r0 in range(0, flat.shape[0], _BACKWARD_CHUNK_ROWS):
-            r1 = min(flat.shape[0], r0 + _BACKWARD_CHUNK_ROWS)
-            logp = flat[r0:r1].float() - lse[r0:r1, None]
-            p = torch.exp(logp)
-            # dH/dz_v = -p_v (log p_v + H); 0 * (-inf) for masked entries is 0.
-            d = torch.where(p > 0, -p * (logp + ent[r0:r1, None]), torch.zeros_like(p))
-            grad[r0:r1] = d * grad_out[r0:r1, None].float()
-        return grad.to(flat.dtype)
+from .. import torch_ops  # noqa: F401 - registers torch.ops.icqs_fast.*
 
 
 def selective_log_softmax(
@@ -104,7 +48,7 @@ def selective_log_softmax(
     v = logits.shape[-1]
     flat = logits.reshape(-1, v)
     flat_idx = idx.reshape(flat.shape[0], idx.shape[-1]).long()
-    out = _SelectiveLogSoftmax.apply(flat, flat_idx, float(temperature))
+    out, _ = torch.ops.icqs_fast.selective_log_softmax(flat, flat_idx, float(temperature))
     out = out.reshape(idx.shape).to(logits.dtype)
     if squeeze:
         out = out.squeeze(-1)
@@ -128,7 +72,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
         raise ValueError("chunk_size must be >= 1")
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    return _Entropy.apply(flat).reshape(lead).to(logits.dtype)
+    ent, _ = torch.ops.icqs_fast.entropy_from_logits(flat)
+    return ent.reshape(lead).to(logits.dtype)
 
 
 __all__ = ["selective_log_softmax", "entropy_from_logits"]
