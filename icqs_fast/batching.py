@@ -63,6 +63,8 @@ def padded_kv_problem(model: Any) -> str | None:
         return (f"{len(local)} of its {len(types)} layers use {local[0].replace('_', '-')} "
                 f"(sliding_window={window}, attention_chunk_size="
                 f"{getattr(cfg, 'attention_chunk_size', None)})")
+    if types:  # per-layer types given, all global: the window setting is unused
+        return None
     if window and getattr(cfg, "use_sliding_window", True) is not False:
         return f"it uses sliding-window attention (sliding_window={window})"
     return None
