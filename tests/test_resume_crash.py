@@ -1,24 +1,30 @@
-"""Crash-safe resume, proven: ``icqs-fast score`` runs in a subprocess that is SIGKILLed at seeded
-points (between records, in the middle of writing a line, during a resumed run, and from outside
-while it holds the output lock), is resumed with ``--resume``, and must end with exactly the bytes
-of an uninterrupted run: same records in the same order, none lost, none duplicated.
+"""Crash-safe resume, proven: ``icqs-fast score`` runs in a separate process that is SIGKILLed
+at seeded points (between records, in the middle of writing a line, during a resumed run, and
+from outside while it holds the output lock), is resumed with ``--resume``, and must end with
+exactly the bytes of an uninterrupted run: same records in the same order, none lost, none
+duplicated.
 
 Kill points are chosen by records written, through the writer's ``ICQS_FAST_TEST_CRASH`` hook
 (the process kills itself at the chosen write), never by wall time, so every run is killed where
-the seed says on however busy a machine. Each kill costs one subprocess start (torch import and
-tiny-model load, several seconds on the shared CPU); the resumes run in this process.
+the seed says on however busy a machine. The killed runs are ``icqs_fast.cli.main(argv)`` in
+processes forked from a multiprocessing fork server that imported torch and transformers once
+(a fresh ``python -m icqs_fast.cli`` spends ~10 s of CPU importing them on this machine); the
+resumes run in this process.
 """
 
 import json
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+
+# What a killed run imports, imported here so the fork server (which imports this module) holds it.
+import transformers.models.llama.modeling_llama  # noqa: F401
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -66,21 +72,62 @@ def _args(setup, inp, out, *extra):
             "--model", str(model_dir), *KW, *extra]
 
 
-def _spawn(setup, inp, out, crash, *extra):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("ICQS_FAST_TEST_CRASH", None)
+_SERVER = None
+
+
+def _server():
+    """A fork server with icqs-fast, torch and transformers' Llama imported (started once)."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = multiprocessing.get_context("forkserver")
+        _SERVER.set_forkserver_preload(["test_resume_crash"])
+    return _SERVER
+
+
+def _child(argv, crash, err_path):
+    # Fresh process forked from the server: its own stderr file, the crash hook, the CLI.
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    sys.stderr = open(2, "w", closefd=False)
+    os.environ.pop("ICQS_FAST_TEST_CRASH", None)
     if crash is not None:
-        env["ICQS_FAST_TEST_CRASH"] = crash
-    return subprocess.Popen([sys.executable, "-m", "icqs_fast.cli", *_args(setup, inp, out,
-                                                                            *extra)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.environ["ICQS_FAST_TEST_CRASH"] = crash
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.exit(main(argv))
+
+
+class _Run:
+    """One ``icqs-fast score`` in its own process; ``wait()`` gives (exit code, stderr)."""
+
+    def __init__(self, setup, inp, out, crash, *extra):
+        self.err = f"{out}.{time.monotonic_ns()}.stderr"
+        self.proc = _server().Process(target=_child, args=(_args(setup, inp, out, *extra),
+                                                           crash, self.err))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout=300):
+        self.proc.join(timeout)
+        assert self.proc.exitcode is not None, "the run did not end"
+        with open(self.err, encoding="utf-8") as f:
+            return self.proc.exitcode, f.read()
+
+    def running(self):
+        return self.proc.is_alive()
+
+    def kill(self):
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+
+def _spawn(setup, inp, out, crash, *extra):
+    return _Run(setup, inp, out, crash, *extra)
 
 
 def _killed_at(setup, inp, out, crash, *extra):
     """Run until the hook kills the process; check that it died by SIGKILL."""
-    p = _spawn(setup, inp, out, crash, *extra)
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == -signal.SIGKILL, (crash, p.returncode, err[-2000:])
+    code, err = _spawn(setup, inp, out, crash, *extra).wait()
+    assert code == -signal.SIGKILL, (crash, code, err[-2000:])
 
 
 def _lines(path):
@@ -167,18 +214,17 @@ def test_second_writer_refused_and_lock_released_on_crash(setup, reference, tmp_
     try:
         deadline = time.monotonic() + 300
         while len(_lines(out) if out.exists() else []) < 2:
-            assert first.poll() is None, first.communicate()[1][-2000:]
+            assert first.running(), first.wait()[1][-2000:]
             assert time.monotonic() < deadline, "the first writer never wrote 2 records"
             time.sleep(0.1)
-        second = _spawn(setup, inp, out, None, "--resume")
-        _, err = second.communicate(timeout=300)
-        assert second.returncode == 2, err
+        code, err = _spawn(setup, inp, out, None, "--resume").wait()
+        assert code == 2, err
         assert (f"icqs-fast: error: {out} is being written by another icqs-fast process "
                 f"(pid {first.pid}; lock {out}.lock)") in err
         assert len(_lines(out)) == 2  # the refused process touched nothing
     finally:
         first.kill()
-        first.communicate(timeout=60)
-    assert first.returncode == -signal.SIGKILL
+        code, _ = first.wait(60)
+    assert code == -signal.SIGKILL
     assert main(_args(setup, inp, out, "--resume")) == 0
     _check_same(out, ref)
