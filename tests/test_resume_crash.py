@@ -6,10 +6,11 @@ duplicated.
 
 Kill points are chosen by records written, through the writer's ``ICQS_FAST_TEST_CRASH`` hook
 (the process kills itself at the chosen write), never by wall time, so every run is killed where
-the seed says on however busy a machine. The killed runs are ``icqs_fast.cli.main(argv)`` in
-processes forked from a multiprocessing fork server that imported torch and transformers once
-(a fresh ``python -m icqs_fast.cli`` spends ~10 s of CPU importing them on this machine); the
-resumes run in this process.
+the seed says on however busy a machine. The lock test's first writer is a real
+``python -m icqs_fast.cli score`` process, killed from outside; the other killed runs are
+``icqs_fast.cli.main(argv)`` in processes forked from a multiprocessing fork server that imported
+torch and transformers once (a fresh interpreter spends ~10 s of CPU importing them on this
+machine, a forked run ~1.7 s in all); the resumes run in this process.
 """
 
 import json
@@ -17,6 +18,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 
@@ -97,31 +99,47 @@ def _child(argv, crash, err_path):
 
 
 class _Run:
-    """One ``icqs-fast score`` in its own process; ``wait()`` gives (exit code, stderr)."""
+    """One ``icqs-fast score`` in its own process; ``wait()`` gives (exit code, stderr).
+    ``fresh``: a new ``python -m icqs_fast.cli`` interpreter instead of a fork-server child."""
 
-    def __init__(self, setup, inp, out, crash, *extra):
+    def __init__(self, setup, inp, out, crash, *extra, fresh=False):
         self.err = f"{out}.{time.monotonic_ns()}.stderr"
-        self.proc = _server().Process(target=_child, args=(_args(setup, inp, out, *extra),
-                                                           crash, self.err))
-        self.proc.start()
+        argv = _args(setup, inp, out, *extra)
+        if fresh:
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            env.pop("ICQS_FAST_TEST_CRASH", None)
+            if crash is not None:
+                env["ICQS_FAST_TEST_CRASH"] = crash
+            with open(self.err, "w") as err:
+                self.proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.cli", *argv],
+                                             env=env, stdout=subprocess.DEVNULL, stderr=err)
+        else:
+            self.proc = _server().Process(target=_child, args=(argv, crash, self.err))
+            self.proc.start()
         self.pid = self.proc.pid
 
     def wait(self, timeout=300):
-        self.proc.join(timeout)
-        assert self.proc.exitcode is not None, "the run did not end"
+        if isinstance(self.proc, subprocess.Popen):
+            code = self.proc.wait(timeout)
+        else:
+            self.proc.join(timeout)
+            code = self.proc.exitcode
+        assert code is not None, "the run did not end"
         with open(self.err, encoding="utf-8") as f:
-            return self.proc.exitcode, f.read()
+            return code, f.read()
 
     def running(self):
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll() is None
         return self.proc.is_alive()
 
     def kill(self):
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+        if self.running():
+            os.kill(self.pid, signal.SIGKILL)
 
 
-def _spawn(setup, inp, out, crash, *extra):
-    return _Run(setup, inp, out, crash, *extra)
+def _spawn(setup, inp, out, crash, *extra, fresh=False):
+    return _Run(setup, inp, out, crash, *extra, fresh=fresh)
 
 
 def _killed_at(setup, inp, out, crash, *extra):
@@ -210,7 +228,9 @@ def test_second_writer_refused_and_lock_released_on_crash(setup, reference, tmp_
     the first, SIGKILLed from outside while it holds the lock, leaves no lock behind."""
     inp, ref, _, _ = reference
     out = tmp_path / "out.jsonl"
-    first = _spawn(setup, inp, out, "hold:1")  # writes 2 records, then waits to be killed
+    # The first writer is the real command line in a new interpreter; it writes 2 records, then
+    # waits to be killed.
+    first = _spawn(setup, inp, out, "hold:1", fresh=True)
     try:
         deadline = time.monotonic() + 300
         while len(_lines(out) if out.exists() else []) < 2:
