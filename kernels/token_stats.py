@@ -21,6 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+# Reductions are spelled tl.reduce(x, axis, <standard combine>) rather than tl.sum / tl.max:
+# same code on a GPU, but Triton's CPU interpreter runs these combines with numpy directly while
+# every call of a jit function such as tl.sum re-patches triton.language (~8 ms per call, which
+# made the interpreter tests 10x slower).
+from triton.language.standard import _elementwise_max as _max_combine
+from triton.language.standard import _elementwise_min as _min_combine
+from triton.language.standard import _sum_combine
+
 from .launch import Launch, ptr
 
 STATE_WIDTH = 7  # m, s0, s1, s2, n, u1, u2 (see icqs_fast.backends.state)
@@ -28,7 +36,8 @@ STATE_WIDTH = 7  # m, s0, s1, s2, n, u1, u2 (see icqs_fast.backends.state)
 
 @triton.jit
 def _rescale(m_old, s0, s1, s2, m_new):
-    """Move (s0, s1, s2) from origin m_old to m_new >= m_old (both may be -inf)."""
+    """Move (s0, s1, s2) from origin m_old to m_new >= m_old (both may be -inf; natural units,
+    used by ``linear_token_stats``)."""
     m_new_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
     d = tl.where(m_old > float("-inf"), m_old - m_new_safe, 0.0)
     a = tl.exp(d)
@@ -39,96 +48,267 @@ def _rescale(m_old, s0, s1, s2, m_new):
 
 
 @triton.jit
+def _shift_origin(s0, s1, s2, dm):
+    """Move (s0, s1, s2) by ``dm = m_old - m_new <= 0`` (finite, base-2 units)."""
+    a = tl.exp2(dm)
+    s2 = a * (s2 + dm * (2.0 * s1 + dm * s0))
+    s1 = a * (s1 + dm * s0)
+    s0 = a * s0
+    return s0, s1, s2
+
+
+@triton.jit
+def _step_fast(z, mz, s0, s1, s2, n, u1, u2, greater, eq_tile_before, zt, c):
+    """One tile ``z [L, R]`` (fp32, every entry in range) into the per-lane state ``[L]``.
+
+    ``mz`` is the lane max logit; every moment is in base-2 units ``y = z c``
+    (``c = log2(e) / T``) relative to the lane max ``m = mz c``, so each logit costs one FFMA
+    (``d = y - m``) and one MUFU.EX2, and ``d`` serves the plain sums ``u1, u2`` too (``n``:
+    logits in the lane). Assumes finite logits: a non-finite one makes ``u1`` non-finite and
+    the caller redoes the chunk with :func:`_step_masked`. The lane max moves once per R logits
+    (one extra exp2 per R); the R-wide sums stay inside one thread.
+    ``eq_tile_before`` (scalar bool) says the whole tile lies before the target column, so its
+    ties count toward ``eq_before``; the tile holding the target is counted by the caller."""
+    mz_new = tl.maximum(mz, tl.reduce(z, 1, _max_combine))
+    m_new = mz_new * c
+    dm = mz * c - m_new
+    s0, s1, s2 = _shift_origin(s0, s1, s2, dm)
+    u2 += dm * (2.0 * u1 + n * dm)
+    u1 += n * dm
+    # An explicit fma: z c is exact inside it, so d keeps its bits at a large offset.
+    d = tl.fma(z, c, -m_new[:, None])
+    e = tl.exp2(d)
+    t = e * d
+    s0 += tl.reduce(e, 1, _sum_combine)
+    s1 += tl.reduce(t, 1, _sum_combine)
+    s2 += tl.reduce(t * d, 1, _sum_combine)
+    u1 += tl.reduce(d, 1, _sum_combine)
+    u2 += tl.reduce(d * d, 1, _sum_combine)
+    n += z.shape[1]
+    # Ranks compare the raw logits (exact in fp32 for every input dtype); z_t itself is not > z_t.
+    # Counted in fp32 (exact below 2^24 per lane): FSET + FADD per logit and count.
+    greater += tl.reduce((z > zt).to(tl.float32), 1, _sum_combine)
+    eq = tl.reduce((z == zt).to(tl.float32), 1, _sum_combine)
+    return mz_new, s0, s1, s2, n, u1, u2, greater, tl.where(eq_tile_before, eq, 0.0)
+
+
+@triton.jit
+def _step_masked(z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, below_t, c,
+                 ONLY_INB: tl.constexpr):
+    """:func:`_step_fast` for any tile: entries outside ``inb`` are skipped; with ``ONLY_INB``
+    False non-finite logits are skipped too (the torch reference's rule) and counted out of
+    ``n``. Lanes may be empty (mz = -inf). ``below_t``: columns before the target."""
+    if ONLY_INB:
+        fin = inb
+    else:
+        fin = inb & (z == z) & (tl.abs(z) < float("inf"))
+    mz_new = tl.maximum(mz, tl.reduce(tl.where(fin, z, float("-inf")), 1, _max_combine))
+    m_new_safe = tl.where(mz_new > float("-inf"), mz_new * c, 0.0)
+    dm = tl.where(mz > float("-inf"), mz * c - m_new_safe, 0.0)
+    s0, s1, s2 = _shift_origin(s0, s1, s2, dm)
+    u2 += dm * (2.0 * u1 + n * dm)
+    u1 += n * dm
+    d = tl.where(fin, tl.fma(z, c, -m_new_safe[:, None]), 0.0)
+    e = tl.where(fin, tl.exp2(d), 0.0)
+    t = e * d
+    s0 += tl.reduce(e, 1, _sum_combine)
+    s1 += tl.reduce(t, 1, _sum_combine)
+    s2 += tl.reduce(t * d, 1, _sum_combine)
+    u1 += tl.reduce(d, 1, _sum_combine)
+    u2 += tl.reduce(d * d, 1, _sum_combine)
+    n += tl.reduce(fin.to(tl.float32), 1, _sum_combine)
+    greater += tl.reduce((inb & (z > zt)).to(tl.float32), 1, _sum_combine)
+    eq_before += tl.reduce((inb & (z == zt) & below_t).to(tl.float32), 1, _sum_combine)
+    return mz_new, s0, s1, s2, n, u1, u2, greater, eq_before
+
+
+@triton.jit
 def _token_stats_kernel(
-    Z, T, ZT, SHIFT, STATE, COUNTS,
-    V, stride_row, inv_temp,
+    z_ptr,
+    targets_ptr,
+    z_target_ptr,
+    state_ptr,
+    counts_ptr,
+    n_rows,
+    V,
+    stride_row,
+    chunk,
+    inv_temp,
+    inv_temp_lo,
     BLOCK_V: tl.constexpr,
+    R: tl.constexpr,
 ):
+    # Program (row, split) reduces columns [split * chunk, (split + 1) * chunk) of its row to one
+    # partial state; splits > 1 only for small N (vocabulary-parallel), merged by the caller.
     row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_row
-    t = tl.load(T + row)
-    z_t = tl.load(ZT + row)
-    k = tl.load(SHIFT + row)
+    split = tl.program_id(1)
+    z_row = z_ptr + row * stride_row
+    t = tl.load(targets_ptr + row).to(tl.int32)
+    zt = tl.load(z_target_ptr + row)
+    # The u sums end relative to the target's logit (moderate sizes whatever the offset).
+    kz = tl.where(tl.abs(zt) < float("inf"), zt, 0.0)
+    c = tl.cast(inv_temp * 1.4426950408889634, tl.float32)  # exp(x) ~ exp2(z c)
+    c0 = split * chunk
+    c1 = tl.minimum(c0 + chunk, V)
+    n_full = (c1 - c0) // BLOCK_V
+    full_end = c0 + n_full * BLOCK_V
 
-    m = tl.full((), float("-inf"), tl.float32)
-    s0 = tl.zeros((), tl.float32)
-    s1 = tl.zeros((), tl.float32)
-    s2 = tl.zeros((), tl.float32)
-    n = tl.zeros((), tl.float32)
-    u1 = tl.zeros((), tl.float32)
-    u2 = tl.zeros((), tl.float32)
-    greater = tl.zeros((), tl.int64)
-    eq_before = tl.zeros((), tl.int64)
+    L: tl.constexpr = BLOCK_V // R
+    # [L, R] tiles: each lane (row of the tile) owns R consecutive logits (16-byte loads) and
+    # keeps its own running state across the loop; lanes are combined once at the end.
+    offs = tl.arange(0, L)[:, None] * R + tl.arange(0, R)[None, :]
 
-    offs = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        inb = cols < V
-        z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
-        x = z * inv_temp
-        fin = inb & (x == x) & (tl.abs(x) < float("inf"))
-        xf = tl.where(fin, x, float("-inf"))
+    # Fast path: every logit finite. The lane max starts at the first tile's max, so the loop
+    # never meets -inf origins (that tile is read twice, the second time from cache).
+    first = tl.load(z_row + c0 + offs, mask=c0 + offs < c1, other=float("-inf")).to(tl.float32)
+    mz = tl.reduce(first, 1, _max_combine)
+    s0 = tl.zeros((L,), tl.float32)
+    s1 = tl.zeros((L,), tl.float32)
+    s2 = tl.zeros((L,), tl.float32)
+    u1 = tl.zeros((L,), tl.float32)
+    u2 = tl.zeros((L,), tl.float32)
+    n = tl.zeros((L,), tl.float32)
+    greater = tl.zeros((L,), tl.float32)
+    eq_before = tl.zeros((L,), tl.float32)
+    for i in range(0, n_full):
+        start = c0 + i * BLOCK_V
+        z = tl.load(z_row + start + offs).to(tl.float32)
+        mz, s0, s1, s2, n, u1, u2, greater, eq = _step_fast(
+            z, mz, s0, s1, s2, n, u1, u2, greater, start + BLOCK_V <= t, zt, c)
+        eq_before += eq
+    if (t >= c0) & (t < full_end):
+        # The full tile holding the target: its ties before the target column (cache hit).
+        start = c0 + ((t - c0) // BLOCK_V) * BLOCK_V
+        z = tl.load(z_row + start + offs).to(tl.float32)
+        eq_before += tl.reduce(((z == zt) & (offs < t - start)).to(tl.float32), 1, _sum_combine)
+    if full_end < c1:  # the partial tail tile, masked
+        inb = full_end + offs < c1
+        z = tl.load(z_row + full_end + offs, mask=inb, other=0.0).to(tl.float32)
+        mz, s0, s1, s2, n, u1, u2, greater, eq_before = _step_masked(
+            z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, offs < t - full_end,
+            c, ONLY_INB=True)
+    ok = (tl.abs(u1) < float("inf")) & (tl.abs(u2) < float("inf")) \
+        & (tl.abs(s1) < float("inf")) & (tl.abs(s2) < float("inf"))
+    if tl.reduce(ok.to(tl.int32), 0, _min_combine) == 0:
+        # Some logit is -inf / +inf / NaN (or a sum overflowed): redo the chunk skipping
+        # non-finite entries, as the torch reference does. Costs a second read of such rows.
+        mz = tl.full((L,), float("-inf"), tl.float32)
+        s0 = tl.zeros((L,), tl.float32)
+        s1 = tl.zeros((L,), tl.float32)
+        s2 = tl.zeros((L,), tl.float32)
+        u1 = tl.zeros((L,), tl.float32)
+        u2 = tl.zeros((L,), tl.float32)
+        n = tl.zeros((L,), tl.float32)
+        greater = tl.zeros((L,), tl.float32)
+        eq_before = tl.zeros((L,), tl.float32)
+        for start in range(c0, c1, BLOCK_V):
+            inb = start + offs < c1
+            z = tl.load(z_row + start + offs, mask=inb, other=0.0).to(tl.float32)
+            mz, s0, s1, s2, n, u1, u2, greater, eq_before = _step_masked(
+                z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, offs < t - start,
+                c, ONLY_INB=False)
+    # Combine the lanes once (same algebra as state.merge) at the program's max y = my.
+    mzp = tl.reduce(mz, 0, _max_combine)
+    my_safe = tl.where(mzp > float("-inf"), mzp * c, 0.0)
+    m = mz * c
+    nonempty = s0 > 0
+    dm = tl.where(nonempty, m - my_safe, 0.0)
+    w = tl.where(nonempty, tl.exp2(dm), 0.0)
+    S0 = tl.reduce(w * s0, 0, _sum_combine)
+    S1 = tl.reduce(w * (s1 + dm * s0), 0, _sum_combine)
+    S2 = tl.reduce(w * (s2 + dm * (2.0 * s1 + dm * s0)), 0, _sum_combine)
+    # To x = z / T units: 2^d = e^(d ln 2). The origin my is exactly x = ln2 my - mz (ln2 c - 1/T)
+    # (c carries the fp32 rounding of log2(e) / T; float64 here, 1/T = inv_temp + inv_temp_lo).
+    # The stored fp32 origin mx misses it by up to half an ulp (5e-4 at 1e4), so the moments
+    # move onto mx: a large common offset costs nothing beyond the logits' own rounding.
+    ln2 = tl.full((), 0.6931471805599453, tl.float64)  # a float64 tensor, not an fp32 literal
+    mzp_safe = tl.where(mzp > float("-inf"), mzp, 0.0)
+    o64 = ln2 * tl.cast(my_safe, tl.float64) - tl.cast(mzp_safe, tl.float64) * (
+        ln2 * tl.cast(c, tl.float64) - (tl.cast(inv_temp, tl.float64)
+                                         + tl.cast(inv_temp_lo, tl.float64)))
+    mx = o64.to(tl.float32)
+    S0, S1, S2 = _shift_origin(S0, S1, S2, ((o64 - mx.to(tl.float64)) / ln2).to(tl.float32))
+    mx = tl.where(mzp > float("-inf"), mx, float("-inf"))
+    r = 0.6931471805599453
+    out = state_ptr + (split * n_rows + row) * 7
+    tl.store(out + 0, mx)
+    tl.store(out + 1, S0)
+    tl.store(out + 2, S1 * r)
+    tl.store(out + 3, S2 * (r * r))
+    # u sums: from each lane's max to the target's y (lanes without entries add nothing).
+    du = tl.where(n > 0, m - kz * c, 0.0)
+    U1 = tl.reduce(u1 + n * du, 0, _sum_combine)
+    U2 = tl.reduce(u2 + du * (2.0 * u1 + n * du), 0, _sum_combine)
+    tl.store(out + 4, tl.reduce(n, 0, _sum_combine))
+    tl.store(out + 5, U1 * r)
+    tl.store(out + 6, U2 * (r * r))
+    cnt = counts_ptr + (split * n_rows + row) * 2
+    tl.store(cnt, tl.reduce(greater.to(tl.int32), 0, _sum_combine).to(tl.int64))
+    tl.store(cnt + 1, tl.reduce(eq_before.to(tl.int32), 0, _sum_combine).to(tl.int64))
 
-        m_new = tl.maximum(m, tl.max(xf, axis=0))
-        s0, s1, s2 = _rescale(m, s0, s1, s2, m_new)
-        m = m_new
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        d = tl.where(fin, x - m_safe, 0.0)
-        e = tl.where(fin, tl.exp(d), 0.0)
-        ed = e * d
-        s0 += tl.sum(e, axis=0)
-        s1 += tl.sum(ed, axis=0)
-        s2 += tl.sum(ed * d, axis=0)
-        u = tl.where(fin, x - k, 0.0)
-        u1 += tl.sum(u, axis=0)
-        u2 += tl.sum(u * u, axis=0)
-        n += tl.sum(fin.to(tl.float32), axis=0)
-        # Ranks compare the raw logits (exact in fp32 for every input dtype).
-        greater += tl.sum((inb & (z > z_t) & (cols != t)).to(tl.int64), axis=0)
-        eq_before += tl.sum((inb & (z == z_t) & (cols < t)).to(tl.int64), axis=0)
 
-    out = STATE + row * 7
-    tl.store(out + 0, m)
-    tl.store(out + 1, s0)
-    tl.store(out + 2, s1)
-    tl.store(out + 3, s2)
-    tl.store(out + 4, n)
-    tl.store(out + 5, u1)
-    tl.store(out + 6, u2)
-    tl.store(COUNTS + row * 2, greater)
-    tl.store(COUNTS + row * 2 + 1, eq_before)
+# Programs that keep every SM of an H100 (132 SMs) busy a few times over; below this many rows
+# each row's vocabulary is split over several programs (a fixed figure, so the static model and a
+# GPU run pick the same launch; on an A100's 108 SMs it still fills the machine).
+_TARGET_PROGRAMS = 4 * 132
+_BLOCK_V_MAX = 4096
 
 
 @dataclass(frozen=True)
 class TokenStatsSettings:
-    """Launch settings of :func:`launch_token_stats` for one shape (chosen in one place)."""
+    """Launch settings of :func:`launch_token_stats` for one shape (chosen in one place).
+
+    Attributes:
+        block_v: logits per program per loop iteration (a ``[block_v // lane, lane]`` tile).
+        lane: consecutive logits one lane owns (16 bytes: 8 fp16/bf16, 4 fp32).
+        splits: programs per row (vocabulary-parallel for small N); ``chunk`` columns each.
+        grid: ``(n, splits, 1)``.
+    """
 
     block_v: int
+    lane: int
     num_warps: int
     num_stages: int
+    splits: int
+    chunk: int
     grid: tuple[int, int, int]
 
     @property
     def label(self) -> str:
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}"
+        return (f"bv{self.block_v}_r{self.lane}_w{self.num_warps}_s{self.num_stages}"
+                f"_split{self.splits}")
 
 
-def token_stats_settings(n: int, v: int, dtype: torch.dtype,
-                         block_v: int | None = None) -> TokenStatsSettings:
-    """Block size, warps, stages and grid for ``z [n, v]`` of ``dtype`` (``block_v`` overrides
-    the vocabulary block; tests use small ones to exercise the rescaling)."""
+def token_stats_settings(n: int, v: int, dtype: torch.dtype, block_v: int | None = None,
+                         splits: int | None = None) -> TokenStatsSettings:
+    """Block size, lane width, warps, stages, splits and grid for ``z [n, v]`` of ``dtype``.
+
+    ``block_v`` and ``splits`` override the choice (tests force small blocks and a split row
+    to exercise the rescaling and the partial-state merge in the interpreter)."""
+    lane = 16 // torch.empty((), dtype=dtype).element_size()
     if block_v is None:
-        # Big blocks keep a 150k row at ~37 iterations on a GPU; the interpreter's cost is per
-        # element, so the block size does not matter there beyond padding waste.
-        block_v = min(4096, triton.next_power_of_2(max(v, 16)))
-    return TokenStatsSettings(block_v=block_v, num_warps=8 if block_v >= 2048 else 4,
-                              num_stages=3, grid=(n, 1, 1))
+        block_v = min(_BLOCK_V_MAX, max(triton.next_power_of_2(max(v, 1)), 32 * lane))
+        # Few rows: smaller tiles give more programs to spread over the SMs.
+        while block_v > 1024 and n * triton.cdiv(v, block_v) < _TARGET_PROGRAMS:
+            block_v //= 2
+    if block_v < lane or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= {lane}, got {block_v}")
+    if splits is None:
+        splits = 1 if n >= _TARGET_PROGRAMS else triton.cdiv(_TARGET_PROGRAMS, max(n, 1))
+    splits = max(1, min(splits, triton.cdiv(v, block_v)))
+    chunk = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v  # whole tiles per split
+    splits = triton.cdiv(v, chunk)
+    # Two lanes per thread: 16 logits of 16-bit (32 bytes) in flight per thread per iteration.
+    num_warps = max(1, min(8, block_v // (lane * 32 * 2)))
+    return TokenStatsSettings(block_v=block_v, lane=lane, num_warps=num_warps, num_stages=1,
+                              splits=splits, chunk=chunk, grid=(n, splits, 1))
 
 
 def _signature(dtype: torch.dtype) -> dict[str, str]:
-    return {"Z": ptr(dtype), "T": "*i64", "ZT": "*fp32", "SHIFT": "*fp32", "STATE": "*fp32",
-            "COUNTS": "*i64", "V": "i32", "stride_row": "i32", "inv_temp": "fp32",
-            "BLOCK_V": "constexpr"}
+    return {"z_ptr": ptr(dtype), "targets_ptr": "*i64", "z_target_ptr": "*fp32",
+            "state_ptr": "*fp32", "counts_ptr": "*i64", "n_rows": "i32", "V": "i32",
+            "stride_row": "i32", "chunk": "i32", "inv_temp": "fp32", "inv_temp_lo": "fp32",
+            "BLOCK_V": "constexpr", "R": "constexpr"}
 
 
 def gpu_launches(n: int, v: int, dtype: torch.dtype) -> list[Launch]:
@@ -136,41 +316,52 @@ def gpu_launches(n: int, v: int, dtype: torch.dtype) -> list[Launch]:
     ``logits [n, v]`` of ``dtype`` (fp32/fp16/bf16), as :class:`~.launch.Launch` data.
 
     ``extra["divisible_by_16"]`` names the arguments the Triton runtime specialises as
-    multiples of 16 (aligned pointers; ``V`` and the row stride when ``v % 16 == 0``), so a
-    static compile sees the same alignment (vector loads) as the real launch.
+    multiples of 16 (aligned pointers; integers that are multiples of 16), so a static compile
+    sees the same alignment (vector loads) as the real launch. With ``splits > 1`` the caller
+    also merges ``[splits, n, 7]`` partial states in float64 in torch (a few small kernels over
+    ``44 * splits * n`` bytes; not a Triton launch).
     """
     cfg = token_stats_settings(n, v, dtype)
     elsize = torch.empty((), dtype=dtype).element_size()
-    # Compulsory traffic: logits once; targets, z_t, shift in; state and counts out.
-    hbm = n * v * elsize + n * (8 + 4 + 4) + n * (STATE_WIDTH * 4 + 2 * 8)
-    div16 = ["Z", "T", "ZT", "SHIFT", "STATE", "COUNTS"]
-    if v % 16 == 0:
-        div16 += ["V", "stride_row"]
+    # Compulsory traffic: logits once; targets and z_t in; (partial) states and counts out.
+    hbm = n * v * elsize + n * (8 + 4) + cfg.splits * n * (STATE_WIDTH * 4 + 2 * 8)
+    div16 = ["z_ptr", "targets_ptr", "z_target_ptr", "state_ptr", "counts_ptr"]
+    div16 += [name for name, val in (("n_rows", n), ("V", v), ("stride_row", v),
+                                     ("chunk", cfg.chunk)) if val % 16 == 0]
+    # Hot-loop trips per program: whole tiles of its chunk (a partial tail tile runs once,
+    # outside the loop), averaged over the splits.
+    full = sum((min(cfg.chunk, v - s * cfg.chunk)) // cfg.block_v for s in range(cfg.splits))
     return [Launch(
         kernel="token_stats", fn=_token_stats_kernel, signature=_signature(dtype),
-        constexprs={"BLOCK_V": cfg.block_v}, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        grid=cfg.grid, hbm_bytes=hbm, elements=n * v, loop_iters=float(triton.cdiv(v, cfg.block_v)),
-        loop_elements=cfg.block_v, label=cfg.label, extra={"divisible_by_16": div16},
+        constexprs={"BLOCK_V": cfg.block_v, "R": cfg.lane}, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, grid=cfg.grid, hbm_bytes=hbm, elements=n * v,
+        loop_iters=full / cfg.splits, loop_elements=cfg.block_v, label=cfg.label,
+        extra={"divisible_by_16": div16, "splits": cfg.splits},
     )]
 
 
-def launch_token_stats(z, targets, z_t, shift, temperature: float, state, counts,
-                       block_v: int | None = None) -> None:
-    """Reduce each row of ``z`` to its state, one program per row.
+def launch_token_stats(z: torch.Tensor, targets: torch.Tensor, z_t: torch.Tensor,
+                       temperature: float, state: torch.Tensor, counts: torch.Tensor,
+                       cfg: TokenStatsSettings) -> None:
+    """Reduce each row of ``z`` to its (partial) states with the settings ``cfg`` (from
+    :func:`token_stats_settings` for this shape).
 
     Args:
-        z: ``[N, V]`` fp32/fp16/bf16 with unit column stride.
+        z: ``[N, V]`` fp32/fp16/bf16 with unit column stride, ``N >= 1``.
         targets: ``[N]`` int64 (in range; masked rows carry any valid index).
-        z_t: ``[N]`` fp32 target logits; shift: ``[N]`` fp32 shift K (x units).
-        state: ``[N, 7]`` fp32 output; counts: ``[N, 2]`` int64 output.
-        block_v: vocabulary block override (tests).
+        z_t: ``[N]`` fp32 target logits (contiguous).
+        temperature: T > 0.
+        state: ``[S, N, 7]`` fp32 output, ``counts``: ``[S, N, 2]`` int64 output, one partial
+            state per split of the vocabulary (``S = cfg.splits``). The ``u`` sums are relative
+            to ``K = z_t / T`` (0 where z_t is not finite).
     """
     n, v = z.shape
-    if n == 0:
-        return
-    cfg = token_stats_settings(n, v, z.dtype, block_v)
     stride = z.stride(0) if n > 1 else v
+    # 1/T as an fp32 pair (hi + lo): the origin of a row with a large offset needs its bits.
+    inv_temp = 1.0 / temperature
+    inv_temp_hi = torch.tensor(inv_temp, dtype=torch.float32).item()
     _token_stats_kernel[cfg.grid](
-        z, targets, z_t, shift, state, counts, v, stride, 1.0 / temperature,
-        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        z, targets, z_t, state, counts, n, v, stride, cfg.chunk, inv_temp_hi,
+        inv_temp - inv_temp_hi,
+        BLOCK_V=cfg.block_v, R=cfg.lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -168,3 +168,124 @@ def test_leading_dims_and_errors():
 def test_empty():
     out = ops.token_stats(torch.randn(0, 11), torch.zeros(0, dtype=torch.long))
     assert out.logprob.shape == (0,)
+
+
+def _hard_rows(v: int, dtype: torch.dtype):
+    """Rows that take every path of the Triton kernel: finite rows (fast path) with ties to the
+    target before, inside and after its tile, a +1e4 offset, and rows with -inf / NaN / +inf
+    (the masked re-read)."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(9, v, generator=g) * 3
+    z[1] += 1e4  # large common offset (the fast path's shifted moments)
+    z[2] = 0.5  # all ties: eq_before counts every column before the target
+    z[3] = torch.linspace(-20, 20, v)  # the max grows in every tile
+    z[4, ::5] = float("-inf")
+    z[5, 7] = float("nan")
+    z[6, v // 2] = float("inf")
+    z[7] = float("-inf")  # nothing finite
+    z = z.to(dtype)
+    z[8] = z[8, 3]  # ties with the target logit everywhere, in the input dtype
+    z[8, ::3] = z[8, ::3] - 1
+    t = torch.tensor([0, v - 1, v // 2 + 3, v // 3, 1, 7, v // 2, 2, v - 5])
+    return z, t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_v,splits", [(32, 1), (64, 4), (32, 40)])
+def test_triton_state_and_counts(dtype, block_v, splits):
+    """The kernel's merged state and rank counts against the float64 block reduction: every
+    field (m, shifted moments, finite count, u sums) and both counts exactly, for one program
+    per row and for rows split over several programs (vocabulary-parallel path)."""
+    from icqs_fast.kernels import token_stats as _k
+
+    from icqs_fast.backends import state as _state
+    from icqs_fast.backends import triton_backend
+
+    v = 211  # not a multiple of any block: every split ends in a partial tile
+    z, t = _hard_rows(v, dtype)
+    z_t = z.gather(1, t[:, None])[:, 0].float()
+    temperature = 0.7
+    cfg = _k.token_stats_settings(z.shape[0], v, dtype, block_v, splits)
+    assert cfg.splits == min(splits, -(-v // block_v))
+    # Poisoned outputs: every element must be written.
+    st = torch.full((cfg.splits, z.shape[0], 7), float("nan"), device=DEVICE)
+    counts = torch.full((cfg.splits, z.shape[0], 2), -7, dtype=torch.int64, device=DEVICE)
+    _k.launch_token_stats(z.to(DEVICE), t.to(DEVICE), z_t.to(DEVICE), temperature, st, counts,
+                          cfg)
+    got, got_counts = triton_backend.merge_partials(st.cpu(), counts.cpu())
+    shift = torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t)).double()
+    want, want_counts = _state.reduce_block(z, t, z_t.double(), shift, temperature)
+    assert torch.equal(got_counts, want_counts), (got_counts, want_counts)
+    m, w = got[:, 0], want[:, 0]
+    assert torch.equal(torch.isfinite(m), torch.isfinite(w))
+    fin = torch.isfinite(w)
+    assert torch.allclose(m[fin], w[fin], rtol=1e-7, atol=0), (m, w)
+    assert torch.equal(got[:, 4], want[:, 4])  # finite entries
+    # Moments, moved to the reference's origin (the kernel's fp32 m may sit half an ulp off;
+    # its moments are then relative to that m): the +1e4 row must be as exact as the others.
+    d = torch.where(fin, m - w, torch.zeros_like(m))
+    a = torch.exp(d)
+    s0, s1, s2 = got[:, 1], got[:, 2], got[:, 3]
+    aligned = (a * s0, a * (s1 + d * s0), a * (s2 + 2 * d * s1 + d * d * s0))
+    for j, (name, g) in enumerate(zip(("s0", "s1", "s2"), aligned, strict=True), start=1):
+        err = (g - want[:, j]).abs()
+        assert (err <= 1e-5 * want[:, j].abs() + 1e-5).all(), (name, err)
+    # u sums: relative to K = z_t / T up to its fp32 rounding, so compare the variance they
+    # give (what finalize uses) and u1 to the shift's rounding.
+    n = want[:, 4].clamp_min(2)
+    var_got = (got[:, 6] - got[:, 5] ** 2 / n) / (n - 1)
+    var_want = (want[:, 6] - want[:, 5] ** 2 / n) / (n - 1)
+    assert torch.allclose(var_got, var_want, rtol=1e-4, atol=1e-4), (var_got, var_want)
+    assert torch.allclose(got[:, 5], want[:, 5], rtol=1e-4, atol=1e-3 * n.max())
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_split_rows_end_to_end(splits):
+    """ops-level results with the vocabulary split over programs (and without) on the rows of
+    _hard_rows, bf16 input, against the float64 reference."""
+    from icqs_fast.backends import triton_backend
+
+    z, t = _hard_rows(1000, torch.bfloat16)
+    # The reference's log-probs are NaN on rows holding NaN / +inf or nothing finite (the
+    # state test covers those rows); the -inf row still takes the masked re-read.
+    keep = [0, 1, 2, 3, 4, 8]
+    z, t = z[keep], t[keep]
+    t[0] = -100
+    out = triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=128, splits=splits)
+    compare(out, ref64(z, t), 2e-4)
+
+
+def test_offset_1e4_precision():
+    """+1e4 on every fp32 logit: entropy-like statistics as without it, logprob to the input's
+    own rounding (the stored fp32 origin is made exact, not left half an ulp off)."""
+    from icqs_fast.backends import triton_backend
+
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(3, 700, generator=g) * 2
+    t = torch.tensor([5, 600, 99])
+    zo = z + 1e4
+    out = triton_backend.token_stats(zo.to(DEVICE), t.to(DEVICE), block_v=64)
+    compare(out, ref64(zo, t), 2e-4)
+
+
+def test_gpu_launches_match_settings():
+    """gpu_launches describes the launch token_stats_settings picks: one row per program for
+    large N, a split vocabulary for small N, whole tiles in the hot loop, compulsory bytes."""
+    from icqs_fast.kernels import token_stats as _k
+
+    v = 151936
+    for n, dtype in ((8192, torch.bfloat16), (1024, torch.float32), (64, torch.float16),
+                     (1, torch.bfloat16)):
+        (launch,) = _k.gpu_launches(n, v, dtype)
+        cfg = _k.token_stats_settings(n, v, dtype)
+        assert launch.grid == (n, cfg.splits, 1) == cfg.grid
+        assert launch.constexprs == {"BLOCK_V": cfg.block_v, "R": cfg.lane}
+        assert launch.num_warps == cfg.num_warps and launch.label == cfg.label
+        assert cfg.splits * cfg.chunk >= v > (cfg.splits - 1) * cfg.chunk
+        assert cfg.chunk % cfg.block_v == 0
+        assert launch.programs >= min(n, 4 * 132)  # small N still fills the SMs
+        assert launch.loop_iters * cfg.block_v * cfg.splits <= v
+        elsize = torch.empty((), dtype=dtype).element_size()
+        assert launch.hbm_bytes == n * v * elsize + n * 12 + cfg.splits * n * 44
+        assert launch.elements == n * v and launch.loop_elements == cfg.block_v
+    assert _k.gpu_launches(8192, v, torch.bfloat16)[0].grid == (8192, 1, 1)

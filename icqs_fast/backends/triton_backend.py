@@ -52,10 +52,15 @@ def token_stats(
     temperature: float = 1.0,
     *,
     block_v: int | None = None,
+    splits: int | None = None,
 ) -> TokenStats:
-    """Token statistics of ``logits [N, V]`` (fp32/fp16/bf16) at ``targets [N]`` int64, one
-    program per row reading it once. float64 logits go to the torch reference. ``block_v``
-    overrides the vocabulary block (tests use small ones to exercise the rescaling)."""
+    """Token statistics of ``logits [N, V]`` (fp32/fp16/bf16) at ``targets [N]`` int64, reading
+    each logit once (one program per row, or per vocabulary chunk when N is small).
+    float64 logits go to the torch reference. ``block_v`` and ``splits`` override the launch
+    settings (tests use small blocks and split rows to exercise the rescaling and the merge).
+
+    Extra memory: ``[S, N, 7]`` fp32 + ``[S, N, 2]`` int64 partial states, ``S = 1`` unless N is
+    small (then ``S * N`` is a few hundred)."""
     if logits.dtype not in _DTYPES:
         from . import torch_ref
 
@@ -69,11 +74,24 @@ def token_stats(
     z = logits if (v <= 1 or logits.stride(1) == 1) else logits.contiguous()
     valid, safe_t = _prepare(targets, ignore_index)
     z_t = z.gather(1, safe_t[:, None])[:, 0].float().contiguous()
-    shift = _shift(z_t, temperature).contiguous()
-    st = _state.new_buffer(n, _state.STATE_WIDTH, dtype=torch.float32, device=z.device)
-    counts = _state.new_buffer(n, 2, dtype=torch.int64, device=z.device)
-    _k.launch_token_stats(z, safe_t, z_t, shift, temperature, st, counts, block_v=block_v)
-    return _state.finalize(st.double(), counts, z_t.double(), valid, temperature)
+    if n == 0:
+        st, counts = _state.empty(0, device=z.device)
+        return _state.finalize(st, counts, z_t.double(), valid, temperature)
+    if splits is None and z.device.type != "cuda":
+        from . import triton_interpreting
+
+        # The CPU interpreter pays per program, not per SM: one program per row there.
+        splits = 1 if triton_interpreting() else None
+    cfg = _k.token_stats_settings(n, v, z.dtype, block_v, splits)
+    st = _state.new_buffer(cfg.splits, n, _state.STATE_WIDTH, dtype=torch.float32,
+                           device=z.device)
+    counts = _state.new_buffer(cfg.splits, n, 2, dtype=torch.int64, device=z.device)
+    _k.launch_token_stats(z, safe_t, z_t, temperature, st, counts, cfg)
+    if cfg.splits > 1:
+        st64, counts = merge_partials(st, counts)
+    else:
+        st64, counts = st[0].double(), counts[0]
+    return _state.finalize(st64, counts, z_t.double(), valid, temperature)
 
 
 def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor
