@@ -289,3 +289,46 @@ def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, ca
     meta_path(out).write_text(json.dumps(meta))
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--backend", "torch") == 0
     assert [r["index"] for r in _read(out)] == list(range(5))
+
+
+def test_score_records_errors_are_typed_not_parsed(loaded):
+    """Bad records reach ``on_error`` as RecordErrors built for that record (index, line,
+    field), in input order; an error the scorer raises is never reinterpreted from its text."""
+    from icqs_fast.io import InputError, Record, RecordError
+    from icqs_fast.score_cli import score_records
+
+    model, tok = loaded
+    scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],
+                        [(d["x"], d["y"]) for d in BAD], num_ratios=3, demos_per_set=2,
+                        sets_per_ratio=2, max_length=60)
+    items = [Record(index=0, line=1, x="sales up", y="positive"),
+             RecordError("in.jsonl", 2, "y", "missing", index=1),  # from the reader
+             Record(index=2, line=3, x="long text " * 40, y="positive"),  # too long
+             Record(index=3, line=4, x="sales down", y=" "),
+             Record(index=4, line=5, x="sales flat", y="negative")]
+    events = []
+    for rec, _res in score_records(scorer, items, path="in.jsonl", y_field="answer",
+                                   on_error=lambda e: events.append(("err", e))):
+        events.append(("ok", rec.index))
+    assert [(k, v if k == "ok" else (v.index, v.line, v.field)) for k, v in events] == [
+        ("ok", 0), ("err", (1, 2, "y")), ("err", (2, 3, None)), ("err", (3, 4, "answer")),
+        ("ok", 4)]
+    assert str(events[2][1]).startswith("in.jsonl:3: prompt of ")
+    # Without on_error: the records before the first bad one come out, then it is raised.
+    got = []
+    with pytest.raises(RecordError) as ei:
+        for rec, _res in score_records(scorer, items, path="in.jsonl"):
+            got.append(rec.index)
+    assert got == [0] and ei.value.index == 1
+
+    class Failing:  # a scorer failing with a message shaped like a per-record one
+        def __getattr__(self, name):
+            return getattr(scorer, name)
+
+        def score(self, responses):
+            next(iter(responses))
+            raise ValueError("response 0: field 'y' gives no response tokens")
+
+    with pytest.raises(ValueError, match="response 0") as ei:
+        list(score_records(Failing(), items[:1], on_error=lambda e: None))
+    assert not isinstance(ei.value, InputError)
