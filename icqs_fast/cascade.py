@@ -19,6 +19,16 @@ models keep the per-row KV-copy path of :func:`icqs_fast.batching.suffix_hidden`
 
 Exactness: both parts use fp32 accumulation (the CPU flash kernel, or a float32 math path), so
 results match a plain attention over ``[prefix; suffix]`` to rounding.
+
+On CUDA both parts run the fused Triton attention of :mod:`icqs_fast.kernels.attention_entropy`
+built with its log-sum-exp output (``RETURN_LSE``, no entropy state): scores live in registers
+only, never as a ``[.., rows, prefix]`` fp32 tensor; prefix padding is its key mask, the suffix's
+grouped causal mask is its causal GQA mode. Accumulation stays fp32; with 16-bit inputs the
+probabilities enter the PV product in the input dtype, as in any flash attention. PyTorch's SDPA
+ops that return a log-sum-exp were not used: the flash op takes no mask (padded prefixes would
+need one call per length), neither op takes fewer key heads than query heads (the suffix part
+would need a ``repeat_kv`` copy), and the memory-efficient op pads its LSE's query dimension
+(to a multiple of 32 in some versions). The CPU path is unchanged.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ class CascadePlan:
         self._slice = self.entries == list(range(e0, e0 + len(self.entries)))
         self.p_max = max(self.lengths)
         self._mask: torch.Tensor | None = None
+        self._key_ok: torch.Tensor | None = None
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The used entries' keys/values ``[G, H_kv, P_max, D]`` (a view when possible)."""
@@ -90,6 +101,17 @@ class CascadePlan:
             m = torch.zeros(len(self.lengths), 1, 1, self.p_max, dtype=dtype, device=device)
             self._mask = m.masked_fill(pad[:, None, None, :], float("-inf"))
         return self._mask
+
+
+    def prefix_key_ok(self, device: torch.device) -> torch.Tensor | None:
+        """Key mask ``[G, P_max]`` bool (False on padded slots) for the fused path, None if no
+        padding."""
+        if all(p == self.p_max for p in self.lengths):
+            return None
+        if self._key_ok is None:
+            lens = torch.tensor(self.lengths, device=device)
+            self._key_ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
+        return self._key_ok
 
 
 def supports_cascade(model) -> bool:
@@ -124,6 +146,24 @@ def _attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     return torch.matmul(p, v.float()).to(q.dtype), lse
+
+
+def _use_fused(device: torch.device) -> bool:
+    """Whether cascade attention runs the fused Triton kernel (CUDA; tests force it on CPU under
+    ``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda"
+
+
+def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                    causal: bool = False, key_ok: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention with log-sum-exp: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T, D]``
+    (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``; ``key_ok [B, T]``
+    bool, False = masked key). Returns the output in q's dtype and the fp32 natural-log LSE
+    ``[B, Hq, L]``."""
+    from .kernels.attention_entropy import attention_lse
+
+    return attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok)
 
 
 _CAUSAL: dict[tuple, torch.Tensor] = {}
@@ -169,13 +209,18 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if kp.dtype != dt:
         kp, vp = kp.to(dt), vp.to(dt)
 
+    fused = _use_fused(dev)
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
     if plan.uniform:
         n = plan.counts[0]
         g_n = len(plan.counts)
         qg = query.reshape(g_n, n, hk, group, s, d).permute(0, 2, 1, 3, 4, 5)
         qg = qg.reshape(g_n, hk, n * group * s, d)
-        o1, l1 = _attn_lse(qg, kp, vp, plan.prefix_mask(dt, dev), scale)
+        if fused:
+            key_ok = plan.prefix_key_ok(dev)
+            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, key_ok=key_ok)
+        else:
+            o1, l1 = _attn_lse(qg, kp, vp, plan.prefix_mask(dt, dev), scale)
         # -> row layout [R, S, Hk, group, D] / [R, S, Hk, group]
         o1 = o1.view(g_n, hk, n, group, s, d).permute(0, 2, 4, 1, 3, 5).reshape(r, s, hk, group, d)
         l1 = l1.view(g_n, hk, n, group, s).permute(0, 2, 4, 1, 3).reshape(r, s, hk, group)
@@ -186,16 +231,26 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                             strict=True)):
             qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
             qg = qg.reshape(1, hk, n * group * s, d)
-            og, lg = _attn_lse(qg, kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p], None, scale)
+            if fused:
+                og, lg = _fused_attn_lse(qg, kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p], scale)
+            else:
+                og, lg = _attn_lse(qg, kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p], None, scale)
             o1[r0:r0 + n] = og.view(hk, n, group, s, d).permute(1, 3, 0, 2, 4)
             l1[r0:r0 + n] = lg.view(hk, n, group, s).permute(1, 3, 0, 2)
 
     # ---- suffix part: causal within each row, query heads grouped per key head
-    q2 = query.reshape(r, hk, group * s, d)
-    o2, l2 = _attn_lse(q2, key.contiguous(), value.contiguous(),
-                       _grouped_causal_mask(group, s, dt, dev), scale)
-    o2 = o2.view(r, hk, group, s, d).permute(0, 3, 1, 2, 4)
-    l2 = l2.view(r, hk, group, s).permute(0, 3, 1, 2)
+    if fused:
+        # Causal GQA in the kernel: query head h reads key head h // group (transformers'
+        # repeat_kv order), as the grouped reshape below does.
+        o2, l2 = _fused_attn_lse(query, key, value, scale, causal=True)
+        o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, d)
+        l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
+    else:
+        q2 = query.reshape(r, hk, group * s, d)
+        o2, l2 = _attn_lse(q2, key.contiguous(), value.contiguous(),
+                           _grouped_causal_mask(group, s, dt, dev), scale)
+        o2 = o2.view(r, hk, group, s, d).permute(0, 3, 1, 2, 4)
+        l2 = l2.view(r, hk, group, s).permute(0, 3, 1, 2)
 
     # ---- exact merge of the two partial softmaxes
     w1 = torch.sigmoid(l1 - l2)[..., None]

@@ -72,6 +72,8 @@ CASES = {
     "odd_head_dim_no_pad": (2, 4, 1, 23, 23, 12, True, None, [[0, 23], [9, 10]]),
     "suffix_queries": (2, 4, 2, 7, 37, 16, True, "left", [[3, 30], [0, 37]]),
     "non_causal": (2, 2, 1, 19, 33, 16, False, "right", [[0, 33], [20, 40]]),
+    # No padding, not causal: the kernel's unmasked key loop runs, then the ragged tail.
+    "non_causal_no_pad": (2, 2, 2, 9, 40, 16, False, None, [[3, 35], [-4, 17]]),
 }
 
 
@@ -143,6 +145,92 @@ def test_bf16_and_strided(backend):
     assert torch.allclose(out.double().cpu(), ro, atol=3e-2)
     # Scores are accumulated in fp32 from the exact bf16 values: entropy stays fp32-accurate.
     assert torch.allclose(ent.double().cpu(), re, atol=1e-4), (ent.double().cpu() - re).abs().max()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sink_far_above_the_range(backend):
+    """A key outside the range (an attention sink) scoring far above every in-range key: the
+    Triton kernel's in-range terms share the row max's reference, exact while the range's max is
+    within ~70 nats of it (60 here); past 87.3 nats every in-range term underflows and the row
+    reports entropy 0 (the documented limit, 120 nats here). The torch backend is exact in
+    both."""
+    _need(backend)
+    b, h, t, d = 2, 2, 24, 16
+    g = torch.Generator().manual_seed(7)
+    # q = e_0 (plus a little noise in the other dims), scale 1: score of key j ~ k[j, 0].
+    q = torch.zeros(b, h, t, d)
+    q[..., 0] = 1.0
+    q[..., 1:] = 0.05 * torch.randn(b, h, t, d - 1, generator=g)
+    k = torch.randn(b, h, t, d, generator=g)
+    k[..., 0] *= 2.0
+    k[0, :, 0, 0] = 60.0  # sink 60 nats above the rest (batch 0), 120 (batch 1)
+    k[1, :, 0, 0] = 120.0
+    v = torch.randn(b, h, t, d, generator=g)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    qm = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    kr = torch.tensor([[1, t], [1, t]])
+    out, ent = ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, scale=1.0,
+                                     backend=backend)
+    ro, re = reference64(q, k, v, kr, qm.cpu(), None, True, 1.0)
+    assert float(re[:, :, 8:].min()) > 0.1  # informative in-range distributions
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+    err = (ent.double().cpu() - re).abs()
+    assert float(err[0].max()) < 1e-4, float(err[0].max())
+    if backend == "torch":
+        assert float(err[1].max()) < 1e-4
+    else:
+        assert bool((ent[1] == 0).all())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_lse_output(causal):
+    """The kernel's log-sum-exp output (``RETURN_LSE``, used by cascade attention on CUDA)
+    against float64 ``logsumexp``: GQA, padding (one sequence fully padded: lse -inf, output 0),
+    fewer queries than keys."""
+    _need("triton")
+    from icqs_fast.kernels.attention_entropy import attention_lse
+
+    b, hq, hk, tq, tk, d = 3, 4, 2, 11, 30, 16
+    q, k, v = _inputs(b, hq, hk, tq, tk, d)
+    am = torch.ones(b, tk, dtype=torch.bool, device=DEVICE)
+    am[1, :9] = False
+    am[2] = False
+    out, lse = attention_lse(q, k, v, scale=0.3, causal=causal, attention_mask=am)
+    ro, _ = reference64(q, k, v, torch.zeros(b, 2, dtype=torch.long),
+                        torch.zeros(b, tq, dtype=torch.bool), am, causal, 0.3)
+    kk = k.double().cpu().repeat_interleave(hq // hk, 1)
+    s = q.double().cpu() @ kk.transpose(-1, -2) * 0.3
+    allow = am.cpu()[:, None, None, :].expand(b, 1, tq, tk)
+    if causal:
+        allow = allow & (torch.arange(tk)[None, :] <= (tk - tq + torch.arange(tq))[:, None])
+    ref = torch.logsumexp(s.masked_fill(~allow, -math.inf), -1)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, tq)
+    assert bool(torch.isneginf(lse[2]).all()) and bool((out[2] == 0).all())
+    assert torch.allclose(lse[:2].double().cpu(), ref[:2], atol=1e-5)
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_launches_describe_the_launch(causal):
+    """``gpu_launches``: one launch from the launcher's settings function, the exact count of
+    allowed (query, key) pairs in its FLOPs, the entropy state as a constexpr switch."""
+    from icqs_fast.kernels import attention_entropy as ak
+
+    b, hq, hk, tq, tk, d = 2, 8, 2, 300, 700, 128
+    pairs = sum(min(tk, tk - tq + i + 1) if causal else tk for i in range(tq))
+    for ent in (True, False):
+        (ln,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, causal, entropy=ent)
+        cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16)
+        assert ln.grid == cfg.grid == (math.ceil(tq / cfg.block_m), b * hq, 1)
+        assert (ln.num_warps, ln.num_stages, ln.label) == (cfg.num_warps, cfg.num_stages,
+                                                           cfg.label)
+        assert ln.tensor_flops == 4 * d * b * hq * pairs and ln.elements == b * hq * pairs
+        assert ln.constexprs["WITH_ENTROPY"] is ent and ln.constexprs["CAUSAL"] is causal
+        assert ln.constexprs["BLOCK_M"] >= 64  # a wgmma tile per warpgroup on sm_90
+        assert list(ln.signature)[:3] == ["q_ptr", "k_ptr", "v_ptr"]
+        assert set(ln.signature) == set(ak._attn_entropy_fwd.arg_names)
+        io = (2 * b * hq * tq * d + 2 * b * hk * tk * d) * 2
+        assert ln.hbm_bytes == io + (b * hq * tq * 4 + b * tq + b * 16 if ent else 0)
 
 
 def test_torch_chunking_matches_unchunked():

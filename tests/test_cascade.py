@@ -113,3 +113,69 @@ def test_shared_tokens_are_computed_once(kind, monkeypatch):
     assert bank.forward_tokens - computed <= 47 + 10
     assert bank.forward_tokens - computed < sum(map(len, prefixes[1:])) // 2
     _assert_bank_equals_plain_forwards(model, bank, prefixes)
+
+
+def _force_fused(monkeypatch):
+    """Run cascade attention through the fused Triton kernel on CPU (the interpreter)."""
+    from icqs_fast import backends, cascade
+
+    if not backends.triton_interpreting():
+        pytest.skip("the fused path needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(cascade, "_use_fused", lambda device: True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", ["uniform", "irregular"])
+def test_fused_cascade_matches_current_path(kind, layout, monkeypatch):
+    """The CUDA path (fused Triton attention with LSE, run in the interpreter) gives the same
+    hidden states as the CPU path (``_attn_lse``) and the per-row KV-copy path: GQA (Llama) and
+    MHA (GPT-2), prefixes of different lengths (padded slots masked), uniform and irregular
+    entry groups."""
+    model = _model(kind)
+    g = torch.Generator().manual_seed(4)
+    bank = PrefixBank(model, 0, 10_000)
+    bank.add([torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)])
+    entries = [2, 0, 1, 0, 1, 2] if layout == "uniform" else [1, 0, 0, 2, 0, 1, 0]
+    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    h_copy, m_copy = suffix_hidden(model, bank, entries, suffixes, 0, cascade=False)
+    h_cpu, m_cpu = suffix_hidden(model, bank, entries, suffixes, 0, cascade=True)
+    _force_fused(monkeypatch)
+    h, m = suffix_hidden(model, bank, entries, suffixes, 0, cascade=True)
+    assert torch.equal(m, m_cpu) and torch.equal(m, m_copy)
+    torch.testing.assert_close(h[m], h_cpu[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h[m], h_copy[m], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_attn_lse_matches_attn_lse():
+    """``_fused_attn_lse`` against ``_attn_lse`` (the CPU path) on the two calls cascade
+    attention makes: grouped prefix queries against padded prefixes (key mask vs additive mask,
+    different lengths per entry) and causal GQA suffix attention (vs the grouped causal mask);
+    outputs and log-sum-exps, fp32."""
+    from icqs_fast import backends
+    from icqs_fast.cascade import _attn_lse, _fused_attn_lse, _grouped_causal_mask
+
+    if not backends.triton_interpreting():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(5)
+    # prefix part: G=3 entries of lengths 21, 6, 33 (P_max 33), Hk=2, 2 rows x group 2 x S 5
+    lens = torch.tensor([21, 6, 33])
+    q = torch.randn(3, 2, 20, 16, generator=g)
+    k = torch.randn(3, 2, 33, 16, generator=g) * 2
+    v = torch.randn(3, 2, 33, 16, generator=g)
+    key_ok = torch.arange(33)[None, :] < lens[:, None]
+    add = torch.zeros(3, 1, 1, 33).masked_fill(~key_ok[:, None, None, :], float("-inf"))
+    o_ref, l_ref = _attn_lse(q, k, v, add, 0.25)
+    o, lse = _fused_attn_lse(q, k, v, 0.25, key_ok=key_ok)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, l_ref, atol=1e-5, rtol=1e-5)
+    # suffix part: R=3 rows, Hq=4 over Hk=2, S=9, causal
+    r, hq, hk, s, d = 3, 4, 2, 9, 16
+    q = torch.randn(r, hq, s, d, generator=g)
+    k = torch.randn(r, hk, s, d, generator=g)
+    v = torch.randn(r, hk, s, d, generator=g)
+    o_ref, l_ref = _attn_lse(q.reshape(r, hk, 2 * s, d), k, v,
+                             _grouped_causal_mask(2, s, torch.float32, q.device), 0.3)
+    o, lse = _fused_attn_lse(q, k, v, 0.3, causal=True)
+    torch.testing.assert_close(o, o_ref.reshape(r, hq, s, d), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, l_ref.reshape(r, hq, s), atol=1e-5, rtol=1e-5)
