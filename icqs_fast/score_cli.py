@@ -404,6 +404,10 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
         log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
             f"record {start}")
     else:
+        # Empty the output before its settings change: a crash in between then leaves an empty
+        # output, never old records under new settings.
+        with open(out, "wb"):
+            pass
         _write_meta(out, settings)
 
     summary = Summary()
