@@ -153,16 +153,24 @@ class _Scorer(torch.nn.Module):
 
 
 def test_export():
+    """One export with a symbolic token count and batch size (the fake implementations' shapes
+    follow them), run on the example inputs and on inputs of other sizes."""
     m = _Scorer()
     h, _, _, t = _linear_inputs(torch.float32)
     z, idx = _stats_inputs(torch.float32)
-    ep = torch.export.export(m, (h, t, z, idx))
-    called = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    n, b = torch.export.Dim("n", min=2), torch.export.Dim("b", min=2)
+    ep = torch.export.export(m, (h, t, z, idx), dynamic_shapes=({0: n}, {0: n}, {0: b}, {0: b}))
+    called = {str(x.target) for x in ep.graph.nodes if x.op == "call_function"}
     for op in ("token_stats", "linear_token_stats", "selective_log_softmax",
                "entropy_from_logits"):
         assert f"icqs_fast.{op}.default" in called, (op, called)
-    # The exported program runs and agrees with eager, also on new inputs of the same shapes.
-    z2, idx2 = _stats_inputs(torch.float32)
-    for args in ((h, t, z, idx), (h * 2, t, z2, idx2)):
-        for g, e in zip(ep.module()(*args), m(*args), strict=True):
+    h2 = torch.randn(11, 16)
+    t2 = torch.randint(0, V, (11,))
+    t2[5] = -100
+    z2 = torch.randn(3, 5, V)
+    idx2 = torch.randint(0, V, (3, 5))
+    for args in ((h, t, z, idx), (h2, t2, z2, idx2)):
+        got, want = ep.module()(*args), m(*args)
+        for g, e in zip(got, want, strict=True):
+            assert g.shape == e.shape and g.dtype == e.dtype
             torch.testing.assert_close(g, e, atol=0, rtol=0)
