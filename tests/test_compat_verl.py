@@ -95,3 +95,14 @@ def test_errors():
     w = weight.clone().requires_grad_(True)
     with pytest.raises(RuntimeError, match="no_grad"):
         linear_logprobs_entropy(hidden, w, labels)
+
+
+def test_compiles_fullgraph():
+    # Through linear_token_stats' torch.library op: traced whole (any graph break fails).
+    hidden, weight, labels = _inputs((2, 3), 130, torch.float32)
+    f = torch.compile(linear_logprobs_entropy, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = f(hidden, weight, labels, 0.7)
+        want = linear_logprobs_entropy(hidden, weight, labels, 0.7)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
