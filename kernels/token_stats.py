@@ -123,6 +123,29 @@ def _step_masked(z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, belo
 
 
 @triton.jit
+def _combine_lanes(mz, s0, s1, s2, n, u1, u2, greater, eq_before, c, kz):
+    """Fold the per-lane states ``[L]`` into one (same algebra as ``state.merge``), at the
+    program's max ``y = max(mz) c``; the u sums move from each lane's max to the target's ``y``
+    (lanes without entries add nothing). Returns the max logit and scalar sums (base-2 units)."""
+    mzp = tl.reduce(mz, 0, _max_combine)
+    my_safe = tl.where(mzp > float("-inf"), mzp * c, 0.0)
+    m = mz * c
+    nonempty = s0 > 0
+    dm = tl.where(nonempty, m - my_safe, 0.0)
+    w = tl.where(nonempty, tl.exp2(dm), 0.0)
+    S0 = tl.reduce(w * s0, 0, _sum_combine)
+    S1 = tl.reduce(w * (s1 + dm * s0), 0, _sum_combine)
+    S2 = tl.reduce(w * (s2 + dm * (2.0 * s1 + dm * s0)), 0, _sum_combine)
+    du = tl.where(n > 0, m - kz * c, 0.0)
+    U1 = tl.reduce(u1 + n * du, 0, _sum_combine)
+    U2 = tl.reduce(u2 + du * (2.0 * u1 + n * du), 0, _sum_combine)
+    N = tl.reduce(n, 0, _sum_combine)
+    G = tl.reduce(greater.to(tl.int32), 0, _sum_combine)
+    E = tl.reduce(eq_before.to(tl.int32), 0, _sum_combine)
+    return mzp, S0, S1, S2, N, U1, U2, G, E
+
+
+@triton.jit
 def _token_stats_kernel(
     z_ptr,
     targets_ptr,
@@ -137,6 +160,7 @@ def _token_stats_kernel(
     inv_temp_lo,
     BLOCK_V: tl.constexpr,
     R: tl.constexpr,
+    SLOW_BLOCK: tl.constexpr,
 ):
     # Program (row, split) reduces columns [split * chunk, (split + 1) * chunk) of its row to one
     # partial state; splits > 1 only for small N (vocabulary-parallel), merged by the caller.
@@ -189,34 +213,34 @@ def _token_stats_kernel(
             c, ONLY_INB=True)
     ok = (tl.abs(u1) < float("inf")) & (tl.abs(u2) < float("inf")) \
         & (tl.abs(s1) < float("inf")) & (tl.abs(s2) < float("inf"))
-    if tl.reduce(ok.to(tl.int32), 0, _min_combine) == 0:
+    if tl.reduce(ok.to(tl.int32), 0, _min_combine) == 1:
+        mzp, S0, S1, S2, N, U1, U2, G, E = _combine_lanes(
+            mz, s0, s1, s2, n, u1, u2, greater, eq_before, c, kz)
+    else:
         # Some logit is -inf / +inf / NaN (or a sum overflowed): redo the chunk skipping
-        # non-finite entries, as the torch reference does. Costs a second read of such rows.
-        mz = tl.full((L,), float("-inf"), tl.float32)
-        s0 = tl.zeros((L,), tl.float32)
-        s1 = tl.zeros((L,), tl.float32)
-        s2 = tl.zeros((L,), tl.float32)
-        u1 = tl.zeros((L,), tl.float32)
-        u2 = tl.zeros((L,), tl.float32)
-        n = tl.zeros((L,), tl.float32)
-        greater = tl.zeros((L,), tl.float32)
-        eq_before = tl.zeros((L,), tl.float32)
-        for start in range(c0, c1, BLOCK_V):
-            inb = start + offs < c1
-            z = tl.load(z_row + start + offs, mask=inb, other=0.0).to(tl.float32)
-            mz, s0, s1, s2, n, u1, u2, greater, eq_before = _step_masked(
-                z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, offs < t - start,
-                c, ONLY_INB=False)
-    # Combine the lanes once (same algebra as state.merge) at the program's max y = my.
-    mzp = tl.reduce(mz, 0, _max_combine)
+        # non-finite entries, as the torch reference does (a second read of such rows only).
+        # Smaller tiles than the fast loop: this loop is cold, so it need not be wide.
+        SL: tl.constexpr = SLOW_BLOCK // R
+        offs_s = tl.arange(0, SL)[:, None] * R + tl.arange(0, R)[None, :]
+        # (own names: the slow tiles' lane vectors have another shape than the fast ones)
+        mz2 = tl.full((SL,), float("-inf"), tl.float32)
+        a0 = tl.zeros((SL,), tl.float32)
+        a1 = tl.zeros((SL,), tl.float32)
+        a2 = tl.zeros((SL,), tl.float32)
+        v1 = tl.zeros((SL,), tl.float32)
+        v2 = tl.zeros((SL,), tl.float32)
+        cnt = tl.zeros((SL,), tl.float32)
+        gt = tl.zeros((SL,), tl.float32)
+        eq = tl.zeros((SL,), tl.float32)
+        for start in range(c0, c1, SLOW_BLOCK):
+            inb = start + offs_s < c1
+            z = tl.load(z_row + start + offs_s, mask=inb, other=0.0).to(tl.float32)
+            mz2, a0, a1, a2, cnt, v1, v2, gt, eq = _step_masked(
+                z, inb, mz2, a0, a1, a2, cnt, v1, v2, gt, eq, zt, offs_s < t - start, c,
+                ONLY_INB=False)
+        mzp, S0, S1, S2, N, U1, U2, G, E = _combine_lanes(
+            mz2, a0, a1, a2, cnt, v1, v2, gt, eq, c, kz)
     my_safe = tl.where(mzp > float("-inf"), mzp * c, 0.0)
-    m = mz * c
-    nonempty = s0 > 0
-    dm = tl.where(nonempty, m - my_safe, 0.0)
-    w = tl.where(nonempty, tl.exp2(dm), 0.0)
-    S0 = tl.reduce(w * s0, 0, _sum_combine)
-    S1 = tl.reduce(w * (s1 + dm * s0), 0, _sum_combine)
-    S2 = tl.reduce(w * (s2 + dm * (2.0 * s1 + dm * s0)), 0, _sum_combine)
     # To x = z / T units: 2^d = e^(d ln 2). The origin my is exactly x = ln2 my - mz (ln2 c - 1/T)
     # (c carries the fp32 rounding of log2(e) / T; float64 here, 1/T = inv_temp + inv_temp_lo).
     # The stored fp32 origin mx misses it by up to half an ulp (5e-4 at 1e4), so the moments
@@ -235,16 +259,12 @@ def _token_stats_kernel(
     tl.store(out + 1, S0)
     tl.store(out + 2, S1 * r)
     tl.store(out + 3, S2 * (r * r))
-    # u sums: from each lane's max to the target's y (lanes without entries add nothing).
-    du = tl.where(n > 0, m - kz * c, 0.0)
-    U1 = tl.reduce(u1 + n * du, 0, _sum_combine)
-    U2 = tl.reduce(u2 + du * (2.0 * u1 + n * du), 0, _sum_combine)
-    tl.store(out + 4, tl.reduce(n, 0, _sum_combine))
+    tl.store(out + 4, N)
     tl.store(out + 5, U1 * r)
     tl.store(out + 6, U2 * (r * r))
-    cnt = counts_ptr + (split * n_rows + row) * 2
-    tl.store(cnt, tl.reduce(greater.to(tl.int32), 0, _sum_combine).to(tl.int64))
-    tl.store(cnt + 1, tl.reduce(eq_before.to(tl.int32), 0, _sum_combine).to(tl.int64))
+    counts_out = counts_ptr + (split * n_rows + row) * 2
+    tl.store(counts_out, G.to(tl.int64))
+    tl.store(counts_out + 1, E.to(tl.int64))
 
 
 # Programs that keep every SM of an H100 (132 SMs) busy a few times over; below this many rows
@@ -261,12 +281,15 @@ class TokenStatsSettings:
     Attributes:
         block_v: logits per program per loop iteration (a ``[block_v // lane, lane]`` tile).
         lane: consecutive logits one lane owns (16 bytes: 8 fp16/bf16, 4 fp32).
+        slow_block: tile of the masked re-read for rows holding non-finite logits (a quarter
+            of ``block_v``: a cold loop, kept smaller than the hot one).
         splits: programs per row (vocabulary-parallel for small N); ``chunk`` columns each.
         grid: ``(n, splits, 1)``.
     """
 
     block_v: int
     lane: int
+    slow_block: int
     num_warps: int
     num_stages: int
     splits: int
@@ -300,7 +323,8 @@ def token_stats_settings(n: int, v: int, dtype: torch.dtype, block_v: int | None
     splits = triton.cdiv(v, chunk)
     # Two lanes per thread: 16 logits of 16-bit (32 bytes) in flight per thread per iteration.
     num_warps = max(1, min(8, block_v // (lane * 32 * 2)))
-    return TokenStatsSettings(block_v=block_v, lane=lane, num_warps=num_warps, num_stages=1,
+    return TokenStatsSettings(block_v=block_v, lane=lane, slow_block=max(block_v // 4, lane),
+                              num_warps=num_warps, num_stages=1,
                               splits=splits, chunk=chunk, grid=(n, splits, 1))
 
 
@@ -308,7 +332,7 @@ def _signature(dtype: torch.dtype) -> dict[str, str]:
     return {"z_ptr": ptr(dtype), "targets_ptr": "*i64", "z_target_ptr": "*fp32",
             "state_ptr": "*fp32", "counts_ptr": "*i64", "n_rows": "i32", "V": "i32",
             "stride_row": "i32", "chunk": "i32", "inv_temp": "fp32", "inv_temp_lo": "fp32",
-            "BLOCK_V": "constexpr", "R": "constexpr"}
+            "BLOCK_V": "constexpr", "R": "constexpr", "SLOW_BLOCK": "constexpr"}
 
 
 def gpu_launches(n: int, v: int, dtype: torch.dtype) -> list[Launch]:
@@ -333,7 +357,8 @@ def gpu_launches(n: int, v: int, dtype: torch.dtype) -> list[Launch]:
     full = sum((min(cfg.chunk, v - s * cfg.chunk)) // cfg.block_v for s in range(cfg.splits))
     return [Launch(
         kernel="token_stats", fn=_token_stats_kernel, signature=_signature(dtype),
-        constexprs={"BLOCK_V": cfg.block_v, "R": cfg.lane}, num_warps=cfg.num_warps,
+        constexprs={"BLOCK_V": cfg.block_v, "R": cfg.lane, "SLOW_BLOCK": cfg.slow_block},
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, grid=cfg.grid, hbm_bytes=hbm, elements=n * v,
         loop_iters=full / cfg.splits, loop_elements=cfg.block_v, label=cfg.label,
         extra={"divisible_by_16": div16, "splits": cfg.splits},
@@ -363,5 +388,6 @@ def launch_token_stats(z: torch.Tensor, targets: torch.Tensor, z_t: torch.Tensor
     _token_stats_kernel[cfg.grid](
         z, targets, z_t, state, counts, n, v, stride, cfg.chunk, inv_temp_hi,
         inv_temp - inv_temp_hi,
-        BLOCK_V=cfg.block_v, R=cfg.lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_V=cfg.block_v, R=cfg.lane, SLOW_BLOCK=cfg.slow_block, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )

@@ -279,7 +279,8 @@ def test_gpu_launches_match_settings():
         (launch,) = _k.gpu_launches(n, v, dtype)
         cfg = _k.token_stats_settings(n, v, dtype)
         assert launch.grid == (n, cfg.splits, 1) == cfg.grid
-        assert launch.constexprs == {"BLOCK_V": cfg.block_v, "R": cfg.lane}
+        assert launch.constexprs == {"BLOCK_V": cfg.block_v, "R": cfg.lane,
+                                     "SLOW_BLOCK": cfg.slow_block}
         assert launch.num_warps == cfg.num_warps and launch.label == cfg.label
         assert cfg.splits * cfg.chunk >= v > (cfg.splits - 1) * cfg.chunk
         assert cfg.chunk % cfg.block_v == 0
