@@ -10,6 +10,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from _helpers import DEVICE  # noqa: E402,F401
+from hypothesis import settings  # noqa: E402
+
+# Every hypothesis test, whatever its own @settings add: the same examples on every run and
+# machine, nothing stored between runs, no per-example deadline (a busy machine is not a bug).
+settings.register_profile("icqs", derandomize=True, database=None, deadline=None)
+settings.load_profile("icqs")
 
 
 @pytest.fixture(autouse=True)
