@@ -31,7 +31,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -718,6 +718,182 @@ def read_resume_state(path: PathLike) -> ResumeState:
                                  "cannot resume this file")
             last, count, end = obj, count + 1, pos
     return ResumeState(last=last, count=count, end=end)
+
+
+# --------------------------------------------------------------------------- output runs
+# What every command writing a results file shares (``score``, ``features``): the settings file
+# ``OUT.meta.json`` (the resume fingerprint), the resume plan, skipped-record lines.
+
+
+def meta_path(output: PathLike) -> Path:
+    """The settings file written next to the results (``OUT.meta.json``)."""
+    return Path(f"{os.fspath(output)}.meta.json")
+
+
+def write_meta(output: PathLike, settings: dict) -> None:
+    """Write ``OUT.meta.json`` whole, then rename it into place (a crash never leaves a
+    half-written settings file)."""
+    mp = meta_path(output)
+    tmp = mp.with_name(mp.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(settings, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, mp)
+
+
+def skipped_record(err: RecordError) -> dict:
+    """The output line of a bad record skipped with ``--on-error skip``: ``index``, ``line``
+    and ``error`` (``field``, ``reason``); it keeps the record's place in the output, so a
+    resume neither redoes nor loses it."""
+    return {"index": err.index, "line": err.line,
+            "error": {"field": err.field, "reason": err.reason}}
+
+
+def runtime_settings(model: Any, backend: str) -> dict:
+    """The model-side part of the resume fingerprint: the weights' dtype, the device type and
+    the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
+    read from the loaded model's parameters."""
+    from . import backends
+
+    p = next(model.parameters())
+    return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+            "backend": backends.resolve(backend, p.device)}
+
+
+RUNTIME_KEYS = ("dtype", "device", "backend")
+
+
+def check_run_paths(input: str, resume: bool, overwrite: bool) -> None:
+    """The checks before an output is locked: the input exists and is a file (``"-"`` is
+    standard input), and at most one of ``resume`` / ``overwrite``."""
+    if input != "-" and not os.path.exists(input):
+        raise FileNotFoundError(f"no such input file: {input}")
+    if input != "-" and os.path.isdir(input):
+        raise InputError(input, None, None, "is a folder, not an input file")
+    if resume and overwrite:
+        raise ValueError("choose at most one of --resume and --overwrite")
+
+
+@dataclass
+class OutputPlan:
+    """How a run treats its output (from :func:`plan_output`).
+
+    Attributes:
+        out: the results file.
+        append: resuming an existing output (else it is emptied by :func:`start_output`).
+        start: the first input record index to write (0 unless resuming).
+        last: the last complete record already there (None if none).
+        state: what the existing file holds (resuming only).
+        old: the settings in its ``OUT.meta.json`` (None without one).
+    """
+
+    out: Path
+    append: bool = False
+    start: int = 0
+    last: dict | None = None
+    state: ResumeState | None = None
+    old: dict | None = None
+
+
+def _refusal(out: Path, old: dict, new: dict, keys: Iterable[str]) -> ValueError | None:
+    diff = sorted(k for k in keys if old.get(k) != new[k])
+    if not diff:
+        return None
+    what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
+                     f"{k}: not recorded there" for k in diff)
+    return ValueError(f"cannot --resume {out}: it was written with other settings ({what}); "
+                      "use another output or --overwrite")
+
+
+def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool) -> OutputPlan:
+    """Decide, before the model is loaded (to fail fast), what to do with ``out``.
+
+    With ``resume`` and an existing output: where to continue, after checking that every key of
+    ``settings`` matches its ``OUT.meta.json``. Without: an existing non-empty output is only
+    replaced with ``overwrite``.
+
+    Raises:
+        ValueError: other settings there, or an existing output without ``--resume`` /
+            ``--overwrite``.
+        InputError: an output that is not a results file.
+    """
+    out = Path(out)
+    if resume and out.exists():
+        state = read_resume_state(out)
+        old = None
+        mp = meta_path(out)
+        if mp.is_file():
+            old = json.loads(mp.read_text(encoding="utf-8"))
+            err = _refusal(out, old, settings, settings)
+            if err is not None:
+                raise err
+        last = state.last
+        return OutputPlan(out, append=True, start=last["index"] + 1 if last is not None else 0,
+                          last=last, state=state, old=old)
+    if out.exists() and out.stat().st_size > 0 and not overwrite and not resume:
+        raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
+    return OutputPlan(out)
+
+
+def check_runtime(plan: OutputPlan, settings: dict) -> None:
+    """After the model is loaded: a resumed output must have been written with the same
+    :data:`RUNTIME_KEYS` (dtype, device, backend) as ``settings`` (ValueError otherwise)."""
+    if plan.old is not None:
+        err = _refusal(plan.out, plan.old, settings, RUNTIME_KEYS)
+        if err is not None:
+            raise err
+
+
+def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> None:
+    """Make the output ready for writing: when resuming, truncate a record cut off mid-write;
+    else empty it, then write ``OUT.meta.json`` (a crash in between leaves an empty output,
+    never old records under new settings)."""
+    out = plan.out
+    if plan.append:
+        assert plan.state is not None
+        if out.stat().st_size != plan.state.end:
+            with open(out, "r+b") as f:  # drop a record cut off mid-write
+                f.truncate(plan.state.end)
+            log(f"icqs-fast: removed an incomplete last line from {out}")
+        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
+            f"record {plan.start}")
+    else:
+        with open(out, "wb"):
+            pass
+        write_meta(out, settings)
+
+
+def resume_check_needed(plan: OutputPlan) -> bool:
+    """Whether the resumed output's last record has an id to compare with the input's record
+    at that index (a skipped record's line has none)."""
+    last = plan.last
+    return last is not None and "id" in last and "error" not in last
+
+
+def checked_resume(records: Iterator[Record | RecordError], last: dict, path: str, *,
+                   keep: bool = False) -> Iterator[Record | RecordError]:
+    """Pass ``records`` through, checking that the record at ``last["index"]`` (the output's
+    last record) still has ``last["id"]``; that record is dropped unless ``keep``.
+
+    Raises:
+        ValueError: it has another id, or is now a bad record (the input changed).
+    """
+    pending = True
+    for rec in records:
+        if pending and rec.index >= last["index"]:
+            pending = False
+            if rec.index == last["index"]:
+                if isinstance(rec, RecordError) or rec.id != last["id"]:
+                    got = "is now a bad record" if isinstance(rec, RecordError) else \
+                        f"has id {rec.id!r}"
+                    raise ValueError(
+                        f"cannot --resume: {path}:{rec.line} (record {rec.index}) {got} but the "
+                        f"output's last record has id {last['id']!r}; the input changed since "
+                        "the output was written")
+                if not keep:
+                    continue
+        yield rec
 
 
 # --------------------------------------------------------------------------- real data

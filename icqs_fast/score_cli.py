@@ -31,15 +31,23 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .io import (
+from .io import (  # noqa: F401 - meta_path, skipped_record, runtime_settings: public here too
     InputError,
     JsonlWriter,
     OutputLock,
     Record,
     RecordError,
+    check_run_paths,
+    check_runtime,
+    checked_resume,
+    meta_path,
+    plan_output,
     read_examples,
     read_records,
-    read_resume_state,
+    resume_check_needed,
+    runtime_settings,
+    skipped_record,
+    start_output,
 )
 
 ON_ERROR = ("stop", "skip")
@@ -288,64 +296,13 @@ def _settings(args: argparse.Namespace, template_spec: dict | None) -> dict:
     }
 
 
-def meta_path(output: str | os.PathLike) -> Path:
-    """The settings file written next to the results (``OUT.meta.json``)."""
-    return Path(f"{os.fspath(output)}.meta.json")
-
-
-def runtime_settings(model: Any, backend: str) -> dict:
-    """The model-side part of the resume fingerprint: the weights' dtype, the device type and
-    the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
-    read from the loaded model's parameters."""
-    from . import backends
-
-    p = next(model.parameters())
-    return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
-            "backend": backends.resolve(backend, p.device)}
-
-
-def _differ(old: dict, new: dict, keys: Iterable[str]) -> list[str]:
-    return sorted(k for k in keys if old.get(k) != new[k])
-
-
-def _refuse(out: Path, old: dict, new: dict, diff: list[str]) -> ValueError:
-    what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
-                     f"{k}: not recorded there" for k in diff)
-    return ValueError(f"cannot --resume {out}: it was written with other settings ({what}); "
-                      "use another output or --overwrite")
-
-
-def _write_meta(out: Path, settings: dict) -> None:
-    # Written whole then renamed, so a crash never leaves a half-written settings file.
-    mp = meta_path(out)
-    tmp = mp.with_name(mp.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(settings, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, mp)
-
-
-def skipped_record(err: RecordError) -> dict:
-    """The output line of a bad record skipped with ``--on-error skip``: ``index``, ``line``
-    and ``error`` (``field``, ``reason``); it keeps the record's place in the output, so a
-    resume neither redoes nor loses it."""
-    return {"index": err.index, "line": err.line,
-            "error": {"field": err.field, "reason": err.reason}}
-
-
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     out = Path(args.output)
     for name in ("good", "bad"):
         if not os.path.isfile(getattr(args, name)):
             raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
-    if args.input != "-" and not os.path.exists(args.input):
-        raise FileNotFoundError(f"no such input file: {args.input}")
-    if args.input != "-" and os.path.isdir(args.input):
-        raise InputError(args.input, None, None, "is a folder, not an input file")
-    if args.resume and args.overwrite:
-        raise ValueError("choose at most one of --resume and --overwrite")
+    check_run_paths(args.input, args.resume, args.overwrite)
     # Held until this process ends (or crashes: the OS drops it), before the output is touched.
     with OutputLock(out):
         return _run_locked(args, out, log)
@@ -358,21 +315,7 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     template, template_spec = _load_template(args.template)
     settings = _settings(args, template_spec)
 
-    start, last, append, old = 0, None, False, None
-    if args.resume and out.exists():
-        state = read_resume_state(out)
-        mp = meta_path(out)
-        if mp.is_file():
-            old = json.loads(mp.read_text(encoding="utf-8"))
-            diff = _differ(old, settings, settings)  # before the model is loaded: fail fast
-            if diff:
-                raise _refuse(out, old, settings, diff)
-        last = state.last
-        start = last["index"] + 1 if last is not None else 0
-        append = True
-        cut = out.stat().st_size != state.end
-    elif out.exists() and out.stat().st_size > 0 and not args.overwrite and not args.resume:
-        raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
+    plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
 
     ex_kw = dict(x_field=args.x_field, y_field=args.y_field, encoding=args.encoding)
     good = read_examples(args.good, **ex_kw)
@@ -382,10 +325,7 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     t_load = time.perf_counter() - t_load
     settings.update(runtime_settings(model, args.backend))
-    if old is not None:
-        diff = _differ(old, settings, ("dtype", "device", "backend"))
-        if diff:
-            raise _refuse(out, old, settings, diff)
+    check_runtime(plan, settings)
     scorer = ICQSScorer(
         model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
         sets_per_ratio=args.sets_per_ratio, template=template, seed=args.seed,
@@ -396,26 +336,14 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
         f"demonstrations, {args.num_ratios} ratios x {args.sets_per_ratio} sets of "
         f"{args.demos_per_set}")
-    if append:
-        if cut:
-            with open(out, "r+b") as f:  # drop a record cut off mid-write
-                f.truncate(state.end)
-            log(f"icqs-fast: removed an incomplete last line from {out}")
-        log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
-            f"record {start}")
-    else:
-        # Empty the output before its settings change: a crash in between then leaves an empty
-        # output, never old records under new settings.
-        with open(out, "wb"):
-            pass
-        _write_meta(out, settings)
+    start_output(plan, settings, log)
 
     summary = Summary()
     path_name = "<stdin>" if args.input == "-" else args.input
     with_label = args.label_field is not None
     # Resuming after a scored record with an id: read that record again and check it is the
     # same one (a skipped record's line has no id to compare).
-    check = last is not None and "id" in last and "error" not in last
+    check, start = resume_check_needed(plan), plan.start
     records = read_records(
         args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
         id_field=args.id_field, label_field=args.label_field, encoding=args.encoding,
@@ -423,9 +351,9 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
         allow_empty=start > 0,
     )
     if check:
-        records = _checked(records, last, path_name)
+        records = checked_resume(records, plan.last, path_name)
 
-    with JsonlWriter(out, append=append) as writer:
+    with JsonlWriter(out, append=plan.append) as writer:
         def skip(err: RecordError) -> None:
             writer.write(skipped_record(err))
             summary.skipped += 1
@@ -448,22 +376,3 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
             return 130
     log(summary.text("icqs-fast: "))
     return 0
-
-
-def _checked(records: Iterator[Record | RecordError], last: dict, path: str
-             ) -> Iterator[Record | RecordError]:
-    """Drop the already-written record ``last["index"]``, checking its id still matches."""
-    first = True
-    for rec in records:
-        if first:
-            first = False
-            if rec.index == last["index"]:
-                if isinstance(rec, RecordError) or rec.id != last["id"]:
-                    got = "is now a bad record" if isinstance(rec, RecordError) else \
-                        f"has id {rec.id!r}"
-                    raise ValueError(
-                        f"cannot --resume: {path}:{rec.line} (record {rec.index}) {got} but the "
-                        f"output's last record has id {last['id']!r}; the input changed since "
-                        "the output was written")
-                continue
-        yield rec
