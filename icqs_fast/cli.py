@@ -15,6 +15,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("info",), "icqs_fast.info", "versions, device and available backends"),
     (("demo",), "icqs_fast.demo", "score a small built-in set with the embedded model"),
     (("score",), "icqs_fast.score_cli", "score responses from a JSONL/CSV/TSV file with ICQS"),
+    (("features",), "icqs_fast.features_cli", "glass-box features of a file's responses"),
     (("bench", "kernels"), "icqs_fast.benchmarks.kernels", "token-statistics kernels vs torch"),
     (("bench", "icqs"), "icqs_fast.benchmarks.icqs", "ICQS engine vs the naive method"),
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
