@@ -1,9 +1,10 @@
 """The bad-input corpus (``tests/data/bad/``) through every command that reads files.
 
-``icqs-fast score`` (input and ``--good``/``--bad`` files) and ``icqs-fast eval mtbench --data``
-(its JSONL files) must answer each bad file with exit code 2 and an error naming the file, the
-line and the field (where there is one), and ``score`` must keep every record scored before the
-bad one; ``--resume`` after fixing the input completes the file exactly as an uninterrupted run.
+``icqs-fast score`` (input and ``--good``/``--bad`` files), ``icqs-fast features`` (input) and
+``icqs-fast eval mtbench --data`` (its JSONL files) must answer each bad file with exit code 2 and
+an error naming the file, the line and the field (where there is one), and ``score`` and
+``features`` must keep every record scored before the bad one; ``--resume`` after fixing the
+input completes the file exactly as an uninterrupted run.
 In each corpus file the bad record is the third (line 3; line 4 of a CSV, after its header).
 The 10 MB line is generated here (not committed). Parquet input does not exist yet, so there is
 no wrong-schema Parquet case.
@@ -197,6 +198,67 @@ def test_bad_demonstration_file(name, score, tmp_path, capsys):
     else:
         assert f"icqs-fast: error: {BAD / name}" in err or f"--good file: {BAD / name}" in err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- icqs-fast features
+
+FKW = ["--features", "sent_logprob,softmax_combo,attn_ent_avg", "--dtype", "float32", "--device",
+       "cpu", "--quiet"]
+
+
+@pytest.fixture
+def features(tiny, monkeypatch):
+    """``icqs-fast features INPUT -o OUT`` with the tiny model (loaded once for the module)."""
+    model_dir, loaded = tiny
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
+
+    def run(inp, out, *extra):
+        return main(["features", str(inp), "-o", str(out), "--model", str(model_dir), *FKW,
+                     *extra])
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_features_stops_with_exit_2_and_keeps_earlier_records(name, features, tmp_path, capsys):
+    path = _corpus(name, tmp_path)
+    line, _, msg = CASES[name]
+    out = tmp_path / "out.jsonl"
+    assert features(path, out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"icqs-fast: error: {path}:{line}: ") and re.search(msg, err), err
+    rows = _rows(out)
+    assert [(r["index"], r["id"]) for r in rows] == [(0, "r0"), (1, "r1")]
+    assert all(isinstance(r["sent_logprob"], float) for r in rows)
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_FILE))
+def test_features_whole_file_errors(name, features, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert features(BAD / name, out) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"icqs-fast: error: {BAD / name}: {WHOLE_FILE[name]}", err), err
+    assert not out.exists() or _rows(out) == []
+
+
+def test_features_skip_mode_and_resume_after_fixing(features, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert features(BAD / "wrong_type.jsonl", out, "--on-error", "skip") == 0
+    rows = _rows(out)
+    assert [r["index"] for r in rows] == list(range(5))
+    assert rows[2] == {"index": 2, "line": 3,
+                       "error": {"field": "y", "reason": "must be a string, got int 5"}}
+    # Stopped at the bad record, fixed, resumed: the same bytes as an uninterrupted run.
+    inp = tmp_path / "in.jsonl"
+    shutil.copy(BAD / "truncated.jsonl", inp)
+    out = tmp_path / "out2.jsonl"
+    assert features(inp, out) == 2
+    text = inp.read_bytes().splitlines(keepends=True)
+    text[2] = (json.dumps({"id": "r2", "x": "sales up 2%", "y": "positive"}) + "\n").encode()
+    inp.write_bytes(b"".join(text))
+    assert features(inp, out, "--resume") == 0
+    ref = tmp_path / "ref.jsonl"
+    assert features(inp, ref) == 0
+    assert out.read_bytes() == ref.read_bytes()
 
 
 # --------------------------------------------------------------------------- eval mtbench

@@ -1,8 +1,8 @@
-"""Crash-safe resume, proven: ``icqs-fast score`` runs in a separate process that is SIGKILLed
-at seeded points (between records, in the middle of writing a line, during a resumed run, and
-from outside while it holds the output lock), is resumed with ``--resume``, and must end with
-exactly the bytes of an uninterrupted run: same records in the same order, none lost, none
-duplicated.
+"""Crash-safe resume, proven: ``icqs-fast score`` (and ``icqs-fast features``, at the end) runs
+in a separate process that is SIGKILLed at seeded points (between records, in the middle of
+writing a line, during a resumed run, and from outside while it holds the output lock), is
+resumed with ``--resume``, and must end with exactly the bytes of an uninterrupted run: same
+records in the same order, none lost, none duplicated.
 
 Kill points are chosen by records written, through the writer's ``ICQS_FAST_TEST_CRASH`` hook
 (the process kills itself at the chosen write), never by wall time, so every run is killed where
@@ -102,9 +102,9 @@ class _Run:
     """One ``icqs-fast score`` in its own process; ``wait()`` gives (exit code, stderr).
     ``fresh``: a new ``python -m icqs_fast.cli`` interpreter instead of a fork-server child."""
 
-    def __init__(self, setup, inp, out, crash, *extra, fresh=False):
+    def __init__(self, setup, inp, out, crash, *extra, fresh=False, argv_of=None):
         self.err = f"{out}.{time.monotonic_ns()}.stderr"
-        argv = _args(setup, inp, out, *extra)
+        argv = (argv_of or _args)(setup, inp, out, *extra)
         if fresh:
             env = dict(os.environ, TRITON_INTERPRET="1")
             env.pop("ICQS_FAST_TEST_CRASH", None)
@@ -138,13 +138,13 @@ class _Run:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _spawn(setup, inp, out, crash, *extra, fresh=False):
-    return _Run(setup, inp, out, crash, *extra, fresh=fresh)
+def _spawn(setup, inp, out, crash, *extra, fresh=False, argv_of=None):
+    return _Run(setup, inp, out, crash, *extra, fresh=fresh, argv_of=argv_of)
 
 
-def _killed_at(setup, inp, out, crash, *extra):
+def _killed_at(setup, inp, out, crash, *extra, argv_of=None):
     """Run until the hook kills the process; check that it died by SIGKILL."""
-    code, err = _spawn(setup, inp, out, crash, *extra).wait()
+    code, err = _spawn(setup, inp, out, crash, *extra, argv_of=argv_of).wait()
     assert code == -signal.SIGKILL, (crash, code, err[-2000:])
 
 
@@ -247,4 +247,86 @@ def test_second_writer_refused_and_lock_released_on_crash(setup, reference, tmp_
         code, _ = first.wait(60)
     assert code == -signal.SIGKILL
     assert main(_args(setup, inp, out, "--resume")) == 0
+    _check_same(out, ref)
+
+
+# --------------------------------------------------------------------------- icqs-fast features
+# The same kills, resumes and lock for the glass-box command. Chunks of 3 records (one glassbox
+# call each, in batches of 2), so kills land inside a chunk and the resume recomputes it.
+FKW = ["--features", "sent_logprob,softmax_ent,softmax_combo,attn_ent_avg", "--batch-size", "2",
+       "--chunk-size", "3", "--dtype", "float32", "--device", "cpu", "--quiet"]
+
+
+def _fargs(setup, inp, out, *extra):
+    return ["features", str(inp), "-o", str(out), "--model", str(setup[1]), *FKW, *extra]
+
+
+@pytest.fixture(scope="module")
+def freference(setup, reference):
+    """Uninterrupted ``features`` runs (in this process) on the same inputs, stop and skip."""
+    inp, _, skip_inp, _ = reference
+    d = setup[0]
+    out, skip_out = d / "fref.jsonl", d / "fref_skip.jsonl"
+    assert main(_fargs(setup, inp, out)) == 0
+    assert main(_fargs(setup, skip_inp, skip_out, "--on-error", "skip")) == 0
+    return inp, out.read_bytes(), skip_inp, skip_out.read_bytes()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_features_killed_then_resumed_equals_uninterrupted(setup, freference, tmp_path, seed):
+    inp, ref, _, _ = freference
+    out = tmp_path / "out.jsonl"
+    mode, n = _kill_points(seed + 10)
+    if seed == 0:
+        mode = "mid"
+    _killed_at(setup, inp, out, f"{mode}:{n}", argv_of=_fargs)
+    lines = _lines(out)
+    complete = [ln for ln in lines if ln.endswith(b"\n")]
+    assert [json.loads(ln)["index"] for ln in complete] == list(range(n))
+    assert len(lines) == n + (mode == "mid")
+    if seed == 2:
+        _killed_at(setup, inp, out, "before:1", "--resume", argv_of=_fargs)
+        assert len(_lines(out)) == n + 1  # the resume wrote one more record, then died
+    assert main(_fargs(setup, inp, out, "--resume")) == 0
+    _check_same(out, ref)
+    assert main(_fargs(setup, inp, out, "--resume")) == 0
+    assert out.read_bytes() == ref
+
+
+def test_features_skip_mode_killed_then_resumed(setup, freference, tmp_path):
+    _, _, inp, ref = freference
+    out = tmp_path / "out.jsonl"
+    _killed_at(setup, inp, out, "mid:3", "--on-error", "skip", argv_of=_fargs)
+    assert [json.loads(ln)["index"] for ln in _lines(out)[:3]] == [0, 1, 2]
+    assert main(_fargs(setup, inp, out, "--resume", "--on-error", "skip")) == 0
+    _check_same(out, ref)
+    rows = [json.loads(line) for line in ref.splitlines()]
+    assert [r["index"] for r in rows if "error" in r] == [3, 6]
+    assert all("sent_logprob" in r for r in rows if "error" not in r)
+    # A resume in stop mode passes the skipped lines already there (they are not redone).
+    out.write_bytes(b"".join(ref.splitlines(keepends=True)[:5]))
+    assert main(_fargs(setup, inp, out, "--resume")) == 2  # record 6 is bad: stops there
+    assert out.read_bytes() == b"".join(ref.splitlines(keepends=True)[:6])
+
+
+def test_features_second_writer_refused_and_lock_released_on_crash(setup, freference, tmp_path):
+    inp, ref, _, _ = freference
+    out = tmp_path / "out.jsonl"
+    first = _spawn(setup, inp, out, "hold:1", argv_of=_fargs)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_lines(out) if out.exists() else []) < 2:
+            assert first.running(), first.wait()[1][-2000:]
+            assert time.monotonic() < deadline, "the first writer never wrote 2 records"
+            time.sleep(0.1)
+        code, err = _spawn(setup, inp, out, None, "--resume", argv_of=_fargs).wait()
+        assert code == 2, err
+        assert (f"icqs-fast: error: {out} is being written by another icqs-fast process "
+                f"(pid {first.pid}; lock {out}.lock)") in err
+        assert len(_lines(out)) == 2
+    finally:
+        first.kill()
+        code, _ = first.wait(60)
+    assert code == -signal.SIGKILL
+    assert main(_fargs(setup, inp, out, "--resume")) == 0
     _check_same(out, ref)
