@@ -2,10 +2,24 @@
 ``ops.linear_token_stats``.
 
 Program ``(i, c)`` computes the logits tile ``hidden[rows_i] @ weight[cols].T (+ bias)`` for each
-``BLOCK_N``-wide tile of vocabulary chunk ``c`` in registers, folds it into per-row shifted states
-(the same ``m, s0, s1, s2, n, u1, u2`` + rank counts as ``kernels.token_stats``) and writes one
-partial state per (chunk, row). The ``[N, V]`` logits never reach memory: the only extra storage
-is ``[chunks, N, 7]`` fp32 + ``[chunks, N, 2]`` int64, merged afterwards by the caller.
+``BLOCK_N``-wide tile of vocabulary chunk ``c`` with ``tl.dot`` (wgmma on Hopper once
+``BLOCK_M >= 64`` per warpgroup), and folds each finished tile, still in registers, into per-row
+shifted states (the ``m, s0, s1, s2, n, u1, u2`` + rank counts of
+:mod:`icqs_fast.backends.state`). The ``[N, V]`` logits never reach memory: the only extra
+storage is one partial state per (chunk, row), ``[chunks, N, 7]`` fp32 + ``[chunks, N, 2]``
+int64 (counted in int32 in registers), merged afterwards in float64 by the caller.
+
+Partial states are in log2 units relative to the row's reference logit ``zref`` (the target logit
+when finite, else 0): the kernel reduces ``y = (z - zref) * log2(e) / T``, so ``exp2`` needs no
+extra scaling, a large common offset on the logits cancels exactly in ``z - zref``, the ``u``
+sums are ``y`` itself (``x - K`` with ``K = zref / T``), and the rank tests are sign tests on
+``y`` (``y > 0`` iff ``z > z_t``). :func:`icqs_fast.backends.triton_backend.merge_partials`
+turns them back into natural units.
+
+Small N uses the same 128-row block with the rows beyond N masked (wgmma needs 64 rows per
+warpgroup): the padded product is still far below the weight's HBM read (N = 16, H = 4096,
+V = 151936: 0.16 ms of tensor time vs 0.42 ms to stream the weight), and the vocabulary-parallel
+grid (``chunks`` programs per row block) fills the GPU.
 
 ``target_logits`` computes each row's target logit ``hidden[r] . weight[t_r] (+ bias[t_r])`` in
 fp32 straight from the inputs (``[N]`` out, no ``[N, H]`` gather).
@@ -20,118 +34,252 @@ import triton
 import triton.language as tl
 
 from .launch import Launch, ptr
-from .token_stats import _rescale
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rescale2(m_old, s0, s1, s2, m_new_safe):
+    """Move (s0, s1, s2) from origin ``m_old`` to ``m_new_safe >= m_old`` (log2 units; m_old may
+    be -inf, when the sums are 0): with ``d = m_old - m_new``, ``a = 2^d``::
+
+        s0 <- a s0,    s1 <- a (s1 + d s0),    s2 <- a (s2 + 2 d s1 + d^2 s0)
+    """
+    d = tl.where(m_old > float("-inf"), m_old - m_new_safe, 0.0)
+    a = tl.exp2(d)
+    s2 = a * (s2 + 2.0 * d * s1 + d * d * s0)
+    s1 = a * (s1 + d * s0)
+    s0 = a * s0
+    return s0, s1, s2
+
+
+@triton.jit
+def _fold_exp(y, m, m_tile, s0, s1, s2):
+    """Fold ``y`` (-inf where left out) into ``(s0, s1, s2)`` at the new max ``max(m,
+    m_tile)``."""
+    m_new = tl.maximum(m, m_tile)
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    s0, s1, s2 = _rescale2(m, s0, s1, s2, m_safe)
+    d = y - m_safe[:, None]  # -inf where left out: e = 0 there
+    e = tl.exp2(d)
+    d = tl.maximum(d, -1e30)  # so that e * d = 0, not NaN, where e = 0
+    ed = e * d
+    s0 += tl.sum(e, axis=1)
+    s1 += tl.sum(ed, axis=1)
+    s2 += tl.sum(ed * d, axis=1)
+    return m_new, s0, s1, s2
+
+
+@triton.jit
+def _fold_masked(y, col_ok, t_rel, thr, m, s0, s1, s2, n, u1, u2, greater, eq_before,
+                 BLOCK_N: tl.constexpr):
+    """Fold any tile: entries of padded columns (``col_ok`` False) and non-finite ``y`` are
+    left out of the sums; the target's own column (``lane == t_rel``) is not counted as greater
+    and only columns before it count as ties. Written so that one ``[BLOCK_M, BLOCK_N]`` value
+    at a time stays live (registers)."""
+    y = tl.where(col_ok[None, :], y, float("nan"))  # NaN compares false and is not finite
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    gt = ((y > thr[:, None]) & (lane != t_rel[:, None])).to(tl.int32)
+    eq = ((y == thr[:, None]) & (lane < t_rel[:, None])).to(tl.int32)
+    fin = tl.abs(y) < float("inf")
+    yz = tl.where(fin, y, 0.0)
+    y = tl.where(fin, y, float("-inf"))
+    greater += tl.sum(gt, axis=1)
+    eq_before += tl.sum(eq, axis=1)
+    u1 += tl.sum(yz, axis=1)
+    u2 += tl.sum(yz * yz, axis=1)
+    n += tl.sum(fin.to(tl.int32), axis=1)
+    m, s0, s1, s2 = _fold_exp(y, m, tl.max(y, axis=1), s0, s1, s2)
+    return m, s0, s1, s2, n, u1, u2, greater, eq_before
 
 
 @triton.jit
 def _linear_token_stats_kernel(
-    HID, W, BIAS, T, ZT, SHIFT, PSTATE, PCOUNTS,
-    N, V, H,
-    s_hn, s_hh, s_wv, s_wh,
-    inv_temp,
-    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    hid_ptr,
+    w_ptr,
+    bias_ptr,
+    target_ptr,
+    zt_ptr,
+    pstate_ptr,
+    pcounts_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     TILES: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    chunk = tl.program_id(1)
+    # Grouped order: GROUP_M row blocks run against the same vocabulary chunks at a time, so the
+    # weight tiles they share and their hidden rows both stay in L2.
+    pid = tl.program_id(0)
+    row_blocks = tl.cdiv(N, BLOCK_M)
+    chunks = tl.cdiv(V, BLOCK_N * TILES)
+    per_group = GROUP_M * chunks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    chunk = (pid % per_group) // group_rows
+
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    rows64 = rows.to(tl.int64)
-    t = tl.load(T + rows, mask=row_ok, other=0)
-    z_t = tl.load(ZT + rows, mask=row_ok, other=0.0)
-    k = tl.load(SHIFT + rows, mask=row_ok, other=0.0)
+    # Rows past N load row N-1 (no masks in the K loop); their results are never stored.
+    rows64 = tl.minimum(rows, N - 1).to(tl.int64)
+    t = tl.load(target_ptr + rows64).to(tl.int32)
+    zt = tl.load(zt_ptr + rows64)
+    zt_fin = tl.abs(zt) < float("inf")
+    zref = tl.where(zt_fin, zt, 0.0)
+    # y > thr iff z > z_t and y == thr iff z == z_t, also for a non-finite z_t (zref = 0 then).
+    thr = tl.where(zt_fin, 0.0, zt)
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s0 = tl.zeros((BLOCK_M,), tl.float32)
     s1 = tl.zeros((BLOCK_M,), tl.float32)
     s2 = tl.zeros((BLOCK_M,), tl.float32)
-    n = tl.zeros((BLOCK_M,), tl.float32)
     u1 = tl.zeros((BLOCK_M,), tl.float32)
     u2 = tl.zeros((BLOCK_M,), tl.float32)
-    greater = tl.zeros((BLOCK_M,), tl.int64)
-    eq_before = tl.zeros((BLOCK_M,), tl.int64)
+    n = tl.zeros((BLOCK_M,), tl.int32)
+    greater = tl.zeros((BLOCK_M,), tl.int32)
+    eq_before = tl.zeros((BLOCK_M,), tl.int32)
 
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(TILES):
-        cols = (chunk * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < V
-        cols64 = cols.to(tl.int64)
+    h_base = hid_ptr + rows64[:, None] * stride_hn + offs_k[None, :] * stride_hh
+    for tile in tl.range(0, TILES, loop_unroll_factor=1):
+        col0 = (chunk * TILES + tile) * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
+        # Columns past V load column V-1 (no masks in the K loop); scale NaN marks them below.
+        cols64 = tl.minimum(cols, V - 1).to(tl.int64)
+        h_ptrs = h_base
+        w_ptrs = w_ptr + cols64[None, :] * stride_wv + offs_k[:, None] * stride_wh
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < H
-            h = tl.load(HID + rows64[:, None] * s_hn + kk[None, :] * s_hh,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + cols64[None, :] * s_wv + kk[:, None] * s_wh,
-                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if FP32_DOT:
-                acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
+            if EVEN_K:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
             else:
-                acc += tl.dot(h, w, input_precision=PRECISION)
+                k_ok = (k0 + offs_k) < H
+                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if FP32_DOT:
+                acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_K * stride_hh
+            w_ptrs += BLOCK_K * stride_wh
+
+        # Epilogue on the finished tile, y = (z - zref) * log2(e) / T. Most tiles are full,
+        # hold no row's target column and only finite logits: they take the unmasked path.
         if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = acc
-        x = z * inv_temp
-        fin = col_ok[None, :] & (x == x) & (tl.abs(x) < float("inf"))
-        xf = tl.where(fin, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(xf, axis=1))
-        s0, s1, s2 = _rescale(m, s0, s1, s2, m_new)
-        m = m_new
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        d = tl.where(fin, x - m_safe[:, None], 0.0)
-        e = tl.where(fin, tl.exp(d), 0.0)
-        ed = e * d
-        s0 += tl.sum(e, axis=1)
-        s1 += tl.sum(ed, axis=1)
-        s2 += tl.sum(ed * d, axis=1)
-        u = tl.where(fin, x - k[:, None], 0.0)
-        u1 += tl.sum(u, axis=1)
-        u2 += tl.sum(u * u, axis=1)
-        n += tl.sum(fin.to(tl.float32), axis=1)
-        in_tile = col_ok[None, :]
-        greater += tl.sum((in_tile & (z > z_t[:, None]) & (cols[None, :] != t[:, None]))
-                          .to(tl.int64), axis=1)
-        eq_before += tl.sum((in_tile & (z == z_t[:, None]) & (cols[None, :] < t[:, None]))
-                            .to(tl.int64), axis=1)
+            acc += tl.load(bias_ptr + cols64).to(tl.float32)[None, :]
+        y = (acc - zref[:, None]) * scale
+        t_rel = t - col0
+        targets_here = tl.sum(((t_rel >= 0) & (t_rel < BLOCK_N)).to(tl.int32), axis=0)
+        easy = (col0 + BLOCK_N <= V) & (targets_here == 0)
+        if easy:
+            u1_tile = tl.sum(y, axis=1)
+            u2_tile = tl.sum(y * y, axis=1)
+            gt_tile = tl.sum((y > thr[:, None]).to(tl.int32), axis=1)
+            eq_tile = tl.sum((y == thr[:, None]).to(tl.int32), axis=1)
+            m_tile = tl.max(y, axis=1)
+            # A NaN or an infinity anywhere in a row makes its sums non-finite.
+            finite_rows = (tl.abs(u1_tile) < float("inf")) & (tl.abs(u2_tile) < float("inf"))
+            easy = tl.sum(finite_rows.to(tl.int32), axis=0) == BLOCK_M
+        else:
+            u1_tile = tl.zeros((BLOCK_M,), tl.float32)
+            u2_tile = tl.zeros((BLOCK_M,), tl.float32)
+            gt_tile = tl.zeros((BLOCK_M,), tl.int32)
+            eq_tile = tl.zeros((BLOCK_M,), tl.int32)
+            m_tile = tl.zeros((BLOCK_M,), tl.float32)
+        if easy:
+            u1 += u1_tile
+            u2 += u2_tile
+            n += BLOCK_N
+            greater += gt_tile
+            # The whole tile lies before or after each row's target column.
+            eq_before += tl.where(t_rel >= BLOCK_N, eq_tile, 0)
+            m, s0, s1, s2 = _fold_exp(y, m, m_tile, s0, s1, s2)
+        else:
+            m, s0, s1, s2, n, u1, u2, greater, eq_before = _fold_masked(
+                y, cols < V, t_rel, thr, m, s0, s1, s2, n, u1, u2, greater, eq_before,
+                BLOCK_N)
 
     base = (chunk.to(tl.int64) * N + rows64) * 7
-    tl.store(PSTATE + base + 0, m, mask=row_ok)
-    tl.store(PSTATE + base + 1, s0, mask=row_ok)
-    tl.store(PSTATE + base + 2, s1, mask=row_ok)
-    tl.store(PSTATE + base + 3, s2, mask=row_ok)
-    tl.store(PSTATE + base + 4, n, mask=row_ok)
-    tl.store(PSTATE + base + 5, u1, mask=row_ok)
-    tl.store(PSTATE + base + 6, u2, mask=row_ok)
+    tl.store(pstate_ptr + base + 0, m, mask=row_ok)
+    tl.store(pstate_ptr + base + 1, s0, mask=row_ok)
+    tl.store(pstate_ptr + base + 2, s1, mask=row_ok)
+    tl.store(pstate_ptr + base + 3, s2, mask=row_ok)
+    tl.store(pstate_ptr + base + 4, n.to(tl.float32), mask=row_ok)
+    tl.store(pstate_ptr + base + 5, u1, mask=row_ok)
+    tl.store(pstate_ptr + base + 6, u2, mask=row_ok)
     cbase = (chunk.to(tl.int64) * N + rows64) * 2
-    tl.store(PCOUNTS + cbase, greater, mask=row_ok)
-    tl.store(PCOUNTS + cbase + 1, eq_before, mask=row_ok)
+    tl.store(pcounts_ptr + cbase, greater.to(tl.int64), mask=row_ok)
+    tl.store(pcounts_ptr + cbase + 1, eq_before.to(tl.int64), mask=row_ok)
 
 
 @dataclass(frozen=True)
 class Settings:
     """Launch settings of the fused kernel for one problem, chosen by :func:`launch_settings`
-    (the only place block sizes, warps and stages are picked)."""
+    (the only place block sizes, warps, stages and the grid are picked)."""
 
     block_m: int
     block_n: int
     block_k: int
     tiles: int  # BLOCK_N-wide vocabulary tiles per program
+    group_m: int  # row blocks that walk the vocabulary chunks together (L2 reuse)
     num_warps: int
     num_stages: int
     fp32_dot: bool  # cast tiles to fp32 before tl.dot (fp32 inputs or the CPU interpreter)
     precision: str
+    even_k: bool  # H % BLOCK_K == 0: no K masks
     row_blocks: int
     chunks: int  # vocabulary chunks = partial states per row
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.row_blocks, self.chunks, 1)
+        return (self.row_blocks * self.chunks, 1, 1)
 
     @property
     def label(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_t{self.tiles}"
-                f"_w{self.num_warps}_s{self.num_stages}")
+                f"_g{self.group_m}_w{self.num_warps}_s{self.num_stages}")
+
+
+SMS = 132  # H100 SXM; the grid is sized for it (more SMs only shorten the last wave)
+
+
+PARTIAL_PEAK_BYTES = 140  # per chunk and row while merge_partials folds them in float64
+PARTIAL_BUDGET = 64 << 20  # most extra memory the partial states may take (unless 64 tiles)
+
+
+def _tiles_per_program(n: int, h: int, row_blocks: int, vocab_tiles: int, block_m: int,
+                       block_n: int, max_tiles: int = 64) -> int:
+    """Tiles per program with the least predicted time at one program per SM: whole waves of
+    ``tiles`` tile-times, a tile-time being the larger of its product at tensor peak and its
+    weight tile at a per-SM share of HBM bandwidth, plus writing and merging ``chunks x N``
+    partial states; their peak memory stays within :data:`PARTIAL_BUDGET` (unless 64 tiles
+    cannot). Ties go to more tiles."""
+    tile_s = max(2 * block_m * block_n * max(h, 1) / (989e12 / SMS),
+                 block_n * max(h, 1) * 2 / (3.0e12 / SMS))
+
+    def cost(t: int) -> tuple[float, int]:
+        chunks = triton.cdiv(vocab_tiles, t)
+        waves = triton.cdiv(row_blocks * chunks, SMS)
+        return waves * t * tile_s + chunks * n * (44 + PARTIAL_PEAK_BYTES) / 3.0e12, -t
+
+    top = max(1, min(max_tiles, vocab_tiles))
+    ok = [t for t in range(1, top + 1)
+          if triton.cdiv(vocab_tiles, t) * n * PARTIAL_PEAK_BYTES <= PARTIAL_BUDGET]
+    return min(ok or [top], key=cost)
 
 
 def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bool = False,
@@ -139,46 +287,63 @@ def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bo
                     block_k: int | None = None, tiles: int | None = None) -> Settings:
     """Block sizes, warps, stages and grid of the fused kernel for ``[N, H] x [V, H]``.
 
-    ``interpret``: the CPU interpreter (small blocks for speed, fp32 dots); the explicit block
+    16-bit inputs, every N: 128 x 64 tiles, 8 warps (two wgmma warpgroups of 64 rows on
+    Hopper), BLOCK_K 64, 4 stages (96 KiB of shared memory). Compiled, that is 178 registers
+    and no spills on sm_90 (HGMMA 64x64x16) and 221 registers, no spills on sm_80 (HMMA);
+    128 x 128 spills on sm_80 (its mma layout puts 4 warps across the columns: 8 rows of state
+    per thread) and 128 x 256 on both. N < 128 pads the row block: at N = 16, H = 4096,
+    V = 151936 the padded product is 0.16 ms of tensor time against 0.42 ms to stream the
+    weight, so the vocabulary-parallel grid (``chunks`` programs) keeps it memory-bound.
+    fp32 inputs (exact fp32 FMA dots, no tensor cores) and the CPU interpreter use smaller
+    tiles. ``tiles`` (at most 64 per program) is chosen by :func:`_tiles_per_program` against
+    wave quantisation (one program per SM: 178-221 registers x 256 threads). The explicit block
     arguments override the choice (tests use small ones to exercise the chunk merge).
     """
     fp32_dot = interpret or dtype == torch.float32
     precision = "ieee" if fp32_dot else "tf32"
-    if block_m is None:
-        block_m = 16 if interpret else (64 if n >= 64 else 16)
-    if block_n is None:
-        block_n = 128
+    if interpret:
+        bm, bn, warps, stages = 16, 128, 4, 1
+    elif dtype == torch.float32:
+        bm, bn, warps, stages = 64, 64, 4, 2
+    else:
+        bm, bn, warps, stages = 128, 64, 8, 4
+    block_m = block_m or bm
+    block_n = block_n or bn
     if block_k is None:
-        block_k = min(64, max(16, 1 << (max(h, 1) - 1).bit_length()))
+        cap = 32 if dtype == torch.float32 and not interpret else 64
+        block_k = min(cap, max(16, 1 << (max(h, 1) - 1).bit_length()))
+    row_blocks = triton.cdiv(n, block_m)
+    vocab_tiles = triton.cdiv(v, block_n)
     if tiles is None:
-        # Enough vocabulary per program to amortise the state write; enough programs to fill
-        # the GPU when N is small.
-        tiles = 1 if interpret else max(1, min(16, v // (block_n * 64)))
-    chunks = triton.cdiv(v, block_n * tiles) if v else 0
+        tiles = 1 if interpret else _tiles_per_program(n, h, row_blocks, vocab_tiles, block_m,
+                                                       block_n)
+    chunks = triton.cdiv(vocab_tiles, tiles) if v else 0
     return Settings(block_m=block_m, block_n=block_n, block_k=block_k, tiles=tiles,
-                    num_warps=4, num_stages=3, fp32_dot=fp32_dot, precision=precision,
-                    row_blocks=triton.cdiv(n, block_m), chunks=chunks)
+                    group_m=8, num_warps=warps, num_stages=stages, fp32_dot=fp32_dot,
+                    precision=precision, even_k=h % block_k == 0, row_blocks=row_blocks,
+                    chunks=chunks)
 
 
-def launch(hidden, weight, bias, targets, z_t, shift, temperature: float, pstate, pcounts,
+def launch(hidden, weight, bias, targets, z_t, temperature: float, pstate, pcounts,
            cfg: Settings) -> None:
-    """Fill ``pstate [chunks, N, 7]`` fp32 and ``pcounts [chunks, N, 2]`` int64
-    (``chunks = cfg.chunks``).
+    """Fill ``pstate [chunks, N, 7]`` fp32 and ``pcounts [chunks, N, 2]`` int64 with partial
+    states (log2 units relative to each row's reference logit, see the module docstring).
 
     Args:
         hidden: ``[N, H]``; weight: ``[V, H]`` (same dtype); bias: ``[V]`` or None.
-        targets: ``[N]`` int64 in range; z_t: ``[N]`` fp32 target logits; shift: ``[N]`` fp32.
+        targets: ``[N]`` int64 in range; z_t: ``[N]`` fp32 target logits.
         cfg: from :func:`launch_settings` for this shape and dtype.
     """
     n, hdim = hidden.shape
     v = weight.shape[0]
-    _linear_token_stats_kernel[cfg.grid[:2]](
-        hidden, weight, bias if bias is not None else hidden, targets, z_t, shift,
-        pstate, pcounts, n, v, hdim,
+    _linear_token_stats_kernel[cfg.grid](
+        hidden, weight, bias if bias is not None else hidden, targets, z_t, pstate, pcounts,
+        n, v, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        1.0 / temperature,
+        LOG2E / temperature,
         HAS_BIAS=bias is not None, FP32_DOT=cfg.fp32_dot, PRECISION=cfg.precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILES=cfg.tiles,
+        EVEN_K=cfg.even_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TILES=cfg.tiles, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -274,19 +439,22 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
         extra={"divisible_by_16": tdiv},
     )
     cfg = launch_settings(n, h, v, dtype)
+    mints = {"N": n, "V": v, "H": h, "stride_hn": h, "stride_hh": 1, "stride_wv": h,
+             "stride_wh": 1}
     msig, mconst, mdiv = _signature(
-        {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "SHIFT": "*fp32",
-         "PSTATE": "*fp32", "PCOUNTS": "*i64", "N": "i32", "V": "i32", "H": "i32", **strides,
-         "inv_temp": "fp32"},
-        ints, {"HAS_BIAS": has_bias, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
-               "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-               "TILES": cfg.tiles})
+        {"hid_ptr": p, "w_ptr": p, "bias_ptr": p, "target_ptr": "*i64", "zt_ptr": "*fp32",
+         "pstate_ptr": "*fp32", "pcounts_ptr": "*i64", "N": "i32", "V": "i32", "H": "i32",
+         "stride_hn": "i32", "stride_hh": "i32", "stride_wv": "i32", "stride_wh": "i32",
+         "scale": "fp32"},
+        mints, {"HAS_BIAS": has_bias, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
+                "EVEN_K": cfg.even_k, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k, "TILES": cfg.tiles, "GROUP_M": cfg.group_m})
     k_iters = triton.cdiv(h, cfg.block_k)
     main = Launch(
         kernel="linear_token_stats", fn=_linear_token_stats_kernel,
         signature=msig, constexprs=mconst, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         grid=cfg.grid,
-        hbm_bytes=((n + v) * h * s + (v * s if has_bias else 0) + n * (8 + 4 + 4)
+        hbm_bytes=((n + v) * h * s + (v * s if has_bias else 0) + n * (8 + 4)
                    + cfg.chunks * n * (28 + 16)),
         tensor_flops=2 * n * v * h, elements=n * v,
         loop_iters=cfg.tiles * k_iters,

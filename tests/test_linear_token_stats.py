@@ -110,3 +110,112 @@ def test_peak_memory_is_bounded(backend, dtype):
     allowed = 1.25 * bound + 2 * 2**20
     assert grew <= allowed, (f"peak grew {grew / 2**20:.2f} MiB; documented bound "
                              f"{bound / 2**20:.2f} MiB (allowed {allowed / 2**20:.2f} MiB)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused Triton kernel's own paths (interpreter: fp32 dots, small forced blocks)
+
+
+def _triton_linear(hid, w, t, b=None, temperature=1.0, **blocks):
+    from icqs_fast.backends import triton_backend
+
+    return triton_backend.linear_token_stats(hid.to(DEVICE), w.to(DEVICE), t.to(DEVICE),
+                                             None if b is None else b.to(DEVICE),
+                                             temperature=temperature, **blocks)
+
+
+def test_triton_grouped_grid_many_row_blocks_and_chunks():
+    """10 row blocks (two groups of the grouped program order, the second partial) x 5 chunks
+    of 2 tiles, the last tile padded; targets only in the first tile, so the other full tiles
+    take the unmasked path and the first and last the masked one."""
+    n, h, v = 150, 12, 300
+    hid = torch.randn(n, h)
+    w = torch.randn(v, h) / 2
+    t = torch.randint(0, 32, (n,))
+    t[7] = -100
+    out = _triton_linear(hid, w, t, block_m=16, block_n=32, tiles=2)
+    compare(out, ref64(hid, w, t), 2e-4)
+
+
+def state_ref64(h, w, t, b=None, temperature=1.0):
+    """float64 reference by the state definition (non-finite logits left out of every sum;
+    torch's log_softmax turns a row with a NaN or +inf logit into NaN)."""
+    from icqs_fast.backends import state
+
+    z = h.double() @ w.double().t()
+    if b is not None:
+        z = z + b.double()
+    z_t = z.gather(1, t[:, None])[:, 0]
+    shift = torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
+    st, counts = state.reduce_block(z, t, z_t, shift, temperature)
+    return state.finalize(st, counts, z_t, torch.ones_like(t, dtype=torch.bool), temperature)
+
+
+def test_triton_non_finite_logits():
+    """Non-finite logits from the bias (-inf, +inf, NaN columns, some in tiles without targets,
+    which must fall back from the unmasked path; a -inf target logit). For the -inf targets the
+    log-prob is -inf and the log-prob variance is not compared."""
+    n, h, v = 20, 8, 256
+    hid = torch.randn(n, h)
+    w = torch.randn(v, h) / 2
+    t = torch.randint(0, 32, (n,))
+    for special in ({100: float("-inf"), 140: float("nan")}, {200: float("inf")},
+                    {3: float("-inf"), 150: float("-inf")}):
+        b = torch.randn(v)
+        for col, val in special.items():
+            b[col] = val
+        tt = t.clone()
+        if 3 in special:
+            tt[:4] = 3  # target logit -inf
+        out = _triton_linear(hid, w, tt, b, block_m=16, block_n=32, tiles=3)
+        ref = state_ref64(hid, w, tt, b)
+        keep = tt != 3
+        assert torch.equal(out.target_rank, ref.target_rank)
+        assert torch.equal(out.is_greedy, ref.is_greedy)
+        for name in ("entropy", "varentropy", "max_logprob", "logprob", "logprob_var"):
+            a, r = getattr(out, name).double(), getattr(ref, name).double()
+            if name in ("logprob", "logprob_var"):
+                a, r = a[keep], r[keep]
+            err = (a - r).abs()
+            assert (err <= 2e-4 + 1e-5 * r.abs()).all(), f"{special} {name}: {err.max():.3e}"
+        assert torch.isneginf(out.logprob[~keep]).all()
+
+
+def test_triton_exact_ties_and_temperature():
+    """Integer-valued inputs make every logit exact in any summation order, so ties with the
+    target logit are exact: duplicated weight rows before and after the target column give
+    eq_before > 0 (not greedy) or only later ties (greedy when nothing is larger). With a common
+    offset of 2^14 on every logit (still exact in fp32) the statistics must not move."""
+    n, h, v = 6, 4, 130
+    hid = torch.randint(-2, 3, (n, h)).float()
+    w = torch.randint(-2, 3, (v, h)).float()
+    t = torch.tensor([40, 40, 70, 100, 5, 129])
+    w[10] = w[40]    # a tie before target 40 (rows 0, 1)
+    w[90] = w[70]    # a tie after target 70 (row 2)
+    w[100] = 50.0    # target 100 has the largest logit for some rows
+    for temperature, b in ((1.0, None), (0.6, None), (1.0, torch.full((v,), 16384.0)),
+                           (0.6, torch.full((v,), 16384.0))):
+        out = _triton_linear(hid, w, t, b, temperature=temperature, block_m=16, block_n=32,
+                             tiles=2)
+        compare(out, ref64(hid, w, t, b, temperature=temperature), 2e-4)
+
+
+def test_gpu_launches_match_the_launch_settings():
+    """gpu_launches describes the CUDA launches (never the interpreter's small blocks, although
+    this test runs under TRITON_INTERPRET) from the same settings function as the launcher."""
+    from icqs_fast.kernels import linear_token_stats as k
+
+    for n, h, v in ((8192, 4096, 151936), (16, 2048, 128256), (512, 8192, 151936)):
+        target, main = k.gpu_launches(n, h, v, torch.bfloat16)
+        cfg = k.launch_settings(n, h, v, torch.bfloat16)
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (128, 64, 8)
+        assert main.constexprs["BLOCK_M"] == cfg.block_m and main.constexprs["TILES"] == cfg.tiles
+        assert main.grid == (cfg.row_blocks * cfg.chunks, 1, 1)
+        per_chunk = cfg.tiles * cfg.block_n
+        assert cfg.chunks * per_chunk >= v > (cfg.chunks - 1) * per_chunk
+        assert main.programs >= 0.9 * k.SMS  # small N still fills the GPU (vocabulary chunks)
+        assert main.tensor_flops == 2 * n * v * h
+        assert main.hbm_bytes >= 2 * (n + v) * h
+        assert list(main.signature) == list(k._linear_token_stats_kernel.arg_names)
+        assert list(target.signature) == list(k._target_logits_kernel.arg_names)
+        assert target.grid[0] * k.TARGET_BLOCK_M >= n

@@ -7,6 +7,8 @@ inputs, allocates outputs, merges partial states and calls :func:`state.finalize
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..types import TokenStats
@@ -94,16 +96,28 @@ def token_stats(
     return _state.finalize(st64, counts, z_t.double(), valid, temperature)
 
 
-def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor
+def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor,
+                   log2_origin: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``[C, N, 7]`` partial states of disjoint vocabulary chunks into ``[N, 7]`` float64
-    (all chunks at once; same algebra as :func:`state.merge`)."""
+    and ``[C, N, 2]`` integer counts into ``[N, 2]`` int64 (all chunks at once; the algebra of
+    :func:`state.merge`).
+
+    Args:
+        pstate: ``[C, N, 7]`` fp32 ``(m, s0, s1, s2, n, u1, u2)``, natural units, or with
+            ``log2_origin`` given, log2 units relative to it (the fused linear kernel's form:
+            it reduces ``y = (x - origin) log2(e)``), converted back after the merge, in
+            float64.
+        pcounts: ``[C, N, 2]`` int32/int64 rank counts.
+        log2_origin: ``[N]`` per-row origin ``K`` in natural ``x`` units (float64 preferred).
+    """
     s = pstate.double()
+    unit = 1.0 if log2_origin is None else math.log(2.0)
     m = s[..., 0].amax(0)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     nonempty = s[..., 1] > 0
     d = torch.where(nonempty, s[..., 0] - m_safe, torch.zeros_like(s[..., 0]))
-    w = torch.where(nonempty, torch.exp(d), torch.zeros_like(d))
+    w = torch.where(nonempty, torch.exp(d * unit), torch.zeros_like(d))
     s0, s1, s2 = s[..., 1], s[..., 2], s[..., 3]
     out = torch.stack([
         m,
@@ -112,7 +126,11 @@ def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor
         (w * (s2 + 2 * d * s1 + d * d * s0)).sum(0),
         s[..., 4].sum(0), s[..., 5].sum(0), s[..., 6].sum(0),
     ], dim=-1)
-    return out, pcounts.sum(0)
+    if log2_origin is not None:
+        # Back to natural units: x = origin + y ln 2; u sums are relative to K = origin.
+        out *= out.new_tensor([unit, 1.0, unit, unit * unit, 1.0, unit, unit * unit])
+        out[:, 0] += log2_origin.double()
+    return out, pcounts.sum(0, dtype=torch.int64)
 
 
 def linear_token_stats(
@@ -130,6 +148,8 @@ def linear_token_stats(
 ) -> TokenStats:
     """Fused ``hidden @ weight.T`` + statistics (see :mod:`icqs_fast.kernels.linear_token_stats`).
 
+    Block sizes, warps, stages and grid come from ``kernels.linear_token_stats.launch_settings``
+    (the explicit block arguments override it; tests use small blocks to exercise the merge).
     Extra memory: ``[C, N, 7]`` fp32 + ``[C, N, 2]`` int64 partial states (44 bytes per chunk
     and row) with ``C = cdiv(V, block_n * tiles)`` chunks, about 140 bytes per chunk and row at
     the peak while :func:`merge_partials` folds them in float64, plus ``O(N)`` per-row vectors;
@@ -152,7 +172,6 @@ def linear_token_stats(
     # (the kernel compares every logit to them): [N] out, no [N, H] gather.
     z_t = _state.new_buffer(n, dtype=torch.float32, device=hidden.device)
     _k.target_logits(hidden, weight, bias, safe_t, z_t)
-    shift = _shift(z_t, temperature).contiguous()
     interp = triton_interpreting() and hidden.device.type != "cuda"
     # Block sizes, warps, stages and grid come from the one settings function that
     # kernels.linear_token_stats.gpu_launches also describes.
@@ -163,6 +182,11 @@ def linear_token_stats(
                          device=hidden.device)
     pcounts = _state.new_buffer(chunks, n, 2, dtype=torch.int64, device=hidden.device)
     if n and v:
-        _k.launch(hidden, weight, bias, safe_t, z_t, shift, temperature, pstate, pcounts, cfg)
-    st, counts = merge_partials(pstate, pcounts) if chunks else _state.empty(n, hidden.device)
+        _k.launch(hidden, weight, bias, safe_t, z_t, temperature, pstate, pcounts, cfg)
+    # The kernel's partials are in log2 units relative to x_ref = zref / T (zref: the target
+    # logit when finite, else 0).
+    zt64 = z_t.double()
+    origin = torch.where(torch.isfinite(zt64), zt64, torch.zeros_like(zt64)) / temperature
+    st, counts = (merge_partials(pstate, pcounts, origin) if chunks
+                  else _state.empty(n, hidden.device))
     return _state.finalize(st, counts, z_t.double(), valid, temperature)
