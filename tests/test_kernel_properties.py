@@ -54,7 +54,7 @@ TOKEN_LIMITS = {"torch": dict(n=300, elems=200_000, examples=40),
                 "triton": dict(n=6, elems=24_000, examples=10)}
 LINEAR_LIMITS = {"torch": dict(n=200, v=3000, h=80, elems=60_000, examples=30),
                  "cpp": dict(n=200, v=3000, h=80, elems=60_000, examples=40),
-                 "triton": dict(n=16, v=140, h=24, elems=2_500, examples=1)}
+                 "triton": dict(n=16, v=140, h=24, elems=2_500, examples=8)}
 ATTN_LIMITS = {"torch": dict(b=2, hk=2, tq=40, elems=600_000, examples=40),
                "triton": dict(b=1, hk=1, tq=16, elems=60_000, examples=8)}
 
