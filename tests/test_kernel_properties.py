@@ -55,6 +55,10 @@ TOKEN_LIMITS = {"torch": dict(n=300, elems=200_000, examples=40),
 LINEAR_LIMITS = {"torch": dict(n=200, v=3000, h=80, elems=60_000, examples=30),
                  "cpp": dict(n=200, v=3000, h=80, elems=60_000, examples=40),
                  "triton": dict(n=16, v=140, h=24, elems=2_500, examples=8)}
+# Absolute error floor of the float outputs per backend: cpp and torch keep float64 states,
+# the Triton kernels accumulate in fp32 (observed worst errors use < 40% of these with the
+# per-row rounding terms below).
+BASE_TOL = {"torch": 2e-6, "cpp": 2e-6, "triton": 5e-6}
 ATTN_LIMITS = {"torch": dict(b=2, hk=2, tq=40, elems=600_000, examples=40),
                "triton": dict(b=1, hk=1, tq=16, elems=60_000, examples=8)}
 
@@ -317,7 +321,7 @@ def _run_token_stats(c: dict, backend: str):
         out = out.map(lambda x: x[keep])
         ref = {k: val[keep] for k, val in ref.items()}
         tol, n = tol[keep], int(keep.sum())
-    _check_stats(out, ref, n, tol, base=2e-5, rtol=2e-6)
+    _check_stats(out, ref, n, tol, base=BASE_TOL[backend], rtol=2e-6)
 
 
 def _token_test(backend: str):
@@ -464,8 +468,8 @@ def _run_linear(c: dict, backend: str):
     bmag = bias.double().abs().nan_to_num(posinf=0.0) if bias is not None else 0.0
     dz = (c["h"] + 2) * EPS32 * (mag + bmag)
     slack = dz.amax(-1) if c["v"] else torch.zeros(c["n"], dtype=torch.float64)
-    _check_stats(out, ref, c["n"], slack / temp, base=2e-5, rtol=2e-6, z_slack=2 * slack, z=z,
-                 t=t)
+    _check_stats(out, ref, c["n"], slack / temp, base=BASE_TOL[backend], rtol=2e-6,
+                 z_slack=2 * slack, z=z, t=t)
 
 
 def _linear_test(backend: str):
