@@ -190,11 +190,12 @@ def _attn_entropy_fwd(
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     keyok_row = keyok_ptr + b * Tk
-    acc, m_i, l_i, l_r, t_r = _attn_block(
-        acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
-        n_full * 0, n_full, stride_kn, stride_vn, qk_scale,
-        False, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
-        BLOCK_M, BLOCK_N, BLOCK_D)
+    if not HAS_KEYOK:  # with a padding mask every block is masked: no unmasked loop at all
+        acc, m_i, l_i, l_r, t_r = _attn_block(
+            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
+            n_full * 0, n_full, stride_kn, stride_vn, qk_scale,
+            False, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
+            BLOCK_M, BLOCK_N, BLOCK_D)
     acc, m_i, l_i, l_r, t_r = _attn_block(
         acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
         n_full, n_stop, stride_kn, stride_vn, qk_scale,
@@ -249,14 +250,16 @@ class AttentionSettings:
 
 
 def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.dtype,
-                       interpret: bool = False) -> AttentionSettings:
+                       interpret: bool = False, has_keyok: bool = False) -> AttentionSettings:
     """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``.
 
     16-bit inputs, head dim <= 128: 128 x 64 tiles, 8 warps, 3 stages: each warpgroup (4 warps)
     owns 64 query rows, so sm_90 issues wgmma (HGMMA); the fp32 accumulator takes 64 (d=128) or
     32 (d=64) registers a thread; no spills on sm_90 or sm_80 (4 warps spill at d=64). fp32
     inputs run full-precision ("ieee") FMA dots, not Triton's default TF32 (10-bit mantissa on
-    Ampere/Hopper), as in kernels/linear_token_stats.py: 32 x 32 tiles (64-row tiles spill).
+    Ampere/Hopper), as in kernels/linear_token_stats.py: small tiles (32 x 32 at d <= 64, 16 x 16
+    above; larger ones spill).
+    ``has_keyok``: a padding mask is given (every key block is masked).
     ``interpret``: the CPU interpreter's settings (small tiles, fp32 dots: it has no bf16/fp16
     ``tl.dot``); :func:`gpu_launches` always describes the CUDA path (``interpret=False``).
     """
@@ -265,9 +268,11 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
     if interpret:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif fp32_dot:
-        block_m, block_n, warps, stages = 32, 32, 4, 2
+        block_m, block_n, warps, stages = (32, 32, 4, 2) if block_d <= 64 else (16, 16, 4, 2)
     elif block_d <= 128:
-        block_m, block_n, warps, stages = 128, 64, 8, 3
+        # A padding mask (HAS_KEYOK) at d=128 with 64-key blocks spills 24 B on sm_80: 32 keys.
+        block_n = 32 if has_keyok and block_d > 64 else 64
+        block_m, warps, stages = 128, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     return AttentionSettings(block_m=block_m, block_n=block_n, block_d=block_d,
@@ -401,7 +406,8 @@ def launch_attention(
         kr, qm = torch.zeros(2, device=dev, dtype=torch.int64), dummy_i8
     keyok = (attention_mask.to(device=dev, dtype=torch.int8).contiguous()
              if attention_mask is not None else dummy_i8)
-    cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=_interpreting())
+    cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=_interpreting(),
+                             has_keyok=attention_mask is not None)
     _attn_entropy_fwd[cfg.grid](
         q, k, v, out, ent if with_entropy else dummy_f, lse if return_lse else dummy_f,
         keyok, qm, kr,
