@@ -201,7 +201,9 @@ def test_triton_state_and_counts(dtype, block_v, splits):
     from icqs_fast.backends import state as _state
     from icqs_fast.backends import triton_backend
 
-    v = 211  # not a multiple of any block: every split ends in a partial tile
+    # Not a multiple of any block: every split ends in a partial tile (even for bf16: its hot
+    # loop then reads 32-bit words; odd V takes the plain loads, covered by test_random).
+    v = 212 if dtype == torch.bfloat16 else 211
     z, t = _hard_rows(v, dtype)
     z_t = z.gather(1, t[:, None])[:, 0].float()
     temperature = 0.7
@@ -280,7 +282,8 @@ def test_gpu_launches_match_settings():
         cfg = _k.token_stats_settings(n, v, dtype)
         assert launch.grid == (n, cfg.splits, 1) == cfg.grid
         assert launch.constexprs == {"BLOCK_V": cfg.block_v, "R": cfg.lane,
-                                     "SLOW_BLOCK": cfg.slow_block}
+                                     "SLOW_BLOCK": cfg.slow_block,
+                                     "BF16_PAIRS": dtype == torch.bfloat16}
         assert launch.num_warps == cfg.num_warps and launch.label == cfg.label
         assert cfg.splits * cfg.chunk >= v > (cfg.splits - 1) * cfg.chunk
         assert cfg.chunk % cfg.block_v == 0
@@ -290,3 +293,19 @@ def test_gpu_launches_match_settings():
         assert launch.hbm_bytes == n * v * elsize + n * 12 + cfg.splits * n * 44
         assert launch.elements == n * v and launch.loop_elements == cfg.block_v
     assert _k.gpu_launches(8192, v, torch.bfloat16)[0].grid == (8192, 1, 1)
+    # The bf16 word-pair loads need an even row stride and a 4-byte aligned base.
+    assert _k._bf16_pairs(torch.bfloat16, 212, 0) and not _k._bf16_pairs(torch.bfloat16, 211, 0)
+    assert not _k._bf16_pairs(torch.bfloat16, 212, 2)
+    assert not _k._bf16_pairs(torch.float16, 212, 0)
+
+
+def test_triton_bf16_unaligned_view():
+    """A bf16 view starting at an odd element (base 2 bytes off a 4-byte boundary) takes the
+    plain loads; the result matches the reference."""
+    from icqs_fast.backends import triton_backend
+
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(3, 301, generator=g) * 3).to(torch.bfloat16)
+    z = big[:, 1:]  # row stride 301 (odd) and base offset 2 bytes
+    t = torch.tensor([0, 150, 299])
+    compare(triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=64), ref64(z, t), 2e-4)
