@@ -288,23 +288,24 @@ def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bo
     """Block sizes, warps, stages and grid of the fused kernel for ``[N, H] x [V, H]``.
 
     16-bit inputs, every N: 128 x 64 tiles, 8 warps (two wgmma warpgroups of 64 rows on
-    Hopper), BLOCK_K 64, 4 stages (96 KiB of shared memory). Compiled, that is 178 registers
-    and no spills on sm_90 (HGMMA 64x64x16) and 221 registers, no spills on sm_80 (HMMA);
+    Hopper), BLOCK_K 64, 4 stages (96 KiB of shared memory). Compiled, that is ~182 registers
+    and no spills on sm_90 (HGMMA 64x64x16) and ~221 registers, no spills on sm_80 (HMMA);
     128 x 128 spills on sm_80 (its mma layout puts 4 warps across the columns: 8 rows of state
     per thread) and 128 x 256 on both. N < 128 pads the row block: at N = 16, H = 4096,
     V = 151936 the padded product is 0.16 ms of tensor time against 0.42 ms to stream the
     weight, so the vocabulary-parallel grid (``chunks`` programs) keeps it memory-bound.
-    fp32 inputs (exact fp32 FMA dots, no tensor cores) and the CPU interpreter use smaller
-    tiles. ``tiles`` (at most 64 per program) is chosen by :func:`_tiles_per_program` against
-    wave quantisation (one program per SM: 178-221 registers x 256 threads). The explicit block
-    arguments override the choice (tests use small ones to exercise the chunk merge).
+    fp32 inputs (exact fp32 FMA dots, no tensor cores): 64 x 64 x 32, 8 warps, 2 stages (no
+    spills on either; 4 warps spill). The CPU interpreter uses small tiles. ``tiles`` (at
+    most 64 per program) is chosen by :func:`_tiles_per_program` against wave quantisation
+    (one program per SM at these register counts). The explicit block arguments override the
+    choice (tests use small ones to exercise the chunk merge).
     """
     fp32_dot = interpret or dtype == torch.float32
     precision = "ieee" if fp32_dot else "tf32"
     if interpret:
         bm, bn, warps, stages = 16, 128, 4, 1
     elif dtype == torch.float32:
-        bm, bn, warps, stages = 64, 64, 4, 2
+        bm, bn, warps, stages = 64, 64, 8, 2  # fp32 FMA dot, BLOCK_K 32: 170-190 regs, 0 spills
     else:
         bm, bn, warps, stages = 128, 64, 8, 4
     block_m = block_m or bm
