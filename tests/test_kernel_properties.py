@@ -299,14 +299,6 @@ def _row_rounding(zz: torch.Tensor, temp: float) -> torch.Tensor:
     return EPS32 * (x.amax(-1) if x.shape[1] else torch.zeros(x.shape[0], dtype=x.dtype))
 
 
-def _torch_divergent_rows(zz: torch.Tensor) -> torch.Tensor:
-    """Rows where the torch backend is known to differ from the contract (and from cpp and
-    triton): any NaN or +inf logit, or no finite logit at all. See
-    test_torch_backend_nonfinite_rows."""
-    x = zz.double()
-    return torch.isnan(x).any(-1) | (x == math.inf).any(-1) | ~torch.isfinite(x).any(-1)
-
-
 def _run_token_stats(c: dict, backend: str):
     zz, t = build_logits(c)
     out = ops.token_stats(zz, t, ignore_index=c["ignore_index"], temperature=c["temperature"],
@@ -316,20 +308,14 @@ def _run_token_stats(c: dict, backend: str):
     n = c["n"]
     if backend == "triton":
         _masked_target_exempt(out, ref, zz, t)
-    if backend == "torch":
-        keep = ~_torch_divergent_rows(zz)
-        out = out.map(lambda x: x[keep])
-        ref = {k: val[keep] for k, val in ref.items()}
-        tol, n = tol[keep], int(keep.sum())
     _check_stats(out, ref, n, tol, base=BASE_TOL[backend], rtol=2e-6)
 
 
 def _token_test(backend: str):
-    nonfinite = backend != "torch"  # see test_torch_backend_nonfinite_rows
     lim = TOKEN_LIMITS[backend]
 
     @_settings(lim["examples"])
-    @given(case=token_cases(lim, nonfinite))
+    @given(case=token_cases(lim, True))
     # Shapes around the Triton block sizes and the interpreter's, an all-masked row, V = 1.
     @example(case=dict(n=3, v=1, dtype="fp32", temperature=1.0, scale=1.0, offset=0.0,
                        neginf=0.0, nan=0, posinf=0, extremes=0, ties=False, ignore_index=-100,
@@ -351,7 +337,7 @@ def test_token_stats_matches_float64(backend):
     _token_test(backend)()
 
 
-@pytest.mark.parametrize("backend", [b for b in TOKEN_BACKENDS if b != "torch"])
+@pytest.mark.parametrize("backend", TOKEN_BACKENDS)
 def test_nonfinite_logits_are_masked_entries(backend):
     """NaN and +inf logits other than the target's are left out like -inf ones, on a fixed
     case (the property test above draws them too)."""
@@ -361,13 +347,11 @@ def test_nonfinite_logits_are_masked_entries(backend):
     _run_token_stats(c, backend)
 
 
-@pytest.mark.xfail(strict=True, reason="known divergence (reported): the torch backend "
-                   "propagates NaN/+inf logits and returns NaN max_logprob on an all -inf row, "
-                   "where cpp and triton treat non-finite logits as masked entries")
 @pytest.mark.parametrize("row", [[0.0, math.nan, 1.0], [0.0, math.inf, 1.0],
                                  [-math.inf, -math.inf]])
 def test_torch_backend_nonfinite_rows(row):
-    """Minimal cases found by the property test; strict, so fixing the backend flips it."""
+    """Minimal cases the property test found when the torch backend propagated NaN/+inf
+    logits and gave NaN max_logprob on an all -inf row (cpp and triton mask them)."""
     z = torch.tensor([row])
     t = torch.tensor([0])
     out = ops.token_stats(z, t, backend="torch")

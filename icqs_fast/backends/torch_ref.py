@@ -18,32 +18,40 @@ def token_stats(
     temperature: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
 ) -> TokenStats:
-    """Reference statistics; see :func:`icqs_fast.ops.token_stats` for the contract."""
+    """Reference statistics; see :func:`icqs_fast.ops.token_stats` for the contract.
+
+    Non-finite logits (-inf, +inf, NaN) are masked vocabulary entries, as in every backend
+    (:mod:`icqs_fast.backends.state`): left out of the softmax and its moments; ``target_rank``
+    still counts entries that compare larger; ``is_greedy`` needs a finite target logit."""
     z = logits.to(compute_dtype)
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets)).long()
-    logp = torch.log_softmax(z / temperature, dim=-1)
-    p = logp.exp()
-    # 0 * log 0 = 0 for masked (-inf) entries.
-    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-    entropy = -plogp.sum(-1)
-    second = torch.where(p > 0, p * logp * logp, torch.zeros_like(p)).sum(-1)
-    varentropy = (second - entropy * entropy).clamp_min(0)
-    finite = torch.isfinite(logp)
+    x = z / temperature
+    finite = torch.isfinite(x)
+    has = finite.any(-1)
+    xf = x.masked_fill(~finite, float("-inf"))
+    lse = torch.logsumexp(xf, dim=-1)  # -inf for a row with no finite entry
+    logp = torch.log_softmax(xf, dim=-1).masked_fill(~finite, 0.0)
+    p = logp.exp().masked_fill(~finite, 0.0)
+    entropy = -(p * logp).sum(-1)
+    # Var_p[-log p] in two passes (E[x^2] - E[x]^2 cancels badly in fp32).
+    varentropy = (p * (logp + entropy[:, None]).square()).sum(-1)
     n_fin = finite.sum(-1)
-    lp0 = torch.where(finite, logp, torch.zeros_like(logp))
-    mean = lp0.sum(-1) / n_fin.clamp_min(1)
+    mean = logp.sum(-1) / n_fin.clamp_min(1)
     dev = torch.where(finite, logp - mean[:, None], torch.zeros_like(logp))
     logprob_var = (dev * dev).sum(-1) / (n_fin - 1).clamp_min(1)
     tgt_logit = z.gather(-1, safe_t[:, None])[:, 0]
-    logprob = logp.gather(-1, safe_t[:, None])[:, 0]
-    max_logprob = logp.max(-1).values
-    is_greedy = z.argmax(-1) == safe_t
+    logprob = tgt_logit / temperature - lse
+    zero = torch.zeros_like(lse)
+    max_logprob = torch.where(has, xf.amax(-1) - lse, zero)
+    cols = torch.arange(z.shape[-1], device=z.device)[None, :]
     target_rank = (z > tgt_logit[:, None]).sum(-1)
+    tie_before = ((z == tgt_logit[:, None]) & (cols < safe_t[:, None])).sum(-1)
+    is_greedy = torch.isfinite(tgt_logit) & (target_rank == 0) & (tie_before == 0)
     out = TokenStats(
         logprob=logprob,
-        entropy=entropy,
-        varentropy=varentropy,
+        entropy=torch.where(has, entropy, zero),
+        varentropy=torch.where(has, varentropy, zero),
         logprob_var=logprob_var,
         max_logprob=max_logprob,
         is_greedy=is_greedy,
