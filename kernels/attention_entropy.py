@@ -132,7 +132,7 @@ def _attn_entropy_fwd(
     Tq, Tk, HQ, GROUP, qk_scale,
     CAUSAL: tl.constexpr, HAS_KEYOK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     RETURN_LSE: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys; launch them first (less tail).
@@ -196,11 +196,12 @@ def _attn_entropy_fwd(
             n_full * 0, n_full, stride_kn, stride_vn, qk_scale,
             False, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
             BLOCK_M, BLOCK_N, BLOCK_D)
-    acc, m_i, l_i, l_r, t_r = _attn_block(
-        acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
-        n_full, n_stop, stride_kn, stride_vn, qk_scale,
-        True, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
-        BLOCK_M, BLOCK_N, BLOCK_D)
+    if not EVEN_N:  # EVEN_N: not causal, no padding mask, Tk % BLOCK_N == 0: no masked tail
+        acc, m_i, l_i, l_r, t_r = _attn_block(
+            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
+            n_full, n_stop, stride_kn, stride_vn, qk_scale,
+            True, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
+            BLOCK_M, BLOCK_N, BLOCK_D)
 
     # A row with no allowed key keeps m_i at _MASKED (its l_i counts masked junk): output 0.
     has_key = m_i > 0.5 * _MASKED
@@ -241,6 +242,7 @@ class AttentionSettings:
     num_stages: int
     fp32_dot: bool
     precision: str
+    even_n: bool
     grid: tuple[int, int, int]
 
     @property
@@ -250,7 +252,8 @@ class AttentionSettings:
 
 
 def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.dtype,
-                       interpret: bool = False, has_keyok: bool = False) -> AttentionSettings:
+                       interpret: bool = False, has_keyok: bool = False,
+                       causal: bool = True) -> AttentionSettings:
     """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``.
 
     16-bit inputs, head dim <= 128: 128 x 64 tiles, 8 warps, 3 stages: each warpgroup (4 warps)
@@ -259,7 +262,9 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
     inputs run full-precision ("ieee") FMA dots, not Triton's default TF32 (10-bit mantissa on
     Ampere/Hopper), as in kernels/linear_token_stats.py: small tiles (32 x 32 at d <= 64, 16 x 16
     above; larger ones spill).
-    ``has_keyok``: a padding mask is given (every key block is masked).
+    ``has_keyok``: a padding mask is given (every key block is masked); ``causal``: with
+    ``not causal``, no padding mask and ``tk % block_n == 0`` (``even_n``) the kernel compiles no
+    masked key loop.
     ``interpret``: the CPU interpreter's settings (small tiles, fp32 dots: it has no bf16/fp16
     ``tl.dot``); :func:`gpu_launches` always describes the CUDA path (``interpret=False``).
     """
@@ -270,13 +275,17 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
     elif fp32_dot:
         block_m, block_n, warps, stages = (32, 32, 4, 2) if block_d <= 64 else (16, 16, 4, 2)
     elif block_d <= 128:
-        # A padding mask (HAS_KEYOK) at d=128 with 64-key blocks spills 24 B on sm_80: 32 keys.
-        block_n = 32 if has_keyok and block_d > 64 else 64
+        # At d=128 with 64-key blocks, a masked loop without the causal split (padding mask;
+        # not causal with a ragged last block) spills 16-24 B on sm_80: 32-key blocks there.
+        ragged = not causal and tk % 64 != 0
+        block_n = 32 if block_d > 64 and (has_keyok or ragged) else 64
         block_m, warps, stages = 128, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
+    even_n = not causal and not has_keyok and tk % block_n == 0
     return AttentionSettings(block_m=block_m, block_n=block_n, block_d=block_d,
                              num_warps=warps, num_stages=stages, fp32_dot=fp32_dot,
+                             even_n=even_n,
                              precision="ieee" if fp32_dot else "tf32",
                              grid=(triton.cdiv(tq, block_m), b * hq, 1))
 
@@ -293,7 +302,7 @@ def _signature(dtype: torch.dtype, strides: dict[str, int]) -> dict[str, str]:
     sig.update({name: _int_type(v) for name, v in strides.items()})
     sig.update({"Tq": "i32", "Tk": "i32", "HQ": "i32", "GROUP": "i32", "qk_scale": "fp32"})
     for c in ("CAUSAL", "HAS_KEYOK", "WITH_ENTROPY", "RETURN_LSE", "FP32_DOT", "PRECISION",
-              "HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D"):
+              "EVEN_N", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D"):
         sig[c] = "constexpr"
     return sig
 
@@ -329,7 +338,7 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
     range) once: k/v are re-read by every query block of a head and by the ``hq / hk`` heads of
     a group, served by L2, not counted.
     """
-    cfg = attention_settings(b, hq, tq, tk, d, dtype)
+    cfg = attention_settings(b, hq, tq, tk, d, dtype, causal=causal)
     el = torch.empty((), dtype=dtype).element_size()
     pairs = _allowed_pairs(tq, tk, causal)
     hbm = (2 * b * hq * tq * d + 2 * b * hk * tk * d) * el
@@ -347,8 +356,8 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
         kernel="attention_entropy", fn=_attn_entropy_fwd, signature=_signature(dtype, strides),
         constexprs={"CAUSAL": bool(causal), "HAS_KEYOK": False, "WITH_ENTROPY": bool(entropy),
                     "RETURN_LSE": False, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
-                    "HEAD_DIM": d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                    "BLOCK_D": cfg.block_d},
+                    "EVEN_N": cfg.even_n, "HEAD_DIM": d, "BLOCK_M": cfg.block_m,
+                    "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=cfg.grid, hbm_bytes=hbm,
         tensor_flops=4 * d * b * hq * pairs, elements=b * hq * pairs,
         loop_iters=sum(blocks) / len(blocks), loop_elements=cfg.block_m * cfg.block_n,
@@ -407,7 +416,7 @@ def launch_attention(
     keyok = (attention_mask.to(device=dev, dtype=torch.int8).contiguous()
              if attention_mask is not None else dummy_i8)
     cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=_interpreting(),
-                             has_keyok=attention_mask is not None)
+                             has_keyok=attention_mask is not None, causal=bool(causal))
     _attn_entropy_fwd[cfg.grid](
         q, k, v, out, ent if with_entropy else dummy_f, lse if return_lse else dummy_f,
         keyok, qm, kr,
@@ -416,7 +425,8 @@ def launch_attention(
         tq, tk, hq, hq // hk, float(scale) * math.log2(math.e),
         CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None, WITH_ENTROPY=with_entropy,
         RETURN_LSE=bool(return_lse), FP32_DOT=cfg.fp32_dot, PRECISION=cfg.precision,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+        EVEN_N=cfg.even_n, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, ent, lse

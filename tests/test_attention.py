@@ -74,6 +74,8 @@ CASES = {
     "non_causal": (2, 2, 1, 19, 33, 16, False, "right", [[0, 33], [20, 40]]),
     # No padding, not causal: the kernel's unmasked key loop runs, then the ragged tail.
     "non_causal_no_pad": (2, 2, 2, 9, 40, 16, False, None, [[3, 35], [-4, 17]]),
+    # ... and Tk a multiple of the key block: no masked loop compiled at all (EVEN_N).
+    "non_causal_even": (1, 2, 1, 5, 32, 16, False, None, [[0, 20]]),
 }
 
 
@@ -220,12 +222,13 @@ def test_gpu_launches_describe_the_launch(causal):
     pairs = sum(min(tk, tk - tq + i + 1) if causal else tk for i in range(tq))
     for ent in (True, False):
         (ln,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, causal, entropy=ent)
-        cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16)
+        cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16, causal=causal)
         assert ln.grid == cfg.grid == (math.ceil(tq / cfg.block_m), b * hq, 1)
         assert (ln.num_warps, ln.num_stages, ln.label) == (cfg.num_warps, cfg.num_stages,
                                                            cfg.label)
         assert ln.tensor_flops == 4 * d * b * hq * pairs and ln.elements == b * hq * pairs
         assert ln.constexprs["WITH_ENTROPY"] is ent and ln.constexprs["CAUSAL"] is causal
+        assert ln.constexprs["EVEN_N"] is (not causal and tk % cfg.block_n == 0)
         assert ln.constexprs["BLOCK_M"] >= 64  # a wgmma tile per warpgroup on sm_90
         assert list(ln.signature)[:3] == ["q_ptr", "k_ptr", "v_ptr"]
         assert set(ln.signature) == set(ak._attn_entropy_fwd.arg_names)
