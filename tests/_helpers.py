@@ -1,6 +1,61 @@
 """Shared test helpers (tests/ is on sys.path; it is deliberately not a package, so the repository
 root - whose kernels/ folder must never be importable as top-level `kernels` - stays off it)."""
 
+import math
+
 import torch
 
+from icqs_fast.types import TokenStats
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float) -> dict:
+    """float64 statistics of softmax(z / temp) at targets t; z [N, V] any float dtype."""
+    z = z.double()
+    n, v = z.shape
+    valid = t != ignore_index
+    tt = torch.where(valid, t, torch.zeros_like(t))
+    x = z / temp
+    fin = torch.isfinite(x)
+    has = fin.any(-1)
+    xf = x.masked_fill(~fin, -math.inf)
+    m = torch.where(has, xf.amax(-1), torch.zeros(n, dtype=torch.float64))
+    e = torch.exp(xf - m[:, None])  # 0 where masked
+    s0 = e.sum(-1)
+    lse = m + torch.log(s0)  # -inf when no entry is finite
+    p = e / torch.where(has, s0, torch.ones_like(s0))[:, None]
+    logp = (x - lse[:, None]).masked_fill(~fin, 0.0)
+    ent = -(p * logp).sum(-1)
+    varent = (p * (logp + ent[:, None]) ** 2).sum(-1)  # Var_p[-log p], two-pass
+    nf = fin.sum(-1)
+    mean = x.masked_fill(~fin, 0.0).sum(-1) / nf.clamp_min(1)
+    lpv = ((x - mean[:, None]).masked_fill(~fin, 0.0) ** 2).sum(-1) / (nf - 1).clamp_min(1)
+    z_t = z.gather(1, tt[:, None])[:, 0]
+    x_t = z_t / temp
+    idx = torch.arange(v)[None, :]
+    larger = (z > z_t[:, None]).sum(-1)
+    tie_before = ((z == z_t[:, None]) & (idx < tt[:, None])).sum(-1)
+    zero = torch.zeros(n, dtype=torch.float64)
+    out = {
+        "logprob": x_t - lse,
+        "entropy": torch.where(has, ent, zero),
+        "varentropy": torch.where(has, varent, zero),
+        "logprob_var": lpv,
+        "max_logprob": torch.where(has, m - lse, zero),
+        "is_greedy": torch.isfinite(x_t) & (larger == 0) & (tie_before == 0),
+        "target_rank": larger,
+    }
+    out = {k: torch.where(valid, val, torch.zeros_like(val)) for k, val in out.items()}
+    out["valid"] = valid
+    return out
+
+
+def ref_token_stats64(z: torch.Tensor, t: torch.Tensor, ignore_index: int = -100,
+                      temp: float = 1.0) -> TokenStats:
+    """:func:`ref_token_stats` as a :class:`TokenStats` (float64 fields, on the CPU): the
+    independent reference the kernel tests compare every backend, the torch one included, with."""
+    r = ref_token_stats(z.cpu(), t.cpu(), ignore_index, temp)
+    return TokenStats(**{k: r[k] for k in ("logprob", "entropy", "varentropy", "logprob_var",
+                                            "max_logprob", "is_greedy", "target_rank",
+                                            "valid")})

@@ -6,18 +6,17 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, ref_token_stats64
 from test_token_stats import compare
 
 from icqs_fast import ops
-from icqs_fast.backends import torch_ref
 
 
 def ref64(h, w, t, b=None, temperature=1.0):
     z = h.double() @ w.double().t()
     if b is not None:
         z = z + b.double()
-    return torch_ref.token_stats(z, t, temperature=temperature, compute_dtype=torch.float64)
+    return ref_token_stats64(z, t, temp=temperature)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
