@@ -266,8 +266,6 @@ def _run_token_stats(c: dict, backend: str):
     ref = ref_token_stats(zz, t, c["ignore_index"], c["temperature"])
     tol = _row_rounding(zz, c["temperature"])
     n = c["n"]
-    if backend == "triton":
-        _masked_target_exempt(out, ref, zz, t)
     _check_stats(out, ref, n, tol, base=BASE_TOL[backend], rtol=2e-6)
 
 
@@ -319,23 +317,13 @@ def test_torch_backend_nonfinite_rows(row):
     _check_stats(out, ref, 1, _row_rounding(z, 1.0), base=2e-5, rtol=2e-6)
 
 
-def _masked_target_exempt(out, ref, z, t):
-    """Known bug (reported; test_triton_logprob_var_masked_target): on the triton backend a
-    non-finite target logit makes the kernel's u-sum shift 0, and its fp32 sums then cancel.
-    Only logprob_var of only those rows is exempt."""
-    bad = ref["valid"] & ~torch.isfinite(z.double().gather(1, t.clamp_min(0)[:, None])[:, 0])
-    out.logprob_var = torch.where(bad, ref["logprob_var"].float(), out.logprob_var)
-
-
 @pytest.mark.skipif("triton" not in TOKEN_BACKENDS, reason="triton backend not available")
-@pytest.mark.xfail(strict=True, reason="known bug (reported): triton's logprob_var when the "
-                   "target logit is -inf and the row sits far from 0 (u sums shifted by 0, fp32)")
 @pytest.mark.parametrize("op", ["token_stats", "linear_token_stats"])
 def test_triton_logprob_var_masked_target(op):
     """Minimal case found by the property test: the target is a masked (-inf) entry and the
-    other logits sit near 1000; the variance of the 7 finite ones is 0.0722, the kernels return
-    0.0 (token_stats) and 0.189 (linear_token_stats). Strict, so fixing a kernel flips it (then
-    drop :func:`_masked_target_exempt`)."""
+    other logits sit near 1000; the variance of the 7 finite ones is 0.0722, where the kernels'
+    fp32 sums (origin 0 without a finite target) gave 0.0 (token_stats) and 0.189
+    (linear_token_stats)."""
     row = [1000.0 + (0.37 * i) % 1.0 for i in range(8)]
     t = torch.tensor([0])
     bias = torch.zeros(8)
@@ -404,8 +392,6 @@ def _run_linear(c: dict, backend: str):
     if bias is not None:
         z = z + bias.double()
     ref = ref_token_stats(z, t, c["ignore_index"], temp)
-    if backend == "triton":
-        _masked_target_exempt(out, ref, z, t)
     # Error bound of each fp32 logit: an H-term dot product (gamma_H * sum |h||w|) plus the
     # rounding of the bias sum.
     mag = hid.double().abs() @ w.double().abs().t()

@@ -42,9 +42,39 @@ def _prepare(targets: torch.Tensor, ignore_index: int):
     return valid, safe_t
 
 
-def _shift(z_t: torch.Tensor, temperature: float) -> torch.Tensor:
-    # K = the target's x: the u sums are then of log-prob differences of moderate size.
-    return torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
+def _finite_var_rows(chunks) -> torch.Tensor:
+    """Sample variance (n - 1 denominator, 0 below 2 entries) of the finite entries of some
+    rows, from float64 column chunks ``[R, Vc]`` (Chan et al.'s pairwise combination of
+    (count, mean, M2), so no chunk's magnitude cancels against another's)."""
+    n = mean = m2 = None
+    for x in chunks:
+        fin = torch.isfinite(x)
+        nc = fin.sum(-1).double()
+        xs = x.masked_fill(~fin, 0.0)
+        mc = xs.sum(-1) / nc.clamp_min(1)
+        m2c = ((x - mc[:, None]).masked_fill(~fin, 0.0) ** 2).sum(-1)
+        if n is None:
+            n, mean, m2 = nc, mc, m2c
+            continue
+        tot = n + nc
+        delta = mc - mean
+        frac = torch.where(tot > 0, nc / tot.clamp_min(1), torch.zeros_like(tot))
+        m2 = m2 + m2c + delta * delta * n * frac
+        mean = mean + delta * frac
+        n = tot
+    return m2 / (n - 1).clamp_min(1)
+
+
+def _fix_nonfinite_target_var(out: TokenStats, z_t: torch.Tensor, valid: torch.Tensor,
+                              row_chunks) -> None:
+    """The kernels keep the log-prob-variance sums relative to the target's logit, which has
+    no finite value on a row whose target logit is -inf/+inf/NaN (a masked entry): there they
+    fall back to origin 0, and fp32 sums of logits far from 0 cancel. Such rows are rare
+    (masked vocabulary entries as targets), so their ``logprob_var`` is recomputed directly in
+    float64 from ``row_chunks(rows)``, an iterator of ``[R, Vc]`` float64 ``x = z / T``."""
+    bad = (valid & ~torch.isfinite(z_t)).nonzero()[:, 0]
+    if bad.numel():
+        out.logprob_var[bad] = _finite_var_rows(row_chunks(bad)).to(out.logprob_var.dtype)
 
 
 def token_stats(
@@ -93,7 +123,10 @@ def token_stats(
         st64, counts = merge_partials(st, counts)
     else:
         st64, counts = st[0].double(), counts[0]
-    return _state.finalize(st64, counts, z_t.double(), valid, temperature)
+    out = _state.finalize(st64, counts, z_t.double(), valid, temperature)
+    _fix_nonfinite_target_var(out, z_t, valid,
+                              lambda rows: iter([z[rows].double() / temperature]))
+    return out
 
 
 def merge_partials(pstate: torch.Tensor, pcounts: torch.Tensor,
@@ -189,4 +222,16 @@ def linear_token_stats(
     origin = torch.where(torch.isfinite(zt64), zt64, torch.zeros_like(zt64)) / temperature
     st, counts = (merge_partials(pstate, pcounts, origin) if chunks
                   else _state.empty(n, hidden.device))
-    return _state.finalize(st, counts, z_t.double(), valid, temperature)
+    out = _state.finalize(st, counts, z_t.double(), valid, temperature)
+
+    def logit_chunks(rows: torch.Tensor, width: int = 8192):
+        # [R, width] float64 logits at a time: never a float64 copy of the whole head.
+        h64 = hidden[rows].double()
+        for v0 in range(0, v, width):
+            z = h64 @ weight[v0:v0 + width].double().t()
+            if bias is not None:
+                z = z + bias[v0:v0 + width].double()
+            yield z / temperature
+
+    _fix_nonfinite_target_var(out, z_t, valid, logit_chunks)
+    return out
