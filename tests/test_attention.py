@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, skip_unless_in_ci
 
 from icqs_fast import backends, ops
 from icqs_fast.attention import (
@@ -280,7 +280,7 @@ def model_tok():
     try:
         model, tok = load_model(attn_implementation="eager", dtype="fp32", device=DEVICE)
     except FileNotFoundError as exc:
-        pytest.skip(f"embedded model unavailable: {exc}")
+        skip_unless_in_ci(f"embedded model unavailable: {exc}")
     return model, tok
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, skip_unless_in_ci
 
 from icqs_fast.attention import eager_range_entropy
 from icqs_fast.ensembles import decoding_ensemble, default_system_prompts, prompt_ensemble
@@ -446,7 +446,7 @@ def test_embedded_model_matches_reference(embedded):
 
 def test_eval_mtbench_three_answers(capsys):
     if not (DATA / "judgment_gpt-4_single.jsonl").is_file():
-        pytest.skip(f"MT-Bench data not found at {DATA}; skipping the real-data evaluation")
+        skip_unless_in_ci(f"MT-Bench data not found at {DATA}")
     from icqs_fast.cli import main
     from icqs_fast.evaluation import load_mtbench
 

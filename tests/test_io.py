@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from _helpers import skip_unless_in_ci
 
 from icqs_fast.io import (
     InputError,
@@ -254,9 +255,10 @@ def test_fpb_reader_on_small_file(tmp_path):
 FPB = shared_data_dir() / "fpb" / "Sentences_AllAgree.txt"
 
 
-@pytest.mark.skipif(not FPB.is_file(), reason=f"real data not available at {FPB} "
-                    "(../shared/data is not part of the repository)")
 def test_fpb_real_data():
+    if not FPB.is_file():
+        skip_unless_in_ci(f"real data not available at {FPB} (../shared/data is not part of "
+                          "the repository)")
     recs = list(read_fpb())
     assert len(recs) == 2264
     counts = {lab: sum(r.y == lab for r in recs) for lab in ("positive", "negative", "neutral")}
