@@ -72,3 +72,20 @@ def skip_unless_in_ci(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI must have it: ../shared beside the clone, `make setup`)")
     pytest.skip(reason)
+
+
+def save_tiny_llama(d, *, layers: int = 1, max_positions: int = 512):
+    """Save a tiny random Llama with the embedded model's tokenizer to folder ``d`` (seeded, so
+    every test file that uses it scores with the same weights); returns ``d``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from icqs_fast import models
+
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
+                      max_position_embeddings=max_positions)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

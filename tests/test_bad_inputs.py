@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from _helpers import save_tiny_llama
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -101,16 +101,7 @@ def test_reader_whole_file_errors(name):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
-                      max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
+    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 

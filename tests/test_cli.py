@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from _helpers import save_tiny_llama
 
 from icqs_fast import ICQSScorer, models
 from icqs_fast.cli import main
@@ -31,17 +32,7 @@ def _read(path):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
-                      max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

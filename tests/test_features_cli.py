@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _helpers import save_tiny_llama
 
 from icqs_fast import backends, models
 from icqs_fast.cli import main
@@ -35,16 +36,7 @@ def _rows(path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
-                      max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
+    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, max_positions=256)
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 

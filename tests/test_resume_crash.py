@@ -23,12 +23,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 # What a killed run imports, imported here so the fork server (which imports this module) holds it.
 import transformers.models.llama.modeling_llama  # noqa: F401
+from _helpers import save_tiny_llama
 
-from icqs_fast import models
 from icqs_fast.cli import main
 
 GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
@@ -52,17 +51,8 @@ def _jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("crash")
-    model_dir = d / "tiny-llama"
-    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, vocab_size=len(tok),
-                      max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = save_tiny_llama(d / "tiny-llama")
     good = _jsonl(d / "good.jsonl", GOOD)
     bad = _jsonl(d / "bad.jsonl", BAD)
     return d, model_dir, good, bad
