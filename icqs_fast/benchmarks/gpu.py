@@ -93,9 +93,10 @@ def kernel_times(fn: Callable[[], Any], names: set[str], repeat: int = 10) -> di
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        for name in names:
-            if ev.name == name or ev.name.startswith(name + "_") or name in ev.name:
-                total[name] = total.get(name, 0.0) + ev.device_time / 1e3  # us -> ms
+        # Triton kernels appear under their function's name; exact match only, so that e.g.
+        # "_token_stats_kernel" never counts "_linear_token_stats_kernel" too.
+        if ev.name in names:
+            total[ev.name] = total.get(ev.name, 0.0) + ev.device_time / 1e3  # us -> ms
     return {k: v / repeat for k, v in total.items()}
 
 
