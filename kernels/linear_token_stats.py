@@ -34,23 +34,9 @@ import triton
 import triton.language as tl
 
 from .launch import Launch, ptr
+from .token_stats import _shift_origin
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _rescale2(m_old, s0, s1, s2, m_new_safe):
-    """Move (s0, s1, s2) from origin ``m_old`` to ``m_new_safe >= m_old`` (log2 units; m_old may
-    be -inf, when the sums are 0): with ``d = m_old - m_new``, ``a = 2^d``::
-
-        s0 <- a s0,    s1 <- a (s1 + d s0),    s2 <- a (s2 + 2 d s1 + d^2 s0)
-    """
-    d = tl.where(m_old > float("-inf"), m_old - m_new_safe, 0.0)
-    a = tl.exp2(d)
-    s2 = a * (s2 + 2.0 * d * s1 + d * d * s0)
-    s1 = a * (s1 + d * s0)
-    s0 = a * s0
-    return s0, s1, s2
 
 
 @triton.jit
@@ -59,7 +45,8 @@ def _fold_exp(y, m, m_tile, s0, s1, s2):
     m_tile)``."""
     m_new = tl.maximum(m, m_tile)
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    s0, s1, s2 = _rescale2(m, s0, s1, s2, m_safe)
+    # m == -inf only while the sums are still 0: no shift then.
+    s0, s1, s2 = _shift_origin(s0, s1, s2, tl.where(m > float("-inf"), m - m_safe, 0.0))
     d = y - m_safe[:, None]  # -inf where left out: e = 0 there
     e = tl.exp2(d)
     d = tl.maximum(d, -1e30)  # so that e * d = 0, not NaN, where e = 0

@@ -43,19 +43,6 @@ STATE_WIDTH = 7  # m, s0, s1, s2, n, u1, u2 (see icqs_fast.backends.state)
 
 
 @triton.jit
-def _rescale(m_old, s0, s1, s2, m_new):
-    """Move (s0, s1, s2) from origin m_old to m_new >= m_old (both may be -inf; natural units,
-    used by ``linear_token_stats``)."""
-    m_new_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    d = tl.where(m_old > float("-inf"), m_old - m_new_safe, 0.0)
-    a = tl.exp(d)
-    s2 = a * (s2 + 2.0 * d * s1 + d * d * s0)
-    s1 = a * (s1 + d * s0)
-    s0 = a * s0
-    return s0, s1, s2
-
-
-@triton.jit
 def _shift_origin(s0, s1, s2, dm):
     """Move (s0, s1, s2) by ``dm = m_old - m_new <= 0`` (finite, base-2 units)."""
     a = tl.exp2(dm)
