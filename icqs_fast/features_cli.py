@@ -54,12 +54,6 @@ DEFAULT_FEATURES = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_va
 # --------------------------------------------------------------------------- library part
 
 
-def model_max_length(model: Any) -> int | None:
-    """The longest sequence the model takes (``config.max_position_embeddings``), or None."""
-    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
 def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
                          system_prompt: str | None = None, path: str = "<input>",
                          x_field: str = "x", y_field: str = "y") -> RecordError | None:
@@ -120,10 +114,11 @@ def feature_records(
     and yielded, then the error is raised.
     """
     from .features import glassbox
+    from .icqs import model_max_length
 
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    max_len = model_max_length(model)
+    max_len = model_max_length(model, None)
     sp = glassbox_kw.get("system_prompt")
     chunk: list[Record | RecordError] = []
     chunk_id: int | None = None
