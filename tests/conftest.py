@@ -37,3 +37,13 @@ def _poisoned_kernel_outputs(monkeypatch):
 
     monkeypatch.setattr(state, "new_buffer", poisoned)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch CPU thread for a module (``pytestmark = pytest.mark.usefixtures(...)``): two
+    OpenMP threads on the shared, oversubscribed 2-core machine are many times slower than one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,20 +15,13 @@ import torch
 
 from icqs_fast.benchmarks import icqs as bench_icqs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FIELDS = ("model", "device", "dtype", "responses", "contexts", "demo_tokens_mean",
           "response_tokens_mean", "naive_s", "fast_s", "speedup", "cold_single_speedup",
           "peak_mem_naive_mb", "peak_mem_fast_mb", "max_abs_loglik_diff", "score_agreement")
 SMALL = dict(num_ratios=2, demos_per_set=2, sets_per_ratio=2)
 MiB = 2**20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The shared 2-core machine is much faster with one torch thread.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

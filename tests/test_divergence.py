@@ -10,16 +10,9 @@ from test_token_stats import compare
 from icqs_fast import ops
 from icqs_fast.backends import torch_ref
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BACKENDS = ["torch", "cpp", "triton"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a shared, oversubscribed 2-core machine are much slower than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------- dtype / device policy

@@ -25,6 +25,8 @@ from icqs_fast.features import (
 )
 from icqs_fast.models import embedded_model_dir
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mtbench"
 
 ITEMS = [
@@ -35,15 +37,6 @@ ITEMS = [
      "history": [("What is the capital of France?", "Paris.")]},
     ("Say hi", "Hi!"),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a shared, oversubscribed 2-core machine are ~20x slower than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ from icqs_fast import backends, ops
 from icqs_fast.types import FLOAT_FIELDS
 
 # The Triton interpreter evaluates masked-out lanes too (inf - inf there): numpy's warnings.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 EPS32 = 2.0**-24  # fp32 unit roundoff
@@ -70,15 +71,6 @@ def _settings(n: int):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture,
                                            HealthCheck.filter_too_much])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two torch threads on the shared 2-core machine are slower than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------- references
