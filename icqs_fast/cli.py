@@ -16,6 +16,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "icqs_fast.demo", "score a small built-in set with the embedded model"),
     (("score",), "icqs_fast.score_cli", "score responses from a JSONL/CSV/TSV file with ICQS"),
     (("features",), "icqs_fast.features_cli", "glass-box features of a file's responses"),
+    (("rank",), "icqs_fast.rank_cli", "rank models by mean score, with bootstrap intervals"),
+    (("audit",), "icqs_fast.allure.cli", "ALLURE: audit an LLM evaluator, round by round"),
     (("bench", "kernels"), "icqs_fast.benchmarks.kernels", "token-statistics kernels vs torch"),
     (("bench", "icqs"), "icqs_fast.benchmarks.icqs", "ICQS engine vs the naive method"),
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
@@ -23,7 +25,14 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
     (("bench", "gpu"), "icqs_fast.benchmarks.gpu",
      "measured GPU times beside the static model's predictions (needs CUDA)"),
+    (("bench", "lm-eval"), "icqs_fast.benchmarks.lm_eval",
+     "lm-eval's HF model vs the icqs-fast lm-eval model on a local task"),
+    (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",
+     "records/s on Ray Data with 1..n workers vs the single-process CLI"),
     (("eval", "mtbench"), "icqs_fast.evaluation", "glass-box features vs GPT-4 on MT-Bench"),
+    (("eval", "fpb"), "icqs_fast.study_cli", "ICQS study on Financial PhraseBank"),
+    (("eval", "sst2"), "icqs_fast.study_cli", "ICQS study on SST-2"),
+    (("eval", "chaosnli"), "icqs_fast.study_cli", "ICQS study on ChaosNLI distributions"),
 ]
 
 
