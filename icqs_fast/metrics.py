@@ -1,20 +1,33 @@
-"""Correlation metrics between feature values and reference scores (e.g. GPT-4 judgments).
+"""Metrics on scipy / scikit-learn: correlations, classification scores and bootstrap intervals.
 
-All three handle ties (average ranks; Kendall's tau-b) and return NaN with a ``RuntimeWarning``
-instead of raising when a correlation is undefined: fewer than two finite pairs or a constant
-input. Pairs where either value is NaN / inf are dropped first.
+Correlations (Pearson, Spearman, Kendall tau-b) compare feature values with reference scores;
+``accuracy``, ``f1``, ``auc`` and ``cohen_kappa`` score labels; ``bootstrap_ci`` puts a
+percentile interval on any of them by resampling items.
+
+Every metric returns NaN with a ``RuntimeWarning`` instead of raising when it is undefined
+(too few items, a constant input, a single class, ...). For the correlations and ``auc``,
+pairs where either value is NaN / inf are dropped first. Different input lengths raise
+``ValueError``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import stats
+from sklearn import metrics as skm
 
 METRICS = ("pearson", "spearman", "kendall")
+
+
+def _warn_nan(name: str, why: str) -> float:
+    # stacklevel 3: the warning points at the caller of the public metric.
+    warnings.warn(f"{name}: {why}; returning NaN", RuntimeWarning, stacklevel=3)
+    return math.nan
 
 
 def _clean(x: Sequence[float], y: Sequence[float], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -38,15 +51,17 @@ def _undefined(a: np.ndarray, b: np.ndarray, name: str) -> bool:
     return False
 
 
+def _clip(r: float) -> float:
+    # scipy can return 1.0000000000000002 from rounding; a correlation is in [-1, 1].
+    return max(-1.0, min(1.0, float(r)))
+
+
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson's r."""
+    """Pearson's r of two equal-length float sequences (non-finite pairs dropped)."""
     a, b = _clean(x, y, "pearson")
     if _undefined(a, b, "pearson"):
         return math.nan
-    a = a - a.mean()
-    b = b - b.mean()
-    r = float((a * b).sum() / math.sqrt(float((a * a).sum()) * float((b * b).sum())))
-    return max(-1.0, min(1.0, r))
+    return _clip(stats.pearsonr(a, b).statistic)
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
@@ -54,24 +69,125 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     a, b = _clean(x, y, "spearman")
     if _undefined(a, b, "spearman"):
         return math.nan
-    return pearson(stats.rankdata(a), stats.rankdata(b))
+    return _clip(stats.spearmanr(a, b).statistic)
 
 
 def kendall(x: Sequence[float], y: Sequence[float]) -> float:
-    """Kendall's tau-b (tie-corrected), O(n^2) pair count (fine for thousands of items)."""
+    """Kendall's tau-b (tie-corrected), scipy's O(n log n) algorithm."""
     a, b = _clean(x, y, "kendall")
     if _undefined(a, b, "kendall"):
         return math.nan
-    da = np.sign(a[:, None] - a[None, :])
-    db = np.sign(b[:, None] - b[None, :])
-    iu = np.triu_indices(a.size, 1)
-    da, db = da[iu], db[iu]
-    s = float((da * db).sum())
-    n1 = float((da != 0).sum())
-    n2 = float((db != 0).sum())
-    return s / math.sqrt(n1 * n2)
+    return _clip(stats.kendalltau(a, b, variant="b").statistic)
 
 
 def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
     """``{"pearson", "spearman", "kendall"}`` of x against y."""
     return {"pearson": pearson(x, y), "spearman": spearman(x, y), "kendall": kendall(x, y)}
+
+
+def _labels(y_true: Sequence[Any], y_pred: Sequence[Any], name: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(list(y_true)).reshape(-1)
+    b = np.asarray(list(y_pred)).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"{name}: inputs have different lengths ({a.size} and {b.size})")
+    return a, b
+
+
+def accuracy(y_true: Sequence[Any], y_pred: Sequence[Any]) -> float:
+    """Fraction of items whose predicted label equals the true one (labels of any type)."""
+    a, b = _labels(y_true, y_pred, "accuracy")
+    if a.size == 0:
+        return _warn_nan("accuracy", "no items")
+    return float(skm.accuracy_score(a, b))
+
+
+def f1(y_true: Sequence[Any], y_pred: Sequence[Any], positive: Any = 1) -> float:
+    """F1 of the class ``positive`` (the other labels are the negative class).
+
+    ``2 tp / (2 tp + fp + fn)``; 0 when there are positives but none is found, NaN (with a
+    warning) when ``positive`` occurs in neither input.
+    """
+    a, b = _labels(y_true, y_pred, "f1")
+    if not np.any(a == positive) and not np.any(b == positive):
+        return _warn_nan("f1", f"label {positive!r} occurs in neither y_true nor y_pred")
+    # labels=[positive] + micro averaging: the binary F1 of one class even with >2 labels.
+    return float(skm.f1_score(a, b, labels=[positive], average="micro", zero_division=0.0))
+
+
+def auc(y_true: Sequence[Any], scores: Sequence[float], positive: Any = 1) -> float:
+    """ROC AUC of ``scores`` for telling items with ``y_true == positive`` from the others.
+
+    ``y_true`` may be bool, 0/1 or any labels (``positive`` names the positive class). Items
+    with a non-finite score are dropped; NaN (with a warning) when only one class is left.
+    """
+    a, _ = _labels(y_true, scores, "auc")
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    pos = a == positive if a.dtype != bool else a == bool(positive)
+    ok = np.isfinite(s)
+    pos, s = pos[ok], s[ok]
+    if pos.all() or not pos.any():
+        return _warn_nan("auc", "only one class among items with a finite score")
+    return float(skm.roc_auc_score(pos, s))
+
+
+def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Cohen's kappa of two raters' labels for the same items (unweighted).
+
+    NaN (with a warning) when undefined: no items, or both raters give one and the same label
+    to every item (chance agreement 1).
+    """
+    x, y = _labels(a, b, "cohen_kappa")
+    if x.size == 0:
+        return _warn_nan("cohen_kappa", "no items")
+    if np.all(x == x[0]) and np.all(y == x[0]):
+        return _warn_nan("cohen_kappa", "both raters give one and the same label; undefined")
+    return float(skm.cohen_kappa_score(x, y))
+
+
+def bootstrap_ci(statistic: Callable[..., float], *arrays: Sequence[Any],
+                 n_resamples: int = 1000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``statistic(*arrays)`` over items.
+
+    Each resample draws n item indices with replacement (``numpy.random.default_rng(seed)``)
+    and applies the same indices to every array, so paired inputs stay paired. The statistic
+    gets numpy arrays. Resamples where it is NaN (e.g. a constant resample for a correlation)
+    are skipped - warnings raised inside resamples are silenced and summarised once. Returns
+    ``(lo, hi)`` at the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles; ``(nan, nan)``
+    with a warning when no resample gives a finite value.
+    """
+    if not arrays:
+        raise ValueError("bootstrap_ci: at least one array is needed")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"bootstrap_ci: level must be in (0, 1), got {level}")
+    if n_resamples < 1:
+        raise ValueError(f"bootstrap_ci: n_resamples must be >= 1, got {n_resamples}")
+    arrs = [np.asarray(list(a) if not isinstance(a, np.ndarray) else a) for a in arrays]
+    n = len(arrs[0])
+    if any(len(a) != n for a in arrs):
+        raise ValueError("bootstrap_ci: arrays have different lengths "
+                         f"({', '.join(str(len(a)) for a in arrs)})")
+    if n == 0:
+        warnings.warn("bootstrap_ci: no items; returning (NaN, NaN)", RuntimeWarning,
+                      stacklevel=2)
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    values = np.empty(n_resamples, dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(n_resamples):
+            idx = rng.integers(0, n, size=n)
+            values[i] = float(statistic(*(a[idx] for a in arrs)))
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        warnings.warn("bootstrap_ci: the statistic is NaN on every resample; "
+                      "returning (NaN, NaN)", RuntimeWarning, stacklevel=2)
+        return math.nan, math.nan
+    if finite.size < values.size:
+        warnings.warn(f"bootstrap_ci: {values.size - finite.size} of {values.size} resamples "
+                      "gave a non-finite statistic and were skipped", RuntimeWarning,
+                      stacklevel=2)
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.quantile(finite, [tail, 1.0 - tail])
+    return float(lo), float(hi)
