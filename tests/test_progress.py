@@ -1,0 +1,90 @@
+"""progress.track: tqdm bar on a terminal, periodic status lines otherwise, silence when quiet."""
+
+import io
+
+import pytest
+
+from icqs_fast.progress import format_duration, status_line, track
+
+
+class FakeClock:
+    """Monotonic seconds advancing by ``step`` on every call."""
+
+    def __init__(self, step: float):
+        self.t = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_not_a_tty_prints_periodic_lines_with_rate_and_eta():
+    out = io.StringIO()
+    # The clock moves 1 s per call (one call at the start, one per item): a line every
+    # 4 items with interval 4.
+    items = list(track(range(10), desc="score", unit="record", interval=4.0, stream=out,
+                       clock=FakeClock(1.0)))
+    assert items == list(range(10))
+    lines = out.getvalue().splitlines()
+    # After item 4 (t=5, elapsed 4 s: 1.0 record/s, 6 left -> ETA 6s) and item 8, then done.
+    assert lines == [
+        "score: 4/10 records (1.0 records/s, ETA 6s)",
+        "score: 8/10 records (1.0 records/s, ETA 2s)",
+        "score: 10/10 records (0.9 records/s, done in 11s)",
+    ]
+
+
+def test_not_a_tty_unknown_total_and_short_run_silent():
+    out = io.StringIO()
+    gen = (i for i in range(6))  # no len(): no total, no ETA
+    assert sum(track(gen, interval=2.5, stream=out, clock=FakeClock(1.0))) == 15
+    assert out.getvalue().splitlines()[0] == "3 items (1.0 items/s)"
+    # A run shorter than the interval prints nothing at all.
+    quiet_out = io.StringIO()
+    assert list(track([1, 2, 3], stream=quiet_out, clock=FakeClock(0.001))) == [1, 2, 3]
+    assert quiet_out.getvalue() == ""
+
+
+def test_tty_draws_tqdm_bar():
+    out = FakeTTY()
+    assert list(track(range(25), total=25, desc="features", unit="item", stream=out)) == \
+        list(range(25))
+    text = out.getvalue()
+    assert "features" in text and "25/25" in text and "item/s" in text
+
+
+def test_quiet_prints_nothing_on_either_stream():
+    for out in (FakeTTY(), io.StringIO()):
+        assert list(track(range(50), quiet=True, interval=0.0, stream=out)) == list(range(50))
+        assert out.getvalue() == ""
+
+
+def test_default_stream_is_stderr_at_call_time(capsys):
+    list(track(range(3), desc="x", interval=0.0, clock=FakeClock(1.0)))
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "x: 1/3 items (1.0 items/s, ETA 2s)"
+
+
+def test_early_break_closes_the_bar():
+    out = FakeTTY()
+    for i in track(range(100), stream=out):
+        if i == 5:
+            break
+    assert "6/100" in out.getvalue() or "5/100" in out.getvalue()
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.4, "59s"), (61, "1m01s"),
+                                           (3725, "1h02m"), (-3, "0s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_status_line_units():
+    assert status_line(1, 2.0, total=4, unit="item") == "1/4 items (0.5 items/s, ETA 6s)"
+    assert status_line(3, 0.0, unit="pairs") == "3 pairs (0.0 pairs/s)"
