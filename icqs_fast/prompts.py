@@ -131,6 +131,8 @@ class DemoSet:
         examples: the ``N`` (x, y) pairs in prompt order.
         is_good: ``N`` bools, True where the example came from the good pool.
         ratio_index: ``j``; set_index: ``l`` (which of the L sets of this ratio).
+        strata: ``N`` stratum names, one per example, when the set was drawn stratified
+            (``build_demo_sets(stratify=...)``); None otherwise.
     """
 
     ratio: float
@@ -138,6 +140,7 @@ class DemoSet:
     is_good: tuple[bool, ...]
     ratio_index: int = 0
     set_index: int = 0
+    strata: tuple[str, ...] | None = None
 
     @property
     def n_good(self) -> int:
@@ -186,6 +189,7 @@ def build_demo_sets(
     seed: int = 0,
     mixing: str = "exact",
     replacement: bool = False,
+    stratify: str | Sequence | None = None,
 ) -> list[list[DemoSet]]:
     """Seeded demonstration sets for ratios ``r_j = j / M``, ``j = 0..M`` (``M + 1 = num_ratios``).
 
@@ -199,12 +203,30 @@ def build_demo_sets(
             demo is good with probability ``r``.
         replacement: draw examples with replacement (a set may then repeat an example); without
             it each set holds distinct examples, so each pool needs as many as a set may draw.
+        stratify: per-example strata, so that every set at every ratio holds the same number of
+            examples of each stratum and only correctness changes with ``r`` (e.g. the label
+            each demonstration's y states: a small model reads the label frequency of the
+            demonstrations as much as their correctness). ``"y"``: each example's y is its
+            stratum; or a pair ``(good_strata, bad_strata)`` of str sequences as long as the
+            pools; or one str sequence of ``len(good) + len(bad)`` (good first). None: no
+            stratification (the sets are then exactly those of earlier versions).
+
+    Stratification rule: with ``K`` strata (the distinct names in both pools, sorted), every set
+    holds ``c_s = N // K`` examples of each stratum, plus one more for each of the first
+    ``N % K`` strata in sorted order (so take ``N`` a multiple of ``K`` for equal counts).
+    A set's good demonstrations (``round(r * N)``, or a Bernoulli count) are split over the
+    strata in proportion to ``c_s``: ``floor(n_good * c_s / N)`` each, the remaining ones to
+    strata drawn at random (seeded) among those with room; the stratum's other slots take bad
+    examples of that stratum. Positions are shuffled. Without replacement every stratum needs
+    ``c_s`` examples in each pool (``r = 1`` takes them all from the good pool, ``r = 0`` from
+    the bad one); with replacement at least one.
 
     Returns:
         ``sets[j][l]``: a :class:`DemoSet`, ``j`` in ``0..M``, ``l`` in ``0..L-1``.
 
     Raises:
-        ValueError: bad sizes, unknown mixing, or a pool too small for ``N`` without replacement.
+        ValueError: bad sizes, unknown mixing, a pool too small for ``N`` without replacement,
+            malformed strata, or a stratum with too few examples in a pool (naming it).
     """
     for name, v, lo in (("num_ratios", num_ratios, 2), ("demos_per_set", demos_per_set, 1),
                         ("sets_per_ratio", sets_per_ratio, 1)):
@@ -224,6 +246,11 @@ def build_demo_sets(
         )
     m = num_ratios - 1
     rng = random.Random(seed)
+    if stratify is not None:
+        gs, bs = _strata(stratify, g, b)
+        return _stratified_sets(g, b, gs, bs, num_ratios=num_ratios, n=n,
+                                sets_per_ratio=sets_per_ratio, rng=rng, mixing=mixing,
+                                replacement=replacement)
     sets: list[list[DemoSet]] = []
     for j in range(num_ratios):
         r = j / m
@@ -246,5 +273,86 @@ def build_demo_sets(
             examples = tuple(g[next(it_g)] if f else b[next(it_b)] for f in flags)
             row.append(DemoSet(ratio=r, examples=examples, is_good=tuple(flags),
                                ratio_index=j, set_index=li))
+        sets.append(row)
+    return sets
+
+
+def _strata(stratify: str | Sequence, g: list[Example], b: list[Example]
+            ) -> tuple[list[str], list[str]]:
+    """Per-example strata of the good and bad pools from ``build_demo_sets``' ``stratify``."""
+    if isinstance(stratify, str):
+        if stratify != "y":
+            raise ValueError(f"stratify must be 'y', a (good_strata, bad_strata) pair or a "
+                             f"sequence of str, got the string {stratify!r}")
+        return [y for _, y in g], [y for _, y in b]
+    try:
+        seq = list(stratify)
+    except TypeError:
+        raise TypeError(f"stratify must be 'y', a (good_strata, bad_strata) pair or a sequence "
+                        f"of str, got {type(stratify).__name__}") from None
+    if len(seq) == 2 and all(isinstance(v, (list, tuple)) for v in seq):
+        gs, bs = list(seq[0]), list(seq[1])
+        for name, got, pool in (("good", gs, g), ("bad", bs, b)):
+            if len(got) != len(pool):
+                raise ValueError(f"stratify: {len(got)} {name} strata for {len(pool)} {name} "
+                                 "examples")
+        where = [f"stratify[0][{i}]" for i in range(len(gs))] + \
+            [f"stratify[1][{i}]" for i in range(len(bs))]
+    else:
+        if len(seq) != len(g) + len(b):
+            raise ValueError(f"stratify: {len(seq)} strata for {len(g)} good + {len(b)} bad "
+                             f"examples (need {len(g) + len(b)}, good first)")
+        gs, bs = seq[: len(g)], seq[len(g):]
+        where = [f"stratify[{i}]" for i in range(len(seq))]
+    for w, v in zip(where, gs + bs, strict=True):
+        if not isinstance(v, str):
+            raise TypeError(f"{w} must be a str, got {type(v).__name__}")
+    return gs, bs
+
+
+def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list[str], *,
+                     num_ratios: int, n: int, sets_per_ratio: int, rng: random.Random,
+                     mixing: str, replacement: bool) -> list[list[DemoSet]]:
+    """``build_demo_sets`` with fixed per-stratum counts (the rule is in its docstring)."""
+    names = sorted(set(gs) | set(bs))
+    k = len(names)
+    count = {s: n // k + (1 if i < n % k else 0) for i, s in enumerate(names)}
+    idx_g = {s: [i for i, v in enumerate(gs) if v == s] for s in names}
+    idx_b = {s: [i for i, v in enumerate(bs) if v == s] for s in names}
+    for s in names:
+        need = min(count[s], 1) if replacement else count[s]
+        if len(idx_g[s]) < need or len(idx_b[s]) < need:
+            raise ValueError(
+                f"stratify: stratum {s!r} has {len(idx_g[s])} good and {len(idx_b[s])} bad "
+                f"examples; every set holds {count[s]} of it (N={n} over {k} strata {names}), "
+                f"so each pool needs at least {need}"
+                + ("" if replacement else " (or pass replacement=True)")
+            )
+    m = num_ratios - 1
+    sets: list[list[DemoSet]] = []
+    for j in range(num_ratios):
+        r = j / m
+        row = []
+        for li in range(sets_per_ratio):
+            if mixing == "exact":
+                n_good = int(math.floor(r * n + 0.5))
+            else:
+                n_good = sum(rng.random() < r for _ in range(n))
+            good_of = {s: n_good * count[s] // n for s in names}
+            for _ in range(n_good - sum(good_of.values())):
+                room = [s for s in names if good_of[s] < count[s]]
+                good_of[rng.choice(room)] += 1
+            slots = [(s, True) for s in names for _ in range(good_of[s])] + \
+                [(s, False) for s in names for _ in range(count[s] - good_of[s])]
+            rng.shuffle(slots)
+            draws: dict[tuple[str, bool], list[int]] = {}
+            for s in names:
+                for flag, idx in ((True, idx_g[s]), (False, idx_b[s])):
+                    c = good_of[s] if flag else count[s] - good_of[s]
+                    draws[(s, flag)] = ([rng.choice(idx) for _ in range(c)] if replacement
+                                        else rng.sample(idx, c))
+            examples = tuple((g if f else b)[draws[(s, f)].pop()] for s, f in slots)
+            row.append(DemoSet(ratio=r, examples=examples, is_good=tuple(f for _, f in slots),
+                               ratio_index=j, set_index=li, strata=tuple(s for s, _ in slots)))
         sets.append(row)
     return sets

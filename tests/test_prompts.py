@@ -122,3 +122,92 @@ def test_template_field_text_not_substituted_twice():
     t = Template()
     assert t.format_demo("{y}", "pos") == "Sentence: {y}\nAnswer: pos\n"
     assert t.format_response("{x}") == " {x}\n"
+
+
+# --------------------------------------------------------------------------- stratified sets
+# Pools whose stated labels (y) are unbalanced, as random draws from them would be.
+S_GOOD = [(f"g{i}", "pos") for i in range(9)] + [(f"h{i}", "neg") for i in range(4)]
+S_BAD = [(f"b{i}", "pos") for i in range(4)] + [(f"c{i}", "neg") for i in range(7)]
+
+
+def _stratum_of(ex):
+    return ex[1]  # the label the example states
+
+
+@pytest.mark.parametrize("mixing,replacement", [("exact", False), ("bernoulli", False),
+                                                ("exact", True)])
+def test_stratified_counts_fixed_at_every_ratio(mixing, replacement):
+    n = 4
+    sets = build_demo_sets(S_GOOD, S_BAD, num_ratios=5, demos_per_set=n, sets_per_ratio=6,
+                           seed=5, mixing=mixing, replacement=replacement, stratify="y")
+    good_set, bad_set = set(S_GOOD), set(S_BAD)
+    for row in sets:
+        for ds in row:
+            labels = [_stratum_of(ex) for ex in ds.examples]
+            assert labels.count("pos") == 2 and labels.count("neg") == 2
+            assert list(ds.strata) == labels
+            if mixing == "exact":
+                assert ds.n_good == _n_good_expected(ds.ratio, n)
+            for ex, g in zip(ds.examples, ds.is_good, strict=True):
+                assert ex in (good_set if g else bad_set)
+            if not replacement:
+                assert len(set(ds.examples)) == n
+            # Good demos split over the strata as evenly as the count allows.
+            per = [sum(g for g, s in zip(ds.is_good, ds.strata, strict=True) if s == lab)
+                   for lab in ("neg", "pos")]
+            assert abs(per[0] - per[1]) <= 1
+
+
+def test_stratified_without_it_label_counts_vary():
+    # The reason for stratifying: plain draws from these pools change the label mix with r.
+    plain = build_demo_sets(S_GOOD, S_BAD, num_ratios=3, demos_per_set=4, sets_per_ratio=30,
+                            seed=0)
+    mixes = {sum(ex[1] == "pos" for ex in ds.examples) for row in plain for ds in row}
+    assert len(mixes) > 1
+    assert all(ds.strata is None for row in plain for ds in row)
+
+
+def test_stratified_remainder_rule_and_forms():
+    # N=5 over 2 strata: the first in sorted order ("neg") holds 3, "pos" 2, in every set.
+    a = build_demo_sets(S_GOOD, S_BAD, num_ratios=3, demos_per_set=5, sets_per_ratio=4,
+                        seed=2, stratify="y")
+    for row in a:
+        for ds in row:
+            assert sorted(ds.strata) == ["neg"] * 3 + ["pos"] * 2
+    gs = [y for _, y in S_GOOD]
+    bs = [y for _, y in S_BAD]
+    kw = dict(num_ratios=3, demos_per_set=5, sets_per_ratio=4, seed=2)
+    assert build_demo_sets(S_GOOD, S_BAD, stratify=(gs, bs), **kw) == a
+    assert build_demo_sets(S_GOOD, S_BAD, stratify=gs + bs, **kw) == a
+    assert build_demo_sets(S_GOOD, S_BAD, stratify="y", **{**kw, "seed": 3}) != a
+    # Strata other than y: three groups, 6 demos -> 2 each.
+    gx = [f"s{i % 3}" for i in range(len(S_GOOD))]
+    bx = [f"s{i % 3}" for i in range(len(S_BAD))]
+    for row in build_demo_sets(S_GOOD, S_BAD, num_ratios=4, demos_per_set=6, sets_per_ratio=3,
+                               seed=1, stratify=(gx, bx)):
+        for ds in row:
+            assert sorted(ds.strata) == ["s0", "s0", "s1", "s1", "s2", "s2"]
+            for ex, g, s in zip(ds.examples, ds.is_good, ds.strata, strict=True):
+                pool, strata = (S_GOOD, gx) if g else (S_BAD, bx)
+                assert strata[pool.index(ex)] == s
+
+
+def test_stratified_errors_name_the_problem():
+    kw = dict(num_ratios=3, demos_per_set=10, sets_per_ratio=1)
+    # 10 demos over 2 strata need 5 "neg" in the good pool, which has 4.
+    with pytest.raises(ValueError, match=r"stratum 'neg' has 4 good and 7 bad"):
+        build_demo_sets(S_GOOD, S_BAD, stratify="y", **kw)
+    # A stratum only the good pool has can't fill the r=0 sets.
+    with pytest.raises(ValueError, match=r"stratum 'neu' has 1 good and 0 bad"):
+        build_demo_sets(S_GOOD + [("n", "neu")], S_BAD, num_ratios=3, demos_per_set=3,
+                        sets_per_ratio=1, stratify="y")
+    # With replacement one example per stratum and pool suffices.
+    build_demo_sets(S_GOOD, S_BAD, stratify="y", replacement=True, **kw)
+    with pytest.raises(ValueError, match=r"12 strata for 13 good \+ 11 bad"):
+        build_demo_sets(S_GOOD, S_BAD, stratify=["pos"] * 12, **kw)
+    with pytest.raises(ValueError, match=r"3 good strata for 13 good"):
+        build_demo_sets(S_GOOD, S_BAD, stratify=(["pos"] * 3, ["pos"] * 11), **kw)
+    with pytest.raises(TypeError, match=r"stratify\[1\]\[0\] must be a str"):
+        build_demo_sets(S_GOOD, S_BAD, stratify=(["pos"] * 13, [1] * 11), **kw)
+    with pytest.raises(ValueError, match=r"stratify must be 'y'"):
+        build_demo_sets(S_GOOD, S_BAD, stratify="label", **kw)
