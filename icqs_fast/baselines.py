@@ -376,6 +376,10 @@ def icl_label(
     (a longer label pays for each token); ``length_normalize=True`` compares the mean per token
     instead.
 
+    The prompt is tokenised as the ICQS engine tokenises its prompts (:func:`icl_request_ids`:
+    demonstration prefix, query and label each on their own), so it is token for token the ICQS
+    prompt of a set holding ``demos`` and ICL and ICQS differ only in how they use the scores.
+
     Args:
         model, tokenizer: a causal LM and its tokenizer.
         demos: (x, y) str pairs (or dicts with "x"/"y") from the good pool, in prompt order;

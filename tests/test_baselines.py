@@ -1,0 +1,198 @@
+"""Ask LLM and ICL label against a plain full forward of the whole prompt (written out here:
+the prompt tokenised, one model forward, float64 log-softmax, the option tokens read off), on a
+tiny random Llama and on the embedded model. Ask LLM's prompt is tokenised as one text; ICL's
+as the ICQS engine tokenises its prompts (demonstration prefix and query each on their own, so
+the ICL prompt is token for token an ICQS prompt), which the test checks against the engine's
+own PromptTokens."""
+
+import math
+
+import pytest
+import torch
+from _helpers import save_tiny_llama, skip_unless_in_ci
+
+from icqs_fast.baselines import (
+    ASK_LLM_TEMPLATE,
+    ICLResult,
+    ask_llm,
+    icl_label,
+    is_correct,
+)
+from icqs_fast.prompts import Template
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ITEMS = [
+    ("What is the capital of France?", "Paris is the capital of France."),
+    ("Name a prime number.", "Nine."),
+    ("Summarise: the market fell.", "Stocks went down."),
+]
+DEMOS = [("Profit rose by 20 %.", "positive"), ("Sales fell sharply.", "negative"),
+         ("The board met on Monday.", "neutral")]
+XS = ["Operating loss widened.", "Revenue doubled year on year.", "The company is in Espoo."]
+LABELS = ["positive", "negative", "neutral", "mixed feelings"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), layers=2)
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    return model, tok
+
+
+@torch.no_grad()
+def _next_logprobs(model, tok, text: str) -> torch.Tensor:
+    """float64 log-probabilities of the token after the whole of ``text``."""
+    ids = tok(text)["input_ids"]
+    z = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    return torch.log_softmax(z, -1)
+
+
+@torch.no_grad()
+def _loglik(model, tok, prompt: list[str], cont: str) -> float:
+    """log P(cont | prompt): the prompt's parts tokenised one by one, cont's tokens after them,
+    one forward."""
+    p = [i for k, part in enumerate(prompt) for i in tok(part, add_special_tokens=k == 0)
+         ["input_ids"]]
+    c = tok(cont, add_special_tokens=False)["input_ids"]
+    z = model(input_ids=torch.tensor([p + c])).logits[0].double()
+    lp = torch.log_softmax(z, -1)
+    return float(sum(lp[len(p) - 1 + t, c[t]] for t in range(len(c))))
+
+
+def _ref_ask(model, tok, x: str, y: str, chat: bool) -> tuple[list[float], float]:
+    user = ASK_LLM_TEMPLATE.user.replace("{x}", x).replace("{y}", y)
+    if chat:
+        text = tok.apply_chat_template(
+            [{"role": "system", "content": "You are a helpful assistant."},
+             {"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = "You are a helpful assistant.\n\n" + user + "\n\n"
+    lp = _next_logprobs(model, tok, text + "Rating: [[")
+    ids = tok.convert_tokens_to_ids(["1", "2", "3", "4", "5"])
+    p = lp[ids].exp()
+    return (p / p.sum()).tolist(), float(p.sum())
+
+
+def _check_ask(res, ref, tol=1e-4):
+    probs, mass = ref
+    assert res.probs == pytest.approx(probs, abs=tol)
+    assert sum(res.probs) == pytest.approx(1.0, abs=1e-9)
+    assert res.mass == pytest.approx(mass, rel=tol)
+    # argmax and expectation from the reference's probabilities (a near-tie would be flaky).
+    top = sorted(probs, reverse=True)
+    if top[0] - top[1] > 10 * tol:
+        assert res.rating_argmax == 1 + probs.index(top[0])
+    assert res.rating_expected == pytest.approx(sum((k + 1) * p for k, p in enumerate(probs)),
+                                                abs=5 * tol)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_ask_llm_matches_full_forward(tiny, chat):
+    model, tok = tiny
+    out = ask_llm(model, tok, ITEMS, chat=chat)
+    assert [r.index for r in out] == [0, 1, 2]
+    for (x, y), r in zip(ITEMS, out, strict=True):
+        _check_ask(r, _ref_ask(model, tok, x, y, chat))
+    # Different answers get different ratings distributions (the item reached the prompt).
+    assert out[0].probs != pytest.approx(out[1].probs, abs=1e-6)
+
+
+def _ref_icl(model, tok, demos, x, labels, template, length_normalize=False):
+    prompt = [template.format_prefix(demos), template.format_query(x)]
+    ll = {lab: _loglik(model, tok, prompt, template.format_response(lab)) for lab in labels}
+    n = {lab: len(tok(template.format_response(lab), add_special_tokens=False)["input_ids"])
+         for lab in labels}
+    sc = {lab: ll[lab] / n[lab] if length_normalize else ll[lab] for lab in labels}
+    m = max(sc.values())
+    z = sum(math.exp(v - m) for v in sc.values())
+    return ll, {lab: math.exp(v - m) / z for lab, v in sc.items()}, n
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_icl_label_matches_full_forward(tiny, length_normalize):
+    model, tok = tiny
+    tpl = Template()
+    out = icl_label(model, tok, DEMOS, XS, LABELS, length_normalize=length_normalize)
+    for x, r in zip(XS, out, strict=True):
+        ll, probs, n = _ref_icl(model, tok, DEMOS, x, LABELS, tpl, length_normalize)
+        assert n["mixed feelings"] > n["positive"]  # a multi-token label is summed
+        assert r.n_tokens == n
+        for lab in LABELS:
+            assert r.logliks[lab] == pytest.approx(ll[lab], abs=1e-4)
+            assert r.probs[lab] == pytest.approx(probs[lab], abs=1e-4)
+        assert r.label == max(LABELS, key=lambda lab: probs[lab])
+
+
+def test_icl_prompt_is_the_icqs_engines(tiny):
+    from icqs_fast.baselines import icl_request_ids
+    from icqs_fast.icqs import PromptTokens
+    from icqs_fast.prompts import DemoSet
+
+    _, tok = tiny
+    for tpl in (Template(), Template.from_chat_template(tok)):
+        ds = DemoSet(ratio=1.0, examples=tuple(DEMOS), is_good=(True,) * len(DEMOS))
+        pt = PromptTokens(tok, tpl, [[ds]])
+        for x in XS:
+            q, r = pt.response_parts(0, x, "neutral")
+            assert icl_request_ids(tok, DEMOS, x, "neutral", tpl) == (pt.prefix_ids(0) + q, r)
+
+
+def test_icl_label_chat_template_and_items_as_pairs(tiny):
+    model, tok = tiny
+    tpl = Template.from_chat_template(tok, system="Label the sentiment.")
+    items = [(x, "positive") for x in XS[:2]] + [{"x": XS[2], "y": "neutral"}]
+    out = icl_label(model, tok, DEMOS[:2], items, LABELS[:3], template=tpl)
+    for x, r in zip(XS, out, strict=True):
+        ll, _, _ = _ref_icl(model, tok, DEMOS[:2], x, LABELS[:3], tpl)
+        for lab in LABELS[:3]:
+            assert r.logliks[lab] == pytest.approx(ll[lab], abs=1e-4)
+
+
+def test_is_correct_and_bad_inputs(tiny):
+    model, tok = tiny
+    r = ICLResult(label="negative", logliks={}, probs={}, n_tokens={})
+    assert is_correct(r, "negative") and is_correct(r, " negative\n")
+    assert not is_correct(r, "positive") and not is_correct(r, "Negative")
+    with pytest.raises(TypeError, match="labels must be a sequence"):
+        icl_label(model, tok, DEMOS, XS, "positive")
+    with pytest.raises(ValueError, match="at least two distinct"):
+        icl_label(model, tok, DEMOS, XS, ["positive", "positive"])
+    with pytest.raises(ValueError, match=r"labels\[1\] must be a non-empty str"):
+        icl_label(model, tok, DEMOS, XS, ["positive", " "])
+    with pytest.raises(TypeError, match=r"item 1: field 'x' must be a str"):
+        icl_label(model, tok, DEMOS, ["a", (3, "b")], LABELS)
+    with pytest.raises(TypeError, match=r"demos\[0\]"):
+        icl_label(model, tok, ["not a pair"], XS, LABELS)
+    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['y'\]"):
+        ask_llm(model, tok, [{"x": "q"}])
+    with pytest.raises(ValueError, match=r"item 0: prompt of \d+ tokens exceeds"):
+        ask_llm(model, tok, [("q " * 600, "a")])
+    assert ask_llm(model, tok, []) == [] and icl_label(model, tok, DEMOS, [], LABELS) == []
+
+
+def test_embedded_model_matches_full_forward():
+    from icqs_fast import models
+
+    try:
+        models.embedded_gguf_path()
+    except FileNotFoundError:
+        skip_unless_in_ci("embedded model not available")
+    model, tok = models.load_model(device="cpu", dtype="float32")
+    out = ask_llm(model, tok, ITEMS[:2])
+    for (x, y), r in zip(ITEMS[:2], out, strict=True):
+        _check_ask(r, _ref_ask(model, tok, x, y, chat=True))
+    # A real judge puts most of its next-token mass on the ratings.
+    assert all(r.mass > 0.5 for r in out)
+    tpl = Template(system="Sentiment of financial news.\n\n",
+                   demo="Headline: {x}\nSentiment: {y}\n",
+                   query="Headline: {x}\nSentiment:")
+    res = icl_label(model, tok, DEMOS[:2], XS[:2], LABELS[:2], template=tpl)
+    for x, r in zip(XS[:2], res, strict=True):
+        ll, probs, _ = _ref_icl(model, tok, DEMOS[:2], x, LABELS[:2], tpl)
+        for lab in LABELS[:2]:
+            assert r.probs[lab] == pytest.approx(probs[lab], abs=1e-4)
+            assert r.logliks[lab] == pytest.approx(ll[lab], abs=1e-3)
