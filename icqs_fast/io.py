@@ -1,8 +1,11 @@
 """Reading responses and demonstrations from files, and writing results, lazily.
 
-* :func:`read_records` streams :class:`Record` s from JSONL, CSV or TSV (optionally gzipped):
-  one row at a time, so a file of millions of rows is never held in memory. Field names are
-  mapped (``x_field``, ``y_field``, ``id_field``, ``label_field``).
+* :func:`read_records` streams :class:`Record` s from JSONL, CSV or TSV (optionally gzipped),
+  Parquet files and Hugging Face ``datasets`` folders (``Dataset.save_to_disk``): one row (or
+  one record batch of :data:`ARROW_BATCH_ROWS` rows) at a time, so a file of millions of rows
+  is never held in memory. Field names are mapped (``x_field``, ``y_field``, ``id_field``,
+  ``label_field``). :func:`count_records` counts records the same way; :func:`shard_range`
+  and :func:`parse_shard` split an input into contiguous ranges for ``--shard i/n``.
 * :func:`read_json_objects` / :func:`field_of` read JSONL files with their own schema (MT-Bench)
   with the same errors.
 * :func:`read_examples` reads a (small) good or bad demonstration file into ``(x, y)`` pairs.
@@ -10,11 +13,15 @@
   format and build good (correct label) / bad (flipped label) demonstrations from it.
 * :class:`JsonlWriter` writes one JSON object per line, each with a single ``write`` (so a crash
   leaves at most one incomplete last line, which :func:`read_resume_state` detects).
+  :class:`ParquetResultWriter` writes ``.parquet`` results as committed part files merged into
+  one file on close (see its docstring for what a crash keeps); :func:`open_results` picks the
+  writer from the output's extension.
 * :class:`OutputLock` is an advisory lock (``fcntl.flock`` on ``OUT.lock``) held by the process
   writing an output, so a second writer refuses at once.
 
 Every problem with the input raises :class:`InputError` (a ``ValueError``) whose message names
-the file, the line and the field, e.g. ``data.jsonl:17: field 'y': missing (keys: x, id)``;
+the file, the line and the field, e.g. ``data.jsonl:17: field 'y': missing (keys: x, id)``
+(for Parquet files and dataset folders, the 1-based row: ``data.parquet: row 17: ...``);
 a problem with one record is a :class:`RecordError` (an ``InputError`` that also carries the
 record's index), which per-record error handling uses instead of reading message text.
 """
@@ -36,12 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-FORMATS = ("jsonl", "csv", "tsv")
+FORMATS = ("jsonl", "csv", "tsv", "parquet", "datasets")
+TEXT_FORMATS = ("jsonl", "csv", "tsv")
+# Rows per record batch read from Parquet / Arrow: what is held at once (as Python objects).
+ARROW_BATCH_ROWS = 1024
 # A JSONL line longer than this is a bad record (read in bounded pieces, never held whole): one
 # record of a scoring file is a prompt and a response, and a multi-megabyte line is almost always
 # a broken export (a whole file on one line) that would otherwise be tokenised for minutes.
 MAX_LINE_BYTES = 1 << 20
-_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
+               ".parquet": "parquet", ".pq": "parquet"}
+_PARQUET_SUFFIXES = (".parquet", ".pq")
 
 PathLike = str | os.PathLike
 
@@ -51,7 +63,9 @@ class InputError(ValueError):
 
     Attributes:
         path: the file (``"<stdin>"`` for standard input).
-        line: 1-based line number where the record starts (None for a whole-file problem).
+        line: 1-based line number where the record starts (None for a whole-file problem); for
+            a Parquet file or a dataset folder, the 1-based row number (the message then says
+            ``path: row N`` instead of ``path:N``).
         field: the field concerned (None when the problem is not about one field).
         reason: what is wrong, without the location.
     """
@@ -61,9 +75,19 @@ class InputError(ValueError):
         self.line = line
         self.field = field
         self.reason = reason
-        where = self.path if line is None else f"{self.path}:{line}"
+        if line is None:
+            where = self.path
+        elif _row_source(self.path):
+            where = f"{self.path}: row {line}"
+        else:
+            where = f"{self.path}:{line}"
         what = f"field {field!r}: {reason}" if field is not None else reason
         super().__init__(f"{where}: {what}")
+
+
+def _row_source(path: str) -> bool:
+    """Whether ``path`` is read by rows rather than lines (Parquet, a dataset folder)."""
+    return path.lower().endswith(_PARQUET_SUFFIXES) or os.path.isdir(path)
 
 
 class RecordError(InputError):
@@ -87,7 +111,8 @@ class Record:
     Attributes:
         index: 0-based position among the file's records (data rows; bad rows count too, so an
             index always means the same row whatever rows were skipped).
-        line: 1-based line number where the record starts.
+        line: 1-based line number where the record starts (Parquet / datasets: the 1-based row
+            number, ``index + 1``).
         x, y: the prompt and the response to score.
         id: the record's id field, if the file has one (any JSON scalar; str for CSV/TSV).
         label: the label field, if asked for (e.g. a gold label or "good"/"bad").
@@ -103,11 +128,14 @@ class Record:
 
 def detect_format(path: PathLike, format: str | None = None) -> str:
     """``format`` if given, else from the extension (``.jsonl``/``.ndjson``/``.csv``/``.tsv``,
-    optionally followed by ``.gz``)."""
+    optionally followed by ``.gz``; ``.parquet``/``.pq``), or ``"datasets"`` for a folder
+    whose name has none of these extensions (a ``Dataset.save_to_disk`` folder)."""
     if format is not None:
         f = format.lower()
         if f in ("ndjson", "json-lines"):
             f = "jsonl"
+        if f in ("hf", "arrow"):
+            f = "datasets"
         if f not in FORMATS:
             raise ValueError(f"unknown input format {format!r}; use one of {', '.join(FORMATS)}")
         return f
@@ -116,11 +144,16 @@ def detect_format(path: PathLike, format: str | None = None) -> str:
         return "jsonl"
     p = Path(name.lower())
     suffix = Path(p.stem).suffix if p.suffix == ".gz" else p.suffix
+    if suffix not in _EXTENSIONS and os.path.isdir(name):
+        return "datasets"
     if suffix not in _EXTENSIONS:
         raise ValueError(
             f"{name}: cannot tell the format from the extension {suffix or '(none)'!r}; "
-            f"use .jsonl, .csv or .tsv (optionally .gz) or pass the format explicitly"
+            f"use .jsonl, .csv or .tsv (optionally .gz), .parquet, a datasets folder, or pass "
+            "the format explicitly"
         )
+    if p.suffix == ".gz" and _EXTENSIONS[suffix] == "parquet":
+        raise ValueError(f"{name}: a Parquet file is compressed inside; it cannot be .gz")
     return _EXTENSIONS[suffix]
 
 
@@ -335,20 +368,30 @@ def read_records(
     on_error: Callable[[RecordError], None] | str | None = None,
     max_line_bytes: int = MAX_LINE_BYTES,
     allow_empty: bool = True,
+    stop: int | None = None,
 ) -> Iterator[Record]:
-    """Stream the records of a JSONL, CSV or TSV file (``"-"``: JSONL on standard input).
+    """Stream the records of a JSONL, CSV, TSV or Parquet file or a Hugging Face dataset folder
+    (``"-"``: JSONL on standard input).
 
-    Nothing is read until the first record is asked for, and only one row is held at a time.
+    Nothing is read until the first record is asked for, and only one row (Parquet / datasets:
+    one record batch of :data:`ARROW_BATCH_ROWS` rows, only the columns asked for) is held at a
+    time.
 
     Args:
-        path: the file; ``.gz`` files are decompressed on the fly.
-        format: ``"jsonl"``, ``"csv"`` or ``"tsv"``; from the extension if None.
-        x_field, y_field: the fields holding the prompt and the response (JSONL also takes a
-            dotted path such as ``"turns.0"``). CSV/TSV files need a header row.
+        path: the file; ``.gz`` files are decompressed on the fly. A folder is a dataset saved
+            with ``datasets.Dataset.save_to_disk`` (one split; its Arrow files are read batch by
+            batch, memory-mapped, without importing ``datasets``).
+        format: ``"jsonl"``, ``"csv"``, ``"tsv"``, ``"parquet"`` or ``"datasets"``; from the
+            extension (or a folder) if None.
+        x_field, y_field: the fields holding the prompt and the response (JSONL, Parquet and
+            datasets also take a dotted path into nested values such as ``"turns.0"``).
+            CSV/TSV files need a header row.
         id_field: the field with the record's id; ``None`` uses ``"id"`` when a record has it.
         label_field: a field to carry along (e.g. a gold label); required in every record.
         encoding: text encoding (an ASCII-compatible one: lines are split on ``\\n`` bytes).
-        skip: records before this index are counted but neither parsed nor checked (resume).
+        skip: records before this index are counted but neither parsed nor checked (resume);
+            Parquet skips whole row groups without reading them.
+        stop: records from this index on are not read (``--shard``); None reads to the end.
         on_error: what to do with a bad record (a :class:`RecordError`): None raises it; a
             callable is called with it and reading goes on; ``"yield"`` yields it in place of
             the record (so the caller sees good and bad records in file order). Errors about
@@ -369,28 +412,46 @@ def read_records(
     """
     fmt = detect_format(path, format)
     name = _display(path)
-    if name != "<stdin>" and not os.path.exists(os.fspath(path)):
-        raise FileNotFoundError(f"no such input file: {name}")
-    if name != "<stdin>" and os.path.isdir(os.fspath(path)):
-        raise InputError(name, None, None, "is a folder, not an input file")
+    _check_source(path, fmt, name)
     if isinstance(on_error, str) and on_error != "yield":
         raise ValueError(f"on_error must be None, a callable or 'yield', got {on_error!r}")
     return _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip,
-                    on_error, max_line_bytes, allow_empty)
+                    on_error, max_line_bytes, allow_empty, stop)
+
+
+def _check_source(path: PathLike, fmt: str, name: str) -> None:
+    """The input exists and is what ``fmt`` reads (a file, or a dataset folder)."""
+    if name == "<stdin>":
+        if fmt not in TEXT_FORMATS:
+            raise ValueError(f"standard input is read as JSONL/CSV/TSV, not {fmt}")
+        return
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no such input file: {name}")
+    if fmt == "datasets":
+        _dataset_files(p, name)  # raises on a folder that is not a saved dataset
+    elif os.path.isdir(p):
+        raise InputError(name, None, None, "is a folder, not an input file")
 
 
 def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip, on_error,
-             max_line_bytes, allow_empty):
+             max_line_bytes, allow_empty, stop=None):
     required = [x_field, y_field] + ([label_field] if label_field else [])
     n_rows = 0
-    f = _open_binary(path)
+    f = None if fmt in ("parquet", "datasets") else _open_binary(path)
     try:
         if fmt == "jsonl":
             rows = _jsonl_rows(f, name, skip, encoding, max_line_bytes)
+        elif fmt in ("parquet", "datasets"):
+            cols = required + ([id_field] if id_field else [])
+            rows = _arrow_rows(path, fmt, name, cols, id_field is None, skip, stop)
         else:
             cols = required + ([id_field] if id_field else [])
             rows = _table_rows(f, name, "," if fmt == "csv" else "\t", cols, skip, encoding)
         for index, line, row in rows:
+            if stop is not None and index >= stop:
+                n_rows += 1
+                break
             n_rows += 1
             if row is None:
                 continue
@@ -409,11 +470,208 @@ def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding,
                 continue
             yield rec
     finally:
-        if f is not sys.stdin.buffer:
+        if fmt in ("parquet", "datasets"):
+            rows.close()  # releases the file / memory map at once, also after ``stop``
+        if f is not None and f is not sys.stdin.buffer:
             f.close()
     if n_rows == 0 and not allow_empty:
+        if fmt in ("parquet", "datasets"):
+            raise InputError(name, None, None, "no records (no rows)")
         raise InputError(name, None, None, "no records (the file is empty or has only blank "
                          "lines" + (" and a header)" if fmt != "jsonl" else ")"))
+
+
+# --------------------------------------------------------------------------- Arrow inputs
+
+
+def _dataset_files(folder: str, name: str) -> list[str]:
+    """The Arrow files of a ``Dataset.save_to_disk`` folder, in order (from its state.json)."""
+    if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
+        try:
+            with open(os.path.join(folder, "dataset_dict.json"), encoding="utf-8") as f:
+                splits = ", ".join(json.load(f).get("splits", []))
+        except (OSError, ValueError, AttributeError):
+            splits = "?"
+        raise InputError(name, None, None, f"is a DatasetDict folder (splits: {splits}); pass "
+                         "one split's folder, e.g. FOLDER/train")
+    state = os.path.join(folder, "state.json")
+    if not os.path.isfile(state):
+        raise InputError(name, None, None, "is a folder, not an input file (a dataset folder "
+                         "saved with datasets' save_to_disk holds a state.json)")
+    try:
+        with open(state, encoding="utf-8") as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(os.path.join(name, "state.json"), None, "_data_files",
+                         f"unreadable dataset state ({exc})") from None
+    for fn in files:
+        if not os.path.isfile(os.path.join(folder, fn)):
+            raise InputError(name, None, None, f"data file {fn} listed in state.json is missing")
+    return [os.path.join(folder, fn) for fn in files]
+
+
+def _column_of(field: str, names: list[str]) -> str | None:
+    """The top-level column a (dotted) field is read from, or None."""
+    if field in names:
+        return field
+    head = field.split(".", 1)[0]
+    return head if "." in field and head in names else None
+
+
+def _project(schema_names: list[str], fields: list[str], default_id: bool, name: str
+             ) -> list[str]:
+    """The columns to read for ``fields`` (a missing one is a whole-file error naming it)."""
+    cols: list[str] = []
+    for field in fields:
+        col = _column_of(field, schema_names)
+        if col is None:
+            raise InputError(name, None, field, "no such column (columns: "
+                             f"{', '.join(schema_names)})")
+        if col not in cols:
+            cols.append(col)
+    if default_id and "id" in schema_names and "id" not in cols:
+        cols.append("id")
+    return cols
+
+
+def _batch_rows(batch: Any, first: int, skip: int) -> Iterator[tuple[int, int, Any]]:
+    """(index, row number, dict or None) per row of one record batch whose first row has index
+    ``first``; rows before ``skip`` are counted, not converted."""
+    n = batch.num_rows
+    if first + n <= skip:
+        for i in range(first, first + n):
+            yield i, i + 1, None
+        return
+    for i in range(first, min(skip, first + n)):
+        yield i, i + 1, None
+    start = max(0, skip - first)
+    # Converted in slices: at most ARROW_BATCH_ROWS rows are Python objects at once.
+    for off in range(start, n, ARROW_BATCH_ROWS):
+        part = batch.slice(off, ARROW_BATCH_ROWS).to_pylist()
+        for j, row in enumerate(part):
+            i = first + off + j
+            yield i, i + 1, row
+
+
+def _arrow_rows(path: PathLike, fmt: str, name: str, fields: list[str], default_id: bool,
+                skip: int, stop: int | None) -> Iterator[tuple[int, int, Any]]:
+    """Like :func:`_jsonl_rows`, for a Parquet file (row groups skipped from the footer's row
+    counts, buffered reads) or a dataset folder (its Arrow stream files, memory-mapped)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        try:
+            # Buffered column reads: memory stays at about one page per column, not a whole
+            # row group's column chunk (files written in one row group are common).
+            pf = pq.ParquetFile(os.fspath(path), buffer_size=1 << 20, pre_buffer=False)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(name, None, None, f"not a readable Parquet file ({exc})") from None
+        with pf:
+            cols = _project(pf.schema_arrow.names, fields, default_id, name)
+            meta = pf.metadata
+            first, group = 0, 0
+            # Whole row groups before ``skip`` are counted from the footer, never read.
+            while group < meta.num_row_groups and first + meta.row_group(group).num_rows <= skip:
+                first += meta.row_group(group).num_rows
+                group += 1
+            if group < meta.num_row_groups:
+                batches = pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols,
+                                          row_groups=list(range(group, meta.num_row_groups)),
+                                          use_threads=False)
+                for batch in batches:
+                    yield from _batch_rows(batch, first, skip)
+                    first += batch.num_rows
+                    if stop is not None and first >= stop:
+                        break
+        return
+    import pyarrow.ipc as ipc
+
+    first = 0
+    for fn in _dataset_files(os.fspath(path), name):
+        with pa.memory_map(fn, "r") as source:
+            try:
+                reader = ipc.open_stream(source)
+            except pa.ArrowException as exc:
+                raise InputError(fn, None, None, f"not a readable Arrow stream ({exc})") from None
+            cols = _project(reader.schema.names, fields, default_id, name)
+            for batch in reader:
+                if first + batch.num_rows <= skip:  # memory-mapped: skipping reads nothing
+                    first += batch.num_rows
+                    continue
+                yield from _batch_rows(batch.select(cols), first, skip)
+                first += batch.num_rows
+                if stop is not None and first >= stop:
+                    return
+
+
+def _arrow_count(path: PathLike, fmt: str, name: str) -> int:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        try:
+            return int(pq.read_metadata(os.fspath(path)).num_rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(name, None, None, f"not a readable Parquet file ({exc})") from None
+    n = 0
+    for fn in _dataset_files(os.fspath(path), name):
+        with pa.memory_map(fn, "r") as source:
+            for batch in ipc.open_stream(source):
+                n += batch.num_rows
+    return n
+
+
+def count_records(path: PathLike, *, format: str | None = None, encoding: str = "utf-8",
+                  max_line_bytes: int = MAX_LINE_BYTES) -> int:
+    """The number of records :func:`read_records` would index in ``path`` (bad records count,
+    blank lines do not), without parsing them: non-blank lines of a JSONL file, CSV/TSV rows
+    (parsed for quoting), the footer's row count of a Parquet file, the batch row counts of a
+    dataset folder. Standard input cannot be counted (ValueError)."""
+    fmt = detect_format(path, format)
+    name = _display(path)
+    if name == "<stdin>":
+        raise ValueError("standard input cannot be counted (needed by --shard); pass a file")
+    _check_source(path, fmt, name)
+    if fmt in ("parquet", "datasets"):
+        return _arrow_count(path, fmt, name)
+    big = 1 << 62  # skip everything: records are counted, not parsed
+    with _open_binary(path) as f:
+        if fmt == "jsonl":
+            rows = _jsonl_rows(f, name, big, encoding, max_line_bytes)
+        else:
+            rows = _table_rows(f, name, "," if fmt == "csv" else "\t", [], big, encoding)
+        n = 0
+        for _ in rows:
+            n += 1
+        return n
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n`` (0-based shard index)."""
+    i_s, sep, n_s = spec.partition("/")
+    try:
+        i, n = int(i_s), int(n_s)
+    except ValueError:
+        i = n = -1
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard: expected i/n with 0 <= i < n (e.g. 0/4 ... 3/4), got {spec!r}")
+    return i, n
+
+
+def shard_range(total: int, i: int, n: int, align: int = 1) -> tuple[int, int]:
+    """Record indices ``[start, stop)`` of shard ``i`` of ``n``: contiguous ranges in input order
+    whose boundaries are multiples of ``align`` (blocks of ``align`` records are dealt out as
+    evenly as possible), so the shards' outputs concatenated in shard order are the unsharded
+    output. Shards may be empty when there are fewer blocks than shards."""
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    if not 0 <= i < n:
+        raise ValueError(f"shard {i} of {n}: need 0 <= i < n")
+    blocks = -(-total // align)
+    lo, hi = (i * blocks) // n, ((i + 1) * blocks) // n
+    return min(lo * align, total), min(hi * align, total)
 
 
 def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str, y_field: str,
@@ -424,6 +682,8 @@ def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str,
     values = {}
     for field in (x_field, y_field):
         found, v = _get(row, field)
+        if found and v is None and fmt in ("parquet", "datasets"):
+            raise err(field, "missing (null)")
         if not found or (fmt != "jsonl" and v is None):
             what = "keys" if fmt == "jsonl" else "columns"
             raise err(field, f"missing (this record's {what}: {_keys(row)})")
@@ -679,11 +939,13 @@ class OutputLock:
 @dataclass
 class ResumeState:
     """What an existing results file holds: ``last`` is the last complete record (None if none),
-    ``count`` the number of complete records, ``end`` the byte offset just after it."""
+    ``count`` the number of complete records, ``end`` the byte offset just after it (JSONL;
+    0 for Parquet), ``format`` the output's format (``"jsonl"`` or ``"parquet"``)."""
 
     last: dict | None
     count: int
     end: int
+    format: str = "jsonl"
 
 
 def read_resume_state(path: PathLike) -> ResumeState:
@@ -718,6 +980,351 @@ def read_resume_state(path: PathLike) -> ResumeState:
                                  "cannot resume this file")
             last, count, end = obj, count + 1, pos
     return ResumeState(last=last, count=count, end=end)
+
+
+# --------------------------------------------------------------------------- Parquet results
+# A Parquet file is only readable once its footer is written, so a results file written in one
+# piece would be lost whole by a crash. Instead records are committed in part files, each a
+# complete Parquet file written to a temporary name, fsynced and renamed into OUT.parts/ (named
+# by the first record's index); on close, OUT (if any) and the parts are merged, row group by
+# row group, into OUT.tmp, which is fsynced and renamed over OUT, and then OUT.parts/ is removed.
+# What a crash (even SIGKILL or a power cut) leaves: OUT as last closed plus the committed parts;
+# a part not yet renamed is ignored, a part already merged into OUT (a crash between the rename
+# and the removal) is recognised by its index and dropped. A resume therefore loses at most the
+# records not yet committed: fewer than PARQUET_PART_ROWS records or PARQUET_COMMIT_SECONDS
+# seconds of work, which it computes again. Every close rewrites OUT whole (a resumed run pays
+# one copy of what was there).
+
+PARQUET_PART_ROWS = 1000
+PARQUET_COMMIT_SECONDS = 30.0
+PARQUET_ROW_GROUP_ROWS = 8192
+_PART_PREFIX = "part-"
+
+
+def output_format(out: PathLike) -> str:
+    """``"parquet"`` for a ``.parquet`` / ``.pq`` output, else ``"jsonl"``."""
+    return "parquet" if os.fspath(out).lower().endswith(_PARQUET_SUFFIXES) else "jsonl"
+
+
+def parts_dir(out: PathLike) -> Path:
+    """The folder of a Parquet output's committed parts (``OUT.parts``)."""
+    return Path(f"{os.fspath(out)}.parts")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _part_index(path: Path) -> int:
+    return int(path.name[len(_PART_PREFIX):-len(".parquet")])
+
+
+def _committed_parts(out: PathLike) -> list[Path]:
+    d = parts_dir(out)
+    if not d.is_dir():
+        return []
+    parts = [p for p in d.iterdir() if p.name.startswith(_PART_PREFIX)
+             and p.name.endswith(".parquet") and p.name[len(_PART_PREFIX):-8].isdigit()]
+    return sorted(parts, key=_part_index)
+
+
+def _last_row(path: Path) -> dict | None:
+    """The last row of a Parquet file as a dict without its null fields (None if no rows)."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as pf:
+        for g in range(pf.metadata.num_row_groups - 1, -1, -1):
+            if pf.metadata.row_group(g).num_rows:
+                t = pf.read_row_group(g)
+                row = t.slice(t.num_rows - 1).to_pylist()[0]
+                return {k: v for k, v in row.items() if v is not None}
+    return None
+
+
+@dataclass
+class _ParquetOutput:
+    main: Path | None  # OUT, when it exists
+    parts: list[Path]  # committed parts not yet merged, in order
+    stale: list[Path]  # parts already merged into OUT (left by a crash after the rename)
+    last: dict | None
+    count: int
+
+
+def _parquet_output(out: PathLike) -> _ParquetOutput:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    main = out if out.exists() else None
+    last, count = None, 0
+    live: list[Path] = []
+    stale: list[Path] = []
+    for p in ([main] if main else []) + _committed_parts(out):
+        if p is not main and last is not None and _part_index(p) <= last.get("index", -1):
+            stale.append(p)
+            continue
+        try:
+            n = pq.read_metadata(p).num_rows
+            row = _last_row(p)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(p, None, None, f"not a readable Parquet results file ({exc}); "
+                             "cannot resume it") from None
+        if row is not None and not isinstance(row.get("index"), int):
+            raise InputError(p, None, "index", "not a results file (no integer index column)")
+        if p is not main:
+            live.append(p)
+        count += n
+        last = row if row is not None else last
+    return _ParquetOutput(main, live, stale, last, count)
+
+
+def read_parquet_state(path: PathLike) -> ResumeState:
+    """What a Parquet results output holds (``OUT`` plus its committed parts, see
+    :class:`ParquetResultWriter`): the last record (its null fields left out, as absent keys of
+    a JSONL record) and the number of records."""
+    st = _parquet_output(path)
+    return ResumeState(last=st.last, count=st.count, end=0, format="parquet")
+
+
+def read_output_state(path: PathLike) -> ResumeState:
+    """:func:`read_resume_state` (JSONL) or :func:`read_parquet_state`, by extension."""
+    if output_format(path) == "parquet":
+        return read_parquet_state(path)
+    return read_resume_state(path)
+
+
+def output_exists(out: PathLike) -> bool:
+    """Whether ``out`` holds results a new run would replace (a non-empty JSONL file; a Parquet
+    file or committed parts)."""
+    out = Path(out)
+    if output_format(out) == "parquet":
+        return out.exists() or bool(_committed_parts(out))
+    return out.exists() and out.stat().st_size > 0
+
+
+def records_table(records: list[dict]) -> Any:
+    """A ``pyarrow.Table`` of result records: one column per key (first-seen order, ``error``
+    last), types inferred from all values, absent keys null."""
+    import pyarrow as pa
+
+    keys: dict[str, None] = {}
+    for r in records:
+        for k in r:
+            keys.setdefault(k, None)
+    order = [k for k in keys if k != "error"] + (["error"] if "error" in keys else [])
+    # Fixed types for the fields every results file shares, so that a part where they happen
+    # to be all null (no bad record's field named) still has the type of the others.
+    known = {"index": pa.int64(), "line": pa.int64(),
+             "error": pa.struct([("field", pa.string()), ("reason", pa.string())])}
+    cols = {}
+    for k in order:
+        try:
+            cols[k] = pa.array([r.get(k) for r in records], type=known.get(k))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+            raise ValueError(f"result field {k!r} cannot be one Parquet column (records "
+                             f"{records[0].get('index')}..{records[-1].get('index')}: {exc}); "
+                             "write JSONL output instead") from None
+    return pa.table(cols)
+
+
+def _conform(table: Any, schema: Any) -> Any:
+    """``table`` with ``schema``'s columns, in its order (absent ones null), cast to its types."""
+    import pyarrow as pa
+
+    cols = [table.column(f.name).cast(f.type) if f.name in table.column_names
+            else pa.nulls(table.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _unify(schemas: list[Any], where: str) -> Any:
+    import pyarrow as pa
+
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(f"{where}: results whose columns change type cannot be one Parquet file "
+                         f"({exc}); write JSONL output instead") from None
+
+
+class ParquetResultWriter:
+    """Parquet results written as they stream, crash-safe and resumable (see the section comment
+    above: committed part files in ``OUT.parts/``, merged into ``OUT`` on close).
+
+    Records are buffered and committed as one part every ``part_rows`` records or
+    ``commit_every`` seconds, whichever comes first; each part is one row group written with
+    ``pyarrow.parquet.ParquetWriter``. Column types are inferred from the records; a column that
+    changes type (an ``id`` that is a number in one record and a string in another) is a
+    ValueError at the commit that meets it. Records must carry an integer ``index`` that
+    increases (the results of ``score`` / ``features`` do).
+
+    Args:
+        path: the output (``.parquet``); parent folders are created.
+        append: continue an existing output (its file and committed parts are kept).
+        part_rows, commit_every: when a part is committed (records, seconds).
+        row_group_rows: rows per row group of the merged ``OUT``.
+
+    Test hook: ``ICQS_FAST_TEST_CRASH=MODE:N`` as for :class:`JsonlWriter`: ``before`` kills the
+    process before record N is buffered, ``mid`` while the part holding record N is being
+    committed (its temporary file half written), ``hold`` after that part is committed.
+    """
+
+    def __init__(self, path: PathLike, *, append: bool = False,
+                 part_rows: int = PARQUET_PART_ROWS, commit_every: float = PARQUET_COMMIT_SECONDS,
+                 row_group_rows: int = PARQUET_ROW_GROUP_ROWS) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = Path(path)
+        self.parts = parts_dir(path)
+        if self.path.parent:
+            os.makedirs(self.path.parent, exist_ok=True)
+        if not append:
+            _remove_parquet_output(self.path)
+        os.makedirs(self.parts, exist_ok=True)
+        st = _parquet_output(self.path)
+        self._last_index = st.last["index"] if st.last else None
+        srcs = ([st.main] if st.main else []) + st.parts
+        self._schema = _unify([pq.read_schema(p) for p in srcs], os.fspath(self.path)) \
+            if srcs else None
+        self._buf: list[dict] = []
+        self._part_rows = max(1, part_rows)
+        self._commit_every = commit_every
+        self._row_group_rows = max(1, row_group_rows)
+        self._last_commit = time.monotonic()
+        self._closed = False
+        self.count = 0
+        self._crash = _crash_hook()
+
+    def write(self, record: dict) -> None:
+        """Buffer ``record``; commit a part when it is due."""
+        if self._closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        idx = record.get("index")
+        if not isinstance(idx, int) or (self._last_index is not None and idx <= self._last_index):
+            raise ValueError(f"{self.path}: results need increasing integer indices, got {idx!r} "
+                             f"after {self._last_index!r}")
+        if self._crash is not None and self._crash == ("before", self.count):
+            _crash("before", -1, b"")
+        self._buf.append(record)
+        self._last_index = idx
+        self.count += 1
+        if (len(self._buf) >= self._part_rows
+                or time.monotonic() - self._last_commit >= self._commit_every):
+            self.commit()
+
+    def commit(self) -> None:
+        """Write the buffered records as one part (temporary name, fsync, rename, fsync the
+        folder): once this returns they survive a crash."""
+        import pyarrow.parquet as pq
+
+        self._last_commit = time.monotonic()
+        if not self._buf:
+            return
+        table = records_table(self._buf)
+        schema = table.schema if self._schema is None else \
+            _unify([self._schema, table.schema], os.fspath(self.path))
+        name = f"{_PART_PREFIX}{self._buf[0]['index']:012d}.parquet"
+        tmp = self.parts / f".{name}.tmp"
+        crash = self._crash is not None and self._crash[0] in ("mid", "hold") and \
+            self.count - len(self._buf) <= self._crash[1] < self.count
+        with pq.ParquetWriter(tmp, table.schema) as w:
+            w.write_table(table)
+            if crash and self._crash[0] == "mid":
+                _crash("before", -1, b"")  # the temporary part has no footer yet
+        _fsync_file(tmp)
+        os.replace(tmp, self.parts / name)
+        _fsync_dir(self.parts)
+        self._schema = schema
+        self._buf.clear()
+        if crash and self._crash[0] == "hold":
+            deadline = time.monotonic() + 600  # never outlive a test that forgot to kill us
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Commit what is buffered, then merge ``OUT`` and the parts into ``OUT``."""
+        if self._closed:
+            return
+        self.commit()
+        self._closed = True
+        merge_parquet_output(self.path, row_group_rows=self._row_group_rows)
+
+    def __enter__(self) -> ParquetResultWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remove_parquet_output(out: Path) -> None:
+    import shutil
+
+    for p in (out, Path(f"{out}.tmp")):
+        if p.exists():
+            p.unlink()
+    if parts_dir(out).exists():
+        shutil.rmtree(parts_dir(out))
+
+
+def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GROUP_ROWS) -> None:
+    """Merge a Parquet output's committed parts into ``OUT`` (streamed row group by row group:
+    memory holds about ``row_group_rows`` rows), atomically, and remove ``OUT.parts``; without
+    any record at all, ``OUT`` is an empty table with ``index`` and ``line`` columns."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    st = _parquet_output(out)
+    if st.parts or st.main is None:
+        srcs = ([st.main] if st.main else []) + st.parts
+        if srcs:
+            schema = _unify([pq.read_schema(p) for p in srcs], os.fspath(out))
+        else:
+            schema = pa.schema([("index", pa.int64()), ("line", pa.int64())])
+        tmp = Path(f"{out}.tmp")
+        with pq.ParquetWriter(tmp, schema) as w:
+            pending: list[Any] = []
+            n = 0
+            for src in srcs:
+                with pq.ParquetFile(src) as pf:
+                    for g in range(pf.metadata.num_row_groups):
+                        t = _conform(pf.read_row_group(g), schema)
+                        pending.append(t)
+                        n += t.num_rows
+                        if n >= row_group_rows:  # whole row groups out, the rest carried
+                            full = (n // row_group_rows) * row_group_rows
+                            big = pa.concat_tables(pending)
+                            w.write_table(big.slice(0, full), row_group_size=row_group_rows)
+                            pending, n = [big.slice(full)], n - full
+            if n or not srcs:
+                w.write_table(pa.concat_tables(pending) if n else schema.empty_table())
+        _fsync_file(tmp)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent if str(out.parent) else Path("."))
+    if parts_dir(out).exists():
+        shutil.rmtree(parts_dir(out))
+
+
+def open_results(plan: OutputPlan) -> JsonlWriter | ParquetResultWriter:
+    """The writer of ``plan.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq``, else
+    :class:`JsonlWriter` (appending when resuming)."""
+    if output_format(plan.out) == "parquet":
+        return ParquetResultWriter(plan.out, append=plan.append)
+    return JsonlWriter(plan.out, append=plan.append)
 
 
 # --------------------------------------------------------------------------- output runs
@@ -764,13 +1371,20 @@ def runtime_settings(model: Any, backend: str) -> dict:
 RUNTIME_KEYS = ("dtype", "device", "backend")
 
 
-def check_run_paths(input: str, resume: bool, overwrite: bool) -> None:
+def check_run_paths(input: str, resume: bool, overwrite: bool, format: str | None = None
+                    ) -> None:
     """The checks before an output is locked: the input exists and is a file (``"-"`` is
-    standard input), and at most one of ``resume`` / ``overwrite``."""
+    standard input) or a dataset folder, and at most one of ``resume`` / ``overwrite``."""
     if input != "-" and not os.path.exists(input):
         raise FileNotFoundError(f"no such input file: {input}")
     if input != "-" and os.path.isdir(input):
-        raise InputError(input, None, None, "is a folder, not an input file")
+        try:
+            fmt = detect_format(input, format)
+        except ValueError:
+            fmt = None
+        if fmt != "datasets":
+            raise InputError(input, None, None, "is a folder, not an input file")
+        _dataset_files(input, input)
     if resume and overwrite:
         raise ValueError("choose at most one of --resume and --overwrite")
 
@@ -819,8 +1433,8 @@ def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool)
         InputError: an output that is not a results file.
     """
     out = Path(out)
-    if resume and out.exists():
-        state = read_resume_state(out)
+    if resume and (out.exists() or output_exists(out)):
+        state = read_output_state(out)
         old = None
         mp = meta_path(out)
         if mp.is_file():
@@ -831,7 +1445,7 @@ def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool)
         last = state.last
         return OutputPlan(out, append=True, start=last["index"] + 1 if last is not None else 0,
                           last=last, state=state, old=old)
-    if out.exists() and out.stat().st_size > 0 and not overwrite and not resume:
+    if output_exists(out) and not overwrite and not resume:
         raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
     return OutputPlan(out)
 
@@ -850,7 +1464,20 @@ def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> 
     else empty it, then write ``OUT.meta.json`` (a crash in between leaves an empty output,
     never old records under new settings)."""
     out = plan.out
-    if plan.append:
+    if plan.append and plan.state is not None and plan.state.format == "parquet":
+        st = _parquet_output(out)
+        for p in st.stale:  # merged into OUT by a run that crashed before removing them
+            p.unlink()
+        tmps = [p for p in (parts_dir(out).iterdir() if parts_dir(out).is_dir() else [])
+                if p.name.endswith(".tmp")] + [p for p in [Path(f"{out}.tmp")] if p.exists()]
+        for p in tmps:
+            p.unlink()
+        if st.stale or tmps:
+            log(f"icqs-fast: removed {len(st.stale)} already merged and {len(tmps)} unfinished "
+                f"part file(s) of {out}")
+        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
+            f"record {plan.start}")
+    elif plan.append:
         assert plan.state is not None
         if out.stat().st_size != plan.state.end:
             with open(out, "r+b") as f:  # drop a record cut off mid-write
@@ -858,6 +1485,9 @@ def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> 
             log(f"icqs-fast: removed an incomplete last line from {out}")
         log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
             f"record {plan.start}")
+    elif output_format(out) == "parquet":
+        _remove_parquet_output(out)
+        write_meta(out, settings)
     else:
         with open(out, "wb"):
             pass
@@ -894,6 +1524,32 @@ def checked_resume(records: Iterator[Record | RecordError], last: dict, path: st
                 if not keep:
                     continue
         yield rec
+
+
+def input_range(args: Any, plan: OutputPlan, *, align: int = 1) -> tuple[int, int | None, int]:
+    """For a command with ``--shard``: ``(start, stop, total)``, the input records this run
+    reads - its shard's range (:func:`shard_range`, boundaries multiples of ``align``), started
+    after what a resumed output holds - and the number of records it will write (for the
+    progress bar; -1 when unknown). Without ``--shard``: ``(plan.start, None, n)``, ``n`` known
+    only for Parquet / datasets inputs (counting a text file would read it twice)."""
+    shard = getattr(args, "shard", None)
+    fmt = detect_format(args.input, args.format) if args.input != "-" else "jsonl"
+    if shard is None:
+        total = -1
+        if fmt in ("parquet", "datasets"):
+            total = max(0, count_records(args.input, format=args.format) - plan.start)
+        return plan.start, None, total
+    i, n = parse_shard(shard)
+    total = count_records(args.input, format=args.format,
+                          encoding=getattr(args, "encoding", "utf-8"))
+    if total == 0:
+        raise InputError(_display(args.input), None, None, "no records (nothing to shard)")
+    lo, hi = shard_range(total, i, n, align)
+    start = max(lo, plan.start)
+    if plan.last is not None and not lo <= plan.last["index"] < hi:
+        raise ValueError(f"cannot --resume {plan.out}: its last record {plan.last['index']} is "
+                         f"outside shard {shard} (records {lo}..{hi - 1})")
+    return start, hi, max(0, hi - start)
 
 
 # --------------------------------------------------------------------------- real data

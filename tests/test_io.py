@@ -13,16 +13,22 @@ from icqs_fast.io import (
     JsonlWriter,
     OutputLock,
     OutputLockedError,
+    ParquetResultWriter,
     RecordError,
+    count_records,
     detect_format,
     field_of,
     fpb_examples,
+    open_results,
+    plan_output,
     read_examples,
     read_fpb,
     read_json_objects,
+    read_output_state,
     read_records,
     read_resume_state,
     shared_data_dir,
+    start_output,
 )
 
 
@@ -304,3 +310,250 @@ def test_json_objects_and_field_of(tmp_path):
         list(read_json_objects(_write(tmp_path / "r.jsonl", '{"a": 1}\n[1]\n')))
     with pytest.raises(InputError, match=r"e\.jsonl: no records"):
         list(read_json_objects(_write(tmp_path / "e.jsonl", "\n")))
+
+
+# --------------------------------------------------------------------------- Parquet / datasets
+
+ROWS = [{"id": i, "x": f"question {i}", "y": f"answer {i}", "gold": ["a", "b"][i % 2],
+         "meta": {"turns": [f"t{i}", f"u{i}"]}} for i in range(7)]
+
+
+def _parquet(path, rows, row_group_size=3):
+    """rows: a list of dicts, or a dict of columns (for a table without rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pa.table(rows) if isinstance(rows, dict) else pa.Table.from_pylist(rows)
+    pq.write_table(t, path, row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_input_matches_jsonl(tmp_path):
+    pq_path = _parquet(tmp_path / "d.parquet", ROWS)
+    js_path = _jsonl(tmp_path / "d.jsonl", ROWS)
+    assert detect_format(pq_path) == "parquet" and detect_format("a.PQ") == "parquet"
+    kw = dict(label_field="gold")
+    # Same records as the JSONL file (JSONL line numbers = Parquet row numbers here).
+    assert list(read_records(pq_path, **kw)) == list(read_records(js_path, **kw))
+    assert [r.x for r in read_records(pq_path, x_field="meta.turns.1")] == \
+        [f"u{i}" for i in range(7)]
+    # skip crosses row-group boundaries (groups of 3: rows 0-2, 3-5, 6), stop ends early.
+    assert [r.index for r in read_records(pq_path, skip=4)] == [4, 5, 6]
+    assert [r.index for r in read_records(pq_path, skip=2, stop=5)] == [2, 3, 4]
+    assert [r.line for r in read_records(pq_path, skip=6)] == [7]
+    assert count_records(pq_path) == 7
+
+
+def test_parquet_bad_rows_name_row_and_field(tmp_path):
+    import pyarrow as pa
+
+    rows = [dict(r) for r in ROWS[:4]]
+    rows[1]["y"] = None
+    rows[2]["y"] = "   "
+    p = _parquet(tmp_path / "bad.parquet", rows)
+    got = list(read_records(p, on_error="yield"))
+    assert [type(g).__name__ for g in got] == ["Record", "RecordError", "RecordError", "Record"]
+    assert str(got[1]) == f"{p}: row 2: field 'y': missing (null)"
+    assert got[1].index == 1 and got[1].line == 2 and got[1].field == "y"
+    assert str(got[2]) == f"{p}: row 3: field 'y': whitespace-only response (nothing to score)"
+    with pytest.raises(RecordError, match=r"bad\.parquet: row 2: field 'y'"):
+        list(read_records(p))
+    wrong = _parquet(tmp_path / "wrong.parquet", [{"x": "q", "y": 5}])
+    with pytest.raises(RecordError, match=r"row 1: field 'y': must be a string, got int 5"):
+        list(read_records(wrong))
+    with pytest.raises(InputError, match=r"field 'answer': no such column \(columns: id, x, "):
+        list(read_records(p, y_field="answer"))
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match=r"junk\.parquet: not a readable Parquet file"):
+        list(read_records(tmp_path / "junk.parquet"))
+    empty = _parquet(tmp_path / "empty.parquet", {"x": pa.array([], pa.string()),
+                                                  "y": pa.array([], pa.string())})
+    with pytest.raises(InputError, match=r"no records \(no rows\)"):
+        list(read_records(empty, allow_empty=False))
+
+
+def test_datasets_folder_input(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    cols = {k: [r[k] for r in ROWS] for k in ("id", "x", "y", "gold")}
+    ds = datasets.Dataset.from_dict(cols)
+    ds.save_to_disk(str(tmp_path / "ds"), num_shards=3)  # several Arrow files
+    assert len(list((tmp_path / "ds").glob("*.arrow"))) > 1
+    assert detect_format(tmp_path / "ds") == "datasets"
+    js = _jsonl(tmp_path / "d.jsonl", [{k: r[k] for k in cols} for r in ROWS])
+    assert list(read_records(tmp_path / "ds", label_field="gold")) == \
+        list(read_records(js, label_field="gold"))
+    assert [r.index for r in read_records(tmp_path / "ds", skip=3, stop=6)] == [3, 4, 5]
+    assert count_records(tmp_path / "ds") == 7
+    # A selection is saved flattened: rows in the selected order.
+    ds.select([5, 1]).save_to_disk(str(tmp_path / "sel"))
+    assert [r.id for r in read_records(tmp_path / "sel")] == [5, 1]
+    datasets.DatasetDict(train=ds, test=ds).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(InputError, match=r"DatasetDict folder \(splits: train, test\)"):
+        read_records(tmp_path / "dd")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(InputError, match=r"plain: is a folder, not an input file"):
+        read_records(tmp_path / "plain")
+
+
+def test_parquet_reading_memory_is_flat(tmp_path):
+    """16k rows of ~2.4 KB (~38 MB of text) in ONE row group: the reader holds one batch, not the
+    file - Python allocations (tracemalloc) and Arrow's (its memory pool) stay a few MB."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 16_000
+    filler = "lorem ipsum dolor sit amet " * 44
+    t = pa.table({"x": pa.array([f"q{i} {filler}" for i in range(n)]),
+                  "y": pa.array([f"a{i} {filler}" for i in range(n)]),
+                  "id": pa.array(range(n))})
+    text_bytes = t.column("x").nbytes + t.column("y").nbytes
+    pq.write_table(t, tmp_path / "big.parquet", row_group_size=n, compression="zstd")
+    del t
+    pool = pa.default_memory_pool()
+    base = pa.total_allocated_bytes()
+    arrow_peak = 0
+    tracemalloc.start()
+    count = 0
+    last = None
+    for rec in read_records(tmp_path / "big.parquet"):
+        count, last = count + 1, rec
+        if count % 500 == 0:
+            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - base)
+    _, py_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    pool.release_unused()
+    assert count == n and last.id == n - 1
+    assert text_bytes > 35e6
+    assert py_peak < 10e6, py_peak  # a batch of 1024 rows of ~2.4 KB as Python objects
+    assert arrow_peak < 12e6, arrow_peak
+
+
+def test_count_records_text_formats(tmp_path):
+    p = _write(tmp_path / "c.jsonl", '{"x": "a", "y": "b"}\n\nnot json\n{"x": "c", "y": "d"}\n')
+    assert count_records(p) == 3  # bad lines count, blank lines do not
+    c = _write(tmp_path / "c.csv", 'x,y\n"multi\nline",b\nc,d\n')
+    assert count_records(c) == 2 == len(list(read_records(c)))
+    with pytest.raises(ValueError, match="standard input"):
+        count_records("-")
+
+
+def test_shard_ranges_partition_in_order():
+    from icqs_fast.io import parse_shard, shard_range
+
+    for total in (0, 1, 5, 10, 11, 128):
+        for n in (1, 2, 3, 7):
+            for align in (1, 4):
+                ranges = [shard_range(total, i, n, align) for i in range(n)]
+                covered = [j for lo, hi in ranges for j in range(lo, hi)]
+                assert covered == list(range(total)), (total, n, align, ranges)
+                assert all(lo % align == 0 for lo, hi in ranges if hi > lo)
+    assert shard_range(10, 0, 3) == (0, 3) and shard_range(10, 2, 3) == (6, 10)
+    assert shard_range(10, 1, 2, align=4) == (4, 10)  # blocks [0,4) [4,8) [8,10): 1 + 2
+    assert parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            parse_shard(bad)
+
+
+# --------------------------------------------------------------------------- Parquet results
+
+
+def _results(n, start=0):
+    out = []
+    for i in range(start, start + n):
+        if i % 5 == 3:  # a skipped bad record's line
+            out.append({"index": i, "line": i + 1, "error": {"field": None, "reason": "bad"}})
+        else:
+            out.append({"index": i, "line": i + 1, "id": f"r{i}", "score": i / 7,
+                        "loglik": [[-1.5 * i, float("nan")], [0.25, -float(i)]]}
+                       | ({"n_dropped_demos": [[1, 0]]} if i == 6 else {}))
+    return out
+
+
+def _as_json(rows):
+    """Rows read back from Parquet, null fields dropped (absent keys in JSONL), as JSON text."""
+    return [json.dumps({k: v for k, v in r.items() if v is not None}) for r in rows]
+
+
+def test_parquet_results_round_trip(tmp_path):
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "o.parquet"
+    recs = _results(23)
+    with ParquetResultWriter(out, part_rows=4, row_group_rows=10) as w:
+        for r in recs:
+            w.write(r)
+        assert len(list((tmp_path / "o.parquet.parts").iterdir())) == 5  # 5 parts of 4 so far
+    assert not (tmp_path / "o.parquet.parts").exists()
+    t = pq.read_table(out)
+    assert _as_json(t.to_pylist()) == [json.dumps(r) for r in recs]
+    assert pq.ParquetFile(out).metadata.num_row_groups == 3  # 10 + 10 + 3 rows
+    assert str(t.schema.field("error").type) == "struct<field: string, reason: string>"
+    st = read_output_state(out)
+    assert st.count == 23 and json.dumps(st.last) == json.dumps(recs[-1])
+    # A column that changes type cannot be one Parquet file: a clear error, nothing corrupted.
+    w = ParquetResultWriter(tmp_path / "t.parquet", part_rows=1)
+    w.write({"index": 0, "line": 1, "id": 1})
+    with pytest.raises(ValueError, match="change type"):
+        w.write({"index": 1, "line": 2, "id": "one"})
+    with pytest.raises(ValueError, match="increasing integer indices"):
+        w.write({"index": 0, "line": 2})
+
+
+def _killed_writer(out, recs, crash, part_rows):
+    import os
+
+    os.environ["ICQS_FAST_TEST_CRASH"] = crash
+    w = ParquetResultWriter(out, part_rows=part_rows, append=True)
+    for r in recs:
+        w.write(r)
+    w.close()
+    os._exit(0)  # not reached when the hook kills the process
+
+
+@pytest.mark.parametrize("crash", ["before:9", "mid:9"])
+def test_parquet_results_survive_sigkill_and_resume(tmp_path, crash):
+    """A writer process SIGKILLed at record 9 (parts of 4 records): the committed parts (records
+    0-7) survive, an unfinished part is dropped, and a resume from the state's last index ends
+    with exactly the records of an uninterrupted run."""
+    import multiprocessing
+    import signal
+
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "o.parquet"
+    recs = _results(14)
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_killed_writer, args=(out, recs, crash, 4))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert not out.exists()
+    tmps = [p.name for p in (tmp_path / "o.parquet.parts").iterdir() if p.name.endswith(".tmp")]
+    assert tmps == ([".part-000000000008.parquet.tmp"] if crash.startswith("mid") else [])
+    st = read_output_state(out)
+    assert st.count == 8 and st.last["index"] == 7
+    plan = plan_output(out, {}, resume=True, overwrite=False)
+    assert plan.append and plan.start == 8
+    start_output(plan, {}, lambda *a: None)  # drops the unfinished part
+    with open_results(plan) as w:
+        for r in recs[plan.start:]:
+            w.write(r)
+    assert _as_json(pq.read_table(out).to_pylist()) == [json.dumps(r) for r in recs]
+    # A crash after the merged file was renamed but before the parts were removed: the stale
+    # part is recognised by its index, not counted twice, and removed on resume.
+    parts = tmp_path / "o.parquet.parts"
+    parts.mkdir()
+    with ParquetResultWriter(tmp_path / "other.parquet") as w:
+        for r in recs[10:12]:
+            w.write(r)
+    (tmp_path / "other.parquet").rename(parts / "part-000000000010.parquet")
+    st = read_output_state(out)
+    assert st.count == 14 and st.last["index"] == 13
+    plan = plan_output(out, {}, resume=True, overwrite=False)
+    start_output(plan, {}, lambda *a: None)
+    assert not list(parts.iterdir())
+    with pytest.raises(ValueError, match="exists; pass --resume"):
+        plan_output(out, {}, resume=False, overwrite=False)
