@@ -29,8 +29,12 @@ Usage (Python)::
     res = icl_label(model, tok, demos, ["Operating loss widened."], ["positive", "negative"])
     res[0].label, res[0].probs, is_correct(res[0], "negative")
 
-From the command line the baselines run inside ``icqs-fast eval fpb|sst2|chaosnli`` (beside ICQS
-and ICQS-Epistemic).
+From the command line they run inside ``icqs-fast eval fpb|sst2|chaosnli`` (beside ICQS and
+ICQS-Epistemic), and on their own, one JSON line per record::
+
+    python -m icqs_fast.baselines ask-llm answers.jsonl            # fields x, y
+    python -m icqs_fast.baselines icl sentences.jsonl --demos good.jsonl \
+        --labels positive,negative,neutral -o labels.jsonl
 """
 
 from __future__ import annotations
@@ -443,3 +447,73 @@ def icl_label(
                              probs=dict(zip(labs, probs, strict=True)),
                              n_tokens=dict(zip(labs, nt, strict=True)), index=i))
     return out
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m icqs_fast.baselines ask-llm|icl ...``: one JSON line per input record on
+    standard output (or ``-o FILE``); exit code 2 with a message on bad input."""
+    import argparse
+    import json
+    import sys
+
+    from .io import read_examples, read_records
+    from .models import load_model
+
+    p = argparse.ArgumentParser(prog="python -m icqs_fast.baselines",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="baseline", required=True)
+    a = sub.add_parser("ask-llm", help="1-5 judge rating of each (x, y) record")
+    c = sub.add_parser("icl", help="in-context label of each record's x")
+    c.add_argument("--demos", required=True, help="good demonstrations (x/y fields)")
+    c.add_argument("--labels", required=True, help="candidate labels, comma-separated")
+    c.add_argument("--length-normalize", action="store_true",
+                   help="choose by log-likelihood per token")
+    for q in (a, c):
+        q.add_argument("input", help="records (JSONL/CSV/TSV/Parquet; icl needs only x)")
+        q.add_argument("-o", "--output", default="-", help="JSONL output (default: stdout)")
+        q.add_argument("--x-field", default="x")
+        q.add_argument("--y-field", default="y")
+        q.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+        q.add_argument("--dtype", default="auto")
+        q.add_argument("--backend", default="auto")
+    args = p.parse_args(argv)
+    try:
+        # icl reads only x: x stands in as the record's y, which read_records requires.
+        recs = list(read_records(args.input, x_field=args.x_field,
+                                 y_field=args.y_field if args.baseline == "ask-llm" else
+                                 args.x_field))
+        model, tok = load_model(args.model, dtype=args.dtype)
+        if args.baseline == "ask-llm":
+            rows = [{"index": r.index, "rating_expected": r.rating_expected,
+                     "rating_argmax": r.rating_argmax, "probs": r.probs, "mass": r.mass}
+                    for r in ask_llm(model, tok, [(r.x, r.y) for r in recs],
+                                     backend=args.backend)]
+        else:
+            demos = read_examples(args.demos, x_field=args.x_field, y_field=args.y_field)
+            labels = [s.strip() for s in args.labels.split(",") if s.strip()]
+            rows = [{"index": r.index, "label": r.label, "probs": r.probs,
+                     "logliks": r.logliks}
+                    for r in icl_label(model, tok, demos, [r.x for r in recs], labels,
+                                       length_normalize=args.length_normalize,
+                                       backend=args.backend)]
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"python -m icqs_fast.baselines: error: {exc}", file=sys.stderr)
+        return 2
+    for rec, row in zip(recs, rows, strict=True):
+        if rec.id is not None:
+            row["id"] = rec.id
+    f = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    try:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    finally:
+        if f is not sys.stdout:
+            f.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

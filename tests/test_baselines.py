@@ -196,3 +196,32 @@ def test_embedded_model_matches_full_forward():
         for lab in LABELS[:2]:
             assert r.probs[lab] == pytest.approx(probs[lab], abs=1e-4)
             assert r.logliks[lab] == pytest.approx(ll[lab], abs=1e-3)
+
+
+def test_command_line(tiny, tmp_path, capsys, monkeypatch):
+    import json
+
+    from icqs_fast import baselines, models
+
+    model, tok = tiny
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, tok))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "x": x, "y": y}) + "\n"
+                           for i, (x, y) in enumerate(ITEMS[:2])))
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"x": x, "y": y}) + "\n" for x, y in DEMOS))
+    assert baselines.main(["ask-llm", str(inp)]) == 0
+    rows = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows] == ["r0", "r1"]
+    for (x, y), r in zip(ITEMS[:2], rows, strict=True):
+        assert r["probs"] == pytest.approx(_ref_ask(model, tok, x, y, True)[0], abs=1e-4)
+    out = tmp_path / "out.jsonl"
+    assert baselines.main(["icl", str(inp), "--demos", str(demos), "--labels",
+                           "positive, negative", "-o", str(out)]) == 0
+    rows = [json.loads(s) for s in out.read_text().splitlines()]
+    for (x, _), r in zip(ITEMS[:2], rows, strict=True):
+        ll, _, _ = _ref_icl(model, tok, DEMOS, x, ["positive", "negative"], Template())
+        assert r["logliks"] == pytest.approx(ll, abs=1e-4)
+    inp.write_text('{"x": "q"}\n')
+    assert baselines.main(["ask-llm", str(inp)]) == 2
+    assert "in.jsonl" in capsys.readouterr().err
