@@ -1,0 +1,288 @@
+"""``--ray`` runs (icqs_fast.distributed) on a local Ray cluster started here (2 CPUs), with a
+tiny random Llama: the same output as the single-process CLI, a worker SIGKILLed mid-run, a
+driver SIGKILLed and rerun, bad records (skip and stop), a refused resume."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from _helpers import save_tiny_llama
+
+ray = pytest.importorskip("ray")
+
+from icqs_fast.cli import main  # noqa: E402
+from icqs_fast.distributed import ICQSBatchScorer  # noqa: E402
+from icqs_fast.distributed.cli import HOLD_ENV, block_path, build_parser, run_ray  # noqa: E402
+from icqs_fast.io import InputError  # noqa: E402
+
+GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
+    {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]
+BAD = [{"x": f"profit rose {i}%", "y": "negative"} for i in range(3)] + [
+    {"x": f"loss widened by {i} million", "y": "positive"} for i in range(3)]
+# Record 5 (line 6) has no y: a bad record. Ids of several JSON types.
+RESPONSES = [{"id": f"r{i}" if i % 3 else i, "x": f"sales up {i}% in quarter {i % 4}",
+              "y": ["positive", "negative", "up by far"][i % 3]} for i in range(5)] + [
+    {"id": "bad", "x": "no response here"}] + [
+    {"id": f"r{i}", "x": f"costs {i} times the plan", "y": ["negative", "positive"][i % 2]}
+    for i in range(6, 11)]
+KW = ["--num-ratios", "3", "--demos-per-set", "2", "--sets-per-ratio", "2", "--seed", "1",
+      "--dtype", "float32", "--device", "cpu", "--backend", "torch"]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def hold_dir():
+    return tempfile.mkdtemp(prefix="icqs-hold-")
+
+
+@pytest.fixture(scope="module")
+def cluster(hold_dir):
+    """A local 2-CPU Ray cluster for this module; the actors inherit the hold-hook folder."""
+    saved = {k: os.environ.get(k) for k in (HOLD_ENV, "RAY_USAGE_STATS_ENABLED")}
+    os.environ[HOLD_ENV] = hold_dir
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no network
+    tmp = tempfile.mkdtemp(prefix="rayt-")  # short: Ray's socket paths have a length limit
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(hold_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Tiny model, demonstrations, input, and the single-process outputs (score with
+    ``--on-error skip``; features), computed through the CLI in this process."""
+    d = tmp_path_factory.mktemp("dist")
+    tiny = save_tiny_llama(d / "tiny")
+    g, b = _jsonl(d / "good.jsonl", GOOD), _jsonl(d / "bad.jsonl", BAD)
+    inp = _jsonl(d / "in.jsonl", RESPONSES)
+    common = ["--good", str(g), "--bad", str(b), "--model", str(tiny), *KW]
+    assert main(["score", str(inp), "-o", str(d / "single.jsonl"), *common,
+                 "--on-error", "skip", "--quiet"]) == 0
+    fkw = ["--model", str(tiny), "--dtype", "float32", "--device", "cpu", "--backend", "torch",
+           "--chunk-size", "2", "--batch-size", "2", "--features",
+           "sent_logprob,softmax_ent,attn_ent_avg"]
+    assert main(["features", str(inp), "-o", str(d / "single_f.jsonl"), *fkw,
+                 "--on-error", "skip", "--quiet"]) == 0
+    return {"dir": d, "tiny": tiny, "input": inp, "common": common, "fkw": fkw,
+            "single": _read(d / "single.jsonl"), "single_f": _read(d / "single_f.jsonl")}
+
+
+def _args(kind, data, out, *extra):
+    base = data["common"] if kind == "score" else data["fkw"]
+    return build_parser(kind).parse_args([str(data["input"]), "-o", str(out), *base, "--ray",
+                                          "--quiet", *extra])
+
+
+def _blocks(out, fmt):
+    return sorted(p for p in os.listdir(out) if p.startswith("part-") and p.endswith("." + fmt))
+
+
+def _parquet_rows(out):
+    import pyarrow.parquet as pq
+
+    rows = []
+    for p in _blocks(out, "parquet"):
+        rows += pq.read_table(os.path.join(out, p)).to_pylist()
+    return rows
+
+
+def _close(a, b, rtol=1e-6):
+    # Log-likelihoods are fp32 sums (ICQSResult.loglik): a block batches responses differently
+    # from the single-process stream, which moves them by a few ulps (2e-6 at |loglik| = 21).
+    return np.allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float), rtol=rtol,
+                       atol=1e-9, equal_nan=True)
+
+
+def _check_score_parquet(out, single):
+    """Parquet blocks vs the single-process lines: same records once each, same numbers."""
+    rows = _parquet_rows(out)
+    want = [r for r in single if "error" not in r]
+    assert sorted(r["index"] for r in rows) == [r["index"] for r in want]  # none lost/doubled
+    rows.sort(key=lambda r: r["index"])
+    for got, exp in zip(rows, want, strict=True):
+        assert got["line"] == exp["line"]
+        assert got["id"] == (exp["id"] if isinstance(exp["id"], str) else json.dumps(exp["id"]))
+        assert got["score"] == exp["score"] and got["score_per_set"] == exp["score_per_set"]
+        assert _close(np.reshape(got["loglik"], (3, 2)), exp["loglik"])
+        assert np.reshape(got["n_prompt_tokens"], (3, 2)).tolist() == exp["n_prompt_tokens"]
+        assert got["n_response_tokens"] == exp["n_response_tokens"]
+
+
+def test_score_jsonl_equals_single_process(cluster, data, tmp_path):
+    out = tmp_path / "out"
+    assert run_ray("score", _args("score", data, out, "--workers", "2", "--block-size", "4",
+                                  "--output-format", "jsonl", "--on-error", "skip")) == 0
+    assert _blocks(out, "jsonl") == [f"part-{k:06d}.jsonl" for k in range(3)]
+    got = []
+    for p in _blocks(out, "jsonl"):
+        got += _read(out / p)
+    single = data["single"]
+    assert [r["index"] for r in got] == list(range(11))
+    assert got[5] == single[5] == {"index": 5, "line": 6, "error": {
+        "field": "y", "reason": "missing (this record's keys: id, x)"}}
+    for g, s in zip(got, single, strict=True):
+        assert g.keys() == s.keys()
+        for k in g:
+            if k == "loglik":
+                assert _close(g[k], s[k])
+            else:
+                assert g[k] == s[k], k
+    meta = json.loads((out / "run.meta.json").read_text())
+    assert meta["n_records"] == 11 and meta["block_size"] == 4
+    assert (meta["dtype"], meta["device"], meta["backend"]) == ("float32", "cpu", "torch")
+
+
+def test_features_parquet_equals_single_process(cluster, data, tmp_path):
+    out = tmp_path / "out"
+    assert run_ray("features", _args("features", data, out, "--block-size", "4",
+                                     "--on-error", "skip")) == 0
+    rows = sorted(_parquet_rows(out), key=lambda r: r["index"])
+    want = [r for r in data["single_f"] if "error" not in r]
+    assert len(rows) == len(want) == 10
+    for g, s in zip(rows, want, strict=True):
+        assert (g["index"], g["line"], g["n_tokens"]) == (s["index"], s["line"], s["n_tokens"])
+        for f in ("sent_logprob", "softmax_ent", "attn_ent_avg"):
+            assert _close(g[f], s[f]), f
+    # The bad record is in its block's side file, as the single-process line.
+    side = _read(out / "part-000001.skipped.jsonl")
+    assert side == [data["single_f"][5]]
+    assert not os.path.exists(out / "part-000000.skipped.jsonl")
+
+
+def _wait_for(path, timeout, proc=None):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"driver exited with {proc.returncode}: "
+                                 f"{proc.stderr.read().decode()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.05)
+
+
+def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path):
+    """The actor scoring block 1 is SIGKILLed mid-block; Ray restarts it and re-sends the
+    block; every record is written exactly once."""
+    open(os.path.join(hold_dir, "arm-1"), "w").close()
+    held = os.path.join(hold_dir, "held-1")
+    killed: list[int] = []
+
+    def killer():
+        _wait_for(held, 120)
+        pid = int(open(held).read())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    try:
+        out = tmp_path / "out"
+        assert run_ray("score", _args("score", data, out, "--block-size", "3",
+                                      "--on-error", "skip")) == 0
+    finally:
+        os.remove(os.path.join(hold_dir, "arm-1"))
+    t.join(5)
+    assert killed, "the hold hook never ran: the kill was not exercised"
+    assert _blocks(out, "parquet") == [f"part-{k:06d}.parquet" for k in range(4)]
+    _check_score_parquet(out, data["single"])
+    assert _read(out / "part-000001.skipped.jsonl") == [data["single"][5]]
+    assert not [p for p in os.listdir(out) if ".tmp." in p]
+
+
+def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_dir, tmp_path):
+    out = tmp_path / "out"
+    argv = [str(data["input"]), "-o", str(out), *data["common"], "--ray", "--address", cluster,
+            "--block-size", "3", "--output-format", "jsonl", "--on-error", "skip", "--resume"]
+    open(os.path.join(hold_dir, "arm-2"), "w").close()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.distributed.cli", "score",
+                                 *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait_for(os.path.join(hold_dir, "held-2"), 150, proc)
+            before = {p: os.stat(out / p) for p in _blocks(out, "jsonl")}
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    finally:
+        os.remove(os.path.join(hold_dir, "arm-2"))
+    # One actor takes the blocks in order: 0 and 1 are done, 2 was being scored.
+    assert sorted(before) == ["part-000000.jsonl", "part-000001.jsonl"]
+    args = build_parser("score").parse_args([a for a in argv if a not in ("--address", cluster)])
+    assert run_ray("score", args) == 0  # the same command, on this process's Ray connection
+    for p, st in before.items():  # not redone
+        now = os.stat(out / p)
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    got = []
+    for p in _blocks(out, "jsonl"):
+        got += _read(out / p)
+    assert [r["index"] for r in got] == list(range(11))
+    for g, s in zip(got, data["single"], strict=True):
+        assert g.keys() == s.keys() and g.get("id") == s.get("id")
+        assert _close(g.get("loglik", 0), s.get("loglik", 0))
+
+
+def test_bad_record_stops_with_file_line_field(cluster, data, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(InputError) as exc:
+        run_ray("score", _args("score", data, out, "--block-size", "3"))
+    e = exc.value
+    assert (e.path, e.line, e.field) == (str(data["input"]), 6, "y")
+    assert not os.path.exists(block_path(out, 1, "parquet"))  # the bad record's block
+    # Another run over the same output needs --resume (or --overwrite) ...
+    with pytest.raises(ValueError, match="--resume"):
+        run_ray("score", _args("score", data, out, "--block-size", "3"))
+
+
+def test_resume_with_other_settings_is_refused(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = {"n_records": 11}
+    (out / "run.meta.json").write_text(json.dumps(meta))
+    open(block_path(out, 0, "parquet"), "wb").close()
+    with pytest.raises(ValueError, match="other settings"):
+        run_ray("score", _args("score", data, out, "--block-size", "3", "--resume"))
+
+
+def test_batch_scorer_matches_single_process_lines(data):
+    """The map_batches class on a plain numpy batch (no Ray): the CLI's numbers; a record the
+    scorer rejects gets an error and NaN."""
+    sc = ICQSBatchScorer(str(data["dir"] / "good.jsonl"), str(data["dir"] / "bad.jsonl"),
+                         model=str(data["tiny"]), dtype="float32", device="cpu",
+                         backend="torch", num_ratios=3, demos_per_set=2, sets_per_ratio=2,
+                         seed=1)
+    good = [r for r in RESPONSES if "y" in r]
+    batch = {"id": np.array([str(r["id"]) for r in good] + ["empty"], dtype=object),
+             "x": np.array([r["x"] for r in good] + ["q"], dtype=object),
+             "y": np.array([r["y"] for r in good] + ["   "], dtype=object)}
+    res = sc(batch)
+    want = [r for r in data["single"] if "error" not in r]
+    assert res["loglik"].shape == (11, 3, 2) and res["id"].tolist()[-1] == "empty"
+    assert _close(res["loglik"][:10], [r["loglik"] for r in want])
+    assert res["score"][:10].tolist() == [r["score"] for r in want]
+    assert res["error"][:10].tolist() == [None] * 10
+    assert res["error"][10] == "y: empty response (nothing to score)"
+    assert np.isnan(res["score"][10])
