@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from icqs_fast.progress import format_duration, status_line, track
+from icqs_fast.progress import Progress, format_duration, status_line, track
 
 
 class FakeClock:
@@ -88,3 +88,36 @@ def test_format_duration(seconds, text):
 def test_status_line_units():
     assert status_line(1, 2.0, total=4, unit="item") == "1/4 items (0.5 items/s, ETA 6s)"
     assert status_line(3, 0.0, unit="pairs") == "3 pairs (0.0 pairs/s)"
+
+
+def test_progress_manual_updates_and_env_interval(monkeypatch):
+    out = io.StringIO()
+    # The clock moves 1 s per call: one at the start, one per update.
+    with Progress(total=30, desc="eval", unit="answer", interval=2.0, stream=out,
+                  clock=FakeClock(1.0)) as p:
+        for _ in range(3):
+            p.update(10)
+    assert p.count == 30
+    assert out.getvalue().splitlines() == ["eval: 20/30 answers (10.0 answers/s, ETA 1s)",
+                                           "eval: 30/30 answers (7.5 answers/s, done in 4s)"]
+    monkeypatch.setenv("ICQS_FAST_PROGRESS_INTERVAL", "3")
+    out = io.StringIO()
+    list(track(range(7), stream=out, clock=FakeClock(1.0)))
+    assert out.getvalue().splitlines()[:2] == ["3/7 items (1.0 items/s, ETA 4s)",
+                                               "6/7 items (1.0 items/s, ETA 1s)"]
+    monkeypatch.setenv("ICQS_FAST_PROGRESS_INTERVAL", "soon")
+    with pytest.raises(ValueError, match="ICQS_FAST_PROGRESS_INTERVAL"):
+        list(track(range(2), stream=io.StringIO()))
+
+
+def test_error_in_the_loop_prints_no_done_line():
+    out = io.StringIO()
+
+    def items():
+        yield from range(5)
+        raise RuntimeError("bad record")
+
+    with pytest.raises(RuntimeError):
+        list(track(items(), interval=2.0, stream=out, clock=FakeClock(1.0)))
+    lines = out.getvalue().splitlines()
+    assert lines and not any("done" in ln for ln in lines)
