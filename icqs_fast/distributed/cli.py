@@ -409,10 +409,15 @@ def _init_ray(args: argparse.Namespace) -> bool:
     return True
 
 
-def run_ray(kind: str, args: argparse.Namespace) -> int:
+def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -> int:
     """Run ``icqs-fast score`` (``kind="score"``) or ``features`` with ``--ray``: see the
     module docstring. ``args`` holds the single-process command's arguments plus
     :func:`add_ray_arguments`'. Returns the exit code (0; 130 on Ctrl-C).
+
+    ``stats``, if given, is filled with the run's figures: ``wall_s`` (from building the
+    dataset to the last block, actor start-up included), ``first_block_s``, ``blocks``,
+    ``records``, ``skipped`` and ``workers`` (``{worker: {"blocks", "records", "busy_s"}}``,
+    ``busy_s`` being the time spent in its calls).
 
     Raises:
         InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
@@ -431,10 +436,11 @@ def run_ray(kind: str, args: argparse.Namespace) -> int:
     with OutputLock(out):
         old = _prepare_output(out, settings, args, args.output_format, log)
         return _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field,
-                           log)
+                           log, stats if stats is not None else {})
 
 
-def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field, log) -> int:
+def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field, log,
+                stats) -> int:
     from ..progress import track
 
     for stale in glob.glob(os.path.join(out, "part-*.tmp.*")):
@@ -474,7 +480,8 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
             compute=ActorPoolStrategy(size=args.workers), num_gpus=args.gpus_per_worker or None,
             num_cpus=args.cpus_per_worker, batch_format="numpy",
         )
-        return _drive(ds, track, args, out, settings, old, len(pending), n_blocks, t0, log)
+        return _drive(ds, track, args, out, settings, old, len(pending), n_blocks, t0, log,
+                      stats)
     finally:
         if started:
             import ray
@@ -482,7 +489,7 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
             ray.shutdown()
 
 
-def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log) -> int:
+def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
     per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     total = skipped = 0
     runtime = None if old is None else {k: old[k] for k in RUNTIME_KEYS if k in old} or None
@@ -504,6 +511,7 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log) ->
                 raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
                                  f"{runtime}; every worker must use the same dtype, device "
                                  "and backend")
+            stats.setdefault("first_block_s", time.perf_counter() - t0)
             w = per_worker[str(row["worker"])]
             w[0] += 1
             w[1] += int(row["n"]) + int(row["skipped"])
@@ -514,6 +522,9 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log) ->
         log(f"icqs-fast: interrupted; complete blocks are in {out}; rerun with --resume")
         return 130
     dt = time.perf_counter() - t0
+    stats.update(wall_s=dt, blocks=sum(int(w[0]) for w in per_worker.values()), records=total,
+                 skipped=skipped, workers={k: {"blocks": int(v[0]), "records": int(v[1]),
+                                               "busy_s": v[2]} for k, v in per_worker.items()})
     if errors:
         e = errors[0] if "settings" in errors[0] else min(
             errors, key=lambda e: e["index"] if e.get("index") is not None else 1 << 62)

@@ -1,0 +1,236 @@
+"""``icqs-fast bench scaleout``: records/s of ``score --ray`` with 1..n Ray workers against the
+single-process ``icqs-fast score`` on the same input, in one run.
+
+    icqs-fast bench scaleout --workers 1,2 --json [--n 200] [--model tiny|embedded]
+
+The input is ``--n`` Financial PhraseBank sentences (``../shared/data``; synthetic sentences
+when it is missing) scored with good/bad demonstrations drawn from the same file. The
+single-process CLI runs in a subprocess, timed end to end; its own summary gives the scoring
+time without start-up and model loading (the prefix bank included). It runs twice: with torch's
+default threads (all cores) and with as many threads as one Ray worker has. Then a local Ray
+cluster with all cores is started once and ``score --ray`` runs with each worker count
+(``--cpus-per-worker`` cores each; Ray sets the actor's torch threads to that), writing JSONL
+blocks of ``--block-size`` records. Each Ray output is checked against the single-process
+output (max log-likelihood difference, ids and scores equal).
+
+Figures per run: ``wall_s`` end to end, ``records_per_s`` = n / wall_s; for Ray also
+``first_block_s`` (actor start-up + model load + first block) and ``records_per_s_busy`` (the
+sum over workers of records / time inside their calls: the rate without start-up or
+scheduling, what a long run approaches). On a machine shared with other work the numbers move
+with its load, which is recorded (``loadavg_1min`` before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ICQS_ARGS = ["--num-ratios", "3", "--demos-per-set", "4", "--sets-per-ratio", "2", "--seed",
+             "0", "--dtype", "float32", "--device", "cpu"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.add_argument("--workers", default="1,2", help="comma-separated Ray worker counts")
+    p.add_argument("--n", type=int, default=200, help="records to score (default 200)")
+    p.add_argument("--model", choices=["tiny", "embedded"], default="tiny",
+                   help="tiny random Llama (default) or the embedded SmolLM2-135M")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="records per block (default: n / (4 x max workers), >= 1)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="cores per Ray actor")
+    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    p.add_argument("--out", default=None, help="also write the JSON record to this file")
+
+
+def _inputs(d: Path, n: int) -> tuple[Path, Path, Path, str]:
+    from ..io import default_fpb_path, fpb_examples
+
+    if default_fpb_path().is_file():
+        good, bad, rest = fpb_examples(n_good=16, n_bad=16, seed=0)
+        if len(rest) < n:
+            raise ValueError(f"--n {n}: Financial PhraseBank has only {len(rest)} sentences left")
+        rows = [{"id": f"fpb{r.index}", "x": r.x, "y": r.y} for r in rest[:n]]
+        source = "fpb"
+    else:
+        labels = ("positive", "negative")
+        good = [(f"profit rose {i}% in quarter {i % 4}", "positive") for i in range(8)] + [
+            (f"loss widened by {i} million", "negative") for i in range(8)]
+        bad = [(x, labels[1 - labels.index(y)]) for x, y in good]
+        rows = [{"id": f"s{i}", "x": f"sales moved {i % 17}% while costs grew {i % 5} points",
+                 "y": labels[i % 2]} for i in range(n)]
+        source = "synthetic"
+
+    def write(path: Path, objs) -> Path:
+        path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+        return path
+
+    g = write(d / "good.jsonl", [{"x": x, "y": y} for x, y in good])
+    b = write(d / "bad.jsonl", [{"x": x, "y": y} for x, y in bad])
+    return write(d / "in.jsonl", rows), g, b, source
+
+
+def _tiny_model(d: Path) -> Path:
+    """A seeded 2-layer random Llama with the embedded tokenizer (as the tests use)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from .. import models
+
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=len(tok),
+                      max_position_embeddings=2048)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _read_jsonl(paths) -> dict:
+    out = {}
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                out[r["index"]] = r
+    return out
+
+
+def _diff(a: dict, b: dict) -> tuple[float, float, bool]:
+    """Max |loglik| difference, max relative difference, and whether ids/scores agree."""
+    import numpy as np
+
+    if a.keys() != b.keys():
+        return float("inf"), float("inf"), False
+    mabs = mrel = 0.0
+    same = True
+    for k in a:
+        x, y = np.asarray(a[k]["loglik"], float), np.asarray(b[k]["loglik"], float)
+        d = np.abs(x - y)
+        mabs = max(mabs, float(d.max()))
+        mrel = max(mrel, float((d / np.maximum(np.abs(y), 1e-30)).max()))
+        same &= a[k].get("id") == b[k].get("id") and a[k]["score"] == b[k]["score"]
+    return mabs, mrel, bool(same)
+
+
+def bench(n: int, workers: list[int], model: str, block_size: int | None,
+          cpus_per_worker: float) -> dict:
+    from ..distributed.cli import build_parser, run_ray
+
+    rec: dict = {"bench": "scaleout", "n": n, "model": model, "icqs_args": ICQS_ARGS,
+                 "cpus_per_worker": cpus_per_worker, "loadavg_1min_before": os.getloadavg()[0]}
+    B = block_size or max(1, n // (4 * max(workers)))
+    rec["block_size"] = B
+    with tempfile.TemporaryDirectory(prefix="icqs-scaleout-") as tmp:
+        d = Path(tmp)
+        inp, g, b, rec["data"] = _inputs(d, n)
+        model_args = ["--model", str(_tiny_model(d / "tiny"))] if model == "tiny" else []
+        common = ["--good", str(g), "--bad", str(b), *ICQS_ARGS, *model_args]
+
+        def single_run(threads: int | None) -> dict:
+            env = dict(os.environ)
+            if threads is not None:  # as many torch threads as one Ray worker has
+                env["OMP_NUM_THREADS"] = str(threads)
+            out = d / f"single{threads or ''}.jsonl"
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "score", str(inp),
+                                   "-o", str(out), "--overwrite", *common], capture_output=True,
+                                  text=True, check=False, env=env)
+            wall = time.perf_counter() - t
+            if proc.returncode != 0:
+                raise RuntimeError(f"single-process score failed: {proc.stderr[-2000:]}")
+            m = re.search(r"scored (\d+) responses in ([\d.]+) s", proc.stderr)
+            scoring_s = float(m.group(2)) if m else float("nan")
+            return {"wall_s": round(wall, 2), "records_per_s": round(n / wall, 3),
+                    "scoring_s": scoring_s, "records_per_s_scoring": round(n / scoring_s, 3),
+                    "torch_threads": threads or "default (all cores)"}
+
+        rec["single_process"] = single_run(None)
+        threads = max(1, int(cpus_per_worker))
+        rec["single_process_worker_threads"] = single_run(threads)
+        single = _read_jsonl([d / "single.jsonl"])
+
+        import ray
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        t = time.perf_counter()
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 _temp_dir=tempfile.mkdtemp(prefix="rayb-"))
+        rec["ray_init_s"] = round(time.perf_counter() - t, 2)
+        runs = []
+        try:
+            for w in workers:
+                out = d / f"ray{w}"
+                args = build_parser("score").parse_args(
+                    [str(inp), "-o", str(out), *common, "--ray", "--quiet", "--workers", str(w),
+                     "--cpus-per-worker", str(cpus_per_worker), "--block-size", str(B),
+                     "--output-format", "jsonl"])
+                stats: dict = {}
+                t = time.perf_counter()
+                run_ray("score", args, stats=stats)
+                wall = time.perf_counter() - t
+                got = _read_jsonl(sorted(out.glob("part-*.jsonl")))
+                mabs, mrel, same = _diff(got, single)
+                busy = sum(v["records"] / v["busy_s"] for v in stats["workers"].values()
+                           if v["busy_s"] > 0)
+                runs.append({
+                    "workers": w, "wall_s": round(wall, 2),
+                    "records_per_s": round(n / wall, 3),
+                    "first_block_s": round(stats.get("first_block_s", float("nan")), 2),
+                    "records_per_s_busy": round(busy, 3),
+                    "speedup_vs_single_end_to_end": round(
+                        (n / wall) / rec["single_process"]["records_per_s"], 3),
+                    "speedup_vs_single_scoring": round(
+                        busy / rec["single_process"]["records_per_s_scoring"], 3),
+                    "speedup_vs_single_worker_threads_scoring": round(
+                        busy / rec["single_process_worker_threads"]["records_per_s_scoring"], 3),
+                    "per_worker": [{"blocks": v["blocks"], "records": v["records"],
+                                    "busy_s": round(v["busy_s"], 2)}
+                                   for v in stats["workers"].values()],
+                    "max_abs_loglik_diff": mabs, "max_rel_loglik_diff": mrel,
+                    "ids_and_scores_equal": same,
+                })
+        finally:
+            ray.shutdown()
+    rec["ray"] = runs
+    rec["loadavg_1min_after"] = os.getloadavg()[0]
+    return rec
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import environment
+
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--workers: comma-separated integers, got {args.workers!r}") from None
+    if not workers or min(workers) < 1:
+        raise ValueError("--workers: at least one count, each >= 1")
+    if args.n < 1:
+        raise ValueError("--n must be >= 1")
+    t0 = time.perf_counter()
+    rec = bench(args.n, workers, args.model, args.block_size, args.cpus_per_worker)
+    rec["bench_s"] = round(time.perf_counter() - t0, 1)
+    rec.update(environment("cpu"))
+    text = json.dumps(rec, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        print(text)
+    else:
+        sp = rec["single_process"]
+        print(f"single process: {sp['records_per_s']:.2f} records/s end to end, "
+              f"{sp['records_per_s_scoring']:.2f} scoring only")
+        for r in rec["ray"]:
+            print(f"ray, {r['workers']} workers: {r['records_per_s']:.2f} records/s end to end, "
+                  f"{r['records_per_s_busy']:.2f} in the workers' calls; max loglik diff "
+                  f"{r['max_abs_loglik_diff']:.2g}")
+    return 0
