@@ -74,6 +74,7 @@ import csv
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -609,20 +610,43 @@ class StudySettings:
     backend: str = "auto"
     quiet: bool = False
     baselines: bool = True
+    stratify: bool = False
 
 
 def _icqs_scores(model: Any, tok: Any, good: Sequence, bad: Sequence,
                  responses: Sequence[tuple[str, str]], n: int, st: StudySettings,
                  template: Any = None, desc: str = "ICQS") -> list:
     """ICQSResult per response (dedupe left to the caller), with a progress report."""
-    from .icqs import ICQSScorer
     from .progress import track
 
-    sc = ICQSScorer(model, tok, good, bad, num_ratios=st.num_ratios, demos_per_set=n,
-                    sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
-                    backend=st.backend, drop_oldest_demos=True)
+    sc = make_scorer(model, tok, good, bad, n, st, template)
     return list(track(sc.score(responses), total=len(responses), desc=f"{desc} N={n}",
                       unit="response", quiet=st.quiet))
+
+
+def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,
+                template: Any = None) -> Any:
+    """The :class:`icqs_fast.icqs.ICQSScorer` of a study run with ``n`` demonstrations per set
+    (label-stratified sets when ``st.stratify``)."""
+    import inspect
+
+    from .icqs import ICQSScorer, PromptTokens
+    from .prompts import build_demo_sets
+
+    kw: dict[str, Any] = dict(num_ratios=st.num_ratios, demos_per_set=n,
+                              sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
+                              backend=st.backend, drop_oldest_demos=True)
+    native = "stratify" in inspect.signature(ICQSScorer.__init__).parameters
+    if st.stratify and native:
+        kw["stratify"] = "y"
+    sc = ICQSScorer(model, tok, good, bad, **kw)
+    if st.stratify and not native:
+        # The engine does not take stratify= yet: swap in stratified sets before any prefix
+        # is computed (the prefix bank is built lazily from sc.tokens).
+        sc.sets = build_demo_sets(good, bad, num_ratios=st.num_ratios, demos_per_set=n,
+                                  sets_per_ratio=st.sets_per_ratio, seed=st.seed, stratify="y")
+        sc.tokens = PromptTokens(tok, sc.template, sc.sets)
+    return sc
 
 
 def _demo_sample(pool: Sequence, n: int, seed: int) -> list:
@@ -652,6 +676,8 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
     groups = data.groups
     responses = _unique((r.x, r.y) for g in groups.values() for r in g)
     ask: dict[tuple[str, str], float] = {}
+    timing = {"ask_llm": 0.0, "icl": 0.0, "icqs": 0.0}
+    t0 = time.perf_counter()
     if st.baselines:
         res = ask_llm(model, tok, [(_ask_question(data.dataset, r.candidates, x), y)
                                    for (x, y), r in zip(responses, _first_response(groups,
@@ -659,14 +685,18 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
                                                         strict=True)],
                       backend=st.backend)
         ask = {xy: a.rating_expected for xy, a in zip(responses, res, strict=True)}
+    timing["ask_llm"] = time.perf_counter() - t0
     per_n: dict[int, Any] = {}
     items: dict[int, Any] = {}
     ratios: list[float] = []
     for n in st.demos_per_set:
+        t0 = time.perf_counter()
         results = _icqs_scores(model, tok, data.good, data.bad, responses, n, st)
+        timing["icqs"] += time.perf_counter() - t0
         by = dict(zip(responses, results, strict=True))
         ratios = list(results[0].ratios)
         icl: dict[tuple[str, str], bool] = {}
+        t0 = time.perf_counter()
         if st.baselines:
             demos = _demo_sample(data.good, n, st.seed)
             by_cand: dict[tuple[str, ...], list[str]] = {}
@@ -682,6 +712,7 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
                     pred[(cand, x)] = pr.label
             icl = {(r.x, r.y): pred[(r.candidates, r.x)] == r.y
                    for g in groups.values() for r in g}
+        timing["icl"] += time.perf_counter() - t0
         summary: dict[str, Any] = {}
         item_vals: dict[str, Any] = {}
         for gname, g in groups.items():
@@ -713,9 +744,33 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
             return [by[p].score for p in pairs]
 
         ranking = synthetic_ranking(data.polar, lookup, seed=st.seed, n_boot=st.n_boot)
-        per_n[n] = {"groups": summary, "ranking": ranking}
+        per_n[n] = {"groups": summary, "ranking": ranking,
+                    "separation": _separation(item_vals, st.baselines)}
         items[n] = item_vals
-    return {"per_n": per_n, "items": items, "ratios": ratios}
+    return {"per_n": per_n, "items": items, "ratios": ratios,
+            "timing": {k: round(v, 2) for k, v in timing.items()}}
+
+
+def _separation(item_vals: dict[str, Any], baselines: bool) -> dict[str, Any]:
+    """Threshold-free view: mean score per group and the AUC of correct vs incorrect
+    responses (ICQS-Epistemic score, mean per-set ICQS score, Ask LLM expected rating)."""
+    from .metrics import auc
+
+    def per(g: str) -> dict[str, list[float]]:
+        v = item_vals[g]
+        d = {"icqs_epistemic": list(v["score"]),
+             "icqs": [float(np.mean(s)) for s in v["score_per_set"]]}
+        if baselines:
+            d["ask_llm"] = list(v["ask_rating"])
+        return d
+
+    means = {g: {m: float(np.mean(x)) for m, x in per(g).items()} for g in item_vals}
+    out: dict[str, Any] = {"mean": means}
+    if "correct" in item_vals and "incorrect" in item_vals:
+        c, i = per("correct"), per("incorrect")
+        out["auc_correct_vs_incorrect"] = {
+            m: auc([1] * len(c[m]) + [0] * len(i[m]), c[m] + i[m]) for m in c}
+    return out
 
 
 def _first_response(groups: dict[str, list[Response]], pairs: Sequence[tuple[str, str]]
@@ -764,8 +819,12 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
     per_n: dict[int, Any] = {}
     items: dict[int, Any] = {}
     ratios: list[float] = []
+    timing = {"icl": 0.0, "icqs": 0.0}
     for n in st.demos_per_set:
+        t0 = time.perf_counter()
         results = _icqs_scores(model, tok, good, bad, responses, n, st, template=tpl)
+        timing["icqs"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         ratios = list(results[0].ratios)
         pred = {"icqs": np.stack([icqs_distribution(r.score_per_set) for r in results]),
                 "icqs_epistemic": np.stack([epistemic_distribution(r.loglik, r.ratios)
@@ -782,12 +841,14 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
                             list(NLI_LABELS), template=Template(**NLI_ICL_TEMPLATE),
                             backend=st.backend)
             pred["icl"] = np.asarray([[r.probs[lab] for lab in NLI_LABELS] for r in res])
+        timing["icl"] += time.perf_counter() - t0
         per_n[n] = {m: distribution_metrics(p, human, n_boot=st.n_boot, seed=st.seed)
                     for m, p in pred.items()}
         items[n] = {"pred": pred, "score": [r.score for r in results],
                     "loglik": np.stack([r.loglik.double().numpy() for r in results]),
                     "majority": [it.majority for it in data.test]}
-    return {"per_n": per_n, "items": items, "human": human, "ratios": ratios}
+    return {"per_n": per_n, "items": items, "human": human, "ratios": ratios,
+            "timing": {k: round(v, 2) for k, v in timing.items()}}
 
 
 # --------------------------------------------------------------------------- JSON
@@ -813,15 +874,17 @@ def sentiment_json(out: dict[str, Any], *, dataset: str, model: str, seconds: fl
             "ranking": {"spearman": per["ranking"]["spearman"],
                         "interval": [per["ranking"]["spearman_lo"], per["ranking"]["spearman_hi"]],
                         "models": per["ranking"]["models"]},
+            "separation": per["separation"],
         }
 
     doc = {"dataset": dataset, "model": model, "seconds": round(seconds, 2), **flat(main),
            "n": {g: row["icqs"]["n"] for g, row in main["groups"].items()},
            "expected": {g: "correct" if EXPECTED[g] else "incorrect" for g in main["groups"]},
-           "rules": RULES, "labels": labels,
+           "rules": RULES, "labels": labels, "timing": out["timing"],
            "settings": {"demos_per_set": max(ns), "num_ratios": st.num_ratios,
                         "sets_per_ratio": st.sets_per_ratio, "seed": st.seed,
-                        "ask_threshold": st.ask_threshold, "n_boot": st.n_boot},
+                        "ask_threshold": st.ask_threshold, "n_boot": st.n_boot,
+                        "stratify": st.stratify},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
     return _finite(doc)
 
@@ -840,9 +903,10 @@ def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudyS
 
     doc = {"dataset": "chaosnli", "model": model, "seconds": round(seconds, 2),
            **flat(out["per_n"][max(ns)]), "n": int(len(out["human"])), "rules": NLI_RULES,
+           "timing": out["timing"],
            "settings": {"demos_per_set": max(ns), "num_ratios": st.num_ratios,
                         "sets_per_ratio": st.sets_per_ratio, "seed": st.seed,
-                        "n_boot": st.n_boot},
+                        "n_boot": st.n_boot, "stratify": st.stratify},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
     return _finite(doc)
 

@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ask-threshold", type=float, default=None,
                    help="Ask LLM judges a response correct when its expected 1-5 rating >= this "
                         "(default 3)")
+    p.add_argument("--stratify", action="store_true",
+                   help="label-stratified demonstration sets (build_demo_sets(stratify='y')): "
+                        "every set holds the same label counts, only correctness changes with r "
+                        "(fpb, sst2)")
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
@@ -121,16 +125,19 @@ def run(args: argparse.Namespace) -> int:
         demos_per_set=ns, num_ratios=args.num_ratios, sets_per_ratio=args.sets, seed=args.seed,
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
         n_boot=args.n_boot, backend=args.backend, quiet=args.quiet,
-        baselines=not args.no_baselines)
+        baselines=not args.no_baselines, stratify=args.stratify)
     t0 = time.perf_counter()
     if dataset == "chaosnli":
-        if args.labels != "original":
-            raise ValueError("--labels synonyms applies to fpb and sst2 only")
+        if args.labels != "original" or args.stratify:
+            raise ValueError("--labels synonyms and --stratify apply to fpb and sst2 only "
+                             "(ChaosNLI's pools hold one label each)")
         data: Any = study.chaosnli_data(path, pool=args.pool, limit=args.limit, seed=args.seed)
     else:
         load = study.fpb_data if dataset == "fpb" else study.sst2_data
         data = load(path, pool=args.pool, limit=args.limit, seed=args.seed, labels=args.labels)
+    t_load = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
+    t_load = time.perf_counter() - t_load
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     with torch.no_grad():
         if dataset == "chaosnli":
@@ -143,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         doc = study.sentiment_json(out, dataset=dataset, model=model_name, seconds=seconds,
                                    st=st, labels=args.labels)
+    # Load = data + model; the rest of the wall time not in a phase is bootstrap and bookkeeping.
+    doc["timing"] = {"load": round(t_load, 2), **doc["timing"]}
     if args.plot:
         doc["plots"] = [str(p) for p in write_plots(dataset, out, ns, args.plot)]
     if args.json:
@@ -225,6 +234,13 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     means = ", ".join(f"{100 * m['accuracy']:.0f}%: {m['mean_score']:.3f}" for m in r["models"])
     rho = "nan" if r["spearman"] is None else f"{r['spearman']:+.3f}"
     print(f"synthetic-LLM ranking: Spearman {rho} (95% CI {r['interval']}); mean scores {means}")
+    sep = doc["separation"]
+    print("mean score per group: " + "; ".join(
+        f"{g}: " + ", ".join(f"{m} {v:.3f}" for m, v in row.items())
+        for g, row in sep["mean"].items()))
+    if "auc_correct_vs_incorrect" in sep:
+        print("AUC correct vs incorrect: " + ", ".join(
+            f"{m} {_f(v)}" for m, v in sep["auc_correct_vs_incorrect"].items()))
     if len(doc["curve"]) > 1:
         print("curve (accuracy % per N):")
         for pt in doc["curve"]:
@@ -234,9 +250,13 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     print("accuracy % [bootstrap 95% CI] = fraction judged as the expected verdict; rules: "
           "ICQS per set score >= 0.5, Epistemic score >= 0.5, ICL predicted label == response, "
           f"Ask LLM expected rating >= {s['ask_threshold']:g}")
-    print(f"time: {doc['seconds']:.1f} s")
+    print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):
         print(f"wrote {p}")
+
+
+def _timing(doc: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items())
 
 
 def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
@@ -260,7 +280,7 @@ def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
                             for m in ("icqs", "icqs_epistemic", "icl") if m in pt)
             print(f"  N={pt['demos_per_set']}: {row}")
     print("distribution rules: " + "; ".join(f"{k}: {v}" for k, v in doc["rules"].items()))
-    print(f"time: {doc['seconds']:.1f} s")
+    print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):
         print(f"wrote {p}")
 

@@ -300,3 +300,23 @@ def test_eval_bad_input_exit_2(tmp_path, tiny_model, capsys):
     assert "dev.tsv:3" in err and "'label'" in err
     assert main(["eval", "fpb", "--data", str(tmp_path / "nope")]) == 2
     assert main(["eval", "fpb", "--demos-per-set", "2,x"]) == 2
+
+
+def test_make_scorer_stratified_sets(tiny_model):
+    from collections import Counter
+
+    from icqs_fast.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    good = [(f"g{k}", ("positive", "negative")[k % 2]) for k in range(8)]
+    bad = [(f"b{k}", ("negative", "positive")[k % 2]) for k in range(8)]
+    st = study.StudySettings(num_ratios=5, sets_per_ratio=3, seed=2, stratify=True)
+    sc = study.make_scorer(model, tok, good, bad, 4, st)
+    for row in sc.sets:
+        for ds in row:
+            # Every set: 2 positive + 2 negative demonstrations, whatever the ratio.
+            assert Counter(y for _, y in ds.examples) == {"positive": 2, "negative": 2}
+            assert ds.n_good == int(ds.ratio * 4 + 0.5)
+    # The prompts the engine scores are those of the stratified sets.
+    assert sc.tokens.prefix_ids(0)[-3:] == sc.tokens.encode(
+        sc.template.format_prefix(sc.sets[0][0].examples))[-3:]
