@@ -308,6 +308,10 @@ def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
 def _check_args(kind: str, args: argparse.Namespace) -> None:
     if kind not in KINDS:
         raise ValueError(f"run_ray: kind must be one of {KINDS}, got {kind!r}")
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--ray needs Ray Data ({exc}); install icqs-fast[ray]") from None
     if args.input == "-":
         raise ValueError("--ray reads a file (Ray Data reads it in blocks); standard input is "
                          "not supported")
