@@ -110,6 +110,14 @@ def test_generate_until_equals_hflm(tiny):
     assert a == b and all(isinstance(s, str) for s in b)
 
 
+def test_chat_template_equals_hflm(tiny):
+    hf, ours = _pair(tiny)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(chat, gen) == hf.apply_chat_template(chat, gen)
+    assert "Hi?" in ours.apply_chat_template(chat)
+
+
 def test_bad_inputs(tiny):
     _, model, tok = tiny
     with pytest.raises(ValueError, match="both model= and tokenizer="):

@@ -315,6 +315,21 @@ class ICQSFastLM(TemplateLM):
             out.append(text)
         return out
 
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The tokenizer's chat template over ``chat_history`` (lm-eval's
+        ``--apply_chat_template``), as ``HFLM``: retried without system messages when the
+        template rejects them."""
+        import jinja2
+
+        kw = {"tokenize": False, "add_generation_prompt": add_generation_prompt,
+              "continue_final_message": not add_generation_prompt}
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kw)
+        except jinja2.exceptions.TemplateError:
+            history = [msg for msg in chat_history if msg["role"] != "system"]
+            return self.tokenizer.apply_chat_template(history, **kw)
+
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
         n = sum(p.numel() for p in self._model.parameters())
