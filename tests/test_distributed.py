@@ -286,3 +286,29 @@ def test_batch_scorer_matches_single_process_lines(data):
     assert res["error"][:10].tolist() == [None] * 10
     assert res["error"][10] == "y: empty response (nothing to score)"
     assert np.isnan(res["score"][10])
+
+
+def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
+    """Parquet input (no Ray needed): block k's records, checks and errors are those the
+    single-process reader gives for the same rows as JSONL (line = row number)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from icqs_fast.distributed import BlockSpec, block_items, count_records
+    from icqs_fast.io import RecordError, read_records
+
+    rows = [{"id": str(r["id"]), "x": r["x"], "y": r.get("y")} for r in RESPONSES]
+    path = str(tmp_path / "in.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)  # blocks cross groups
+    jl = _jsonl(tmp_path / "in.jsonl", rows)
+    assert count_records(path, "parquet") == count_records(str(jl), "jsonl") == 11
+    want = list(read_records(jl, on_error="yield"))
+    for start, end in ((0, 3), (3, 6), (6, 11)):
+        got = block_items(BlockSpec(path, "parquet", 0, start, end))
+        assert [g.index for g in got] == list(range(start, end))
+        for g, w in zip(got, want[start:end], strict=True):
+            assert type(g) is type(w) and g.line == w.line
+            if isinstance(g, RecordError):
+                assert (g.field, g.path) == (w.field, path) == ("y", path)
+            else:
+                assert (g.x, g.y, g.id) == (w.x, w.y, w.id)
