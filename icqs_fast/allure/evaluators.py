@@ -1,0 +1,391 @@
+"""ALLURE evaluators: label a record with one of a task's options, with the probability of the
+label (for AUC) and glass-box features of the same forward.
+
+* :class:`LikelihoodEvaluator` - an LLM judge without generation. Its prompt is the evaluation
+  instructions (system turn), the memory's in-context examples as earlier chat turns (user:
+  the restated record, assistant: its correct label) and the record's query; each option's
+  tokens are scored as a continuation after the assistant header. All of a round's prompts
+  start with the same instructions + memory tokens and all options of a record share the
+  record's prompt, so :func:`icqs_fast.continuations.score_continuations` computes the memory's
+  KV states once per round (once per bank chunk, :attr:`LikelihoodEvaluator.bank_mib`) and each
+  record's prompt once, whatever the number of options.
+* :class:`ICQSEvaluator` - thresholds an ICQS-Epistemic score (:class:`icqs_fast.icqs.
+  ICQSScorer`), with the memory's records as good / bad demonstrations.
+
+Both return :class:`Judgment` s and take the memory as a sequence of :class:`MemoryItem`
+(anything with ``.example`` and ``.record``; :class:`icqs_fast.allure.memory.MemoryEntry`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..batching import decoder_body, model_device
+from ..continuations import kv_bytes_per_token, score_continuations
+from ..icqs import model_max_length
+from ..prompts import adds_bos
+from .data import AuditRecord, TaskSpec
+
+
+@dataclass(frozen=True)
+class Example:
+    """One in-context example: a user turn restating a record (and, for regex-truth tasks, the
+    expected correct answer) and the assistant turn with the correct label."""
+
+    user: str
+    assistant: str
+
+
+class MemoryItem(Protocol):
+    example: Example
+    record: AuditRecord
+
+
+@dataclass
+class Judgment:
+    """An evaluator's verdict on one record.
+
+    Attributes:
+        label: the chosen option.
+        probs: probability of each option, normalised over the options.
+        logprobs: each option's log-likelihood (summed over its tokens; for ICQS, unused: {}).
+        features: glass-box features of the forward that scored the record.
+    """
+
+    label: str
+    probs: dict[str, float]
+    logprobs: dict[str, float] = field(default_factory=dict)
+    features: dict[str, float] = field(default_factory=dict)
+
+    def confidence(self) -> float:
+        """Probability of the chosen label."""
+        return self.probs[self.label]
+
+
+class Evaluator(Protocol):
+    """What the audit loop needs from an evaluator."""
+
+    spec: TaskSpec
+
+    def evaluate(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem], *,
+                 progress: Callable | None = None) -> list[Judgment]: ...
+
+    def describe(self) -> str: ...
+
+
+def make_example(spec: TaskSpec, rec: AuditRecord) -> Example:
+    """The in-context example built from ``rec``: its restated query, answered with its truth."""
+    return Example(spec.example_user(rec), rec.truth)
+
+
+def _softmax(values: dict[str, float]) -> dict[str, float]:
+    m = max(values.values())
+    e = {k: math.exp(v - m) for k, v in values.items()}
+    s = sum(e.values())
+    return {k: v / s for k, v in e.items()}
+
+
+# --------------------------------------------------------------------------- likelihood judge
+
+
+@dataclass
+class Encoded:
+    """Token ids of one record's prompt.
+
+    Attributes:
+        context: the whole prompt (BOS if used, instructions + memory, the record's turn, the
+            assistant header); the options are scored after it.
+        n_shared: leading tokens that are the instructions + memory (the same for every record
+            of a round).
+        response_span: ``[start, end)`` token positions of the response(s) under evaluation.
+    """
+
+    context: list[int]
+    n_shared: int
+    response_span: tuple[int, int]
+
+
+class LikelihoodEvaluator:
+    """Label a record by the log-probability of each option after the evaluation prompt.
+
+    Args:
+        model, tokenizer: a causal LM (plain linear LM head, full attention) and its tokenizer;
+            the tokenizer's chat template builds the turns when it has one, else a plain
+            ``### System / ### User / ### Assistant`` layout.
+        spec: the task.
+        backend: backend of the fused LM head.
+        bank_mib: KV memory (MiB) one scoring call may hold; a round's records are scored in
+            as few calls as fit it, each computing the shared memory prefix once.
+        max_length: prompt length limit (default: the model's).
+
+    Raises (from :meth:`evaluate`):
+        ValueError: a prompt longer than the model takes (naming the record and the lengths).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *, backend: str = "auto",
+                 bank_mib: int = 1024, max_length: int | None = None,
+                 use_chat_template: bool | None = None) -> None:
+        self.model, self.tok, self.spec = model, tokenizer, spec
+        self.backend = backend
+        self.bank_mib = bank_mib
+        self.max_length = model_max_length(model, max_length)
+        self.chat = bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None \
+            else use_chat_template
+        self.bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+        self.option_ids = {o: self._ids(o) for o in spec.options}
+        for o, ids in self.option_ids.items():
+            if not ids:
+                raise ValueError(f"option {o!r} encodes to no tokens")
+        self._shared_cache: dict[tuple, list[int]] = {}
+        # Counters of the last evaluate() call (for reports and tests).
+        self.last_calls = 0
+        self.last_requests = 0
+
+    def describe(self) -> str:
+        return "likelihood judge (option log-probabilities after instructions + memory)"
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    # -- prompt -----------------------------------------------------------------------------
+
+    def _messages(self, memory: Sequence[MemoryItem]) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.spec.instructions}]
+        for m in memory:
+            msgs += [{"role": "user", "content": m.example.user},
+                     {"role": "assistant", "content": m.example.assistant}]
+        return msgs
+
+    def _render(self, msgs: list[dict[str, str]], generation: bool) -> str:
+        if self.chat:
+            return self.tok.apply_chat_template(msgs, tokenize=False,
+                                                add_generation_prompt=generation)
+        names = {"system": "System", "user": "User", "assistant": "Assistant"}
+        text = "".join(f"### {names[m['role']]}:\n{m['content']}\n\n" for m in msgs)
+        return text + ("### Assistant:\n" if generation else "")
+
+    def prompt_parts(self, rec: AuditRecord, memory: Sequence[MemoryItem]) -> tuple[str, str]:
+        """``(shared, own)``: the text of the instructions + memory turns, and of the record's
+        user turn with the assistant header; the prompt is ``shared + own``."""
+        msgs = self._messages(memory)
+        shared = self._render(msgs, False)
+        full = self._render(msgs + [{"role": "user", "content": self.spec.query(rec)}], True)
+        if not full.startswith(shared):
+            raise ValueError("the chat template renders the earlier turns differently once a "
+                             "user turn follows; cannot share the memory prefix")
+        return shared, full[len(shared):]
+
+    def encode(self, rec: AuditRecord, memory: Sequence[MemoryItem]) -> Encoded:
+        """Token ids of ``rec``'s prompt (the shared part tokenised once per memory)."""
+        shared_text, own = self.prompt_parts(rec, memory)
+        key = (shared_text,)
+        if key not in self._shared_cache:
+            self._shared_cache = {key: self.bos + self._ids(shared_text)}
+        shared = self._shared_cache[key]
+        enc = self.tok(own, add_special_tokens=False, return_offsets_mapping=True)
+        own_ids = list(enc["input_ids"])
+        span = self._span(rec, own, enc.get("offset_mapping"))
+        n = len(shared)
+        return Encoded(shared + own_ids, n, (n + span[0], n + span[1]))
+
+    def _span(self, rec: AuditRecord, own: str, offsets) -> tuple[int, int]:
+        """Token range of the response fields inside the record's own text (by character
+        offsets; the whole turn when the tokenizer gives no offsets)."""
+        starts, ends, pos = [], [], 0
+        for f in self.spec.response_fields:
+            v = rec.fields.get(f, "")
+            at = own.find(v, pos) if v else -1
+            if at >= 0:
+                starts.append(at)
+                ends.append(at + len(v))
+                pos = at + len(v)
+        if not starts or offsets is None:
+            return 0, len(self._ids(own))
+        c0, c1 = min(starts), max(ends)
+        toks = [i for i, (a, b) in enumerate(offsets) if b > c0 and a < c1]
+        return (toks[0], toks[-1] + 1) if toks else (0, len(offsets))
+
+    # -- scoring ----------------------------------------------------------------------------
+
+    def _check_length(self, rec: AuditRecord, enc: Encoded) -> None:
+        longest = max(len(v) for v in self.option_ids.values())
+        if self.max_length is not None and len(enc.context) + longest > self.max_length:
+            raise ValueError(
+                f"record {rec.id!r} (line {rec.line}): its prompt is {len(enc.context)} tokens "
+                f"({enc.n_shared} of instructions + memory) + {longest} option tokens, over the "
+                f"model's {self.max_length}; use fewer examples (--max-new) or shorter ones")
+
+    @torch.no_grad()
+    def evaluate(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem], *,
+                 progress: Callable | None = None) -> list[Judgment]:
+        """Judgments of ``records`` with ``memory`` as the in-context examples, in order.
+
+        ``progress(n)`` is called after each scoring call with the records it finished."""
+        encs = [self.encode(r, memory) for r in records]
+        for r, e in zip(records, encs, strict=True):
+            self._check_length(r, e)
+        budget = max(1, self.bank_mib * 2**20 // kv_bytes_per_token(self.model))
+        out: list[Judgment] = []
+        self.last_calls = self.last_requests = 0
+        start = 0
+        while start < len(encs):
+            # As many records as the bank budget holds: the shared memory prefix is computed
+            # once per call (the bank stores every entry's whole prefix).
+            end, held = start, 0
+            while end < len(encs) and (end == start or held + len(encs[end].context) <= budget):
+                held += len(encs[end].context)
+                end += 1
+            reqs = [(e.context, self.option_ids[o]) for e in encs[start:end]
+                    for o in self.spec.options]
+            res = score_continuations(self.model, reqs, pad_id=self._pad_id(),
+                                      backend=self.backend, return_token_stats=True,
+                                      max_bank_tokens=budget)
+            self.last_calls += 1
+            self.last_requests += len(reqs)
+            k = len(self.spec.options)
+            for i in range(end - start):
+                out.append(self._judge(res[i * k:(i + 1) * k]))
+            if progress is not None:
+                progress(end - start)
+            start = end
+        return out
+
+    def _pad_id(self) -> int:
+        pid = self.tok.pad_token_id if self.tok.pad_token_id is not None else \
+            self.tok.eos_token_id
+        return int(pid) if pid is not None else 0
+
+    def _judge(self, res: Sequence[Any]) -> Judgment:
+        opts = self.spec.options
+        lp = {o: float(r.loglik) for o, r in zip(opts, res, strict=True)}
+        probs = _softmax(lp)
+        label = max(opts, key=lambda o: (lp[o], -opts.index(o)))
+        st = res[0].stats  # every option's first token is predicted at the same position
+        ranked = sorted(lp.values(), reverse=True)
+        feats = {
+            # Entropy / top log-prob of the full next-token distribution at the decision point.
+            "decision_entropy": float(st.entropy[0]),
+            "decision_varentropy": float(st.varentropy[0]),
+            "decision_max_logprob": float(st.max_logprob[0]),
+            # How much of that distribution the options take (single-token options: exact).
+            "option_mass": float(math.exp(_logsumexp(list(lp.values())))),
+            "option_margin": float(ranked[0] - ranked[1]),
+            "label_is_greedy": float(all(r.is_greedy for o, r in zip(opts, res, strict=True)
+                                         if o == label)),
+        }
+        return Judgment(label, probs, lp, feats)
+
+    # -- attention entropy ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def attention_entropy(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem],
+                          *, backend: str = "auto") -> list[float]:
+        """Attention entropy of the decision position (the last prompt token, whose state
+        predicts the label) over the response tokens: its attention renormalised over the
+        response span, averaged over layers and heads, per record (nats).
+
+        One plain forward of each whole prompt with the package's fused attention entropy
+        (:func:`icqs_fast.attention.capture_attention_entropy`): that capture needs a full
+        forward without a KV cache, so it is not the bank's forward and costs one more prompt
+        forward per record; the studies run it on a few held-out records."""
+        from ..attention import capture_attention_entropy
+
+        dev = model_device(self.model)
+        body = decoder_body(self.model)
+        out = []
+        for r in records:
+            enc = self.encode(r, memory)
+            self._check_length(r, enc)
+            ids = torch.tensor([enc.context], device=dev)
+            t = ids.shape[1]
+            qm = torch.zeros((1, t), dtype=torch.bool, device=dev)
+            qm[0, t - 1] = True
+            kr = torch.tensor([list(enc.response_span)], dtype=torch.long, device=dev)
+            with capture_attention_entropy(self.model, qm, kr, backend=backend) as cap:
+                body(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            out.append(float(cap.entropy[0, :, :, t - 1].double().mean()))
+        return out
+
+
+def _logsumexp(xs: list[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+# --------------------------------------------------------------------------- ICQS threshold
+
+
+class ICQSEvaluator:
+    """Label by thresholding the ICQS-Epistemic score of the record's response: ``good`` when
+    the score is >= ``threshold``, else ``bad`` (a binary task's two options).
+
+    The demonstration pools are ``seed_good`` / ``seed_bad`` plus the memory's records, each a
+    good demonstration when its truth is ``good`` and a bad one otherwise, with ``x`` the
+    task fields and ``y`` the response fields; the scorer is rebuilt when the memory changes.
+    The label probability is the score itself (the share of good demonstrations that best
+    explains the response), so AUC ranks records by it.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *,
+                 seed_good: Sequence[AuditRecord], seed_bad: Sequence[AuditRecord],
+                 good: str | None = None, threshold: float = 0.5, num_ratios: int = 3,
+                 demos_per_set: int = 2, sets_per_ratio: int = 2, seed: int = 0,
+                 backend: str = "auto") -> None:
+        if len(spec.options) != 2:
+            raise ValueError("the ICQS evaluator labels binary tasks only")
+        self.model, self.tok, self.spec = model, tokenizer, spec
+        self.good = good if good is not None else spec.positive
+        self.bad = [o for o in spec.options if o != self.good][0]
+        self.threshold = threshold
+        self.kw = dict(num_ratios=num_ratios, demos_per_set=demos_per_set,
+                       sets_per_ratio=sets_per_ratio, seed=seed, replacement=True,
+                       backend=backend, drop_oldest_demos=True)
+        self.seed_good, self.seed_bad = list(seed_good), list(seed_bad)
+        self._key: tuple | None = None
+        self._scorer = None
+
+    def describe(self) -> str:
+        return f"ICQS-Epistemic score >= {self.threshold} -> {self.good!r}"
+
+    def xy(self, rec: AuditRecord) -> tuple[str, str]:
+        """The record as an ICQS (x, y) pair: task fields, then response fields."""
+        resp = set(self.spec.response_fields)
+        x = "\n\n".join(v for k, v in rec.fields.items() if k not in resp and k != "reference")
+        y = "\n\n".join(rec.fields[k] for k in self.spec.response_fields if k in rec.fields)
+        return x, y
+
+    def _scorer_for(self, memory: Sequence[MemoryItem]):
+        from ..icqs import ICQSScorer
+
+        key = tuple(m.record.id for m in memory)
+        if self._scorer is None or key != self._key:
+            recs = self.seed_good + self.seed_bad + [m.record for m in memory]
+            good = [self.xy(r) for r in recs if r.truth == self.good]
+            bad = [self.xy(r) for r in recs if r.truth != self.good]
+            if not good or not bad:
+                raise ValueError("the ICQS evaluator needs at least one good and one bad "
+                                 "demonstration (seed_good / seed_bad)")
+            self._scorer = ICQSScorer(self.model, self.tok, good, bad, **self.kw)
+            self._key = key
+        return self._scorer
+
+    def evaluate(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem], *,
+                 progress: Callable | None = None) -> list[Judgment]:
+        scorer = self._scorer_for(memory)
+        out = []
+        for res in scorer.score([self.xy(r) for r in records]):
+            s = float(res.score)
+            label = self.good if s >= self.threshold else self.bad
+            ll = res.loglik.double()
+            feats = {"icqs_score": s, "loglik_best": float(ll.mean(1).max()),
+                     "loglik_spread": float(ll.mean(1).max() - ll.mean(1).min()),
+                     "n_response_tokens": float(res.n_response_tokens)}
+            out.append(Judgment(label, {self.good: s, self.bad: 1.0 - s}, {}, feats))
+            if progress is not None:
+                progress(1)
+        return out
