@@ -190,6 +190,7 @@ def build_demo_sets(
     mixing: str = "exact",
     replacement: bool = False,
     stratify: str | Sequence | None = None,
+    strata_order: str = "shuffled",
 ) -> list[list[DemoSet]]:
     """Seeded demonstration sets for ratios ``r_j = j / M``, ``j = 0..M`` (``M + 1 = num_ratios``).
 
@@ -210,6 +211,10 @@ def build_demo_sets(
             stratum; or a pair ``(good_strata, bad_strata)`` of str sequences as long as the
             pools; or one str sequence of ``len(good) + len(bad)`` (good first). None: no
             stratification (the sets are then exactly those of earlier versions).
+        strata_order: with ``stratify``: ``"shuffled"``, each set's positions are shuffled;
+            ``"fixed"``, every set lays its strata out in one seeded order (the same stratum at
+            each position in every set, e.g. the label of the last demonstration, which small
+            models tend to copy), and only which positions hold good examples is drawn per set.
 
     Stratification rule: with ``K`` strata (the distinct names in both pools, sorted), every set
     holds ``c_s = N // K`` examples of each stratum, plus one more for each of the first
@@ -217,7 +222,8 @@ def build_demo_sets(
     A set's good demonstrations (``round(r * N)``, or a Bernoulli count) are split over the
     strata in proportion to ``c_s``: ``floor(n_good * c_s / N)`` each, the remaining ones to
     strata drawn at random (seeded) among those with room; the stratum's other slots take bad
-    examples of that stratum. Positions are shuffled. Without replacement every stratum needs
+    examples of that stratum. Positions are shuffled (or follow the fixed order, see
+    ``strata_order``). Without replacement every stratum needs
     ``c_s`` examples in each pool (``r = 1`` takes them all from the good pool, ``r = 0`` from
     the bad one); with replacement at least one.
 
@@ -234,6 +240,8 @@ def build_demo_sets(
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if mixing not in ("exact", "bernoulli"):
         raise ValueError(f"mixing must be 'exact' or 'bernoulli', got {mixing!r}")
+    if strata_order not in ("shuffled", "fixed"):
+        raise ValueError(f"strata_order must be 'shuffled' or 'fixed', got {strata_order!r}")
     g = _check_pool(good, "good")
     b = _check_pool(bad, "bad")
     n = demos_per_set
@@ -250,7 +258,7 @@ def build_demo_sets(
         gs, bs = _strata(stratify, g, b)
         return _stratified_sets(g, b, gs, bs, num_ratios=num_ratios, n=n,
                                 sets_per_ratio=sets_per_ratio, rng=rng, mixing=mixing,
-                                replacement=replacement)
+                                replacement=replacement, fixed_order=strata_order == "fixed")
     sets: list[list[DemoSet]] = []
     for j in range(num_ratios):
         r = j / m
@@ -312,7 +320,8 @@ def _strata(stratify: str | Sequence, g: list[Example], b: list[Example]
 
 def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list[str], *,
                      num_ratios: int, n: int, sets_per_ratio: int, rng: random.Random,
-                     mixing: str, replacement: bool) -> list[list[DemoSet]]:
+                     mixing: str, replacement: bool, fixed_order: bool = False
+                     ) -> list[list[DemoSet]]:
     """``build_demo_sets`` with fixed per-stratum counts (the rule is in its docstring)."""
     names = sorted(set(gs) | set(bs))
     k = len(names)
@@ -329,6 +338,10 @@ def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list
                 + ("" if replacement else " (or pass replacement=True)")
             )
     m = num_ratios - 1
+    order: list[str] = []
+    if fixed_order:
+        order = [s for s in names for _ in range(count[s])]
+        rng.shuffle(order)
     sets: list[list[DemoSet]] = []
     for j in range(num_ratios):
         r = j / m
@@ -342,9 +355,18 @@ def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list
             for _ in range(n_good - sum(good_of.values())):
                 room = [s for s in names if good_of[s] < count[s]]
                 good_of[rng.choice(room)] += 1
-            slots = [(s, True) for s in names for _ in range(good_of[s])] + \
-                [(s, False) for s in names for _ in range(count[s] - good_of[s])]
-            rng.shuffle(slots)
+            if fixed_order:
+                # Which of each stratum's fixed positions hold its good examples.
+                flags: list[bool] = [False] * n
+                for s in names:
+                    at = [i for i, v in enumerate(order) if v == s]
+                    for i in rng.sample(at, good_of[s]):
+                        flags[i] = True
+                slots = list(zip(order, flags, strict=True))
+            else:
+                slots = [(s, True) for s in names for _ in range(good_of[s])] + \
+                    [(s, False) for s in names for _ in range(count[s] - good_of[s])]
+                rng.shuffle(slots)
             draws: dict[tuple[str, bool], list[int]] = {}
             for s in names:
                 for flag, idx in ((True, idx_g[s]), (False, idx_b[s])):

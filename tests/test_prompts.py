@@ -211,3 +211,26 @@ def test_stratified_errors_name_the_problem():
         build_demo_sets(S_GOOD, S_BAD, stratify=(["pos"] * 13, [1] * 11), **kw)
     with pytest.raises(ValueError, match=r"stratify must be 'y'"):
         build_demo_sets(S_GOOD, S_BAD, stratify="label", **kw)
+
+
+@pytest.mark.parametrize("mixing", ["exact", "bernoulli"])
+def test_stratified_fixed_order_same_strata_at_every_position(mixing):
+    sets = build_demo_sets(S_GOOD, S_BAD, num_ratios=5, demos_per_set=6, sets_per_ratio=5,
+                           seed=4, mixing=mixing, stratify="y", strata_order="fixed")
+    first = [ex[1] for ex in sets[0][0].examples]
+    assert sorted(first) == ["neg"] * 3 + ["pos"] * 3
+    good_set, bad_set = set(S_GOOD), set(S_BAD)
+    patterns = set()
+    for row in sets:
+        for ds in row:
+            # The label at each position is the same in every set (the last one included).
+            assert [ex[1] for ex in ds.examples] == first == list(ds.strata)
+            if mixing == "exact":
+                assert ds.n_good == _n_good_expected(ds.ratio, 6)
+            for ex, g in zip(ds.examples, ds.is_good, strict=True):
+                assert ex in (good_set if g else bad_set)
+            assert len(set(ds.examples)) == 6
+            patterns.add(ds.is_good)
+    assert len(patterns) > 3  # which positions are good still varies
+    with pytest.raises(ValueError, match="strata_order must be"):
+        build_demo_sets(S_GOOD, S_BAD, stratify="y", strata_order="sorted")
