@@ -3,11 +3,11 @@
 Every feature is computed from one padded forward of ``prompt + response`` per batch, where the
 prompt is the instruction formatted with the tokenizer's chat template (or a plain
 ``### Instruction / ### Response`` template when there is none). Prompt and response are
-tokenised separately and their ids concatenated, so the response tokens never depend on the
-prompt. In the standard mode the response token ``y_t`` at position ``t`` is scored by the hidden
-state at position ``t - 1``; the LM-head statistics come from :func:`icqs_fast.ops.
-linear_token_stats` on the gathered response hidden states (the ``[tokens, vocab]`` log-softmax
-is never built).
+tokenised as one string, exactly as a plain forward over the full text sees them, and split by
+character offsets (:func:`encode`). In the standard mode the response token ``y_t`` at
+position ``t`` is scored by the hidden state at position ``t - 1``; the LM-head statistics come
+from :func:`icqs_fast.ops.linear_token_stats` on the gathered response hidden states (the
+``[tokens, vocab]`` log-softmax is never built).
 
 Features (per response; ``FEATURE_DIRECTION`` gives +1 where higher = better quality and -1
 where lower = better, the reading of the SelfEval paper, in which entropy / variance /
@@ -88,7 +88,8 @@ import torch
 
 from . import ops
 from .batching import decoder_body, model_device
-from .icqs import check_model
+from .icqs import check_model, first_response_token
+from .prompts import adds_bos
 
 FEATURE_DIRECTION: dict[str, int] = {
     "sent_logprob": +1,
@@ -164,18 +165,28 @@ def _has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _ids(tokenizer: Any, text: str, special: bool = False) -> list[int]:
-    if not text:
-        return []
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
 def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
            use_chat_template: bool | None = None) -> _Encoded:
     """Token ids of ``prompt + response`` and where the instruction sits.
 
-    The prompt text is built with a sentinel in place of the instruction and split around it, so
-    ``head``, ``instruction``, ``tail`` and ``response`` are tokenised separately and concatenated.
+    The prompt text is built with a sentinel in place of the instruction, which then takes the
+    sentinel's place; ``prompt + response`` is tokenised as one string (the chat template writes
+    its own special tokens; with the plain template BOS comes first when the tokenizer adds one),
+    so the ids are those a plain forward over the full text sees. The split comes from the
+    tokens' character offsets (a fast tokenizer is needed): the response is every token from the
+    first one that holds a response character (a token straddling the prompt/response seam is
+    scored with the response, :func:`icqs_fast.icqs.first_response_token`), and the instruction's
+    key range is the tokens whose spans overlap the instruction's characters (a token it shares
+    with the template text included).
+
+    Returns:
+        ``_Encoded``: ``ids`` (list of int), ``prompt_len`` (tokens before the response) and
+        ``instr`` (``[start, end)`` token range of the instruction).
+
+    Raises:
+        TypeError: a tokenizer without character offsets (not a fast tokenizer).
+        ValueError: the template does not keep the instruction as one piece, or gives no prompt
+            tokens.
     """
     sp = item.system_prompt if item.system_prompt is not None else system_prompt
     chat = _has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
@@ -185,24 +196,33 @@ def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         msgs.append({"role": "user", "content": _SENTINEL})
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        special = False  # the template writes its own special tokens
+        bos = []  # the template writes its own special tokens
     else:
         text = (sp + "\n\n") if sp else ""
         for q, a in item.history:
             text += f"### Instruction:\n{q}\n\n### Response:\n{a}\n\n"
         text += f"### Instruction:\n{_SENTINEL}\n\n### Response:\n"
-        special = True
+        bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
     if text.count(_SENTINEL) != 1:
         raise ValueError("the chat template did not keep the instruction as one piece of text")
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: the glass-box "
+                        "features need character offsets to split prompt and response")
     head, tail = text.split(_SENTINEL)
-    h = _ids(tokenizer, head, special)
-    ins = _ids(tokenizer, item.instruction)
-    t = _ids(tokenizer, tail)
-    prompt = h + ins + t
-    if not prompt:
+    ins_start, ins_end = len(head), len(head) + len(item.instruction)
+    prompt_text = head + item.instruction + tail
+    enc = tokenizer(prompt_text + item.response, add_special_tokens=False,
+                    return_offsets_mapping=True)
+    offs = [tuple(o) for o in enc["offset_mapping"]]
+    ids = bos + list(enc["input_ids"])
+    n_bos = len(bos)
+    prompt_len = n_bos + first_response_token(offs, len(prompt_text))
+    if prompt_len == 0:
         raise ValueError("empty prompt: the instruction and template produce no tokens")
-    resp = _ids(tokenizer, item.response)
-    return _Encoded(prompt + resp, len(prompt), (len(h), len(h) + len(ins)))
+    # Instruction tokens: spans overlapping [ins_start, ins_end) (none for an empty one).
+    i0 = first_response_token(offs, ins_start)
+    i1 = i0 if ins_end == ins_start else sum(1 for a, _ in offs if a < ins_end)
+    return _Encoded(ids, prompt_len, (n_bos + i0, n_bos + max(i0, i1)))
 
 
 # --------------------------------------------------------------------------- main entry

@@ -5,9 +5,15 @@ For every response (x, y) and every demonstration set (ratio j, set l),
 ICQS-Epistemic is ``r_k`` with ``k = argmax_j mean_l l_{j,l}``.
 
 The engine computes the KV caches of the ``(M+1) L`` demonstration prefixes once, then runs the
-query + response tokens of many (response, context) rows in padded forwards against them, and
-applies the LM head only at the response positions, through
-:func:`icqs_fast.ops.linear_token_stats` (no ``[T, V]`` logits tensor).
+rest of many (response, context) prompts in padded forwards against them, and applies the LM
+head only at the response positions, through :func:`icqs_fast.ops.linear_token_stats` (no
+``[T, V]`` logits tensor).
+
+Token ids are those of the whole prompt text (prefix + query + response as one string, BOS as
+the tokenizer adds it), as a plain forward over the full text sees them; the response tokens
+are found by character offsets (:func:`first_response_token`). The bank holds each prefix up to
+a token boundary that the whole-text tokenization shares (:meth:`PromptTokens.entry_ids`,
+checked per prompt), and the prefix's remaining tokens run with the query and response.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class ICQSResult:
 
 
 # --------------------------------------------------------------------------- shared helpers
-# (the naive reference uses these too, so both see the same demo sets and the same token ids)
+# (the naive reference uses model_max_length, parse_response and summarise; it tokenizes the
+# prompts with its own code, so a seam difference in the engine's tokenization shows in tests)
 
 
 def model_max_length(model: Any, max_length: int | None) -> int | None:
@@ -178,31 +185,141 @@ def parse_response(i: int, item: Any) -> tuple[str, str]:
     return x, y
 
 
-class PromptTokens:
-    """Tokenises prompt parts separately (prefix, query, response) with caching of prefixes.
+class PromptTooLong(ValueError):
+    """A response's prompt exceeds the model's max length (even after dropping the demonstrations
+    it may drop); ``reason`` is the message without the leading ``"response i: "``."""
 
-    ``prefix_ids(c, drop)`` is the prefix of context ``c`` (flat index ``j * L + l``) without
-    its ``drop`` oldest demonstrations; BOS is prepended when the tokenizer normally adds it.
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"response {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Token ids of one (response, context) prompt, tokenized as one string.
+
+    Attributes:
+        ids: BOS (when the tokenizer adds one) + the tokens of ``prefix + query + response``.
+        n_prompt: tokens before the response: ``ids[n_prompt:]`` are the scored tokens.
+        drop: the oldest demonstrations left out of the prefix (``drop_oldest_demos``).
     """
 
+    ids: list[int]
+    n_prompt: int
+    drop: int
+
+
+def first_response_token(offsets: Sequence[tuple[int, int]], start: int) -> int:
+    """Index of the first token that belongs to text starting at character ``start``.
+
+    A token belongs to the prompt when its character span lies entirely before ``start``
+    (``end <= start`` and ``begin < start``); every later token belongs to the response. So a
+    token straddling the seam (it begins in the prompt and holds response characters) is
+    scored with the response: every character of the response is scored, and a response is
+    never left without tokens by a merge at the seam. ``offsets`` are the tokenizer's
+    ``(begin, end)`` character spans, non-decreasing (fast tokenizers give them so).
+    """
+    k = len(offsets)
+    while k > 0:
+        a, b = offsets[k - 1]
+        if b <= start and a < start:
+            break
+        k -= 1
+    return k
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
+class PromptTokens:
+    """Whole-text tokenization of the ICQS prompts, and the cached prefix ids the bank holds.
+
+    The scored ids of a (response, context) prompt are those of ``prefix + query + response``
+    tokenized as one string (BOS first when the tokenizer adds one), exactly as a plain forward
+    over the full text sees them; the response tokens are found by character offsets
+    (:func:`first_response_token`). Tokenizing the parts separately differs at the seams (the
+    embedded SmolLM2 tokenizer gives ``"\\n\\n"`` at the end of a prefix alone as one token
+    ``ĊĊ`` but as ``Ċ``, ``Ċ`` before ``Sentence``), which moves the response's log-likelihood
+    by 0.1-0.3 nats.
+
+    ``entry_ids(c, drop)`` is what the prefix bank stores for context ``c`` (flat index
+    ``j * L + l``) without its ``drop`` oldest demonstrations: BOS + the prefix's leading tokens
+    up to a boundary the whole-text tokenization shares - the prefix tokenized alone and followed
+    by two probe queries, cut to their common leading tokens and before any token that touches
+    the prefix's last character. The engine still checks, per response and context, that the
+    whole-text ids start with the entry (and uses a shorter entry when they don't).
+
+    Needs a fast (Rust-backed) tokenizer, for the offsets.
+    """
+
+    # Probe (x, y) pairs whose query + response text follows each prefix when the bank boundary
+    # is chosen: different first characters, so a template whose query starts with {x} shows
+    # which prefix tokens the query may merge with.
+    PROBES = (("a", "a"), ("0 .", "B"))
+
     def __init__(self, tokenizer: Any, template: Template, sets: list[list[DemoSet]]) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: the ICQS "
+                            "engine needs character offsets (return_offsets_mapping) to find the "
+                            "response tokens in the whole prompt; load it with use_fast=True")
         self.tok = tokenizer
         self.template = template
         self.flat = [s for row in sets for s in row]
         self.bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+        self._text: dict[tuple[int, int], str] = {}
         self._prefix: dict[tuple[int, int], list[int]] = {}
+        self._entry: dict[tuple[int, int], list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` alone (no special tokens added)."""
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def tokenize(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """``(ids, offsets)`` of each text (one batched call; no special tokens added)."""
+        enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [(list(ids), [tuple(o) for o in offs])
+                for ids, offs in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+
+    def prefix_text(self, c: int, drop: int = 0) -> str:
+        """The demonstration prefix text of context ``c`` without its ``drop`` oldest demos."""
+        key = (c, drop)
+        if key not in self._text:
+            self._text[key] = self.template.format_prefix(self.flat[c].examples[drop:])
+        return self._text[key]
+
     def prefix_ids(self, c: int, drop: int = 0) -> list[int]:
+        """BOS + the prefix text tokenized alone (its own seam at the end: not what the engine
+        scores; see :meth:`entry_ids`)."""
         key = (c, drop)
         if key not in self._prefix:
-            demos = self.flat[c].examples[drop:]
-            self._prefix[key] = self.bos + self.encode(self.template.format_prefix(demos))
+            self._prefix[key] = self.bos + self.encode(self.prefix_text(c, drop))
         return self._prefix[key]
 
+    def entry_ids(self, c: int, drop: int = 0) -> list[int]:
+        """The ids the prefix bank stores for context ``c`` (see the class docstring); may be
+        empty (no BOS and a prefix of one pre-token), then the engine falls back per response."""
+        key = (c, drop)
+        if key not in self._entry:
+            p = self.prefix_text(c, drop)
+            probes = [self.template.format_query(x) + self.template.format_response(y)
+                      for x, y in self.PROBES]
+            (ids, offs), *rest = self.tokenize([p] + [p + t for t in probes])
+            m = min(_common_prefix(ids, other) for other, _ in rest)
+            while m > 0 and offs[m - 1][1] >= len(p):  # never a token touching the seam
+                m -= 1
+            self._entry[key] = self.bos + ids[:m]
+        return self._entry[key]
+
     def response_parts(self, i: int, x: str, y: str) -> tuple[list[int], list[int]]:
+        """The query and response texts tokenized alone; raises ValueError when either has no
+        tokens (the check the engine runs on each response; the scored ids come from
+        :meth:`layouts`)."""
         q = self.encode(self.template.format_query(x))
         r = self.encode(self.template.format_response(y))
         if not q:
@@ -212,9 +329,61 @@ class PromptTokens:
             raise ValueError(f"response {i}: field 'y' gives no response tokens")
         return q, r
 
+    def layouts(self, i: int, x: str, y: str, max_len: int | None, drop_oldest: bool
+                ) -> list[PromptLayout]:
+        """The whole-text ids of response ``(x, y)`` after every context, each dropping as few
+        oldest demonstrations as it needs to fit ``max_len`` (at least one demonstration kept).
+
+        Raises:
+            PromptTooLong: a prompt does not fit (and may not, or can't, drop enough).
+            ValueError: a prompt with fewer than two tokens before the response, or a response
+                split into different tokens after different contexts.
+        """
+        q = self.template.format_query(x)
+        qr = q + self.template.format_response(y)
+        n_ctx = len(self.flat)
+        drops = [0] * n_ctx
+        out: list[PromptLayout | None] = [None] * n_ctx
+        todo = list(range(n_ctx))
+        while todo:
+            encs = self.tokenize([self.prefix_text(c, drops[c]) + qr for c in todo])
+            nxt = []
+            for c, (ids, offs) in zip(todo, encs, strict=True):
+                start = len(self.prefix_text(c, drops[c])) + len(q)
+                full = self.bos + ids
+                k0 = len(self.bos) + first_response_token(offs, start)
+                if max_len is None or len(full) <= max_len:
+                    out[c] = PromptLayout(full, k0, drops[c])
+                elif drop_oldest and drops[c] + 1 < len(self.flat[c].examples):
+                    drops[c] += 1
+                    nxt.append(c)
+                else:
+                    ds = self.flat[c]
+                    raise PromptTooLong(i, (
+                        f"prompt of {len(full)} tokens (prefix and query {k0} + response "
+                        f"{len(full) - k0}) for ratio {ds.ratio:g} set {ds.set_index} exceeds "
+                        f"the model's max length {max_len}"
+                        + (" even with a single demonstration" if drop_oldest
+                           else "; pass drop_oldest_demos=True to drop demonstrations")))
+            todo = nxt
+        lays = [lay for lay in out if lay is not None]
+        resp = lays[0].ids[lays[0].n_prompt:]
+        for c, lay in enumerate(lays):
+            if lay.n_prompt < 2:
+                raise ValueError(f"response {i}: the prompt before the response has "
+                                 f"{lay.n_prompt} token(s); the engine needs at least two")
+            if lay.ids[lay.n_prompt:] != resp:
+                raise ValueError(
+                    f"response {i}: the tokenizer splits the response differently after "
+                    f"context {c} than after context 0 ({lay.ids[lay.n_prompt:]} vs {resp}); "
+                    "ICQS compares the same tokens across contexts - use a template whose "
+                    "query starts with fixed text")
+        return lays
+
     def fit(self, i: int, c: int, n_suffix: int, max_len: int | None, drop_oldest: bool) -> int:
-        """How many oldest demonstrations context ``c`` must drop so that prefix + ``n_suffix``
-        tokens fit in ``max_len``; raises ValueError when it can't (or may not) drop."""
+        """How many oldest demonstrations context ``c`` must drop so that its prefix tokenized
+        alone + ``n_suffix`` tokens fit in ``max_len`` (an estimate from the split lengths,
+        kept for callers that pre-check records; the engine uses :meth:`layouts`, exact)."""
         if max_len is None:
             return 0
         n_demos = len(self.flat[c].examples)
@@ -322,7 +491,11 @@ class ICQSScorer:
             tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self._bank: PrefixBank | None = None
-        self._entry: dict[tuple[int, int], int] = {}
+        self._entry: dict[tuple[int, int], int | None] = {}
+        # Bank entries computed per response where the whole-text ids did not start with the
+        # context's cached entry (keyed by their ids), and how often that happened.
+        self._fallback_entry: dict[tuple[int, ...], int] = {}
+        self.seam_fallbacks = 0
 
     @property
     def _budget(self) -> int:
@@ -337,17 +510,44 @@ class ICQSScorer:
         """The stored prefix KV states, computed on first use (all contexts, batched)."""
         if self._bank is None:
             bank = PrefixBank(self.model, self.pad_id, self.token_budget)
-            ids = [self.tokens.prefix_ids(c, 0) for c in range(self.n_contexts)]
-            for c, e in enumerate(bank.add(ids)):
+            ids = [self.tokens.entry_ids(c, 0) for c in range(self.n_contexts)]
+            keep = [c for c in range(self.n_contexts) if ids[c]]
+            for c in range(self.n_contexts):
+                self._entry[(c, 0)] = None
+            for c, e in zip(keep, bank.add([ids[c] for c in keep]), strict=True):
                 self._entry[(c, 0)] = e
             self._bank = bank
         return self._bank
 
-    def _entry_of(self, c: int, drop: int) -> int:
+    def _entry_of(self, i: int, c: int, lay: PromptLayout) -> int:
+        """The bank entry prompt ``lay`` (response i, context c) continues from: the context's
+        cached entry when ``lay.ids`` starts with it (and it ends before the response), else
+        an entry for the longest such common start, computed now (and kept for reuse)."""
         bank = self.prefix_bank
-        if (c, drop) not in self._entry:
-            self._entry[(c, drop)] = bank.add([self.tokens.prefix_ids(c, drop)])[0]
-        return self._entry[(c, drop)]
+        key = (c, lay.drop)
+        if key not in self._entry:
+            ids = self.tokens.entry_ids(c, lay.drop)
+            self._entry[key] = bank.add([ids])[0] if ids else None
+        e = self._entry[key]
+        if e is not None:
+            n = bank.lengths[e]
+            if n < lay.n_prompt and lay.ids[:n] == self.tokens.entry_ids(c, lay.drop):
+                return e
+            n = _common_prefix(lay.ids, self.tokens.entry_ids(c, lay.drop))
+        else:  # no cached entry for this context: the first token alone (bounded, slow)
+            n = 1
+        # The entry must end before the response's first prediction (position n_prompt - 1).
+        n = max(1, min(n, lay.n_prompt - 1))
+        fkey = tuple(lay.ids[:n])
+        if fkey not in self._fallback_entry:
+            if not self._fallback_entry:
+                warnings.warn(
+                    f"response {i}: its whole-text token ids after context {c} do not start "
+                    "with the cached prefix tokens (a tokenizer seam inside the demonstrations); "
+                    "such prompts get a prefix entry of their own (exact, slower)", stacklevel=4)
+            self._fallback_entry[fkey] = bank.add([list(fkey)])[0]
+        self.seam_fallbacks += 1
+        return self._fallback_entry[fkey]
 
     # -- scoring --------------------------------------------------------------------------
     def score_one(self, x: str, y: str) -> ICQSResult:
@@ -392,14 +592,17 @@ class ICQSScorer:
 
     def _prepare(self, i: int, item: Any) -> dict:
         x, y = parse_response(i, item)
-        q, r = self.tokens.response_parts(i, x, y)
-        n_suf = len(q) + len(r)
-        drops = [self.tokens.fit(i, c, n_suf, self.max_length, self.drop_oldest_demos)
-                 for c in range(self.n_contexts)]
-        entries = [self._entry_of(c, d) for c, d in enumerate(drops)]
-        bank = self.prefix_bank
-        return {"index": i, "query": q, "resp": r, "suffix": q + r[:-1], "drops": drops,
-                "entries": entries, "plen": [bank.lengths[e] for e in entries],
+        self.tokens.response_parts(i, x, y)  # both parts must give tokens (clear errors)
+        lays = self.tokens.layouts(i, x, y, self.max_length, self.drop_oldest_demos)
+        entries = [self._entry_of(i, c, lay) for c, lay in enumerate(lays)]
+        plen = [self.prefix_bank.lengths[e] for e in entries]
+        # Row c runs ids[plen:-1] against its entry; suffix position n_prompt - 1 - plen + t
+        # predicts response token t.
+        return {"index": i, "resp": lays[0].ids[lays[0].n_prompt:],
+                "suffix": [lay.ids[p:-1] for lay, p in zip(lays, plen, strict=True)],
+                "rstart": [lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
+                "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
+                "entries": entries, "plen": plen,
                 "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
                 "stats": [None] * self.n_contexts, "done": 0}
 
@@ -407,7 +610,7 @@ class ICQSScorer:
         if not rows:
             return 0
         p = 0 if self.cascade else max(rec["plen"][c] for rec, c in rows)
-        s = max(len(rec["suffix"]) for rec, _ in rows)
+        s = max(len(rec["suffix"][c]) for rec, c in rows)
         return len(rows) * (p + s)
 
     def _queued_tokens(self, rows: list[tuple[dict, int]]) -> int:
@@ -421,7 +624,7 @@ class ICQSScorer:
         take = len(rows)
         for n, (rec, c) in enumerate(rows):
             p2 = 0 if self.cascade else max(p, rec["plen"][c])
-            s2 = max(s, len(rec["suffix"]))
+            s2 = max(s, len(rec["suffix"][c]))
             if n > 0 and (n + 1) * (p2 + s2) > self._budget:
                 take = n
                 break
@@ -437,15 +640,14 @@ class ICQSScorer:
         if self.cascade:  # entry-major rows: the cascade attention groups rows by entry
             batch = sorted(batch, key=lambda rc: rc[0]["entries"][rc[1]])
         entries = [rec["entries"][c] for rec, c in batch]
-        suffixes = [rec["suffix"] for rec, _ in batch]
+        suffixes = [rec["suffix"][c] for rec, c in batch]
         hidden, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
                                   cascade=self.cascade)
-        # Suffix position q-1+t predicts response token t.
         rows_idx, pos_idx, targets, seg = [], [], [], []
-        for b, (rec, _) in enumerate(batch):
-            nq, nr = len(rec["query"]), len(rec["resp"])
+        for b, (rec, c) in enumerate(batch):
+            r0, nr = rec["rstart"][c], len(rec["resp"])
             rows_idx.extend([b] * nr)
-            pos_idx.extend(range(nq - 1, nq - 1 + nr))
+            pos_idx.extend(range(r0, r0 + nr))
             targets.extend(rec["resp"])
             seg.append(nr)
         dev = hidden.device
@@ -465,8 +667,7 @@ class ICQSScorer:
     def _finish(self, rec: dict) -> ICQSResult:
         m1, ls = self.num_ratios, self.sets_per_ratio
         ll = rec["loglik"].float().reshape(m1, ls)
-        nq = len(rec["query"])
-        n_prompt = torch.tensor([p + nq for p in rec["plen"]], dtype=torch.long).reshape(m1, ls)
+        n_prompt = torch.tensor(rec["n_prompt"], dtype=torch.long).reshape(m1, ls)
         n_drop = torch.tensor(rec["drops"], dtype=torch.long).reshape(m1, ls)
         stats = None
         if self.return_token_stats:

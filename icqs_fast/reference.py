@@ -1,6 +1,12 @@
 """ICQS as usually written: one full forward per (response, demonstration set), full logits,
 ``torch.log_softmax``, gather and sum over the response tokens. Slow on purpose; it is what the
-engine is checked and timed against. Same demo sets and token ids as :class:`ICQSScorer`.
+engine is checked and timed against. Same demo sets as :class:`ICQSScorer`.
+
+Tokenization is its own, on purpose: each prompt is the whole text (prefix + query + response as
+one string) tokenized by one plain ``tokenizer(text)`` call (BOS as the tokenizer adds it), and
+the response is every token from the first one that holds a character of the response (a token
+straddling the query/response seam is scored with the response). It shares no tokenization code
+with the engine, so a seam difference between the engine's ids and the full text's shows.
 """
 
 from __future__ import annotations
@@ -11,13 +17,7 @@ from typing import Any
 import torch
 
 from .backends import torch_ref
-from .icqs import (
-    ICQSResult,
-    PromptTokens,
-    model_max_length,
-    parse_response,
-    summarise,
-)
+from .icqs import ICQSResult, model_max_length, parse_response, summarise
 from .prompts import Template, build_demo_sets
 from .types import TokenStats
 
@@ -63,37 +63,68 @@ def icqs_naive(
                            sets_per_ratio=sets_per_ratio, seed=seed, mixing=mixing,
                            replacement=replacement)
     ratios = [row[0].ratio for row in sets]
-    toks = PromptTokens(tokenizer, template, sets)
+    flat = [s for row in sets for s in row]
     max_len = model_max_length(model, max_length)
     dev = next(model.parameters()).device
     n_ctx = num_ratios * sets_per_ratio
     out = []
     for i, item in enumerate(responses):
         x, y = parse_response(i, item)
-        q, r = toks.response_parts(i, x, y)
         ll = torch.zeros(n_ctx, dtype=torch.float64)
-        n_prompt, n_drop, stats = [], [], []
+        n_prompt, n_drop, stats, n_resp = [], [], [], []
         for c in range(n_ctx):
-            d = toks.fit(i, c, len(q) + len(r), max_len, drop_oldest_demos)
-            prompt = toks.prefix_ids(c, d) + q
-            ids = torch.tensor([prompt + r], device=dev)
-            logits = model(input_ids=ids).logits[0].to(compute_dtype)  # [len, V]
+            demos = flat[c].examples
+            for d in range(len(demos)):  # drop the oldest demonstrations until it fits
+                before = template.format_prefix(demos[d:]) + template.format_query(x)
+                ids, k0 = _whole_text_ids(tokenizer, before, template.format_response(y))
+                if max_len is None or len(ids) <= max_len or not drop_oldest_demos:
+                    break
+            if max_len is not None and len(ids) > max_len:
+                raise ValueError(f"response {i}: prompt of {len(ids)} tokens exceeds the max "
+                                 f"length {max_len} (context {c})")
+            if k0 == len(ids) or k0 == 0:
+                raise ValueError(f"response {i}: no response tokens or no prompt tokens")
+            t_ids = torch.tensor([ids], device=dev)
+            logits = model(input_ids=t_ids).logits[0].to(compute_dtype)  # [len, V]
             logp = torch.log_softmax(logits, dim=-1)
-            pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(r), device=dev)
-            tgt = torch.tensor(r, device=dev)
+            pos = torch.arange(k0 - 1, len(ids) - 1, device=dev)  # position t predicts t + 1
+            tgt = t_ids[0, k0:]
             ll[c] = logp[pos, tgt].double().sum()
             if return_token_stats:
                 stats.append(torch_ref.token_stats(logits[pos], tgt, compute_dtype=compute_dtype)
                              .map(lambda t: t.cpu()))
-            n_prompt.append(len(prompt))
+            n_prompt.append(k0)
             n_drop.append(d)
+            n_resp.append(len(ids) - k0)
+        if len(set(n_resp)) != 1:
+            raise ValueError(f"response {i}: different response token counts across contexts "
+                             f"{n_resp}")
         st = None
         if return_token_stats:
             st = TokenStats(**{k: torch.stack([getattr(s, k) for s in stats])
                                .reshape(num_ratios, sets_per_ratio, -1)
                                for k in stats[0].as_dict()})
         shape = (num_ratios, sets_per_ratio)
-        out.append(summarise(i, ll.float().reshape(shape), ratios, len(r),
+        out.append(summarise(i, ll.float().reshape(shape), ratios, n_resp[0],
                              torch.tensor(n_prompt).reshape(shape),
                              torch.tensor(n_drop).reshape(shape), st))
     return out
+
+
+def _whole_text_ids(tokenizer: Any, before: str, response: str) -> tuple[list[int], int]:
+    """Ids of ``before + response`` tokenized as one string (special tokens as the tokenizer
+    adds them; ones it appends after the text, such as an EOS, are dropped: they are not part of
+    the response) and the index of the first response token: the first token whose span ends
+    inside the response (or starts at or after it)."""
+    enc = tokenizer(before + response, return_offsets_mapping=True,
+                    return_special_tokens_mask=True)
+    ids, spans, special = enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"]
+    while special and special[-1]:  # added after the text
+        ids, spans, special = ids[:-1], spans[:-1], special[:-1]
+    start = len(before)
+    k0 = len(ids)
+    for k, (a, b) in enumerate(spans):
+        if not special[k] and (b > start or a >= start):
+            k0 = k
+            break
+    return list(ids), k0
