@@ -192,7 +192,8 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
                     "speedup_vs_single_worker_threads_scoring": round(
                         busy / rec["single_process_worker_threads"]["records_per_s_scoring"], 3),
                     "per_worker": [{"blocks": v["blocks"], "records": v["records"],
-                                    "busy_s": round(v["busy_s"], 2)}
+                                    "busy_s": round(v["busy_s"], 2),
+                                    "read_s": round(v["read_s"], 3)}
                                    for v in stats["workers"].values()],
                     "max_abs_loglik_diff": mabs, "max_rel_loglik_diff": mrel,
                     "ids_and_scores_equal": same,

@@ -420,8 +420,9 @@ def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -
 
     ``stats``, if given, is filled with the run's figures: ``wall_s`` (from building the
     dataset to the last block, actor start-up included), ``first_block_s``, ``blocks``,
-    ``records``, ``skipped`` and ``workers`` (``{worker: {"blocks", "records", "busy_s"}}``,
-    ``busy_s`` being the time spent in its calls).
+    ``records``, ``skipped`` and ``workers`` (``{worker: {"blocks", "records", "busy_s",
+    "read_s"}}``, ``busy_s`` being the time spent in its calls, ``read_s`` in reading its
+    blocks).
 
     Raises:
         InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
@@ -494,7 +495,7 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
 
 
 def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
-    per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
     total = skipped = 0
     runtime = None if old is None else {k: old[k] for k in RUNTIME_KEYS if k in old} or None
     errors: list[dict] = []
@@ -520,6 +521,7 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, st
             w[0] += 1
             w[1] += int(row["n"]) + int(row["skipped"])
             w[2] += float(row["seconds"])
+            w[3] += float(row["read_s"])
             total += int(row["n"])
             skipped += int(row["skipped"])
     except KeyboardInterrupt:
@@ -528,7 +530,8 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, st
     dt = time.perf_counter() - t0
     stats.update(wall_s=dt, blocks=sum(int(w[0]) for w in per_worker.values()), records=total,
                  skipped=skipped, workers={k: {"blocks": int(v[0]), "records": int(v[1]),
-                                               "busy_s": v[2]} for k, v in per_worker.items()})
+                                               "busy_s": v[2], "read_s": v[3]}
+                                           for k, v in per_worker.items()})
     if errors:
         e = errors[0] if "settings" in errors[0] else min(
             errors, key=lambda e: e["index"] if e.get("index") is not None else 1 << 62)
@@ -537,9 +540,9 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, st
         log(f"icqs-fast: stopped at a bad record; complete blocks are in {out}; fix it and "
             "rerun with --resume, or pass --on-error skip")
         raise InputError(e["path"], e["line"], e["field"], e["reason"])
-    for w, (nb, nr, sec) in sorted(per_worker.items()):
+    for w, (nb, nr, sec, rd) in sorted(per_worker.items()):
         log(f"icqs-fast:   worker {w}: {nb} blocks, {nr} records in {sec:.1f} s busy "
-            f"({nr / sec if sec > 0 else 0.0:.2f} records/s)")
+            f"({nr / sec if sec > 0 else 0.0:.2f} records/s; reading its blocks {rd:.2f} s)")
     log(f"icqs-fast: {'scored' if settings['command'] == 'score' else 'features of'} {total} "
         f"responses in {dt:.1f} s ({total / dt if dt > 0 else 0.0:.2f} responses/s) on "
         f"{len(per_worker)} workers, {n_pending} blocks"
