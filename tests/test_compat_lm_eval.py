@@ -122,6 +122,9 @@ def test_bad_inputs(tiny):
     _, model, tok = tiny
     with pytest.raises(ValueError, match="both model= and tokenizer="):
         ICQSFastLM(model=model)
+    if not torch.cuda.is_available():  # lm-eval's CLI passes device cuda:0 by default
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            assert ICQSFastLM(model=model, tokenizer=tok, device="cuda:0").device.type == "cpu"
     ours = ICQSFastLM(model=model, tokenizer=tok)
     with pytest.raises(ValueError, match="request 1: empty"):
         ours._loglikelihood_tokens([(None, [1, 2], [3]), (None, [1, 2], [])])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,7 +69,9 @@ class ICQSFastLM(TemplateLM):
         model, tokenizer: an already-loaded causal LM and its tokenizer (both or neither), e.g.
             the same objects given to lm-eval's ``HFLM(pretrained=model, tokenizer=tok)``.
         dtype, device: as :func:`icqs_fast.models.load_model` (``"auto"``: bf16 on CUDA, fp32
-            on the CPU); for a given model only ``device`` must match where it is.
+            on the CPU); a given model is moved to ``device`` unless it is None or "auto". A
+            CUDA device without CUDA falls back to the CPU with a warning (lm-eval's CLI
+            passes ``cuda:0`` by default).
         backend: token-statistics backend of :func:`icqs_fast.ops.linear_token_stats`
             (``"auto"``, ``"torch"``, ``"cpp"``, ``"triton"``). (lm-eval's own ``backend``
             attribute, ``"causal"``, is the class attribute and is not this.)
@@ -103,6 +106,12 @@ class ICQSFastLM(TemplateLM):
         super().__init__()
         if (model is None) != (tokenizer is None):
             raise ValueError("pass both model= and tokenizer= (an already-loaded pair), or neither")
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes device "cuda:0" unless told otherwise; HFLM then falls back
+            # to the CPU too.
+            warnings.warn(f"device {device!r} requested but CUDA is not available: using the "
+                          "CPU", stacklevel=2)
+            device = "cpu"
         if model is None:
             from ..models import load_model
 
