@@ -16,6 +16,12 @@ one :func:`glassbox` call that sorts its items by length into padded batches of
 ``--batch-size``. A resumed run recomputes the chunk it stops in from its first record and writes
 only the records after the last one on disk, so every record is computed in the same batch as in
 an uninterrupted run and the file ends byte-identical to one.
+
+Inputs and outputs as for ``icqs-fast score``: JSONL/CSV/TSV/Parquet/datasets-folder input,
+JSONL or (``-o OUT.parquet``) Parquet output, a progress bar unless ``--quiet``. ``--shard i/n``
+computes the i-th (0-based) of n contiguous record ranges whose boundaries are multiples of
+``--chunk-size``, so every record is computed in the same batch as in the unsharded run and the
+n outputs concatenated in shard order are the unsharded output.
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from .io import (
+    FORMATS,
     InputError,
-    JsonlWriter,
     OutputLock,
     Record,
     RecordError,
     check_run_paths,
     check_runtime,
     checked_resume,
+    input_range,
+    open_results,
     plan_output,
     read_records,
     resume_check_needed,
@@ -182,10 +190,16 @@ def feature_line(rec: Record, row: dict[str, float]) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz); '-' = JSONL stdin")
-    p.add_argument("-o", "--output", required=True, help="features JSONL (one line per response)")
-    p.add_argument("--format", choices=["jsonl", "csv", "tsv"], default=None,
-                   help="input format (default: from the extension)")
+    p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz), .parquet, a "
+                   "datasets folder (save_to_disk); '-' = JSONL stdin")
+    p.add_argument("-o", "--output", required=True,
+                   help="features: JSONL (one line per response), or Parquet for .parquet")
+    p.add_argument("--format", choices=list(FORMATS), default=None,
+                   help="input format (default: from the extension; a folder is 'datasets')")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="compute only shard I (0-based) of N contiguous record ranges (aligned "
+                   "to --chunk-size); the N outputs concatenated in shard order are the "
+                   "unsharded output")
     p.add_argument("--x-field", default="x", help="field with the instruction (default: x)")
     p.add_argument("--y-field", default="y", help="field with the response (default: y)")
     p.add_argument("--id-field", default=None,
@@ -212,7 +226,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUTPUT")
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
-    p.add_argument("--quiet", action="store_true", help="no progress/summary on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar / status lines / summary on stderr")
 
 
 def _features(spec: str) -> list[str]:
@@ -272,7 +287,7 @@ def _settings(args: argparse.Namespace, feats: list[str]) -> dict:
         "system_prompt": args.system_prompt,
         "x_field": args.x_field,
         "y_field": args.y_field,
-    }
+    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,7 +298,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     scale = _combo_scale(args.combo_scale)
-    check_run_paths(args.input, args.resume, args.overwrite)
+    if getattr(args, "shard", None) is not None:
+        from .io import parse_shard
+
+        parse_shard(args.shard)  # a bad spec fails before anything is loaded
+    check_run_paths(args.input, args.resume, args.overwrite, args.format)
     # Held until this process ends (or crashes: the OS drops it), before the output is touched.
     with OutputLock(out):
         return _run_locked(args, out, feats, scale, log)
@@ -293,10 +312,12 @@ def _run_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: An
                 log: Callable[..., None]) -> int:
     from .features import ComboScale
     from .models import load_model
+    from .progress import track
 
     settings = _settings(args, feats)
     # Fail fast on other settings, before the model is loaded; the rest is checked after.
     plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
+    start, stop, total = input_range(args, plan, align=args.chunk_size)
 
     t_load = time.perf_counter()
     model, tok = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype,
@@ -317,7 +338,6 @@ def _run_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: An
     start_output(plan, settings, log)
 
     path_name = "<stdin>" if args.input == "-" else args.input
-    start = plan.start
     # Resuming: read again from the first record of the chunk the run stopped in (its records
     # are recomputed in the same batches, only those after the last one on disk are written),
     # and check that the output's last record still has its id.
@@ -327,7 +347,8 @@ def _run_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: An
         args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
         id_field=args.id_field, encoding=args.encoding,
         skip=min(first, start - 1) if check else first,
-        on_error="yield", allow_empty=start > 0,  # feature_records stops on an error if asked
+        on_error="yield", allow_empty=start > 0 or stop is not None, stop=stop,
+        # feature_records stops on an error if asked
     )
     if check:
         records = checked_resume(records, plan.last, path_name, keep=True)
@@ -341,20 +362,22 @@ def _run_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: An
         s = f"{prefix}{n} responses in {dt:.1f} s ({rate:.2f} responses/s)"
         return s + (f", {skipped} bad records skipped" if skipped else "")
 
-    with JsonlWriter(out, append=plan.append) as writer:
+    with open_results(plan) as writer:
         def skip(err: RecordError) -> None:
             nonlocal skipped
             writer.write(skipped_record(err))
             skipped += 1
             log(f"icqs-fast: skipping bad record: {err}")
 
+        rows = feature_records(
+            model, tok, records, chunk_size=args.chunk_size, write_from=start, path=path_name,
+            x_field=args.x_field, y_field=args.y_field,
+            on_error=skip if args.on_error == "skip" else None, features=feats, mode=args.mode,
+            batch_size=args.batch_size, backend=args.backend, system_prompt=args.system_prompt,
+            combo_scale=scale)
         try:
-            for rec, row in feature_records(
-                    model, tok, records, chunk_size=args.chunk_size, write_from=start,
-                    path=path_name, x_field=args.x_field, y_field=args.y_field,
-                    on_error=skip if args.on_error == "skip" else None, features=feats,
-                    mode=args.mode, batch_size=args.batch_size, backend=args.backend,
-                    system_prompt=args.system_prompt, combo_scale=scale):
+            for rec, row in track(rows, total=total if total >= 0 else None, desc="features",
+                                  unit="record", quiet=args.quiet):
                 writer.write(feature_line(rec, row))
                 n += 1
         except InputError:

@@ -7,7 +7,7 @@
   ``label_field``). :func:`count_records` counts records the same way; :func:`shard_range`
   and :func:`parse_shard` split an input into contiguous ranges for ``--shard i/n``.
 * :func:`read_json_objects` / :func:`field_of` read JSONL files with their own schema (MT-Bench)
-  with the same errors.
+  with the same errors; :func:`read_rows` reads any supported format that way (``rank``).
 * :func:`read_examples` reads a (small) good or bad demonstration file into ``(x, y)`` pairs.
 * :func:`read_fpb` / :func:`fpb_examples` read the Financial PhraseBank ``sentence@label``
   format and build good (correct label) / bad (flipped label) demonstrations from it.
@@ -38,7 +38,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -444,7 +444,8 @@ def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding,
             rows = _jsonl_rows(f, name, skip, encoding, max_line_bytes)
         elif fmt in ("parquet", "datasets"):
             cols = required + ([id_field] if id_field else [])
-            rows = _arrow_rows(path, fmt, name, cols, id_field is None, skip, stop)
+            rows = _arrow_rows(path, fmt, name, cols, ("id",) if id_field is None else (), skip,
+                               stop)
         else:
             cols = required + ([id_field] if id_field else [])
             rows = _table_rows(f, name, "," if fmt == "csv" else "\t", cols, skip, encoding)
@@ -518,9 +519,10 @@ def _column_of(field: str, names: list[str]) -> str | None:
     return head if "." in field and head in names else None
 
 
-def _project(schema_names: list[str], fields: list[str], default_id: bool, name: str
+def _project(schema_names: list[str], fields: list[str], optional: Sequence[str], name: str
              ) -> list[str]:
-    """The columns to read for ``fields`` (a missing one is a whole-file error naming it)."""
+    """The columns to read for ``fields`` (a missing one is a whole-file error naming it) and
+    for those of ``optional`` the file has."""
     cols: list[str] = []
     for field in fields:
         col = _column_of(field, schema_names)
@@ -529,8 +531,7 @@ def _project(schema_names: list[str], fields: list[str], default_id: bool, name:
                              f"{', '.join(schema_names)})")
         if col not in cols:
             cols.append(col)
-    if default_id and "id" in schema_names and "id" not in cols:
-        cols.append("id")
+    cols += [c for c in optional if c in schema_names and c not in cols]
     return cols
 
 
@@ -553,7 +554,7 @@ def _batch_rows(batch: Any, first: int, skip: int) -> Iterator[tuple[int, int, A
             yield i, i + 1, row
 
 
-def _arrow_rows(path: PathLike, fmt: str, name: str, fields: list[str], default_id: bool,
+def _arrow_rows(path: PathLike, fmt: str, name: str, fields: list[str], optional: Sequence[str],
                 skip: int, stop: int | None) -> Iterator[tuple[int, int, Any]]:
     """Like :func:`_jsonl_rows`, for a Parquet file (row groups skipped from the footer's row
     counts, buffered reads) or a dataset folder (its Arrow stream files, memory-mapped)."""
@@ -568,7 +569,7 @@ def _arrow_rows(path: PathLike, fmt: str, name: str, fields: list[str], default_
         except (pa.ArrowException, OSError) as exc:
             raise InputError(name, None, None, f"not a readable Parquet file ({exc})") from None
         with pf:
-            cols = _project(pf.schema_arrow.names, fields, default_id, name)
+            cols = _project(pf.schema_arrow.names, fields, optional, name)
             meta = pf.metadata
             first, group = 0, 0
             # Whole row groups before ``skip`` are counted from the footer, never read.
@@ -594,7 +595,7 @@ def _arrow_rows(path: PathLike, fmt: str, name: str, fields: list[str], default_
                 reader = ipc.open_stream(source)
             except pa.ArrowException as exc:
                 raise InputError(fn, None, None, f"not a readable Arrow stream ({exc})") from None
-            cols = _project(reader.schema.names, fields, default_id, name)
+            cols = _project(reader.schema.names, fields, optional, name)
             for batch in reader:
                 if first + batch.num_rows <= skip:  # memory-mapped: skipping reads nothing
                     first += batch.num_rows
@@ -709,6 +710,52 @@ def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str,
         if not found or (fmt != "jsonl" and label is None):
             raise err(label_field, f"missing (this record's keys: {_keys(row)})")
     return Record(index=index, line=line, x=values[x_field], y=y, id=rid, label=label)
+
+
+def read_rows(path: PathLike, *, fields: Iterable[str] = (), optional: Iterable[str] = (),
+              format: str | None = None, encoding: str = "utf-8",
+              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, dict]]:
+    """Stream ``(index, line, row)`` for each record of a JSONL/CSV/TSV/Parquet file or dataset
+    folder with its own schema (e.g. a results file for ``icqs-fast rank``); the caller checks
+    the fields (:func:`field_of`). ``fields``: the columns a CSV/TSV header, a Parquet file or a
+    dataset must have (only those are read from Parquet / datasets; dotted paths read their
+    top-level column); ``optional``: columns also read from Parquet / datasets when present.
+    JSONL rows are whole objects. CSV/TSV values are strings, ``line`` is the row number for
+    Parquet / datasets.
+
+    Raises:
+        RecordError: a bad line (invalid JSON, not an object, undecodable, too long, ragged).
+        InputError: a missing column, a folder that is not a dataset, an unreadable file.
+        FileNotFoundError: no such file.
+    """
+    fmt = detect_format(path, format)
+    name = _display(path)
+    _check_source(path, fmt, name)
+    return _plain_rows(path, fmt, name, list(fields), tuple(optional), encoding, max_line_bytes)
+
+
+def _plain_rows(path, fmt, name, fields, optional, encoding, max_line_bytes):
+    if fmt in ("parquet", "datasets"):
+        rows = _arrow_rows(path, fmt, name, fields, optional, 0, None)
+        try:
+            for index, line, row in rows:
+                yield index, line, row
+        finally:
+            rows.close()
+        return
+    f = _open_binary(path)
+    try:
+        if fmt == "jsonl":
+            rows = _jsonl_rows(f, name, 0, encoding, max_line_bytes)
+        else:
+            rows = _table_rows(f, name, "," if fmt == "csv" else "\t", fields, 0, encoding)
+        for index, line, row in rows:
+            if isinstance(row, RecordError):
+                raise row
+            yield index, line, row
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
 
 
 def read_json_objects(path: PathLike, *, encoding: str = "utf-8",

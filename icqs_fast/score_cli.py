@@ -1,6 +1,15 @@
-"""``icqs-fast score``: ICQS scores for the responses of a JSONL/CSV/TSV file, streamed to JSONL.
+"""``icqs-fast score``: ICQS scores for the responses of a file, streamed to JSONL or Parquet.
 
     icqs-fast score responses.jsonl -o scores.jsonl --good good.jsonl --bad bad.jsonl
+
+Input: JSONL, CSV, TSV (optionally .gz), Parquet, or a Hugging Face ``datasets`` folder
+(``save_to_disk``), read in a stream (see :func:`icqs_fast.io.read_records`). Output: JSONL, or
+Parquet for ``-o OUT.parquet`` (committed in part files, merged into one file on close; see
+:class:`icqs_fast.io.ParquetResultWriter` for what a crash keeps: at most the last
+uncommitted part is computed again on ``--resume``). ``--shard i/n`` scores only the i-th
+(0-based) of n contiguous ranges of input records: the n outputs concatenated in shard order
+are the unsharded output (docs/scoring_files.md). A progress bar (or, when stderr is not a
+terminal, a status line every 10 s) shows records/s and the ETA; ``--quiet`` turns it off.
 
 Each response gets one output line as soon as it is scored (one ``write`` per line), so a run
 that stops - a bad input line, Ctrl-C, SIGKILL, a power cut - keeps everything computed so far,
@@ -32,15 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from .io import (  # noqa: F401 - meta_path, skipped_record, runtime_settings: public here too
+    FORMATS,
     InputError,
-    JsonlWriter,
     OutputLock,
     Record,
     RecordError,
     check_run_paths,
     check_runtime,
     checked_resume,
+    input_range,
     meta_path,
+    open_results,
     plan_output,
     read_examples,
     read_records,
@@ -210,12 +221,17 @@ class Summary:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz); '-' = JSONL stdin")
-    p.add_argument("-o", "--output", required=True, help="results JSONL (one line per response)")
+    p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz), .parquet, a "
+                   "datasets folder (save_to_disk); '-' = JSONL stdin")
+    p.add_argument("-o", "--output", required=True,
+                   help="results: JSONL (one line per response), or Parquet for .parquet")
     p.add_argument("--good", required=True, help="good demonstrations (JSONL/CSV/TSV, x/y fields)")
     p.add_argument("--bad", required=True, help="bad demonstrations (JSONL/CSV/TSV, x/y fields)")
-    p.add_argument("--format", choices=["jsonl", "csv", "tsv"], default=None,
-                   help="input format (default: from the extension)")
+    p.add_argument("--format", choices=list(FORMATS), default=None,
+                   help="input format (default: from the extension; a folder is 'datasets')")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="score only shard I (0-based) of N contiguous record ranges; the N "
+                   "outputs concatenated in shard order are the unsharded output")
     p.add_argument("--x-field", default="x", help="field with the prompt/input (default: x)")
     p.add_argument("--y-field", default="y", help="field with the response (default: y)")
     p.add_argument("--id-field", default=None,
@@ -247,7 +263,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUTPUT")
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
-    p.add_argument("--quiet", action="store_true", help="no progress/summary on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar / status lines / summary on stderr")
 
 
 def _sha256(path: str) -> str:
@@ -293,7 +310,7 @@ def _settings(args: argparse.Namespace, template_spec: dict | None) -> dict:
         "template": template_spec,
         "x_field": args.x_field,
         "y_field": args.y_field,
-    }
+    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -302,7 +319,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("good", "bad"):
         if not os.path.isfile(getattr(args, name)):
             raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
-    check_run_paths(args.input, args.resume, args.overwrite)
+    if getattr(args, "shard", None) is not None:
+        from .io import parse_shard
+
+        parse_shard(args.shard)  # a bad spec fails before anything is loaded
+    check_run_paths(args.input, args.resume, args.overwrite, args.format)
     # Held until this process ends (or crashes: the OS drops it), before the output is touched.
     with OutputLock(out):
         return _run_locked(args, out, log)
@@ -311,11 +332,13 @@ def run(args: argparse.Namespace) -> int:
 def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -> int:
     from .icqs import DEFAULT_TOKEN_BUDGET, ICQSScorer
     from .models import load_model
+    from .progress import track
 
     template, template_spec = _load_template(args.template)
     settings = _settings(args, template_spec)
 
     plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
+    start, stop, total = input_range(args, plan)
 
     ex_kw = dict(x_field=args.x_field, y_field=args.y_field, encoding=args.encoding)
     good = read_examples(args.good, **ex_kw)
@@ -343,26 +366,28 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     with_label = args.label_field is not None
     # Resuming after a scored record with an id: read that record again and check it is the
     # same one (a skipped record's line has no id to compare).
-    check, start = resume_check_needed(plan), plan.start
+    check = resume_check_needed(plan)
     records = read_records(
         args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
         id_field=args.id_field, label_field=args.label_field, encoding=args.encoding,
         skip=start - 1 if check else start, on_error="yield" if args.on_error == "skip" else None,
-        allow_empty=start > 0,
+        allow_empty=start > 0 or stop is not None, stop=stop,
     )
     if check:
         records = checked_resume(records, plan.last, path_name)
 
-    with JsonlWriter(out, append=plan.append) as writer:
+    with open_results(plan) as writer:
         def skip(err: RecordError) -> None:
             writer.write(skipped_record(err))
             summary.skipped += 1
             log(f"icqs-fast: skipping bad record: {err}")
 
+        scored = score_records(scorer, records, path=path_name, x_field=args.x_field,
+                               y_field=args.y_field,
+                               on_error=skip if args.on_error == "skip" else None)
         try:
-            for rec, res in score_records(scorer, records, path=path_name, x_field=args.x_field,
-                                          y_field=args.y_field,
-                                          on_error=skip if args.on_error == "skip" else None):
+            for rec, res in track(scored, total=total if total >= 0 else None, desc="score",
+                                  unit="record", quiet=args.quiet):
                 writer.write(result_record(rec, res, with_label=with_label))
                 summary.add(res.score, rec.label, with_label)
         except InputError:
