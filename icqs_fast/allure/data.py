@@ -358,7 +358,7 @@ def split(records: Sequence[AuditRecord], heldout: float = 0.5, seed: int = 0
     return train, test
 
 
-def load_task(task: str, path: str | os.PathLike | None, **custom: Any
+def load_task(task: str, path: str | os.PathLike | None, /, **custom: Any
               ) -> tuple[TaskSpec, list[AuditRecord]]:
     """The task spec and all records of ``task`` (``summeval``, ``llmbar`` or ``custom``; the
     custom keyword arguments go to :class:`CustomFields` / :func:`custom_task`)."""
