@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,8 +162,9 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         t = time.perf_counter()
+        ray_tmp = tempfile.mkdtemp(prefix="rayb-")  # short: Ray's socket paths are limited
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="rayb-"))
+                 _temp_dir=ray_tmp)
         rec["ray_init_s"] = round(time.perf_counter() - t, 2)
         runs = []
         try:
@@ -200,6 +202,7 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
                 })
         finally:
             ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     rec["ray"] = runs
     rec["loadavg_1min_after"] = os.getloadavg()[0]
     return rec
