@@ -61,6 +61,30 @@ def test_loglikelihood_equals_hflm(tiny):
                  ours.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True))
 
 
+def test_bos_adding_tokenizer_equals_hflm(tiny):
+    """A tokenizer that prepends BOS (as Llama's and Gemma's do): every context starts with it,
+    a string that already starts with the BOS text gets no second one, and add_bos_token=False
+    turns it off - on both sides alike."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    d, model, _ = tiny
+    tok = AutoTokenizer.from_pretrained(d)
+    bos = tok.bos_token
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_token_id)])
+    assert tok.encode("Hello")[0] == tok.bos_token_id  # the test tokenizer does add BOS
+    reqs = [("Review: great\nSentiment:", " positive"), ("Review: great\nSentiment:", " negative"),
+            (bos + "Already has BOS:", " yes"), ("", "Empty context")]
+    for add_bos in (None, False):
+        hf = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu",
+                  add_bos_token=add_bos)
+        ours = ICQSFastLM(model=model, tokenizer=tok, add_bos_token=add_bos)
+        _assert_same(hf.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True),
+                     ours.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True))
+        assert (ours.tok_encode(reqs[0][0])[0] == tok.bos_token_id) == (add_bos is None)
+
+
 def test_greedy_and_truncated_tokens_equal_hflm(tiny):
     """Token-level requests: continuations made of the model's own argmax tokens (is_greedy
     True, also with one token changed: False), and requests longer than max_length (HFLM
