@@ -419,3 +419,24 @@ def test_cli_custom_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert f"{bad}:2" in err and "'y'" in err
     assert os.path.exists(f"{mem}.meta.json")
+
+
+def test_icqs_evaluator_thresholds_the_icqs_score(tiny):
+    from icqs_fast.allure import ICQSEvaluator
+    from icqs_fast.icqs import ICQSScorer
+
+    _, (model, tok) = tiny
+    spec = custom_task()
+    recs = _records(6)
+    good = [r for r in recs if r.truth == "1"][:1]
+    bad = [r for r in recs if r.truth == "0"][:1]
+    mem = _entries(spec, recs[2:4])
+    ev = ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad, threshold=0.5)
+    js = ev.evaluate(recs, mem)
+    # Reference: a scorer built by hand from the seed pools plus the memory's records.
+    pool = good + bad + [e.record for e in mem]
+    ref = ICQSScorer(model, tok, [ev.xy(r) for r in pool if r.truth == "1"],
+                     [ev.xy(r) for r in pool if r.truth == "0"], **ev.kw)
+    want = [float(r.score) for r in ref.score([ev.xy(r) for r in recs])]
+    assert [j.probs["1"] for j in js] == pytest.approx(want)
+    assert [j.label for j in js] == ["1" if s >= 0.5 else "0" for s in want]

@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--bank-mib", type=int, default=1024,
                    help="KV memory of one scoring call (default 1024)")
     p.add_argument("--sweep-seeds", type=int, default=3, help="seeds of the sweep (0: no sweep)")
@@ -190,6 +192,12 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
     from .memory import Memory
 
     t0 = time.perf_counter()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     settings = _settings(args, data)
     plan = None
     if args.memory:
@@ -255,8 +263,9 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
         if args.sweep_seeds > 0:
             log(f"icqs-fast audit: sweep over {len(proportions)} proportions of {len(mem)} "
                 f"examples x {args.sweep_seeds} seeds")
+            known = {tuple(e.id for e in memory.before(r.round)): r.heldout for r in res.rounds}
             report["sweep"] = studies.sweep(ev, heldout, mem, proportions=proportions,
-                                            seeds=list(range(args.sweep_seeds)))
+                                            seeds=list(range(args.sweep_seeds)), known=known)
         if args.clusters > 0 and len(mem) >= 2:
             clusters, xy, assign = studies.failure_clusters(spec, mem, k=args.clusters,
                                                             seed=args.seed)

@@ -41,10 +41,14 @@ def _nanstats(vals: list[float]) -> tuple[float, float]:
 
 def sweep(evaluator: Evaluator, heldout: Sequence[AuditRecord], memory: Sequence[MemoryEntry],
           *, proportions: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-          seeds: Sequence[int] = (0, 1, 2)) -> list[dict[str, Any]]:
+          seeds: Sequence[int] = (0, 1, 2),
+          known: dict[tuple[str, ...], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Held-out metrics with ``round(p * len(memory))`` examples drawn uniformly (without
     replacement, kept in memory order) for each proportion ``p`` and seed; the empty and the
     whole memory are one run each (every seed draws the same). Equal draws are evaluated once.
+
+    ``known`` maps memory-entry id tuples to held-out metrics already measured (the loop's
+    rounds), which are reused instead of evaluated again.
 
     Returns:
         per distinct number of examples: ``{n_examples, proportion, runs, accuracy, f1, auc,
@@ -52,7 +56,7 @@ def sweep(evaluator: Evaluator, heldout: Sequence[AuditRecord], memory: Sequence
     """
     spec = evaluator.spec
     truths = [r.truth for r in heldout]
-    cache: dict[tuple[str, ...], dict[str, Any]] = {}
+    cache: dict[tuple[str, ...], dict[str, Any]] = dict(known or {})
     out, seen_n = [], set()
     for p in proportions:
         if not 0.0 <= p <= 1.0:
