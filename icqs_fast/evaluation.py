@@ -159,6 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the prompt ensemble puts one answer's members in each forward")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar / status lines on stderr")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is much faster on an "
                         "oversubscribed machine)")
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from .features import FEATURE_DIRECTION, glassbox
     from .metrics import correlations
     from .models import load_model
+    from .progress import Progress
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,17 +196,34 @@ def run(args: argparse.Namespace) -> int:
     ens = [f for f in args.features if f in ENSEMBLE_FEATURES]
     t1 = time.perf_counter()
     values: dict[str, list[float]] = {f: [] for f in args.features}
+    # Items go in slices, the progress report updated after each (glassbox's results do not
+    # depend on how items are batched; the ensemble runs one answer per forward anyway).
+    step = max(8, 4 * args.batch_size)
+    quiet = getattr(args, "quiet", False)
     with torch.no_grad():
         if base:
-            rows = glassbox(model, tok, items, features=base, mode=args.mode,
-                            batch_size=args.batch_size, backend=args.backend, reference=ref,
-                            calibration_factor=args.calibration_factor)
+            rows = []
+            with Progress(total=len(items), desc="mtbench features", unit="answer",
+                          quiet=quiet) as prog:
+                for i in range(0, len(items), step):
+                    rows += glassbox(model, tok, items[i:i + step], features=base,
+                                     mode=args.mode, batch_size=args.batch_size,
+                                     backend=args.backend, reference=ref,
+                                     calibration_factor=args.calibration_factor)
+                    prog.update(len(items[i:i + step]))
             for f in base:
                 values[f] = [r[f] for r in rows]
         if ens:
             # One forward per answer: its members (one per system prompt) share the response.
-            erows = prompt_ensemble(model, tok, items, backend=args.backend, mode=args.mode,
-                                    reference=ref, calibration_factor=args.calibration_factor)
+            erows = []
+            with Progress(total=len(items), desc="mtbench ensemble", unit="answer",
+                          quiet=quiet) as prog:
+                for i in range(0, len(items), step):
+                    erows += prompt_ensemble(model, tok, items[i:i + step],
+                                             backend=args.backend, mode=args.mode,
+                                             reference=ref,
+                                             calibration_factor=args.calibration_factor)
+                    prog.update(len(items[i:i + step]))
             for f in ens:
                 values[f] = [r[f] for r in erows]
     t_score = time.perf_counter() - t1

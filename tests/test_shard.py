@@ -138,3 +138,38 @@ def test_parquet_shards_and_progress(setup, cli, reference, tmp_path, capsys, mo
     joined = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="permissive")
     assert [json.dumps({k: v for k, v in r.items() if v is not None})
             for r in joined.to_pylist()] == _jsonl_rows(ref)
+
+
+def test_eval_mtbench_progress_and_slices(setup, cli, tmp_path, capsys, monkeypatch):
+    """``eval mtbench`` reports progress per slice of 8 answers; the sliced run gives the
+    values of one glassbox call over all answers; --quiet prints nothing on stderr."""
+    from icqs_fast.evaluation import load_mtbench
+    from icqs_fast.features import glassbox
+
+    def write(name, rows):
+        _jsonl(tmp_path / name, rows)
+    write("question.jsonl", [{"question_id": q, "turns": [f"Question {q}?", f"More on {q}?"]}
+                             for q in range(5)])
+    write("model_answer_m.jsonl", [
+        {"question_id": q, "choices": [{"turns": [f"Answer {q}." * (1 + q % 3), "More."]}]}
+        for q in range(5)])
+    write("judgment_gpt-4_single.jsonl", [
+        {"question_id": q, "model": "m", "turn": t, "score": 1 + (q + t) % 9}
+        for q in range(5) for t in (1, 2)])
+    monkeypatch.setenv("ICQS_FAST_PROGRESS_INTERVAL", "0")
+    argv = ["eval", "mtbench", "--data", str(tmp_path), "--json", "--features", "sent_logprob",
+            "softmax_ent", "--batch-size", "1", "--model", str(setup["model"])]
+    capsys.readouterr()
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert "mtbench features: 8/10 answers (" in cap.err
+    assert "mtbench features: 10/10 answers (" in cap.err and "done in" in cap.err
+    got = json.loads(cap.out)["records"]
+    model, tok = setup["loaded"]
+    items = [r["item"] for r in load_mtbench(tmp_path)]
+    want = glassbox(model, tok, items, features=["sent_logprob", "softmax_ent"], batch_size=1)
+    for g, w in zip(got, want, strict=True):
+        for k in ("sent_logprob", "softmax_ent"):
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-9)
+    assert main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
