@@ -235,11 +235,13 @@ class LikelihoodEvaluator:
         start = 0
         while start < len(encs):
             # As many records as the bank budget holds: the shared memory prefix is computed
-            # once per call (the bank stores every entry's whole prefix).
-            end, held = start, 0
-            while end < len(encs) and (end == start or held + len(encs[end].context) <= budget):
-                held += len(encs[end].context)
-                end += 1
+            # once per call. The bank stores every entry's whole prefix, padded to the longest.
+            end, longest = start, 0
+            while end < len(encs):
+                ln = max(longest, len(encs[end].context))
+                if end > start and ln * (end - start + 1) > budget:
+                    break
+                longest, end = ln, end + 1
             reqs = [(e.context, self.option_ids[o]) for e in encs[start:end]
                     for o in self.spec.options]
             res = score_continuations(self.model, reqs, pad_id=self._pad_id(),
