@@ -57,8 +57,13 @@ def test_loglikelihood_equals_hflm(tiny):
         ("", "An empty context is scored after BOS"),  # HFLM: prefix token as the context
         ("x", " y"),  # one-token context
     ]
-    _assert_same(hf.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True),
-                 ours.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True))
+    a = hf.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True)
+    _assert_same(a, ours.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True))
+    # Small banks and forwards: contexts split over several banks, rows over several batches.
+    _, model, tok = tiny
+    small = ICQSFastLM(model=model, tokenizer=tok, max_bank_tokens=8, token_budget=16)
+    _assert_same(a, small.loglikelihood(_inst("loglikelihood", reqs), disable_tqdm=True))
+    assert small.requests_scored == len(reqs)
 
 
 def test_bos_adding_tokenizer_equals_hflm(tiny):

@@ -52,9 +52,10 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 MODEL_NAME = "icqs-fast"
-# Requests per score_continuations call: the prefix bank holds the distinct context tokens of
-# one chunk, so this bounds its memory; requests are sorted by context first, so a chunk holds
-# whole groups of requests that share a few-shot prefix and the trie shares them.
+# Requests per score_continuations call (it bounds its prefix bank by KV bytes itself; this
+# bounds the per-call request lists and sets the progress bar's steps). Requests are sorted by
+# context first, so a chunk holds whole groups that share a few-shot prefix; a chunk boundary
+# costs one recomputation of the runs shared across it.
 DEFAULT_CHUNK_SIZE = 512
 
 
@@ -77,7 +78,8 @@ class ICQSFastLM(TemplateLM):
             attribute, ``"causal"``, is the class attribute and is not this.)
         batch_size: accepted because lm-eval's CLI always passes it (default 1); requests are
             batched by token budget, not by count, so it changes nothing.
-        chunk_size: requests per prefix-bank build (bounds the bank's memory).
+        chunk_size: requests per :func:`score_continuations` call.
+        max_bank_tokens: most context tokens one prefix bank holds (its default if None).
         max_length: model context length; default as ``HFLM`` (config, then tokenizer, then
             2048).
         add_bos_token, prefix_token_id: as ``HFLM``.
@@ -101,6 +103,7 @@ class ICQSFastLM(TemplateLM):
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
         token_budget: int | None = None,
+        max_bank_tokens: int | None = None,
         max_gen_toks: int = 256,
     ) -> None:
         super().__init__()
@@ -132,6 +135,7 @@ class ICQSFastLM(TemplateLM):
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.token_budget = token_budget
+        self.max_bank_tokens = max_bank_tokens
         self._max_gen_toks = int(max_gen_toks)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
@@ -245,7 +249,12 @@ class ICQSFastLM(TemplateLM):
         return res  # type: ignore[return-value]
 
     def _budget_kwargs(self) -> dict[str, Any]:
-        return {} if self.token_budget is None else {"token_budget": int(self.token_budget)}
+        kw: dict[str, Any] = {}
+        if self.token_budget is not None:
+            kw["token_budget"] = int(self.token_budget)
+        if self.max_bank_tokens is not None:
+            kw["max_bank_tokens"] = int(self.max_bank_tokens)
+        return kw
 
     def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False
                               ) -> list[float]:
