@@ -15,6 +15,7 @@ from icqs_fast.io import (
     OutputLockedError,
     ParquetResultWriter,
     RecordError,
+    check_run_paths,
     count_records,
     detect_format,
     field_of,
@@ -393,6 +394,12 @@ def test_datasets_folder_input(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(InputError, match=r"plain: is a folder, not an input file"):
         read_records(tmp_path / "plain")
+    # The commands' early check takes a dataset folder, not another folder.
+    check_run_paths(str(tmp_path / "ds"), False, False)
+    with pytest.raises(InputError, match="is a folder"):
+        check_run_paths(str(tmp_path / "plain"), False, False)
+    with pytest.raises(InputError, match="is a folder"):
+        check_run_paths(str(tmp_path / "ds"), False, False, "jsonl")
 
 
 def test_parquet_reading_memory_is_flat(tmp_path):

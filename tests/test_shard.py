@@ -109,6 +109,19 @@ def test_shards_concatenate_to_the_unsharded_output(setup, cli, reference, tmp_p
     assert cli(command, setup["jsonl"], tmp_path / "x.jsonl", "--shard", f"{n}/{n}") == 2
 
 
+def test_resume_with_parquet_input(setup, cli, reference, tmp_path):
+    """A JSONL output cut after 3 records (and a half-written 4th) is resumed from the Parquet
+    copy of the input (rows, not lines, located by index) into the uninterrupted output."""
+    ref = reference("score", cli)
+    out = tmp_path / "out.jsonl"
+    lines = ref.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:3]) + lines[3][:20])
+    (tmp_path / "out.jsonl.meta.json").write_bytes(
+        (setup["dir"] / "ref-score.jsonl.meta.json").read_bytes())
+    assert cli("score", setup["parquet"], out, "--resume") == 0
+    assert out.read_bytes() == ref.read_bytes()
+
+
 def test_parquet_output(setup, cli, reference, tmp_path):
     ref = reference("features", cli)
     full = tmp_path / "full.parquet"
