@@ -253,6 +253,7 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
                     "heldout": {k: r.heldout[k] for k in ("accuracy", "f1", "auc", "kappa")},
                     "heldout_errors": r.heldout["errors"], "train_accuracy": r.train["accuracy"],
                     "mistakes": len(r.candidates), "accepted": len(r.accepted),
+                    "heldout_features_mean": r.features_mean(),
                     "seconds": round(r.seconds, 2)} for r in res.rounds],
         "attention": studies.attention_change(res.rounds),
         "sweep": [], "clusters": [], "ablation": [],

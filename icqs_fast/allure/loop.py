@@ -191,13 +191,21 @@ class RoundResult:
     heldout_pred: dict[str, list]  # record id -> [label, P(positive)]
     seconds: float
     attn_entropy: float | None = None
+    heldout_features: dict[str, dict[str, float]] = field(default_factory=dict)
     accepted: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.round, "round": self.round, "memory_size": self.memory_size,
                 "train": self.train, "heldout": self.heldout, "candidates": self.candidates,
                 "heldout_pred": self.heldout_pred, "seconds": self.seconds,
-                "attn_entropy": self.attn_entropy}
+                "attn_entropy": self.attn_entropy, "heldout_features": self.heldout_features}
+
+    def features_mean(self) -> dict[str, float]:
+        """Mean of each glass-box feature over the held-out records."""
+        rows = list(self.heldout_features.values())
+        keys = sorted({k for r in rows for k in r})
+        return {k: sum(r[k] for r in rows if k in r) / max(1, sum(k in r for r in rows))
+                for k in keys}
 
 
 @dataclass
@@ -240,7 +248,7 @@ def read_round_log(path: str | os.PathLike) -> list[RoundResult]:
             o = json.loads(raw)
             out.append(RoundResult(o["round"], o["memory_size"], o["train"], o["heldout"],
                                    o["candidates"], o["heldout_pred"], o["seconds"],
-                                   o.get("attn_entropy")))
+                                   o.get("attn_entropy"), o.get("heldout_features", {})))
     return out
 
 
@@ -341,7 +349,8 @@ def audit(
                     [c.to_json() for c in cands],
                     {x.id: [j.label, j.probs[spec.positive]] for x, j in zip(heldout, jh,
                                                                              strict=True)},
-                    time.perf_counter() - t0, attn)
+                    time.perf_counter() - t0, attn,
+                    {x.id: dict(j.features) for x, j in zip(heldout, jh, strict=True)})
                 if writer is not None:
                     writer.write(res.to_json())
                 h = res.heldout
