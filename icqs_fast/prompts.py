@@ -208,9 +208,12 @@ def build_demo_sets(
             examples of each stratum and only correctness changes with ``r`` (e.g. the label
             each demonstration's y states: a small model reads the label frequency of the
             demonstrations as much as their correctness). ``"y"``: each example's y is its
-            stratum; or a pair ``(good_strata, bad_strata)`` of str sequences as long as the
-            pools; or one str sequence of ``len(good) + len(bad)`` (good first). None: no
-            stratification (the sets are then exactly those of earlier versions).
+            stratum; ``"auto"``: ``"y"`` when the answers look like labels - at least 2 and at
+            most ``N // 2`` distinct values, each with enough examples in both pools for the
+            rule below - and no stratification otherwise (free-text answers); or a pair
+            ``(good_strata, bad_strata)`` of str sequences as long as the pools; or one str
+            sequence of ``len(good) + len(bad)`` (good first). None: no stratification (the
+            sets are then exactly those of earlier versions).
         strata_order: with ``stratify``: ``"shuffled"``, each set's positions are shuffled;
             ``"fixed"``, every set lays its strata out in one seeded order (the same stratum at
             each position in every set, e.g. the label of the last demonstration, which small
@@ -254,6 +257,8 @@ def build_demo_sets(
         )
     m = num_ratios - 1
     rng = random.Random(seed)
+    if isinstance(stratify, str) and stratify == "auto":
+        stratify = "y" if _labels_fit(g, b, n, replacement) else None
     if stratify is not None:
         gs, bs = _strata(stratify, g, b)
         return _stratified_sets(g, b, gs, bs, num_ratios=num_ratios, n=n,
@@ -285,12 +290,30 @@ def build_demo_sets(
     return sets
 
 
+def _stratum_counts(names: list[str], n: int) -> dict[str, int]:
+    """Examples of each stratum in every set: ``n // K``, one more for the first ``n % K``."""
+    k = len(names)
+    return {s: n // k + (1 if i < n % k else 0) for i, s in enumerate(names)}
+
+
+def _labels_fit(g: list[Example], b: list[Example], n: int, replacement: bool) -> bool:
+    """Whether ``stratify="auto"`` stratifies by y (see ``build_demo_sets``)."""
+    names = sorted({y for _, y in g} | {y for _, y in b})
+    if not 2 <= len(names) <= n // 2:
+        return False
+    for s, c in _stratum_counts(names, n).items():
+        need = 1 if replacement else c
+        if sum(y == s for _, y in g) < need or sum(y == s for _, y in b) < need:
+            return False
+    return True
+
+
 def _strata(stratify: str | Sequence, g: list[Example], b: list[Example]
             ) -> tuple[list[str], list[str]]:
     """Per-example strata of the good and bad pools from ``build_demo_sets``' ``stratify``."""
     if isinstance(stratify, str):
         if stratify != "y":
-            raise ValueError(f"stratify must be 'y', a (good_strata, bad_strata) pair or a "
+            raise ValueError(f"stratify must be 'y', 'auto', a (good_strata, bad_strata) pair or a "
                              f"sequence of str, got the string {stratify!r}")
         return [y for _, y in g], [y for _, y in b]
     try:
@@ -325,7 +348,7 @@ def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list
     """``build_demo_sets`` with fixed per-stratum counts (the rule is in its docstring)."""
     names = sorted(set(gs) | set(bs))
     k = len(names)
-    count = {s: n // k + (1 if i < n % k else 0) for i, s in enumerate(names)}
+    count = _stratum_counts(names, n)
     idx_g = {s: [i for i, v in enumerate(gs) if v == s] for s in names}
     idx_b = {s: [i for i, v in enumerate(bs) if v == s] for s in names}
     for s in names:

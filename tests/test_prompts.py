@@ -234,3 +234,24 @@ def test_stratified_fixed_order_same_strata_at_every_position(mixing):
     assert len(patterns) > 3  # which positions are good still varies
     with pytest.raises(ValueError, match="strata_order must be"):
         build_demo_sets(S_GOOD, S_BAD, stratify="y", strata_order="sorted")
+
+
+def test_stratify_auto_only_for_label_answers():
+    kw = dict(num_ratios=3, demos_per_set=4, sets_per_ratio=3, seed=6)
+    # Two labels, enough of each in both pools: the same sets as stratify="y".
+    assert build_demo_sets(S_GOOD, S_BAD, stratify="auto", **kw) == \
+        build_demo_sets(S_GOOD, S_BAD, stratify="y", **kw)
+    # Free-text answers (every y distinct): not stratified, the plain sets.
+    plain = build_demo_sets(GOOD, BAD, **kw)
+    assert build_demo_sets(GOOD, BAD, stratify="auto", **kw) == plain
+    # Labels, but a pool short of one (N=8 needs 4 "neg" good; there are 4 -> fits; N=10 not).
+    assert build_demo_sets(S_GOOD, S_BAD, stratify="auto", **{**kw, "demos_per_set": 8})[0][0] \
+        .strata is not None
+    big = build_demo_sets(S_GOOD, S_BAD, stratify="auto", **{**kw, "demos_per_set": 10})
+    assert big == build_demo_sets(S_GOOD, S_BAD, **{**kw, "demos_per_set": 10})
+    # More labels than N // 2: not stratified.
+    three = [(x, f"l{i % 3}") for i, (x, _) in enumerate(GOOD)]
+    three_b = [(x, f"l{i % 3}") for i, (x, _) in enumerate(BAD)]
+    assert build_demo_sets(three, three_b, stratify="auto", **kw)[0][0].strata is None
+    assert build_demo_sets(three, three_b, stratify="auto", **{**kw, "demos_per_set": 6}
+                           )[0][0].strata is not None
