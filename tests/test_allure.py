@@ -298,6 +298,12 @@ def test_option_scores_equal_plain_forward(tiny):
             lp = torch.log_softmax(logits, -1)
             want = sum(float(lp[t - 1, ids[t]]) for t in range(len(ids) - n_opt, len(ids)))
             assert j.logprobs[o] == pytest.approx(want, abs=1e-4)
+            # The glass-box features come from the same forward: the decision position's
+            # next-token distribution.
+            d = lp[len(ids) - n_opt - 1]
+            assert j.features["decision_entropy"] == pytest.approx(
+                float(-(d.exp() * d).sum()), abs=1e-4)
+            assert j.features["decision_max_logprob"] == pytest.approx(float(d.max()), abs=1e-4)
         p = torch.softmax(torch.tensor([j.logprobs[o] for o in spec.options]), 0)
         assert j.probs[j.label] == pytest.approx(float(p.max()), abs=1e-6)
 
