@@ -144,6 +144,10 @@ def test_memory_append_only_and_resume(tmp_path):
     first = path.read_bytes()
     n1 = len(r1.memory)
     assert n1 == 2 and len(read_round_log(rounds_path(path))) == 2
+    # A crash mid-write leaves half a line in either file; resuming drops it.
+    for p in (path, rounds_path(path)):
+        with open(p, "ab") as f:
+            f.write(b'{"index": 9, "id": "r9:x", "rou')
     # Resume with more rounds: logged rounds are not evaluated again, the file only grows.
     j2 = FakeJudge()
     r2 = audit(j2, train, held, rounds=3, auditor=AcceptAll(), memory=Memory(path).load(),

@@ -321,6 +321,11 @@ def audit(
     if log_path is None and memory.path is not None:
         log_path = rounds_path(memory.path)
     done = read_round_log(log_path) if (resume and log_path is not None) else []
+    if done or (resume and log_path is not None and Path(log_path).is_file()):
+        end = read_resume_state(log_path).end
+        if Path(log_path).stat().st_size != end:
+            with open(log_path, "r+b") as f:  # drop a round line cut off mid-write
+                f.truncate(end)
     writer = JsonlWriter(log_path, append=resume, fsync_every=0) if log_path else None
     by_id = {r.id: r for r in train}
     results: list[RoundResult] = []

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io import InputError, JsonlWriter
+from ..io import InputError, JsonlWriter, read_resume_state
 from .data import AuditRecord
 from .evaluators import Example
 
@@ -113,7 +113,8 @@ class Memory:
                                    "--limit, held-out fraction)")
 
     def load(self) -> Memory:
-        """Read the entries of ``path`` (none when the file does not exist yet).
+        """Read the entries of ``path`` (none when the file does not exist yet); an incomplete
+        last line (a write cut off by a crash) is truncated away first.
 
         Raises:
             InputError: a line that is not a memory entry, an entry whose split is not
@@ -122,6 +123,10 @@ class Memory:
         if self.path is None or not self.path.exists():
             return self
         name = os.fspath(self.path)
+        end = read_resume_state(self.path).end
+        if self.path.stat().st_size != end:
+            with open(self.path, "r+b") as f:  # drop an entry cut off mid-write by a crash
+                f.truncate(end)
         self.entries = []
         seen: set[str] = set()
         with open(self.path, encoding="utf-8") as f:
