@@ -201,6 +201,12 @@ def test_file_audit_waits_then_resumes(tmp_path):
                resume=True)
     assert [e.id for e in r2.memory][:1] == [lines[0]["id"]]
     assert r2.memory.entries[0].audit.startswith("file")
+    # Round 1's candidates are now pending in the same file; resuming again without deciding
+    # passes round 0 from the file's kept decisions and waits at round 1 again.
+    assert r2.stopped == "awaiting audit" and len(r2.rounds) == 2
+    r3 = audit(FakeJudge(), train, held, rounds=2, auditor=fa, memory=Memory(path).load(),
+               resume=True)
+    assert r3.stopped == "awaiting audit" and len(r3.rounds) == 2 and len(r3.memory) == 1
 
 
 def test_truth_spread_split():

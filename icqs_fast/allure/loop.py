@@ -134,10 +134,12 @@ class CallableAudit:
 class FileAudit:
     """An audit by a file the user edits between rounds.
 
-    At the first call for a round the candidates are written to ``path`` (JSONL, one per line,
-    with the example's text and ``"accept": null``) and :meth:`decide` returns None: the loop
-    stops and asks for the file to be edited. Set ``accept`` to ``true`` or ``false`` on every
-    line, then run again with ``resume``; the decisions are read back by candidate id.
+    At the first call for a round its candidates are appended to ``path`` (JSONL, one per line,
+    with the round, the example's text and ``"accept": null``) and :meth:`decide` returns None:
+    the loop stops and asks for the file to be edited. Set ``accept`` to ``true`` or ``false``
+    on every line of the round, then run again with ``resume``; decisions are read back by
+    (round, candidate id), so the file keeps every round's decisions and a resume that passes an
+    earlier round again finds them there.
     """
 
     def __init__(self, path: str | os.PathLike, spec: TaskSpec) -> None:
@@ -145,31 +147,38 @@ class FileAudit:
         self.spec = spec
         self.name = f"file: decisions read from {self.path}"
 
+    def _read(self, round_: int) -> dict[str, Any]:
+        got: dict[str, Any] = {}
+        if not self.path.is_file():
+            return got
+        with open(self.path, encoding="utf-8") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{self.path}:{lineno}: invalid JSON ({exc.msg})") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{self.path}:{lineno}: expected a JSON object")
+                if obj.get("round") == round_:
+                    acc = obj.get("accept")
+                    if acc is not None and not isinstance(acc, bool):
+                        raise ValueError(f"{self.path}:{lineno}: field 'accept' must be true, "
+                                         f"false or null, got {acc!r}")
+                    got[obj.get("id")] = acc
+        return got
+
     def decide(self, round_: int, candidates: Sequence[Candidate]) -> list[bool] | None:
-        want = {c.id for c in candidates}
-        if self.path.is_file():
-            got: dict[str, Any] = {}
-            with open(self.path, encoding="utf-8") as f:
-                for lineno, raw in enumerate(f, start=1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        obj = json.loads(raw)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{self.path}:{lineno}: invalid JSON ({exc.msg})") \
-                            from None
-                    if obj.get("round") == round_ and obj.get("id") in want:
-                        acc = obj.get("accept")
-                        if acc is not None and not isinstance(acc, bool):
-                            raise ValueError(f"{self.path}:{lineno}: field 'accept' must be "
-                                             f"true, false or null, got {acc!r}")
-                        got[obj["id"]] = acc
-            if want <= set(got) and all(got[c.id] is not None for c in candidates):
+        got = self._read(round_)
+        if all(c.id in got for c in candidates):
+            if all(got[c.id] is not None for c in candidates):
                 return [bool(got[c.id]) for c in candidates]
-            if want <= set(got):
-                return None  # written, not fully decided yet
-        with JsonlWriter(self.path, fsync_every=0) as w:
+            return None  # written, not fully decided yet
+        with JsonlWriter(self.path, append=True, fsync_every=0) as w:
             for c in candidates:
+                if c.id in got:
+                    continue
                 ex = make_example(self.spec, c.record)
                 w.write({**c.to_json(), "example": {"user": ex.user, "assistant": ex.assistant},
                          "accept": None})
@@ -293,7 +302,9 @@ def audit(
         train, heldout: the two splits; held-out records never enter the memory.
         rounds: most memory updates (rounds ``0..rounds`` are evaluated).
         auditor: an object with ``name`` and ``decide(round, candidates) -> list[bool] | None``
-            (None: decisions pending, the loop stops); default :class:`AutoAudit`.
+            (None: decisions pending, the loop stops); default :class:`AutoAudit`. A resume
+            asks it again for the rounds it passes from the log (entries already in the memory
+            are not appended twice), so it must decide the same way (the audits here do).
         memory: the memory (a :class:`Memory`; file-backed to keep it), default empty.
         max_new: most examples accepted per round.
         patience: stop when the training accuracy does not improve on the previous round.
