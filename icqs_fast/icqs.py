@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -262,6 +263,7 @@ class PromptTokens:
     # is chosen: different first characters, so a template whose query starts with {x} shows
     # which prefix tokens the query may merge with.
     PROBES = (("a", "a"), ("0 .", "B"))
+    LAYOUT_CACHE = 32
 
     def __init__(self, tokenizer: Any, template: Template, sets: list[list[DemoSet]]) -> None:
         if not getattr(tokenizer, "is_fast", False):
@@ -275,6 +277,9 @@ class PromptTokens:
         self._text: dict[tuple[int, int], str] = {}
         self._prefix: dict[tuple[int, int], list[int]] = {}
         self._entry: dict[tuple[int, int], list[int]] = {}
+        # The layouts of the last few responses: a caller that checks a record with
+        # layouts() before the engine scores it (the score CLI) tokenizes it once.
+        self._layouts: OrderedDict[tuple, list[PromptLayout]] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` alone (no special tokens added)."""
@@ -339,6 +344,18 @@ class PromptTokens:
             ValueError: a prompt with fewer than two tokens before the response, or a response
                 split into different tokens after different contexts.
         """
+        key = (x, y, max_len, bool(drop_oldest))
+        if key in self._layouts:
+            self._layouts.move_to_end(key)
+            return self._layouts[key]
+        lays = self._layouts_uncached(i, x, y, max_len, drop_oldest)
+        self._layouts[key] = lays
+        if len(self._layouts) > self.LAYOUT_CACHE:
+            self._layouts.popitem(last=False)
+        return lays
+
+    def _layouts_uncached(self, i: int, x: str, y: str, max_len: int | None, drop_oldest: bool
+                          ) -> list[PromptLayout]:
         q = self.template.format_query(x)
         qr = q + self.template.format_response(y)
         n_ctx = len(self.flat)
@@ -441,6 +458,11 @@ class ICQSScorer:
         drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
             until it fits instead of raising.
         return_token_stats: attach per-token :class:`TokenStats` to each result.
+
+    Token ids are those of each whole prompt text (:class:`PromptTokens`; a fast tokenizer is
+    needed, for the offsets). ``seam_fallbacks`` counts the (response, context) prompts whose ids
+    did not start with their context's cached prefix entry; each such prompt runs against an
+    entry of its own (still exact, slower; a warning the first time).
     """
 
     def __init__(
