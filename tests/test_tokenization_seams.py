@@ -17,7 +17,7 @@ from _helpers import DEVICE
 
 from icqs_fast import ICQSScorer
 from icqs_fast.features import as_item, encode, glassbox
-from icqs_fast.icqs import PromptTokens, first_response_token
+from icqs_fast.icqs import PromptTokens, PromptTooLong, first_response_token
 from icqs_fast.models import load_model
 from icqs_fast.prompts import Template
 from icqs_fast.reference import icqs_naive
@@ -265,6 +265,16 @@ def test_sentencepiece_straddling_token_and_drop_oldest(sp):
     _compare(got, ref)
     assert int(got[0].n_dropped_demos.min()) >= 1
     assert int((got[0].n_prompt_tokens + got[0].n_response_tokens).max()) <= n_full - 1
+    # Too long even with one demonstration: PromptTooLong, a ValueError whose reason (for the
+    # CLI's per-record errors) leaves out the response index; the naive method refuses too.
+    short = len(tok(tpl.format_query(x) + tpl.format_response(y))["input_ids"]) + 2
+    with pytest.raises(PromptTooLong, match=r"^response 0: prompt of \d+ tokens") as exc:
+        list(ICQSScorer(model, tok, GOOD, BAD, **dict(kw_drop, max_length=short))
+             .score(RESPONSES[1:]))
+    assert exc.value.reason.startswith("prompt of ")
+    assert exc.value.reason.endswith("even with a single demonstration")
+    with pytest.raises(ValueError, match="exceeds the max length"):
+        icqs_naive(model, tok, GOOD, BAD, RESPONSES[1:], **dict(kw_drop, max_length=short))
 
 
 def test_bytelevel_engine_matches_naive(bpe):
