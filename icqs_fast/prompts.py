@@ -319,8 +319,8 @@ def _strata(stratify: str | Sequence, g: list[Example], b: list[Example]
     try:
         seq = list(stratify)
     except TypeError:
-        raise TypeError(f"stratify must be 'y', a (good_strata, bad_strata) pair or a sequence "
-                        f"of str, got {type(stratify).__name__}") from None
+        raise TypeError(f"stratify must be 'y', 'auto', a (good_strata, bad_strata) pair or a "
+                        f"sequence of str, got {type(stratify).__name__}") from None
     if len(seq) == 2 and all(isinstance(v, (list, tuple)) for v in seq):
         gs, bs = list(seq[0]), list(seq[1])
         for name, got, pool in (("good", gs, g), ("bad", bs, b)):
