@@ -294,14 +294,14 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from icqs_fast.distributed import BlockSpec, block_items, count_records
-    from icqs_fast.io import RecordError, read_records
+    from icqs_fast.distributed import BlockSpec, block_items
+    from icqs_fast.io import RecordError, count_records, read_records
 
     rows = [{"id": str(r["id"]), "x": r["x"], "y": r.get("y")} for r in RESPONSES]
     path = str(tmp_path / "in.parquet")
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)  # blocks cross groups
     jl = _jsonl(tmp_path / "in.jsonl", rows)
-    assert count_records(path, "parquet") == count_records(str(jl), "jsonl") == 11
+    assert count_records(path) == count_records(jl) == 11
     want = list(read_records(jl, on_error="yield"))
     for start, end in ((0, 3), (3, 6), (6, 11)):
         got = block_items(BlockSpec(path, "parquet", 0, start, end))

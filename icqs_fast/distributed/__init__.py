@@ -44,19 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from ..io import (
-    InputError,
-    PathLike,
-    Record,
-    RecordError,
-    _record,  # the single-process row checks, reused for Parquet rows
-    read_examples,
-    read_records,
-    runtime_settings,
-)
+from ..io import PathLike, Record, RecordError, read_examples, read_records, runtime_settings
 
 __all__ = ["ICQSBatchScorer", "GlassboxBatchScorer", "RecordBlocks", "BlockSpec",
-           "count_records", "block_items", "input_format"]
+           "block_items", "items_of_block"]
 
 
 # --------------------------------------------------------------------------- batches
@@ -259,54 +250,10 @@ class GlassboxBatchScorer:
 
 # --------------------------------------------------------------------------- input blocks
 
-PARQUET_EXTENSIONS = (".parquet", ".pq")
-
-
-def input_format(path: str, format: str | None = None) -> str:
-    """``"parquet"`` for a ``.parquet``/``.pq`` file (or ``format="parquet"``), else the
-    JSONL/CSV/TSV format as :func:`icqs_fast.io.detect_format` finds it."""
-    from ..io import detect_format
-
-    if (format or "").lower() == "parquet" or (
-            format is None and path.lower().endswith(PARQUET_EXTENSIONS)):
-        return "parquet"
-    return detect_format(path, format)
-
-
-def count_records(path: str, fmt: str, *, x_field: str = "x", y_field: str = "y",
-                  id_field: str | None = None, label_field: str | None = None,
-                  encoding: str = "utf-8") -> int:
-    """Number of records of the input, counted as :func:`~icqs_fast.io.read_records` indexes
-    them (bad records count too), so block ``k`` is records ``[k*B, (k+1)*B)`` for every
-    reader. JSONL: non-blank lines (no parsing); CSV/TSV: rows (one full read); Parquet: the
-    footer's row count.
-
-    Raises:
-        InputError: whole-file problems (a bad CSV header, an empty input).
-    """
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        n = pq.ParquetFile(path).metadata.num_rows
-    elif fmt == "jsonl":
-        n = 0
-        with (open(path, "rb") if not path.lower().endswith(".gz") else
-              __import__("gzip").open(path, "rb")) as f:
-            for raw in f:
-                if raw.strip():
-                    n += 1
-    else:
-        n = sum(1 for _ in read_records(path, format=fmt, x_field=x_field, y_field=y_field,
-                                        id_field=id_field, label_field=label_field,
-                                        encoding=encoding, on_error="yield"))
-    if n == 0:
-        raise InputError(path, None, None, "no records (the input is empty)")
-    return n
-
-
 @dataclass(frozen=True)
 class BlockSpec:
-    """Where block ``block`` of an input is: records ``[start, end)`` of ``path``."""
+    """Where block ``block`` of an input is: records ``[start, end)`` of ``path`` (``fmt`` as
+    :func:`~icqs_fast.io.detect_format` names it)."""
 
     path: str
     fmt: str
@@ -320,43 +267,11 @@ class BlockSpec:
     encoding: str = "utf-8"
 
 
-def _parquet_rows(spec: BlockSpec):
-    """``(index, line, row dict)`` of a Parquet block (line = 1-based row number); only the
-    row groups that overlap the block are read."""
-    import pyarrow.parquet as pq
-
-    f = pq.ParquetFile(spec.path)
-    names = set(f.schema_arrow.names)
-    want = [c for c in (spec.x_field, spec.y_field, spec.id_field or "id", spec.label_field)
-            if c and c in names]
-    first = 0
-    for g in range(f.metadata.num_row_groups):
-        n = f.metadata.row_group(g).num_rows
-        if first + n > spec.start and first < spec.end:
-            rows = f.read_row_group(g, columns=want).to_pylist()
-            for j, row in enumerate(rows):
-                idx = first + j
-                if spec.start <= idx < spec.end:
-                    yield idx, idx + 1, row
-        first += n
-        if first >= spec.end:
-            return
-
-
 def block_items(spec: BlockSpec) -> list[Record | RecordError]:
-    """The records of one block, as the single-process reader gives them (bad records as
-    :class:`RecordError` s in their place). JSONL/CSV/TSV are read with
-    :func:`~icqs_fast.io.read_records` (skipping, unparsed, to the block's start); Parquet rows
-    get the same checks."""
-    if spec.fmt == "parquet":
-        items: list[Record | RecordError] = []
-        for idx, line, row in _parquet_rows(spec):
-            try:
-                items.append(_record(row, idx, line, spec.path, "parquet", spec.x_field,
-                                     spec.y_field, spec.id_field, spec.label_field))
-            except RecordError as exc:
-                items.append(exc)
-        return items
+    """The records of one block as the single-process reader gives them
+    (:func:`~icqs_fast.io.read_records`, any input format it reads; bad records as
+    :class:`RecordError` s in their place), skipping to the block's start without parsing
+    (Parquet: whole row groups skipped from the footer)."""
     out = []
     for rec in read_records(spec.path, format=spec.fmt, x_field=spec.x_field,
                             y_field=spec.y_field, id_field=spec.id_field,

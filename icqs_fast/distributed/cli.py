@@ -3,7 +3,8 @@
     icqs-fast score responses.parquet -o scores/ --good g.jsonl --bad b.jsonl \\
         --ray [--address auto] --workers 4 --gpus-per-worker 1 [--output-format parquet]
 
-The input (JSONL/CSV/TSV as the single-process command reads it, or Parquet) is cut into
+The input (any format the single-process command reads: JSONL/CSV/TSV, Parquet, a datasets
+folder; not standard input) is cut into
 blocks of ``--block-size`` consecutive records (block ``k`` = records ``[k*B, (k+1)*B)``), read
 by Ray Data (one read task per block, :class:`~icqs_fast.distributed.RecordBlocks`) and scored
 by ``map_batches`` on a pool of ``--workers`` actors, each holding one model (and, for ICQS, one
@@ -55,18 +56,13 @@ from ..io import (
     OutputLock,
     RecordError,
     _refusal,  # the single-process --resume settings comparison (same message)
+    check_run_paths,
+    count_records,
+    detect_format,
     skipped_record,
     write_meta,
 )
-from . import (
-    BlockSpec,
-    GlassboxBatchScorer,
-    ICQSBatchScorer,
-    RecordBlocks,
-    count_records,
-    input_format,
-    items_of_block,
-)
+from . import BlockSpec, GlassboxBatchScorer, ICQSBatchScorer, RecordBlocks, items_of_block
 
 KINDS = ("score", "features")
 OUTPUT_FORMATS = ("parquet", "jsonl")
@@ -315,12 +311,10 @@ def _check_args(kind: str, args: argparse.Namespace) -> None:
     if args.input == "-":
         raise ValueError("--ray reads a file (Ray Data reads it in blocks); standard input is "
                          "not supported")
-    if not os.path.exists(args.input):
-        raise FileNotFoundError(f"no such input file: {args.input}")
-    if os.path.isdir(args.input):
-        raise InputError(args.input, None, None, "is a folder, not an input file")
-    if args.resume and args.overwrite:
-        raise ValueError("choose at most one of --resume and --overwrite")
+    if getattr(args, "shard", None):
+        raise ValueError("--shard and --ray do not go together: --ray spreads the whole input "
+                         "over its workers")
+    check_run_paths(args.input, args.resume, args.overwrite, args.format)
     for name in ("workers", "block_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -431,11 +425,12 @@ def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -
     _check_args(kind, args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     out = Path(args.output)
-    fmt_in = input_format(args.input, args.format)
+    fmt_in = detect_format(args.input, args.format)
     settings, actor_kw = _settings_and_kw(kind, args)
     label_field = getattr(args, "label_field", None)
-    n = count_records(args.input, fmt_in, x_field=args.x_field, y_field=args.y_field,
-                      id_field=args.id_field, label_field=label_field, encoding=args.encoding)
+    n = count_records(args.input, format=fmt_in, encoding=args.encoding)
+    if n == 0:
+        raise InputError(args.input, None, None, "no records (the input is empty)")
     settings.update(command=kind, input=os.path.abspath(args.input), n_records=n,
                     block_size=args.block_size, output_format=args.output_format)
     with OutputLock(out):
