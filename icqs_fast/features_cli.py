@@ -193,7 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz), .parquet, a "
                    "datasets folder (save_to_disk); '-' = JSONL stdin")
     p.add_argument("-o", "--output", required=True,
-                   help="features: JSONL (one line per response), or Parquet for .parquet")
+                   help="features: JSONL (one line per response), or Parquet for "
+                   ".parquet; with --ray a folder of per-block files")
     p.add_argument("--format", choices=list(FORMATS), default=None,
                    help="input format (default: from the extension; a folder is 'datasets')")
     p.add_argument("--shard", default=None, metavar="I/N",
@@ -228,6 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines / summary on stderr")
+    # --ray and its options (Ray itself is imported only when --ray is given).
+    from .distributed.cli import add_ray_arguments
+
+    add_ray_arguments(p)
 
 
 def _features(spec: str) -> list[str]:
@@ -291,6 +296,10 @@ def _settings(args: argparse.Namespace, feats: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from .distributed.cli import run_ray
+
+        return run_ray("features", args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     out = Path(args.output)
     feats = _features(args.features)

@@ -224,7 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="responses: .jsonl/.csv/.tsv (optionally .gz), .parquet, a "
                    "datasets folder (save_to_disk); '-' = JSONL stdin")
     p.add_argument("-o", "--output", required=True,
-                   help="results: JSONL (one line per response), or Parquet for .parquet")
+                   help="results: JSONL (one line per response), or Parquet for "
+                   ".parquet; with --ray a folder of per-block files")
     p.add_argument("--good", required=True, help="good demonstrations (JSONL/CSV/TSV, x/y fields)")
     p.add_argument("--bad", required=True, help="bad demonstrations (JSONL/CSV/TSV, x/y fields)")
     p.add_argument("--format", choices=list(FORMATS), default=None,
@@ -265,6 +266,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines / summary on stderr")
+    # --ray and its options (Ray itself is imported only when --ray is given).
+    from .distributed.cli import add_ray_arguments
+
+    add_ray_arguments(p)
 
 
 def _sha256(path: str) -> str:
@@ -314,6 +319,10 @@ def _settings(args: argparse.Namespace, template_spec: dict | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from .distributed.cli import run_ray
+
+        return run_ray("score", args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     out = Path(args.output)
     for name in ("good", "bad"):

@@ -312,3 +312,21 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
                 assert (g.field, g.path) == (w.field, path) == ("y", path)
             else:
                 assert (g.x, g.y, g.id) == (w.x, w.y, w.id)
+
+
+@pytest.mark.parametrize("kind", ["score", "features"])
+def test_cli_ray_flag_dispatches_to_run_ray(kind, monkeypatch, tmp_path):
+    """`icqs-fast score|features --ray ...` hands the parsed arguments to run_ray (no Ray start:
+    run_ray is replaced), and the module entry point parses the same options."""
+    import icqs_fast.distributed.cli as dcli
+
+    seen = []
+    monkeypatch.setattr(dcli, "run_ray", lambda k, a, **kw: seen.append((k, a)) or 0)
+    extra = ["--good", "g.jsonl", "--bad", "b.jsonl"] if kind == "score" else []
+    argv = [kind, "in.jsonl", "-o", str(tmp_path / "o"), *extra, "--ray", "--workers", "2",
+            "--block-size", "8"]
+    assert main(argv) == 0
+    assert dcli.main(argv[:1] + [a for a in argv[1:] if a != "--ray"]) == 0
+    assert [k for k, _ in seen] == [kind, kind]
+    for _, a in seen:
+        assert (a.ray, a.workers, a.block_size) == (True, 2, 8)

@@ -548,14 +548,15 @@ def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, st
 
 
 def build_parser(kind: str) -> argparse.ArgumentParser:
-    """The single-process command's parser with the ``--ray`` options (``--ray`` implied)."""
+    """The single-process command's parser, which includes the ``--ray`` options (``--ray``
+    implied here)."""
     import importlib
 
     mod = importlib.import_module("icqs_fast.score_cli" if kind == "score"
                                   else "icqs_fast.features_cli")
     p = argparse.ArgumentParser(prog=f"python -m icqs_fast.distributed.cli {kind}")
     mod.add_arguments(p)
-    add_ray_arguments(p)
+    p.set_defaults(ray=True)
     return p
 
 
