@@ -130,7 +130,8 @@ class ICLResult:
             (float64 sum).
         probs: label -> softmax of the scores over the candidate labels (sum 1); the scores are
             the logliks, or the logliks per token with ``length_normalize``.
-        n_tokens: label -> number of scored tokens of the label's response text.
+        n_tokens: label -> number of scored tokens of the label's response text (after this
+            item's prompt: whole-text tokenisation may merge a seam token into it).
         index: the item's position in the input.
     """
 
@@ -347,15 +348,30 @@ def ask_llm(
 
 
 def icl_request_ids(tokenizer: Any, demos: Sequence[Example], x: str, label: str,
-                    template: Template) -> tuple[list[int], list[int]]:
+                    template: Template, *, max_length: int | None = None,
+                    _tokens: Any = None) -> tuple[list[int], list[int]]:
     """``(context_ids, continuation_ids)`` of one (item, label) pair, tokenised exactly as the
-    ICQS engine tokenises a response (:class:`icqs_fast.icqs.PromptTokens`): BOS (when the
-    tokenizer adds one) + the demonstration prefix, then the query, each part on its own; the
-    continuation is ``template.format_response(label)`` (e.g. ``" positive\\n"``, so the
-    label's end is scored too)."""
-    prefix = _bos(tokenizer) + _encode(tokenizer, template.format_prefix(demos))
-    return prefix + _encode(tokenizer, template.format_query(x)), \
-        _encode(tokenizer, template.format_response(label))
+    ICQS engine tokenises a response (:class:`icqs_fast.icqs.PromptTokens`, whole text):
+    BOS (when the tokenizer adds one) + ``prefix(demos) + query(x) + response(label)`` as one
+    string, split where the response text starts (a token straddling that seam goes with the
+    label); the response is ``template.format_response(label)`` (e.g. ``" positive\\n"``, so
+    the label's end is scored too).
+
+    Raises:
+        ValueError: the prompt is longer than ``max_length`` (:class:`icqs_fast.icqs.
+            PromptTooLong`), or has fewer than two tokens before the label.
+    """
+    tokens = _tokens if _tokens is not None else _icl_tokens(tokenizer, demos, template)
+    lay = tokens.layouts(0, x, label, max_length, False)[0]
+    return lay.ids[:lay.n_prompt], lay.ids[lay.n_prompt:]
+
+
+def _icl_tokens(tokenizer: Any, demos: Sequence[Example], template: Template) -> Any:
+    from .icqs import PromptTokens
+    from .prompts import DemoSet
+
+    ds = DemoSet(ratio=1.0, examples=tuple(demos), is_good=(True,) * len(demos))
+    return PromptTokens(tokenizer, template, [[ds]])
 
 
 def icl_label(
@@ -381,8 +397,8 @@ def icl_label(
     instead.
 
     The prompt is tokenised as the ICQS engine tokenises its prompts (:func:`icl_request_ids`:
-    demonstration prefix, query and label each on their own), so it is token for token the ICQS
-    prompt of a set holding ``demos`` and ICL and ICQS differ only in how they use the scores.
+    the whole text, split where the label starts), so it is token for token the ICQS prompt of
+    a set holding ``demos``: ICL and ICQS differ only in how they use the scores.
 
     Args:
         model, tokenizer: a causal LM and its tokenizer.
@@ -417,20 +433,20 @@ def icl_label(
     xs = [_parse_x(i, it) for i, it in enumerate(items)]
     if not xs:
         return []
-    prefix = _bos(tokenizer) + _encode(tokenizer, tpl.format_prefix(d))
-    conts = []
-    for lab in labs:
-        c = _encode(tokenizer, tpl.format_response(lab))
-        if not c:
-            raise ValueError(f"label {lab!r} gives no response tokens")
-        conts.append(c)
+    from .icqs import model_max_length
+
+    max_len = model_max_length(model, None)
+    tokens = _icl_tokens(tokenizer, d, tpl)
     requests = []
     for i, x in enumerate(xs):
-        q = _encode(tokenizer, tpl.format_query(x))
-        if not q and not prefix:
-            raise ValueError(f"item {i}: the prompt has no tokens (empty demos, query and BOS)")
-        _check_length(model, len(prefix) + len(q) + max(map(len, conts)), f"item {i}")
-        requests.extend((prefix + q, c) for c in conts)
+        for lab in labs:
+            try:
+                ctx, cont = icl_request_ids(tokenizer, d, x, lab, tpl, max_length=max_len,
+                                            _tokens=tokens)
+            except ValueError as exc:  # "response 0: ..." from the engine's tokenizer
+                raise ValueError(f"item {i}, label {lab!r}: "
+                                 f"{str(exc).removeprefix('response 0: ')}") from None
+            requests.append((ctx, cont))
     res = _score(model, tokenizer, requests, backend=backend, token_budget=token_budget,
                  max_bank_tokens=max_bank_tokens)
     out = []
@@ -438,7 +454,7 @@ def icl_label(
     for i in range(len(xs)):
         rs = res[i * k:(i + 1) * k]
         ll = [float(r.loglik) for r in rs]
-        nt = [len(c) for c in conts]
+        nt = [r.n_tokens for r in rs]
         sc = [v / n for v, n in zip(ll, nt, strict=True)] if length_normalize else ll
         lse = _logsumexp(sc)
         probs = [math.exp(s - lse) if lse > -math.inf else math.nan for s in sc]

@@ -1,9 +1,7 @@
 """Ask LLM and ICL label against a plain full forward of the whole prompt (written out here:
-the prompt tokenised, one model forward, float64 log-softmax, the option tokens read off), on a
-tiny random Llama and on the embedded model. Ask LLM's prompt is tokenised as one text; ICL's
-as the ICQS engine tokenises its prompts (demonstration prefix and query each on their own, so
-the ICL prompt is token for token an ICQS prompt), which the test checks against the engine's
-own PromptTokens."""
+the whole prompt text tokenised, one model forward, float64 log-softmax, the option tokens read
+off), on a tiny random Llama and on the embedded model; and ICL's log-likelihoods equal to the
+ICQS engine's for the same demonstrations (the ICL prompt is token for token an ICQS prompt)."""
 
 import math
 
@@ -52,15 +50,15 @@ def _next_logprobs(model, tok, text: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _loglik(model, tok, prompt: list[str], cont: str) -> float:
-    """log P(cont | prompt): the prompt's parts tokenised one by one, cont's tokens after them,
-    one forward."""
-    p = [i for k, part in enumerate(prompt) for i in tok(part, add_special_tokens=k == 0)
-         ["input_ids"]]
-    c = tok(cont, add_special_tokens=False)["input_ids"]
-    z = model(input_ids=torch.tensor([p + c])).logits[0].double()
+def _loglik(model, tok, prompt: str, cont: str) -> tuple[float, int]:
+    """log P(cont | prompt) and cont's token count: prompt + cont tokenised as one text, the
+    tokens after the prompt's own tokens scored, one forward."""
+    p = tok(prompt)["input_ids"]
+    ids = tok(prompt + cont)["input_ids"]
+    assert ids[: len(p)] == p  # the test texts do not merge tokens across the seam
+    z = model(input_ids=torch.tensor([ids])).logits[0].double()
     lp = torch.log_softmax(z, -1)
-    return float(sum(lp[len(p) - 1 + t, c[t]] for t in range(len(c))))
+    return float(sum(lp[t - 1, ids[t]] for t in range(len(p), len(ids)))), len(ids) - len(p)
 
 
 def _ref_ask(model, tok, x: str, y: str, chat: bool) -> tuple[list[float], float]:
@@ -102,10 +100,10 @@ def test_ask_llm_matches_full_forward(tiny, chat):
 
 
 def _ref_icl(model, tok, demos, x, labels, template, length_normalize=False):
-    prompt = [template.format_prefix(demos), template.format_query(x)]
-    ll = {lab: _loglik(model, tok, prompt, template.format_response(lab)) for lab in labels}
-    n = {lab: len(tok(template.format_response(lab), add_special_tokens=False)["input_ids"])
-         for lab in labels}
+    prompt = template.format_prefix(demos) + template.format_query(x)
+    both = {lab: _loglik(model, tok, prompt, template.format_response(lab)) for lab in labels}
+    ll = {lab: v for lab, (v, _) in both.items()}
+    n = {lab: k for lab, (_, k) in both.items()}
     sc = {lab: ll[lab] / n[lab] if length_normalize else ll[lab] for lab in labels}
     m = max(sc.values())
     z = sum(math.exp(v - m) for v in sc.values())
@@ -127,18 +125,22 @@ def test_icl_label_matches_full_forward(tiny, length_normalize):
         assert r.label == max(LABELS, key=lambda lab: probs[lab])
 
 
-def test_icl_prompt_is_the_icqs_engines(tiny):
-    from icqs_fast.baselines import icl_request_ids
-    from icqs_fast.icqs import PromptTokens
-    from icqs_fast.prompts import DemoSet
+def test_icl_equals_the_icqs_engine_on_the_same_demos(tiny):
+    from icqs_fast.icqs import ICQSScorer
 
-    _, tok = tiny
+    model, tok = tiny
+    bad = [(x, {"positive": "negative", "negative": "positive", "neutral": "positive"}[y])
+           for x, y in DEMOS]
     for tpl in (Template(), Template.from_chat_template(tok)):
-        ds = DemoSet(ratio=1.0, examples=tuple(DEMOS), is_good=(True,) * len(DEMOS))
-        pt = PromptTokens(tok, tpl, [[ds]])
-        for x in XS:
-            q, r = pt.response_parts(0, x, "neutral")
-            assert icl_request_ids(tok, DEMOS, x, "neutral", tpl) == (pt.prefix_ids(0) + q, r)
+        # M+1 = 2, N = all 3 good demos, L = 1: the r = 1 set holds the good pool, shuffled.
+        sc = ICQSScorer(model, tok, DEMOS, bad, num_ratios=2, demos_per_set=3,
+                        sets_per_ratio=1, template=tpl, seed=3)
+        demos = sc.sets[1][0].examples
+        for x in XS[:2]:
+            icl = icl_label(model, tok, demos, [x], LABELS[:2], template=tpl)[0]
+            for lab in LABELS[:2]:
+                ll = float(sc.score_one(x, lab).loglik[1, 0])
+                assert icl.logliks[lab] == pytest.approx(ll, abs=1e-4)
 
 
 def test_icl_label_chat_template_and_items_as_pairs(tiny):
