@@ -93,19 +93,15 @@ def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: st
                    "tokens; the template's query must produce at least one")
     if not r:
         return err(y_field, "gives no response tokens")
-    n_suffix = len(q) + len(r)
-    for c in range(scorer.n_contexts):
-        try:
-            tokens.fit(rec.index, c, n_suffix, scorer.max_length, scorer.drop_oldest_demos)
-        except ValueError:
-            full = len(tokens.prefix_ids(c, 0)) + n_suffix
-            ds = tokens.flat[c]
-            return err(None, f"prompt of {full} tokens (prefix {full - n_suffix} + query/response "
-                       f"{n_suffix}) for ratio {ds.ratio:g} set {ds.set_index} exceeds the "
-                       f"model's max length {scorer.max_length}"
-                       + (" even with a single demonstration" if scorer.drop_oldest_demos
-                          else "; pass drop_oldest_demos=True (--drop-oldest-demos) to drop "
-                          "demonstrations"))
+    from .icqs import PromptTooLong
+
+    try:  # the exact whole-text lengths; cached, so the engine does not tokenize them again
+        tokens.layouts(rec.index, rec.x, rec.y, scorer.max_length, scorer.drop_oldest_demos)
+    except PromptTooLong as exc:
+        return err(None, exc.reason.replace("drop_oldest_demos=True",
+                                            "drop_oldest_demos=True (--drop-oldest-demos)"))
+    except ValueError as exc:
+        return err(None, str(exc))
     return None
 
 

@@ -270,9 +270,10 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     tokens = scorer.tokens
     q_lens, r_lens = [], []
     for i, (x, y) in enumerate(resp):
-        q, r = tokens.response_parts(i, x, y)
-        q_lens.append(len(q))
-        r_lens.append(len(r))
+        q, _ = tokens.response_parts(i, x, y)
+        q_lens.append(len(q))  # the query tokenized alone
+        lay = tokens.layouts(i, x, y, None, False)[0]  # the scored (whole-text) response tokens
+        r_lens.append(len(lay.ids) - lay.n_prompt)
     rec = {
         "model": name,
         "device": dev.type,
