@@ -134,12 +134,17 @@ def _stratum_of(ex):
     return ex[1]  # the label the example states
 
 
-@pytest.mark.parametrize("mixing,replacement", [("exact", False), ("bernoulli", False),
-                                                ("exact", True)])
-def test_stratified_counts_fixed_at_every_ratio(mixing, replacement):
+@pytest.mark.parametrize("mixing,replacement,order", [
+    ("exact", False, "fixed"), ("bernoulli", False, "fixed"), ("exact", True, "fixed"),
+    ("exact", False, "shuffled"), ("bernoulli", True, "shuffled")])
+def test_stratified_counts_fixed_at_every_ratio(mixing, replacement, order):
     n = 4
     sets = build_demo_sets(S_GOOD, S_BAD, num_ratios=5, demos_per_set=n, sets_per_ratio=6,
-                           seed=5, mixing=mixing, replacement=replacement, stratify="y")
+                           seed=5, mixing=mixing, replacement=replacement, stratify="y",
+                           strata_order=order)
+    # Fixed order: one label sequence everywhere; shuffled: the sequences vary between sets.
+    n_orders = len({ds.strata for row in sets for ds in row})
+    assert n_orders == 1 if order == "fixed" else n_orders > 1
     good_set, bad_set = set(S_GOOD), set(S_BAD)
     for row in sets:
         for ds in row:
