@@ -626,27 +626,15 @@ def _icqs_scores(model: Any, tok: Any, good: Sequence, bad: Sequence,
 
 def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,
                 template: Any = None) -> Any:
-    """The :class:`icqs_fast.icqs.ICQSScorer` of a study run with ``n`` demonstrations per set
-    (label-stratified sets when ``st.stratify``)."""
-    import inspect
+    """The :class:`icqs_fast.icqs.ICQSScorer` of a study run with ``n`` demonstrations per set:
+    label-stratified sets (fixed label order) when ``st.stratify``, else unstratified as in the
+    study (explicitly: the engine's own default is ``stratify="auto"``)."""
+    from .icqs import ICQSScorer
 
-    from .icqs import ICQSScorer, PromptTokens
-    from .prompts import build_demo_sets
-
-    kw: dict[str, Any] = dict(num_ratios=st.num_ratios, demos_per_set=n,
-                              sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
-                              backend=st.backend, drop_oldest_demos=True)
-    native = "stratify" in inspect.signature(ICQSScorer.__init__).parameters
-    if st.stratify and native:
-        kw["stratify"] = "y"
-    sc = ICQSScorer(model, tok, good, bad, **kw)
-    if st.stratify and not native:
-        # The engine does not take stratify= yet: swap in stratified sets before any prefix
-        # is computed (the prefix bank is built lazily from sc.tokens).
-        sc.sets = build_demo_sets(good, bad, num_ratios=st.num_ratios, demos_per_set=n,
-                                  sets_per_ratio=st.sets_per_ratio, seed=st.seed, stratify="y")
-        sc.tokens = PromptTokens(tok, sc.template, sc.sets)
-    return sc
+    return ICQSScorer(model, tok, good, bad, num_ratios=st.num_ratios, demos_per_set=n,
+                      sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
+                      backend=st.backend, drop_oldest_demos=True,
+                      stratify="y" if st.stratify else None)
 
 
 def _demo_sample(pool: Sequence, n: int, seed: int) -> list:
