@@ -7,7 +7,9 @@ from the good pool and the rest from the bad pool. The prompt for a response (x,
     + query(x)                                                               <- query
     + response(y)                                                            <- scored tokens
 
-and the three parts are tokenised separately so the response's ids never depend on the demos.
+and the prompt is tokenised as one string (as a plain forward over the text would be); the
+engine finds the response's tokens by character offsets and caches each prefix up to a token
+boundary the whole text shares (see :class:`icqs_fast.icqs.PromptTokens`).
 """
 
 from __future__ import annotations
