@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .icqs import parse_response
 from .prompts import Example, Template, _check_pool, _fill, adds_bos
 
 # Same default as the ICQS engine (icqs_fast.icqs.DEFAULT_TOKEN_BUDGET), repeated here so that
@@ -191,23 +192,6 @@ def _score(model: Any, tokenizer: Any, requests: list[tuple[list[int], list[int]
                                token_budget=token_budget, max_bank_tokens=max_bank_tokens)
 
 
-def _parse_pair(i: int, item: Any) -> tuple[str, str]:
-    if isinstance(item, dict):
-        missing = [k for k in ("x", "y") if k not in item]
-        if missing:
-            raise ValueError(f"item {i}: missing field(s) {missing} (need 'x' and 'y')")
-        x, y = item["x"], item["y"]
-    elif isinstance(item, (tuple, list)) and len(item) == 2:
-        x, y = item
-    else:
-        raise TypeError(f"item {i}: expected an (x, y) pair or a dict with 'x'/'y', got "
-                        f"{type(item).__name__}")
-    for name, v in (("x", x), ("y", y)):
-        if not isinstance(v, str):
-            raise TypeError(f"item {i}: field '{name}' must be a str, got {type(v).__name__}")
-    return x, y
-
-
 def _parse_x(i: int, item: Any) -> str:
     if isinstance(item, str):
         return item
@@ -315,7 +299,8 @@ def ask_llm(
         TypeError / ValueError: a malformed item (naming its index), a prompt longer than the
             model's max length, or ratings that are not single tokens.
     """
-    pairs = [_parse_pair(i, it) for i, it in enumerate(items)]
+    pairs = [parse_response(i, it, noun="item", allow_empty=True)
+             for i, it in enumerate(items)]
     if not pairs:
         return []
     opt = rating_token_ids(tokenizer, template.answer_prefix)

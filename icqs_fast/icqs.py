@@ -165,24 +165,25 @@ def check_model(model: Any) -> None:
     _HEAD_CHECKED[model] = sig
 
 
-def parse_response(i: int, item: Any) -> tuple[str, str]:
+def parse_response(i: int, item: Any, *, noun: str = "response", allow_empty: bool = False
+                   ) -> tuple[str, str]:
     """Validate the i-th response: an (x, y) pair or a dict with "x" and "y", both str, y
-    non-empty."""
+    non-empty unless ``allow_empty``; errors start with ``"{noun} {i}: "``."""
     if isinstance(item, dict):
         missing = [k for k in ("x", "y") if k not in item]
         if missing:
-            raise ValueError(f"response {i}: missing field(s) {missing} (need 'x' and 'y')")
+            raise ValueError(f"{noun} {i}: missing field(s) {missing} (need 'x' and 'y')")
         x, y = item["x"], item["y"]
     elif isinstance(item, (tuple, list)) and len(item) == 2:
         x, y = item
     else:
-        raise TypeError(f"response {i}: expected an (x, y) pair or a dict with 'x'/'y', "
+        raise TypeError(f"{noun} {i}: expected an (x, y) pair or a dict with 'x'/'y', "
                         f"got {type(item).__name__}")
     for name, v in (("x", x), ("y", y)):
         if not isinstance(v, str):
-            raise TypeError(f"response {i}: field '{name}' must be a str, got {type(v).__name__}")
-    if y == "":
-        raise ValueError(f"response {i}: field 'y' is empty (nothing to score)")
+            raise TypeError(f"{noun} {i}: field '{name}' must be a str, got {type(v).__name__}")
+    if y == "" and not allow_empty:
+        raise ValueError(f"{noun} {i}: field 'y' is empty (nothing to score)")
     return x, y
 
 
