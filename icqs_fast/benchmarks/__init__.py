@@ -80,3 +80,17 @@ def environment(device: torch.device | str | None = None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+
+
+def emit_record(rec: dict, *, out: str | None, as_json: bool) -> None:
+    """Write a bench record to ``out`` (indented JSON) when given, and print it: one JSON line
+    with ``as_json``, else one aligned ``key: value`` line per field."""
+    import json
+
+    if out:
+        Path(out).write_text(json.dumps(rec, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(rec))
+    else:
+        for key, val in rec.items():
+            print(f"{key:>22}: {val}")

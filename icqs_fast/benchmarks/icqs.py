@@ -40,11 +40,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from . import environment, peak_growth_mb
+from . import emit_record, environment, peak_growth_mb
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -342,12 +341,5 @@ def run(args: argparse.Namespace) -> int:
                 cold_repeats=args.cold_repeats)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
-    text = json.dumps(rec, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        print(json.dumps(rec))
-    else:
-        for key, val in rec.items():
-            print(f"{key:>22}: {val}")
+    emit_record(rec, out=args.out, as_json=args.json)
     return 0

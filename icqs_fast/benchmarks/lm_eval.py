@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import environment
+from . import emit_record, environment
 
 TASK_NAME = "icqs_sst2_local"
 # Rows at the top of dev.tsv that form the few-shot pool; documents come after them.
@@ -309,12 +309,5 @@ def run(args: argparse.Namespace) -> int:
                 hf_batch_size=args.hf_batch_size, device=args.device, backend=args.backend)
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(args.device))
-    text = json.dumps(rec, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        print(json.dumps(rec))
-    else:
-        for key, val in rec.items():
-            print(f"{key:>22}: {val}")
+    emit_record(rec, out=args.out, as_json=args.json)
     return 0
