@@ -1058,15 +1058,8 @@ def parts_dir(out: PathLike) -> Path:
     return Path(f"{os.fspath(out)}.parts")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: PathLike) -> None:
+def _fsync_path(path: PathLike) -> None:
+    """fsync a file or a folder (a folder: so a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -1289,9 +1282,9 @@ class ParquetResultWriter:
             w.write_table(table)
             if crash and self._crash[0] == "mid":
                 _crash("before", -1, b"")  # the temporary part has no footer yet
-        _fsync_file(tmp)
+        _fsync_path(tmp)
         os.replace(tmp, self.parts / name)
-        _fsync_dir(self.parts)
+        _fsync_path(self.parts)
         self._schema = schema
         self._buf.clear()
         if crash and self._crash[0] == "hold":
@@ -1359,9 +1352,9 @@ def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GRO
                             pending, n = [big.slice(full)], n - full
             if n or not srcs:
                 w.write_table(pa.concat_tables(pending) if n else schema.empty_table())
-        _fsync_file(tmp)
+        _fsync_path(tmp)
         os.replace(tmp, out)
-        _fsync_dir(out.parent if str(out.parent) else Path("."))
+        _fsync_path(out.parent if str(out.parent) else Path("."))
     if parts_dir(out).exists():
         shutil.rmtree(parts_dir(out))
 
