@@ -759,15 +759,17 @@ def _plain_rows(path, fmt, name, fields, optional, encoding, max_line_bytes):
 
 
 def read_json_objects(path: PathLike, *, encoding: str = "utf-8",
-                      max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
+                      max_line_bytes: int = MAX_LINE_BYTES, allow_empty: bool = False
+                      ) -> Iterator[tuple[int, dict]]:
     """Stream ``(line, object)`` for each non-blank line of a JSONL file (``.gz`` allowed), for
-    files with their own schema (MT-Bench); the caller checks the fields, raising
-    :class:`RecordError` (see :func:`field_of`).
+    files with their own schema (MT-Bench, ALLURE's memory and audit files); the caller checks
+    the fields, raising :class:`RecordError` (see :func:`field_of`).
 
     Raises:
         RecordError: invalid JSON, not an object, bytes that are not valid text, a line longer
             than ``max_line_bytes``.
-        InputError: a folder, or a file without a single record.
+        InputError: a folder, or a file without a single record (unless ``allow_empty``: files
+            a program appends to may hold none yet).
         FileNotFoundError: no such file.
     """
     name = _display(path)
@@ -775,10 +777,10 @@ def read_json_objects(path: PathLike, *, encoding: str = "utf-8",
         raise FileNotFoundError(f"no such input file: {name}")
     if os.path.isdir(os.fspath(path)):
         raise InputError(name, None, None, "is a folder, not an input file")
-    return _json_objects(path, name, encoding, max_line_bytes)
+    return _json_objects(path, name, encoding, max_line_bytes, allow_empty)
 
 
-def _json_objects(path, name, encoding, max_line_bytes):
+def _json_objects(path, name, encoding, max_line_bytes, allow_empty):
     n = 0
     with _open_binary(path) as f:
         for _, line, obj in _jsonl_rows(f, name, 0, encoding, max_line_bytes):
@@ -786,7 +788,7 @@ def _json_objects(path, name, encoding, max_line_bytes):
             if isinstance(obj, RecordError):
                 raise obj
             yield line, obj
-    if n == 0:
+    if n == 0 and not allow_empty:
         raise InputError(name, None, None, "no records (the file is empty or has only blank "
                          "lines)")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import metrics as M
-from ..io import JsonlWriter, read_resume_state
+from ..io import JsonlWriter, read_json_objects, read_resume_state
 from .data import AuditRecord, TaskSpec
 from .evaluators import Evaluator, Judgment, make_example
 from .memory import Memory, MemoryEntry
@@ -151,22 +151,13 @@ class FileAudit:
         got: dict[str, Any] = {}
         if not self.path.is_file():
             return got
-        with open(self.path, encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{self.path}:{lineno}: invalid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict):
-                    raise ValueError(f"{self.path}:{lineno}: expected a JSON object")
-                if obj.get("round") == round_:
-                    acc = obj.get("accept")
-                    if acc is not None and not isinstance(acc, bool):
-                        raise ValueError(f"{self.path}:{lineno}: field 'accept' must be true, "
-                                         f"false or null, got {acc!r}")
-                    got[obj.get("id")] = acc
+        for lineno, obj in read_json_objects(self.path, allow_empty=True):
+            if obj.get("round") == round_:
+                acc = obj.get("accept")
+                if acc is not None and not isinstance(acc, bool):
+                    raise ValueError(f"{self.path}:{lineno}: field 'accept' must be true, "
+                                     f"false or null, got {acc!r}")
+                got[obj.get("id")] = acc
         return got
 
     def decide(self, round_: int, candidates: Sequence[Candidate]) -> list[bool] | None:

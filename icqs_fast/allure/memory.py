@@ -14,14 +14,13 @@ anything whose split is not ``train``); :meth:`Memory.load` refuses a file that 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io import InputError, JsonlWriter, read_resume_state
+from ..io import InputError, JsonlWriter, read_json_objects, read_resume_state
 from .data import AuditRecord
 from .evaluators import Example
 
@@ -129,24 +128,15 @@ class Memory:
                 f.truncate(end)
         self.entries = []
         seen: set[str] = set()
-        with open(self.path, encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise InputError(name, lineno, None, f"invalid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(name, lineno, None, "expected a JSON object")
-                e = MemoryEntry.from_json(obj, name, lineno)
-                if e.split != "train":
-                    raise InputError(name, lineno, "split", f"{e.split!r}: only training "
-                                     "examples may be in the memory")
-                if e.id in seen:
-                    raise InputError(name, lineno, "id", f"repeated id {e.id!r}")
-                seen.add(e.id)
-                self.entries.append(e)
+        for lineno, obj in read_json_objects(self.path, allow_empty=True):
+            e = MemoryEntry.from_json(obj, name, lineno)
+            if e.split != "train":
+                raise InputError(name, lineno, "split", f"{e.split!r}: only training "
+                                 "examples may be in the memory")
+            if e.id in seen:
+                raise InputError(name, lineno, "id", f"repeated id {e.id!r}")
+            seen.add(e.id)
+            self.entries.append(e)
         self.forbid(())
         return self
 
