@@ -275,7 +275,7 @@ def build_demo_sets(
         row = []
         for li in range(sets_per_ratio):
             if mixing == "exact":
-                n_good = int(math.floor(r * n + 0.5))  # round half up, unlike Python's round()
+                n_good = _exact_n_good(r, n)
                 flags = [True] * n_good + [False] * (n - n_good)
                 rng.shuffle(flags)
             else:
@@ -293,6 +293,12 @@ def build_demo_sets(
                                ratio_index=j, set_index=li))
         sets.append(row)
     return sets
+
+
+def _exact_n_good(r: float, n: int) -> int:
+    """Good demonstrations of a set of ``n`` at ratio ``r`` with ``mixing="exact"``: ``r * n``
+    rounded half up (unlike Python's round()), for the plain and the stratified sets alike."""
+    return int(math.floor(r * n + 0.5))
 
 
 def _stratum_counts(names: list[str], n: int) -> dict[str, int]:
@@ -376,7 +382,7 @@ def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list
         row = []
         for li in range(sets_per_ratio):
             if mixing == "exact":
-                n_good = int(math.floor(r * n + 0.5))
+                n_good = _exact_n_good(r, n)
             else:
                 n_good = sum(rng.random() < r for _ in range(n))
             good_of = {s: n_good * count[s] // n for s in names}
