@@ -9,7 +9,7 @@ If it fails to build, the package still installs and falls back to the torch bac
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 try:
@@ -63,14 +63,8 @@ if Pybind11Extension is not None and sources and os.environ.get("ICQS_FAST_NO_EX
     )
 
 setup(
-    packages=[
-        "icqs_fast",
-        "icqs_fast.backends",
-        "icqs_fast.compat",
-        "icqs_fast.benchmarks",
-        "icqs_fast.data",
-        "icqs_fast.kernels",
-    ],
+    # Every sub-package of icqs_fast (a hand-written list once shipped without two of them).
+    packages=find_packages(include=["icqs_fast", "icqs_fast.*"]) + ["icqs_fast.kernels"],
     # Triton kernels live in the top-level kernels/ folder but install as icqs_fast.kernels:
     # a top-level `kernels` module would shadow the `kernels` package bitsandbytes imports.
     # (From the repository root the folder is on sys.path anyway: kernels/__init__.py then

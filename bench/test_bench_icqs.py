@@ -11,9 +11,9 @@ import torch
 from conftest import DEVICE, QUICK
 
 from icqs_fast.benchmarks.icqs import demos, responses
-from icqs_fast.demo import TEMPLATE
-from icqs_fast.icqs import ICQSScorer
-from icqs_fast.reference import icqs_naive
+from icqs_fast.data import TEMPLATE
+from icqs_fast.engine.reference import icqs_naive
+from icqs_fast.engine.scorer import ICQSScorer
 
 N_RESP = 2 if QUICK else 4
 KW = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=1, seed=0, template=TEMPLATE)

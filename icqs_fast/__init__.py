@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .ops import linear_token_stats, token_stats  # noqa: E402
-from .types import TokenStats  # noqa: E402
+from icqs_fast.ops import linear_token_stats, token_stats  # noqa: E402
+from icqs_fast.types import TokenStats  # noqa: E402
+from icqs_fast.version import __version__
 
 __all__ = [
     "__version__",
@@ -20,7 +19,7 @@ __all__ = [
 def __getattr__(name: str):
     # The scoring engine pulls in transformers; import it only when asked for.
     if name in ("ICQSScorer", "ICQSResult"):
-        from . import icqs
+        from icqs_fast.engine import scorer
 
-        return getattr(icqs, name)
+        return getattr(scorer, name)
     raise AttributeError(f"module 'icqs_fast' has no attribute {name!r}")

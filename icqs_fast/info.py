@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
-import json
 import platform
 
 import torch
 
-from . import __version__, backends
+from icqs_fast import backends
+from icqs_fast.version import __version__
 
 
 def _version(pkg: str) -> str:
@@ -39,23 +38,3 @@ def collect() -> dict:
                      for k, (ok, why) in backends.availability().items()},
         "auto_backend_cpu": backends.resolve("auto", torch.device("cpu")),
     }
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    info = collect()
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    for k, v in info.items():
-        if k == "backends":
-            print("backends:")
-            for name, b in v.items():
-                mark = "yes" if b["available"] else "no "
-                print(f"  {name:7s} {mark}  {b['reason']}")
-        else:
-            print(f"{k}: {v}")
-    return 0

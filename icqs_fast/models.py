@@ -174,3 +174,14 @@ def _in_hf_cache(name: str) -> bool:
         return isinstance(try_to_load_from_cache(name, "config.json"), str)
     except Exception:  # noqa: BLE001
         return False
+
+
+def runtime_settings(model: Any, backend: str) -> dict:
+    """The model-side part of the resume fingerprint: the weights' dtype, the device type and
+    the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
+    read from the loaded model's parameters."""
+    from icqs_fast import backends
+
+    p = next(model.parameters())
+    return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+            "backend": backends.resolve(backend, p.device)}

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from . import backends
-from .backends import state as _state
-from .types import TokenStats
+from icqs_fast import backends
+from icqs_fast.backends import state as _state
+from icqs_fast.types import TokenStats
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # linear_token_stats: what every backend's kernels take (float64 is not one of them).
@@ -287,14 +287,14 @@ def attention_entropy(
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
     if backend == "torch":
-        from .attention import attention_entropy_torch
+        from icqs_fast.backends.torch_ref import attention_entropy_torch
 
         return attention_entropy_torch(q, k, v, key_range, query_mask, attention_mask,
                                        bool(causal), float(scale))
     if backend == "triton":
         if q.device.type != "cuda" and not backends.triton_interpreting():
             raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-        from .kernels import attention_entropy as _k
+        from icqs_fast.kernels import attention_entropy as _k
 
         return _k.attention_entropy(q, k, v, key_range, query_mask, attention_mask,
                                     bool(causal), float(scale))

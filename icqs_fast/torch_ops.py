@@ -27,8 +27,8 @@ import math
 import torch
 from torch import Tensor
 
-from . import ops
-from .types import TokenStats
+from icqs_fast import ops
+from icqs_fast.types import TokenStats
 
 _STATS = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 # Field order of the op outputs; the fake implementations give the same dtypes in this order.

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launch, ptr
-from .token_stats import _shift_origin
+from .token_stats import shift_origin
 
 LOG2E = 1.4426950408889634
 
@@ -46,7 +46,7 @@ def _fold_exp(y, m, m_tile, s0, s1, s2):
     m_new = tl.maximum(m, m_tile)
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
     # m == -inf only while the sums are still 0: no shift then.
-    s0, s1, s2 = _shift_origin(s0, s1, s2, tl.where(m > float("-inf"), m - m_safe, 0.0))
+    s0, s1, s2 = shift_origin(s0, s1, s2, tl.where(m > float("-inf"), m - m_safe, 0.0))
     d = y - m_safe[:, None]  # -inf where left out: e = 0 there
     e = tl.exp2(d)
     d = tl.maximum(d, -1e30)  # so that e * d = 0, not NaN, where e = 0

@@ -43,7 +43,7 @@ STATE_WIDTH = 7  # m, s0, s1, s2, n, u1, u2 (see icqs_fast.backends.state)
 
 
 @triton.jit
-def _shift_origin(s0, s1, s2, dm):
+def shift_origin(s0, s1, s2, dm):
     """Move (s0, s1, s2) by ``dm = m_old - m_new <= 0`` (finite, base-2 units)."""
     a = tl.exp2(dm)
     s2 = a * (s2 + dm * (2.0 * s1 + dm * s0))
@@ -67,7 +67,7 @@ def _step_fast(z, mz, s0, s1, s2, n, u1, u2, greater, eq_tile_before, zt, c):
     mz_new = tl.maximum(mz, tl.reduce(z, 1, _max_combine))
     m_new = mz_new * c
     dm = mz * c - m_new
-    s0, s1, s2 = _shift_origin(s0, s1, s2, dm)
+    s0, s1, s2 = shift_origin(s0, s1, s2, dm)
     u2 += dm * (2.0 * u1 + n * dm)
     u1 += n * dm
     # An explicit fma: z c is exact inside it, so d keeps its bits at a large offset.
@@ -100,7 +100,7 @@ def _step_masked(z, inb, mz, s0, s1, s2, n, u1, u2, greater, eq_before, zt, belo
     mz_new = tl.maximum(mz, tl.reduce(tl.where(fin, z, float("-inf")), 1, _max_combine))
     m_new_safe = tl.where(mz_new > float("-inf"), mz_new * c, 0.0)
     dm = tl.where(mz > float("-inf"), mz * c - m_new_safe, 0.0)
-    s0, s1, s2 = _shift_origin(s0, s1, s2, dm)
+    s0, s1, s2 = shift_origin(s0, s1, s2, dm)
     u2 += dm * (2.0 * u1 + n * dm)
     u1 += n * dm
     d = tl.where(fin, tl.fma(z, c, -m_new_safe[:, None]), 0.0)
@@ -258,7 +258,7 @@ def _token_stats_kernel(
         ln2 * tl.cast(c, tl.float64) - (tl.cast(inv_temp, tl.float64)
                                          + tl.cast(inv_temp_lo, tl.float64)))
     mx = o64.to(tl.float32)
-    S0, S1, S2 = _shift_origin(S0, S1, S2, ((o64 - mx.to(tl.float64)) / ln2).to(tl.float32))
+    S0, S1, S2 = shift_origin(S0, S1, S2, ((o64 - mx.to(tl.float64)) / ln2).to(tl.float32))
     mx = tl.where(mzp > float("-inf"), mx, float("-inf"))
     r = 0.6931471805599453
     out = state_ptr + (split * n_rows + row) * 7

@@ -319,8 +319,8 @@ def test_option_scores_equal_plain_forward(tiny):
 
 
 def test_one_prefix_forward_per_record_for_all_options(tiny):
-    from icqs_fast.batching import _BankWriter
-    from icqs_fast.icqs import check_model
+    from icqs_fast.engine.batching import _BankWriter
+    from icqs_fast.engine.checks import check_model
 
     _, (model, tok) = tiny
     seen = {"bank": 0, "suffix_rows": 0, "suffix_len": set()}
@@ -439,7 +439,7 @@ def test_cli_custom_end_to_end(tiny, tmp_path, monkeypatch, capsys):
 
 def test_icqs_evaluator_thresholds_the_icqs_score(tiny):
     from icqs_fast.allure import ICQSEvaluator
-    from icqs_fast.icqs import ICQSScorer
+    from icqs_fast.engine.scorer import ICQSScorer
 
     _, (model, tok) = tiny
     spec = custom_task()

@@ -9,11 +9,8 @@ import torch
 from _helpers import DEVICE, skip_unless_in_ci
 
 from icqs_fast import backends, ops
-from icqs_fast.attention import (
-    attention_entropy_torch,
-    capture_attention_entropy,
-    eager_range_entropy,
-)
+from icqs_fast.backends.torch_ref import attention_entropy_torch
+from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
 
 BACKENDS = ["torch", "triton"]
 

@@ -20,7 +20,8 @@ from _helpers import save_tiny_llama
 
 from icqs_fast import models
 from icqs_fast.cli import main
-from icqs_fast.io import InputError, RecordError, read_records
+from icqs_fast.io.readers import read_records
+from icqs_fast.io.records import InputError, RecordError
 
 BAD = Path(__file__).parent / "data" / "bad"
 GOOD_DEMOS = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(2)] + [
@@ -334,7 +335,7 @@ def test_eval_mtbench_other_bad_files(tmp_path, capsys):
 def test_eval_mtbench_empty_answer_is_a_record(tmp_path):
     """An empty answer is kept (the real MT-Bench data has one, judged by GPT-4); the
     glass-box features of an empty response are NaN, which the correlations leave out."""
-    from icqs_fast.evaluation import load_mtbench
+    from icqs_fast.io.datasets import load_mtbench
 
     root = _mtbench(tmp_path / "mtbench")
     afile = root / "model_answer_m.jsonl"

@@ -9,14 +9,8 @@ import pytest
 import torch
 from _helpers import save_tiny_llama, skip_unless_in_ci
 
-from icqs_fast.baselines import (
-    ASK_LLM_TEMPLATE,
-    ICLResult,
-    ask_llm,
-    icl_label,
-    is_correct,
-)
-from icqs_fast.prompts import Template
+from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.baselines import ASK_LLM_TEMPLATE, ICLResult, ask_llm, icl_label, is_correct
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -126,7 +120,7 @@ def test_icl_label_matches_full_forward(tiny, length_normalize):
 
 
 def test_icl_equals_the_icqs_engine_on_the_same_demos(tiny):
-    from icqs_fast.icqs import ICQSScorer
+    from icqs_fast.engine.scorer import ICQSScorer
 
     model, tok = tiny
     bad = [(x, {"positive": "negative", "negative": "positive", "neutral": "positive"}[y])
@@ -203,7 +197,8 @@ def test_embedded_model_matches_full_forward():
 def test_command_line(tiny, tmp_path, capsys, monkeypatch):
     import json
 
-    from icqs_fast import baselines, models
+    from icqs_fast import models
+    from icqs_fast.evals import baselines
 
     model, tok = tiny
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, tok))

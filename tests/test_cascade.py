@@ -5,8 +5,8 @@ of different lengths, Llama (GQA, RoPE) and GPT-2 (absolute positions)."""
 import pytest
 import torch
 
-from icqs_fast.batching import PrefixBank, suffix_hidden
-from icqs_fast.cascade import supports_cascade
+from icqs_fast.engine.batching import PrefixBank, suffix_hidden
+from icqs_fast.engine.cascade import supports_cascade
 
 
 def _model(kind: str):
@@ -52,7 +52,7 @@ def _assert_bank_equals_plain_forwards(model, bank, prefixes):
     past its length are zero (masked in attention, and finite)."""
     from transformers import DynamicCache
 
-    from icqs_fast.batching import _layer_kv, decoder_body
+    from icqs_fast.engine.batching import _layer_kv, decoder_body
 
     for e, p in enumerate(prefixes):
         with torch.no_grad():
@@ -85,8 +85,8 @@ def test_shared_tokens_are_computed_once(kind, monkeypatch):
     """Prefixes that share leading tokens (all of them, nested groups, one a prefix of another,
     two identical) are computed along their token trie: each shared token runs once, and every
     entry still equals a plain forward of its own prefix."""
-    from icqs_fast import batching
-    from icqs_fast.batching import _trie_edges
+    from icqs_fast.engine import batching
+    from icqs_fast.engine.batching import _trie_edges
 
     monkeypatch.setattr(batching, "FORWARD_COST_TOKENS", (0, 0))  # split off every shared run
     model = _model(kind)
@@ -117,7 +117,8 @@ def test_shared_tokens_are_computed_once(kind, monkeypatch):
 
 def _force_fused(monkeypatch):
     """Run cascade attention through the fused Triton kernel on CPU (the interpreter)."""
-    from icqs_fast import backends, cascade
+    from icqs_fast import backends
+    from icqs_fast.engine import cascade
 
     if not backends.triton_interpreting():
         pytest.skip("the fused path needs CUDA or TRITON_INTERPRET=1")
@@ -153,7 +154,7 @@ def test_fused_attn_lse_matches_attn_lse():
     different lengths per entry) and causal GQA suffix attention (vs the grouped causal mask);
     outputs and log-sum-exps, fp32."""
     from icqs_fast import backends
-    from icqs_fast.cascade import _attn_lse, _fused_attn_lse, _grouped_causal_mask
+    from icqs_fast.engine.cascade import _attn_lse, _fused_attn_lse, _grouped_causal_mask
 
     if not backends.triton_interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

@@ -9,7 +9,7 @@ from _helpers import save_tiny_llama
 
 from icqs_fast import ICQSScorer, models
 from icqs_fast.cli import main
-from icqs_fast.score_cli import meta_path
+from icqs_fast.io.runs import meta_path
 
 GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
     {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]
@@ -220,8 +220,8 @@ def test_demo_json_on_embedded_model(capsys):
 
 def test_score_records_streams(loaded):
     """Results come out while the input is still being read (one forward's worth at a time)."""
-    from icqs_fast.io import Record
-    from icqs_fast.score_cli import score_records
+    from icqs_fast.io.records import Record
+    from icqs_fast.jobs.score import score_records
 
     model, tok = loaded
     scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],
@@ -285,8 +285,8 @@ def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, ca
 def test_score_records_errors_are_typed_not_parsed(loaded):
     """Bad records reach ``on_error`` as RecordErrors built for that record (index, line,
     field), in input order; an error the scorer raises is never reinterpreted from its text."""
-    from icqs_fast.io import InputError, Record, RecordError
-    from icqs_fast.score_cli import score_records
+    from icqs_fast.io.records import InputError, Record, RecordError
+    from icqs_fast.jobs.score import score_records
 
     model, tok = loaded
     scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],

@@ -197,7 +197,7 @@ def test_registered_and_cli(tiny, monkeypatch):
 
 def _sst2_rows():
     from icqs_fast.benchmarks.lm_eval import read_sst2
-    from icqs_fast.io import shared_data_dir
+    from icqs_fast.io.datasets import shared_data_dir
 
     path = shared_data_dir() / "sst2" / "dev.tsv"
     if not path.is_file():

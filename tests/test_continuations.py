@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icqs_fast.continuations import _bank_chunks, score_continuations
+from icqs_fast.engine.continuations import _bank_chunks, score_continuations
 
 
 def _tiny(kind: str, vocab: int = 97):
@@ -91,7 +91,7 @@ def test_shared_prefix_computed_once():
     model = _tiny("llama")
     ctx = list(range(1, 41))
     calls = []
-    from icqs_fast import batching
+    from icqs_fast.engine import batching
 
     orig = batching.PrefixBank.add
 

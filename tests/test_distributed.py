@@ -1,4 +1,4 @@
-"""``--ray`` runs (icqs_fast.distributed) on a local Ray cluster started here (2 CPUs), with a
+"""``--ray`` runs (icqs_fast.jobs.ray_actors) on a local Ray cluster started here (2 CPUs), with a
 tiny random Llama: the same output as the single-process CLI, a worker SIGKILLed mid-run, a
 driver SIGKILLed and rerun, bad records (skip and stop), a refused resume."""
 
@@ -19,9 +19,10 @@ from _helpers import save_tiny_llama
 ray = pytest.importorskip("ray")
 
 from icqs_fast.cli import main  # noqa: E402
-from icqs_fast.distributed import ICQSBatchScorer  # noqa: E402
-from icqs_fast.distributed.cli import HOLD_ENV, block_path, build_parser, run_ray  # noqa: E402
-from icqs_fast.io import InputError  # noqa: E402
+from icqs_fast.cli.ray_options import build_parser  # noqa: E402
+from icqs_fast.io.records import InputError  # noqa: E402
+from icqs_fast.jobs.ray_actors import ICQSBatchScorer  # noqa: E402
+from icqs_fast.jobs.ray_executor import HOLD_ENV, block_path, run_ray  # noqa: E402
 
 GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
     {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]
@@ -219,7 +220,7 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
             "--block-size", "3", "--output-format", "jsonl", "--on-error", "skip", "--resume"]
     open(os.path.join(hold_dir, "arm-2"), "w").close()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.distributed.cli", "score",
+        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.jobs.ray_executor", "score",
                                  *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait_for(os.path.join(hold_dir, "held-2"), 150, proc)
@@ -294,8 +295,9 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from icqs_fast.distributed import BlockSpec, block_items
-    from icqs_fast.io import RecordError, count_records, read_records
+    from icqs_fast.io.readers import count_records, read_records
+    from icqs_fast.io.records import RecordError
+    from icqs_fast.jobs.ray_actors import BlockSpec, block_items
 
     rows = [{"id": str(r["id"]), "x": r["x"], "y": r.get("y")} for r in RESPONSES]
     path = str(tmp_path / "in.parquet")
@@ -318,7 +320,7 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
 def test_cli_ray_flag_dispatches_to_run_ray(kind, monkeypatch, tmp_path):
     """`icqs-fast score|features --ray ...` hands the parsed arguments to run_ray (no Ray start:
     run_ray is replaced), and the module entry point parses the same options."""
-    import icqs_fast.distributed.cli as dcli
+    import icqs_fast.jobs.ray_executor as dcli
 
     seen = []
     monkeypatch.setattr(dcli, "run_ray", lambda k, a, **kw: seen.append((k, a)) or 0)

@@ -155,7 +155,7 @@ def test_post_processed_logits_are_refused(tokenizer, kind, cls, hint):
     logits, naming the class, the difference and the likely cause; the naive reference, which
     scores the model's own logits, still runs."""
     from icqs_fast import ICQSScorer
-    from icqs_fast.features import glassbox
+    from icqs_fast.features.extract import glassbox
 
     model = _head_model(kind, len(tokenizer))
     msg = rf"^{cls} post-processes its logits \(.*{hint}.*\): its own logits differ from the " \
@@ -175,7 +175,7 @@ def test_plain_head_passes_with_one_forward(tokenizer, kind):
     """A plain model passes; the check is one forward of the model, run once per model object
     (two scorers and a glass-box call later: still one)."""
     from icqs_fast import ICQSScorer
-    from icqs_fast.features import glassbox
+    from icqs_fast.features.extract import glassbox
 
     model = _head_model(kind, len(tokenizer))
     calls = []
@@ -194,7 +194,7 @@ def test_check_reruns_when_the_head_changes(tokenizer):
     """The cache is keyed by the model object and its head weight's dtype, device and storage:
     a second check of the same model runs nothing, one after converting it to bf16 runs again
     (and a plain bf16 model passes within the bf16 tolerance)."""
-    from icqs_fast.icqs import check_model
+    from icqs_fast.engine.checks import check_model
 
     model = _head_model("llama-plain")
     calls = []
@@ -229,7 +229,7 @@ def test_softmax_combo_does_not_depend_on_the_batch(tiny, tokenizer, mode):
     """Item A scored alone, then with B and C (one forward: batch_size=3, padded): its
     softmax_combo is the same. (Min-max over the call gave A alone 0 and A with B and C a value
     in [0, 1] set by B and C.)"""
-    from icqs_fast.features import glassbox
+    from icqs_fast.features.extract import glassbox
 
     feats = ["softmax_ent", "softmax_var", "softmax_combo"]
     alone = glassbox(tiny, tokenizer, ITEMS[:1], features=feats, mode=mode)[0]
@@ -250,7 +250,7 @@ def test_combo_scale_calibration_set_is_stored_and_reused(tiny, tokenizer):
     items alone with the same values they get in a bigger call."""
     import json
 
-    from icqs_fast.features import ComboScale, glassbox
+    from icqs_fast.features.extract import ComboScale, glassbox
 
     feats = ["softmax_ent", "softmax_var", "softmax_combo"]
     rows = glassbox(tiny, tokenizer, ITEMS, features=feats, batch_size=1)
@@ -292,7 +292,7 @@ def test_prefix_bank_appends_copy_linear_bytes():
     equals a plain forward of its prefix."""
     from test_cascade import _assert_bank_equals_plain_forwards, _model
 
-    from icqs_fast.batching import PrefixBank
+    from icqs_fast.engine.batching import PrefixBank
 
     model = _model("llama")
     g = torch.Generator().manual_seed(5)
@@ -328,7 +328,7 @@ def test_prefix_bank_failed_add_leaves_no_trace():
     stores exactly its own prefix (zeros past its length)."""
     from test_cascade import _assert_bank_equals_plain_forwards, _model
 
-    from icqs_fast.batching import PrefixBank
+    from icqs_fast.engine.batching import PrefixBank
 
     model = _model("llama")
     g = torch.Generator().manual_seed(6)
@@ -371,8 +371,8 @@ def _suffix_errors(model, monkeypatch=None):
     """Largest difference between the KV-copy path's suffix states and a plain, unpadded
     forward of each row's prefix + suffix (rows with prefixes of different lengths, so the
     shorter ones carry padding inside the sequence)."""
-    from icqs_fast import batching
-    from icqs_fast.batching import PrefixBank, decoder_body, suffix_hidden
+    from icqs_fast.engine import batching
+    from icqs_fast.engine.batching import PrefixBank, decoder_body, suffix_hidden
 
     if monkeypatch is not None:  # look behind the refusal
         monkeypatch.setattr(batching, "check_padded_kv", lambda m: None)
@@ -394,7 +394,7 @@ def _suffix_errors(model, monkeypatch=None):
 def test_kv_copy_path_on_a_mistral_without_window():
     """The KV-copy fallback on a model type no other test covers (Mistral, full attention):
     every row equals a plain forward of its prefix + suffix."""
-    from icqs_fast.cascade import supports_cascade
+    from icqs_fast.engine.cascade import supports_cascade
 
     model = _mistral(None)
     assert not supports_cascade(model)  # the engine would take this path
@@ -407,7 +407,7 @@ def test_sliding_window_models_are_refused(tokenizer, kind, monkeypatch):
     scorer, the bank and suffix_hidden, naming the model type and the reason; the refusal is
     needed: behind it, the padded layout gives states far from a plain forward."""
     from icqs_fast import ICQSScorer
-    from icqs_fast.batching import PrefixBank
+    from icqs_fast.engine.batching import PrefixBank
 
     if kind == "mistral":
         model = _mistral(4)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from _helpers import DEVICE, skip_unless_in_ci
 
-from icqs_fast.attention import eager_range_entropy
-from icqs_fast.ensembles import decoding_ensemble, default_system_prompts, prompt_ensemble
-from icqs_fast.features import (
+from icqs_fast.features.attention import eager_range_entropy
+from icqs_fast.features.ensembles import decoding_ensemble, default_system_prompts, prompt_ensemble
+from icqs_fast.features.extract import (
     ALL_FEATURES,
     FEATURE_DIRECTION,
     as_item,
@@ -262,7 +262,7 @@ def test_prompt_ensemble(tiny, tokenizer):
 
 def _count_forwards(model):
     """Forward hook on the decoder body: the batch size of every forward, in order."""
-    from icqs_fast.batching import decoder_body
+    from icqs_fast.engine.batching import decoder_body
 
     rows = []
 
@@ -353,7 +353,7 @@ def test_eval_mtbench_calibrates_ensemble_features(tiny, tokenizer, tmp_path, mo
                      "unt_exp", "unt_var", "--reference", ref,
                      "--calibration-factor", "0.5"]) == 0
         out[ref] = json.loads(capsys.readouterr().out)["records"]
-    from icqs_fast.evaluation import load_mtbench
+    from icqs_fast.io.datasets import load_mtbench
 
     items = [r["item"] for r in load_mtbench(tmp_path)]
     want = prompt_ensemble(tiny, tokenizer, items, reference="calibrate", calibration_factor=0.5)
@@ -441,7 +441,7 @@ def test_eval_mtbench_three_answers(capsys):
     if not (DATA / "judgment_gpt-4_single.jsonl").is_file():
         skip_unless_in_ci(f"MT-Bench data not found at {DATA}")
     from icqs_fast.cli import main
-    from icqs_fast.evaluation import load_mtbench
+    from icqs_fast.io.datasets import load_mtbench
 
     recs = load_mtbench(DATA)
     assert len(recs) == 318 and all(r["score"] >= 1 for r in recs)

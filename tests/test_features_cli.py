@@ -13,8 +13,8 @@ from _helpers import save_tiny_llama
 
 from icqs_fast import backends, models
 from icqs_fast.cli import main
-from icqs_fast.features import ALL_FEATURES, ComboScale, glassbox
-from icqs_fast.io import meta_path
+from icqs_fast.features.extract import ALL_FEATURES, ComboScale, glassbox
+from icqs_fast.io.runs import meta_path
 
 # Lengths vary so the chunks' length sort and the padding matter.
 RESPONSES = [{"id": f"r{i}", "x": f"Summarise report {i}" + " briefly" * (i % 3),

@@ -5,9 +5,9 @@ import torch
 from _helpers import DEVICE
 
 from icqs_fast import ICQSResult, ICQSScorer
+from icqs_fast.engine.prompts import Template
+from icqs_fast.engine.reference import icqs_naive
 from icqs_fast.models import embedded_model_dir, load_model
-from icqs_fast.prompts import Template
-from icqs_fast.reference import icqs_naive
 
 # Demonstrations of quite different lengths, so prefixes differ in length across contexts.
 GOOD = [
@@ -252,8 +252,8 @@ def test_one_forward_per_batch_and_head_only_at_response_tokens(tokenizer, monke
     """After the prefix bank is built, all (M+1) L contexts of a response run in one decoder
     forward (two responses in one too, within the token budget), the LM head module never runs,
     and the head's product is taken only at the response tokens (rows = contexts x tokens)."""
-    from icqs_fast import icqs as icqs_mod
     from icqs_fast import ops
+    from icqs_fast.engine import scorer as icqs_mod
 
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)

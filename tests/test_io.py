@@ -8,27 +8,21 @@ import json
 import pytest
 from _helpers import skip_unless_in_ci
 
-from icqs_fast.io import (
-    InputError,
+from icqs_fast.io.datasets import fpb_examples, read_fpb, shared_data_dir
+from icqs_fast.io.readers import count_records, read_examples, read_json_objects, read_records
+from icqs_fast.io.records import InputError, RecordError, detect_format, field_of
+from icqs_fast.io.results import (
     JsonlWriter,
+    ParquetResultWriter,
+    read_output_state,
+    read_resume_state,
+)
+from icqs_fast.io.runs import (
     OutputLock,
     OutputLockedError,
-    ParquetResultWriter,
-    RecordError,
     check_run_paths,
-    count_records,
-    detect_format,
-    field_of,
-    fpb_examples,
     open_results,
     plan_output,
-    read_examples,
-    read_fpb,
-    read_json_objects,
-    read_output_state,
-    read_records,
-    read_resume_state,
-    shared_data_dir,
     start_output,
 )
 
@@ -447,7 +441,7 @@ def test_count_records_text_formats(tmp_path):
 
 
 def test_shard_ranges_partition_in_order():
-    from icqs_fast.io import parse_shard, shard_range
+    from icqs_fast.io.records import parse_shard, shard_range
 
     for total in (0, 1, 5, 10, 11, 128):
         for n in (1, 2, 3, 7):

@@ -150,3 +150,33 @@ def test_auto_matches_float64():
     assert torch.equal(a.target_rank, (z > zt).sum(-1))
     assert torch.equal(a.is_greedy, z.argmax(-1) == t)
     assert a.valid.all()
+
+
+def test_wheel_holds_every_subpackage_and_its_commands_run(tmp_path):
+    """`pip wheel .` ships every sub-package of icqs_fast (and the kernels as icqs_fast.kernels);
+    installed from that wheel alone (not the editable checkout), `score --help` (with the --ray
+    options) and `audit --help` run."""
+    env = {**os.environ, "ICQS_FAST_NO_EXT": "1", "PIP_NO_INPUT": "1"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(REPO)],
+                   check=True, capture_output=True, env=env, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("icqs_fast-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {p.relative_to(REPO).as_posix() for p in (REPO / "icqs_fast").rglob("__init__.py")}
+    want |= {"icqs_fast/kernels/__init__.py", "icqs_fast/data/demo_good.jsonl"}
+    assert want <= names, sorted(want - names)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(site), str(wheel)], check=True, capture_output=True,
+                   env=env)
+    run_env = {**env, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import icqs_fast; print(icqs_fast.__file__)"],
+                           capture_output=True, text=True, env=run_env, cwd=tmp_path, check=True)
+    assert where.stdout.strip().startswith(str(site))
+    for cmd, must in ((["score", "--help"], "--ray"), (["audit", "--help"], "--task")):
+        out = subprocess.run([sys.executable, "-m", "icqs_fast.cli", *cmd], capture_output=True,
+                             text=True, env=run_env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert must in out.stdout

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from icqs_fast.prompts import Template, build_demo_sets
+from icqs_fast.engine.prompts import Template, build_demo_sets
 
 GOOD = [(f"good x {i}", f"good y {i}") for i in range(12)]
 BAD = [(f"bad x {i}", f"bad y {i}") for i in range(10)]

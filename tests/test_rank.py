@@ -1,4 +1,5 @@
-"""``icqs-fast rank`` and icqs_fast.ranking: means, ranks, intervals, truth correlations (against
+"""``icqs-fast rank`` and icqs_fast.evals.ranking: means, ranks, intervals, truth correlations
+(against
 scipy on hand-known means), every input format, bad input naming file/line/field, the plot."""
 
 import json
@@ -10,8 +11,8 @@ import pytest
 from scipy import stats
 
 from icqs_fast.cli import main
-from icqs_fast.io import ParquetResultWriter
-from icqs_fast.ranking import rank_models, ranking_correlations, read_group_scores
+from icqs_fast.evals.ranking import rank_models, ranking_correlations, read_group_scores
+from icqs_fast.io.results import ParquetResultWriter
 
 # Four models with hand-known means: a 0.75, b 0.5, c 0.5 (tied with b), d 0.25 (+ one NaN).
 SCORES = {"a": [1, 1, 1, 0], "b": [1, 0, 1, 0], "c": [0.5, 0.5, 0.5, 0.5],

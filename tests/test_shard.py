@@ -156,8 +156,8 @@ def test_parquet_shards_and_progress(setup, cli, reference, tmp_path, capsys, mo
 def test_eval_mtbench_progress_and_slices(setup, cli, tmp_path, capsys, monkeypatch):
     """``eval mtbench`` reports progress per slice of 8 answers; the sliced run gives the
     values of one glassbox call over all answers; --quiet prints nothing on stderr."""
-    from icqs_fast.evaluation import load_mtbench
-    from icqs_fast.features import glassbox
+    from icqs_fast.features.extract import glassbox
+    from icqs_fast.io.datasets import load_mtbench
 
     def write(name, rows):
         _jsonl(tmp_path / name, rows)

@@ -1,5 +1,5 @@
 """Static sm_90 / sm_80 compilation of every Triton kernel (no GPU, no driver) and the
-performance model of :mod:`icqs_fast.gpu_model`.
+performance model of :mod:`icqs_fast.benchmarks.gpu_model`.
 
 The test suite runs with ``TRITON_INTERPRET=1`` (conftest), under which ``@triton.jit``
 functions cannot be compiled, so every compilation runs in a child process with a clean
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from icqs_fast import gpu_model
+from icqs_fast.benchmarks import gpu_model
 from icqs_fast.benchmarks.static import CHILD_ENV, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The ICQS study (icqs_fast.study, `icqs-fast eval fpb|sst2|chaosnli`): group construction,
+"""The ICQS study (icqs_fast.evals.study, `icqs-fast eval fpb|sst2|chaosnli`): group construction,
 the ChaosNLI distribution rule and metrics on hand-checked cases, the synthetic-LLM ranking
 with fake scorers, and tiny end-to-end runs on a random Llama and generated data."""
 
@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from icqs_fast import study
-from icqs_fast.io import InputError
+from icqs_fast.evals import study, study_data, study_metrics
+from icqs_fast.io import datasets
+from icqs_fast.io.records import InputError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,8 +27,8 @@ FPB_ROWS = [  # (sentence, gold)
 
 
 def test_sentiment_groups_fpb_hand_checked():
-    groups, polar = study.sentiment_groups(FPB_ROWS, limit=4, seed=3, neutral=True)
-    assert set(groups) == set(study.SENTIMENT_GROUPS)
+    groups, polar = study_data.sentiment_groups(FPB_ROWS, limit=4, seed=3, neutral=True)
+    assert set(groups) == set(study_data.SENTIMENT_GROUPS)
     gold = dict(FPB_ROWS)
     # 4 polar sentences, two of each label (balanced), the same in the three polar groups.
     xs = [r.x for r in groups["correct"]]
@@ -49,12 +50,12 @@ def test_sentiment_groups_fpb_hand_checked():
                for g in groups.values() for r in g)
     assert [p[0] for p in polar] == xs
     # Seeded: the same call gives the same groups.
-    assert study.sentiment_groups(FPB_ROWS, limit=4, seed=3, neutral=True)[0] == groups
+    assert study_data.sentiment_groups(FPB_ROWS, limit=4, seed=3, neutral=True)[0] == groups
 
 
 def test_sentiment_groups_sst2_and_synonyms():
     rows = [(x, y) for x, y in FPB_ROWS if y != "neutral"]
-    groups, _ = study.sentiment_groups(rows, limit=None, seed=0, neutral=False,
+    groups, _ = study_data.sentiment_groups(rows, limit=None, seed=0, neutral=False,
                                        labels="synonyms")
     assert set(groups) == {"correct", "incorrect"}
     assert len(groups["correct"]) == 6
@@ -65,11 +66,11 @@ def test_sentiment_groups_sst2_and_synonyms():
         want = pos if c.gold == "positive" else neg
         assert c.y == want and i.y == (neg if want == pos else pos)
     with pytest.raises(ValueError, match="labels"):
-        study.sentiment_groups(rows, limit=2, seed=0, neutral=False, labels="other")
+        study_data.sentiment_groups(rows, limit=2, seed=0, neutral=False, labels="other")
 
 
 def test_polar_pools():
-    good, bad, rest = study.polar_pools(FPB_ROWS, n_good=2, n_bad=2, seed=1)
+    good, bad, rest = study_data.polar_pools(FPB_ROWS, n_good=2, n_bad=2, seed=1)
     gold = dict(FPB_ROWS)
     assert all(gold[x] == y for x, y in good)
     assert all(gold[x] != y and y in ("positive", "negative") for x, y in bad)
@@ -79,44 +80,45 @@ def test_polar_pools():
     assert len(used) == 4 and not used & {x for x, _ in rest}
     assert len(rest) == len(FPB_ROWS) - 4
     with pytest.raises(ValueError, match="need 8"):
-        study.polar_pools(FPB_ROWS, n_good=4, n_bad=4, seed=0)
+        study_data.polar_pools(FPB_ROWS, n_good=4, n_bad=4, seed=0)
 
 
 def test_read_sst2(tmp_path):
     p = tmp_path / "dev.tsv"
     p.write_text("sentence\tlabel\ngreat film .\t1\nawful .\t0\n")
-    assert study.read_sst2(p) == [(2, "great film .", "positive"), (3, "awful .", "negative")]
+    assert datasets.read_sst2(p) == [(2, "great film .", "positive"), (3, "awful .", "negative")]
     p.write_text("sentence\tlabel\ngreat film .\t1\nawful .\t2\n")
     with pytest.raises(InputError, match=r"dev.tsv:3: field 'label'") as e:
-        study.read_sst2(p)
+        datasets.read_sst2(p)
     assert (e.value.line, e.value.field) == (3, "label")
     p.write_text("text\tlabel\nx\t1\n")
     with pytest.raises(InputError, match="'sentence'"):
-        study.read_sst2(p)
+        datasets.read_sst2(p)
 
 
 # --------------------------------------------------------------------------- ChaosNLI
 
 
 def test_tent_and_distributions_hand_checked():
-    np.testing.assert_allclose(study.tent([1.0, 0.0, 0.5, 0.75, 0.25]),
+    np.testing.assert_allclose(study_metrics.tent([1.0, 0.0, 0.5, 0.75, 0.25]),
                                [[1, 0, 0], [0, 0, 1], [0, 1, 0], [.5, .5, 0], [0, .5, .5]])
-    np.testing.assert_allclose(study.icqs_distribution([1.0, 0.5]), [.5, .5, 0])
-    np.testing.assert_allclose(study.icqs_distribution([1.0, 0.0, 0.0, 0.5]), [.25, .25, .5])
+    np.testing.assert_allclose(study_metrics.icqs_distribution([1.0, 0.5]), [.5, .5, 0])
+    np.testing.assert_allclose(study_metrics.icqs_distribution([1.0, 0.0, 0.0, 0.5]),
+                               [.25, .25, .5])
     # mean_l loglik = [log 1, log 1, log 2] (with an offset) -> q = [.25, .25, .5]
     ll = np.array([[-3.0, -1.0], [-2.5, -1.5], [-2.0 + math.log(2), -2.0 + math.log(2)]])
-    np.testing.assert_allclose(study.epistemic_distribution(ll, [0.0, 0.5, 1.0]),
+    np.testing.assert_allclose(study_metrics.epistemic_distribution(ll, [0.0, 0.5, 1.0]),
                                [.5, .25, .25])
     with pytest.raises(ValueError):
-        study.tent(1.5)
+        study_metrics.tent(1.5)
     with pytest.raises(ValueError):
-        study.epistemic_distribution(ll, [0.0, 1.0])
+        study_metrics.epistemic_distribution(ll, [0.0, 1.0])
 
 
 def test_distribution_metrics_hand_checked():
     p = np.array([[1, 0, 0], [0, 0, 1], [.5, .5, 0]], dtype=float)
     h = np.array([[.5, .5, 0], [0, 0, 1], [.2, .8, 0]], dtype=float)
-    m = study.distribution_metrics(p, h, n_boot=50)
+    m = study_metrics.distribution_metrics(p, h, n_boot=50)
     assert m["mae"]["value"] == pytest.approx((1.0 + 0 + 0.6) / 9)
     big, small = 0.99 + 0.01 / 3, 0.01 / 3
     half = 0.99 * 0.5 + 0.01 / 3
@@ -131,10 +133,10 @@ def test_distribution_metrics_hand_checked():
     # rho = 1 - 6 * 2 / (3 * 8) = 0.5
     h2 = np.array([[.5, .5, 0], [.1, .1, .8], [.9, .1, 0]])
     p2 = np.array([[.5, .3, .2], [.1, .3, .6], [.4, .3, .3]])
-    assert study.distribution_metrics(p2, h2, n_boot=20)["spearman"]["value"] == \
+    assert study_metrics.distribution_metrics(p2, h2, n_boot=20)["spearman"]["value"] == \
         pytest.approx(0.5)
     with pytest.raises(ValueError):
-        study.distribution_metrics(p[:, :2], h[:, :2])
+        study_metrics.distribution_metrics(p[:, :2], h[:, :2])
 
 
 def _chaos_line(uid, dist, maj, prem="A man runs.", hyp="A person moves."):
@@ -157,19 +159,19 @@ def _write_chaosnli(path, n_each=4):
 def test_chaosnli_read_and_split(tmp_path):
     p = tmp_path / "chaosNLI_snli.jsonl"
     _write_chaosnli(p)
-    d = study.chaosnli_data(p, pool=2, limit=None, seed=0)
+    d = study_data.chaosnli_data(p, pool=2, limit=None, seed=0)
     assert [it.majority for it in d.good] == ["e", "e"]
     assert [it.majority for it in d.bad] == ["c", "c"]
     pools = {it.uid for it in d.good + d.bad}
     assert len(d.test) == 8 and not pools & {it.uid for it in d.test}
-    lim = study.chaosnli_data(p, pool=2, limit=1, seed=0)
+    lim = study_data.chaosnli_data(p, pool=2, limit=1, seed=0)
     assert sorted(it.majority for it in lim.test) == ["c", "e", "n"]
     p.write_text(_chaos_line("x", [0.5, 0.6, 0.1], "e") + "\n")
     with pytest.raises(InputError, match="label_dist"):
-        study.read_chaosnli(p)
+        datasets.read_chaosnli(p)
     p.write_text(_chaos_line("x", [0.5, 0.4, 0.1], "q") + "\n")
     with pytest.raises(InputError, match=r":1: field 'majority_label'"):
-        study.read_chaosnli(p)
+        datasets.read_chaosnli(p)
 
 
 # --------------------------------------------------------------------------- synthetic ranking
@@ -182,7 +184,7 @@ def _polar(n=8):
 
 
 def test_synthetic_answers_counts():
-    ans = study.synthetic_answers(_polar(10), seed=4)
+    ans = study_data.synthetic_answers(_polar(10), seed=4)
     assert ans.sum(axis=1).tolist() == [10, 8, 5, 3]  # round half up of 10 a
 
 
@@ -195,25 +197,25 @@ def test_synthetic_ranking_fake_scorers():
         calls.append(len(pairs))
         return [1.0 if y == gold[x] else 0.0 for x, y in pairs]
 
-    r = study.synthetic_ranking(polar, oracle, seed=0, n_boot=100)
+    r = study_metrics.synthetic_ranking(polar, oracle, seed=0, n_boot=100)
     assert calls == [16]  # every sentence's right and wrong answer, once
     assert [m["mean_score"] for m in r["models"]] == [1.0, 0.75, 0.5, 0.25]
     assert r["spearman"] == pytest.approx(1.0)
     # A scorer that prefers wrong answers ranks the models backwards.
-    r = study.synthetic_ranking(polar, lambda ps: [0.4 if y == gold[x] else 0.6 for x, y in ps],
-                                seed=0, n_boot=20)
+    r = study_metrics.synthetic_ranking(
+        polar, lambda ps: [0.4 if y == gold[x] else 0.6 for x, y in ps], seed=0, n_boot=20)
     assert r["spearman"] == pytest.approx(-1.0)
     assert r["models"][0]["mean_score"] == pytest.approx(0.4)
     with pytest.raises(ValueError, match="returned"):
-        study.synthetic_ranking(polar, lambda ps: [0.0], n_boot=5)
+        study_metrics.synthetic_ranking(polar, lambda ps: [0.0], n_boot=5)
 
 
 def test_accuracy_with_ci():
-    a = study.accuracy_with_ci([1, 1, 0, 1], n_boot=200, seed=0)
+    a = study_metrics.accuracy_with_ci([1, 1, 0, 1], n_boot=200, seed=0)
     assert a["value"] == 0.75 and a["n"] == 4 and 0.0 <= a["lo"] <= 0.75 <= a["hi"] <= 1.0
-    assert study.icqs_item_accuracy([1.0, 0.25, 0.5, 0.0], True) == 0.5
-    assert study.icqs_item_accuracy([1.0, 0.25, 0.5, 0.0], False) == 0.5
-    assert study.icqs_item_accuracy([0.75, 0.75], False) == 0.0
+    assert study_metrics.icqs_item_accuracy([1.0, 0.25, 0.5, 0.0], True) == 0.5
+    assert study_metrics.icqs_item_accuracy([1.0, 0.25, 0.5, 0.0], False) == 0.5
+    assert study_metrics.icqs_item_accuracy([0.75, 0.75], False) == 0.0
 
 
 # --------------------------------------------------------------------------- end to end
@@ -236,7 +238,7 @@ def _write_fpb(d):
 
 def test_eval_fpb_json_end_to_end(tmp_path, tiny_model, capsys):
     from icqs_fast.cli import main
-    from icqs_fast.icqs import ICQSScorer
+    from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.models import load_model
 
     _write_fpb(tmp_path)
@@ -247,7 +249,7 @@ def test_eval_fpb_json_end_to_end(tmp_path, tiny_model, capsys):
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dataset"] == "fpb" and doc["model"] == str(tiny_model) and doc["seconds"] > 0
-    assert set(doc["groups"]) == set(study.SENTIMENT_GROUPS)
+    assert set(doc["groups"]) == set(study_data.SENTIMENT_GROUPS)
     for g, row in doc["groups"].items():
         assert set(row) == set(study.METHODS)
         assert all(0.0 <= v <= 1.0 for v in row.values())
@@ -260,7 +262,7 @@ def test_eval_fpb_json_end_to_end(tmp_path, tiny_model, capsys):
     assert [pt["demos_per_set"] for pt in doc["curve"]] == [1, 2]
     assert doc["curve"][-1]["groups"] == doc["groups"]
     # Independent check of the epistemic accuracies: the engine scored directly.
-    data = study.fpb_data(tmp_path / "fpb" / "Sentences_AllAgree.txt", pool=2, limit=2, seed=0)
+    data = study_data.fpb_data(tmp_path / "fpb" / "Sentences_AllAgree.txt", pool=2, limit=2, seed=0)
     model, tok = load_model(str(tiny_model))
     sc = ICQSScorer(model, tok, data.good, data.bad, num_ratios=3, demos_per_set=2,
                     sets_per_ratio=2, seed=0, drop_oldest_demos=True)

@@ -16,11 +16,11 @@ import torch
 from _helpers import DEVICE
 
 from icqs_fast import ICQSScorer
-from icqs_fast.features import as_item, encode, glassbox
-from icqs_fast.icqs import PromptTokens, PromptTooLong, first_response_token
+from icqs_fast.engine.prompt_tokens import PromptTokens, PromptTooLong, first_response_token
+from icqs_fast.engine.prompts import Template
+from icqs_fast.engine.reference import icqs_naive
+from icqs_fast.features.extract import as_item, encode, glassbox
 from icqs_fast.models import load_model
-from icqs_fast.prompts import Template
-from icqs_fast.reference import icqs_naive
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

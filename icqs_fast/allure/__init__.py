@@ -10,7 +10,7 @@ Public API: :func:`audit` (the loop), :class:`LikelihoodEvaluator` / :class:`ICQ
 :class:`FileAudit`), the data loaders and the studies (:mod:`icqs_fast.allure.studies`).
 """
 
-from .data import (
+from icqs_fast.allure.data import (
     LLMBAR_TASK,
     SUMMEVAL_TASK,
     AuditRecord,
@@ -24,8 +24,14 @@ from .data import (
     split,
     spread,
 )
-from .evaluators import Example, ICQSEvaluator, Judgment, LikelihoodEvaluator, make_example
-from .loop import (
+from icqs_fast.allure.evaluators import (
+    Example,
+    ICQSEvaluator,
+    Judgment,
+    LikelihoodEvaluator,
+    make_example,
+)
+from icqs_fast.allure.loop import (
     AcceptAll,
     AuditResult,
     AutoAudit,
@@ -36,8 +42,8 @@ from .loop import (
     audit,
     score_judgments,
 )
-from .memory import HeldoutLeakError, Memory, MemoryEntry
-from .truth import label_truth, normalise, regex_truth
+from icqs_fast.allure.memory import HeldoutLeakError, Memory, MemoryEntry
+from icqs_fast.allure.truth import label_truth, normalise, regex_truth
 
 __all__ = [
     "LLMBAR_TASK", "SUMMEVAL_TASK", "AcceptAll", "AuditRecord", "AuditResult", "AutoAudit",

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..io import InputError, RecordError, field_of, read_json_objects, shared_data_dir
-from .truth import label_truth, regex_truth
+from icqs_fast.allure.truth import label_truth, regex_truth
+from icqs_fast.io.datasets import shared_data_dir
+from icqs_fast.io.readers import read_json_objects
+from icqs_fast.io.records import InputError, RecordError, field_of
 
 
 @dataclass

@@ -6,10 +6,11 @@ label (for AUC) and glass-box features of the same forward.
   the restated record, assistant: its correct label) and the record's query; each option's
   tokens are scored as a continuation after the assistant header. All of a round's prompts
   start with the same instructions + memory tokens and all options of a record share the
-  record's prompt, so :func:`icqs_fast.continuations.score_continuations` computes the memory's
+  record's prompt, so :func:`icqs_fast.engine.continuations.score_continuations` computes the
+  memory's
   KV states once per round (once per bank chunk, :attr:`LikelihoodEvaluator.bank_mib`) and each
   record's prompt once, whatever the number of options.
-* :class:`ICQSEvaluator` - thresholds an ICQS-Epistemic score (:class:`icqs_fast.icqs.
+* :class:`ICQSEvaluator` - thresholds an ICQS-Epistemic score (:class:`icqs_fast.engine.scorer.
   ICQSScorer`), with the memory's records as good / bad demonstrations.
 
 Both return :class:`Judgment` s and take the memory as a sequence of :class:`MemoryItem`
@@ -25,11 +26,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..batching import decoder_body, model_device
-from ..continuations import kv_bytes_per_token, score_continuations
-from ..icqs import model_max_length
-from ..prompts import adds_bos
-from .data import AuditRecord, TaskSpec
+from icqs_fast.allure.data import AuditRecord, TaskSpec
+from icqs_fast.engine.batching import decoder_body, model_device
+from icqs_fast.engine.checks import model_max_length
+from icqs_fast.engine.continuations import kv_bytes_per_token, score_continuations
+from icqs_fast.engine.prompts import adds_bos
 
 
 @dataclass(frozen=True)
@@ -292,10 +293,10 @@ class LikelihoodEvaluator:
         response span, averaged over layers and heads, per record (nats).
 
         One plain forward of each whole prompt with the package's fused attention entropy
-        (:func:`icqs_fast.attention.capture_attention_entropy`): that capture needs a full
+        (:func:`icqs_fast.features.attention.capture_attention_entropy`): that capture needs a full
         forward without a KV cache, so it is not the bank's forward and costs one more prompt
         forward per record; the studies run it on a few held-out records."""
-        from ..attention import capture_attention_entropy
+        from icqs_fast.features.attention import capture_attention_entropy
 
         dev = model_device(self.model)
         body = decoder_body(self.model)
@@ -362,7 +363,7 @@ class ICQSEvaluator:
         return x, y
 
     def _scorer_for(self, memory: Sequence[MemoryItem]):
-        from ..icqs import ICQSScorer
+        from icqs_fast.engine.scorer import ICQSScorer
 
         key = tuple(m.record.id for m in memory)
         if self._scorer is None or key != self._key:

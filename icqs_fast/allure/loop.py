@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import metrics as M
-from ..io import JsonlWriter, read_json_objects, read_resume_state
-from .data import AuditRecord, TaskSpec
-from .evaluators import Evaluator, Judgment, make_example
-from .memory import Memory, MemoryEntry
+from icqs_fast import metrics as M
+from icqs_fast.allure.data import AuditRecord, TaskSpec
+from icqs_fast.allure.evaluators import Evaluator, Judgment, make_example
+from icqs_fast.allure.memory import Memory, MemoryEntry
+from icqs_fast.io.readers import read_json_objects
+from icqs_fast.io.results import JsonlWriter, read_resume_state
 
 # --------------------------------------------------------------------------- metrics
 

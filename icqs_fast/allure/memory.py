@@ -6,7 +6,8 @@ id>``), ``round`` (the round whose mistake it came from), ``split`` (always ``"t
 (id, fields, truth, line), ``example`` (``user`` / ``assistant`` turns), ``predicted``,
 ``confidence`` (the evaluator's probability of its wrong label) and ``audit`` (who accepted it).
 
-Lines are only ever appended (one ``write`` each, :class:`icqs_fast.io.JsonlWriter`), so a crash
+Lines are only ever appended (one ``write`` each, :class:`icqs_fast.io.results.JsonlWriter`), so a
+crash
 leaves at most one incomplete last line, which a resume truncates away. Held-out records can
 never enter: :meth:`Memory.forbid` registers their ids and :meth:`Memory.append` refuses them (and
 anything whose split is not ``train``); :meth:`Memory.load` refuses a file that holds one.
@@ -20,9 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io import InputError, JsonlWriter, read_json_objects, read_resume_state
-from .data import AuditRecord
-from .evaluators import Example
+from icqs_fast.allure.data import AuditRecord
+from icqs_fast.allure.evaluators import Example
+from icqs_fast.io.readers import read_json_objects
+from icqs_fast.io.records import InputError
+from icqs_fast.io.results import JsonlWriter, read_resume_state
 
 
 class HeldoutLeakError(ValueError):

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import metrics as M
-from .data import AuditRecord, TaskSpec
-from .evaluators import Evaluator
-from .loop import RoundResult, score_judgments
-from .memory import MemoryEntry
+from icqs_fast import metrics as M
+from icqs_fast.allure.data import AuditRecord, TaskSpec
+from icqs_fast.allure.evaluators import Evaluator
+from icqs_fast.allure.loop import RoundResult, score_judgments
+from icqs_fast.allure.memory import MemoryEntry
 
 METRICS = ("accuracy", "f1", "auc", "kappa")
 

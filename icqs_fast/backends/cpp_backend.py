@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..types import TokenStats
-from . import state as _state
+from icqs_fast.backends import state as _state
+from icqs_fast.types import TokenStats
 
 try:
-    from .. import _C
+    from icqs_fast import _C
 except ImportError as exc:  # not built (no compiler, or ICQS_FAST_NO_EXT=1)
     _C = None
     _IMPORT_ERROR = str(exc)
@@ -105,7 +105,7 @@ def token_stats(
     :func:`icqs_fast.ops.token_stats` for the contract; float64 logits use the torch reference.
     """
     if logits.dtype not in _DTYPE_CODES:
-        from . import torch_ref
+        from icqs_fast.backends import torch_ref
 
         return torch_ref.token_stats(logits, targets, ignore_index, temperature,
                                      compute_dtype=logits.dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..types import TokenStats
+from icqs_fast.types import TokenStats
 
 STATE_WIDTH = 7
 

@@ -7,8 +7,11 @@ not to run.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..types import TokenStats
+# The torch block reduction of the chunked ops (ops.py picks `mod.reduce_block` per backend).
+from icqs_fast.backends.state import reduce_block  # noqa: F401
+from icqs_fast.types import TokenStats
 
 
 def token_stats(
@@ -84,4 +87,116 @@ def linear_token_stats(
     if bias is not None:
         logits = logits + bias.float()
     return token_stats(logits, targets, ignore_index=ignore_index, temperature=temperature)
-from .state import reduce_block  # noqa: E402,F401  (the torch block reduction for chunked ops)
+
+# ------------------------------------------------------------------ attention entropy (torch)
+
+
+def _entropy_rows(s: torch.Tensor, allow: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of softmax over the last dim of fp32 scores ``s [..., K]``, restricted to
+    ``allow`` (bool, broadcastable to ``s``; None = every key); 0 for rows with no allowed key.
+    Shifted form ``H = log l - t / l`` with ``l = sum e^z``, ``t = sum e^z z``, ``z = s - max``.
+    ``s`` is overwritten (in place keeps the CPU path at two score-sized buffers)."""
+    if allow is not None:
+        s.masked_fill_(~allow, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    if allow is not None:
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z = s.sub_(m)
+    e = torch.exp(z)
+    l_ = e.sum(-1)
+    if allow is not None:
+        z.masked_fill_(~allow, 0.0)  # e = 0 there; avoid 0 * -inf
+    t = e.mul_(z).sum(-1)
+    ok = l_ > 0
+    safe = torch.where(ok, l_, torch.ones_like(l_))
+    return torch.where(ok, (torch.log(safe) - t / safe).clamp_min(0.0), torch.zeros_like(l_))
+
+
+def attention_entropy_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_range: torch.Tensor,
+    query_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    chunk: int = 512,
+    ent_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch forward with entropy (inputs already validated by ``icqs_fast.ops``).
+
+    The output comes from ``scaled_dot_product_attention`` one block of ``chunk`` query rows at a
+    time (its mask block is ``[B, 1, chunk, Tk]`` bool); the entropy is computed only for the
+    flagged rows and only over the key range, ``ent_chunk`` rows at a time (scores
+    ``[Hq, ent_chunk, k1 - k0]`` fp32; by default about 1M scores, at most ``chunk`` rows).
+    Memory is O(B * Hq * chunk * Tk), never ``[B, Hq, Tq, Tk]`` for ``Tq > chunk``.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hk, Tk, D]``; key_range ``[B, 2]`` int64;
+        query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]`` bool or None; causal; scale;
+        chunk: query rows per masked SDPA block; ent_chunk: flagged rows per entropy block
+        (None = automatic).
+
+    Returns:
+        ``out [B, Hq, Tq, D]`` in q's dtype and ``entropy [B, Hq, Tq]`` fp32.
+    """
+    bsz, hq, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    group = hq // hk
+    off = tk - tq
+    dev = q.device
+    kpos = torch.arange(tk, device=dev)
+
+    # ---- output
+    if attention_mask is None and (not causal or tq == tk):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq > 1, scale=scale,
+                                             enable_gqa=group > 1)
+    else:
+        out = torch.empty(bsz, hq, tq, v.shape[-1], device=dev, dtype=q.dtype)
+        for r0 in range(0, tq, chunk):
+            r1 = min(tq, r0 + chunk)
+            allow = torch.ones(bsz, 1, r1 - r0, tk, dtype=torch.bool, device=dev)
+            if attention_mask is not None:
+                allow = allow & attention_mask[:, None, None, :].bool()
+            if causal:
+                qpos = off + torch.arange(r0, r1, device=dev)
+                allow = allow & (kpos[None, :] <= qpos[:, None])[None, None]
+            o = F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=allow,
+                                               scale=scale, enable_gqa=group > 1)
+            # Rows with no allowed key: SDPA may return NaN there; the contract is 0.
+            o = torch.where(allow.any(-1, keepdim=True), o, torch.zeros((), dtype=o.dtype,
+                                                                         device=dev))
+            out[:, :, r0:r1] = o
+
+    # ---- entropy of the flagged rows over their key range
+    ent = torch.zeros(bsz, hq, tq, device=dev, dtype=torch.float32)
+    kr = key_range.tolist()
+    for b in range(bsz):
+        k0, k1 = max(0, int(kr[b][0])), min(tk, int(kr[b][1]))
+        rows = query_mask[b].nonzero()[:, 0]
+        if k1 <= k0 or rows.numel() == 0:
+            continue
+        kb = k[b, :, k0:k1].float()  # [Hk, K, D]
+        key_ok = (attention_mask[b, k0:k1].bool() if attention_mask is not None
+                  else torch.ones(k1 - k0, dtype=torch.bool, device=dev))
+        all_keys_ok = bool(key_ok.all())
+        # About 1M scores (4 MB) per block: cache-friendly on the CPU and a small peak.
+        step = ent_chunk or min(chunk, max(16, (1 << 20) // (hq * (k1 - k0))))
+        for r0 in range(0, rows.numel(), step):
+            idx = rows[r0:r0 + step]
+            n = idx.numel()
+            qb = q[b][:, idx].float()  # [Hq, n, D]
+            # GQA: query head h uses key head h // group, so group the query heads per key head.
+            s = torch.matmul(qb.reshape(hk, group * n, d), kb.transpose(1, 2)) * scale
+            s = s.reshape(hq, n, k1 - k0)
+            # A mask only where some key of the range is hidden from some row of the chunk
+            # (the common case, response rows over instruction keys, needs none).
+            allow = None
+            if not all_keys_ok or (causal and off + int(idx[0]) < k1 - 1):
+                allow = key_ok[None, :].expand(n, -1)
+                if causal:
+                    allow = allow & (kpos[None, k0:k1] <= (off + idx)[:, None])
+                allow = allow[None]
+            ent[b][:, idx] = _entropy_rows(s, allow)
+    return out, ent

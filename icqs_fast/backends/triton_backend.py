@@ -11,22 +11,22 @@ import math
 
 import torch
 
-from ..types import TokenStats
-from . import state as _state
+from icqs_fast.backends import state as _state
+from icqs_fast.types import TokenStats
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def available() -> tuple[bool, str]:
     """(True, version) when triton imports and can run here (a CUDA device or the interpreter)."""
-    from . import triton_interpreting
+    from icqs_fast.backends import triton_interpreting
 
     try:
         import triton
     except Exception as exc:  # noqa: BLE001 - any import failure is the reason
         return False, f"triton does not import: {exc}"
     try:
-        from ..kernels import linear_token_stats, token_stats  # noqa: F401
+        from icqs_fast.kernels import linear_token_stats, token_stats  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return False, f"icqs_fast.kernels does not import: {exc}"
     if torch.cuda.is_available():
@@ -94,11 +94,11 @@ def token_stats(
     Extra memory: ``[S, N, 7]`` fp32 + ``[S, N, 2]`` int64 partial states, ``S = 1`` unless N is
     small (then ``S * N`` is a few hundred)."""
     if logits.dtype not in _DTYPES:
-        from . import torch_ref
+        from icqs_fast.backends import torch_ref
 
         return torch_ref.token_stats(logits, targets, ignore_index, temperature,
                                      compute_dtype=logits.dtype)
-    from ..kernels import token_stats as _k
+    from icqs_fast.kernels import token_stats as _k
 
     n, v = logits.shape
     if v == 0 and n:
@@ -110,7 +110,7 @@ def token_stats(
         st, counts = _state.empty(0, device=z.device)
         return _state.finalize(st, counts, z_t.double(), valid, temperature)
     if splits is None and z.device.type != "cuda":
-        from . import triton_interpreting
+        from icqs_fast.backends import triton_interpreting
 
         # The CPU interpreter pays per program, not per SM: one program per row there.
         splits = 1 if triton_interpreting() else None
@@ -188,8 +188,8 @@ def linear_token_stats(
     the peak while :func:`merge_partials` folds them in float64, plus ``O(N)`` per-row vectors;
     never ``[N, V]`` nor ``[N, H]``.
     """
-    from ..kernels import linear_token_stats as _k
-    from . import triton_interpreting
+    from icqs_fast.backends import triton_interpreting
+    from icqs_fast.kernels import linear_token_stats as _k
 
     if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
         raise TypeError(f"hidden and weight must share a float32/float16/bfloat16 dtype, got "

@@ -5,7 +5,8 @@ Both sides run one forward of the embedded model over a ``seq_len``-token input 
 first half, response = second half) and produce the same ``[B, layers, heads, T]`` entropies of
 each response row's attention renormalised over the instruction keys:
 
-* ours: :func:`icqs_fast.attention.capture_attention_entropy` (``ops.attention_entropy``: the
+* ours: :func:`icqs_fast.features.attention.capture_attention_entropy` (``ops.attention_entropy``:
+  the
   chunked torch path on the CPU, the Triton kernel on CUDA);
 * eager: ``attn_implementation="eager"`` with ``output_attentions=True``, then the entropies from
   the returned ``[B, heads, T, T]`` matrices (fp32, the way a user would write it).
@@ -34,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from ..attention import capture_attention_entropy, eager_range_entropy
-from . import environment, peak_growth_mb
-from .kernels import side_by_side
+from icqs_fast.benchmarks import environment, peak_growth_mb
+from icqs_fast.benchmarks.kernels import side_by_side
+from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -100,11 +101,11 @@ def _load(device: torch.device, random_weights: bool = False, config: str = "tin
     """``(model, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA) or a random-weight
     Llama of ``config`` (see :func:`icqs_fast.benchmarks.icqs.load`), with sdpa attention."""
     if random_weights:
-        from .icqs import load
+        from icqs_fast.benchmarks.icqs import load
 
         model, _, name = load(device, True, config)
         return model, name
-    from ..models import load_model
+    from icqs_fast.models import load_model
 
     model, _ = load_model(dtype="fp32" if device.type == "cpu" else "bf16", device=device,
                           attn_implementation="sdpa")
@@ -140,7 +141,7 @@ def _peak_in_subprocess(side: str, seq_len: int, device: str, random_weights: bo
 
 def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> dict:
     """CUDA only: one bf16 attention call, Triton forward-with-entropy vs plain SDPA (causal)."""
-    from .. import ops
+    from icqs_fast import ops
 
     dev = torch.device("cuda")
     q = torch.randn(1, heads, t, d, device=dev, dtype=torch.bfloat16)

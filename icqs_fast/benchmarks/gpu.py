@@ -7,7 +7,8 @@ Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case
 * times the public op end to end with ``triton.testing.do_bench`` (L2 flushed between runs),
 * times each Triton kernel of the op alone from the CUDA profiler (kernel names of the op's
   :func:`gpu_launches`), and
-* compiles the same launches for this GPU's arch and asks :mod:`icqs_fast.gpu_model` for a
+* compiles the same launches for this GPU's arch and asks :mod:`icqs_fast.benchmarks.gpu_model` for
+  a
   prediction, twice: with the model's table figures and with this device's measured copy
   bandwidth and bf16 matmul rate (so an H200, whose memory is faster than the table's H100,
   is still judged fairly).
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import environment
+from icqs_fast.benchmarks import environment
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -102,10 +103,10 @@ def kernel_times(fn: Callable[[], Any], names: set[str], repeat: int = 10) -> di
 
 def _case_fns(op: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device):
     """(launches, {variant: callable}) for one case; inputs built on the device."""
-    from .. import ops
-    from ..kernels import attention_entropy as ak
-    from ..kernels import linear_token_stats as lk
-    from ..kernels import token_stats as tk
+    from icqs_fast import ops
+    from icqs_fast.kernels import attention_entropy as ak
+    from icqs_fast.kernels import linear_token_stats as lk
+    from icqs_fast.kernels import token_stats as tk
 
     gen = torch.Generator(device=device).manual_seed(0)
     if op == "token_stats":
@@ -145,7 +146,7 @@ def check_case(op: str, dtype_name: str, shape: tuple[int, ...], device: torch.d
     """Records for one case: one per Triton launch and one for the whole op (per variant)."""
     from triton.testing import do_bench
 
-    from .static import analyze
+    from icqs_fast.benchmarks.static import analyze
 
     dtype = _DTYPES[dtype_name]
     out: list[dict] = []
@@ -216,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
         print("icqs-fast bench gpu: no CUDA device here; this command measures GPU times "
               "(use `icqs-fast bench static` for the predictions alone)", file=sys.stderr)
         return 2
-    from .. import gpu_model
-    from .static import Compiler
+    from icqs_fast.benchmarks import gpu_model
+    from icqs_fast.benchmarks.static import Compiler
 
     device = torch.device("cuda")
     out_dir = Path(args.out_dir)

@@ -1,5 +1,5 @@
 """``icqs-fast bench icqs``: the ICQS engine (:class:`icqs_fast.ICQSScorer`) against the naive
-method (:func:`icqs_fast.reference.icqs_naive`: one full forward, full-vocabulary logits and
+method (:func:`icqs_fast.engine.reference.icqs_naive`: one full forward, full-vocabulary logits and
 ``log_softmax`` per (response, demonstration set)) in one run, on the same responses.
 
 Setting: ``M+1 = 5`` ratios, ``L = 4`` sets per ratio, ``N = 8`` demonstrations per set (20
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from . import emit_record, environment, peak_growth_mb
+from icqs_fast.benchmarks import emit_record, environment, peak_growth_mb
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -92,7 +92,7 @@ def responses(n: int) -> list[tuple[str, str]]:
 
 
 def demos() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    from ..demo import data_file
+    from icqs_fast.data import data_file
 
     def read(name: str) -> list[tuple[str, str]]:
         with open(data_file(name), encoding="utf-8") as f:
@@ -110,7 +110,7 @@ def _resolve_device(device: str) -> torch.device:
 def load(device: torch.device, random_weights: bool = False, config: str = "llama-1b"):
     """``(model, tokenizer, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA), or a
     random-weight Llama of ``config`` with the embedded model's tokenizer."""
-    from ..models import embedded_model_dir, load_model
+    from icqs_fast.models import embedded_model_dir, load_model
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if not random_weights:
@@ -143,15 +143,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _scorer(model, tok, good, bad, settings=None):
-    from ..demo import TEMPLATE
-    from ..icqs import ICQSScorer
+    from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.scorer import ICQSScorer
 
     return ICQSScorer(model, tok, good, bad, template=TEMPLATE, **(settings or SETTINGS))
 
 
 def _naive(model, tok, good, bad, resp, settings=None):
-    from ..demo import TEMPLATE
-    from ..reference import icqs_naive
+    from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.reference import icqs_naive
 
     return icqs_naive(model, tok, good, bad, resp, template=TEMPLATE, **(settings or SETTINGS))
 
@@ -168,9 +168,9 @@ def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
     model, tok, _ = load(dev, random_weights, config)
     good, bad = demos()
     resp = responses(n)
-    from ..demo import TEMPLATE
-    from ..icqs import ICQSScorer
-    from ..reference import icqs_naive
+    from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.reference import icqs_naive
+    from icqs_fast.engine.scorer import ICQSScorer
 
     warm = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1)
     list(ICQSScorer(model, tok, good, bad, template=TEMPLATE, **warm).score(resp[:1]))
@@ -218,9 +218,9 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     resp = responses(n_responses)
 
     # Warm-up (lazy imports, allocator, kernels), not timed.
-    from ..demo import TEMPLATE
-    from ..icqs import ICQSScorer
-    from ..reference import icqs_naive
+    from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.reference import icqs_naive
+    from icqs_fast.engine.scorer import ICQSScorer
 
     warm = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1)
     list(ICQSScorer(model, tok, good, bad, template=TEMPLATE, **warm).score(resp[:1]))

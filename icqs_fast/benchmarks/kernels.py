@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import backends, ops
-from ..backends import torch_ref
-from ..types import FLOAT_FIELDS, TokenStats
-from . import environment
+from icqs_fast import backends, ops
+from icqs_fast.backends import torch_ref
+from icqs_fast.benchmarks import environment
+from icqs_fast.types import FLOAT_FIELDS, TokenStats
 
 BASELINE = "torch log_softmax+gather+entropy+var"
 BASELINE_LINEAR = "torch matmul+log_softmax+gather+entropy+var"

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import emit_record, environment
+from icqs_fast.benchmarks import emit_record, environment
 
 TASK_NAME = "icqs_sst2_local"
 # Rows at the top of dev.tsv that form the few-shot pool; documents come after them.
@@ -137,9 +137,9 @@ def _count_hf(lm: Any, counts: dict[str, int]) -> Iterator[None]:
 @contextlib.contextmanager
 def _count_ours(counts: dict[str, int]) -> Iterator[None]:
     """Count the tokens score_continuations runs through prefix-bank and suffix forwards."""
-    from .. import continuations as cm
+    from icqs_fast.engine import continuations as cm
 
-    bank_cls, suffix, plain = cm.PrefixBank, cm.suffix_hidden, cm._score_plain
+    bank_cls, suffix, plain = cm.PrefixBank, cm.suffix_hidden, cm.score_plain
 
     class CountingBank(bank_cls):  # type: ignore[misc, valid-type]
         def add(self, prefixes):
@@ -156,11 +156,11 @@ def _count_ours(counts: dict[str, int]) -> Iterator[None]:
         counts["ours_suffix_tokens"] += len(batch) * max(len(r[2]) for r in batch)
         return plain(model, batch, *a, **k)
 
-    cm.PrefixBank, cm.suffix_hidden, cm._score_plain = CountingBank, suffix_hidden, score_plain
+    cm.PrefixBank, cm.suffix_hidden, cm.score_plain = CountingBank, suffix_hidden, score_plain
     try:
         yield
     finally:
-        cm.PrefixBank, cm.suffix_hidden, cm._score_plain = bank_cls, suffix, plain
+        cm.PrefixBank, cm.suffix_hidden, cm.score_plain = bank_cls, suffix, plain
 
 
 def _timed_loglikelihood(lm: Any, acc: dict[str, float], key: str) -> None:
@@ -209,9 +209,9 @@ def bench(limit: int = 60, shots: int = 5, model: str = "embedded", *, data: str
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from ..compat.lm_eval import ICQSFastLM
-    from ..io import shared_data_dir
-    from ..models import load_model
+    from icqs_fast.compat.lm_eval import ICQSFastLM
+    from icqs_fast.io.datasets import shared_data_dir
+    from icqs_fast.models import load_model
 
     if limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _inputs(d: Path, n: int) -> tuple[Path, Path, Path, str]:
-    from ..io import default_fpb_path, fpb_examples
+    from icqs_fast.io.datasets import default_fpb_path, fpb_examples
 
     if default_fpb_path().is_file():
         good, bad, rest = fpb_examples(n_good=16, n_bad=16, seed=0)
@@ -82,7 +82,7 @@ def _tiny_model(d: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from .. import models
+    from icqs_fast import models
 
     tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
     torch.manual_seed(0)
@@ -123,7 +123,8 @@ def _diff(a: dict, b: dict) -> tuple[float, float, bool]:
 
 def bench(n: int, workers: list[int], model: str, block_size: int | None,
           cpus_per_worker: float) -> dict:
-    from ..distributed.cli import build_parser, run_ray
+    from icqs_fast.cli.ray_options import build_parser
+    from icqs_fast.jobs.ray_executor import run_ray
 
     rec: dict = {"bench": "scaleout", "n": n, "model": model, "icqs_args": ICQS_ARGS,
                  "cpus_per_worker": cpus_per_worker, "loadavg_1min_before": os.getloadavg()[0]}
@@ -209,7 +210,7 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import environment
+    from icqs_fast.benchmarks import environment
 
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]

@@ -1,5 +1,5 @@
 """``icqs-fast bench static``: compile every Triton kernel for sm_90 / sm_80 without a GPU and
-predict its time with :mod:`icqs_fast.gpu_model`.
+predict its time with :mod:`icqs_fast.benchmarks.gpu_model`.
 
 For each shape of :func:`shape_table` the kernel modules describe their CUDA launches
 (``gpu_launches(...) -> list[Launch]``, built from the same settings function their launchers
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import gpu_model
+from icqs_fast.benchmarks import gpu_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 ARCHS = ("sm_90", "sm_80")
@@ -317,7 +317,7 @@ LIGER_H100_CE = ((4096, 0.1386), (8192, 0.2626), (16384, 0.4158), (32768, 0.8098
 
 
 def _launch_cls():
-    from ..kernels.launch import Launch
+    from icqs_fast.kernels.launch import Launch
     return Launch
 
 
@@ -591,7 +591,7 @@ def collect(archs: tuple[str, ...], quick: bool, keep: str | None,
     """Records per arch (table + validation), each stamped with commit, date, versions."""
     import triton
 
-    from . import environment
+    from icqs_fast.benchmarks import environment
 
     env = environment()
     stamp = {"commit": env["commit"], "date": env["date"], "triton": triton.__version__,

@@ -4,7 +4,7 @@ lm-eval's Hugging Face model (``HFLM``) runs one full forward per request (one p
 one-token continuations): every few-shot request recomputes the few-shot examples, every answer
 option recomputes the question. :class:`ICQSFastLM` tokenizes exactly as ``HFLM`` does (its
 context / continuation split, BOS policy and left truncation), then scores the requests through
-:func:`icqs_fast.continuations.score_continuations`: the contexts' shared leading tokens are
+:func:`icqs_fast.engine.continuations.score_continuations`: the contexts' shared leading tokens are
 computed once (the prefix bank's token trie) and logits exist only at continuation positions
 (``linear_token_stats``, is_greedy from the same pass). On the same model object every
 ``(loglik, is_greedy)`` equals ``HFLM``'s (tests/test_compat_lm_eval.py).
@@ -116,7 +116,7 @@ class ICQSFastLM(TemplateLM):
                           "CPU", stacklevel=2)
             device = "cpu"
         if model is None:
-            from ..models import load_model
+            from icqs_fast.models import load_model
 
             name = None if pretrained in (None, "", "embedded") else pretrained
             model, tokenizer = load_model(name, dtype=dtype, device=device or "auto")
@@ -214,7 +214,7 @@ class ICQSFastLM(TemplateLM):
 
         As ``HFLM``: a request longer than ``max_length + 1`` tokens loses context tokens from
         the left (the continuation is kept whole; it must fit in ``max_length``)."""
-        from ..continuations import score_continuations
+        from icqs_fast.engine.continuations import score_continuations
 
         n_max = self.max_length
         prepared: list[tuple[list[int], list[int]]] = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import torch_ops  # noqa: F401 - registers torch.ops.icqs_fast.*
+from icqs_fast import torch_ops  # noqa: F401 - registers torch.ops.icqs_fast.*
 
 
 def selective_log_softmax(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import torch_ops
+from icqs_fast import torch_ops
 
 # verl has no ignore_index: every label is scored, so use a sentinel no label can equal.
 _NO_IGNORE = -(2**62)

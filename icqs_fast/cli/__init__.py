@@ -1,0 +1,77 @@
+"""``icqs-fast`` command line.
+
+Each subcommand lives in the module that owns it; that module exposes
+``add_arguments(parser)`` and ``run(args) -> int``. This file only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command path, module, help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("info",), "icqs_fast.cli.info", "versions, device and available backends"),
+    (("demo",), "icqs_fast.cli.demo", "score a small built-in set with the embedded model"),
+    (("score",), "icqs_fast.cli.score", "score responses from a JSONL/CSV/TSV file with ICQS"),
+    (("features",), "icqs_fast.cli.features", "glass-box features of a file's responses"),
+    (("rank",), "icqs_fast.cli.rank", "rank models by mean score, with bootstrap intervals"),
+    (("audit",), "icqs_fast.cli.audit", "ALLURE: audit an LLM evaluator, round by round"),
+    (("bench", "kernels"), "icqs_fast.benchmarks.kernels", "token-statistics kernels vs torch"),
+    (("bench", "icqs"), "icqs_fast.benchmarks.icqs", "ICQS engine vs the naive method"),
+    (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
+    (("bench", "static"), "icqs_fast.benchmarks.static",
+     "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
+    (("bench", "gpu"), "icqs_fast.benchmarks.gpu",
+     "measured GPU times beside the static model's predictions (needs CUDA)"),
+    (("bench", "lm-eval"), "icqs_fast.benchmarks.lm_eval",
+     "lm-eval's HF model vs the icqs-fast lm-eval model on a local task"),
+    (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",
+     "records/s on Ray Data with 1..n workers vs the single-process CLI"),
+    (("eval", "mtbench"), "icqs_fast.cli.eval_mtbench", "glass-box features vs GPT-4 on MT-Bench"),
+    (("eval", "fpb"), "icqs_fast.cli.eval", "ICQS study on Financial PhraseBank"),
+    (("eval", "sst2"), "icqs_fast.cli.eval", "ICQS study on SST-2"),
+    (("eval", "chaosnli"), "icqs_fast.cli.eval", "ICQS study on ChaosNLI distributions"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="icqs-fast", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, modname, help_ in COMMANDS:
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_)
+        else:
+            if path[0] not in groups:
+                g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
+                groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_)
+        p.set_defaults(_module=modname)
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as exc:
+            # A missing optional piece should break only its own subcommand.
+            p.set_defaults(_import_error=str(exc))
+            continue
+        mod.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    err = getattr(args, "_import_error", None)
+    if err:
+        print(f"icqs-fast: this command is unavailable: {err}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(args._module)
+    try:
+        return int(mod.run(args) or 0)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"icqs-fast: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""``icqs-fast audit``: the ALLURE audit loop and its studies on SummEval, LLMBar or a custom file.
+
+    icqs-fast audit --task summeval --limit 40 --balance --rounds 2 --json --plot plots/
+
+The records (with ``--limit N``: an even, seeded spread of N over the file) are split into a
+training and a held-out part (``--heldout``, stratified by truth, seeded). Each round evaluates
+both with the current memory, turns the training mistakes into in-context examples, audits
+them (``--audit auto``: accept when the evaluator's probability of its wrong label is at least
+``--audit-threshold``; ``file``: the candidates are written to ``--audit-file`` and the run
+stops until you set ``"accept"`` on every line and rerun with ``--resume``; ``none``: accept all)
+and appends the accepted ones to the memory (``--memory FILE``, append-only JSONL; its round log
+is ``FILE.rounds.jsonl``). Every number reported is on the held-out part, which never enters the
+memory. After the loop: the sweep over the number of examples, the failure-mode clusters, the
+cluster ablation and the attention-entropy change per round.
+
+Resume and bad input as in ``icqs-fast score``: ``--resume`` continues a memory written with the
+same settings (checked against ``FILE.meta.json``), an existing memory is only replaced with
+``--overwrite``, one process writes a memory at a time (``FILE.lock``), and a bad record stops the
+run with an error naming the file, line and field (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from icqs_fast.io.runs import OutputLock, check_run_paths, plan_output, start_output
+
+TASKS = ("summeval", "llmbar", "custom")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", choices=TASKS, required=True)
+    p.add_argument("--data", default=None, help="input file (default for summeval / llmbar: "
+                   "../shared/data)")
+    p.add_argument("--rounds", type=int, default=3, help="most memory updates (default 3)")
+    p.add_argument("--memory", default=None, help="memory JSONL (append-only); needed for "
+                   "--resume and --audit file (default: kept in the process only)")
+    p.add_argument("--audit", choices=("auto", "file", "none"), default="auto")
+    p.add_argument("--audit-threshold", type=float, default=0.6,
+                   help="auto audit: accept when P(wrong label) >= this (default 0.6)")
+    p.add_argument("--audit-file", default=None,
+                   help="file audit: candidates file (default MEMORY.candidates.jsonl)")
+    p.add_argument("--limit", type=int, default=None, help="an even, seeded spread of N records")
+    p.add_argument("--balance", action="store_true",
+                   help="with --limit: the same number of records of each truth class")
+    p.add_argument("--heldout", type=float, default=0.5, help="held-out fraction (default 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new", type=int, default=6, help="most examples accepted per round")
+    p.add_argument("--no-patience", action="store_true",
+                   help="do not stop when the training accuracy stops improving")
+    p.add_argument("--evaluator", choices=("likelihood", "icqs"), default="likelihood")
+    p.add_argument("--icqs-threshold", type=float, default=0.5)
+    p.add_argument("--icqs-seed-examples", type=int, default=2,
+                   help="ICQS evaluator: training records per class as seed demonstrations")
+    p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
+    p.add_argument("--bank-mib", type=int, default=1024,
+                   help="KV memory of one scoring call (default 1024)")
+    p.add_argument("--sweep-seeds", type=int, default=3, help="seeds of the sweep (0: no sweep)")
+    p.add_argument("--proportions", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--clusters", type=int, default=3, help="failure-mode clusters (0: none)")
+    p.add_argument("--no-ablation", action="store_true")
+    p.add_argument("--attn-items", type=int, default=4,
+                   help="held-out records whose attention entropy is measured per round")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--plot", default=None, help="folder for PNG plots")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    g = p.add_argument_group("custom task")
+    g.add_argument("--task-field", default="x")
+    g.add_argument("--response-field", default="y")
+    g.add_argument("--label-field", default=None)
+    g.add_argument("--answer-field", default=None,
+                   help="correct-answer field: truth by regex match of the response")
+    g.add_argument("--id-field", default=None)
+    g.add_argument("--pattern", default=r"(?<!\w){answer}(?!\w)",
+                   help="regex truth pattern with {answer}")
+    g.add_argument("--normalise", default="lower,space,strip",
+                   help="comma list of: lower, strip, space, punct, nfkc")
+    g.add_argument("--options", default="0,1", help="comma list of labels (default 0,1)")
+    g.add_argument("--positive", default=None, help="positive label (default: the last option)")
+    g.add_argument("--label-map", default=None, help="e.g. 'yes=1,no=0'")
+    g.add_argument("--instructions", default=None, help="evaluation instructions")
+    g.add_argument("--query-template", default=None,
+                   help="user turn, with {task} {response} [{reference}]")
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of numbers, got {text!r}") from None
+
+
+def _custom_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    options = [o.strip() for o in args.options.split(",") if o.strip()]
+    kw: dict[str, Any] = dict(task=args.task_field, response=args.response_field,
+                              label=args.label_field, answer=args.answer_field, id=args.id_field,
+                              pattern=args.pattern,
+                              normalisers=tuple(s.strip() for s in args.normalise.split(",")
+                                                if s.strip()),
+                              options=options, positive=args.positive or options[-1])
+    if args.label_map:
+        pairs = [kv.split("=", 1) for kv in args.label_map.split(",") if kv.strip()]
+        if any(len(kv) != 2 for kv in pairs):
+            raise ValueError(f"--label-map must look like 'yes=1,no=0', got {args.label_map!r}")
+        kw["label_map"] = {a.strip(): b.strip() for a, b in pairs}
+    if args.instructions:
+        kw["instructions"] = args.instructions
+    if args.query_template:
+        kw["query_template"] = args.query_template
+    return kw
+
+
+def _settings(args: argparse.Namespace, data: str) -> dict[str, Any]:
+    s = {k: getattr(args, k) for k in ("task", "limit", "balance", "heldout", "seed", "max_new",
+                                       "evaluator", "audit", "audit_threshold")}
+    s["data"] = os.path.abspath(data)
+    s["model"] = os.path.abspath(args.model) if args.model else "embedded:SmolLM2-135M-Instruct"
+    if args.task == "custom":
+        s["custom"] = {k: v for k, v in _custom_kwargs(args).items() if k != "normalisers"}
+        s["custom"]["normalisers"] = list(_custom_kwargs(args)["normalisers"])
+    return s
+
+
+def _progress(quiet: bool):
+    from icqs_fast.progress import track
+
+    def make(desc: str, total: int):
+        it = iter(track(range(total), total=total, desc=desc, unit="record", quiet=quiet))
+
+        def tick(n: int) -> None:
+            for _ in range(n):
+                next(it, None)
+            if n and getattr(tick, "done", 0) + n >= total:
+                next(it, None)  # exhaust: closes the bar
+            tick.done = getattr(tick, "done", 0) + n
+
+        return tick
+
+    return make
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf -> None, so the JSON report is standard JSON."""
+    if isinstance(x, float):
+        return None if not math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.allure.data import default_path
+
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    data = args.data or str(default_path(args.task))
+    check_run_paths(data, args.resume, args.overwrite)
+    if (args.resume or args.audit == "file") and not args.memory:
+        raise ValueError("--resume and --audit file need --memory FILE")
+    for name in ("rounds", "max_new", "sweep_seeds", "clusters", "attn_items"):
+        if getattr(args, name) < 0 or (name == "max_new" and args.max_new < 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {int(name == 'max_new')}")
+    if args.memory:
+        with OutputLock(args.memory):
+            return _run(args, data, log)
+    return _run(args, data, log)
+
+
+def _run(args: argparse.Namespace, data: str, log) -> int:
+    from icqs_fast.allure import studies
+    from icqs_fast.allure.data import load_task, split, spread
+    from icqs_fast.allure.evaluators import ICQSEvaluator, LikelihoodEvaluator
+    from icqs_fast.allure.loop import AcceptAll, AutoAudit, FileAudit
+    from icqs_fast.allure.loop import audit as run_audit
+    from icqs_fast.allure.memory import Memory
+    from icqs_fast.models import load_model, runtime_settings
+
+    t0 = time.perf_counter()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    settings = _settings(args, data)
+    plan = None
+    if args.memory:
+        plan = plan_output(args.memory, settings, resume=args.resume, overwrite=args.overwrite)
+    custom = _custom_kwargs(args) if args.task == "custom" else {}
+    spec, records = load_task(args.task, data, **custom)
+    picked = spread(records, args.limit, seed=args.seed, balance=args.balance)
+    train, heldout = split(picked, args.heldout, seed=args.seed)
+    log(f"icqs-fast audit: {args.task}: {len(records)} records, {len(picked)} used: "
+        f"{len(train)} train / {len(heldout)} held-out")
+    proportions = _floats(args.proportions, "--proportions")
+
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    settings.update(runtime_settings(model, args.backend))
+    if args.evaluator == "icqs":
+        n = args.icqs_seed_examples
+        good = [r for r in train if r.truth == spec.positive][:n]
+        bad = [r for r in train if r.truth != spec.positive][:n]
+        ev = ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad,
+                           threshold=args.icqs_threshold, seed=args.seed, backend=args.backend)
+    else:
+        ev = LikelihoodEvaluator(model, tok, spec, backend=args.backend, bank_mib=args.bank_mib)
+    attn_items = args.attn_items if hasattr(ev, "attention_entropy") else 0
+
+    memory = Memory(args.memory)
+    if plan is not None:
+        from icqs_fast.io.runs import check_runtime
+
+        check_runtime(plan, settings)
+        start_output(plan, settings, log)
+        if plan.append:
+            memory.load()
+    audit_file = args.audit_file or (f"{args.memory}.candidates.jsonl" if args.memory else None)
+    if args.audit == "file":
+        if not args.resume and audit_file and os.path.exists(audit_file):
+            os.remove(audit_file)  # decisions of an earlier run would match the new ids
+        auditor: Any = FileAudit(audit_file, spec)
+    elif args.audit == "none":
+        auditor = AcceptAll()
+    else:
+        auditor = AutoAudit(args.audit_threshold)
+
+    res = run_audit(ev, train, heldout, rounds=args.rounds, auditor=auditor, memory=memory,
+                    max_new=args.max_new, patience=not args.no_patience, attn_items=attn_items,
+                    resume=args.resume, progress=_progress(args.quiet),
+                    log=lambda s: log(f"icqs-fast audit: {s}"))
+    report: dict[str, Any] = {
+        "task": args.task, "model": settings["model"], "evaluator": ev.describe(),
+        "audit": res.audit, "stopped": res.stopped, "seed": args.seed, "limit": args.limit,
+        "balance": args.balance, "n_train": len(train), "n_heldout": len(heldout),
+        "positive": spec.positive, "options": list(spec.options),
+        "rounds": [{"round": r.round, "memory_size": r.memory_size,
+                    "heldout": {k: r.heldout[k] for k in ("accuracy", "f1", "auc", "kappa")},
+                    "heldout_errors": r.heldout["errors"], "train_accuracy": r.train["accuracy"],
+                    "mistakes": len(r.candidates), "accepted": len(r.accepted),
+                    "heldout_features_mean": r.features_mean(),
+                    "seconds": round(r.seconds, 2)} for r in res.rounds],
+        "attention": studies.attention_change(res.rounds),
+        "sweep": [], "clusters": [], "ablation": [],
+    }
+    mem = res.final_memory
+    plots: dict[str, Any] = {}
+    if res.stopped != "awaiting audit" and mem:
+        if args.sweep_seeds > 0:
+            log(f"icqs-fast audit: sweep over {len(proportions)} proportions of {len(mem)} "
+                f"examples x {args.sweep_seeds} seeds")
+            known = {tuple(e.id for e in memory.before(r.round)): r.heldout for r in res.rounds}
+            report["sweep"] = studies.sweep(ev, heldout, mem, proportions=proportions,
+                                            seeds=list(range(args.sweep_seeds)), known=known)
+        if args.clusters > 0 and len(mem) >= 2:
+            clusters, xy, assign = studies.failure_clusters(spec, mem, k=args.clusters,
+                                                            seed=args.seed)
+            report["clusters"] = [c.to_json() for c in clusters]
+            if xy is not None:
+                plots["tsne"] = (xy, assign, [c.name for c in clusters])
+            if not args.no_ablation and len(clusters) > 1:
+                log(f"icqs-fast audit: ablation of {len(clusters)} clusters")
+                full = [res.rounds[-1].heldout_pred[r.id][0] for r in heldout]
+                report["ablation"] = studies.ablation(ev, heldout, mem, clusters, full)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.plot:
+        from icqs_fast.allure import plots as P
+
+        d = Path(args.plot)
+        P.plot_rounds(report["rounds"], d / "rounds.png")
+        if report["sweep"]:
+            P.plot_sweep(report["sweep"], d / "sweep.png")
+        if "tsne" in plots:
+            P.plot_tsne(*plots["tsne"], d / "tsne.png")
+        if report["ablation"]:
+            P.plot_ablation(report["ablation"], d / "ablation.png")
+    if args.json:
+        print(json.dumps(_clean(report), indent=1))
+    else:
+        _print_text(report)
+    if res.stopped == "awaiting audit":
+        log(f"icqs-fast audit: decide the candidates in {audit_file} (\"accept\": true/false), "
+            "then rerun with --resume")
+    return 0
+
+
+def _print_text(rep: dict[str, Any]) -> None:
+    print(f"ALLURE audit: {rep['task']} ({rep['n_train']} train / {rep['n_heldout']} held-out), "
+          f"{rep['evaluator']}; audit {rep['audit']}; stopped: {rep['stopped']}")
+    print("round  examples  accuracy  f1      auc     kappa   FP  FN")
+    for r in rep["rounds"]:
+        h, e = r["heldout"], r["heldout_errors"]
+        print(f"{r['round']:5d}  {r['memory_size']:8d}  {h['accuracy']:.3f}     {h['f1']:.3f}   "
+              f"{h['auc']:.3f}   {h['kappa']:+.3f}  {e.get('false_positive', 0):3d} "
+              f"{e.get('false_negative', 0):3d}")
+    for s in rep["sweep"]:
+        print(f"sweep n={s['n_examples']}: accuracy {s['accuracy']:.3f} +- "
+              f"{s['accuracy_std']:.3f}, f1 {s['f1']:.3f}, auc {s['auc']:.3f}")
+    for c in rep["clusters"]:
+        print(f"cluster ({c['size']}): {c['name']}")
+    for a in rep["ablation"]:
+        print(f"without {a['cluster']}: accuracy {a['accuracy']:.3f}, kappa vs full "
+              f"{a['kappa_vs_full']:.3f}, errors {a['errors']}")
+    print(f"{rep['seconds']:.1f} s")

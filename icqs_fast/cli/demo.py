@@ -1,0 +1,113 @@
+"""``icqs-fast demo``: ICQS on a small built-in set of financial-news sentiment answers.
+
+The built-in files (``icqs_fast/data``) were written for this project:
+
+* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 12 headlines each, with the right sentiment
+  (good demonstrations) or the opposite one (bad demonstrations);
+* ``demo_financial.jsonl``: 16 other headlines with an answer to score, 8 right and 8 wrong
+  (field ``quality``: ``"good"`` / ``"bad"``).
+
+A good answer should score high (it is most likely after mostly-good demonstrations), a wrong
+one low. ``--fpb`` draws the demonstrations from the Financial PhraseBank in
+``../shared/data/fpb`` instead (real data, never copied into the package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from icqs_fast.data import TEMPLATE, data_file
+from icqs_fast.io.datasets import fpb_examples
+from icqs_fast.io.readers import read_examples, read_records
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--num-ratios", type=int, default=5, help="M+1 (default 5)")
+    p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")
+    p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--fpb", action="store_true",
+                   help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
+
+
+def _trunc(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.jobs.score import score_records
+    from icqs_fast.models import load_model
+
+    if args.fpb:
+        good, bad, _ = fpb_examples(n_good=32, n_bad=32, seed=args.seed, max_chars=160)
+        demo_source = "Financial PhraseBank (../shared/data/fpb)"
+    else:
+        good = read_examples(data_file("demo_good.jsonl"))
+        bad = read_examples(data_file("demo_bad.jsonl"))
+        demo_source = "built-in"
+    n = min(args.demos_per_set, len(good), len(bad))
+    responses = data_file("demo_financial.jsonl")
+
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, dtype=args.dtype)
+    t_load = time.perf_counter() - t0
+    scorer = ICQSScorer(model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=n,
+                        sets_per_ratio=args.sets_per_ratio, template=TEMPLATE, seed=args.seed,
+                        backend=args.backend)
+    t1 = time.perf_counter()
+    rows = []
+    records = read_records(responses, label_field="quality")
+    for rec, res in score_records(scorer, records, path=responses):
+        rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
+                     "score": res.score, "score_per_set": list(res.score_per_set),
+                     "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens})
+    t_score = time.perf_counter() - t1
+
+    means = {}
+    for q in ("good", "bad"):
+        s = [r["score"] for r in rows if r["quality"] == q]
+        means[q] = sum(s) / len(s) if s else float("nan")
+    summary = {
+        "n_responses": len(rows),
+        "mean_score_good": means["good"],
+        "mean_score_bad": means["bad"],
+        "difference": means["good"] - means["bad"],
+        "load_seconds": round(t_load, 3),
+        "score_seconds": round(t_score, 3),
+        "responses_per_second": round(len(rows) / t_score, 3) if t_score > 0 else None,
+    }
+    settings = {"model": args.model or "embedded SmolLM2-135M-Instruct",
+                "demonstrations": demo_source, "n_good": len(good), "n_bad": len(bad),
+                "num_ratios": args.num_ratios, "demos_per_set": n,
+                "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
+                "ratios": list(scorer.ratios)}
+    if args.json:
+        json.dump({"settings": settings, "results": rows, "summary": summary}, sys.stdout,
+                  indent=1)
+        sys.stdout.write("\n")
+        return 0
+
+    print(f"ICQS demo: {len(rows)} financial-news sentiment answers, "
+          f"{settings['model']}, {demo_source} demonstrations")
+    print(f"M+1={args.num_ratios} ratios x L={args.sets_per_ratio} sets of N={n} "
+          f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set\n")
+    xw = 46
+    print(f"{'#':>2}  {'headline':<{xw}}  {'answer':<8}  {'meant':<5}  {'score':>5}  per-set")
+    for i, r in enumerate(rows, start=1):
+        per = " ".join(f"{s:.2f}" for s in r["score_per_set"])
+        print(f"{i:>2}  {_trunc(r['x'], xw):<{xw}}  {r['y']:<8}  {r['quality']:<5}  "
+              f"{r['score']:>5.2f}  {per}")
+    print(f"\nmean score: meant good {means['good']:.3f}, meant bad {means['bad']:.3f} "
+          f"(difference {summary['difference']:+.3f}); scored {len(rows)} responses in "
+          f"{t_score:.1f} s (model loaded in {t_load:.1f} s)")
+    return 0

@@ -1,0 +1,63 @@
+"""The ``--ray`` options shared by ``score`` and ``features`` (Ray is imported only when used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from icqs_fast.jobs.ray_executor import DEFAULT_BLOCK_SIZE, KINDS, OUTPUT_FORMATS, run_ray
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--ray`` options, added to the ``score`` and ``features`` parsers."""
+    g = p.add_argument_group("Ray (scale-out; OUTPUT is then a folder of block files)")
+    g.add_argument("--ray", action="store_true",
+                   help="run on a Ray cluster with Ray Data (icqs-fast[ray])")
+    g.add_argument("--address", default=None,
+                   help="Ray cluster: 'auto', ray://host:10001, host:6379 (default: start a "
+                   "local one)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="actors, each with its own model (default 1; one per GPU)")
+    g.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPUs per actor (default 0; 1 = one actor per GPU)")
+    g.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="CPU cores per actor (default 1; Ray sets its OMP_NUM_THREADS to this)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"records per input block and output file (default {DEFAULT_BLOCK_SIZE}"
+                   "; features: a multiple of --chunk-size)")
+    g.add_argument("--output-format", choices=OUTPUT_FORMATS, default="parquet",
+                   help="block files: parquet (default) or jsonl (the single-process lines)")
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    """The single-process command's parser, which includes the ``--ray`` options (``--ray``
+    implied here)."""
+    import importlib
+
+    mod = importlib.import_module("icqs_fast.cli.score" if kind == "score"
+                                  else "icqs_fast.cli.features")
+    p = argparse.ArgumentParser(prog=f"python -m icqs_fast.jobs.ray_executor {kind}")
+    mod.add_arguments(p)
+    p.set_defaults(ray=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m icqs_fast.jobs.ray_executor score|features ARGS``: :func:`run_ray` with the
+    command's arguments (what ``icqs-fast score --ray`` runs); exit code 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in KINDS:
+        print(f"usage: python -m icqs_fast.jobs.ray_executor {{{','.join(KINDS)}}} ARGS",
+              file=sys.stderr)
+        return 2
+    args = build_parser(argv[0]).parse_args(argv[1:])
+    try:
+        return run_ray(argv[0], args)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"icqs-fast: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,473 @@
+"""Prefix-sharing batcher: cache the KV states of every demonstration prefix once, then score
+many (context, suffix) rows in padded forwards that attend to those cached prefixes.
+
+Layout of one suffix forward with ``R`` rows (row ``i`` uses prefix entry ``e_i`` of length
+``p_i``; ``P = max p_i`` over the rows; ``S`` = longest suffix)::
+
+    cache slots   0 .. p_i-1        real prefix keys/values of entry e_i (positions 0..p_i-1)
+                  p_i .. P-1        padding, masked out in the 2D attention mask
+    query slots   P .. P+S-1        the suffix tokens, position ids p_i + t
+
+Causality is by slot index (transformers builds it from the cache length), so every suffix token
+sees all real prefix slots and the earlier suffix tokens; the explicit ``position_ids`` give RoPE
+and absolute-position models the positions the tokens would have in an unpadded prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+# Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
+# prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
+# 256 tokens, 6.9 s at 512, 6.4 s at 1024, 6.5 s at 2048 (larger batches spill the elementwise
+# work out of the caches; one forward of everything measured 8.3 s). 1024 also matches the
+# suffix forwards' chunk (SUFFIX_CHUNK_CPU), so building the bank peaks no higher than scoring.
+PREFIX_CHUNK_CPU = 1024
+# What one more prefix forward costs, in tokens of compute (GPU, CPU): it reads every weight once
+# whatever its size (the embedded model on the 2-core CPU: ~50-70 ms for a 1-token forward,
+# ~1.4 ms a token in long ones). Shared runs of prefix tokens that save less are recomputed per
+# prefix, and a chunk takes that much padding rather than a forward of its own. The GPU value
+# is an estimate (a forward's ~300 kernel launches against ~2 us a token for a 1B model).
+FORWARD_COST_TOKENS = (1024, 40)
+
+
+def decoder_body(model: Any) -> Any:
+    """The decoder without the LM head (``model.model`` for Llama, ``model.transformer`` for
+    GPT-2); its output hidden states are already final-normed for these architectures."""
+    body = getattr(model, "base_model", None)
+    if body is None or body is model:
+        raise TypeError(f"{type(model).__name__} has no separate decoder body (base_model)")
+    return body
+
+
+def padded_kv_problem(model: Any) -> str | None:
+    """Why the bank's padded KV layout gives wrong states for this model, or None when it is
+    fine. The prefix bank (trie pasts padded to the longest) and the KV-copy suffix forwards put
+    padding *inside* the sequence, masked in the 2D attention mask, with explicit position ids.
+    transformers' sliding-window (and chunked) masks measure distance in cache slots, not
+    positions, so a row with padding would lose keys that are inside its window (a tiny Mistral
+    with a 4-token window: hidden states off by ~2.5); full causal attention only looks at the
+    mask and is exact."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    types = list(getattr(cfg, "layer_types", None) or [])
+    local = [t for t in types if t in ("sliding_attention", "chunked_attention")]
+    window = getattr(cfg, "sliding_window", None)
+    if local:
+        return (f"{len(local)} of its {len(types)} layers use {local[0].replace('_', '-')} "
+                f"(sliding_window={window}, attention_chunk_size="
+                f"{getattr(cfg, 'attention_chunk_size', None)})")
+    if types:  # per-layer types given, all global: the window setting is unused
+        return None
+    if window and getattr(cfg, "use_sliding_window", True) is not False:
+        return f"it uses sliding-window attention (sliding_window={window})"
+    return None
+
+
+def check_padded_kv(model: Any) -> None:
+    """Raise NotImplementedError, naming the model type and the reason, for models whose
+    attention makes the bank's padded KV layout wrong (:func:`padded_kv_problem`)."""
+    why = padded_kv_problem(model)
+    if why is not None:
+        mt = getattr(model.config, "model_type", None)
+        raise NotImplementedError(
+            f"{type(model).__name__} (model_type {mt!r}) is not supported by the prefix-sharing "
+            f"engine: {why}. The prefix bank and the suffix forwards keep padding inside the "
+            "sequence, and transformers' sliding-window masks count cache slots, not positions, "
+            "so the scores would silently differ from a plain forward. Use the naive reference "
+            "(icqs_fast.engine.reference.icqs_naive) for this model."
+        )
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # transformers >= 4.56 caches hold a list of layers with .keys/.values [B, H, T, D].
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(k, v) for k, v, *_ in cache]
+
+
+class PrefixBank:
+    """KV states of token prefixes, stored padded: per layer ``keys[layer]`` and
+    ``values[layer]`` are ``[E, H_kv, P_bank, D]`` (model dtype; ``P_bank`` = the longest
+    entry) with entry ``e`` real in ``[:, :, :lengths[e]]`` and zeros past it.
+
+    They are views of capacity buffers ``[E_cap, H_kv, P_cap, D]`` that grow geometrically
+    (:data:`BANK_GROWTH` over entries and over prefix length, the first :meth:`add` exactly to
+    size): appending one entry at a time (``drop_oldest_demos`` adds one per dropped set) writes
+    into spare rows and copies the bank only when a capacity is exceeded, so ``k`` appends copy
+    ``O(total)`` bytes in all (``copied_bytes``), not ``O(k * total)``. Entries are only ever
+    appended; an entry's slots are never written after its :meth:`add` returns, so scoring
+    cannot change them (rows past ``E`` are not part of the views).
+    """
+
+    def __init__(self, model: Any, pad_id: int, token_budget: int) -> None:
+        check_padded_kv(model)
+        self.model = model
+        self.body = decoder_body(model)
+        self.pad_id = int(pad_id)
+        self.token_budget = int(token_budget)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+        # The capacity buffers behind keys/values, per layer [E_cap, H_kv, P_cap, D].
+        self._kbuf: list[torch.Tensor] = []
+        self._vbuf: list[torch.Tensor] = []
+        # Tokens run through prefix forwards so far, padding included (trie sharing makes this
+        # smaller than the prefixes' total length).
+        self.forward_tokens = 0
+        # Bytes of stored entries copied into bigger buffers so far (keys and values).
+        self.copied_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @torch.no_grad()
+    def add(self, prefixes: Sequence[Sequence[int]]) -> list[int]:
+        """Compute and store the KV states of ``prefixes`` (lists of token ids, each non-empty);
+        returns their entry indices.
+
+        Tokens the new prefixes share are computed once: the prefixes form a token trie (all
+        demonstration prefixes start with the same BOS + system text, and sets often share
+        their first demonstrations) and each trie edge is one row of a forward that continues
+        from its parent's states, already in the bank (:func:`_trie_edges`); on the embedded
+        model's benchmark prompts (20 prefixes, 4256 tokens) the edges hold 3771 tokens. The
+        trie runs level by level (shared runs too short to pay for a forward are not split off,
+        :data:`FORWARD_COST_TOKENS`); a level's edges run sorted by length, in chunks of at most
+        ``token_budget`` rows x longest edge.
+
+        Each layer's keys/values are written straight into the bank's buffers while the
+        forward runs (:class:`_BankWriter`): into spare capacity when it suffices (no copy, no
+        extra memory), else into grown buffers the stored entries are copied to (the old ones are
+        dropped when the add returns: old + grown bank at the peak, at the rare adds that grow
+        it). The other extra peak is one chunk's activations."""
+        if not prefixes:
+            return []
+        if any(len(p) == 0 for p in prefixes):
+            raise ValueError("a prefix must hold at least one token")
+        dev = model_device(self.model)
+        budget = self.token_budget
+        if dev.type == "cpu":
+            budget = min(budget, PREFIX_CHUNK_CPU)
+        first = len(self.lengths)
+        seqs = [list(map(int, p)) for p in prefixes]
+        new_len = [len(p) for p in seqs]
+        build = _BankBuild(self._kbuf, self._vbuf, first, first + len(seqs),
+                           max([*new_len, *self.lengths]), max(self.lengths, default=0))
+        cost = FORWARD_COST_TOKENS[dev.type == "cpu"]
+        for level in _trie_edges(seqs, cost):
+            level = sorted(level, key=lambda e: e[1] - e[0])
+            start = 0
+            while start < len(level):
+                # Greedy chunk: rows x longest edge <= budget (at least one row); an edge joins
+                # when the padding it adds costs less than another forward would.
+                end, longest = start, 0
+                while end < len(level):
+                    ln = level[end][1] - level[end][0]
+                    n = end - start
+                    if n > 0 and ((n + 1) * ln > budget or n * (ln - longest) > cost):
+                        break
+                    longest, end = ln, end + 1
+                self._forward_edges(build, seqs, level[start:end], dev)
+                start = end
+        # Slots past a prefix's length hold zeros: masked out in attention, and finite, so their
+        # zero weights contribute exactly 0.
+        self._kbuf, self._vbuf = build.keys, build.values
+        self.copied_bytes += build.copied_bytes
+        self.lengths = self.lengths + new_len
+        e, p = len(self.lengths), max(self.lengths)
+        self.keys = [k[:e, :, :p] for k in self._kbuf]
+        self.values = [v[:e, :, :p] for v in self._vbuf]
+        return list(range(first, first + len(seqs)))
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """``(E_cap, P_cap)`` of the buffers behind ``keys``/``values``."""
+        if not self._kbuf:
+            return (0, 0)
+        return (int(self._kbuf[0].shape[0]), int(self._kbuf[0].shape[2]))
+
+    def _forward_edges(self, build: _BankBuild, seqs: list[list[int]],
+                       edges: list[tuple[int, int, list[int]]], dev: torch.device) -> None:
+        """One padded forward of trie edges ``(depth, end, rows)``: row ``i`` is tokens
+        ``[depth_i, end_i)`` of the sequences ``rows_i``, after a past of ``depth_i`` tokens whose
+        states are stored in bank row ``rows_i[0]`` (the pasts are padded to the longest and
+        masked, as in :func:`suffix_hidden`'s KV-copy path)."""
+        n = len(edges)
+        d_max = max(d for d, _, _ in edges)
+        t_max = max(e - d for d, e, _ in edges)
+        ids = torch.full((n, t_max), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, d_max + t_max), dtype=torch.long)
+        pos = torch.empty((n, t_max), dtype=torch.long)
+        for i, (d, e, rows) in enumerate(edges):
+            ids[i, : e - d] = torch.tensor(seqs[rows[0]][d:e], dtype=torch.long)
+            mask[i, :d] = 1
+            mask[i, d_max: d_max + e - d] = 1
+            pos[i] = d + torch.arange(t_max)
+        past = None
+        if d_max > 0:
+            src = torch.tensor([build.first + rows[0] for _, _, rows in edges], device=dev)
+            past = [(k[:, :, :d_max].index_select(0, src), v[:, :, :d_max].index_select(0, src))
+                    for k, v in zip(build.keys, build.values, strict=True)]
+        targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
+        self.forward_tokens += n * t_max
+        self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                  past_key_values=_BankWriter(build, targets, past), use_cache=True)
+
+    def gather(self, entries: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                      torch.Tensor, torch.Tensor]:
+        """Fresh per-row copies of the entries' KV states, trimmed to the longest used.
+
+        Returns:
+            ``kv``: per layer (keys, values), each ``[R, H_kv, P, D]``; ``prefix_mask``:
+            ``[R, P]`` int64, 1 on real prefix slots; ``lengths``: ``[R]`` int64.
+        """
+        dev = self.keys[0].device
+        idx = torch.tensor(list(entries), dtype=torch.long, device=dev)
+        lens = torch.tensor([self.lengths[e] for e in entries], dtype=torch.long)
+        p = int(lens.max())
+        kv = [(k.index_select(0, idx)[:, :, :p], v.index_select(0, idx)[:, :, :p])
+              for k, v in zip(self.keys, self.values, strict=True)]
+        mask = (torch.arange(p)[None, :] < lens[:, None]).long()
+        return kv, mask, lens
+
+
+def _trie_edges(seqs: list[list[int]], forward_cost: int = 0
+                ) -> list[list[tuple[int, int, list[int]]]]:
+    """The edges of the token trie of ``seqs``, by level (a level's parents are in earlier
+    levels).
+
+    An edge ``(depth, end, rows)`` is the run of tokens ``[depth, end)`` that exactly the
+    sequences ``rows`` share after sharing their first ``depth`` tokens (a single sequence's
+    edge runs to its end). A sequence that is a prefix of another, or equal to it, ends on a
+    node. A shared edge that would save fewer than ``forward_cost`` tokens
+    (``(len(rows) - 1) * (end - depth)``) is not kept: each of its children (and the sequences
+    ending on it) runs from ``depth`` instead, since a level costs at least one more forward.
+    """
+    def split(depth: int, rows: list[int]) -> list[list]:
+        groups: dict[int, list[int]] = {}
+        for r in rows:
+            if len(seqs[r]) > depth:
+                groups.setdefault(seqs[r][depth], []).append(r)
+        out = []
+        for g in groups.values():
+            end, lim, lead = depth + 1, min(len(seqs[r]) for r in g), seqs[g[0]]
+            while end < lim and all(seqs[r][end] == lead[end] for r in g[1:]):
+                end += 1
+            out.append([depth, end, g])
+        return out
+
+    levels: list[list[tuple[int, int, list[int]]]] = []
+    todo = split(0, list(range(len(seqs))))
+    while todo:
+        level, nxt = [], []
+        while todo:
+            d, e, rows = todo.pop()
+            longer = [r for r in rows if len(seqs[r]) > e]
+            if not longer:  # a leaf (one sequence, or identical ones)
+                level.append((d, e, rows))
+                continue
+            kids = split(e, longer)
+            if (len(rows) - 1) * (e - d) < forward_cost:
+                ending = [r for r in rows if len(seqs[r]) == e]
+                todo.extend([d, ke, kr] for _, ke, kr in kids)
+                if ending:
+                    level.append((d, e, ending))
+                continue
+            level.append((d, e, rows))
+            nxt.extend(kids)
+        levels.append(level)
+        todo = nxt
+    return levels
+
+
+# Growth factor of the bank's capacity, over entries and over prefix length. With g, k
+# one-entry appends copy at most ~ total / (g - 1) per dimension; 1.5 keeps the spare capacity
+# (memory never used) at most a third of the buffer, where doubling would allow half: the bank
+# is the engine's largest allocation (197 MB for the embedded model's 20 prefixes).
+BANK_GROWTH = 1.5
+
+
+class _BankBuild:
+    """The bank's buffers while :meth:`PrefixBank.add` runs, per layer ``[E_cap, H_kv, P_cap,
+    D]``, resolved at the layer's first write (shapes and dtype from the model's states): the
+    old buffer when entries ``[first, total)`` and length ``p_all`` fit in it (those rows are
+    zeroed first: a failed earlier add may have left states there), else a zero-filled buffer
+    grown by :data:`BANK_GROWTH` into which the ``first`` stored entries (``p_used`` slots) are
+    copied."""
+
+    def __init__(self, old_k: list[torch.Tensor], old_v: list[torch.Tensor], first: int,
+                 total: int, p_all: int, p_used: int) -> None:
+        self.old_k, self.old_v = old_k, old_v
+        self.first, self.total, self.p_all, self.p_used = first, total, p_all, p_used
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.copied_bytes = 0
+
+    @staticmethod
+    def _grow(cap: int, need: int) -> int:
+        return cap if need <= cap else max(need, math.ceil(cap * BANK_GROWTH))
+
+    def layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.keys) <= li:
+            i = len(self.keys)
+            shape = (like.shape[1], like.shape[3])
+            if i < len(self.old_k):
+                ok, ov = self.old_k[i], self.old_v[i]
+                e_cap, p_cap = ok.shape[0], ok.shape[2]
+                fits = (self.total <= e_cap and self.p_all <= p_cap and ok.dtype == like.dtype
+                        and ok.device == like.device and (ok.shape[1], ok.shape[3]) == shape)
+                if fits:
+                    ok[self.first:self.total].zero_()
+                    ov[self.first:self.total].zero_()
+                    self.keys.append(ok)
+                    self.values.append(ov)
+                    continue
+                e_cap, p_cap = self._grow(e_cap, self.total), self._grow(p_cap, self.p_all)
+            else:
+                e_cap, p_cap = self.total, self.p_all  # the first add: exactly to size
+            k = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
+            v = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
+            if i < len(self.old_k) and self.first:
+                src_k = self.old_k[i][: self.first, :, : self.p_used]
+                src_v = self.old_v[i][: self.first, :, : self.p_used]
+                k[: self.first, :, : self.p_used] = src_k
+                v[: self.first, :, : self.p_used] = src_v
+                self.copied_bytes += 2 * src_k.numel() * k.element_size()
+            self.keys.append(k)
+            self.values.append(v)
+        return self.keys[li], self.values[li]
+
+
+class _BankWriter(DynamicCache):
+    """The cache of one trie-edge forward. It holds the rows' pasts (``[n, H_kv, d_max, D]``,
+    padded and masked) so the model sees those tokens, and never grows: each layer's new
+    keys/values ``[n, H_kv, T, D]`` are copied (row ``i``'s first ``t_i`` tokens) into slots
+    ``[depth_i, depth_i + t_i)`` of every bank entry under edge ``i``, then returned after the
+    past for the attention."""
+
+    def __init__(self, build: _BankBuild, targets: list[tuple[list[int], int, int]],
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        if past:
+            super().__init__(ddp_cache_data=past)
+        else:
+            super().__init__()
+        self.build, self.targets = build, targets
+        self.has_past = bool(past)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.build.layer(layer_idx, key_states)
+        for i, (rows, d, t) in enumerate(self.targets):
+            for r in rows:
+                k[r, :, d:d + t] = key_states[i, :, :t]
+                v[r, :, d:d + t] = value_states[i, :, :t]
+        if not self.has_past:
+            return key_states, value_states
+        layer = self.layers[layer_idx]
+        return (torch.cat([layer.keys, key_states], dim=2),
+                torch.cat([layer.values, value_states], dim=2))
+
+
+@torch.no_grad()
+def suffix_hidden(
+    model: Any,
+    bank: PrefixBank,
+    entries: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    pad_id: int,
+    cascade: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One padded forward of ``R`` suffixes, row ``i`` continuing bank entry ``entries[i]``.
+
+    Args:
+        entries: ``R`` bank entry indices.
+        suffixes: ``R`` non-empty token id lists.
+        cascade: run the attention as cascade attention against the bank's shared prefix
+            states (:mod:`icqs_fast.engine.cascade`: no per-row KV copy; fastest when the rows are
+            ordered by entry); None = when the model supports it (Llama family, GPT-2).
+            False = the per-row KV-copy path below (any model with a transformers KV cache and
+            full attention: sliding-window / hybrid models are refused, see
+            :func:`check_padded_kv`).
+
+    Returns:
+        ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
+        ``suffix_mask``: ``[R, S]`` bool, True on real tokens.
+    """
+    from icqs_fast.engine import cascade as casc
+
+    check_padded_kv(model)
+    if cascade is None:
+        cascade = casc.supports_cascade(model)
+    if cascade:
+        return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id)
+    dev = model_device(model)
+    kv, prefix_mask, lens = bank.gather(entries)
+    r = len(suffixes)
+    s = max(len(x) for x in suffixes)
+    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
+    smask = torch.zeros((r, s), dtype=torch.long)
+    for i, x in enumerate(suffixes):
+        ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        smask[i, : len(x)] = 1
+    pos = lens[:, None] + torch.arange(s)[None, :]
+    attn = torch.cat([prefix_mask, smask], dim=1)
+    # A fresh cache object around per-batch copies of the stored states (the forward appends
+    # to it, so the bank itself is never written).
+    cache = DynamicCache(ddp_cache_data=kv)
+    out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                              position_ids=pos.to(dev), past_key_values=cache, use_cache=True)
+    return out.last_hidden_state, smask.bool().to(dev)
+
+
+def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
+                           suffixes: Sequence[Sequence[int]], pad_id: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`suffix_hidden` through :func:`icqs_fast.engine.cascade.cascade_attention`: the forward
+    sees only the suffix tokens (no KV cache, explicit position ids ``p_i + t``); rows are put
+    in entry-major order for the attention (and back afterwards, when they were not)."""
+    from icqs_fast.engine.cascade import CascadePlan, cascade_plan
+
+    dev = model_device(model)
+    r = len(suffixes)
+    order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry
+    ordered = order == list(range(r))
+    ent = [entries[i] for i in order]
+    s = max(len(x) for x in suffixes)
+    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
+    smask = torch.zeros((r, s), dtype=torch.bool)
+    for row, i in enumerate(order):
+        x = suffixes[i]
+        ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        smask[row, : len(x)] = True
+    lens = torch.tensor([bank.lengths[e] for e in ent], dtype=torch.long)
+    pos = lens[:, None] + torch.arange(s)[None, :]
+    groups_e, starts, counts = [], [], []
+    for row, e in enumerate(ent):
+        if groups_e and groups_e[-1] == e:
+            counts[-1] += 1
+        else:
+            groups_e.append(e)
+            starts.append(row)
+            counts.append(1)
+    plan = CascadePlan(bank.keys, bank.values, groups_e, starts, counts,
+                       [bank.lengths[e] for e in groups_e])
+    with cascade_plan(model, plan):
+        out = decoder_body(model)(input_ids=ids.to(dev), position_ids=pos.to(dev),
+                                  use_cache=False)
+    hidden = out.last_hidden_state
+    if not ordered:
+        inv = torch.empty(r, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(r)
+        hidden = hidden.index_select(0, inv.to(dev))
+        smask = smask[inv]
+    return hidden, smask.to(dev)

@@ -1,0 +1,208 @@
+"""Attention entropy without the attention matrix: the plain-torch (CPU) path and a Hugging Face
+hook that captures per-layer, per-head entropies during a normal forward.
+
+Definition (see :func:`icqs_fast.ops.attention_entropy`): for query row i with scores
+``s_ij = q_i . k_j * scale`` over its allowed keys (causal, not padded) restricted to the key range
+``[k0, k1)``, the entropy of ``softmax_j(s_ij)`` renormalised over that range. A row with no
+allowed key in the range has entropy 0 (an empty distribution carries no uncertainty, and 0 keeps
+downstream features finite); a row with no allowed key at all has output 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+
+IMPL_NAME = "icqs_entropy"
+
+
+# --------------------------------------------------------------------------- HF hook
+
+
+class _Capture:
+    """State of one :func:`capture_attention_entropy` block; ``entropy`` is set on exit."""
+
+    def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str):
+        self.query_mask = query_mask
+        self.key_range = key_range
+        self.backend = backend
+        self.layers: dict[int, torch.Tensor] = {}
+        self.entropy: torch.Tensor | None = None
+
+    def finish(self) -> None:
+        if not self.layers:
+            self.entropy = None
+            return
+        order = sorted(self.layers)
+        self.entropy = torch.stack([self.layers[i] for i in order], dim=1)
+
+
+_ACTIVE = threading.local()
+_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor, bool]:
+    """Turn the 4D mask the model passes (``[B or 1, 1 or H, Tq, Tk]``, bool with True = attend or
+    additive float with 0 = attend) into a key-padding mask ``[B, Tk]`` and a causal flag, and
+    check that they reproduce the mask exactly on every row that attends to something."""
+    allow = mask if mask.dtype == torch.bool else mask == 0
+    if allow.shape[1] != 1:
+        if not bool((allow == allow[:, :1]).all()):
+            raise ValueError("capture_attention_entropy: per-head attention masks are not "
+                             "supported")
+        allow = allow[:, :1]
+    allow = allow[:, 0]  # [B, Tq, Tk]
+    dev = allow.device
+    qpos = tk - tq + torch.arange(tq, device=dev)
+    causal_m = torch.arange(tk, device=dev)[None, :] <= qpos[:, None]
+    # Padded keys are the keys no query attends to; real keys are attended by the last query.
+    key_ok = allow.any(1)
+    live = allow.any(-1, keepdim=True)  # rows with some allowed key (pad-query rows may be empty)
+    for causal in (True, False):
+        pred = key_ok[:, None, :] & (causal_m[None] if causal else True)
+        if bool(((pred == allow) | ~live).all()):
+            return key_ok, causal
+    raise ValueError(
+        "capture_attention_entropy: the model's attention mask is neither causal + key padding "
+        "nor key padding alone (sliding windows and packed sequences are not supported)"
+    )
+
+
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """``AttentionInterface`` function: same contract as transformers' ``sdpa_attention_forward``
+    (``query [B, Hq, Tq, D]``, ``key/value [B, Hk, Tk, D]``; returns ``[B, Tq, Hq, D]``, None)."""
+    from icqs_fast import ops
+
+    cap: _Capture | None = getattr(_ACTIVE, "cap", None)
+    if cap is None:
+        raise RuntimeError(f"attention implementation {IMPL_NAME!r} is only usable inside "
+                           "capture_attention_entropy(...)")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError("capture_attention_entropy: softcap / position_bias are not supported")
+    tq, tk = query.shape[2], key.shape[2]
+    if cap.query_mask.shape[1] != tq:
+        raise ValueError(f"capture_attention_entropy: query_mask has {cap.query_mask.shape[1]} "
+                         f"positions but the forward has {tq} queries (run without a KV cache)")
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        key_ok = None
+    else:
+        key_ok, causal = _mask_to_padding(attention_mask, tq, tk)
+        if bool(key_ok.all()):
+            key_ok = None
+    bsz = query.shape[0]
+    if key_ok is not None and key_ok.shape[0] != bsz:
+        key_ok = key_ok.expand(bsz, -1)
+    out, ent = ops.attention_entropy(
+        query, key, value, key_range=cap.key_range.to(query.device),
+        query_mask=cap.query_mask.to(query.device), attention_mask=key_ok,
+        causal=bool(causal), scale=scaling, backend=cap.backend,
+    )
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        layer = len(cap.layers)
+    cap.layers[int(layer)] = ent
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    global _REGISTERED
+    with _LOCK:
+        if _REGISTERED:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(IMPL_NAME, _attention_forward)
+        # Same 4D bool mask (or None + is_causal) as sdpa gets.
+        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL_NAME, sdpa_mask)
+        _REGISTERED = True
+
+
+@contextlib.contextmanager
+def capture_attention_entropy(
+    model,
+    query_mask: torch.Tensor,
+    key_range: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> Iterator[_Capture]:
+    """Capture attention entropies during a normal forward of a Hugging Face model.
+
+    Inside the block the model's attention runs through :func:`icqs_fast.ops.attention_entropy`
+    (registered with transformers' ``AttentionInterface``); run exactly one full forward
+    ``model(input_ids, attention_mask=..., use_cache=False)`` over ``T`` tokens. On exit,
+    ``cap.entropy`` is ``[B, layers, heads, T]`` fp32: for each flagged query row, the entropy of
+    its attention renormalised over the key positions ``key_range[b] = (start, end)``, 0 where
+    ``query_mask`` is False or no allowed key lies in the range. The previous attention
+    implementation is restored on exit, also on error.
+
+    Args:
+        model: a transformers model that supports ``sdpa`` (e.g. Llama / SmolLM2).
+        query_mask: ``[B, T]`` bool, rows whose entropy is wanted.
+        key_range: ``[B, 2]`` int64, positions in the (padded) input sequence.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Yields:
+        the capture object; read ``cap.entropy`` after the block.
+    """
+    if query_mask.dim() != 2 or query_mask.dtype != torch.bool:
+        raise ValueError(f"query_mask must be [B, T] bool, got {list(query_mask.shape)} "
+                         f"{query_mask.dtype}")
+    if key_range.shape != (query_mask.shape[0], 2):
+        raise ValueError(f"key_range must be [{query_mask.shape[0]}, 2], got "
+                         f"{list(key_range.shape)}")
+    if getattr(_ACTIVE, "cap", None) is not None:
+        raise RuntimeError("capture_attention_entropy blocks cannot be nested")
+    _register()
+    previous = model.config._attn_implementation
+    cap = _Capture(query_mask, key_range.long(), backend)
+    model.set_attn_implementation(IMPL_NAME)
+    if model.config._attn_implementation != IMPL_NAME:
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation "
+                         "(it does not use transformers' AttentionInterface)")
+    _ACTIVE.cap = cap
+    try:
+        yield cap
+    finally:
+        _ACTIVE.cap = None
+        model.set_attn_implementation(previous)
+        cap.finish()
+
+
+def eager_range_entropy(attn: torch.Tensor, key_range: torch.Tensor,
+                        query_mask: torch.Tensor) -> torch.Tensor:
+    """Entropies from materialised attention probabilities (the slow baseline / reference).
+
+    Args:
+        attn: ``[B, H, Tq, Tk]`` attention probabilities (e.g. ``output_attentions=True``).
+        key_range: ``[B, 2]`` int64; query_mask: ``[B, Tq]`` bool.
+
+    Returns:
+        ``[B, H, Tq]`` fp32 entropy of each row renormalised over its key range (0 for rows not
+        flagged or with no mass in the range).
+    """
+    bsz, h, tq, tk = attn.shape
+    out = torch.zeros(bsz, h, tq, dtype=torch.float32, device=attn.device)
+    for b in range(bsz):
+        k0, k1 = max(0, int(key_range[b, 0])), min(tk, int(key_range[b, 1]))
+        rows = query_mask[b].nonzero()[:, 0]
+        if k1 <= k0 or rows.numel() == 0:
+            continue
+        p = attn[b][:, rows, k0:k1].double()
+        z = p.sum(-1, keepdim=True)
+        pn = p / torch.where(z > 0, z, torch.ones_like(z))
+        e = -(pn * torch.log(torch.where(pn > 0, pn, torch.ones_like(pn)))).sum(-1)
+        out[b][:, rows] = e.float()
+    return out
+
+
+def default_scale(d: int) -> float:
+    """The usual ``1 / sqrt(D)`` score scale."""
+    return 1.0 / math.sqrt(d)

@@ -1,0 +1,310 @@
+"""One output's run: the advisory lock, the output plan (new, resume or overwrite), the run
+metadata and its settings check, and the input range a resumed or sharded run reads.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from icqs_fast.io.arrow import dataset_files
+from icqs_fast.io.readers import count_records
+from icqs_fast.io.records import (
+    InputError,
+    PathLike,
+    Record,
+    RecordError,
+    detect_format,
+    display_name,
+    parse_shard,
+    shard_range,
+)
+from icqs_fast.io.results import (
+    JsonlWriter,
+    ParquetResultWriter,
+    ResumeState,
+    output_exists,
+    output_format,
+    parquet_output,
+    parts_dir,
+    read_output_state,
+    remove_parquet_output,
+)
+
+
+class OutputLockedError(ValueError):
+    """Another process holds the output's lock (a usage error: exit code 2 in the CLI)."""
+
+
+class OutputLock:
+    """Advisory exclusive lock on an output file, held for the life of the writing process.
+
+    ``fcntl.flock`` on ``OUT.lock`` (created next to the output, holding the holder's pid). The
+    OS releases it when the process exits or crashes, so a stale lock never blocks anyone; the
+    file itself stays (removing it would race with a process that just opened it) and means
+    nothing when no process holds the lock. Only cooperating writers (icqs-fast commands)
+    check it.
+
+    Raises:
+        OutputLockedError: from :meth:`acquire` when another process holds the lock (its pid
+            is in the message).
+    """
+
+    def __init__(self, output: PathLike) -> None:
+        self.output = os.fspath(output)
+        self.path = self.output + ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+            holder = os.read(fd, 64).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f"pid {holder}" if holder.isdigit() else "a process whose pid is not known yet"
+            raise OutputLockedError(
+                f"{self.output} is being written by another icqs-fast process ({who}; lock "
+                f"{self.path}); wait for it to finish or stop it, or use another output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def open_results(plan: OutputPlan) -> JsonlWriter | ParquetResultWriter:
+    """The writer of ``plan.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq``, else
+    :class:`JsonlWriter` (appending when resuming)."""
+    if output_format(plan.out) == "parquet":
+        return ParquetResultWriter(plan.out, append=plan.append)
+    return JsonlWriter(plan.out, append=plan.append)
+
+
+# --------------------------------------------------------------------------- output runs
+# What every command writing a results file shares (``score``, ``features``): the settings file
+# ``OUT.meta.json`` (the resume fingerprint), the resume plan, skipped-record lines.
+
+
+def meta_path(output: PathLike) -> Path:
+    """The settings file written next to the results (``OUT.meta.json``)."""
+    return Path(f"{os.fspath(output)}.meta.json")
+
+
+def write_meta(output: PathLike, settings: dict) -> None:
+    """Write ``OUT.meta.json`` whole, then rename it into place (a crash never leaves a
+    half-written settings file)."""
+    mp = meta_path(output)
+    tmp = mp.with_name(mp.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(settings, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, mp)
+
+
+RUNTIME_KEYS = ("dtype", "device", "backend")
+
+
+def check_run_paths(input: str, resume: bool, overwrite: bool, format: str | None = None
+                    ) -> None:
+    """The checks before an output is locked: the input exists and is a file (``"-"`` is
+    standard input) or a dataset folder, and at most one of ``resume`` / ``overwrite``."""
+    if input != "-" and not os.path.exists(input):
+        raise FileNotFoundError(f"no such input file: {input}")
+    if input != "-" and os.path.isdir(input):
+        try:
+            fmt = detect_format(input, format)
+        except ValueError:
+            fmt = None
+        if fmt != "datasets":
+            raise InputError(input, None, None, "is a folder, not an input file")
+        dataset_files(input, input)
+    if resume and overwrite:
+        raise ValueError("choose at most one of --resume and --overwrite")
+
+
+@dataclass
+class OutputPlan:
+    """How a run treats its output (from :func:`plan_output`).
+
+    Attributes:
+        out: the results file.
+        append: resuming an existing output (else it is emptied by :func:`start_output`).
+        start: the first input record index to write (0 unless resuming).
+        last: the last complete record already there (None if none).
+        state: what the existing file holds (resuming only).
+        old: the settings in its ``OUT.meta.json`` (None without one).
+    """
+
+    out: Path
+    append: bool = False
+    start: int = 0
+    last: dict | None = None
+    state: ResumeState | None = None
+    old: dict | None = None
+
+
+def resume_refusal(out: Path, old: dict, new: dict, keys: Iterable[str]) -> ValueError | None:
+    diff = sorted(k for k in keys if old.get(k) != new[k])
+    if not diff:
+        return None
+    what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
+                     f"{k}: not recorded there" for k in diff)
+    return ValueError(f"cannot --resume {out}: it was written with other settings ({what}); "
+                      "use another output or --overwrite")
+
+
+def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool) -> OutputPlan:
+    """Decide, before the model is loaded (to fail fast), what to do with ``out``.
+
+    With ``resume`` and an existing output: where to continue, after checking that every key of
+    ``settings`` matches its ``OUT.meta.json``. Without: an existing non-empty output is only
+    replaced with ``overwrite``.
+
+    Raises:
+        ValueError: other settings there, or an existing output without ``--resume`` /
+            ``--overwrite``.
+        InputError: an output that is not a results file.
+    """
+    out = Path(out)
+    if resume and (out.exists() or output_exists(out)):
+        state = read_output_state(out)
+        old = None
+        mp = meta_path(out)
+        if mp.is_file():
+            old = json.loads(mp.read_text(encoding="utf-8"))
+            err = resume_refusal(out, old, settings, settings)
+            if err is not None:
+                raise err
+        last = state.last
+        return OutputPlan(out, append=True, start=last["index"] + 1 if last is not None else 0,
+                          last=last, state=state, old=old)
+    if output_exists(out) and not overwrite and not resume:
+        raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
+    return OutputPlan(out)
+
+
+def check_runtime(plan: OutputPlan, settings: dict) -> None:
+    """After the model is loaded: a resumed output must have been written with the same
+    :data:`RUNTIME_KEYS` (dtype, device, backend) as ``settings`` (ValueError otherwise)."""
+    if plan.old is not None:
+        err = resume_refusal(plan.out, plan.old, settings, RUNTIME_KEYS)
+        if err is not None:
+            raise err
+
+
+def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> None:
+    """Make the output ready for writing: when resuming, truncate a record cut off mid-write;
+    else empty it, then write ``OUT.meta.json`` (a crash in between leaves an empty output,
+    never old records under new settings)."""
+    out = plan.out
+    if plan.append and plan.state is not None and plan.state.format == "parquet":
+        st = parquet_output(out)
+        for p in st.stale:  # merged into OUT by a run that crashed before removing them
+            p.unlink()
+        tmps = [p for p in (parts_dir(out).iterdir() if parts_dir(out).is_dir() else [])
+                if p.name.endswith(".tmp")] + [p for p in [Path(f"{out}.tmp")] if p.exists()]
+        for p in tmps:
+            p.unlink()
+        if st.stale or tmps:
+            log(f"icqs-fast: removed {len(st.stale)} already merged and {len(tmps)} unfinished "
+                f"part file(s) of {out}")
+        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
+            f"record {plan.start}")
+    elif plan.append:
+        assert plan.state is not None
+        if out.stat().st_size != plan.state.end:
+            with open(out, "r+b") as f:  # drop a record cut off mid-write
+                f.truncate(plan.state.end)
+            log(f"icqs-fast: removed an incomplete last line from {out}")
+        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
+            f"record {plan.start}")
+    elif output_format(out) == "parquet":
+        remove_parquet_output(out)
+        write_meta(out, settings)
+    else:
+        with open(out, "wb"):
+            pass
+        write_meta(out, settings)
+
+
+def resume_check_needed(plan: OutputPlan) -> bool:
+    """Whether the resumed output's last record has an id to compare with the input's record
+    at that index (a skipped record's line has none)."""
+    last = plan.last
+    return last is not None and "id" in last and "error" not in last
+
+
+def checked_resume(records: Iterator[Record | RecordError], last: dict, path: str, *,
+                   keep: bool = False) -> Iterator[Record | RecordError]:
+    """Pass ``records`` through, checking that the record at ``last["index"]`` (the output's
+    last record) still has ``last["id"]``; that record is dropped unless ``keep``.
+
+    Raises:
+        ValueError: it has another id, or is now a bad record (the input changed).
+    """
+    pending = True
+    for rec in records:
+        if pending and rec.index >= last["index"]:
+            pending = False
+            if rec.index == last["index"]:
+                if isinstance(rec, RecordError) or rec.id != last["id"]:
+                    got = "is now a bad record" if isinstance(rec, RecordError) else \
+                        f"has id {rec.id!r}"
+                    raise ValueError(
+                        f"cannot --resume: {path}:{rec.line} (record {rec.index}) {got} but the "
+                        f"output's last record has id {last['id']!r}; the input changed since "
+                        "the output was written")
+                if not keep:
+                    continue
+        yield rec
+
+
+def input_range(args: Any, plan: OutputPlan, *, align: int = 1) -> tuple[int, int | None, int]:
+    """For a command with ``--shard``: ``(start, stop, total)``, the input records this run
+    reads - its shard's range (:func:`shard_range`, boundaries multiples of ``align``), started
+    after what a resumed output holds - and the number of records it will write (for the
+    progress bar; -1 when unknown). Without ``--shard``: ``(plan.start, None, n)``, ``n`` known
+    only for Parquet / datasets inputs (counting a text file would read it twice)."""
+    shard = getattr(args, "shard", None)
+    fmt = detect_format(args.input, args.format) if args.input != "-" else "jsonl"
+    if shard is None:
+        total = -1
+        if fmt in ("parquet", "datasets"):
+            total = max(0, count_records(args.input, format=args.format) - plan.start)
+        return plan.start, None, total
+    i, n = parse_shard(shard)
+    total = count_records(args.input, format=args.format,
+                          encoding=getattr(args, "encoding", "utf-8"))
+    if total == 0:
+        raise InputError(display_name(args.input), None, None, "no records (nothing to shard)")
+    lo, hi = shard_range(total, i, n, align)
+    start = max(lo, plan.start)
+    if plan.last is not None and not lo <= plan.last["index"] < hi:
+        raise ValueError(f"cannot --resume {plan.out}: its last record {plan.last['index']} is "
+                         f"outside shard {shard} (records {lo}..{hi - 1})")
+    return start, hi, max(0, hi - start)

@@ -1,0 +1,319 @@
+"""``icqs-fast features``: glass-box self-evaluation features of the responses of a file.
+
+    icqs-fast features responses.jsonl -o features.jsonl [--features sent_logprob,softmax_ent]
+
+One output line per response, ``{"index", "line", "id"?, "n_tokens", <feature>: float, ...}``,
+in input order (features from :func:`icqs_fast.features.glassbox`; NaN is written as ``NaN``).
+It streams, resumes, locks and handles bad input as ``icqs-fast score`` does (the machinery is
+shared, in :mod:`icqs_fast.io`): one ``write`` per line, ``--resume`` after the last complete
+line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:line:field
+errors, and a resume fingerprint in ``OUT.meta.json`` (model, dtype, device, backend, features,
+mode, batch and chunk sizes, the ``softmax_combo`` constants, fields, system prompt).
+
+Records are scored in chunks of ``--chunk-size`` consecutive input records (a chunk is the
+records whose index ``i`` has the same ``i // chunk_size``; bad records only leave a gap), each
+one :func:`glassbox` call that sorts its items by length into padded batches of
+``--batch-size``. A resumed run recomputes the chunk it stops in from its first record and writes
+only the records after the last one on disk, so every record is computed in the same batch as in
+an uninterrupted run and the file ends byte-identical to one.
+
+Inputs and outputs as for ``icqs-fast score``: JSONL/CSV/TSV/Parquet/datasets-folder input,
+JSONL or (``-o OUT.parquet``) Parquet output, a progress bar unless ``--quiet``. ``--shard i/n``
+computes the i-th (0-based) of n contiguous record ranges whose boundaries are multiples of
+``--chunk-size``, so every record is computed in the same batch as in the unsharded run and the
+n outputs concatenated in shard order are the unsharded output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from icqs_fast.io.readers import read_records
+from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.results import skipped_record
+from icqs_fast.io.runs import (
+    check_runtime,
+    checked_resume,
+    input_range,
+    open_results,
+    plan_output,
+    resume_check_needed,
+    start_output,
+)
+from icqs_fast.models import runtime_settings
+
+ON_ERROR = ("stop", "skip")
+DEFAULT_FEATURES = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var",
+                    "softmax_combo", "attn_ent_avg", "attn_ent_min")
+
+
+# --------------------------------------------------------------------------- library part
+
+
+def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
+                         system_prompt: str | None = None, path: str = "<input>",
+                         x_field: str = "x", y_field: str = "y") -> RecordError | None:
+    """What :func:`~icqs_fast.features.glassbox` would reject or compute wrongly for ``rec``, or
+    None: x and y strings, y non-blank, a prompt the template can build, at least one response
+    token, and prompt + response within ``max_length`` tokens (a longer row would run past the
+    model's position table). Checked before the record reaches ``glassbox``, so the error names
+    this record's index, line and field by construction."""
+    from icqs_fast.features.extract import GlassboxItem, encode
+
+    def err(field: str | None, reason: str) -> RecordError:
+        return RecordError(path, rec.line, field, reason, index=rec.index)
+
+    for field, v in ((x_field, rec.x), (y_field, rec.y)):
+        if not isinstance(v, str):
+            return err(field, f"must be a string, got {type(v).__name__}")
+    if not rec.y.strip():
+        return err(y_field, "empty response (nothing to score)")
+    try:
+        enc = encode(tokenizer, GlassboxItem(rec.x, rec.y), system_prompt)
+    except ValueError as exc:
+        return err(x_field, str(exc))
+    if len(enc.ids) == enc.prompt_len:
+        return err(y_field, "gives no response tokens")
+    if max_length is not None and len(enc.ids) > max_length:
+        return err(None, f"prompt and response of {len(enc.ids)} tokens (prompt "
+                   f"{enc.prompt_len}) exceed the model's max length {max_length}")
+    return None
+
+
+def feature_records(
+    model: Any,
+    tokenizer: Any,
+    records: Iterable[Record | RecordError],
+    *,
+    chunk_size: int = 128,
+    write_from: int = 0,
+    path: str = "<input>",
+    x_field: str = "x",
+    y_field: str = "y",
+    on_error: Callable[[RecordError], None] | None = None,
+    **glassbox_kw: Any,
+) -> Iterator[tuple[Record, dict[str, float]]]:
+    """Glass-box features of :class:`~icqs_fast.io.records.Record` s, yielding ``(record, row)`` in
+    input order, one chunk at a time (``row`` as one :func:`~icqs_fast.features.glassbox` row:
+    ``n_tokens`` and the features, floats).
+
+    Chunks are the records with the same ``index // chunk_size``, each one ``glassbox`` call
+    (``glassbox_kw``: features, mode, batch_size, backend, combo_scale, system_prompt, ...), so a
+    record's batch depends only on the input, not on where a run started. Records and errors
+    with ``index < write_from`` are computed with their chunk but neither yielded nor passed on
+    (a resumed run's records already on disk).
+
+    ``records`` may hold :class:`RecordError` s in place of bad records; a record
+    :func:`check_feature_record` rejects becomes one too. With ``on_error`` each is passed there
+    in input order, interleaved with the yielded rows, and the run goes on. Without, the records
+    before the first bad one (or before an :class:`InputError` the iterator raises) are computed
+    and yielded, then the error is raised.
+    """
+    from icqs_fast.engine.checks import model_max_length
+    from icqs_fast.features.extract import glassbox
+
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    max_len = model_max_length(model, None)
+    sp = glassbox_kw.get("system_prompt")
+    chunk: list[Record | RecordError] = []
+    chunk_id: int | None = None
+
+    def flush() -> Iterator[tuple[Record, dict[str, float]]]:
+        good = [r for r in chunk if isinstance(r, Record)]
+        rows = iter(glassbox(model, tokenizer, [(r.x, r.y) for r in good], **glassbox_kw)
+                    if good else [])
+        for item in chunk:
+            if isinstance(item, Record):
+                row = next(rows)
+                if item.index >= write_from:
+                    yield item, row
+            elif item.index >= write_from:
+                assert on_error is not None
+                on_error(item)
+        chunk.clear()
+
+    fatal: InputError | None = None
+    source = iter(records)
+    while True:
+        try:
+            item = next(source)
+        except StopIteration:
+            break
+        except InputError as exc:
+            fatal = exc  # what came before is still computed and written
+            break
+        if isinstance(item, Record):
+            bad = check_feature_record(tokenizer, item, max_length=max_len, system_prompt=sp,
+                                       path=path, x_field=x_field, y_field=y_field)
+            item = item if bad is None else bad
+        if isinstance(item, RecordError) and item.index < write_from:
+            continue  # already on disk as a skipped line; not part of any batch
+        if isinstance(item, RecordError) and on_error is None:
+            fatal = item
+            break
+        cid = item.index // chunk_size
+        if chunk_id is not None and cid != chunk_id:
+            yield from flush()
+        chunk_id = cid
+        chunk.append(item)
+    yield from flush()
+    if fatal is not None:
+        raise fatal
+
+
+def feature_line(rec: Record, row: dict[str, float]) -> dict[str, Any]:
+    """The output JSON object of one record: ``index``, ``line``, ``id`` (when the input has
+    one), ``n_tokens`` and the features in the order asked for."""
+    out: dict[str, Any] = {"index": rec.index, "line": rec.line}
+    if rec.id is not None:
+        out["id"] = rec.id
+    out["n_tokens"] = int(row["n_tokens"])
+    out.update((k, float(v)) for k, v in row.items() if k != "n_tokens")
+    return out
+
+
+def parse_features(spec: str) -> list[str]:
+    from icqs_fast.features.extract import ALL_FEATURES
+
+    feats = [f.strip() for f in spec.split(",") if f.strip()]
+    bad = [f for f in feats if f not in ALL_FEATURES]
+    if not feats or bad:
+        raise ValueError(f"--features: unknown or no feature(s) {bad}; choose from "
+                         f"{', '.join(ALL_FEATURES)}")
+    if len(set(feats)) != len(feats):
+        raise ValueError(f"--features: a feature is named twice in {spec!r}")
+    return feats
+
+
+def load_combo_scale(path: str | None):
+    from icqs_fast.features.extract import ComboScale
+
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such --combo-scale file: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise InputError(path, exc.lineno, None, f"invalid JSON ({exc.msg})") from None
+    keys = ("ent_lo", "ent_hi", "var_lo", "var_hi")
+    if not isinstance(spec, dict):
+        raise InputError(path, None, None, f"a --combo-scale file holds a JSON object with "
+                         f"{', '.join(keys)}")
+    for k in keys:
+        v = spec.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InputError(path, None, k, "missing or not a number")
+    return ComboScale.from_dict(spec)
+
+
+
+
+def feature_settings(args: argparse.Namespace, feats: list[str]) -> dict:
+    """What makes feature values comparable: checked when resuming (the combo constants and the
+    model side are added once the model is loaded)."""
+    embedded = args.model in (None, "embedded")
+    return {
+        "command": "features",
+        "model": "embedded:SmolLM2-135M-Instruct" if embedded else os.path.abspath(args.model),
+        "features": feats,
+        "mode": args.mode,
+        "batch_size": args.batch_size,
+        "chunk_size": args.chunk_size,
+        "system_prompt": args.system_prompt,
+        "x_field": args.x_field,
+        "y_field": args.y_field,
+    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
+
+
+def run_features_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: Any,
+                log: Callable[..., None]) -> int:
+    from icqs_fast.features.extract import ComboScale, vocab_size
+    from icqs_fast.models import load_model
+    from icqs_fast.progress import track
+
+    settings = feature_settings(args, feats)
+    # Fail fast on other settings, before the model is loaded; the rest is checked after.
+    plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
+    start, stop, total = input_range(args, plan, align=args.chunk_size)
+
+    t_load = time.perf_counter()
+    model, tok = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype,
+                            device=args.device)
+    t_load = time.perf_counter() - t_load
+    if scale is None:
+        scale = ComboScale.intrinsic(vocab_size(model))
+    settings["combo_scale"] = scale.as_dict()
+    settings.update(runtime_settings(model, args.backend))
+    check_runtime(plan, settings)
+    if plan.old is not None and plan.old.get("combo_scale") != settings["combo_scale"]:
+        # check_runtime covers dtype/device/backend; the combo constants are known only now.
+        raise ValueError(f"cannot --resume {out}: it was written with other settings "
+                         f"(combo_scale: {plan.old.get('combo_scale')!r} there, "
+                         f"{settings['combo_scale']!r} now); use another output or --overwrite")
+    log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(feats)} "
+        f"({args.mode} mode)")
+    start_output(plan, settings, log)
+
+    path_name = "<stdin>" if args.input == "-" else args.input
+    # Resuming: read again from the first record of the chunk the run stopped in (its records
+    # are recomputed in the same batches, only those after the last one on disk are written),
+    # and check that the output's last record still has its id.
+    first = (start // args.chunk_size) * args.chunk_size
+    check = resume_check_needed(plan)
+    records = read_records(
+        args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
+        id_field=args.id_field, encoding=args.encoding,
+        skip=min(first, start - 1) if check else first,
+        on_error="yield", allow_empty=start > 0 or stop is not None, stop=stop,
+        # feature_records stops on an error if asked
+    )
+    if check:
+        records = checked_resume(records, plan.last, path_name, keep=True)
+        records = (r for r in records if r.index >= first)  # the last record may precede it
+
+    n, skipped, t0 = 0, 0, time.perf_counter()
+
+    def summary(prefix: str) -> str:
+        dt = time.perf_counter() - t0
+        rate = n / dt if dt > 0 else 0.0
+        s = f"{prefix}{n} responses in {dt:.1f} s ({rate:.2f} responses/s)"
+        return s + (f", {skipped} bad records skipped" if skipped else "")
+
+    with open_results(plan) as writer:
+        def skip(err: RecordError) -> None:
+            nonlocal skipped
+            writer.write(skipped_record(err))
+            skipped += 1
+            log(f"icqs-fast: skipping bad record: {err}")
+
+        rows = feature_records(
+            model, tok, records, chunk_size=args.chunk_size, write_from=start, path=path_name,
+            x_field=args.x_field, y_field=args.y_field,
+            on_error=skip if args.on_error == "skip" else None, features=feats, mode=args.mode,
+            batch_size=args.batch_size, backend=args.backend, system_prompt=args.system_prompt,
+            combo_scale=scale)
+        try:
+            for rec, row in track(rows, total=total if total >= 0 else None, desc="features",
+                                  unit="record", quiet=args.quiet):
+                writer.write(feature_line(rec, row))
+                n += 1
+        except InputError:
+            log(summary("icqs-fast: stopped: "))
+            log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
+                "with --resume, or pass --on-error skip")
+            raise
+        except KeyboardInterrupt:
+            log(summary("icqs-fast: interrupted: "))
+            log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
+            return 130
+    log(summary("icqs-fast: features of "))
+    return 0

@@ -1,0 +1,521 @@
+"""``icqs-fast score --ray`` / ``icqs-fast features --ray``: the same run on a Ray cluster.
+
+    icqs-fast score responses.parquet -o scores/ --good g.jsonl --bad b.jsonl \\
+        --ray [--address auto] --workers 4 --gpus-per-worker 1 [--output-format parquet]
+
+The input (any format the single-process command reads: JSONL/CSV/TSV, Parquet, a datasets
+folder; not standard input) is cut into
+blocks of ``--block-size`` consecutive records (block ``k`` = records ``[k*B, (k+1)*B)``), read
+by Ray Data (one read task per block, :class:`~icqs_fast.jobs.ray_actors.RecordBlocks`) and scored
+by ``map_batches`` on a pool of ``--workers`` actors, each holding one model (and, for ICQS, one
+prefix bank). Each block is written by the actor that scored it to ``OUT/part-KKKKKK.jsonl``
+(or ``.parquet``), to a temporary name first and renamed into place, so a block file exists only
+when it is complete. ``--resume`` reruns skip existing block files; the run's settings are in
+``OUT/run.meta.json`` and a resumed run with other settings is refused, as the single-process
+``--resume`` does. ``OUT.lock`` keeps a second driver off the same output.
+
+Faults: Ray restarts an actor that dies (``max_restarts=-1``) and re-sends its block
+(``max_task_retries=-1``); a re-sent block is rewritten whole, so nothing is lost or doubled. A
+driver that dies leaves complete block files only; the same command with ``--resume`` does the
+rest.
+
+Bad records follow the single-process rules: ``--on-error stop`` stops at a bad record with its
+file, line and field (its block is not written; the blocks done are kept for a ``--resume`` run
+after the fix); ``--on-error skip`` writes a ``{"index", "line", "error"}`` line in its place
+(JSONL output, as the single-process output does) or into ``part-KKKKKK.skipped.jsonl`` beside
+the block (Parquet output).
+
+JSONL output lines are the single-process lines; ``cat OUT/part-*.jsonl`` is the single-process
+output. Parquet columns: ``index``, ``line``, ``id`` (a string; non-string ids as JSON text),
+``label`` (JSON text), then for ``score`` ``score``, ``score_per_set``, ``loglik`` (flattened
+row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``ratios``,
+``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik), and
+for ``features`` ``n_tokens`` and the features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import socket
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from icqs_fast.io.readers import count_records
+from icqs_fast.io.records import InputError, RecordError, detect_format
+from icqs_fast.io.results import JsonlWriter, skipped_record
+from icqs_fast.io.runs import RUNTIME_KEYS, OutputLock, check_run_paths, resume_refusal, write_meta
+from icqs_fast.jobs.ray_actors import (
+    BlockSpec,
+    GlassboxBatchScorer,
+    ICQSBatchScorer,
+    RecordBlocks,
+    items_of_block,
+)
+
+KINDS = ("score", "features")
+OUTPUT_FORMATS = ("parquet", "jsonl")
+DEFAULT_BLOCK_SIZE = 1024
+META_NAME = "run"  # OUT/run.meta.json (io.write_meta adds .meta.json)
+HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
+
+
+# --------------------------------------------------------------------------- actors
+
+
+def _hold_for_test(block: int) -> None:
+    """Test hook: with ``$ICQS_FAST_TEST_RAY_HOLD=DIR`` and ``DIR/arm-K`` present, the first
+    actor to take block K writes its pid to ``DIR/held-K`` and waits (to be killed from
+    outside); a later attempt at block K goes on."""
+    d = os.environ.get(HOLD_ENV)
+    if not d or not os.path.exists(os.path.join(d, f"arm-{block}")):
+        return
+    held = os.path.join(d, f"held-{block}")
+    try:
+        fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
+    deadline = time.monotonic() + 120  # never outlive a test that forgot to kill us
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class _BlockMixin:
+    """What the ``--ray`` actors add to the batch scorers: one block in, its file written
+    (temporary name, then renamed), one summary row out."""
+
+    def _setup(self, out_dir: str, out_format: str, path_name: str, on_error: str,
+               with_label: bool, expected_runtime: dict | None, old_meta: dict | None) -> None:
+        self.out_dir, self.out_format = out_dir, out_format
+        self.path_name, self.on_error, self.with_label = path_name, on_error, with_label
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.runtime_error = None
+        if expected_runtime is not None and old_meta is not None:
+            err = resume_refusal(Path(out_dir), old_meta, self.runtime,
+                           [k for k in RUNTIME_KEYS if k in old_meta])
+            self.runtime_error = None if err is None else str(err)
+
+    def _lines(self, items: list) -> tuple[list[dict], int]:
+        raise NotImplementedError
+
+    def _parquet(self, rows: list[dict]):
+        raise NotImplementedError
+
+    def __call__(self, batch: Any) -> dict[str, np.ndarray]:
+        from icqs_fast.jobs.ray_actors import batch_columns
+
+        t0 = time.perf_counter()
+        cols = batch_columns(batch)
+        blocks = np.unique(cols["block"])
+        if len(blocks) != 1:
+            raise RuntimeError(f"a batch holds rows of blocks {blocks.tolist()}; each batch "
+                               "must be one whole block (map_batches(batch_size=None))")
+        block = int(blocks[0])
+        read_s = float(cols["read_s"][0]) if len(cols["read_s"]) else 0.0
+        summary = {"block": block, "n": 0, "skipped": 0, "worker": self.worker,
+                   "seconds": 0.0, "read_s": read_s, "error": "",
+                   "runtime": json.dumps(self.runtime, sort_keys=True)}
+        if self.runtime_error is not None:
+            summary["error"] = json.dumps({"settings": self.runtime_error})
+            return {k: np.array([v]) for k, v in summary.items()}
+        _hold_for_test(block)
+        items = items_of_block(cols, self.path_name)
+        try:
+            rows, skipped = self._lines(items)
+        except InputError as exc:  # --on-error stop: nothing of this block is written
+            summary["error"] = json.dumps({"path": exc.path, "line": exc.line,
+                                           "field": exc.field, "reason": exc.reason,
+                                           "index": getattr(exc, "index", None)})
+            summary["seconds"] = time.perf_counter() - t0
+            return {k: np.array([v]) for k, v in summary.items()}
+        self._write(block, rows)
+        summary.update(n=len(rows) - skipped if self.out_format == "jsonl" else len(rows),
+                       skipped=skipped, seconds=time.perf_counter() - t0)
+        return {k: np.array([v]) for k, v in summary.items()}
+
+    def _collect(self, results, items):
+        errors: list[RecordError] = []
+        on_error = errors.append if self.on_error == "skip" else None
+        return results(items, path=self.path_name, on_error=on_error), errors
+
+    def _write(self, block: int, rows: list[dict]) -> None:
+        final = block_path(self.out_dir, block, self.out_format)
+        tmp = f"{final}.tmp.{os.getpid()}"
+        if self.out_format == "jsonl":
+            with JsonlWriter(tmp) as w:
+                for r in rows:
+                    w.write(r)
+        else:
+            import pyarrow.parquet as pq
+
+            if self._skipped_rows:
+                side = os.path.join(self.out_dir, f"part-{block:06d}.skipped.jsonl")
+                with JsonlWriter(side + f".tmp.{os.getpid()}") as w:
+                    for r in self._skipped_rows:
+                        w.write(r)
+                os.replace(side + f".tmp.{os.getpid()}", side)
+            pq.write_table(self._parquet(rows), tmp)
+        os.replace(tmp, final)  # the block file exists only once it is complete
+
+
+def _id_text(v: Any) -> str | None:
+    return None if v is None else v if isinstance(v, str) else json.dumps(v)
+
+
+def _merge_in_order(results, errors: list[RecordError], jsonl: bool, line_of):
+    """Output lines in input order: results interleaved with skipped records (JSONL), or the
+    results alone and the skipped records apart (Parquet)."""
+    rows: list[dict] = []
+    skipped_rows: list[dict] = []
+    # score_records / feature_records pass each error to on_error in input order, before the
+    # result that follows it; the list grows while results are yielded.
+    seen = 0
+    for rec, res in results:
+        while seen < len(errors) and errors[seen].index < rec.index:
+            (rows if jsonl else skipped_rows).append(skipped_record(errors[seen]))
+            seen += 1
+        rows.append(line_of(rec, res))
+    for err in errors[seen:]:
+        (rows if jsonl else skipped_rows).append(skipped_record(err))
+    return rows, skipped_rows
+
+
+class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
+    """``--ray`` actor of ``icqs-fast score``: an :class:`ICQSBatchScorer` writing blocks."""
+
+    def __init__(self, scorer_kw: dict, block_kw: dict) -> None:
+        ICQSBatchScorer.__init__(self, **scorer_kw)
+        self._setup(**block_kw)
+
+    def _lines(self, items: list) -> tuple[list[dict], int]:
+        from icqs_fast.jobs.score import result_record
+
+        results, errors = self._collect(self.results, items)
+        rows, self._skipped_rows = _merge_in_order(
+            results, errors, self.out_format == "jsonl",
+            lambda rec, res: result_record(rec, res, with_label=self.with_label))
+        return rows, len(errors)
+
+    def _parquet(self, rows: list[dict]):
+        import pyarrow as pa
+
+        m1, ll = self.scorer.num_ratios, self.scorer.sets_per_ratio
+        shape = json.dumps([m1, ll]).encode()
+
+        def flat(name: str, typ: Any) -> pa.Field:
+            return pa.field(name, pa.list_(typ, m1 * ll), metadata={b"shape": shape})
+
+        schema = pa.schema([
+            pa.field("index", pa.int64()), pa.field("line", pa.int64()),
+            pa.field("id", pa.string()), pa.field("label", pa.string()),
+            pa.field("score", pa.float64()), pa.field("score_per_set", pa.list_(pa.float64())),
+            flat("loglik", pa.float64()), pa.field("ratios", pa.list_(pa.float64())),
+            pa.field("n_response_tokens", pa.int64()), flat("n_prompt_tokens", pa.int64()),
+            flat("n_dropped_demos", pa.int64())])
+        zeros = [[0] * ll] * m1
+        cols = {
+            "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
+            "id": [_id_text(r.get("id")) for r in rows],
+            "label": [json.dumps(r["label"], ensure_ascii=False) if "label" in r else None
+                      for r in rows],
+            "score": [r["score"] for r in rows],
+            "score_per_set": [r["score_per_set"] for r in rows],
+            "loglik": [sum(r["loglik"], []) for r in rows],
+            "ratios": [r["ratios"] for r in rows],
+            "n_response_tokens": [r["n_response_tokens"] for r in rows],
+            "n_prompt_tokens": [sum(r["n_prompt_tokens"], []) for r in rows],
+            "n_dropped_demos": [sum(r.get("n_dropped_demos", zeros), []) for r in rows],
+        }
+        return pa.table(cols, schema=schema)
+
+
+class FeatureBlocks(_BlockMixin, GlassboxBatchScorer):
+    """``--ray`` actor of ``icqs-fast features``: a :class:`GlassboxBatchScorer` writing
+    blocks."""
+
+    def __init__(self, scorer_kw: dict, block_kw: dict) -> None:
+        GlassboxBatchScorer.__init__(self, **scorer_kw)
+        self._setup(**block_kw)
+
+    def _lines(self, items: list) -> tuple[list[dict], int]:
+        from icqs_fast.jobs.features import feature_line
+
+        results, errors = self._collect(self.results, items)
+        rows, self._skipped_rows = _merge_in_order(results, errors, self.out_format == "jsonl",
+                                                   feature_line)
+        return rows, len(errors)
+
+    def _parquet(self, rows: list[dict]):
+        import pyarrow as pa
+
+        schema = pa.schema([pa.field("index", pa.int64()), pa.field("line", pa.int64()),
+                            pa.field("id", pa.string()), pa.field("n_tokens", pa.int64())]
+                           + [pa.field(f, pa.float64()) for f in self.features])
+        cols: dict[str, list] = {
+            "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
+            "id": [_id_text(r.get("id")) for r in rows],
+            "n_tokens": [r["n_tokens"] for r in rows]}
+        cols.update((f, [r[f] for r in rows]) for f in self.features)
+        return pa.table(cols, schema=schema)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
+    """The file of block ``block``: ``OUT/part-KKKKKK.<format>``."""
+    return os.path.join(os.fspath(out_dir), f"part-{block:06d}.{out_format}")
+
+
+def _check_args(kind: str, args: argparse.Namespace) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"run_ray: kind must be one of {KINDS}, got {kind!r}")
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--ray needs Ray Data ({exc}); install icqs-fast[ray]") from None
+    if args.input == "-":
+        raise ValueError("--ray reads a file (Ray Data reads it in blocks); standard input is "
+                         "not supported")
+    if getattr(args, "shard", None):
+        raise ValueError("--shard and --ray do not go together: --ray spreads the whole input "
+                         "over its workers")
+    check_run_paths(args.input, args.resume, args.overwrite, args.format)
+    for name in ("workers", "block_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.gpus_per_worker < 0 or args.cpus_per_worker < 0:
+        raise ValueError("--gpus-per-worker / --cpus-per-worker must be >= 0")
+    if kind == "features":
+        for name in ("batch_size", "chunk_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.block_size % args.chunk_size:
+            # A block of whole chunks computes every record in the same glassbox call as the
+            # single-process run, so the features are the same to the last bit.
+            raise ValueError(f"--block-size ({args.block_size}) must be a multiple of "
+                             f"--chunk-size ({args.chunk_size})")
+    if kind == "score":
+        for name in ("good", "bad"):
+            if not os.path.isfile(getattr(args, name)):
+                raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
+
+
+def _settings_and_kw(kind: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The single-process command's resume settings, and the actor's constructor kwargs."""
+    quant = dict(load_in_8bit=getattr(args, "load_in_8bit", False),
+                 load_in_4bit=getattr(args, "load_in_4bit", False))
+    common = dict(model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                  x_field=args.x_field, y_field=args.y_field, **quant)
+    if kind == "score":
+        from icqs_fast.jobs.score import load_template, score_settings
+
+        _, spec = load_template(args.template)
+        settings = score_settings(args, spec)
+        kw = dict(good=os.path.abspath(args.good), bad=os.path.abspath(args.bad),
+                  template=spec, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
+                  sets_per_ratio=args.sets_per_ratio, seed=args.seed, mixing=args.mixing,
+                  replacement=args.replacement, token_budget=args.token_budget,
+                  max_length=args.max_length, drop_oldest_demos=args.drop_oldest_demos,
+                  **common)
+        return settings, kw
+    from icqs_fast.jobs.features import feature_settings, load_combo_scale, parse_features
+
+    feats = parse_features(args.features)
+    scale = load_combo_scale(args.combo_scale)
+    settings = feature_settings(args, feats)
+    kw = dict(features=feats, mode=args.mode, batch_size=args.batch_size,
+              chunk_size=args.chunk_size, system_prompt=args.system_prompt,
+              combo_scale=None if scale is None else scale.as_dict(), **common)
+    return settings, kw
+
+
+def _prepare_output(out: Path, settings: dict, args: argparse.Namespace, fmt: str,
+                    log: Callable[..., None]) -> dict | None:
+    """Check or start ``OUT``; the old settings when resuming (None otherwise)."""
+    meta = out / f"{META_NAME}.meta.json"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder; a --ray output is a folder of "
+                         "block files")
+    parts = glob.glob(os.path.join(out, "part-*")) if out.is_dir() else []
+    if args.resume and meta.is_file():
+        old = json.loads(meta.read_text(encoding="utf-8"))
+        err = resume_refusal(out, old, settings, settings)
+        if err is not None:
+            raise err
+        return old
+    if parts and not args.resume and not args.overwrite:
+        raise ValueError(f"{out} holds block files; pass --resume to continue it or "
+                         "--overwrite to replace it")
+    if parts and args.resume:
+        raise ValueError(f"cannot --resume {out}: it has block files but no "
+                         f"{meta.name}; use --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in parts:
+        os.remove(p)
+    write_meta(out / META_NAME, settings)
+    return None
+
+
+def _init_ray(args: argparse.Namespace) -> bool:
+    """Connect to (or start) Ray; True when this call started it (and should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if args.address:
+        ray.init(address=args.address, **kw)
+    else:
+        ray.init(**kw)
+    return True
+
+
+def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -> int:
+    """Run ``icqs-fast score`` (``kind="score"``) or ``features`` with ``--ray``: see the
+    module docstring. ``args`` holds the single-process command's arguments plus
+    :func:`add_ray_arguments`'. Returns the exit code (0; 130 on Ctrl-C).
+
+    ``stats``, if given, is filled with the run's figures: ``wall_s`` (from building the
+    dataset to the last block, actor start-up included), ``first_block_s``, ``blocks``,
+    ``records``, ``skipped`` and ``workers`` (``{worker: {"blocks", "records", "busy_s",
+    "read_s"}}``, ``busy_s`` being the time spent in its calls, ``read_s`` in reading its
+    blocks).
+
+    Raises:
+        InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
+        ValueError: other settings in a resumed output, bad options.
+    """
+    _check_args(kind, args)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    out = Path(args.output)
+    fmt_in = detect_format(args.input, args.format)
+    settings, actor_kw = _settings_and_kw(kind, args)
+    label_field = getattr(args, "label_field", None)
+    n = count_records(args.input, format=fmt_in, encoding=args.encoding)
+    if n == 0:
+        raise InputError(args.input, None, None, "no records (the input is empty)")
+    settings.update(command=kind, input=os.path.abspath(args.input), n_records=n,
+                    block_size=args.block_size, output_format=args.output_format)
+    with OutputLock(out):
+        old = _prepare_output(out, settings, args, args.output_format, log)
+        return _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field,
+                           log, stats if stats is not None else {})
+
+
+def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field, log,
+                stats) -> int:
+    from icqs_fast.progress import track
+
+    for stale in glob.glob(os.path.join(out, "part-*.tmp.*")):
+        os.remove(stale)  # a block being written when a driver or worker died
+    B = args.block_size
+    n_blocks = (n + B - 1) // B
+    done = {k for k in range(n_blocks) if os.path.exists(block_path(out, k, args.output_format))}
+    pending = [k for k in range(n_blocks) if k not in done]
+    if done:
+        log(f"icqs-fast: resuming {out}: {len(done)} of {n_blocks} blocks complete, "
+            f"{len(pending)} to do")
+    if not pending:
+        log(f"icqs-fast: {out}: all {n_blocks} blocks complete; nothing to do")
+        return 0
+    specs = [BlockSpec(os.path.abspath(args.input), fmt_in, k, k * B, min(n, (k + 1) * B),
+                       x_field=args.x_field, y_field=args.y_field, id_field=args.id_field,
+                       label_field=label_field, encoding=args.encoding) for k in pending]
+    block_kw = dict(out_dir=os.path.abspath(out), out_format=args.output_format,
+                    path_name=args.input, on_error=args.on_error,
+                    with_label=label_field is not None,
+                    expected_runtime=None if old is None else
+                    {k: old[k] for k in RUNTIME_KEYS if k in old},
+                    old_meta=old)
+    started = _init_ray(args)
+    try:
+        import ray
+        from ray.data import ActorPoolStrategy, DataContext
+
+        DataContext.get_current().enable_progress_bars = False  # ours counts blocks
+        t0 = time.perf_counter()
+        ds = ray.data.read_datasource(RecordBlocks.datasource(specs),
+                                      override_num_blocks=len(specs))
+        ds = ds.map_batches(
+            ScoreBlocks if kind == "score" else FeatureBlocks,
+            fn_constructor_kwargs={"scorer_kw": actor_kw, "block_kw": block_kw},
+            batch_size=None,  # one batch = one whole block
+            compute=ActorPoolStrategy(size=args.workers), num_gpus=args.gpus_per_worker or None,
+            num_cpus=args.cpus_per_worker, batch_format="numpy",
+        )
+        return _drive(ds, track, args, out, settings, old, len(pending), n_blocks, t0, log,
+                      stats)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
+    per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    total = skipped = 0
+    runtime = None if old is None else {k: old[k] for k in RUNTIME_KEYS if k in old} or None
+    errors: list[dict] = []
+    try:
+        for row in track(ds.iter_rows(), total=n_pending, desc="icqs-fast blocks",
+                         unit="block", quiet=args.quiet):
+            err = row["error"]
+            if err:
+                errors.append(json.loads(err))
+                if "settings" in errors[-1] or args.on_error == "stop":
+                    break
+                continue
+            rt = json.loads(row["runtime"])
+            if runtime is None:
+                runtime = rt  # the first block fixes the run's dtype/device/backend
+                write_meta(out / META_NAME, {**settings, **rt})
+            elif any(runtime.get(k) != rt.get(k) for k in RUNTIME_KEYS):
+                raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
+                                 f"{runtime}; every worker must use the same dtype, device "
+                                 "and backend")
+            stats.setdefault("first_block_s", time.perf_counter() - t0)
+            w = per_worker[str(row["worker"])]
+            w[0] += 1
+            w[1] += int(row["n"]) + int(row["skipped"])
+            w[2] += float(row["seconds"])
+            w[3] += float(row["read_s"])
+            total += int(row["n"])
+            skipped += int(row["skipped"])
+    except KeyboardInterrupt:
+        log(f"icqs-fast: interrupted; complete blocks are in {out}; rerun with --resume")
+        return 130
+    dt = time.perf_counter() - t0
+    stats.update(wall_s=dt, blocks=sum(int(w[0]) for w in per_worker.values()), records=total,
+                 skipped=skipped, workers={k: {"blocks": int(v[0]), "records": int(v[1]),
+                                               "busy_s": v[2], "read_s": v[3]}
+                                           for k, v in per_worker.items()})
+    if errors:
+        e = errors[0] if "settings" in errors[0] else min(
+            errors, key=lambda e: e["index"] if e.get("index") is not None else 1 << 62)
+        if "settings" in e:
+            raise ValueError(e["settings"])
+        log(f"icqs-fast: stopped at a bad record; complete blocks are in {out}; fix it and "
+            "rerun with --resume, or pass --on-error skip")
+        raise InputError(e["path"], e["line"], e["field"], e["reason"])
+    for w, (nb, nr, sec, rd) in sorted(per_worker.items()):
+        log(f"icqs-fast:   worker {w}: {nb} blocks, {nr} records in {sec:.1f} s busy "
+            f"({nr / sec if sec > 0 else 0.0:.2f} records/s; reading its blocks {rd:.2f} s)")
+    log(f"icqs-fast: {'scored' if settings['command'] == 'score' else 'features of'} {total} "
+        f"responses in {dt:.1f} s ({total / dt if dt > 0 else 0.0:.2f} responses/s) on "
+        f"{len(per_worker)} workers, {n_pending} blocks"
+        + (f", {skipped} bad records skipped" if skipped else "")
+        + (f" ({n_blocks - n_pending} blocks were already complete)"
+           if n_blocks > n_pending else ""))
+    return 0
