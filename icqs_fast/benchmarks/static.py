@@ -724,6 +724,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", default=None, help="write each compiled cubin and its SASS here")
     p.add_argument("--quick", action="store_true", help="one shape per op and dtype")
     p.add_argument("--no-validation", action="store_true", help="skip the validation records")
+    p.add_argument("--e2e", action="store_true",
+                   help="print the on-paper ICQS throughput of a 7B Llama on one H100 (prefix "
+                        "bank vs naive; no compilation) and exit")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -813,6 +816,16 @@ CHILD_ENV = "ICQS_STATIC_CHILD"
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "e2e", False):
+        # Pure arithmetic on the model's figures: no compiler, no child process.
+        from . import e2e
+
+        res = e2e.icqs_throughput()
+        if args.json:
+            print(json.dumps(res, indent=1))
+        else:
+            e2e.print_e2e(res)
+        return 0
     if not os.environ.get(CHILD_ENV) or _interpreting():
         # Every run compiles in a child: a fresh Triton cache and FP fusion pinned from the
         # start, and no interpreter (@triton.jit functions imported under TRITON_INTERPRET=1
