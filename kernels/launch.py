@@ -30,6 +30,8 @@ class Launch:
         elements: the logits / scores the launch reduces (for per-element figures).
         loop_iters: trip count of the hot (innermost) loop per program, averaged over programs.
         loop_elements: elements one program handles per hot-loop iteration.
+        outer_iters: trip count per program of the loop enclosing the hot loop (a persistent
+            kernel's tile loop, whose epilogue runs once per tile); 1 when there is none.
         label: configuration in words (block sizes, warps), for names and reports.
         extra: anything else a report should carry (e.g. ``{"variant": "no_entropy"}``).
     """
@@ -46,6 +48,7 @@ class Launch:
     elements: int = 0
     loop_iters: float = 1.0
     loop_elements: int = 0
+    outer_iters: float = 1.0
     label: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

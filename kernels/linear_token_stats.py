@@ -404,7 +404,8 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
     target-logits kernel, then the fused kernel (settings from :func:`launch_settings`).
 
     ``loop_iters`` of the fused launch counts its innermost (K) loop per program
-    (``tiles * cdiv(H, BLOCK_K)``); ``loop_elements`` is the logits finished per K iteration
+    (``tiles * cdiv(H, BLOCK_K)``) and ``outer_iters`` its tile loop (``tiles``: the
+    epilogue runs once per tile); ``loop_elements`` is the logits finished per K iteration
     on average (``BLOCK_M * BLOCK_N / cdiv(H, BLOCK_K)``, rounded). ``extra`` has the exact
     tile figures and ``divisible_by_16`` (the parameters the JIT marks 16-divisible).
     """
@@ -445,7 +446,7 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
         hbm_bytes=((n + v) * h * s + (v * s if has_bias else 0) + n * (8 + 4)
                    + cfg.chunks * n * (28 + 16)),
         tensor_flops=2 * n * v * h, elements=n * v,
-        loop_iters=cfg.tiles * k_iters,
+        loop_iters=cfg.tiles * k_iters, outer_iters=cfg.tiles,
         loop_elements=round(cfg.block_m * cfg.block_n / k_iters),
         label=cfg.label,
         extra={"tiles": cfg.tiles, "k_iters_per_tile": k_iters,
