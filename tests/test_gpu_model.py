@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from icqs_fast import gpu_model
-from icqs_fast.benchmarks import e2e
+from icqs_fast.benchmarks import e2e, gpu_model
 from icqs_fast.benchmarks.static import CHILD_ENV, clean_env, range_errors
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -152,7 +152,7 @@ def fa_fwd(Q, K, V, Out, M, sm_scale, stride_h, stride_m, H, N_CTX,
 
 
 def _launch_cls():
-    from ..kernels.launch import Launch
+    from icqs_fast.kernels.launch import Launch
     return Launch
 
 

@@ -624,7 +624,7 @@ CCE_SMALL_LAUNCHES = 4
 def compute_validation_records(compiler: Compiler, arch: str, tiles=TUTORIAL_TILES) -> list[dict]:
     """Compute-bound validation records for ``arch``: the tutorial's attention forward at the
     published points of that arch and, on sm_80, Cut Cross-Entropy's forward."""
-    from . import peer_shapes
+    from icqs_fast.benchmarks import peer_shapes
 
     hw = gpu_model.hardware(arch)
     out: list[dict] = []
@@ -818,7 +818,7 @@ CHILD_ENV = "ICQS_STATIC_CHILD"
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "e2e", False):
         # Pure arithmetic on the model's figures: no compiler, no child process.
-        from . import e2e
+        from icqs_fast.benchmarks import e2e
 
         res = e2e.icqs_throughput()
         if args.json:
