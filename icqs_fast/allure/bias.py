@@ -10,7 +10,7 @@ Pure library code (numpy, scipy, scikit-learn; no torch): give it the verdicts o
   two verdicts disagree (the judge picked the same position, not the same output); the
   *first-position rate* is the share of all ``2 n`` verdicts that chose whichever output was
   shown first (0.5 for a judge without position bias). The *order-averaged* verdict
-  (:func:`order_average`) averages the two orders' probabilities of the first option, so it
+  (:func:`order_average`) sums the two orders' probabilities of each output, so it
   does not depend on the order the pair was given in.
 * **Length bias**: the point-biserial correlation between the verdict (1 when it is the first /
   positive option) and a per-record length (pairwise: length of output 1 minus length of
@@ -159,8 +159,9 @@ class SwapConsistency:
         flips: pairs whose two verdicts disagree (after mapping the swapped one back).
         flip_rate: ``flips / n_pairs``.
         first_position_rate: share of the ``2 n`` verdicts that chose the output shown first.
-        debiased: agreement of the order-averaged verdict (:func:`order_average`) with the human
-            labels (None without both orders' probabilities).
+        debiased: agreement of the order-averaged verdict (:func:`order_average`; an exact tie
+            counts as ``labels[0]``) with the human labels (None without both orders'
+            probabilities).
         forward: agreement of the given order's verdict alone with the human labels.
     """
 
@@ -224,19 +225,30 @@ class JudgeBias:
         return asdict(self)
 
 
-def order_average(p_forward: float, p_swapped: float, labels: Sequence[str]) -> tuple[str, float]:
+def order_average(forward: Sequence[float], swapped: Sequence[float], labels: Sequence[str],
+                  *, first_wins_tie: bool = True) -> tuple[str, float]:
     """The order-averaged verdict of a pair judged in both orders.
 
-    ``p_forward``: the probability of ``labels[0]`` (first output better) with the pair as
-    given; ``p_swapped``: that of the same output with the outputs swapped (i.e. the swapped
-    order's probability of ``labels[1]``). Returns ``(label, p)`` with ``p`` their mean and the
-    label ``labels[0]`` when ``p > 0.5``, ``labels[1]`` when ``p < 0.5``. Swapping the pair
-    swaps the two arguments' roles and turns ``p`` into ``1 - p``, so the verdict names the
-    same output either way; an exact tie (``p == 0.5``) goes to ``labels[0]`` and is the only
-    case where it does not.
+    ``forward``: the probabilities of ``(labels[0], labels[1])`` (first output better, second
+    better) with the pair as given; ``swapped``: the same two with the outputs swapped, mapped
+    back to the original meaning (its ``[0]`` is the swapped order's probability of
+    ``labels[1]``). Each output's evidence is the sum of its two probabilities; returns ``(label,
+    p)`` with the label of the output with more evidence and ``p`` the first output's share
+    (the mean of the two orders' probabilities when each order's sum to 1).
+
+    Swapping the pair exchanges the two outputs' sums, and floating-point addition is
+    commutative, so the verdict names the same output in either order, exactly. An exact tie
+    (e.g. a judge that goes by position only) goes to ``labels[0]`` when ``first_wins_tie``,
+    else ``labels[1]``: pass a rule that follows the outputs, not their order
+    (:func:`icqs_fast.allure.evaluators.order_averaged` compares the two texts), to keep ties
+    order-invariant too.
     """
-    p = 0.5 * (float(p_forward) + float(p_swapped))
-    return (labels[0] if p >= 0.5 else labels[1]), p
+    e1 = float(forward[0]) + float(swapped[0])
+    e2 = float(forward[1]) + float(swapped[1])
+    p = e1 / (e1 + e2) if e1 + e2 > 0 else 0.5
+    if e1 == e2:
+        return (labels[0] if first_wins_tie else labels[1]), p
+    return (labels[0] if e1 > e2 else labels[1]), p
 
 
 # --------------------------------------------------------------------------- statistics
@@ -379,7 +391,8 @@ def judge_bias(v: Verdicts, *, n_resamples: int = 1000, level: float = 0.95,
         debiased = None
         fs = v.forward_score if v.forward_score is not None else v.score
         if fs is not None and v.swapped_score is not None:
-            avg = [order_average(a, b, labels)[0] for a, b in zip(fs, v.swapped_score,
+            avg = [order_average((a, 1.0 - a), (b, 1.0 - b), labels)[0]
+                   for a, b in zip(fs, v.swapped_score,
                                                                     strict=True)]
             debiased = _agreement(t, _codes(avg, labels), idx, labels, level)
         swap = SwapConsistency(

@@ -146,19 +146,23 @@ def evaluate_both_orders(evaluator: Evaluator, records: Sequence[AuditRecord],
     return out
 
 
-def order_averaged(spec: TaskSpec, j: Judgment) -> Judgment:
-    """The order-averaged judgment of a pair judged in both orders (``j.orders`` set): each
-    option's probability is the mean of the two orders' (:func:`icqs_fast.allure.bias.
+def order_averaged(spec: TaskSpec, rec: AuditRecord, j: Judgment) -> Judgment:
+    """The order-averaged judgment of pair ``rec`` judged in both orders (``j.orders`` set):
+    each option's probability is the mean of the two orders' (:func:`icqs_fast.allure.bias.
     order_average`), the label the more probable option, log-likelihoods and features the two
-    orders' means. It names the same output whichever order the pair came in (but for an exact
-    tie, which goes to the first option)."""
+    orders' means. It names the same output whichever order the pair came in; an exact tie
+    goes to the output whose text sorts first (the first option for identical texts), which
+    does not depend on the order either."""
     from .bias import order_average
 
     if j.orders is None:
         raise ValueError("order_averaged needs a judgment of both orders (evaluate_both_orders)")
     a, b = j.orders
     first, second = spec.options
-    label, p = order_average(a.probs[first], b.probs[first], spec.options)
+    f1, f2 = spec.pair_fields
+    label, p = order_average((a.probs[first], a.probs[second]),
+                             (b.probs[first], b.probs[second]), spec.options,
+                             first_wins_tie=rec.fields[f1] <= rec.fields[f2])
     lp = {k: 0.5 * (a.logprobs[k] + b.logprobs[k]) for k in a.logprobs if k in b.logprobs}
     feats = {k: 0.5 * (a.features[k] + b.features[k]) for k in a.features if k in b.features}
     return Judgment(label, {first: p, second: 1.0 - p}, lp, feats, j.orders)
@@ -183,8 +187,8 @@ class OrderAveragedEvaluator:
 
     def evaluate(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem], *,
                  progress: Callable | None = None) -> list[Judgment]:
-        return [order_averaged(self.spec, j) for j in
-                evaluate_both_orders(self.base, records, memory, progress=progress)]
+        js = evaluate_both_orders(self.base, records, memory, progress=progress)
+        return [order_averaged(self.spec, r, j) for r, j in zip(records, js, strict=True)]
 
     def __getattr__(self, name: str) -> Any:
         # attention_entropy and the counters of the wrapped evaluator.
