@@ -58,6 +58,10 @@ class TaskSpec:
         example_max_chars: fields longer than this are cut (with " ...") inside examples, so a
             memory of long articles stays within the model's length.
         descriptions: what each option means (for reports).
+        pair_fields: a pairwise task's two compared fields (first, second), e.g.
+            ``("output_1", "output_2")``: its two options then mean "the first is better" and
+            "the second is better" (in that order), and :meth:`swapped` presents the pair in
+            the other order for the position-swap statistics. None: not pairwise.
     """
 
     name: str
@@ -69,12 +73,43 @@ class TaskSpec:
     example_template: str = "{query}"
     example_max_chars: int | None = None
     descriptions: dict[str, str] = field(default_factory=dict)
+    pair_fields: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.options) < 2 or len(set(self.options)) != len(self.options):
             raise ValueError(f"a task needs at least two distinct options, got {self.options}")
         if self.positive not in self.options:
             raise ValueError(f"positive option {self.positive!r} is not one of {self.options}")
+        if self.pair_fields is not None and len(self.options) != 2:
+            raise ValueError(f"a pairwise task has two options, got {self.options}")
+
+    @property
+    def pairwise(self) -> bool:
+        """Whether records are pairs of outputs (:attr:`pair_fields` set)."""
+        return self.pair_fields is not None
+
+    def swap_label(self, label: str) -> str:
+        """A pairwise task's label with the pair's order swapped (first <-> second)."""
+        a, b = self.options
+        return b if label == a else a
+
+    def swapped(self, rec: AuditRecord) -> AuditRecord:
+        """``rec`` with its two compared fields exchanged and its truth swapped accordingly
+        (same id and line): the pair shown in the other order."""
+        if self.pair_fields is None:
+            raise ValueError(f"task {self.name!r} is not pairwise: no order to swap")
+        f1, f2 = self.pair_fields
+        fields = dict(rec.fields)
+        fields[f1], fields[f2] = rec.fields[f2], rec.fields[f1]
+        return AuditRecord(rec.id, fields, self.swap_label(rec.truth), rec.line)
+
+    def length(self, rec: AuditRecord) -> float:
+        """The length signal of the length-bias statistic, in characters: a pairwise task's
+        first compared field's length minus the second's; else the response fields' total."""
+        if self.pair_fields is not None:
+            f1, f2 = self.pair_fields
+            return float(len(rec.fields[f1]) - len(rec.fields[f2]))
+        return float(sum(len(rec.fields.get(f, "")) for f in self.response_fields))
 
     def query(self, rec: AuditRecord) -> str:
         """The user turn that asks for ``rec``'s label."""
@@ -130,6 +165,7 @@ LLMBAR_TASK = TaskSpec(
     response_fields=("output_1", "output_2"),
     example_max_chars=700,
     descriptions={"A": "output (a) is better (label 1)", "B": "output (b) is better (label 2)"},
+    pair_fields=("output_1", "output_2"),
 )
 
 CUSTOM_INSTRUCTIONS = ("You judge whether a response answers a task correctly. Answer with one "

@@ -56,12 +56,16 @@ class Judgment:
         probs: probability of each option, normalised over the options.
         logprobs: each option's log-likelihood (summed over its tokens; for ICQS, unused: {}).
         features: glass-box features of the forward that scored the record.
+        orders: a pairwise record judged in both orders: ``(given order, swapped order)``, the
+            swapped one mapped back to the original meaning (its labels name the same outputs
+            as the given order's); None when judged in one order only.
     """
 
     label: str
     probs: dict[str, float]
     logprobs: dict[str, float] = field(default_factory=dict)
     features: dict[str, float] = field(default_factory=dict)
+    orders: tuple[Judgment, Judgment] | None = None
 
     def confidence(self) -> float:
         """Probability of the chosen label."""
@@ -89,6 +93,109 @@ def _softmax(values: dict[str, float]) -> dict[str, float]:
     e = {k: math.exp(v - m) for k, v in values.items()}
     s = sum(e.values())
     return {k: v / s for k, v in e.items()}
+
+
+# --------------------------------------------------------------------------- position swap
+
+
+def _unswap(spec: TaskSpec, j: Judgment) -> Judgment:
+    """A judgment of the swapped pair, relabelled to the original order's meaning."""
+    return Judgment(spec.swap_label(j.label), {spec.swap_label(k): v for k, v in j.probs.items()},
+                    {spec.swap_label(k): v for k, v in j.logprobs.items()}, dict(j.features))
+
+
+def _halving(progress: Callable | None) -> Callable | None:
+    """A progress callback for ``2 n`` scored records that advances ``progress`` by ``n``."""
+    if progress is None:
+        return None
+    state = {"done": 0, "told": 0}
+
+    def tick(k: int) -> None:
+        state["done"] += k
+        new = state["done"] // 2 - state["told"]
+        if new > 0:
+            state["told"] += new
+            progress(new)
+
+    return tick
+
+
+def evaluate_both_orders(evaluator: Evaluator, records: Sequence[AuditRecord],
+                         memory: Sequence[MemoryItem], *, progress: Callable | None = None
+                         ) -> list[Judgment]:
+    """Judge each pair of a pairwise task as given and with its outputs swapped
+    (:meth:`TaskSpec.swapped`), in one ``evaluate`` call (so the likelihood judge computes the
+    memory prefix once for both orders). Returns the given order's judgments, each with
+    :attr:`Judgment.orders` set (the swapped one mapped back to the original labels).
+
+    Raises:
+        ValueError: the evaluator's task is not pairwise.
+    """
+    spec = evaluator.spec
+    if not spec.pairwise:
+        raise ValueError(f"task {spec.name!r} is not pairwise: no order to swap")
+    recs = list(records)
+    js = evaluator.evaluate(recs + [spec.swapped(r) for r in recs], memory,
+                            progress=_halving(progress))
+    n = len(recs)
+    out = []
+    for fwd, swp in zip(js[:n], js[n:], strict=True):
+        fwd = Judgment(fwd.label, fwd.probs, fwd.logprobs, fwd.features)
+        fwd.orders = (Judgment(fwd.label, fwd.probs, fwd.logprobs, fwd.features),
+                      _unswap(spec, swp))
+        out.append(fwd)
+    return out
+
+
+def order_averaged(spec: TaskSpec, rec: AuditRecord, j: Judgment) -> Judgment:
+    """The order-averaged judgment of pair ``rec`` judged in both orders (``j.orders`` set):
+    each option's probability is the mean of the two orders' (:func:`icqs_fast.allure.bias.
+    order_average`), the label the more probable option, log-likelihoods and features the two
+    orders' means. It names the same output whichever order the pair came in; an exact tie
+    goes to the output whose text sorts first (the first option for identical texts), which
+    does not depend on the order either."""
+    from icqs_fast.allure.bias import order_average
+
+    if j.orders is None:
+        raise ValueError("order_averaged needs a judgment of both orders (evaluate_both_orders)")
+    a, b = j.orders
+    first, second = spec.options
+    f1, f2 = spec.pair_fields
+    label, p = order_average((a.probs[first], a.probs[second]),
+                             (b.probs[first], b.probs[second]), spec.options,
+                             first_wins_tie=rec.fields[f1] <= rec.fields[f2])
+    lp = {k: 0.5 * (a.logprobs[k] + b.logprobs[k]) for k in a.logprobs if k in b.logprobs}
+    feats = {k: 0.5 * (a.features[k] + b.features[k]) for k in a.features if k in b.features}
+    return Judgment(label, {first: p, second: 1.0 - p}, lp, feats, j.orders)
+
+
+class OrderAveragedEvaluator:
+    """A pairwise evaluator debiased for position (``audit --debias``): every pair is judged in
+    both orders (:func:`evaluate_both_orders`) and its verdict is the order-averaged one
+    (:func:`order_averaged`), for the loop's mistakes, its metrics and the studies alike. Costs
+    twice the wrapped evaluator's scoring."""
+
+    both_orders = True  # its judgments carry both orders (Judgment.orders)
+
+    def __init__(self, base: Evaluator) -> None:
+        if not base.spec.pairwise:
+            raise ValueError(f"--debias needs a pairwise task; {base.spec.name!r} is not")
+        self.base = base
+        self.spec = base.spec
+
+    def describe(self) -> str:
+        return f"{self.base.describe()}, averaged over both orders of each pair"
+
+    def evaluate(self, records: Sequence[AuditRecord], memory: Sequence[MemoryItem], *,
+                 progress: Callable | None = None) -> list[Judgment]:
+        js = evaluate_both_orders(self.base, records, memory, progress=progress)
+        return [order_averaged(self.spec, r, j) for r, j in zip(records, js, strict=True)]
+
+    def __getattr__(self, name: str) -> Any:
+        # attention_entropy and the counters of the wrapped evaluator.
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
 
 # --------------------------------------------------------------------------- likelihood judge

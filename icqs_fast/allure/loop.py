@@ -32,7 +32,7 @@ from typing import Any
 
 from icqs_fast import metrics as M
 from icqs_fast.allure.data import AuditRecord, TaskSpec
-from icqs_fast.allure.evaluators import Evaluator, Judgment, make_example
+from icqs_fast.allure.evaluators import Evaluator, Judgment, evaluate_both_orders, make_example
 from icqs_fast.allure.memory import Memory, MemoryEntry
 from icqs_fast.io.readers import read_json_objects
 from icqs_fast.io.results import JsonlWriter, read_resume_state
@@ -194,12 +194,17 @@ class RoundResult:
     attn_entropy: float | None = None
     heldout_features: dict[str, dict[str, float]] = field(default_factory=dict)
     accepted: list[str] = field(default_factory=list)
+    # Pairwise tasks judged in both orders: record id -> [given-order label, its P(first
+    # option), swapped-order label, its P(first option)], the swapped order mapped back to the
+    # original meaning (empty: not judged swapped).
+    heldout_orders: dict[str, list] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.round, "round": self.round, "memory_size": self.memory_size,
                 "train": self.train, "heldout": self.heldout, "candidates": self.candidates,
                 "heldout_pred": self.heldout_pred, "seconds": self.seconds,
-                "attn_entropy": self.attn_entropy, "heldout_features": self.heldout_features}
+                "attn_entropy": self.attn_entropy, "heldout_features": self.heldout_features,
+                "heldout_orders": self.heldout_orders}
 
     def features_mean(self) -> dict[str, float]:
         """Mean of each glass-box feature over the held-out records."""
@@ -249,7 +254,8 @@ def read_round_log(path: str | os.PathLike) -> list[RoundResult]:
             o = json.loads(raw)
             out.append(RoundResult(o["round"], o["memory_size"], o["train"], o["heldout"],
                                    o["candidates"], o["heldout_pred"], o["seconds"],
-                                   o.get("attn_entropy"), o.get("heldout_features", {})))
+                                   o.get("attn_entropy"), o.get("heldout_features", {}),
+                                   heldout_orders=o.get("heldout_orders", {})))
     return out
 
 
@@ -270,6 +276,14 @@ def _candidates(spec: TaskSpec, round_: int, train: Sequence[AuditRecord],
     return out
 
 
+def _orders(spec: TaskSpec, records: Sequence[AuditRecord], judgments: Sequence[Judgment]
+            ) -> dict[str, list]:
+    first = spec.options[0]
+    return {r.id: [j.orders[0].label, j.orders[0].probs[first], j.orders[1].label,
+                   j.orders[1].probs[first]]
+            for r, j in zip(records, judgments, strict=True) if j.orders is not None}
+
+
 def audit(
     evaluator: Evaluator,
     train: Sequence[AuditRecord],
@@ -281,6 +295,7 @@ def audit(
     max_new: int = 8,
     patience: bool = True,
     attn_items: int = 0,
+    swap: bool = False,
     log_path: str | os.PathLike | None = None,
     resume: bool = False,
     progress: Callable[[str, int], Callable | None] | None = None,
@@ -302,6 +317,12 @@ def audit(
         patience: stop when the training accuracy does not improve on the previous round.
         attn_items: held-out records whose attention entropy is measured each round (0: none;
             the evaluator needs an ``attention_entropy`` method).
+        swap: a pairwise task: judge each held-out pair also with its outputs swapped
+            (:func:`icqs_fast.allure.evaluators.evaluate_both_orders`, in the same scoring
+            call) and keep both orders' verdicts in :attr:`RoundResult.heldout_orders`, for the
+            position-swap statistics; the reported verdict stays the evaluator's own. An
+            evaluator that judges both orders itself (``both_orders``, e.g.
+            :class:`~icqs_fast.allure.evaluators.OrderAveragedEvaluator`) is not asked twice.
         log_path: the round log (default: beside a file memory; none for an in-object one).
         resume: continue from the round log and the memory.
         progress: ``progress(desc, total)`` returns a callback ``(n)`` advanced per records
@@ -345,7 +366,10 @@ def audit(
                 t0 = time.perf_counter()
                 tick = progress(f"round {r}", len(train) + len(heldout)) if progress else None
                 jt = evaluator.evaluate(train, mem, progress=tick)
-                jh = evaluator.evaluate(heldout, mem, progress=tick)
+                if swap and not getattr(evaluator, "both_orders", False):
+                    jh = evaluate_both_orders(evaluator, heldout, mem, progress=tick)
+                else:
+                    jh = evaluator.evaluate(heldout, mem, progress=tick)
                 attn = None
                 if attn_items > 0:
                     vals = evaluator.attention_entropy(list(heldout)[:attn_items], mem)
@@ -358,7 +382,8 @@ def audit(
                     {x.id: [j.label, j.probs[spec.positive]] for x, j in zip(heldout, jh,
                                                                              strict=True)},
                     time.perf_counter() - t0, attn,
-                    {x.id: dict(j.features) for x, j in zip(heldout, jh, strict=True)})
+                    {x.id: dict(j.features) for x, j in zip(heldout, jh, strict=True)},
+                    heldout_orders=_orders(spec, heldout, jh) if swap else {})
                 if writer is not None:
                     writer.write(res.to_json())
                 h = res.heldout

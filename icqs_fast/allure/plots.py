@@ -1,5 +1,6 @@
 """PNG pictures of an audit (matplotlib, Agg backend): metrics per round, metrics against the
-number of examples, the failure-mode t-SNE map and the cluster-ablation bars."""
+number of examples, the failure-mode t-SNE map, the cluster-ablation bars and the judge-bias
+statistics with their bootstrap intervals."""
 
 from __future__ import annotations
 
@@ -82,6 +83,73 @@ def plot_ablation(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Pa
     ax.set_xlabel("cluster removed")
     ax.legend(fontsize=8)
     ax.set_title("cluster ablation (held-out)")
+    return _save(fig, plt, path)
+
+
+def _bias_points(bias: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    rows: list[tuple[str, dict[str, Any] | None]] = []
+    s, ln, a = bias.get("swap"), bias.get("length"), bias["agreement"]
+    if s is not None:
+        rows += [("swap flip rate", s["flip_rate"]),
+                 ("first position chosen", s["first_position_rate"])]
+        if s.get("debiased") is not None:
+            rows.append(("kappa, order-averaged", s["debiased"]["kappa"]))
+    rows += [("kappa vs human", a["kappa"]), ("accuracy vs human", a["accuracy"])]
+    if ln is not None:
+        rows += [("length r (verdict)", ln["point_biserial"]),
+                 ("length Spearman (P)", ln.get("spearman")),
+                 ("length r (human)", ln["human_point_biserial"]),
+                 ("longer output chosen", ln.get("longer_preferred_rate"))]
+    return [(k, v) for k, v in rows if v is not None]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and np.isfinite(x)
+
+
+def plot_bias(bias: dict[str, Any], rounds: Sequence[dict[str, Any]],
+              path: str | os.PathLike) -> Path:
+    """Judge bias: left, the last round's statistics with their bootstrap intervals (undefined
+    ones marked); right, the swap flip rate and kappa per round with intervals (``bias``: the
+    JSON report's ``judge_bias``; ``rounds``: its rows, each with ``bias``)."""
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4),
+                                  gridspec_kw={"width_ratios": [3, 2]})
+    pts = _bias_points(bias)
+    ys = np.arange(len(pts))[::-1]
+    for y, (_, v) in zip(ys, pts, strict=True):
+        est, lo, hi = v.get("estimate"), v.get("lo"), v.get("hi")
+        if not _finite(est):
+            ax.text(0.0, y, "undefined", va="center", fontsize=8, color="gray")
+            continue
+        if _finite(lo) and _finite(hi):
+            ax.errorbar([est], [y], xerr=[[est - lo], [hi - est]], fmt="o", capsize=3,
+                        color="C0")
+        else:
+            ax.plot([est], [y], "o", color="C0")
+    ax.axvline(0.0, color="gray", lw=0.6)
+    ax.axvline(0.5, color="gray", lw=0.6, ls=":")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([k for k, _ in pts], fontsize=8)
+    ax.set_xlim(-1.05, 1.05)
+    ax.set_title(f"judge bias, round {bias.get('round', '?')} (n={bias['n']}, "
+                 f"{100 * bias['level']:g}% bootstrap)", fontsize=9)
+    xs = [r["round"] for r in rounds]
+    for key, label, c in (("flip_rate", "swap flip rate", "C1"), ("kappa", "kappa", "C2")):
+        vals = [r.get("bias", {}).get(key) for r in rounds]
+        pts2 = [(x, v) for x, v in zip(xs, vals, strict=True) if v is not None and _finite(v[0])]
+        if not pts2:
+            continue
+        e = np.array([v[0] for _, v in pts2], dtype=float)
+        lo = np.array([v[1] if _finite(v[1]) else v[0] for _, v in pts2], dtype=float)
+        hi = np.array([v[2] if _finite(v[2]) else v[0] for _, v in pts2], dtype=float)
+        ax2.errorbar([x for x, _ in pts2], e, yerr=[e - lo, hi - e], marker="o", capsize=3,
+                     label=label, color=c)
+    ax2.set_xlabel("round")
+    ax2.set_xticks(xs)
+    ax2.set_ylim(-1.05, 1.05)
+    ax2.legend(fontsize=8)
+    ax2.set_title("held-out, per round", fontsize=9)
     return _save(fig, plt, path)
 
 

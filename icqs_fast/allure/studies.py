@@ -231,3 +231,35 @@ def attention_change(rounds: Sequence[RoundResult]) -> list[dict[str, Any]]:
                     "change": (e - prev) if (e is not None and prev is not None) else None})
         prev = e
     return out
+
+
+# --------------------------------------------------------------------------- judge bias
+
+
+def round_bias(spec: TaskSpec, heldout: Sequence[AuditRecord], rnd: RoundResult, *,
+               n_resamples: int = 1000, level: float = 0.95, seed: int = 0):
+    """Judge bias statistics (:func:`icqs_fast.allure.bias.judge_bias`) of one round's held-out
+    verdicts: agreement with the truth, length bias (:meth:`TaskSpec.length`, characters) and,
+    for a pairwise task whose held-out pairs were judged in both orders (``audit(swap=True)``),
+    position-swap consistency. Returns a :class:`~icqs_fast.allure.bias.JudgeBias`."""
+    from icqs_fast.allure.bias import Verdicts, judge_bias
+
+    recs = [r for r in heldout if r.id in rnd.heldout_pred]
+    if spec.pairwise:
+        labels = list(spec.options)  # first option: "the first output is better"
+    else:
+        labels = [spec.positive] + [o for o in spec.options if o != spec.positive]
+    pos_first = spec.positive == labels[0]
+    # heldout_pred holds P(positive); the statistics want P(labels[0]) (binary tasks).
+    score = [rnd.heldout_pred[r.id][1] if pos_first else 1.0 - rnd.heldout_pred[r.id][1]
+             for r in recs] if len(labels) == 2 or pos_first else None
+    both = spec.pairwise and bool(recs) and all(r.id in rnd.heldout_orders for r in recs)
+    o = rnd.heldout_orders
+    v = Verdicts(truth=[r.truth for r in recs], verdict=[rnd.heldout_pred[r.id][0] for r in recs],
+                 labels=labels, score=score, pairwise=spec.pairwise,
+                 forward=[o[r.id][0] for r in recs] if both else None,
+                 forward_score=[o[r.id][1] for r in recs] if both else None,
+                 swapped=[o[r.id][2] for r in recs] if both else None,
+                 swapped_score=[o[r.id][3] for r in recs] if both else None,
+                 length=[spec.length(r) for r in recs])
+    return judge_bias(v, n_resamples=n_resamples, level=level, seed=seed)

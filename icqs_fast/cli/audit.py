@@ -13,6 +13,14 @@ is ``FILE.rounds.jsonl``). Every number reported is on the held-out part, which 
 memory. After the loop: the sweep over the number of examples, the failure-mode clusters, the
 cluster ablation and the attention-entropy change per round.
 
+Judge bias (held-out, every round; the report's ``judge_bias`` is the last round's): agreement
+with the human labels (Cohen's kappa, accuracy, confusion matrix), length bias (verdict against
+the length difference of the two outputs, or the response length) and, for pairwise tasks
+(``llmbar``), position-swap consistency: each held-out pair is also judged with its outputs
+swapped (``--no-swap``: not) and the flip rate is reported. ``--debias`` makes the evaluator's
+verdict the order-averaged one everywhere (twice the scoring). Intervals: seeded percentile
+bootstrap (``--bootstrap`` resamples, ``--seed``). See :mod:`icqs_fast.allure.bias`.
+
 Resume and bad input as in ``icqs-fast score``: ``--resume`` continues a memory written with the
 same settings (checked against ``FILE.meta.json``), an existing memory is only replaced with
 ``--overwrite``, one process writes a memory at a time (``FILE.lock``), and a bad record stops the
@@ -73,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ablation", action="store_true")
     p.add_argument("--attn-items", type=int, default=4,
                    help="held-out records whose attention entropy is measured per round")
+    p.add_argument("--debias", action="store_true",
+                   help="pairwise tasks: judge every pair in both orders and use the "
+                   "order-averaged verdict (twice the scoring)")
+    p.add_argument("--no-swap", action="store_true",
+                   help="pairwise tasks: do not judge the held-out pairs swapped (no flip rate)")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap resamples of the judge-bias intervals (default 1000)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", default=None, help="folder for PNG plots")
     p.add_argument("--resume", action="store_true")
@@ -129,6 +144,8 @@ def _settings(args: argparse.Namespace, data: str) -> dict[str, Any]:
                                        "evaluator", "audit", "audit_threshold")}
     s["data"] = os.path.abspath(data)
     s["model"] = os.path.abspath(args.model) if args.model else "embedded:SmolLM2-135M-Instruct"
+    if args.debias:  # only when set: memories written before the flag existed still resume
+        s["debias"] = True
     if args.task == "custom":
         s["custom"] = {k: v for k, v in _custom_kwargs(args).items() if k != "normalisers"}
         s["custom"]["normalisers"] = list(_custom_kwargs(args)["normalisers"])
@@ -172,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     check_run_paths(data, args.resume, args.overwrite)
     if (args.resume or args.audit == "file") and not args.memory:
         raise ValueError("--resume and --audit file need --memory FILE")
+    if args.bootstrap < 1:
+        raise ValueError(f"--bootstrap must be >= 1, got {args.bootstrap}")
     for name in ("rounds", "max_new", "sweep_seeds", "clusters", "attn_items"):
         if getattr(args, name) < 0 or (name == "max_new" and args.max_new < 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {int(name == 'max_new')}")
@@ -184,7 +203,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, data: str, log) -> int:
     from icqs_fast.allure import studies
     from icqs_fast.allure.data import load_task, split, spread
-    from icqs_fast.allure.evaluators import ICQSEvaluator, LikelihoodEvaluator
+    from icqs_fast.allure.evaluators import (
+        ICQSEvaluator,
+        LikelihoodEvaluator,
+        OrderAveragedEvaluator,
+    )
     from icqs_fast.allure.loop import AcceptAll, AutoAudit, FileAudit
     from icqs_fast.allure.loop import audit as run_audit
     from icqs_fast.allure.memory import Memory
@@ -203,6 +226,8 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
         plan = plan_output(args.memory, settings, resume=args.resume, overwrite=args.overwrite)
     custom = _custom_kwargs(args) if args.task == "custom" else {}
     spec, records = load_task(args.task, data, **custom)
+    if args.debias and not spec.pairwise:
+        raise ValueError(f"--debias needs a pairwise task (llmbar); {args.task} is not")
     picked = spread(records, args.limit, seed=args.seed, balance=args.balance)
     train, heldout = split(picked, args.heldout, seed=args.seed)
     log(f"icqs-fast audit: {args.task}: {len(records)} records, {len(picked)} used: "
@@ -219,6 +244,8 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
                            threshold=args.icqs_threshold, seed=args.seed, backend=args.backend)
     else:
         ev = LikelihoodEvaluator(model, tok, spec, backend=args.backend, bank_mib=args.bank_mib)
+    if args.debias:
+        ev = OrderAveragedEvaluator(ev)
     attn_items = args.attn_items if hasattr(ev, "attention_entropy") else 0
 
     memory = Memory(args.memory)
@@ -241,6 +268,7 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
 
     res = run_audit(ev, train, heldout, rounds=args.rounds, auditor=auditor, memory=memory,
                     max_new=args.max_new, patience=not args.no_patience, attn_items=attn_items,
+                    swap=spec.pairwise and not args.no_swap,
                     resume=args.resume, progress=_progress(args.quiet),
                     log=lambda s: log(f"icqs-fast audit: {s}"))
     report: dict[str, Any] = {
@@ -257,6 +285,13 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
         "attention": studies.attention_change(res.rounds),
         "sweep": [], "clusters": [], "ablation": [],
     }
+    bias = [studies.round_bias(spec, heldout, r, n_resamples=args.bootstrap, seed=args.seed)
+            for r in res.rounds]
+    for row, b in zip(report["rounds"], bias, strict=True):
+        row["bias"] = _bias_row(b)
+    report["debias"] = args.debias
+    report["judge_bias"] = ({"round": res.rounds[-1].round, **bias[-1].to_json()} if bias
+                            else None)
     mem = res.final_memory
     plots: dict[str, Any] = {}
     if res.stopped != "awaiting audit" and mem:
@@ -282,6 +317,8 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
 
         d = Path(args.plot)
         P.plot_rounds(report["rounds"], d / "rounds.png")
+        if report["judge_bias"] is not None:
+            P.plot_bias(report["judge_bias"], report["rounds"], d / "bias.png")
         if report["sweep"]:
             P.plot_sweep(report["sweep"], d / "sweep.png")
         if "tsne" in plots:
@@ -298,15 +335,71 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
     return 0
 
 
+def _bias_row(b: Any) -> dict[str, Any]:
+    """A round's headline bias statistics as ``[estimate, lo, hi]`` (None: absent)."""
+    def iv(x: Any) -> list[float] | None:
+        return None if x is None else [x.estimate, x.lo, x.hi]
+
+    return {"flip_rate": iv(b.swap.flip_rate if b.swap else None),
+            "first_position_rate": iv(b.swap.first_position_rate if b.swap else None),
+            "kappa": iv(b.agreement.kappa),
+            "length_point_biserial": iv(b.length.point_biserial if b.length else None)}
+
+
+def _iv(x: dict[str, Any] | None) -> str:
+    """``0.125 [0.050, 0.225]`` of a JSON interval (``undefined``: NaN/None)."""
+    if x is None or x.get("estimate") is None or not math.isfinite(x["estimate"]):
+        return "undefined"
+    lo, hi = x.get("lo"), x.get("hi")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{x['estimate']:.3f} [interval undefined]"
+    return f"{x['estimate']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _print_bias(b: dict[str, Any], debias: bool) -> None:
+    a = b["agreement"]
+    print(f"judge bias (held-out, round {b['round']}, {b['n']} records; "
+          f"{100 * b['level']:g}% percentile bootstrap, {b['n_resamples']} resamples, "
+          f"seed {b['seed']}):")
+    s = b["swap"]
+    if s is None:
+        print("  position swap: absent (" + next(
+            (n.split(": ", 1)[1] for n in b["notes"] if n.startswith("position swap")),
+            "not judged") + ")")
+    else:
+        print(f"  position swap: flip rate {_iv(s['flip_rate'])} ({s['flips']} of "
+              f"{s['n_pairs']} pairs); first position chosen {_iv(s['first_position_rate'])}")
+        if s["debiased"] is not None:
+            used = "used" if debias else "not used; --debias"
+            print(f"  order-averaged verdict ({used}): kappa {_iv(s['debiased']['kappa'])}, "
+                  f"accuracy {_iv(s['debiased']['accuracy'])}")
+    ln = b["length"]
+    if ln is not None:
+        extra = "" if ln["longer_preferred_rate"] is None else \
+            f"; longer output chosen {_iv(ln['longer_preferred_rate'])}"
+        sp = "" if ln["spearman"] is None else \
+            f"; Spearman(P({a['labels'][0]}), length) {_iv(ln['spearman'])}"
+        print(f"  length bias ({ln['what']}): point-biserial r {_iv(ln['point_biserial'])}{sp}"
+              f"; human labels r {_iv(ln['human_point_biserial'])}{extra}")
+    conf = "; ".join(f"human {lab}: " + " ".join(str(c) for c in row)
+                     for lab, row in zip(a["labels"], a["confusion"], strict=True))
+    print(f"  agreement with human labels: kappa {_iv(a['kappa'])}, accuracy "
+          f"{_iv(a['accuracy'])}; confusion (judge {' '.join(a['labels'])}): {conf}")
+    for n in b["notes"]:
+        if not n.startswith("position swap"):
+            print(f"  note: {n}")
+
+
 def _print_text(rep: dict[str, Any]) -> None:
     print(f"ALLURE audit: {rep['task']} ({rep['n_train']} train / {rep['n_heldout']} held-out), "
           f"{rep['evaluator']}; audit {rep['audit']}; stopped: {rep['stopped']}")
-    print("round  examples  accuracy  f1      auc     kappa   FP  FN")
+    print("round  examples  accuracy  f1      auc     kappa   FP  FN  swap flips")
     for r in rep["rounds"]:
         h, e = r["heldout"], r["heldout_errors"]
+        fr = (r.get("bias") or {}).get("flip_rate")
         print(f"{r['round']:5d}  {r['memory_size']:8d}  {h['accuracy']:.3f}     {h['f1']:.3f}   "
               f"{h['auc']:.3f}   {h['kappa']:+.3f}  {e.get('false_positive', 0):3d} "
-              f"{e.get('false_negative', 0):3d}")
+              f"{e.get('false_negative', 0):3d}  {'-' if fr is None else f'{fr[0]:.3f}'}")
     for s in rep["sweep"]:
         print(f"sweep n={s['n_examples']}: accuracy {s['accuracy']:.3f} +- "
               f"{s['accuracy_std']:.3f}, f1 {s['f1']:.3f}, auc {s['auc']:.3f}")
@@ -315,4 +408,6 @@ def _print_text(rep: dict[str, Any]) -> None:
     for a in rep["ablation"]:
         print(f"without {a['cluster']}: accuracy {a['accuracy']:.3f}, kappa vs full "
               f"{a['kappa_vs_full']:.3f}, errors {a['errors']}")
+    if rep.get("judge_bias") is not None:
+        _print_bias(rep["judge_bias"], rep.get("debias", False))
     print(f"{rep['seconds']:.1f} s")
