@@ -127,3 +127,48 @@ def test_responses_and_arguments():
     with pytest.raises(ValueError, match="cold-repeats"):
         bench_icqs.bench(1, "cpu", random_weights=True, config="tiny", measure_memory=False,
                          cold_repeats=0)
+
+
+def _args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench_icqs.add_arguments(p)
+    return p.parse_args(["--random-weights", "--config", "tiny", "--device", "cpu",
+                         "--no-memory", "--cold-repeats", "1", "--json", *extra])
+
+
+def test_default_settings_agree_and_the_command_passes(tmp_path, capsys):
+    """``bench icqs`` as run, with the DEFAULT settings (M+1 = 5, L = 4, N = 8, stratify="auto",
+    which stratifies the demo files' label answers): the engine and the naive reference use the
+    same demonstration sets, so every score agrees and every log-likelihood is within
+    ``LOGLIK_TOL``; the command exits 0. (Before the reference took the settings it ignored
+    ``stratify``: agreement 0.0 and the command still exited 0.)"""
+    out = tmp_path / "rec.json"
+    rc = bench_icqs.run(_args("--responses", "1", "--out", str(out)))
+    rec = json.loads(out.read_text())
+    assert rec["settings"] == bench_icqs.SETTINGS and rec["contexts"] == 20
+    assert rec["scoring_settings"]["stratify"] == "auto"
+    assert rec["score_agreement"] == 1.0
+    assert rec["max_abs_loglik_diff"] <= bench_icqs.LOGLIK_TOL == 1e-4
+    assert rc == 0
+    assert "correctness check failed" not in capsys.readouterr().err
+
+
+def test_failing_correctness_field_exits_nonzero_naming_it(monkeypatch, tmp_path, capsys):
+    """A record whose correctness fields fail: the record is still written and printed, then
+    the command exits 1 and names each failing field and value on stderr."""
+    rec = {"score_agreement": 0.5, "max_abs_loglik_diff": 3.37, "device": "cpu"}
+    monkeypatch.setattr(bench_icqs, "bench", lambda *a, **k: dict(rec))
+    out = tmp_path / "rec.json"
+    rc = bench_icqs.run(_args("--out", str(out)))
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert json.loads(out.read_text())["score_agreement"] == 0.5
+    assert json.loads(cap.out)["max_abs_loglik_diff"] == 3.37
+    assert "score_agreement = 0.5 (want == 1.0)" in cap.err
+    assert "max_abs_loglik_diff = 3.37 (want <= 0.0001)" in cap.err
+    # Agreement, but a diff over an impossible tolerance: only that field is named.
+    rec.update(score_agreement=1.0, max_abs_loglik_diff=1e-6)
+    assert bench_icqs.run(_args("--tolerance", "1e-9")) == 1
+    err = capsys.readouterr().err
+    assert "max_abs_loglik_diff = 1e-06 (want <= 1e-09)" in err and "score_agreement" not in err
+    assert bench_icqs.run(_args()) == 0

@@ -322,3 +322,12 @@ def test_make_scorer_stratified_sets(tiny_model):
     # The prompts the engine scores are those of the stratified sets.
     assert sc.tokens.prefix_ids(0)[-3:] == sc.tokens.encode(
         sc.template.format_prefix(sc.sets[0][0].examples))[-3:]
+
+
+def test_study_scoring_settings():
+    """The study's settings object: what make_scorer builds the engine from."""
+    st = study.StudySettings(num_ratios=3, sets_per_ratio=2, seed=5, backend="torch")
+    s = study.scoring_settings(4, st)
+    assert (s.num_ratios, s.demos_per_set, s.sets_per_ratio, s.seed) == (3, 4, 2, 5)
+    assert s.stratify is None and s.drop_oldest_demos and s.backend == "torch"
+    assert study.scoring_settings(4, study.StudySettings(stratify=True)).stratify == "y"

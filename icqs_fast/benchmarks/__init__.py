@@ -1,4 +1,6 @@
-"""Benchmarks behind ``icqs-fast bench``: ``kernels``, ``icqs`` and ``attention``."""
+"""Benchmarks behind ``icqs-fast bench`` and their shared helpers: the environment of a run,
+peak memory, writing a record, and the correctness checks every command applies to its own record
+(:func:`check_fields`, :func:`report_failures`)."""
 
 from __future__ import annotations
 
@@ -94,3 +96,84 @@ def emit_record(rec: dict, *, out: str | None, as_json: bool) -> None:
     else:
         for key, val in rec.items():
             print(f"{key:>22}: {val}")
+
+
+# --------------------------------------------------------------------------- correctness checks
+
+
+class Want:
+    """A predicate on one record field, with the words that say what it wants (``<= 0.0001``,
+    ``== 1.0``, ``is True``) for the failure message."""
+
+    def __init__(self, text: str, ok) -> None:
+        self.text, self.ok = text, ok
+
+    def __call__(self, value) -> bool:
+        try:
+            return bool(self.ok(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def at_most(tol: float) -> Want:
+    """A finite number with ``abs(value) <= tol`` (NaN, None and inf fail)."""
+    import math
+
+    return Want(f"<= {tol:g}", lambda v: not isinstance(v, bool) and math.isfinite(v)
+                and abs(v) <= tol)
+
+
+def equals(expected) -> Want:
+    """``value == expected`` (and, for True/False, ``is``)."""
+    if isinstance(expected, bool):
+        return Want(f"is {expected}", lambda v: v is expected)
+    return Want(f"== {expected!r}", lambda v: not isinstance(v, bool) and v == expected)
+
+
+def check_fields(record: dict, checks: dict, *, prefix: str = "") -> list[str]:
+    """The failed correctness fields of ``record``, one message each (``[]``: all pass).
+
+    Args:
+        record: a bench record.
+        checks: ``{field: want}``; ``want`` is a :class:`Want` (:func:`at_most`,
+            :func:`equals`), a float (shorthand for ``at_most(float)``), or any predicate
+            ``value -> bool``. A missing field fails.
+        prefix: put before each field name in the messages (e.g. ``"ray[1]."``).
+
+    Returns:
+        messages such as ``"score_agreement = 0.0 (want == 1.0)"``.
+    """
+    failed = []
+    for name, want in checks.items():
+        if isinstance(want, (int, float)) and not isinstance(want, bool):
+            want = at_most(float(want))
+        text = repr(want) if isinstance(want, Want) else getattr(want, "__name__", "check")
+        if name not in record:
+            failed.append(f"{prefix}{name} missing (want {text})")
+            continue
+        value = record[name]
+        ok = want(value) if isinstance(want, Want) else _safe(want, value)
+        if not ok:
+            failed.append(f"{prefix}{name} = {value!r} (want {text})")
+    return failed
+
+
+def _safe(pred, value) -> bool:
+    try:
+        return bool(pred(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def report_failures(command: str, failed: list[str]) -> int:
+    """Print each failed field to stderr (``bench icqs: correctness check failed: ...``) and
+    return the exit status: 1 when any failed, else 0. Call it after the record is written and
+    printed, so nothing measured is lost."""
+    import sys
+
+    for msg in failed:
+        print(f"bench {command}: correctness check failed: {msg}", file=sys.stderr)
+    return 1 if failed else 0

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from icqs_fast.benchmarks import environment, peak_growth_mb
+from icqs_fast.benchmarks import at_most, check_fields, environment, peak_growth_mb, report_failures
 from icqs_fast.benchmarks.kernels import side_by_side
 from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
 
@@ -139,6 +139,18 @@ def _peak_in_subprocess(side: str, seq_len: int, device: str, random_weights: bo
     return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"])
 
 
+# Correctness: largest |entropy ours - float64 eager| that passes: fp32 models (CPU records
+# ~4e-5 at 1024 tokens), and half-precision ones; --tolerance overrides it.
+ERR_TOL = {"float32": 1e-3, "float64": 1e-3}
+ERR_TOL_HALF = 5e-2
+
+
+def checks(dtype: str, tolerance: float | None = None) -> dict:
+    """The record's correctness fields (for a model of ``dtype``) and what each must be."""
+    return {"max_abs_err": at_most(tolerance if tolerance is not None
+                                   else ERR_TOL.get(dtype, ERR_TOL_HALF))}
+
+
 def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> dict:
     """CUDA only: one bf16 attention call, Triton forward-with-entropy vs plain SDPA (causal)."""
     from icqs_fast import ops
@@ -213,6 +225,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a random-weight Llama of --config instead of the embedded model")
     p.add_argument("--config", default="tiny", choices=("tiny", "llama-1b"),
                    help="model shape with --random-weights (tiny: 2 layers, for tests)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest max_abs_err that passes (default 1e-3 for fp32 models, 5e-2 "
+                        "for half precision); the command exits 1, naming the field, on a "
+                        "failure")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,4 +253,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         for key, val in rec.items():
             print(f"{key:>20}: {val}")
-    return 0
+    return report_failures("attention", check_fields(
+        rec, checks(rec["dtype"], getattr(args, "tolerance", None))))

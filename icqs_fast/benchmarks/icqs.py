@@ -25,7 +25,11 @@ Fields:
   context's keys and values, all layers), which the engine keeps for as long as it scores.
 * ``max_abs_loglik_diff``: largest ``|loglik_fast - loglik_naive|`` over all responses and
   contexts; ``score_agreement``: fraction of responses whose ICQS-Epistemic score and per-set ICQS
-  scores are identical.
+  scores are identical. Both sides run with one
+  :class:`~icqs_fast.engine.settings.ScoringSettings` (``scoring_settings``: its fingerprint,
+  default ``stratify="auto"``); the command exits 1, naming the field on stderr, unless
+  ``score_agreement == 1.0`` and ``max_abs_loglik_diff <= --tolerance`` (default
+  ``LOGLIK_TOL = 1e-4``), after the record is printed and written.
 
 ``--random-weights --config llama-1b`` uses a ~1.1B-parameter Llama with random weights (bf16 on
 CUDA, fp32 on the CPU) and the embedded model's tokenizer, for GPU runs; ``--config tiny`` is a
@@ -43,7 +47,15 @@ import time
 
 import torch
 
-from icqs_fast.benchmarks import emit_record, environment, peak_growth_mb
+from icqs_fast.benchmarks import (
+    at_most,
+    check_fields,
+    emit_record,
+    environment,
+    equals,
+    peak_growth_mb,
+    report_failures,
+)
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -82,6 +94,9 @@ HEADLINES = [
 ]
 ANSWERS = ("positive", "negative")
 SETTINGS = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=4, seed=0)
+# Correctness: engine and reference must give the same scores and log-likelihoods within this
+# (fp32; --tolerance overrides it, e.g. for a bf16 model).
+LOGLIK_TOL = 1e-4
 CONFIGS = ("llama-1b", "tiny")
 
 
@@ -142,18 +157,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _scorer(model, tok, good, bad, settings=None):
+def scoring_settings(settings: dict | None = None):
+    """The one :class:`~icqs_fast.engine.settings.ScoringSettings` both sides run with: the
+    ``icqs-fast demo`` template and ``settings`` (the benchmark's ``SETTINGS`` if None; every
+    other option at its default, so ``stratify="auto"`` as in the engine)."""
     from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.settings import ScoringSettings
+
+    return ScoringSettings(template=TEMPLATE, **(settings or SETTINGS))
+
+
+def _scorer(model, tok, good, bad, settings=None):
     from icqs_fast.engine.scorer import ICQSScorer
 
-    return ICQSScorer(model, tok, good, bad, template=TEMPLATE, **(settings or SETTINGS))
+    return ICQSScorer(model, tok, good, bad, scoring_settings(settings))
 
 
 def _naive(model, tok, good, bad, resp, settings=None):
-    from icqs_fast.data import TEMPLATE
     from icqs_fast.engine.reference import icqs_naive
 
-    return icqs_naive(model, tok, good, bad, resp, template=TEMPLATE, **(settings or SETTINGS))
+    return icqs_naive(model, tok, good, bad, resp, scoring_settings(settings))
 
 
 # --------------------------------------------------------------------------- memory
@@ -304,6 +327,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "mem_responses": None,
         "cascade": scorer.cascade,
         "settings": settings,
+        "scoring_settings": scorer.settings.fingerprint(),
         "threads": torch.get_num_threads(),
     }
     if measure_memory:
@@ -332,6 +356,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs of each side of the cold single-response comparison (median)")
     p.add_argument("--mem-responses", type=int, default=16,
                    help="responses scored in the engine's memory subprocess (default 16)")
+    p.add_argument("--tolerance", type=float, default=LOGLIK_TOL,
+                   help="largest |loglik engine - naive| that passes (default %(default)g); "
+                        "the command exits 1, naming the field, when a check fails")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -342,4 +369,9 @@ def run(args: argparse.Namespace) -> int:
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)
-    return 0
+    return report_failures("icqs", check_fields(rec, checks(args.tolerance)))
+
+
+def checks(tolerance: float = LOGLIK_TOL) -> dict:
+    """The record's correctness fields and what each must be."""
+    return {"score_agreement": equals(1.0), "max_abs_loglik_diff": at_most(tolerance)}

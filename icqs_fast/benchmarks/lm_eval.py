@@ -46,9 +46,19 @@ from typing import Any
 
 import torch
 
-from icqs_fast.benchmarks import emit_record, environment
+from icqs_fast.benchmarks import (
+    at_most,
+    check_fields,
+    emit_record,
+    environment,
+    equals,
+    report_failures,
+)
 
 TASK_NAME = "icqs_sst2_local"
+# Correctness: largest |loglik ours - HFLM| that passes (fp32 CPU records ~4e-5; --tolerance
+# overrides it); is_greedy must agree on every request and every prediction must be the same.
+LOGLIK_TOL = 1e-3
 # Rows at the top of dev.tsv that form the few-shot pool; documents come after them.
 FEWSHOT_POOL = 16
 
@@ -297,6 +307,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster on a busy box)")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--tolerance", type=float, default=LOGLIK_TOL,
+                   help="largest max_abs_diff that passes (default %(default)g); the command "
+                        "exits 1, naming the field, on a failure")
+
+
+def checks(tolerance: float = LOGLIK_TOL) -> dict:
+    """The record's correctness fields and what each must be."""
+    return {"max_abs_diff": at_most(tolerance), "is_greedy_agreement": equals(1.0),
+            "same_predictions": equals(True)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -310,4 +329,5 @@ def run(args: argparse.Namespace) -> int:
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(args.device))
     emit_record(rec, out=args.out, as_json=args.json)
-    return 0
+    return report_failures("lm-eval", check_fields(
+        rec, checks(getattr(args, "tolerance", LOGLIK_TOL))))

@@ -37,6 +37,18 @@ ICQS_ARGS = ["--num-ratios", "3", "--demos-per-set", "4", "--sets-per-ratio", "2
              "0", "--dtype", "float32", "--device", "cpu"]
 
 
+# Correctness: largest |loglik Ray - single process| that passes (same model and settings on the
+# same CPU; records ~1e-5); --tolerance overrides it. Ids and scores must be equal.
+LOGLIK_TOL = 1e-4
+
+
+def checks(tolerance: float = LOGLIK_TOL) -> dict:
+    """The correctness fields of each Ray run (``record["ray"][i]``) and what each must be."""
+    from icqs_fast.benchmarks import at_most, equals
+
+    return {"max_abs_loglik_diff": at_most(tolerance), "ids_and_scores_equal": equals(True)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
     p.add_argument("--workers", default="1,2", help="comma-separated Ray worker counts")
@@ -48,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="cores per Ray actor")
     p.add_argument("--json", action="store_true", help="print the record as one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--tolerance", type=float, default=LOGLIK_TOL,
+                   help="largest max_abs_loglik_diff that passes (default %(default)g); the "
+                        "command exits 1, naming the field, on a failure")
 
 
 def _inputs(d: Path, n: int) -> tuple[Path, Path, Path, str]:
@@ -210,7 +225,7 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from icqs_fast.benchmarks import environment
+    from icqs_fast.benchmarks import check_fields, environment, report_failures
 
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]
@@ -238,4 +253,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ray, {r['workers']} workers: {r['records_per_s']:.2f} records/s end to end, "
                   f"{r['records_per_s_busy']:.2f} in the workers' calls; max loglik diff "
                   f"{r['max_abs_loglik_diff']:.2g}")
-    return 0
+    want = checks(getattr(args, "tolerance", LOGLIK_TOL))
+    bad = [msg for i, r in enumerate(rec["ray"])
+           for msg in check_fields(r, want, prefix=f"ray[{i}].")]
+    return report_failures("scaleout", bad)

@@ -1,6 +1,7 @@
 """ICQS as usually written: one full forward per (response, demonstration set), full logits,
 ``torch.log_softmax``, gather and sum over the response tokens. Slow on purpose; it is what the
-engine is checked and timed against. Same demo sets as :class:`ICQSScorer`.
+engine is checked and timed against. Same settings object and demo sets as
+:class:`ICQSScorer` (:class:`~icqs_fast.engine.settings.ScoringSettings`).
 
 Tokenization is its own, on purpose: each prompt is the whole text (prefix + query + response as
 one string) tokenized by one plain ``tokenizer(text)`` call (BOS as the tokenizer adds it), and
@@ -18,8 +19,9 @@ import torch
 
 from icqs_fast.backends import torch_ref
 from icqs_fast.engine.checks import model_max_length, parse_response
-from icqs_fast.engine.prompts import Template, build_demo_sets
+from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.scorer import ICQSResult, summarise
+from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.types import TokenStats
 
 
@@ -30,25 +32,18 @@ def icqs_naive(
     good: Sequence,
     bad: Sequence,
     responses: Iterable,
+    settings: ScoringSettings | None = None,
     *,
-    num_ratios: int = 5,
-    demos_per_set: int = 8,
-    sets_per_ratio: int = 4,
-    template: Template | None = None,
-    seed: int = 0,
-    mixing: str = "exact",
-    replacement: bool = False,
-    max_length: int | None = None,
-    drop_oldest_demos: bool = False,
     return_token_stats: bool = False,
     compute_dtype: torch.dtype = torch.float32,
-    backend: str | None = None,
-    token_budget: int | None = None,
-    cascade: bool | None = None,
+    **options: Any,
 ) -> list[ICQSResult]:
-    """Naive ICQS / ICQS-Epistemic; arguments as :class:`icqs_fast.ICQSScorer`. The engine-only
-    ``backend``, ``token_budget`` and ``cascade`` are accepted (so one settings dict drives both)
-    and have no effect here; any other unknown argument is a TypeError.
+    """Naive ICQS / ICQS-Epistemic with the SAME settings as :class:`icqs_fast.ICQSScorer`: a
+    :class:`~icqs_fast.engine.settings.ScoringSettings`, or its field names as keywords (which
+    build it, or replace fields of ``settings``). Every result option is honoured (demonstration
+    sets incl. ``stratify`` and ``strata_order``, template, ``max_length``,
+    ``drop_oldest_demos``); the engine-only ``backend``, ``token_budget`` and ``cascade`` are
+    accepted and have no effect here; any other unknown argument is a TypeError.
 
     ``compute_dtype`` is the dtype of the full-vocabulary ``log_softmax`` (the logits are cast
     to it): float32 as usually written, float64 for an accuracy reference (fp32 log_softmax over
@@ -59,13 +54,14 @@ def icqs_naive(
     """
     # No check_model here: this path scores the model's own logits, so it is right for models
     # whose head the engine refuses.
-    template = template if template is not None else Template()
-    sets = build_demo_sets(good, bad, num_ratios=num_ratios, demos_per_set=demos_per_set,
-                           sets_per_ratio=sets_per_ratio, seed=seed, mixing=mixing,
-                           replacement=replacement)
+    st = ScoringSettings.build(settings, **options)
+    template = st.template
+    num_ratios, sets_per_ratio = st.num_ratios, st.sets_per_ratio
+    drop_oldest_demos = st.drop_oldest_demos
+    sets = build_demo_sets(good, bad, **st.demo_set_options())
     ratios = [row[0].ratio for row in sets]
     flat = [s for row in sets for s in row]
-    max_len = model_max_length(model, max_length)
+    max_len = model_max_length(model, st.max_length)
     dev = next(model.parameters()).device
     n_ctx = num_ratios * sets_per_ratio
     out = []

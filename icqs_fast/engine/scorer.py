@@ -30,10 +30,11 @@ from icqs_fast.engine.batching import PrefixBank, check_padded_kv, suffix_hidden
 from icqs_fast.engine.cascade import supports_cascade
 from icqs_fast.engine.checks import check_model, model_max_length, parse_response
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
-from icqs_fast.engine.prompts import Template, build_demo_sets
+from icqs_fast.engine.prompts import build_demo_sets
+from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.types import TokenStats
 
-DEFAULT_TOKEN_BUDGET = 16384
+__all__ = ["DEFAULT_TOKEN_BUDGET", "ICQSResult", "ICQSScorer", "ScoringSettings", "summarise"]
 # Suffix forwards with cascade attention on the CPU: at most this many rows x suffix tokens per
 # forward (bigger forwards push the elementwise work out of the caches and measured slower on the
 # shared 2-core CPU, and hold more activations: 16 responses x 20 contexts, peak RSS growth
@@ -91,6 +92,10 @@ class ICQSScorer:
             ``get_output_embeddings()`` head), in eval mode.
         tokenizer: its tokenizer (needs a pad or eos token).
         good, bad: demonstration pools of (x, y) str pairs.
+        settings: a :class:`~icqs_fast.engine.settings.ScoringSettings` (the defaults if None);
+            the keywords below, when given, build it (or replace its fields). Stored as
+            ``self.settings``; the same object drives the reference
+            :func:`icqs_fast.engine.reference.icqs_naive`.
         num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, stratify,
             strata_order: see :func:`icqs_fast.engine.prompts.build_demo_sets` (``M+1``, ``N``,
             ``L``; default ``stratify="auto"``: when the answers are labels, every set holds the
@@ -123,46 +128,31 @@ class ICQSScorer:
         tokenizer: Any,
         good: Sequence,
         bad: Sequence,
+        settings: ScoringSettings | None = None,
         *,
-        num_ratios: int = 5,
-        demos_per_set: int = 8,
-        sets_per_ratio: int = 4,
-        template: Template | None = None,
-        seed: int = 0,
-        mixing: str = "exact",
-        replacement: bool = False,
-        stratify: str | Sequence | None = "auto",
-        strata_order: str = "fixed",
-        backend: str = "auto",
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
-        max_length: int | None = None,
-        drop_oldest_demos: bool = False,
         return_token_stats: bool = False,
-        cascade: bool | None = None,
+        **options: Any,
     ) -> None:
+        st = ScoringSettings.build(settings, **options)
         check_padded_kv(model)
         check_model(model)
         if getattr(model, "training", False):
             warnings.warn("the model is in training mode (dropout is active); call model.eval() "
                           "for deterministic scores", stacklevel=2)
-        if not isinstance(token_budget, int) or token_budget < 1:
-            raise ValueError(f"token_budget must be an int >= 1, got {token_budget!r}")
+        self.settings = st
         self.model = model
         self.tokenizer = tokenizer
-        self.template = template if template is not None else Template()
-        self.sets = build_demo_sets(good, bad, num_ratios=num_ratios,
-                                    demos_per_set=demos_per_set, sets_per_ratio=sets_per_ratio,
-                                    seed=seed, mixing=mixing, replacement=replacement,
-                                    stratify=stratify, strata_order=strata_order)
+        self.template = st.template
+        self.sets = build_demo_sets(good, bad, **st.demo_set_options())
         self.ratios = [row[0].ratio for row in self.sets]
-        self.num_ratios, self.sets_per_ratio = num_ratios, sets_per_ratio
-        self.n_contexts = num_ratios * sets_per_ratio
-        self.backend = backend
-        self.token_budget = token_budget
-        self.max_length = model_max_length(model, max_length)
-        self.drop_oldest_demos = drop_oldest_demos
+        self.num_ratios, self.sets_per_ratio = st.num_ratios, st.sets_per_ratio
+        self.n_contexts = st.num_ratios * st.sets_per_ratio
+        self.backend = st.backend
+        self.token_budget = st.token_budget
+        self.max_length = model_max_length(model, st.max_length)
+        self.drop_oldest_demos = st.drop_oldest_demos
         self.return_token_stats = return_token_stats
-        self.cascade = supports_cascade(model) if cascade is None else bool(cascade)
+        self.cascade = supports_cascade(model) if st.cascade is None else st.cascade
         self.tokens = PromptTokens(tokenizer, self.template, self.sets)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id

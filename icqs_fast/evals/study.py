@@ -161,18 +161,26 @@ def _icqs_scores(model: Any, tok: Any, good: Sequence, bad: Sequence,
                       unit="response", quiet=st.quiet))
 
 
+def scoring_settings(n: int, st: StudySettings, template: Any = None) -> Any:
+    """The :class:`icqs_fast.engine.settings.ScoringSettings` of a study run with ``n``
+    demonstrations per set: label-stratified sets (fixed label order) when ``st.stratify``, else
+    unstratified as in the study (explicitly: the engine's own default is ``stratify="auto"``);
+    the oldest demonstrations dropped when a prompt is too long."""
+    from icqs_fast.engine.settings import ScoringSettings
+
+    return ScoringSettings(num_ratios=st.num_ratios, demos_per_set=n,
+                           sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
+                           backend=st.backend, drop_oldest_demos=True,
+                           stratify="y" if st.stratify else None)
+
+
 def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,
                 template: Any = None) -> Any:
     """The :class:`icqs_fast.engine.scorer.ICQSScorer` of a study run with ``n`` demonstrations per
-    set:
-    label-stratified sets (fixed label order) when ``st.stratify``, else unstratified as in the
-    study (explicitly: the engine's own default is ``stratify="auto"``)."""
+    set, built from :func:`scoring_settings` (so the reference can be given the same)."""
     from icqs_fast.engine.scorer import ICQSScorer
 
-    return ICQSScorer(model, tok, good, bad, num_ratios=st.num_ratios, demos_per_set=n,
-                      sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
-                      backend=st.backend, drop_oldest_demos=True,
-                      stratify="y" if st.stratify else None)
+    return ICQSScorer(model, tok, good, bad, scoring_settings(n, st, template))
 
 
 def _demo_sample(pool: Sequence, n: int, seed: int) -> list:
