@@ -18,6 +18,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("features",), "icqs_fast.cli.features", "glass-box features of a file's responses"),
     (("rank",), "icqs_fast.cli.rank", "rank models by mean score, with bootstrap intervals"),
     (("audit",), "icqs_fast.cli.audit", "ALLURE: audit an LLM evaluator, round by round"),
+    (("serve",), "icqs_fast.cli.serve",
+     "OpenAI-compatible scoring server (/v1/completions echo+logprobs, /v1/score)"),
     (("bench", "kernels"), "icqs_fast.benchmarks.kernels", "token-statistics kernels vs torch"),
     (("bench", "icqs"), "icqs_fast.benchmarks.icqs", "ICQS engine vs the naive method"),
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
