@@ -31,6 +31,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "lm-eval's HF model vs the icqs-fast lm-eval model on a local task"),
     (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",
      "records/s on Ray Data with 1..n workers vs the single-process CLI"),
+    (("bench", "serve"), "icqs_fast.benchmarks.serve",
+     "load test of `serve` on 127.0.0.1: throughput, latency percentiles, no lost answers"),
     (("eval", "mtbench"), "icqs_fast.cli.eval_mtbench", "glass-box features vs GPT-4 on MT-Bench"),
     (("eval", "fpb"), "icqs_fast.cli.eval", "ICQS study on Financial PhraseBank"),
     (("eval", "sst2"), "icqs_fast.cli.eval", "ICQS study on SST-2"),

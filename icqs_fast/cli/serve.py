@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
                    help="how long a request waits for others to share a batch with")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
     p.add_argument("--log-level", default="info")
 
 
@@ -53,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.serve.runner import check_bind, serve
 
     check_bind(args.host, args.api_key)  # before the model loads
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
