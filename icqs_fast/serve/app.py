@@ -97,8 +97,12 @@ def _error_response(exc: APIError) -> JSONResponse:
 # --------------------------------------------------------------------------- ASGI guard
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(APIError):
+    """A chunked body grew past the limit while it was read (the app answers 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over the limit of {limit} bytes",
+                         "body_too_large")
 
 
 class Guard:
@@ -150,7 +154,7 @@ class Guard:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:
-                    raise _TooLarge
+                    raise _TooLarge(self.max_body)
             return msg
 
         async def tracking_send(msg: dict) -> None:
@@ -161,10 +165,9 @@ class Guard:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except _TooLarge as exc:
             if not started:
-                await self._send_error(send, 413, f"request body is over the limit of "
-                                       f"{self.max_body} bytes", "body_too_large")
+                await self._send_error(send, 413, exc.message, exc.code or "body_too_large")
 
 
 # --------------------------------------------------------------------------- the server
