@@ -339,7 +339,8 @@ class Server:
             raise APIError(400, f"'max_tokens' must be an integer >= 0, got {max_tokens!r}",
                            "invalid_request")
         if max_tokens > 1:
-            raise APIError(400, f"max_tokens={max_tokens}: this server scores prompts; it "
+            dflt = "" if "max_tokens" in body else " (the OpenAI default)"
+            raise APIError(400, f"max_tokens={max_tokens}{dflt}: this server scores prompts; it "
                            "generates at most 1 (greedy) token. Use max_tokens=0 with echo=true "
                            "and logprobs=N for prompt log-probs", "generation_not_supported")
         temp = body.get("temperature")
