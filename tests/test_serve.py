@@ -258,6 +258,11 @@ def test_score_endpoint_equals_in_process(server, tiny):
         assert got["icqs"]["score"] == want.score
         assert torch.allclose(torch.tensor(got["icqs"]["loglik"]), want.loglik, atol=TOL)
         assert abs(got["features"]["sent_logprob"] - f["sent_logprob"]) <= TOL
+    # An empty response: NaN features go out as null (JSON has no NaN).
+    r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
+        "records": [{"instruction": "Say nothing", "response": ""}], "features": ["softmax_ent"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["features"]["softmax_ent"] is None
     # No demonstrations at server start and none in the request: a clear 400.
     r = httpx.post(st.base_url + "/v1/score", json={"records": recs, "icqs": True}, timeout=60)
     assert r.status_code == 400 and "demonstrations" in r.json()["error"]["message"]

@@ -17,7 +17,9 @@ Fields: ``ok`` (200 answers), ``rejected_429`` (queue full; the client waits 50 
 retries, so these are not lost), ``lost``, ``mismatched``, ``max_abs_diff``, ``wall_s``,
 ``requests_per_s``, ``prompt_tokens_per_s``, ``latency_ms_p50/p90/p99`` (send to answer, per
 request, retries included), ``batches`` and ``mean_batch_prompts`` (how many prompts the server
-ran per engine call: > 1 means concurrent requests shared batches).
+ran per engine call: > 1 means concurrent requests shared batches); ``sequential_s`` /
+``sequential_requests_per_s``: the same prompts computed one at a time in-process right after
+the load (the check's reference), the baseline on the same machine under the same load.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
     lost = mismatched = 0
     max_diff = 0.0
     n_tokens = 0
+    t_ref = time.perf_counter()
     for i, ans in sorted(answers.items()):
         if "choices" not in ans:
             lost += 1
@@ -135,6 +138,7 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
         max_diff = max(max_diff, d)
         if d > TOL:
             mismatched += 1
+    ref_s = time.perf_counter() - t_ref
     sent = len(answers)
     lat = res["latencies_ms"]
     wall = res["wall_s"]
@@ -150,6 +154,8 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
         "latency_ms_p50": _round(_percentile(lat, 50)),
         "latency_ms_p90": _round(_percentile(lat, 90)),
         "latency_ms_p99": _round(_percentile(lat, 99)),
+        "sequential_s": round(ref_s, 3),
+        "sequential_requests_per_s": round(ok / ref_s, 2) if ref_s > 0 and ok else None,
         "batches": health["batches"],
         "mean_batch_prompts": round(health["batched_prompts"] / max(1, health["batches"]), 2),
         "largest_batch_requests": health["largest_batch"],

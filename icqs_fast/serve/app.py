@@ -248,8 +248,7 @@ class Server:
             rows = glassbox(self.model, self.tokenizer, items, features=features,
                             backend=self.config.backend)
             for o, row in zip(out, rows, strict=True):
-                o["features"] = {k: (None if isinstance(v, float) and not math.isfinite(v)
-                                     else v) for k, v in row.items()}
+                o["features"] = dict(row)
         return out
 
     # -- request handling (event loop) ----------------------------------------------------
@@ -359,7 +358,8 @@ class Server:
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str)
                                                                     for s in stop)):
             raise APIError(400, "'stop' must be a string or a list of strings", "invalid_request")
-        prompts = self._prompts(body.get("prompt"))
+        # Tokenizing a long body takes a while: off the event loop.
+        prompts = await asyncio.to_thread(self._prompts, body.get("prompt"))
         top_n = int(n_lp or 0)
         if echo or max_tokens > 0:
             fut = self._submit(self.queue.submit_logprobs, [p for p, _ in prompts], top_n)
@@ -382,8 +382,8 @@ class Server:
              ) -> dict[str, float]:
         d: dict[str, float] = {}
         for tid, lp in pairs[:n]:
-            d.setdefault(self.token_text(tid), lp)
-        d.setdefault(self.token_text(chosen), chosen_lp)  # as vLLM: the chosen token too
+            d.setdefault(self.token_text(tid), _finite(lp))
+        d.setdefault(self.token_text(chosen), _finite(chosen_lp))  # as vLLM: the chosen token too
         return d
 
     def _choice(self, i: int, ids: list[int], text: str | None, res: Any, echo: bool,
@@ -405,7 +405,7 @@ class Server:
                 offsets = _offsets(self.tokenizer, text, toks)
             out_text = text
             if n_lp is not None:
-                lps = [None, *res.token_logprobs]
+                lps = [None, *map(_finite, res.token_logprobs)]
                 tops = [None] + [self._top(pairs, n_lp, t, lp) for pairs, t, lp in
                                  zip(res.top, ids[1:], res.token_logprobs, strict=True)]
         finish = "length"
@@ -421,7 +421,7 @@ class Server:
             out_text += gen
             toks.append(self.token_text(tid))
             if n_lp is not None:
-                lps.append(lp)
+                lps.append(_finite(lp))
                 tops.append(self._top(res.next_top, n_lp, tid, lp))
         logprobs = None
         if n_lp is not None:
@@ -477,7 +477,7 @@ class Server:
                            lambda: self._score(records, want_icqs, feats, good, bad, options),
                            len(records))
         data = await self._wait(fut)
-        return {"object": "list", "model": self.config.model_name, "data": data}
+        return {"object": "list", "model": self.config.model_name, "data": _clean(data)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
@@ -544,14 +544,33 @@ class Server:
             return self.health()
 
         @api.post("/v1/completions")
-        async def _completions(req: Request) -> dict:
-            return await self.completions(await _json(req))
+        async def _completions(req: Request) -> JSONResponse:
+            return JSONResponse(await self.completions(await _json(req)))
 
         @api.post("/v1/score")
-        async def _score(req: Request) -> dict:
-            return await self.score(await _json(req))
+        async def _score(req: Request) -> JSONResponse:
+            return JSONResponse(await self.score(await _json(req)))
 
         return Guard(api, self.config.api_key, self.config.max_body_bytes)
+
+
+# What a -inf log-prob is sent as (JSON has no infinity; vLLM sends the same).
+NEG_INF_LOGPROB = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_LOGPROB
+
+
+def _clean(x: Any) -> Any:
+    """``x`` with every non-finite float as None (JSON has no NaN or infinity)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
 
 
 def _is_int(x: Any) -> bool:
