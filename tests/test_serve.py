@@ -279,3 +279,36 @@ def test_bench_serve(tiny, capsys):
     assert rec["lost"] == rec["mismatched"] == 0 and rec["max_abs_diff"] <= TOL
     assert rec["latency_ms_p50"] <= rec["latency_ms_p90"] <= rec["latency_ms_p99"]
     assert rec["requests_per_s"] > 0 and rec["batches"] >= 1
+    assert rec["mean_batch_prompts"] > 1  # concurrent requests shared engine calls
+
+
+def test_work_queue_batches_requests_that_arrive_together():
+    """Jobs within batch_wait of the first run as one engine call, each job getting its own
+    slice back; a failing batch is retried job by job so one bad job fails only itself; the
+    queue refuses past max_pending."""
+    from icqs_fast.serve.queue import QueueFull, WorkQueue
+
+    calls = []
+
+    def run(prompts, top_n):
+        calls.append([list(p) for p in prompts])
+        if any(p == [666] for p in prompts):
+            raise ValueError("bad prompt")
+        return [sum(p) + top_n for p in prompts]
+
+    q = WorkQueue(run, max_pending=4, batch_wait_s=0.3)
+    q.start()
+    try:
+        futs = [q.submit_logprobs([[1, 2]], 0), q.submit_logprobs([[3], [4, 5]], 1)]
+        with pytest.raises(QueueFull, match="queue is full"):
+            q.submit_logprobs([[7], [8]], 0)  # 3 pending + 2 > 4
+        assert [f.result(timeout=10) for f in futs] == [[4], [4, 10]]  # top_n: the batch's max
+        assert calls == [[[1, 2], [3], [4, 5]]] and q.batches == 1 and q.largest_batch == 2
+        good, bad = q.submit_logprobs([[1]], 0), q.submit_logprobs([[666]], 0)
+        assert good.result(timeout=10) == [1]
+        with pytest.raises(ValueError, match="bad prompt"):
+            bad.result(timeout=10)
+        assert q.submit_call(lambda: "called").result(timeout=10) == "called"
+        assert q.pending == 0
+    finally:
+        q.stop()
