@@ -111,6 +111,41 @@ def test_openai_client_echo_logprobs(server, tiny):
     assert none.choices[0].text == "" and none.choices[0].logprobs is None
 
 
+def test_greedy_generation(server, tiny):
+    """max_tokens > 1: greedy tokens as transformers' generate, each token's log-prob as a plain
+    forward of prompt + generated tokens; a stop string cuts the text."""
+    import openai
+
+    st, _ = server
+    d, model, tok = tiny
+    client = openai.OpenAI(base_url=st.base_url + "/v1", api_key="unused", max_retries=0)
+    prompt = "Once upon a time"
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False,
+                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    out = client.completions.create(model=d, prompt=prompt, max_tokens=5, temperature=0,
+                                    logprobs=2)
+    ch = out.choices[0]
+    assert ch.text == tok.decode(ref) and out.usage.completion_tokens == 5
+    assert ch.finish_reason == "length" and len(ch.logprobs.token_logprobs) == 5
+    full = _full_logprobs(model, ids + ref)
+    for k, t in enumerate(ref):
+        assert abs(ch.logprobs.token_logprobs[k] - float(full[len(ids) + k - 1, t])) <= TOL
+    stop = tok.decode(ref[2:4])
+    if stop and stop not in tok.decode(ref[:2]):
+        cut = client.completions.create(model=d, prompt=prompt, max_tokens=5, temperature=0,
+                                        stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == tok.decode(ref)[: tok.decode(ref).find(stop)]
+    # echo + generation: the prompt's log-probs, then the generated tokens'.
+    both = client.completions.create(model=d, prompt=prompt, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=1)
+    lp = both.choices[0].logprobs
+    assert both.choices[0].text == prompt + tok.decode(ref[:3])
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+
+
 def test_lm_eval_local_completions_equals_icqs_fast(server, tiny, tmp_path):
     """lm-eval's local-completions model against the server gives the icqs-fast lm-eval
     model's (in-process) log-likelihoods and is_greedy on a small local task."""
@@ -153,7 +188,7 @@ def test_bad_requests_get_4xx(server):
     c = httpx.Client(base_url=st.base_url, timeout=30)
     cases = [
         (b"not json", 400), (b"[1, 2]", 400),
-        (json.dumps({"prompt": "x", "max_tokens": 5}).encode(), 400),  # generation
+        (json.dumps({"prompt": "x", "max_tokens": 100000}).encode(), 400),  # over the limit
         (json.dumps({"prompt": "x", "max_tokens": 1, "temperature": 0.7}).encode(), 400),
         (json.dumps({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 99}).encode(), 400),
         (json.dumps({"prompt": "", "max_tokens": 0, "echo": True}).encode(), 400),

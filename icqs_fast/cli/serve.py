@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompts", type=int, default=d.max_prompts,
                    help="prompts (or records) per request")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--max-gen-tokens", type=int, default=d.max_gen_tokens,
+                   help="largest max_tokens (greedy generation)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="prompts admitted and not yet answered; past it: 429")
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
-                 "max_queue", "max_batch_tokens"):
+                 "max_queue", "max_batch_tokens", "max_gen_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     good = bad = None
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeConfig(model_name=args.served_model_name or args.model or "embedded",
                       api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                       max_prompt_tokens=args.max_prompt_tokens, max_prompts=args.max_prompts,
-                      max_logprobs=args.max_logprobs, max_queue=args.max_queue,
+                      max_logprobs=args.max_logprobs, max_gen_tokens=args.max_gen_tokens,
+                      max_queue=args.max_queue,
                       batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens,
                       backend=args.backend)
     server = Server(model, tok, cfg, good=good, bad=bad,

@@ -7,7 +7,9 @@ Routes (all behind the bearer-token check when the server has an API key):
   logprobs=N`` gives every prompt token's log-prob and the top-N alternatives
   (``choices[].logprobs.{tokens, token_logprobs, top_logprobs, text_offset}``, the first
   position ``null``). ``max_tokens=1`` (what lm-eval's ``local-completions`` sends) appends the
-  greedy next token, with its log-prob. Longer generation and sampling are refused with 400.
+  greedy next token, with its log-prob, from the same batched pass; ``max_tokens > 1`` generates
+  greedily with ``model.generate`` (one prompt at a time: correct, not accelerated; ``stop``
+  strings honoured). Sampling (``temperature > 0``) is refused with 400.
 * ``POST /v1/score``: ICQS scores (good / bad demonstrations given at server start or in the
   request) and glass-box features of posted records.
 * ``GET /health``: liveness and queue counters.
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -52,6 +55,7 @@ class ServeConfig:
             positions).
         max_prompts: prompts (or records) per request.
         max_logprobs: largest ``logprobs=N``.
+        max_gen_tokens: largest ``max_tokens`` (greedy generation).
         max_queue: prompts admitted and not yet answered; past it 429.
         batch_wait_ms: how long a request waits for others to batch with.
         max_batch_tokens: prompt tokens per batch.
@@ -65,6 +69,7 @@ class ServeConfig:
     max_prompt_tokens: int = 4096
     max_prompts: int = 64
     max_logprobs: int = 20
+    max_gen_tokens: int = 256
     max_queue: int = 256
     batch_wait_ms: float = 5.0
     max_batch_tokens: int = 16384
@@ -190,6 +195,7 @@ class Server:
                              f"({cfg.max_queue}): such a request could never be admitted")
         lim = model_max_length(model, None)
         self.max_prompt_tokens = min(cfg.max_prompt_tokens, lim) if lim else cfg.max_prompt_tokens
+        self.max_positions = lim
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
@@ -211,6 +217,34 @@ class Server:
     def _run_logprobs(self, prompts: list[list[int]], top_n: int) -> list:
         return prompt_logprobs(self.model, prompts, top_n=top_n, pad_id=self.pad_id,
                                token_budget=self.config.token_budget)
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], max_new: int, top_n: int,
+                  stop: list[str] | None) -> list[list[tuple[int, float, list]]]:
+        """Greedy continuations of ``prompts`` (``model.generate``, one prompt at a time):
+        per prompt ``(token id, log-prob, top-N pairs)`` of each new token, EOS included."""
+        dev = next(self.model.parameters()).device
+        out = []
+        for ids in prompts:
+            inp = torch.tensor([ids], dtype=torch.long, device=dev)
+            kw = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
+            gen = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp),
+                                      max_new_tokens=max_new, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      pad_token_id=self.pad_id, **kw)
+            new = gen.sequences[0, len(ids):].tolist()
+            steps = []
+            for tid, logits in zip(new, gen.logits, strict=False):
+                lp = torch.log_softmax(logits[0].float(), dim=-1)
+                top = []
+                if top_n > 0:
+                    tv, ti = lp.topk(min(top_n, lp.shape[-1]))
+                    top = list(zip(ti.tolist(), tv.tolist(), strict=True))
+                steps.append((int(tid), float(lp[tid]), top))
+                if tid == self.tokenizer.eos_token_id:
+                    break
+            out.append(steps)
+        return out
 
     def _scorer_for(self, good: Sequence | None, bad: Sequence | None, options: dict) -> Any:
         from icqs_fast.engine.scorer import ICQSScorer
@@ -337,17 +371,16 @@ class Server:
         if not _is_int(max_tokens) or max_tokens < 0:
             raise APIError(400, f"'max_tokens' must be an integer >= 0, got {max_tokens!r}",
                            "invalid_request")
-        if max_tokens > 1:
-            dflt = "" if "max_tokens" in body else " (the OpenAI default)"
-            raise APIError(400, f"max_tokens={max_tokens}{dflt}: this server scores prompts; it "
-                           "generates at most 1 (greedy) token. Use max_tokens=0 with echo=true "
-                           "and logprobs=N for prompt log-probs", "generation_not_supported")
+        if max_tokens > self.config.max_gen_tokens:
+            raise APIError(400, f"max_tokens={max_tokens} is over this server's limit of "
+                           f"{self.config.max_gen_tokens} (it is built for scoring: "
+                           "max_tokens=0, echo=true, logprobs=N)", "max_tokens_too_large")
         temp = body.get("temperature")
         if temp is not None and (not isinstance(temp, (int, float)) or isinstance(temp, bool)):
             raise APIError(400, "'temperature' must be a number", "invalid_request")
         if max_tokens > 0 and temp not in (None, 0):
-            raise APIError(400, f"temperature={temp}: sampling is not supported; the one "
-                           "generated token is greedy (temperature 0)", "sampling_not_supported")
+            raise APIError(400, f"temperature={temp}: sampling is not supported; generation is "
+                           "greedy (temperature 0)", "sampling_not_supported")
         n_lp = body.get("logprobs")
         if n_lp is not None and (not _is_int(n_lp) or not 0 <= n_lp <= self.config.max_logprobs):
             raise APIError(400, f"'logprobs' must be an integer in [0, "
@@ -360,18 +393,32 @@ class Server:
             raise APIError(400, "'stop' must be a string or a list of strings", "invalid_request")
         # Tokenizing a long body takes a while: off the event loop.
         prompts = await asyncio.to_thread(self._prompts, body.get("prompt"))
+        if self.max_positions and max_tokens > 1:
+            longest = max(len(p) for p, _ in prompts)
+            if longest + max_tokens > self.max_positions:
+                raise APIError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens}) is "
+                               f"over the model's {self.max_positions} positions",
+                               "context_length_exceeded")
         top_n = int(n_lp or 0)
-        if echo or max_tokens > 0:
-            fut = self._submit(self.queue.submit_logprobs, [p for p, _ in prompts], top_n)
+        ids_list = [p for p, _ in prompts]
+        results: list = [None] * len(prompts)
+        if echo or max_tokens == 1:
+            fut = self._submit(self.queue.submit_logprobs, ids_list, top_n)
             results = await self._wait(fut)
-        else:
-            results = [None] * len(prompts)
+        gens: list[list[tuple[int, float, list]]] = [[] for _ in prompts]
+        if max_tokens == 1:
+            gens = [[(r.next_token, r.next_logprob, r.next_top)] for r in results]
+        elif max_tokens > 1:
+            fut = self._submit(self.queue.submit_call,
+                               lambda: self._generate(ids_list, max_tokens, top_n, stop),
+                               len(prompts))
+            gens = await self._wait(fut)
         choices = []
         n_prompt = n_gen = 0
-        for i, ((ids, text), res) in enumerate(zip(prompts, results, strict=True)):
+        for i, ((ids, text), res, gen) in enumerate(zip(prompts, results, gens, strict=True)):
             n_prompt += len(ids)
-            choices.append(self._choice(i, ids, text, res, echo, max_tokens, n_lp, stop))
-            n_gen += max_tokens
+            choices.append(self._choice(i, ids, text, res, echo, gen, max_tokens, n_lp, stop))
+            n_gen += len(gen)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": self.config.model_name,
                 "choices": choices,
@@ -387,7 +434,8 @@ class Server:
         return d
 
     def _choice(self, i: int, ids: list[int], text: str | None, res: Any, echo: bool,
-                max_tokens: int, n_lp: int | None, stop: list[str] | None) -> dict:
+                gen: list[tuple[int, float, list]], max_tokens: int, n_lp: int | None,
+                stop: list[str] | None) -> dict:
         toks: list[str] = []
         lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -408,21 +456,28 @@ class Server:
                 lps = [None, *map(_finite, res.token_logprobs)]
                 tops = [None] + [self._top(pairs, n_lp, t, lp) for pairs, t, lp in
                                  zip(res.top, ids[1:], res.token_logprobs, strict=True)]
-        finish = "length"
-        if max_tokens > 0:
-            tid, lp = res.next_token, res.next_logprob
-            gen = self.token_text(tid)
-            if tid == self.tokenizer.eos_token_id:
-                finish, gen = "stop", ""
-            cut = min((gen.find(s) for s in stop or () if s and s in gen), default=-1)
-            if cut >= 0:
-                finish, gen = "stop", gen[:cut]
-            offsets.append(len(out_text))
-            out_text += gen
-            toks.append(self.token_text(tid))
+        finish = "length" if len(gen) >= max_tokens else "stop"
+        eos = self.tokenizer.eos_token_id
+        new_ids = [tid for tid, _, _ in gen if tid != eos]
+        new_text = self.tokenizer.decode(new_ids, skip_special_tokens=False) if new_ids else ""
+        if gen and gen[-1][0] == eos:
+            finish = "stop"
+        hits = [new_text.find(s) for s in stop or () if s and s in new_text]
+        if hits:
+            finish, new_text = "stop", new_text[: min(hits)]
+        base = len(out_text)
+        pos = 0
+        for tid, lp, top in gen:
+            if hits and pos >= len(new_text):
+                break  # the stop string's tokens (and any after) are not returned
+            offsets.append(base + pos)
+            piece = self.token_text(tid)
+            pos += len(piece) if tid != eos else 0
+            toks.append(piece)
             if n_lp is not None:
                 lps.append(_finite(lp))
-                tops.append(self._top(res.next_top, n_lp, tid, lp))
+                tops.append(self._top(top, n_lp, tid, lp))
+        out_text += new_text
         logprobs = None
         if n_lp is not None:
             logprobs = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops,
