@@ -1,0 +1,199 @@
+"""``icqs-fast bench serve``: a load test of ``icqs-fast serve`` on 127.0.0.1.
+
+Starts the server in this process (a background thread, 127.0.0.1 and a free port: the load
+never leaves the machine), then ``--clients`` concurrent clients (asyncio + httpx) send
+``--requests`` ``/v1/completions`` requests (``echo=True, max_tokens=0, logprobs=--logprobs``),
+each with a prompt of its own: a shared few-shot prefix (``--shots`` demonstrations, so
+requests that arrive together share it in one batch) and a question naming the request's
+number. The run stops by itself after ``--requests`` requests or ``--max-seconds``, whichever
+comes first (requests not sent by then are counted as ``not_sent``, not lost).
+
+Every answer is checked against its own prompt: the echoed text must be the prompt sent and
+the token log-probs must equal the in-process computation of that prompt alone (within
+``TOL``); a response answered with another request's numbers, a missing or failed one counts
+in ``mismatched`` / ``lost``, and the command exits 1 unless both are 0.
+
+Fields: ``ok`` (200 answers), ``rejected_429`` (queue full; the client waits 50 ms and
+retries, so these are not lost), ``lost``, ``mismatched``, ``max_abs_diff``, ``wall_s``,
+``requests_per_s``, ``prompt_tokens_per_s``, ``latency_ms_p50/p90/p99`` (send to answer, per
+request, retries included), ``batches`` and ``mean_batch_prompts`` (how many prompts the server
+ran per engine call: > 1 means concurrent requests shared batches); ``sequential_s`` /
+``sequential_requests_per_s``: the same prompts computed one at a time in-process right after
+the load (the check's reference), the baseline on the same machine under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+import torch
+
+from icqs_fast.benchmarks import emit_record, environment
+
+TOL = 1e-4
+QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
+             "Which planet is the largest?", "What colour is the sky on a clear day?",
+             "Who wrote Hamlet?", "What is two plus two?")
+
+
+def make_prompts(n: int, shots: int) -> list[str]:
+    """``n`` distinct prompts sharing a few-shot prefix of ``shots`` demonstrations."""
+    demos = "".join(f"Q: {QUESTIONS[k % len(QUESTIONS)]} (example {k})\nA: answer {k}\n\n"
+                    for k in range(shots))
+    return [f"{demos}Q: request {i}: {QUESTIONS[i % len(QUESTIONS)]}\nA:" for i in range(n)]
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+async def _load(base_url: str, model: str, prompts: list[str], clients: int, max_seconds: float,
+                logprobs: int, api_key: str | None) -> dict[str, Any]:
+    import httpx
+
+    nxt = 0
+    out: dict[int, dict] = {}
+    lat: list[float] = []
+    counts = {"rejected_429": 0, "errors": 0}
+    deadline = time.monotonic() + max_seconds
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def client(c: httpx.AsyncClient) -> None:
+        nonlocal nxt
+        while nxt < len(prompts) and time.monotonic() < deadline:
+            i = nxt
+            nxt += 1
+            body = {"model": model, "prompt": prompts[i], "echo": True, "max_tokens": 0,
+                    "logprobs": logprobs}
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    r = await c.post("/v1/completions", json=body, headers=headers)
+                except httpx.HTTPError as exc:
+                    counts["errors"] += 1
+                    out[i] = {"error": repr(exc)}
+                    break
+                if r.status_code == 429 and time.monotonic() < deadline:
+                    counts["rejected_429"] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                out[i] = r.json() if r.status_code == 200 else {"error": r.text,
+                                                                 "status": r.status_code}
+                break
+            lat.append((time.perf_counter() - t0) * 1000)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=base_url, timeout=max_seconds + 60) as c:
+        await asyncio.gather(*(client(c) for _ in range(clients)))
+    return {"answers": out, "latencies_ms": lat, "wall_s": time.perf_counter() - t0, **counts}
+
+
+def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
+          max_seconds: float = 120.0, shots: int = 4, logprobs: int = 1,
+          batch_wait_ms: float = 5.0, device: str = "cpu") -> dict[str, Any]:
+    from icqs_fast.models import load_model
+    from icqs_fast.serve.app import ServeConfig, Server
+    from icqs_fast.serve.logprobs import prompt_logprobs
+    from icqs_fast.serve.runner import ServerThread
+
+    if clients < 1 or requests < 1 or max_seconds <= 0:
+        raise ValueError("--clients and --requests must be >= 1 and --max-seconds > 0")
+    model, tok = load_model(None if model_name in (None, "embedded") else model_name,
+                            dtype="float32", device=device)
+    cfg = ServeConfig(model_name="bench", batch_wait_ms=batch_wait_ms,
+                      max_queue=max(256, clients))
+    server = Server(model, tok, cfg)
+    prompts = make_prompts(requests, shots)
+    with ServerThread(server) as st:
+        res = asyncio.run(_load(st.base_url, "bench", prompts, clients, max_seconds, logprobs,
+                                None))
+        health = server.health()
+    answers = res["answers"]
+    # Each answer against its own prompt, computed alone in-process.
+    lost = mismatched = 0
+    max_diff = 0.0
+    n_tokens = 0
+    t_ref = time.perf_counter()
+    for i, ans in sorted(answers.items()):
+        if "choices" not in ans:
+            lost += 1
+            continue
+        ids = list(tok(prompts[i])["input_ids"])
+        n_tokens += len(ids)
+        ref = prompt_logprobs(model, [ids], top_n=0, pad_id=server.pad_id)[0].token_logprobs
+        ch = ans["choices"]
+        got = ch[0]["logprobs"]["token_logprobs"][1:] if len(ch) == 1 else None
+        if ch[0]["text"] != prompts[i] or got is None or len(got) != len(ref):
+            mismatched += 1
+            continue
+        d = max((abs(a - b) for a, b in zip(got, ref, strict=True)), default=0.0)
+        max_diff = max(max_diff, d)
+        if d > TOL:
+            mismatched += 1
+    ref_s = time.perf_counter() - t_ref
+    sent = len(answers)
+    lat = res["latencies_ms"]
+    wall = res["wall_s"]
+    ok = sent - lost
+    return {
+        "model": model_name or "embedded", "clients": clients, "requests": requests,
+        "max_seconds": max_seconds, "shots": shots, "logprobs": logprobs,
+        "batch_wait_ms": batch_wait_ms, "sent": sent, "not_sent": requests - sent, "ok": ok,
+        "rejected_429": res["rejected_429"], "lost": lost, "mismatched": mismatched,
+        "max_abs_diff": max_diff, "wall_s": round(wall, 3),
+        "requests_per_s": round(ok / wall, 2) if wall > 0 else None,
+        "prompt_tokens_per_s": round(n_tokens / wall, 1) if wall > 0 else None,
+        "latency_ms_p50": _round(_percentile(lat, 50)),
+        "latency_ms_p90": _round(_percentile(lat, 90)),
+        "latency_ms_p99": _round(_percentile(lat, 99)),
+        "sequential_s": round(ref_s, 3),
+        "sequential_requests_per_s": round(ok / ref_s, 2) if ref_s > 0 and ok else None,
+        "batches": health["batches"],
+        "mean_batch_prompts": round(health["batched_prompts"] / max(1, health["batches"]), 2),
+        "largest_batch_requests": health["largest_batch"],
+        "passed": lost == 0 and mismatched == 0,
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    p.add_argument("--model", default="embedded",
+                   help="'embedded' (default) or a local Hugging Face model folder")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    p.add_argument("--requests", type=int, default=200, help="requests in all (default 200)")
+    p.add_argument("--max-seconds", type=float, default=120.0,
+                   help="stop sending after this many seconds (default 120)")
+    p.add_argument("--shots", type=int, default=4, help="shared few-shot demonstrations")
+    p.add_argument("--logprobs", type=int, default=1, help="top-N alternatives per token")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="also write the JSON record to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
+    rec = bench(args.model, clients=args.clients, requests=args.requests,
+                max_seconds=args.max_seconds, shots=args.shots, logprobs=args.logprobs,
+                batch_wait_ms=args.batch_wait_ms, device=args.device)
+    rec.update(environment(args.device))
+    emit_record(rec, out=args.out, as_json=args.json)
+    if not rec["passed"]:
+        print(f"icqs-fast bench serve: FAILED: {rec['lost']} lost, {rec['mismatched']} "
+              "mismatched responses", file=sys.stderr)
+        return 1
+    return 0

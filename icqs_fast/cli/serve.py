@@ -1,0 +1,92 @@
+"""``icqs-fast serve``: an OpenAI-compatible scoring server (``/v1/completions`` with
+``echo=True, max_tokens=0, logprobs=N``; ``/v1/models``; ``/v1/score`` for ICQS and glass-box
+features). Binds 127.0.0.1 unless told otherwise; any other address needs ``--api-key``.
+
+    icqs-fast serve --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from icqs_fast.serve.app import ServeConfig
+
+    d = ServeConfig()
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    p.add_argument("--backend", default="auto", help="token-statistics backend of /v1/score")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("ICQS_FAST_API_KEY"),
+                   help="bearer token every route requires (default: $ICQS_FAST_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id of /v1/models (default: --model, or 'embedded')")
+    p.add_argument("--good", default=None, help="good demonstrations (JSONL/CSV/TSV x,y) for ICQS")
+    p.add_argument("--bad", default=None, help="bad demonstrations for ICQS")
+    p.add_argument("--num-ratios", type=int, default=5)
+    p.add_argument("--demos-per-set", type=int, default=8)
+    p.add_argument("--sets-per-ratio", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                   help="prompts (or records) per request")
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--max-gen-tokens", type=int, default=d.max_gen_tokens,
+                   help="largest max_tokens (greedy generation)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="prompts admitted and not yet answered; past it: 429")
+    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
+                   help="how long a request waits for others to share a batch with")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.serve.app import ServeConfig, Server
+    from icqs_fast.serve.runner import check_bind, serve
+
+    check_bind(args.host, args.api_key)  # before the model loads
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    if (args.good is None) != (args.bad is None):
+        raise ValueError("give both --good and --bad, or neither")
+    for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
+                 "max_queue", "max_batch_tokens", "max_gen_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    good = bad = None
+    if args.good is not None:
+        from icqs_fast.io.readers import read_examples
+
+        good, bad = read_examples(args.good), read_examples(args.bad)
+    from icqs_fast.models import load_model
+
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    cfg = ServeConfig(model_name=args.served_model_name or args.model or "embedded",
+                      api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                      max_prompt_tokens=args.max_prompt_tokens, max_prompts=args.max_prompts,
+                      max_logprobs=args.max_logprobs, max_gen_tokens=args.max_gen_tokens,
+                      max_queue=args.max_queue,
+                      batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens,
+                      backend=args.backend)
+    server = Server(model, tok, cfg, good=good, bad=bad,
+                    icqs_options={"num_ratios": args.num_ratios,
+                                  "demos_per_set": args.demos_per_set,
+                                  "sets_per_ratio": args.sets_per_ratio, "seed": args.seed})
+    print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"({'API key required' if args.api_key else 'no API key'})", file=sys.stderr)
+    serve(server, args.host, args.port, log_level=args.log_level)
+    return 0

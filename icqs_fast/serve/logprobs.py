@@ -1,0 +1,201 @@
+"""Prompt log-probabilities with top-N alternatives, the shared leading tokens computed once.
+
+``/v1/completions`` with ``echo=True`` asks for ``log P(t_i | t_<i)`` at every prompt position
+and the ``N`` most likely tokens there. The prompts of one batch (requests that arrive
+together) form a token trie: each prompt is cut at the depths where it branches off another
+prompt (or another prompt ends), and every distinct segment ``[d, e)`` of a path runs once - as
+a plain forward when ``d == 0``, else as a suffix continuing the KV states of ``path[:d]`` held
+in a :class:`icqs_fast.engine.batching.PrefixBank` (whose own trie computes the stored parents'
+shared runs once). The LM head is applied to each segment's hidden states in fp32, and every
+number of a position (its token's log-prob, its top-N) comes from the same ``log_softmax`` row,
+so a token that is the argmax has exactly the top value (lm-eval reads ``is_greedy`` that way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from icqs_fast.engine.batching import PrefixBank, decoder_body, model_device, suffix_hidden
+from icqs_fast.engine.cascade import supports_cascade
+from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
+
+# Rows of fp32 logits materialised at once (x vocabulary size).
+HEAD_ROWS = 256
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probs of one prompt of ``n`` tokens.
+
+    Attributes:
+        token_logprobs: ``n - 1`` floats, ``log P(t_i | t_<i)`` for ``i = 1 .. n-1``.
+        top: ``n - 1`` lists of ``(token id, log-prob)``, the ``top_n`` most likely tokens at
+            those positions, best first.
+        next_top: the ``top_n`` most likely next tokens after the whole prompt.
+        next_token, next_logprob: the argmax next token and its log-prob (greedy decoding).
+    """
+
+    token_logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    next_top: list[tuple[int, float]] = field(default_factory=list)
+    next_token: int = 0
+    next_logprob: float = 0.0
+
+
+@dataclass
+class _Segment:
+    start: int
+    path: tuple[int, ...]  # tokens [0, end) of the prompts that hold this segment
+    in_lp: list[float] = field(default_factory=list)  # positions start .. end-2
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # start .. end-1
+    last: torch.Tensor | None = None  # log_softmax row at position end-1, fp32 [V]
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prompt_cuts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Per prompt, the sorted depths ``0 < c_1 < ... < c_m = len`` at which it branches off
+    another prompt of the batch or another prompt ends inside it (its trie nodes)."""
+    order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))
+    adj = [_lcp(prompts[order[k]], prompts[order[k + 1]]) for k in range(len(order) - 1)]
+    cuts: list[list[int]] = [[] for _ in prompts]
+    for k, i in enumerate(order):
+        found = {len(prompts[i])}
+        for rng in (range(k, len(adj)), range(k - 1, -1, -1)):
+            m = None
+            for j in rng:  # LCP with the prompt |j - k| + 1 places away: a running minimum
+                m = adj[j] if m is None else min(m, adj[j])
+                if m == 0:
+                    break
+                found.add(m)
+        cuts[i] = sorted(found)
+    return cuts
+
+
+def _batches(items: list, length, budget: int) -> list[list]:
+    """Consecutive items with rows x longest <= budget (at least one item per batch)."""
+    out: list[list] = []
+    cur: list = []
+    longest = 0
+    for it in items:
+        ln = max(longest, length(it))
+        if cur and (len(cur) + 1) * ln > budget:
+            out.append(cur)
+            cur, ln = [], length(it)
+        cur.append(it)
+        longest = ln
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _head(model: Any, seg: _Segment, hidden: torch.Tensor, top_n: int) -> None:
+    """LM head (fp32) over one segment's hidden states ``[len, H]``."""
+    head = model.get_output_embeddings()
+    w = head.weight
+    bias = getattr(head, "bias", None)
+    n = hidden.shape[0]
+    for a in range(0, n, HEAD_ROWS):
+        h = hidden[a: a + HEAD_ROWS].float()
+        logits = h @ w.float().t()
+        if bias is not None:
+            logits = logits + bias.float()
+        lp = torch.log_softmax(logits, dim=-1)
+        rows = range(a, a + h.shape[0])
+        inner = [r for r in rows if seg.start + r + 1 < len(seg.path)]
+        if inner:
+            tgt = torch.tensor([seg.path[seg.start + r + 1] for r in inner], device=lp.device)
+            vals = lp[torch.tensor(inner, device=lp.device) - a, tgt]
+            seg.in_lp.extend(vals.cpu().tolist())
+        if top_n > 0:
+            tv, ti = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+            for ids, vs in zip(ti.cpu().tolist(), tv.cpu().tolist(), strict=True):
+                seg.top.append(list(zip(ids, vs, strict=True)))
+        else:
+            seg.top.extend([] for _ in rows)
+        if a + h.shape[0] == n:
+            seg.last = lp[-1].cpu()
+
+
+@torch.no_grad()
+def prompt_logprobs(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    top_n: int = 0,
+    pad_id: int = 0,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    cascade: bool | None = None,
+) -> list[PromptLogprobs]:
+    """Echo log-probs of ``prompts`` (token id lists, each non-empty), in order; see the module
+    docstring for how shared leading tokens are computed once."""
+    prompts = [tuple(int(t) for t in p) for p in prompts]
+    if any(not p for p in prompts):
+        raise ValueError("a prompt must hold at least one token")
+    if not prompts:
+        return []
+    cascade = supports_cascade(model) if cascade is None else bool(cascade)
+    dev = model_device(model)
+    budget = token_budget
+    if cascade and dev.type == "cpu":
+        budget = min(budget, SUFFIX_CHUNK_CPU)
+    cuts = prompt_cuts(prompts)
+    segs: dict[tuple[int, ...], _Segment] = {}
+    for p, cs in zip(prompts, cuts, strict=True):
+        d = 0
+        for e in cs:
+            segs.setdefault(p[:e], _Segment(d, p[:e]))
+            d = e
+    plain = [s for s in segs.values() if s.start == 0]
+    stored = sorted((s for s in segs.values() if s.start > 0), key=lambda s: s.path)
+    body = decoder_body(model)
+    for batch in _batches(plain, lambda s: len(s.path), budget):
+        width = max(len(s.path) for s in batch)
+        ids = torch.full((len(batch), width), int(pad_id), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, s in enumerate(batch):
+            ids[b, : len(s.path)] = torch.tensor(s.path)
+            mask[b, : len(s.path)] = 1
+        out = body(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
+        for b, s in enumerate(batch):
+            _head(model, s, out.last_hidden_state[b, : len(s.path)], top_n)
+    if stored:
+        bank = PrefixBank(model, pad_id, token_budget)
+        parents = list(dict.fromkeys(s.path[: s.start] for s in stored))
+        entry = dict(zip(parents, bank.add([list(p) for p in parents]), strict=True))
+        for batch in _batches(stored, lambda s: len(s.path) - s.start, budget):
+            hidden, _ = suffix_hidden(model, bank, [entry[s.path[: s.start]] for s in batch],
+                                      [list(s.path[s.start:]) for s in batch], pad_id,
+                                      cascade=cascade)
+            for b, s in enumerate(batch):
+                _head(model, s, hidden[b, : len(s.path) - s.start], top_n)
+        del bank
+    out_list = []
+    for p, cs in zip(prompts, cuts, strict=True):
+        res = PromptLogprobs()
+        for e in cs:
+            s = segs[p[:e]]
+            res.token_logprobs.extend(s.in_lp)
+            res.top.extend(s.top)
+            if e < len(p):  # the segment's last position predicts the next segment's first token
+                res.token_logprobs.append(float(s.last[p[e]]))
+            else:
+                res.next_top = s.top[-1]
+                res.next_token = int(torch.argmax(s.last))
+                res.next_logprob = float(s.last[res.next_token])
+                res.top.pop()
+        out_list.append(res)
+    return out_list
+
+
+__all__ = ["PromptLogprobs", "prompt_cuts", "prompt_logprobs"]

@@ -1,0 +1,81 @@
+"""Starting a :class:`icqs_fast.serve.app.Server` under uvicorn: in the foreground
+(``icqs-fast serve``) or in a background thread on a free local port (tests, the load test)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from typing import Any
+
+LOCAL_HOST = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse (ValueError) to bind a non-loopback address without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(f"refusing to bind {host!r} without an API key: anyone who can reach "
+                         "it could use the model. Pass --api-key (or set ICQS_FAST_API_KEY), "
+                         f"or bind {LOCAL_HOST}")
+
+
+def serve(server: Any, host: str = LOCAL_HOST, port: int = 8000, *,
+          log_level: str = "info") -> None:
+    """Run ``server`` in the foreground until interrupted."""
+    import uvicorn
+
+    check_bind(host, server.config.api_key)
+    uvicorn.run(server.app(), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """``server`` on ``127.0.0.1`` and a free port, in a daemon thread; a context manager
+    (``with ServerThread(srv) as t: t.base_url``) that stops it on exit."""
+
+    def __init__(self, server: Any, *, log_level: str = "warning", port: int = 0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((LOCAL_HOST, port))
+        self.port = int(self.sock.getsockname()[1])
+        self.base_url = f"http://{LOCAL_HOST}:{self.port}"
+        cfg = uvicorn.Config(server.app(), log_level=log_level, timeout_graceful_shutdown=5)
+        self.uv = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]},
+                                       name="icqs-serve-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.uv.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+__all__ = ["LOCAL_HOST", "ServerThread", "check_bind", "is_loopback", "serve"]
