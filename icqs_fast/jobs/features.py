@@ -7,8 +7,10 @@ in input order (features from :func:`icqs_fast.features.glassbox`; NaN is writte
 It streams, resumes, locks and handles bad input as ``icqs-fast score`` does (the machinery is
 shared, in :mod:`icqs_fast.io`): one ``write`` per line, ``--resume`` after the last complete
 line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:line:field
-errors, and a resume fingerprint in ``OUT.meta.json`` (model, dtype, device, backend, features,
-mode, batch and chunk sizes, the ``softmax_combo`` constants, fields, system prompt).
+errors, and a resume fingerprint in ``OUT.meta.json`` (:meth:`FeatureJobConfig.fingerprint`:
+model, features, mode, batch and chunk sizes, system prompt, fields, encoding, shard; then
+dtype, device, backend and the ``softmax_combo`` constants). The run itself is
+:func:`icqs_fast.jobs.runner.run_job` with :class:`FeatureStrategy`.
 
 Records are scored in chunks of ``--chunk-size`` consecutive input records (a chunk is the
 records whose index ``i`` has the same ``i // chunk_size``; bad records only leave a gap), each
