@@ -297,6 +297,9 @@ def _check_config(config: JobConfig) -> None:
     if config.shard:
         raise ValueError("--shard and --ray do not go together: --ray spreads the whole input "
                          "over its workers")
+    if config.threads is not None:
+        raise ValueError("--threads is for a single-process run; with --ray each worker has "
+                         "--cpus-per-worker threads (Ray sets its OMP_NUM_THREADS)")
     config.check()
     check_run_paths(config.input, config.resume, config.overwrite, config.format)
 
