@@ -128,3 +128,17 @@ def test_fingerprint_is_json_and_holds_every_record_option(files):
     assert f.executor == "ray" and "label_field" not in f.fingerprint()
     with pytest.raises(ValueError, match="multiple of --chunk-size"):
         f.check()
+
+
+def test_executor_is_chosen_by_name(files, monkeypatch):
+    """run_job: "local" | "ray" (default from the config); an unknown name is refused."""
+    import icqs_fast.jobs.ray_executor as rex
+    from icqs_fast.jobs.runner import run_job
+
+    c = ScoreJobConfig(input=str(files["input"]), output=str(files["dir"] / "o.jsonl"),
+                       good=str(files["good"]), bad=str(files["bad"]))
+    with pytest.raises(ValueError, match="executor must be one of"):
+        run_job(c, executor="threads")
+    seen = []
+    monkeypatch.setattr(rex, "run_ray", lambda cfg, **kw: seen.append(cfg) or 0)
+    assert run_job(c, executor="ray") == 0 and seen == [c]
