@@ -19,7 +19,7 @@ from _helpers import save_tiny_llama
 ray = pytest.importorskip("ray")
 
 from icqs_fast.cli import main  # noqa: E402
-from icqs_fast.cli.ray_options import build_parser  # noqa: E402
+from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.io.records import InputError  # noqa: E402
 from icqs_fast.jobs.ray_actors import ICQSBatchScorer  # noqa: E402
 from icqs_fast.jobs.ray_executor import HOLD_ENV, block_path, run_ray  # noqa: E402
@@ -93,9 +93,10 @@ def data(tmp_path_factory):
 
 
 def _args(kind, data, out, *extra):
+    """The job config of the command line (what run_ray takes)."""
     base = data["common"] if kind == "score" else data["fkw"]
-    return build_parser(kind).parse_args([str(data["input"]), "-o", str(out), *base, "--ray",
-                                          "--quiet", *extra])
+    return build_config(kind, build_parser(kind).parse_args(
+        [str(data["input"]), "-o", str(out), *base, "--ray", "--quiet", *extra]))
 
 
 def _blocks(out, fmt):
@@ -135,7 +136,7 @@ def _check_score_parquet(out, single):
 
 def test_score_jsonl_equals_single_process(cluster, data, tmp_path):
     out = tmp_path / "out"
-    assert run_ray("score", _args("score", data, out, "--workers", "2", "--block-size", "4",
+    assert run_ray(_args("score", data, out, "--workers", "2", "--block-size", "4",
                                   "--output-format", "jsonl", "--on-error", "skip")) == 0
     assert _blocks(out, "jsonl") == [f"part-{k:06d}.jsonl" for k in range(3)]
     got = []
@@ -159,7 +160,7 @@ def test_score_jsonl_equals_single_process(cluster, data, tmp_path):
 
 def test_features_parquet_equals_single_process(cluster, data, tmp_path):
     out = tmp_path / "out"
-    assert run_ray("features", _args("features", data, out, "--block-size", "4",
+    assert run_ray(_args("features", data, out, "--block-size", "4",
                                      "--on-error", "skip")) == 0
     rows = sorted(_parquet_rows(out), key=lambda r: r["index"])
     want = [r for r in data["single_f"] if "error" not in r]
@@ -202,7 +203,7 @@ def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path
     t.start()
     try:
         out = tmp_path / "out"
-        assert run_ray("score", _args("score", data, out, "--block-size", "3",
+        assert run_ray(_args("score", data, out, "--block-size", "3",
                                       "--on-error", "skip")) == 0
     finally:
         os.remove(os.path.join(hold_dir, "arm-1"))
@@ -220,7 +221,7 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
             "--block-size", "3", "--output-format", "jsonl", "--on-error", "skip", "--resume"]
     open(os.path.join(hold_dir, "arm-2"), "w").close()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.jobs.ray_executor", "score",
+        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.cli.ray_options", "score",
                                  *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait_for(os.path.join(hold_dir, "held-2"), 150, proc)
@@ -232,8 +233,9 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
         os.remove(os.path.join(hold_dir, "arm-2"))
     # One actor takes the blocks in order: 0 and 1 are done, 2 was being scored.
     assert sorted(before) == ["part-000000.jsonl", "part-000001.jsonl"]
-    args = build_parser("score").parse_args([a for a in argv if a not in ("--address", cluster)])
-    assert run_ray("score", args) == 0  # the same command, on this process's Ray connection
+    args = build_config("score", build_parser("score").parse_args(
+        [a for a in argv if a not in ("--address", cluster)]))
+    assert run_ray(args) == 0  # the same command, on this process's Ray connection
     for p, st in before.items():  # not redone
         now = os.stat(out / p)
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
@@ -249,13 +251,13 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
 def test_bad_record_stops_with_file_line_field(cluster, data, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(InputError) as exc:
-        run_ray("score", _args("score", data, out, "--block-size", "3"))
+        run_ray(_args("score", data, out, "--block-size", "3"))
     e = exc.value
     assert (e.path, e.line, e.field) == (str(data["input"]), 6, "y")
     assert not os.path.exists(block_path(out, 1, "parquet"))  # the bad record's block
     # Another run over the same output needs --resume (or --overwrite) ...
     with pytest.raises(ValueError, match="--resume"):
-        run_ray("score", _args("score", data, out, "--block-size", "3"))
+        run_ray(_args("score", data, out, "--block-size", "3"))
 
 
 def test_resume_with_other_settings_is_refused(data, tmp_path):
@@ -265,7 +267,7 @@ def test_resume_with_other_settings_is_refused(data, tmp_path):
     (out / "run.meta.json").write_text(json.dumps(meta))
     open(block_path(out, 0, "parquet"), "wb").close()
     with pytest.raises(ValueError, match="other settings"):
-        run_ray("score", _args("score", data, out, "--block-size", "3", "--resume"))
+        run_ray(_args("score", data, out, "--block-size", "3", "--resume"))
 
 
 def test_batch_scorer_matches_single_process_lines(data):
@@ -318,17 +320,18 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
 
 @pytest.mark.parametrize("kind", ["score", "features"])
 def test_cli_ray_flag_dispatches_to_run_ray(kind, monkeypatch, tmp_path):
-    """`icqs-fast score|features --ray ...` hands the parsed arguments to run_ray (no Ray start:
+    """`icqs-fast score|features --ray ...` hands the job config to run_ray (no Ray start:
     run_ray is replaced), and the module entry point parses the same options."""
+    import icqs_fast.cli.ray_options as rcli
     import icqs_fast.jobs.ray_executor as dcli
 
     seen = []
-    monkeypatch.setattr(dcli, "run_ray", lambda k, a, **kw: seen.append((k, a)) or 0)
+    monkeypatch.setattr(dcli, "run_ray", lambda c, **kw: seen.append((c.kind, c)) or 0)
     extra = ["--good", "g.jsonl", "--bad", "b.jsonl"] if kind == "score" else []
     argv = [kind, "in.jsonl", "-o", str(tmp_path / "o"), *extra, "--ray", "--workers", "2",
             "--block-size", "8"]
     assert main(argv) == 0
-    assert dcli.main(argv[:1] + [a for a in argv[1:] if a != "--ray"]) == 0
+    assert rcli.main(argv[:1] + [a for a in argv[1:] if a != "--ray"]) == 0
     assert [k for k, _ in seen] == [kind, kind]
-    for _, a in seen:
-        assert (a.ray, a.workers, a.block_size) == (True, 2, 8)
+    for _, c in seen:
+        assert (c.executor, c.ray.workers, c.ray.block_size) == ("ray", 2, 8)

@@ -31,10 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("icqs_fast", "icqs_fast.distributed"),  # the package facade and the deprecated alias
 ]
 # Upward imports still to remove, each with its reason; the list only shrinks.
-KNOWN_EXCEPTIONS = {
-    # bench scaleout parses `score --ray` options with the CLI's parser until jobs take a config.
-    ("icqs_fast.benchmarks.scaleout", "icqs_fast.cli.ray_options"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 # Compiled modules (no .py file): the optional pybind11 extension.
 EXTENSIONS = {"icqs_fast._C"}
 # io holds no torch and no argparse (it is read by tools that never load a model).

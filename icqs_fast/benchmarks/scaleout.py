@@ -35,6 +35,9 @@ from pathlib import Path
 
 ICQS_ARGS = ["--num-ratios", "3", "--demos-per-set", "4", "--sets-per-ratio", "2", "--seed",
              "0", "--dtype", "float32", "--device", "cpu"]
+# The same settings for the Ray job's config (ScoreJobConfig).
+ICQS_SCORING = {"num_ratios": 3, "demos_per_set": 4, "sets_per_ratio": 2, "seed": 0}
+ICQS_RUNTIME = {"dtype": "float32", "device": "cpu"}
 
 
 # Correctness: largest |loglik Ray - single process| that passes (same model and settings on the
@@ -138,8 +141,8 @@ def _diff(a: dict, b: dict) -> tuple[float, float, bool]:
 
 def bench(n: int, workers: list[int], model: str, block_size: int | None,
           cpus_per_worker: float) -> dict:
-    from icqs_fast.cli.ray_options import build_parser
-    from icqs_fast.jobs.ray_executor import run_ray
+    from icqs_fast.jobs.config import RayOptions, ScoreJobConfig
+    from icqs_fast.jobs.runner import run_job
 
     rec: dict = {"bench": "scaleout", "n": n, "model": model, "icqs_args": ICQS_ARGS,
                  "cpus_per_worker": cpus_per_worker, "loadavg_1min_before": os.getloadavg()[0]}
@@ -148,7 +151,8 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
     with tempfile.TemporaryDirectory(prefix="icqs-scaleout-") as tmp:
         d = Path(tmp)
         inp, g, b, rec["data"] = _inputs(d, n)
-        model_args = ["--model", str(_tiny_model(d / "tiny"))] if model == "tiny" else []
+        model_dir = str(_tiny_model(d / "tiny")) if model == "tiny" else None
+        model_args = ["--model", model_dir] if model_dir else []
         common = ["--good", str(g), "--bad", str(b), *ICQS_ARGS, *model_args]
 
         def single_run(threads: int | None) -> dict:
@@ -186,13 +190,14 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
         try:
             for w in workers:
                 out = d / f"ray{w}"
-                args = build_parser("score").parse_args(
-                    [str(inp), "-o", str(out), *common, "--ray", "--quiet", "--workers", str(w),
-                     "--cpus-per-worker", str(cpus_per_worker), "--block-size", str(B),
-                     "--output-format", "jsonl"])
+                job = ScoreJobConfig(
+                    input=str(inp), output=str(out), good=str(g), bad=str(b),
+                    scoring=ICQS_SCORING, model=model_dir, quiet=True, **ICQS_RUNTIME,
+                    ray=RayOptions(workers=w, cpus_per_worker=cpus_per_worker, block_size=B,
+                                   output_format="jsonl"))
                 stats: dict = {}
                 t = time.perf_counter()
-                run_ray("score", args, stats=stats)
+                run_job(job, stats=stats)
                 wall = time.perf_counter() - t
                 got = _read_jsonl(sorted(out.glob("part-*.jsonl")))
                 mabs, mrel, same = _diff(got, single)

@@ -1,24 +1,13 @@
-"""``icqs-fast features``: arguments, then :func:`icqs_fast.jobs.features.run_features_locked`.
+"""``icqs-fast features``: arguments -> :class:`~icqs_fast.jobs.config.FeatureJobConfig` ->
+:func:`icqs_fast.jobs.runner.run_job`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from icqs_fast.io.records import FORMATS
-from icqs_fast.io.runs import (
-    OutputLock,
-    check_run_paths,
-)
-from icqs_fast.jobs.features import (
-    DEFAULT_FEATURES,
-    ON_ERROR,
-    load_combo_scale,
-    parse_features,
-    run_features_locked,
-)
+from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 
 # --------------------------------------------------------------------------- command line
 
@@ -64,29 +53,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines / summary on stderr")
-    # --ray and its options (Ray itself is imported only when --ray is given).
-    from icqs_fast.cli.ray_options import add_ray_arguments
+    # --threads; --ray and its options (Ray itself is imported only when --ray is given).
+    from icqs_fast.cli.ray_options import add_job_arguments, add_ray_arguments
 
+    add_job_arguments(p)
     add_ray_arguments(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.ray:
-        from icqs_fast.jobs.ray_executor import run_ray
+def build_config(args: argparse.Namespace) -> FeatureJobConfig:
+    """The job of parsed ``features`` arguments (the --combo-scale file is read here)."""
+    from icqs_fast.cli.ray_options import job_kwargs
+    from icqs_fast.jobs.features import load_combo_scale, parse_features
 
-        return run_ray("features", args)
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
-    out = Path(args.output)
     feats = parse_features(args.features)
-    for name in ("batch_size", "chunk_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     scale = load_combo_scale(args.combo_scale)
-    if getattr(args, "shard", None) is not None:
-        from icqs_fast.io.records import parse_shard
+    return FeatureJobConfig(features=tuple(feats), mode=args.mode, batch_size=args.batch_size,
+                            chunk_size=args.chunk_size, system_prompt=args.system_prompt,
+                            combo_scale=None if scale is None else scale.as_dict(),
+                            **job_kwargs(args))
 
-        parse_shard(args.shard)  # a bad spec fails before anything is loaded
-    check_run_paths(args.input, args.resume, args.overwrite, args.format)
-    # Held until this process ends (or crashes: the OS drops it), before the output is touched.
-    with OutputLock(out):
-        return run_features_locked(args, out, feats, scale, log)
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.jobs.runner import run_job
+
+    return run_job(build_config(args))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from icqs_fast.jobs.ray_executor import DEFAULT_BLOCK_SIZE, KINDS, OUTPUT_FORMATS, run_ray
+from icqs_fast.jobs.config import DEFAULT_BLOCK_SIZE, OUTPUT_FORMATS, RayOptions
+
+KINDS = ("score", "features")
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +33,42 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="block files: parquet (default) or jsonl (the single-process lines)")
 
 
+def ray_options(args: argparse.Namespace) -> RayOptions | None:
+    """The :class:`RayOptions` of ``--ray`` (None without it)."""
+    if not getattr(args, "ray", False):
+        return None
+    return RayOptions(address=args.address, workers=args.workers,
+                      gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
+                      block_size=args.block_size, output_format=args.output_format)
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every job has besides its own (after the command's options)."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, all cores); on a busy machine "
+                   "one thread can be several times faster")
+
+
+def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~icqs_fast.jobs.config.JobConfig` fields ``score`` and ``features`` share."""
+    return dict(input=args.input, output=args.output, format=args.format,
+                x_field=args.x_field, y_field=args.y_field, id_field=args.id_field,
+                label_field=getattr(args, "label_field", None), encoding=args.encoding,
+                shard=args.shard, on_error=args.on_error, resume=args.resume,
+                overwrite=args.overwrite, model=args.model, dtype=args.dtype,
+                device=args.device, backend=args.backend, threads=args.threads,
+                quiet=args.quiet, ray=ray_options(args))
+
+
+def build_config(kind: str, args: argparse.Namespace):
+    """The job config of ``kind`` for parsed arguments."""
+    import importlib
+
+    mod = importlib.import_module("icqs_fast.cli.score" if kind == "score"
+                                  else "icqs_fast.cli.features")
+    return mod.build_config(args)
+
+
 def build_parser(kind: str) -> argparse.ArgumentParser:
     """The single-process command's parser, which includes the ``--ray`` options (``--ray``
     implied here)."""
@@ -37,23 +76,25 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
 
     mod = importlib.import_module("icqs_fast.cli.score" if kind == "score"
                                   else "icqs_fast.cli.features")
-    p = argparse.ArgumentParser(prog=f"python -m icqs_fast.jobs.ray_executor {kind}")
+    p = argparse.ArgumentParser(prog=f"python -m icqs_fast.cli.ray_options {kind}")
     mod.add_arguments(p)
     p.set_defaults(ray=True)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m icqs_fast.jobs.ray_executor score|features ARGS``: :func:`run_ray` with the
+    """``python -m icqs_fast.cli.ray_options score|features ARGS``: the ``--ray`` job of the
     command's arguments (what ``icqs-fast score --ray`` runs); exit code 2 on bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in KINDS:
-        print(f"usage: python -m icqs_fast.jobs.ray_executor {{{','.join(KINDS)}}} ARGS",
+        print(f"usage: python -m icqs_fast.cli.ray_options {{{','.join(KINDS)}}} ARGS",
               file=sys.stderr)
         return 2
     args = build_parser(argv[0]).parse_args(argv[1:])
+    from icqs_fast.jobs.runner import run_job
+
     try:
-        return run_ray(argv[0], args)
+        return run_job(build_config(argv[0], args), executor="ray")
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"icqs-fast: error: {exc}", file=sys.stderr)
         return 2

@@ -1,19 +1,13 @@
-"""``icqs-fast score``: arguments, then :func:`icqs_fast.jobs.score.run_score_locked`.
+"""``icqs-fast score``: arguments -> :class:`~icqs_fast.jobs.config.ScoreJobConfig` ->
+:func:`icqs_fast.jobs.runner.run_job`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
 
 from icqs_fast.io.records import FORMATS
-from icqs_fast.io.runs import (
-    OutputLock,
-    check_run_paths,
-)
-from icqs_fast.jobs.score import ON_ERROR, run_score_locked
+from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 
 # --------------------------------------------------------------------------- command line
 
@@ -73,27 +67,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a bad input record: stop (default; earlier results are kept) or skip it")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines / summary on stderr")
-    # --ray and its options (Ray itself is imported only when --ray is given).
-    from icqs_fast.cli.ray_options import add_ray_arguments
+    # --threads; --ray and its options (Ray itself is imported only when --ray is given).
+    from icqs_fast.cli.ray_options import add_job_arguments, add_ray_arguments
 
+    add_job_arguments(p)
     add_ray_arguments(p)
 
 
+def build_config(args: argparse.Namespace) -> ScoreJobConfig:
+    """The job of parsed ``score`` arguments (the template file is read here)."""
+    from icqs_fast.cli.ray_options import job_kwargs
+    from icqs_fast.jobs.score import load_template
+
+    _, template_spec = load_template(args.template)
+    scoring = dict(num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
+                   sets_per_ratio=args.sets_per_ratio, seed=args.seed, mixing=args.mixing,
+                   replacement=args.replacement, stratify=args.stratify_field,
+                   strata_order=args.strata_order, max_length=args.max_length,
+                   drop_oldest_demos=args.drop_oldest_demos, template=template_spec)
+    return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
+                          token_budget=args.token_budget, **job_kwargs(args))
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.ray:
-        from icqs_fast.jobs.ray_executor import run_ray
+    from icqs_fast.jobs.runner import run_job
 
-        return run_ray("score", args)
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
-    out = Path(args.output)
-    for name in ("good", "bad"):
-        if not os.path.isfile(getattr(args, name)):
-            raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
-    if getattr(args, "shard", None) is not None:
-        from icqs_fast.io.records import parse_shard
-
-        parse_shard(args.shard)  # a bad spec fails before anything is loaded
-    check_run_paths(args.input, args.resume, args.overwrite, args.format)
-    # Held until this process ends (or crashes: the OS drops it), before the output is touched.
-    with OutputLock(out):
-        return run_score_locked(args, out, log)
+    return run_job(build_config(args))

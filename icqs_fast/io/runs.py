@@ -11,7 +11,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from icqs_fast.io.arrow import dataset_files
 from icqs_fast.io.readers import count_records
@@ -284,24 +283,24 @@ def checked_resume(records: Iterator[Record | RecordError], last: dict, path: st
         yield rec
 
 
-def input_range(args: Any, plan: OutputPlan, *, align: int = 1) -> tuple[int, int | None, int]:
-    """For a command with ``--shard``: ``(start, stop, total)``, the input records this run
-    reads - its shard's range (:func:`shard_range`, boundaries multiples of ``align``), started
-    after what a resumed output holds - and the number of records it will write (for the
-    progress bar; -1 when unknown). Without ``--shard``: ``(plan.start, None, n)``, ``n`` known
-    only for Parquet / datasets inputs (counting a text file would read it twice)."""
-    shard = getattr(args, "shard", None)
-    fmt = detect_format(args.input, args.format) if args.input != "-" else "jsonl"
+def input_range(input: str, format: str | None, encoding: str, shard: str | None,
+                plan: OutputPlan, *, align: int = 1) -> tuple[int, int | None, int]:
+    """For a command with ``--shard`` (``shard`` = "I/N"): ``(start, stop, total)``, the input
+    records this run reads - its shard's range (:func:`shard_range`, boundaries multiples of
+    ``align``), started after what a resumed output holds - and the number of records it will
+    write (for the progress bar; -1 when unknown). Without ``--shard``: ``(plan.start, None,
+    n)``, ``n`` known only for Parquet / datasets inputs (counting a text file would read it
+    twice)."""
+    fmt = detect_format(input, format) if input != "-" else "jsonl"
     if shard is None:
         total = -1
         if fmt in ("parquet", "datasets"):
-            total = max(0, count_records(args.input, format=args.format) - plan.start)
+            total = max(0, count_records(input, format=format) - plan.start)
         return plan.start, None, total
     i, n = parse_shard(shard)
-    total = count_records(args.input, format=args.format,
-                          encoding=getattr(args, "encoding", "utf-8"))
+    total = count_records(input, format=format, encoding=encoding)
     if total == 0:
-        raise InputError(display_name(args.input), None, None, "no records (nothing to shard)")
+        raise InputError(display_name(input), None, None, "no records (nothing to shard)")
     lo, hi = shard_range(total, i, n, align)
     start = max(lo, plan.start)
     if plan.last is not None and not lo <= plan.last["index"] < hi:

@@ -7,8 +7,10 @@ in input order (features from :func:`icqs_fast.features.glassbox`; NaN is writte
 It streams, resumes, locks and handles bad input as ``icqs-fast score`` does (the machinery is
 shared, in :mod:`icqs_fast.io`): one ``write`` per line, ``--resume`` after the last complete
 line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:line:field
-errors, and a resume fingerprint in ``OUT.meta.json`` (model, dtype, device, backend, features,
-mode, batch and chunk sizes, the ``softmax_combo`` constants, fields, system prompt).
+errors, and a resume fingerprint in ``OUT.meta.json`` (:meth:`FeatureJobConfig.fingerprint`:
+model, features, mode, batch and chunk sizes, system prompt, fields, encoding, shard; then
+dtype, device, backend and the ``softmax_combo`` constants). The run itself is
+:func:`icqs_fast.jobs.runner.run_job` with :class:`FeatureStrategy`.
 
 Records are scored in chunks of ``--chunk-size`` consecutive input records (a chunk is the
 records whose index ``i`` has the same ``i // chunk_size``; bad records only leave a gap), each
@@ -26,31 +28,19 @@ n outputs concatenated in shard order are the unsharded output.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
-from icqs_fast.io.readers import read_records
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.results import skipped_record
-from icqs_fast.io.runs import (
-    check_runtime,
-    checked_resume,
-    input_range,
-    open_results,
-    plan_output,
-    resume_check_needed,
-    start_output,
-)
+from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.models import runtime_settings
 
-ON_ERROR = ("stop", "skip")
-DEFAULT_FEATURES = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var",
-                    "softmax_combo", "attn_ent_avg", "attn_ent_min")
+__all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary",
+           "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
+           "parse_features"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -215,105 +205,75 @@ def load_combo_scale(path: str | None):
     return ComboScale.from_dict(spec)
 
 
+class FeatureSummary:
+    """Running count and throughput of a features job."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.skipped = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, rec: Record, res: Any) -> None:
+        self.n += 1
+
+    def text(self, prefix: str = "") -> str:
+        dt = time.perf_counter() - self.t0
+        rate = self.n / dt if dt > 0 else 0.0
+        s = f"{prefix}{self.n} responses in {dt:.1f} s ({rate:.2f} responses/s)"
+        return s + (f", {self.skipped} bad records skipped" if self.skipped else "")
 
 
-def feature_settings(args: argparse.Namespace, feats: list[str]) -> dict:
-    """What makes feature values comparable: checked when resuming (the combo constants and the
-    model side are added once the model is loaded)."""
-    embedded = args.model in (None, "embedded")
-    return {
-        "command": "features",
-        "model": "embedded:SmolLM2-135M-Instruct" if embedded else os.path.abspath(args.model),
-        "features": feats,
-        "mode": args.mode,
-        "batch_size": args.batch_size,
-        "chunk_size": args.chunk_size,
-        "system_prompt": args.system_prompt,
-        "x_field": args.x_field,
-        "y_field": args.y_field,
-    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
+class FeatureStrategy:
+    """``features``' part of the job runner (:mod:`icqs_fast.jobs.runner`): glassbox over
+    chunks of ``chunk_size`` records (a resumed run restarts at its chunk's first record), one
+    :func:`feature_line` each."""
 
+    desc = "features"
+    done_prefix = "icqs-fast: features of "
+    read_labels = False
 
-def run_features_locked(args: argparse.Namespace, out: Path, feats: list[str], scale: Any,
-                log: Callable[..., None]) -> int:
-    from icqs_fast.features.extract import ComboScale, vocab_size
-    from icqs_fast.models import load_model
-    from icqs_fast.progress import track
+    def __init__(self, config: FeatureJobConfig) -> None:
+        self.config = config
+        self.align = config.chunk_size
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.scale: Any = None
 
-    settings = feature_settings(args, feats)
-    # Fail fast on other settings, before the model is loaded; the rest is checked after.
-    plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
-    start, stop, total = input_range(args, plan, align=args.chunk_size)
+    def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
+        from icqs_fast.features.extract import ComboScale, vocab_size
+        from icqs_fast.models import load_model
 
-    t_load = time.perf_counter()
-    model, tok = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype,
-                            device=args.device)
-    t_load = time.perf_counter() - t_load
-    if scale is None:
-        scale = ComboScale.intrinsic(vocab_size(model))
-    settings["combo_scale"] = scale.as_dict()
-    settings.update(runtime_settings(model, args.backend))
-    check_runtime(plan, settings)
-    if plan.old is not None and plan.old.get("combo_scale") != settings["combo_scale"]:
-        # check_runtime covers dtype/device/backend; the combo constants are known only now.
-        raise ValueError(f"cannot --resume {out}: it was written with other settings "
-                         f"(combo_scale: {plan.old.get('combo_scale')!r} there, "
-                         f"{settings['combo_scale']!r} now); use another output or --overwrite")
-    log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(feats)} "
-        f"({args.mode} mode)")
-    start_output(plan, settings, log)
+        c = self.config
+        t_load = time.perf_counter()
+        self.model, self.tokenizer = load_model(
+            None if c.model == "embedded" else c.model, dtype=c.dtype, device=c.device,
+            load_in_8bit=c.load_in_8bit, load_in_4bit=c.load_in_4bit)
+        t_load = time.perf_counter() - t_load
+        self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None
+                      else ComboScale.intrinsic(vocab_size(self.model)))
+        settings["combo_scale"] = self.scale.as_dict()
+        settings.update(runtime_settings(self.model, c.backend))
+        if plan.old is not None and plan.old.get("combo_scale") != settings["combo_scale"]:
+            # check_runtime covers dtype/device/backend; the combo constants are known only now.
+            raise ValueError(f"cannot --resume {plan.out}: it was written with other settings "
+                             f"(combo_scale: {plan.old.get('combo_scale')!r} there, "
+                             f"{settings['combo_scale']!r} now); use another output or "
+                             "--overwrite")
+        log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(c.features)} "
+            f"({c.mode} mode)")
 
-    path_name = "<stdin>" if args.input == "-" else args.input
-    # Resuming: read again from the first record of the chunk the run stopped in (its records
-    # are recomputed in the same batches, only those after the last one on disk are written),
-    # and check that the output's last record still has its id.
-    first = (start // args.chunk_size) * args.chunk_size
-    check = resume_check_needed(plan)
-    records = read_records(
-        args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
-        id_field=args.id_field, encoding=args.encoding,
-        skip=min(first, start - 1) if check else first,
-        on_error="yield", allow_empty=start > 0 or stop is not None, stop=stop,
-        # feature_records stops on an error if asked
-    )
-    if check:
-        records = checked_resume(records, plan.last, path_name, keep=True)
-        records = (r for r in records if r.index >= first)  # the last record may precede it
+    def results(self, records: Iterable[Record | RecordError], *, write_from: int,
+                on_error: Callable[[RecordError], None] | None
+                ) -> Iterator[tuple[Record, dict[str, float]]]:
+        c = self.config
+        return feature_records(
+            self.model, self.tokenizer, records, chunk_size=c.chunk_size, write_from=write_from,
+            path=c.input_name, x_field=c.x_field, y_field=c.y_field, on_error=on_error,
+            features=list(c.features), mode=c.mode, batch_size=c.batch_size, backend=c.backend,
+            system_prompt=c.system_prompt, combo_scale=self.scale)
 
-    n, skipped, t0 = 0, 0, time.perf_counter()
+    def line(self, rec: Record, res: dict[str, float]) -> dict:
+        return feature_line(rec, res)
 
-    def summary(prefix: str) -> str:
-        dt = time.perf_counter() - t0
-        rate = n / dt if dt > 0 else 0.0
-        s = f"{prefix}{n} responses in {dt:.1f} s ({rate:.2f} responses/s)"
-        return s + (f", {skipped} bad records skipped" if skipped else "")
-
-    with open_results(plan) as writer:
-        def skip(err: RecordError) -> None:
-            nonlocal skipped
-            writer.write(skipped_record(err))
-            skipped += 1
-            log(f"icqs-fast: skipping bad record: {err}")
-
-        rows = feature_records(
-            model, tok, records, chunk_size=args.chunk_size, write_from=start, path=path_name,
-            x_field=args.x_field, y_field=args.y_field,
-            on_error=skip if args.on_error == "skip" else None, features=feats, mode=args.mode,
-            batch_size=args.batch_size, backend=args.backend, system_prompt=args.system_prompt,
-            combo_scale=scale)
-        try:
-            for rec, row in track(rows, total=total if total >= 0 else None, desc="features",
-                                  unit="record", quiet=args.quiet):
-                writer.write(feature_line(rec, row))
-                n += 1
-        except InputError:
-            log(summary("icqs-fast: stopped: "))
-            log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
-                "with --resume, or pass --on-error skip")
-            raise
-        except KeyboardInterrupt:
-            log(summary("icqs-fast: interrupted: "))
-            log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
-            return 130
-    log(summary("icqs-fast: features of "))
-    return 0
+    def summary(self) -> FeatureSummary:
+        return FeatureSummary()

@@ -93,9 +93,10 @@ def _passthrough(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: cols[k] for k in ("id", "index") if k in cols}
 
 
-def _load_demos(demos: PathLike | Sequence, x_field: str, y_field: str) -> list[tuple[str, str]]:
+def _load_demos(demos: PathLike | Sequence, x_field: str, y_field: str,
+                encoding: str = "utf-8") -> list[tuple[str, str]]:
     if isinstance(demos, (str, os.PathLike)):
-        return read_examples(demos, x_field=x_field, y_field=y_field)
+        return read_examples(demos, x_field=x_field, y_field=y_field, encoding=encoding)
     return [(str(x), str(y)) for x, y in demos]
 
 
@@ -109,10 +110,12 @@ class ICQSBatchScorer:
             SmolLM2-135M-Instruct.
         dtype, device, load_in_8bit, load_in_4bit: as :func:`icqs_fast.models.load_model`.
         template: a :class:`~icqs_fast.engine.prompts.Template` or a dict of its fields.
-        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, backend,
-        token_budget, max_length, drop_oldest_demos: as
-        :class:`~icqs_fast.engine.scorer.ICQSScorer`.
-        x_field, y_field: the batch columns with the prompt and the response.
+        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, stratify,
+        strata_order, backend, token_budget, max_length, drop_oldest_demos: as
+        :class:`~icqs_fast.engine.scorer.ICQSScorer` (``stratify`` as there: None, "y",
+        "auto" or the per-file label lists of ``jobs.score.resolve_stratify``).
+        x_field, y_field: the batch columns with the prompt and the response (and the fields
+        of the demonstration files, read with ``encoding``).
 
     Attributes:
         model, tokenizer, scorer: the loaded model and the :class:`ICQSScorer` (its prefix bank
@@ -125,17 +128,18 @@ class ICQSBatchScorer:
                  load_in_8bit: bool = False, load_in_4bit: bool = False,
                  template: Any = None, num_ratios: int = 5, demos_per_set: int = 8,
                  sets_per_ratio: int = 4, seed: int = 0, mixing: str = "exact",
-                 replacement: bool = False, backend: str = "auto",
+                 replacement: bool = False, stratify: Any = "auto",
+                 strata_order: str = "fixed", backend: str = "auto",
                  token_budget: int | None = None, max_length: int | None = None,
-                 drop_oldest_demos: bool = False, x_field: str = "x", y_field: str = "y"
-                 ) -> None:
+                 drop_oldest_demos: bool = False, x_field: str = "x", y_field: str = "y",
+                 encoding: str = "utf-8") -> None:
         from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, ICQSScorer
         from icqs_fast.models import load_model
 
         self.x_field, self.y_field = x_field, y_field
-        g = _load_demos(good, x_field, y_field)
-        b = _load_demos(bad, x_field, y_field)
+        g = _load_demos(good, x_field, y_field, encoding)
+        b = _load_demos(bad, x_field, y_field, encoding)
         self.model, self.tokenizer = load_model(
             None if model in (None, "embedded") else model, dtype=dtype, device=device,
             load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
@@ -144,7 +148,8 @@ class ICQSBatchScorer:
         self.scorer = ICQSScorer(
             self.model, self.tokenizer, g, b, num_ratios=num_ratios,
             demos_per_set=demos_per_set, sets_per_ratio=sets_per_ratio, template=template,
-            seed=seed, mixing=mixing, replacement=replacement, backend=backend,
+            seed=seed, mixing=mixing, replacement=replacement, stratify=stratify,
+            strata_order=strata_order, backend=backend,
             token_budget=token_budget or DEFAULT_TOKEN_BUDGET, max_length=max_length,
             drop_oldest_demos=drop_oldest_demos)
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
@@ -206,7 +211,7 @@ class GlassboxBatchScorer:
                  system_prompt: str | None = None, combo_scale: dict | None = None,
                  x_field: str = "x", y_field: str = "y") -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
-        from icqs_fast.jobs.features import DEFAULT_FEATURES
+        from icqs_fast.jobs.config import DEFAULT_FEATURES
         from icqs_fast.models import load_model
 
         self.x_field, self.y_field = x_field, y_field

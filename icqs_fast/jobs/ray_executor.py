@@ -35,7 +35,6 @@ for ``features`` ``n_tokens`` and the features.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -53,6 +52,13 @@ from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import InputError, RecordError, detect_format
 from icqs_fast.io.results import JsonlWriter, skipped_record
 from icqs_fast.io.runs import RUNTIME_KEYS, OutputLock, check_run_paths, resume_refusal, write_meta
+from icqs_fast.jobs.config import (
+    DEFAULT_BLOCK_SIZE,
+    OUTPUT_FORMATS,
+    FeatureJobConfig,
+    JobConfig,
+    ScoreJobConfig,
+)
 from icqs_fast.jobs.ray_actors import (
     BlockSpec,
     GlassboxBatchScorer,
@@ -61,9 +67,7 @@ from icqs_fast.jobs.ray_actors import (
     items_of_block,
 )
 
-KINDS = ("score", "features")
-OUTPUT_FORMATS = ("parquet", "jsonl")
-DEFAULT_BLOCK_SIZE = 1024
+__all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "run_ray", "block_path"]
 META_NAME = "run"  # OUT/run.meta.json (io.write_meta adds .meta.json)
 HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
 
@@ -277,70 +281,49 @@ def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
     return os.path.join(os.fspath(out_dir), f"part-{block:06d}.{out_format}")
 
 
-def _check_args(kind: str, args: argparse.Namespace) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"run_ray: kind must be one of {KINDS}, got {kind!r}")
+def _check_config(config: JobConfig) -> None:
+    if not isinstance(config, (ScoreJobConfig, FeatureJobConfig)):
+        raise TypeError(f"run_ray: a ScoreJobConfig or FeatureJobConfig, got "
+                        f"{type(config).__name__}")
+    if config.ray is None:
+        raise ValueError("run_ray: the config has no RayOptions (config.ray)")
     try:
         import ray.data  # noqa: F401
     except ImportError as exc:
         raise ValueError(f"--ray needs Ray Data ({exc}); install icqs-fast[ray]") from None
-    if args.input == "-":
+    if config.input == "-":
         raise ValueError("--ray reads a file (Ray Data reads it in blocks); standard input is "
                          "not supported")
-    if getattr(args, "shard", None):
+    if config.shard:
         raise ValueError("--shard and --ray do not go together: --ray spreads the whole input "
                          "over its workers")
-    check_run_paths(args.input, args.resume, args.overwrite, args.format)
-    for name in ("workers", "block_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.gpus_per_worker < 0 or args.cpus_per_worker < 0:
-        raise ValueError("--gpus-per-worker / --cpus-per-worker must be >= 0")
-    if kind == "features":
-        for name in ("batch_size", "chunk_size"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if args.block_size % args.chunk_size:
-            # A block of whole chunks computes every record in the same glassbox call as the
-            # single-process run, so the features are the same to the last bit.
-            raise ValueError(f"--block-size ({args.block_size}) must be a multiple of "
-                             f"--chunk-size ({args.chunk_size})")
-    if kind == "score":
-        for name in ("good", "bad"):
-            if not os.path.isfile(getattr(args, name)):
-                raise FileNotFoundError(f"no such --{name} file: {getattr(args, name)}")
+    if config.threads is not None:
+        raise ValueError("--threads is for a single-process run; with --ray each worker has "
+                         "--cpus-per-worker threads (Ray sets its OMP_NUM_THREADS)")
+    config.check()
+    check_run_paths(config.input, config.resume, config.overwrite, config.format)
 
 
-def _settings_and_kw(kind: str, args: argparse.Namespace) -> tuple[dict, dict]:
-    """The single-process command's resume settings, and the actor's constructor kwargs."""
-    quant = dict(load_in_8bit=getattr(args, "load_in_8bit", False),
-                 load_in_4bit=getattr(args, "load_in_4bit", False))
-    common = dict(model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                  x_field=args.x_field, y_field=args.y_field, **quant)
-    if kind == "score":
-        from icqs_fast.jobs.score import load_template, score_settings
+def _actor_kw(config: JobConfig) -> dict:
+    """The actor's constructor kwargs."""
+    common = dict(model=config.model, dtype=config.dtype, device=config.device,
+                  backend=config.backend, x_field=config.x_field, y_field=config.y_field,
+                  load_in_8bit=config.load_in_8bit, load_in_4bit=config.load_in_4bit)
+    if isinstance(config, ScoreJobConfig):
+        from icqs_fast.jobs.score import resolve_stratify
 
-        _, spec = load_template(args.template)
-        settings = score_settings(args, spec)
-        kw = dict(good=os.path.abspath(args.good), bad=os.path.abspath(args.bad),
-                  template=spec, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
-                  sets_per_ratio=args.sets_per_ratio, seed=args.seed, mixing=args.mixing,
-                  replacement=args.replacement, token_budget=args.token_budget,
-                  max_length=args.max_length, drop_oldest_demos=args.drop_oldest_demos,
-                  **common)
-        return settings, kw
-    from icqs_fast.jobs.features import feature_settings, load_combo_scale, parse_features
-
-    feats = parse_features(args.features)
-    scale = load_combo_scale(args.combo_scale)
-    settings = feature_settings(args, feats)
-    kw = dict(features=feats, mode=args.mode, batch_size=args.batch_size,
-              chunk_size=args.chunk_size, system_prompt=args.system_prompt,
-              combo_scale=None if scale is None else scale.as_dict(), **common)
-    return settings, kw
+        scoring = dict(config.scoring)
+        scoring["stratify"] = resolve_stratify(config)
+        return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
+                    token_budget=config.token_budget, encoding=config.encoding, **scoring,
+                    **common)
+    assert isinstance(config, FeatureJobConfig)
+    return dict(features=list(config.features), mode=config.mode,
+                batch_size=config.batch_size, chunk_size=config.chunk_size,
+                system_prompt=config.system_prompt, combo_scale=config.combo_scale, **common)
 
 
-def _prepare_output(out: Path, settings: dict, args: argparse.Namespace, fmt: str,
+def _prepare_output(out: Path, settings: dict, config: JobConfig,
                     log: Callable[..., None]) -> dict | None:
     """Check or start ``OUT``; the old settings when resuming (None otherwise)."""
     meta = out / f"{META_NAME}.meta.json"
@@ -348,16 +331,16 @@ def _prepare_output(out: Path, settings: dict, args: argparse.Namespace, fmt: st
         raise ValueError(f"{out} exists and is not a folder; a --ray output is a folder of "
                          "block files")
     parts = glob.glob(os.path.join(out, "part-*")) if out.is_dir() else []
-    if args.resume and meta.is_file():
+    if config.resume and meta.is_file():
         old = json.loads(meta.read_text(encoding="utf-8"))
         err = resume_refusal(out, old, settings, settings)
         if err is not None:
             raise err
         return old
-    if parts and not args.resume and not args.overwrite:
+    if parts and not config.resume and not config.overwrite:
         raise ValueError(f"{out} holds block files; pass --resume to continue it or "
                          "--overwrite to replace it")
-    if parts and args.resume:
+    if parts and config.resume:
         raise ValueError(f"cannot --resume {out}: it has block files but no "
                          f"{meta.name}; use --overwrite")
     out.mkdir(parents=True, exist_ok=True)
@@ -367,24 +350,24 @@ def _prepare_output(out: Path, settings: dict, args: argparse.Namespace, fmt: st
     return None
 
 
-def _init_ray(args: argparse.Namespace) -> bool:
+def _init_ray(address: str | None) -> bool:
     """Connect to (or start) Ray; True when this call started it (and should shut it down)."""
     import ray
 
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-    if args.address:
-        ray.init(address=args.address, **kw)
+    if address:
+        ray.init(address=address, **kw)
     else:
         ray.init(**kw)
     return True
 
 
-def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -> int:
-    """Run ``icqs-fast score`` (``kind="score"``) or ``features`` with ``--ray``: see the
-    module docstring. ``args`` holds the single-process command's arguments plus
-    :func:`add_ray_arguments`'. Returns the exit code (0; 130 on Ctrl-C).
+def run_ray(config: JobConfig, *, stats: dict | None = None) -> int:
+    """Run a ``score`` (:class:`ScoreJobConfig`) or ``features`` job on Ray Data with
+    ``config.ray``'s options: see the module docstring. Returns the exit code (0; 130 on
+    Ctrl-C).
 
     ``stats``, if given, is filled with the run's figures: ``wall_s`` (from building the
     dataset to the last block, actor start-up included), ``first_block_s``, ``blocks``,
@@ -396,32 +379,34 @@ def run_ray(kind: str, args: argparse.Namespace, *, stats: dict | None = None) -
         InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
         ValueError: other settings in a resumed output, bad options.
     """
-    _check_args(kind, args)
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
-    out = Path(args.output)
-    fmt_in = detect_format(args.input, args.format)
-    settings, actor_kw = _settings_and_kw(kind, args)
-    label_field = getattr(args, "label_field", None)
-    n = count_records(args.input, format=fmt_in, encoding=args.encoding)
+    _check_config(config)
+    ro = config.ray
+    assert ro is not None
+    log = (lambda *a: None) if config.quiet else (lambda *a: print(*a, file=sys.stderr))
+    out = Path(config.output)
+    fmt_in = detect_format(config.input, config.format)
+    settings = config.fingerprint()
+    actor_kw = _actor_kw(config)
+    n = count_records(config.input, format=fmt_in, encoding=config.encoding)
     if n == 0:
-        raise InputError(args.input, None, None, "no records (the input is empty)")
-    settings.update(command=kind, input=os.path.abspath(args.input), n_records=n,
-                    block_size=args.block_size, output_format=args.output_format)
+        raise InputError(config.input, None, None, "no records (the input is empty)")
+    settings.update(command=config.kind, input=os.path.abspath(config.input), n_records=n,
+                    block_size=ro.block_size, output_format=ro.output_format)
     with OutputLock(out):
-        old = _prepare_output(out, settings, args, args.output_format, log)
-        return _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field,
-                           log, stats if stats is not None else {})
+        old = _prepare_output(out, settings, config, log)
+        return _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log,
+                           stats if stats is not None else {})
 
 
-def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field, log,
-                stats) -> int:
+def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats) -> int:
     from icqs_fast.progress import track
 
+    ro = config.ray
     for stale in glob.glob(os.path.join(out, "part-*.tmp.*")):
         os.remove(stale)  # a block being written when a driver or worker died
-    B = args.block_size
+    B = ro.block_size
     n_blocks = (n + B - 1) // B
-    done = {k for k in range(n_blocks) if os.path.exists(block_path(out, k, args.output_format))}
+    done = {k for k in range(n_blocks) if os.path.exists(block_path(out, k, ro.output_format))}
     pending = [k for k in range(n_blocks) if k not in done]
     if done:
         log(f"icqs-fast: resuming {out}: {len(done)} of {n_blocks} blocks complete, "
@@ -429,16 +414,17 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
     if not pending:
         log(f"icqs-fast: {out}: all {n_blocks} blocks complete; nothing to do")
         return 0
-    specs = [BlockSpec(os.path.abspath(args.input), fmt_in, k, k * B, min(n, (k + 1) * B),
-                       x_field=args.x_field, y_field=args.y_field, id_field=args.id_field,
-                       label_field=label_field, encoding=args.encoding) for k in pending]
-    block_kw = dict(out_dir=os.path.abspath(out), out_format=args.output_format,
-                    path_name=args.input, on_error=args.on_error,
+    label_field = config.label_field
+    specs = [BlockSpec(os.path.abspath(config.input), fmt_in, k, k * B, min(n, (k + 1) * B),
+                       x_field=config.x_field, y_field=config.y_field, id_field=config.id_field,
+                       label_field=label_field, encoding=config.encoding) for k in pending]
+    block_kw = dict(out_dir=os.path.abspath(out), out_format=ro.output_format,
+                    path_name=config.input, on_error=config.on_error,
                     with_label=label_field is not None,
                     expected_runtime=None if old is None else
                     {k: old[k] for k in RUNTIME_KEYS if k in old},
                     old_meta=old)
-    started = _init_ray(args)
+    started = _init_ray(ro.address)
     try:
         import ray
         from ray.data import ActorPoolStrategy, DataContext
@@ -448,13 +434,13 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
         ds = ray.data.read_datasource(RecordBlocks.datasource(specs),
                                       override_num_blocks=len(specs))
         ds = ds.map_batches(
-            ScoreBlocks if kind == "score" else FeatureBlocks,
+            ScoreBlocks if config.kind == "score" else FeatureBlocks,
             fn_constructor_kwargs={"scorer_kw": actor_kw, "block_kw": block_kw},
             batch_size=None,  # one batch = one whole block
-            compute=ActorPoolStrategy(size=args.workers), num_gpus=args.gpus_per_worker or None,
-            num_cpus=args.cpus_per_worker, batch_format="numpy",
+            compute=ActorPoolStrategy(size=ro.workers), num_gpus=ro.gpus_per_worker or None,
+            num_cpus=ro.cpus_per_worker, batch_format="numpy",
         )
-        return _drive(ds, track, args, out, settings, old, len(pending), n_blocks, t0, log,
+        return _drive(ds, track, config, out, settings, old, len(pending), n_blocks, t0, log,
                       stats)
     finally:
         if started:
@@ -463,18 +449,18 @@ def _run_locked(kind, args, out, settings, old, actor_kw, fmt_in, n, label_field
             ray.shutdown()
 
 
-def _drive(ds, track, args, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
+def _drive(ds, track, config, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
     per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
     total = skipped = 0
     runtime = None if old is None else {k: old[k] for k in RUNTIME_KEYS if k in old} or None
     errors: list[dict] = []
     try:
         for row in track(ds.iter_rows(), total=n_pending, desc="icqs-fast blocks",
-                         unit="block", quiet=args.quiet):
+                         unit="block", quiet=config.quiet):
             err = row["error"]
             if err:
                 errors.append(json.loads(err))
-                if "settings" in errors[-1] or args.on_error == "stop":
+                if "settings" in errors[-1] or config.on_error == "stop":
                     break
                 continue
             rt = json.loads(row["runtime"])

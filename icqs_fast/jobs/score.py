@@ -30,31 +30,19 @@ had to be dropped, ``n_dropped_demos``.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.results import skipped_record
-from icqs_fast.io.runs import (
-    check_runtime,
-    checked_resume,
-    input_range,
-    open_results,
-    plan_output,
-    resume_check_needed,
-    start_output,
-)
+from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
 
-ON_ERROR = ("stop", "skip")
+__all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
+           "resolve_stratify", "result_record", "score_records", "scorer_kwargs"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -176,17 +164,19 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
 class Summary:
     """Running count, mean score (overall and per label) and throughput."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_label: bool = False) -> None:
+        self.with_label = with_label
         self.n = 0
         self.total = 0.0
         self.by_label: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         self.skipped = 0
         self.t0 = time.perf_counter()
 
-    def add(self, score: float, label: Any = None, with_label: bool = False) -> None:
+    def add(self, rec: Record, res: Any) -> None:
+        score, label = res.score, rec.label
         self.n += 1
         self.total += score
-        if with_label:
+        if self.with_label:
             s = self.by_label[json.dumps(label) if not isinstance(label, str) else label]
             s[0] += 1
             s[1] += score
@@ -204,14 +194,6 @@ class Summary:
             line += "\n  mean score by label: " + ", ".join(
                 f"{k}: {v[1] / v[0]:.4f} (n={v[0]})" for k, v in sorted(self.by_label.items()))
         return line
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_template(path: str | None):
@@ -232,106 +214,77 @@ def load_template(path: str | None):
     return Template(**spec), spec
 
 
-def score_settings(args: argparse.Namespace, template_spec: dict | None) -> dict:
-    """What makes scores comparable: checked when resuming."""
-    return {
-        "model": os.path.abspath(args.model) if args.model else "embedded:SmolLM2-135M-Instruct",
-        "good_sha256": file_sha256(args.good),
-        "bad_sha256": file_sha256(args.bad),
-        "num_ratios": args.num_ratios,
-        "demos_per_set": args.demos_per_set,
-        "sets_per_ratio": args.sets_per_ratio,
-        "seed": args.seed,
-        "mixing": args.mixing,
-        "replacement": args.replacement,
-        "stratify_field": args.stratify_field,
-        "strata_order": args.strata_order,
-        "max_length": args.max_length,
-        "drop_oldest_demos": args.drop_oldest_demos,
-        "template": template_spec,
-        "x_field": args.x_field,
-        "y_field": args.y_field,
-    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
+def resolve_stratify(config: ScoreJobConfig) -> Any:
+    """The ``stratify`` argument of ICQSScorer for the config's ``--stratify-field`` spec:
+    None ('none'), 'y' (the answer itself, or the y field named), 'auto', or, for another field
+    of the demonstration files, the per-file lists of its values."""
+    spec = config.scoring["stratify"]
+    if spec == "none":
+        return None
+    if spec == config.y_field:
+        return "y"
+    if spec in (None, "y", "auto"):
+        return spec
+    kw = dict(x_field=config.x_field, y_field=config.y_field, encoding=config.encoding)
+    return tuple([str(r.label) for r in read_records(path, label_field=spec, **kw)]
+                 for path in (config.good, config.bad))
 
 
-def run_score_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -> int:
-    from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, ICQSScorer
-    from icqs_fast.models import load_model
-    from icqs_fast.progress import track
+def scorer_kwargs(config: ScoreJobConfig) -> dict[str, Any]:
+    """ICQSScorer's keyword arguments for the config (the template as a Template)."""
+    from icqs_fast.engine.prompts import Template
+    from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET
 
-    template, template_spec = load_template(args.template)
-    settings = score_settings(args, template_spec)
+    kw = dict(config.scoring)
+    kw["template"] = None if kw["template"] is None else Template(**kw["template"])
+    kw["stratify"] = resolve_stratify(config)
+    return kw | dict(backend=config.backend,
+                     token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET)
 
-    plan = plan_output(out, settings, resume=args.resume, overwrite=args.overwrite)
-    start, stop, total = input_range(args, plan)
 
-    ex_kw = dict(x_field=args.x_field, y_field=args.y_field, encoding=args.encoding)
-    good = read_examples(args.good, **ex_kw)
-    bad = read_examples(args.bad, **ex_kw)
-    stratify = args.stratify_field
-    if stratify == "none":
-        stratify = None
-    elif stratify == args.y_field:
-        stratify = "y"
-    elif stratify not in (None, "y", "auto"):  # a field of the demonstration files
-        stratify = tuple([str(r.label) for r in read_records(
-            path, label_field=args.stratify_field, **ex_kw)] for path in (args.good, args.bad))
+class ScoreStrategy:
+    """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
+    the records, one :func:`result_record` line each, a :class:`Summary` with label means."""
 
-    t_load = time.perf_counter()
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    t_load = time.perf_counter() - t_load
-    settings.update(runtime_settings(model, args.backend))
-    check_runtime(plan, settings)
-    scorer = ICQSScorer(
-        model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
-        sets_per_ratio=args.sets_per_ratio, template=template, seed=args.seed,
-        mixing=args.mixing, replacement=args.replacement, stratify=stratify,
-        strata_order=args.strata_order, backend=args.backend,
-        token_budget=args.token_budget or DEFAULT_TOKEN_BUDGET, max_length=args.max_length,
-        drop_oldest_demos=args.drop_oldest_demos,
-    )
-    log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
-        f"demonstrations, {args.num_ratios} ratios x {args.sets_per_ratio} sets of "
-        f"{args.demos_per_set}")
-    start_output(plan, settings, log)
+    desc = "score"
+    done_prefix = "icqs-fast: "
+    align = 1
+    read_labels = True
 
-    summary = Summary()
-    path_name = "<stdin>" if args.input == "-" else args.input
-    with_label = args.label_field is not None
-    # Resuming after a scored record with an id: read that record again and check it is the
-    # same one (a skipped record's line has no id to compare).
-    check = resume_check_needed(plan)
-    records = read_records(
-        args.input, format=args.format, x_field=args.x_field, y_field=args.y_field,
-        id_field=args.id_field, label_field=args.label_field, encoding=args.encoding,
-        skip=start - 1 if check else start, on_error="yield" if args.on_error == "skip" else None,
-        allow_empty=start > 0 or stop is not None, stop=stop,
-    )
-    if check:
-        records = checked_resume(records, plan.last, path_name)
+    def __init__(self, config: ScoreJobConfig) -> None:
+        self.config = config
+        self.scorer: Any = None
 
-    with open_results(plan) as writer:
-        def skip(err: RecordError) -> None:
-            writer.write(skipped_record(err))
-            summary.skipped += 1
-            log(f"icqs-fast: skipping bad record: {err}")
+    def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
+        from icqs_fast.engine.scorer import ICQSScorer
+        from icqs_fast.models import load_model
 
-        scored = score_records(scorer, records, path=path_name, x_field=args.x_field,
-                               y_field=args.y_field,
-                               on_error=skip if args.on_error == "skip" else None)
-        try:
-            for rec, res in track(scored, total=total if total >= 0 else None, desc="score",
-                                  unit="record", quiet=args.quiet):
-                writer.write(result_record(rec, res, with_label=with_label))
-                summary.add(res.score, rec.label, with_label)
-        except InputError:
-            log(summary.text("icqs-fast: stopped: "))
-            log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
-                "with --resume, or pass --on-error skip")
-            raise
-        except KeyboardInterrupt:
-            log(summary.text("icqs-fast: interrupted: "))
-            log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
-            return 130
-    log(summary.text("icqs-fast: "))
-    return 0
+        c = self.config
+        ex_kw = dict(x_field=c.x_field, y_field=c.y_field, encoding=c.encoding)
+        good = read_examples(c.good, **ex_kw)
+        bad = read_examples(c.bad, **ex_kw)
+        kw = scorer_kwargs(c)
+        t_load = time.perf_counter()
+        model, tok = load_model(None if c.model == "embedded" else c.model, dtype=c.dtype,
+                                device=c.device, load_in_8bit=c.load_in_8bit,
+                                load_in_4bit=c.load_in_4bit)
+        t_load = time.perf_counter() - t_load
+        settings.update(runtime_settings(model, c.backend))  # checked by the runner
+        self.scorer = ICQSScorer(model, tok, good, bad, **kw)
+        s = c.scoring
+        log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
+            f"demonstrations, {s['num_ratios']} ratios x {s['sets_per_ratio']} sets of "
+            f"{s['demos_per_set']}")
+
+    def results(self, records: Iterable[Record | RecordError], *, write_from: int,
+                on_error: Callable[[RecordError], None] | None
+                ) -> Iterator[tuple[Record, Any]]:
+        c = self.config
+        return score_records(self.scorer, records, path=c.input_name, x_field=c.x_field,
+                             y_field=c.y_field, on_error=on_error)
+
+    def line(self, rec: Record, res: Any) -> dict:
+        return result_record(rec, res, with_label=self.config.label_field is not None)
+
+    def summary(self) -> Summary:
+        return Summary(with_label=self.config.label_field is not None)

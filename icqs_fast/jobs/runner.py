@@ -1,0 +1,182 @@
+"""ONE job runner for ``score`` and ``features``: read -> batch -> score -> write, with resume,
+skip/stop on bad records, progress and a summary.
+
+    from icqs_fast.jobs.config import ScoreJobConfig
+    from icqs_fast.jobs.runner import run_job
+
+    run_job(ScoreJobConfig(input="in.jsonl", output="out.jsonl", good="g.jsonl", bad="b.jsonl"))
+
+What differs between the two commands is a small strategy object (:class:`JobStrategy`;
+``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the engine, compute the
+results of a record stream, turn one result into an output line, count it in the summary. The
+executor is chosen by a string, ``"local"`` (this process) or ``"ray"`` (Ray Data,
+:mod:`icqs_fast.jobs.ray_executor`; Ray is imported only there), by default from the config
+(``config.ray`` set: ``"ray"``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from icqs_fast.io.readers import read_records
+from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.results import skipped_record
+from icqs_fast.io.runs import (
+    OutputLock,
+    check_run_paths,
+    check_runtime,
+    checked_resume,
+    input_range,
+    open_results,
+    plan_output,
+    resume_check_needed,
+    start_output,
+)
+from icqs_fast.jobs.config import EXECUTORS, FeatureJobConfig, JobConfig, ScoreJobConfig
+
+Log = Callable[..., None]
+
+
+class JobSummary(Protocol):
+    skipped: int
+
+    def add(self, rec: Record, res: Any) -> None: ...
+
+    def text(self, prefix: str = "") -> str: ...
+
+
+class JobStrategy(Protocol):
+    """What a job kind adds to the runner."""
+
+    desc: str  # progress bar label
+    done_prefix: str  # the final summary line's prefix
+    align: int  # shard boundaries and resume restarts are multiples of this (chunked jobs)
+    read_labels: bool  # read the label field into the records
+
+    def load(self, plan: Any, settings: dict, log: Log) -> None:
+        """Load the model and build the engine; add what is known only now (dtype, device,
+        backend, ...) to ``settings`` and check it against a resumed output (``plan``)."""
+
+    def results(self, records: Iterable[Record | RecordError], *, write_from: int,
+                on_error: Callable[[RecordError], None] | None
+                ) -> Iterator[tuple[Record, Any]]:
+        """``(record, result)`` in input order (records before ``write_from`` are computed
+        only as context, not yielded); bad records go to ``on_error`` or are raised."""
+
+    def line(self, rec: Record, res: Any) -> dict:
+        """The output line of one result."""
+
+    def summary(self) -> JobSummary: ...
+
+
+def strategy_for(config: JobConfig) -> JobStrategy:
+    if isinstance(config, ScoreJobConfig):
+        from icqs_fast.jobs.score import ScoreStrategy
+
+        return ScoreStrategy(config)
+    if isinstance(config, FeatureJobConfig):
+        from icqs_fast.jobs.features import FeatureStrategy
+
+        return FeatureStrategy(config)
+    raise TypeError(f"no job for {type(config).__name__}")
+
+
+def stderr_log(quiet: bool) -> Log:
+    return (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+
+
+def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None = None,
+            stats: dict | None = None) -> int:
+    """Run a ``score`` or ``features`` job; the exit code (0; 130 on Ctrl-C).
+
+    ``executor``: ``"local"`` or ``"ray"`` (default: ``config.executor``). ``stats``: the Ray
+    executor's run figures (see :func:`icqs_fast.jobs.ray_executor.run_ray`).
+
+    Raises:
+        InputError: a bad record with ``on_error="stop"`` (file, line, field), a bad input.
+        ValueError / FileNotFoundError: bad options, other settings in a resumed output.
+    """
+    executor = executor or config.executor
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if executor == "ray":
+        from icqs_fast.jobs.ray_executor import run_ray
+
+        return run_ray(config, stats=stats)  # checks the config itself
+    config.check()
+    log = log or stderr_log(config.quiet)
+    check_run_paths(config.input, config.resume, config.overwrite, config.format)
+    # Held until this process ends (or crashes: the OS drops it), before the output is touched.
+    with OutputLock(Path(config.output)):
+        return run_local_locked(config, strategy_for(config), log)
+
+
+def set_threads(threads: int | None) -> None:
+    """``torch.set_num_threads`` (before the model loads); None leaves torch's default."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
+    """The job in this process, its output lock held."""
+    from icqs_fast.progress import track
+
+    out = Path(config.output)
+    settings = config.fingerprint()
+    # Fail fast on other settings, before the model is loaded; the rest is checked after.
+    plan = plan_output(out, settings, resume=config.resume, overwrite=config.overwrite)
+    start, stop, total = input_range(config.input, config.format, config.encoding,
+                                     config.shard, plan, align=strategy.align)
+    set_threads(config.threads)
+    strategy.load(plan, settings, log)
+    check_runtime(plan, settings)
+    start_output(plan, settings, log)
+
+    # Resuming: read again from the first record of the chunk the run stopped in (a chunked
+    # job recomputes its records in the same batches, writing only those after the last one on
+    # disk), and check that the output's last record still has its id.
+    first = (start // strategy.align) * strategy.align
+    check = resume_check_needed(plan)
+    records: Iterable[Record | RecordError] = read_records(
+        config.input, format=config.format, x_field=config.x_field, y_field=config.y_field,
+        id_field=config.id_field,
+        label_field=config.label_field if strategy.read_labels else None,
+        encoding=config.encoding, skip=min(first, start - 1) if check else first,
+        on_error="yield",  # strategy.results stops on an error if asked
+        allow_empty=start > 0 or stop is not None, stop=stop,
+    )
+    if check:
+        records = checked_resume(records, plan.last, config.input_name, keep=True)
+        records = (r for r in records if r.index >= first)  # the last record may precede it
+
+    summary = strategy.summary()
+    with open_results(plan) as writer:
+        def skip(err: RecordError) -> None:
+            writer.write(skipped_record(err))
+            summary.skipped += 1
+            log(f"icqs-fast: skipping bad record: {err}")
+
+        results = strategy.results(records, write_from=start,
+                                   on_error=skip if config.on_error == "skip" else None)
+        try:
+            for rec, res in track(results, total=total if total >= 0 else None,
+                                  desc=strategy.desc, unit="record", quiet=config.quiet):
+                writer.write(strategy.line(rec, res))
+                summary.add(rec, res)
+        except InputError:
+            log(summary.text("icqs-fast: stopped: "))
+            log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
+                "with --resume, or pass --on-error skip")
+            raise
+        except KeyboardInterrupt:
+            log(summary.text("icqs-fast: interrupted: "))
+            log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
+            return 130
+    log(summary.text(strategy.done_prefix))
+    return 0
+
