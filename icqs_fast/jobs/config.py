@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from icqs_fast.engine.settings import RESULT_FIELDS, ScoringSettings
+
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
 EXECUTORS = ("local", "ray")
@@ -25,12 +27,11 @@ DEFAULT_BLOCK_SIZE = 1024
 OUTPUT_FORMATS = ("parquet", "jsonl")
 # The ICQS options of a score job (ICQSScorer keyword arguments; ``stratify`` is the
 # --stratify-field spec, resolved against the demonstration files by the job, ``template`` a
-# dict of Template fields or None). To become ``engine.settings.ScoringSettings``.
+# dict of Template fields or None); the job turns them into one ``ScoringSettings``
+# (:func:`icqs_fast.jobs.score.scoring_settings`), which validates them before a model loads.
+# The defaults are ScoringSettings' own (one place), the template None (= the default one).
 DEFAULT_SCORING: dict[str, Any] = {
-    "num_ratios": 5, "demos_per_set": 8, "sets_per_ratio": 4, "seed": 0, "mixing": "exact",
-    "replacement": False, "stratify": "auto", "strata_order": "fixed", "max_length": None,
-    "drop_oldest_demos": False, "template": None,
-}
+    k: (None if k == "template" else getattr(ScoringSettings(), k)) for k in RESULT_FIELDS}
 # Fingerprint names of scoring options that differ from the keyword (kept so that outputs
 # written before the configs existed still resume).
 _FINGERPRINT_NAMES = {"stratify": "stratify_field"}
@@ -136,9 +137,10 @@ class JobConfig:
 class ScoreJobConfig(JobConfig):
     """An ``icqs-fast score`` job.
 
-    ``scoring``: the ICQS options, :data:`DEFAULT_SCORING`'s keys (ICQSScorer keyword
-    arguments; to become ``engine.settings.ScoringSettings``). ``token_budget`` and ``backend``
-    are engine-only (they do not change a score).
+    ``scoring``: the ICQS options, :data:`DEFAULT_SCORING`'s keys (the result fields of
+    :class:`~icqs_fast.engine.settings.ScoringSettings`, with ``stratify`` as the
+    ``--stratify-field`` spec). ``token_budget`` and ``backend`` are engine-only (they do not
+    change a score).
     """
 
     good: str
@@ -153,6 +155,10 @@ class ScoreJobConfig(JobConfig):
         if unknown:
             raise TypeError(f"ScoreJobConfig.scoring: unknown option(s) {unknown}")
         self.scoring = {**DEFAULT_SCORING, **self.scoring}
+        # Every option checked by the engine's own settings object, before any model loads
+        # (stratify is the field spec here; the job resolves it against the demonstrations).
+        opts = {k: v for k, v in self.scoring.items() if k not in ("stratify", "template")}
+        ScoringSettings.build(**opts)
 
     def check(self) -> None:
         super().check()

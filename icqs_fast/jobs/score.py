@@ -36,6 +36,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
@@ -230,16 +231,21 @@ def resolve_stratify(config: ScoreJobConfig) -> Any:
                  for path in (config.good, config.bad))
 
 
-def scorer_kwargs(config: ScoreJobConfig) -> dict[str, Any]:
-    """ICQSScorer's keyword arguments for the config (the template as a Template)."""
-    from icqs_fast.engine.prompts import Template
-    from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET
-
+def scoring_settings(config: ScoreJobConfig) -> ScoringSettings:
+    """The one :class:`ScoringSettings` of the job (the engine's, the reference's and the Ray
+    actors' settings object): the config's options with ``stratify`` resolved against the
+    demonstration files and the template as a Template."""
     kw = dict(config.scoring)
-    kw["template"] = None if kw["template"] is None else Template(**kw["template"])
+    if kw["template"] is None:
+        kw.pop("template")
     kw["stratify"] = resolve_stratify(config)
-    return kw | dict(backend=config.backend,
-                     token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET)
+    return ScoringSettings.from_dict(kw | dict(
+        backend=config.backend, token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET))
+
+
+def scorer_kwargs(config: ScoreJobConfig) -> dict[str, Any]:
+    """ICQSScorer's keyword arguments for the config: its settings object."""
+    return {"settings": scoring_settings(config)}
 
 
 class ScoreStrategy:
