@@ -18,7 +18,8 @@ tensor with a CPU tensor raises as it would on a GPU. :func:`dry_run` runs, on d
 * ``audit``: :class:`~icqs_fast.allure.evaluators.LikelihoodEvaluator` (``evaluate`` and
   ``attention_entropy``) and :class:`~icqs_fast.allure.evaluators.ICQSEvaluator`;
 * ``lm_eval``: :class:`~icqs_fast.compat.lm_eval.ICQSFastLM` built with ``device="cuda"``
-  (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``).
+  (``loglikelihood``, ``loglikelihood_rolling``; not ``generate_until``, whose Hugging Face
+  ``generate`` loop stops on token values).
 
 Every Triton launch is intercepted (``JITFunction.run``): its arguments must all be CUDA
 tensors or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's
@@ -582,7 +583,8 @@ def _path_audit(rec: Recorder, device: torch.device) -> dict:
     ev = LikelihoodEvaluator(model, tok, spec)
     js = ev.evaluate(recs, mem)
     ent = ev.attention_entropy(recs, mem)
-    icqs = ICQSEvaluator(model, tok, spec)
+    icqs = ICQSEvaluator(model, tok, spec, seed_good=[recs[1]], seed_bad=[recs[0]],
+                         num_ratios=2, demos_per_set=1, sets_per_ratio=1)
     js2 = icqs.evaluate(recs, mem)
     return {"judgments": len(js) + len(js2), "entropies": len(ent)}
 
@@ -600,11 +602,9 @@ def _path_lm_eval(rec: Recorder, device: torch.device) -> dict:
         disable_tqdm=True)
     rl = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("a b c d",), 0)],
                                   disable_tqdm=True)
-    gen = lm.generate_until([Instance("generate_until", {},
-                                      ("Hi", {"until": ["\n"], "max_gen_toks": 3}), 0)],
-                            disable_tqdm=True)
-    return {"loglikelihood": len(ll), "rolling": len(rl), "generated": len(gen),
-            "device": str(lm.device)}
+    # generate_until is left out: Hugging Face's generate loop stops on token values, which
+    # fake tensors do not have (it would run to the model's maximum length).
+    return {"loglikelihood": len(ll), "rolling": len(rl), "device": str(lm.device)}
 
 
 _RUNNERS = {"bench_gpu": _path_bench_gpu, "engine": _path_engine, "features": _path_features,
