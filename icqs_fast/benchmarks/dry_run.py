@@ -263,9 +263,7 @@ def _split_index(x: torch.Tensor, idx) -> tuple[torch.Tensor, dict[int, torch.Te
             d += x.dim() - d - consuming
         elif isinstance(i, bool):
             raise NotImplementedError("bool index")
-        elif isinstance(i, int) or (isinstance(i, torch.Tensor) and i.dim() == 0
-                                    and not i.dtype.is_floating_point and i.dtype != torch.bool
-                                    and False):
+        elif isinstance(i, int):
             x = _A.select.int(x, d, int(i))
             consuming -= 1
         elif isinstance(i, slice):
@@ -686,6 +684,22 @@ def dry_run_in_child(paths=PATHS, *, arch: str = "sm_90", compile: bool = True,
     return json.loads(p.stdout.rsplit("@@REPORT@@", 1)[1])
 
 
+def _key_diff(m: dict) -> str:
+    """The parts of the launched compile keys that the described ones lack."""
+    import ast
+
+    def parts(keys):
+        out = set()
+        for k in keys:
+            name, sig, const, div, warps, stages, _ = ast.literal_eval(k)
+            out |= {f"{a}:{b}" for a, b in sig} | {f"{a}={b}" for a, b in const}
+            out |= {f"div16({d})" for d in div} | {f"warps={warps}", f"stages={stages}"}
+        return out
+
+    la, de = parts(m["launched_not_described"]), parts(m["described_not_launched"])
+    return f"{sorted(la - de)} where described {sorted(de - la)}"
+
+
 def print_report(r: dict, file=sys.stdout) -> None:
     print(f"bench gpu --dry-run: fake CUDA device, Triton launches compiled for {r['arch']}",
           file=file)
@@ -694,8 +708,11 @@ def print_report(r: dict, file=sys.stdout) -> None:
               f"{e['compiles_ok']} kernels compiled ({', '.join(e['kernels'])}) "
               f"{e['seconds']} s", file=file)
         if e["status"] != "ok":
-            print(f"      error: {e.get('error') or e.get('compile_errors') or e.get('gpu_launches_mismatches')}",
-                  file=file)
+            print(f"      error: {e.get('error') or e.get('compile_errors')}", file=file)
+        for m in e.get("gpu_launches_mismatches", []):
+            print(f"      finding: the launch of {m['case']} is not the configuration its "
+                  f"gpu_launches() describes (what bench static compiles): launched "
+                  f"{_key_diff(m)}", file=file)
     print(f"  distinct kernel configurations compiled: {r['compiles']}", file=file)
     if r["host_syncs"]:
         print("  host syncs on CUDA tensors (count per run, call site):", file=file)
