@@ -616,9 +616,10 @@ def dry_run(paths=PATHS, *, arch: str = "sm_90", compile: bool = True) -> dict:
 
     Needs Triton's interpreter off (``TRITON_INTERPRET`` unset when triton was imported);
     :func:`dry_run_in_child` takes care of that."""
-    from icqs_fast.benchmarks.static import Compiler, _interpreting
+    from icqs_fast.backends import triton_interpreting
+    from icqs_fast.benchmarks.static import Compiler
 
-    if compile and _interpreting():
+    if compile and triton_interpreting():
         raise RuntimeError("the dry run compiles Triton kernels: TRITON_INTERPRET must be off "
                            "(use dry_run_in_child)")
     unknown = set(paths) - set(PATHS)
@@ -721,6 +722,13 @@ def print_report(r: dict, file=sys.stdout) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU needed: run the CUDA code paths (bench gpu's cases, the ICQS "
+                        "engine with cascade attention, features, audit, lm-eval) on fake CUDA "
+                        "tensors (FakeTensorMode), compile every Triton launch for sm_90 "
+                        "instead of running it, and report device/dtype errors and host syncs. "
+                        "It cannot catch numerics, kernel correctness on hardware, timing, "
+                        "memory limits or races (docs/GPU_MODEL.md)")
     p.add_argument("--paths", default=",".join(PATHS),
                    help=f"with --dry-run: comma-separated subset of {','.join(PATHS)}")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the JSON report")
@@ -728,10 +736,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from icqs_fast.benchmarks.static import _interpreting
+    from icqs_fast.backends import triton_interpreting
 
     paths = tuple(x for x in args.paths.split(",") if x)
-    r = dry_run_in_child(paths) if _interpreting() else dry_run(paths)
+    r = dry_run_in_child(paths) if triton_interpreting() else dry_run(paths)
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
     if args.json:

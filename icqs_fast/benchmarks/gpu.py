@@ -210,23 +210,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     p.add_argument("--no-end-to-end", action="store_true",
                    help="only the model check, not bench kernels/attention/icqs")
-    p.add_argument("--dry-run", action="store_true",
-                   help="no GPU needed: run the CUDA code paths (bench gpu's cases, the ICQS "
-                        "engine with cascade attention, features, audit, lm-eval) on fake CUDA "
-                        "tensors (FakeTensorMode), compile every Triton launch for sm_90 "
-                        "instead of running it, and report device/dtype errors and host syncs. "
-                        "It cannot catch numerics, kernel correctness on hardware, timing, "
-                        "memory limits or races (docs/GPU_MODEL.md)")
-    from icqs_fast.benchmarks import dry_run
-
-    dry_run.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "dry_run", False):
-        from icqs_fast.benchmarks import dry_run
-
-        return dry_run.main(args)
     if not torch.cuda.is_available():
         print("icqs-fast bench gpu: no CUDA device here; this command measures GPU times "
               "(use `icqs-fast bench static` for the predictions alone)", file=sys.stderr)
