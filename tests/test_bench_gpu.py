@@ -124,8 +124,8 @@ sys.stdout.write("@@" + json.dumps(r["paths"]["bench_gpu"]))
 '''
 
 
-@pytest.mark.parametrize("script,needle", [(_PLANTED, "device"),
-                                           (_PLANTED_KERNEL, "cpu tensor")],
+@pytest.mark.parametrize("script,needle", [(_PLANTED, "cuda:0 and cpu"),
+                                           (_PLANTED_KERNEL, "is a cpu tensor")],
                          ids=["cpu-index-in-cuda-op", "cpu-tensor-into-kernel"])
 def test_dry_run_catches_a_planted_device_mixup(script, needle):
     import json
