@@ -55,3 +55,86 @@ def test_attention_ratios():
     assert recs[0]["ratio_vs_no_entropy"] == pytest.approx(1.3)
     assert recs[0]["ratio_vs_sdpa"] == pytest.approx(2.6)
     assert "ratio_vs_no_entropy" not in recs[1] and "ratio_vs_sdpa" not in recs[3]
+
+
+# --- bench gpu --dry-run: the CUDA code paths on fake CUDA tensors (no GPU) --------------------
+
+_DRY_PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval")
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory):
+    """One ``bench gpu --dry-run`` through the CLI (a child process without the Triton
+    interpreter; Triton's on-disk cache keeps a rerun's compiles cheap)."""
+    import json
+    import os
+
+    out = tmp_path_factory.mktemp("dry") / "dry.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "bench", "gpu", "--dry-run",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert out.exists(), r.stderr[-3000:]
+    return r, json.loads(out.read_text())
+
+
+def test_dry_run_covers_every_cuda_path(dry_report):
+    r, rep = dry_report
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert rep["ok"] and rep["arch"] == "sm_90"
+    for name in _DRY_PATHS:
+        e = rep["paths"][name]
+        assert e["status"] == "ok", (name, e.get("traceback"))
+        assert e["launches"] >= 1 and e["compiles_ok"] >= 1, (name, e)
+    assert rep["paths"]["engine"]["model_device"] == "cuda:0"
+    assert rep["paths"]["engine"]["cascade"] is True
+    assert rep["paths"]["lm_eval"]["device"] == "cuda:0"
+    assert "_attn_entropy_fwd" in rep["paths"]["features"]["kernels"]
+    assert "_linear_token_stats_kernel" in rep["paths"]["engine"]["kernels"]
+    assert rep["compiles"] >= 3 and all(k["compiled"] for k in rep["kernels"])
+    # Token stats reach the host in one copy per field and batch, not one per (response,
+    # context) or request (96 and 48 copies per batch before).
+    hot = [s for s in rep["host_syncs"] if s["op"] == "cuda -> cpu copy" and s["count"] > 16]
+    assert not hot, hot
+
+
+_PLANTED = r'''
+import json, sys, torch
+from icqs_fast.backends import triton_backend
+from icqs_fast.benchmarks.dry_run import dry_run
+orig = triton_backend._prepare
+def planted(targets, ignore_index):  # the bug: target ids left on the CPU
+    valid, safe_t = orig(targets, ignore_index)
+    return valid, safe_t.to("cpu")
+triton_backend._prepare = planted
+r = dry_run(("bench_gpu",), compile=False)
+sys.stdout.write("@@" + json.dumps(r["paths"]["bench_gpu"]))
+'''
+
+_PLANTED_KERNEL = r'''
+import json, sys, torch
+from icqs_fast.kernels import linear_token_stats as k
+from icqs_fast.benchmarks.dry_run import dry_run
+orig = k.target_logits
+def planted(hidden, weight, bias, targets, out):  # the bug: a CPU tensor into a CUDA kernel
+    return orig(hidden, weight, bias, targets.cpu(), out)
+k.target_logits = planted
+r = dry_run(("bench_gpu",), compile=False)
+sys.stdout.write("@@" + json.dumps(r["paths"]["bench_gpu"]))
+'''
+
+
+@pytest.mark.parametrize("script,needle", [(_PLANTED, "cuda:0 and cpu"),
+                                           (_PLANTED_KERNEL, "is a cpu tensor")],
+                         ids=["cpu-index-in-cuda-op", "cpu-tensor-into-kernel"])
+def test_dry_run_catches_a_planted_device_mixup(script, needle):
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert "@@" in p.stdout, p.stderr[-3000:]
+    e = json.loads(p.stdout.rsplit("@@", 1)[1])
+    assert e["status"] == "error", e
+    assert needle in e["error"].lower(), e["error"]

@@ -25,8 +25,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "attention"), "icqs_fast.benchmarks.attention", "attention entropy vs eager"),
     (("bench", "static"), "icqs_fast.benchmarks.static",
      "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
-    (("bench", "gpu"), "icqs_fast.benchmarks.gpu",
-     "measured GPU times beside the static model's predictions (needs CUDA)"),
+    (("bench", "gpu"), "icqs_fast.cli.bench_gpu",
+     "measured GPU times beside the static model's predictions (needs CUDA; --dry-run: "
+     "the CUDA code paths on fake tensors, no GPU)"),
     (("bench", "lm-eval"), "icqs_fast.benchmarks.lm_eval",
      "lm-eval's HF model vs the icqs-fast lm-eval model on a local task"),
     (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",

@@ -226,12 +226,14 @@ def _head(model, hidden, batch, reqs, results, backend, want_stats) -> None:
                                 bias=getattr(head, "bias", None), backend=backend)
     lp = st.logprob.detach().float().cpu()
     greedy = st.is_greedy.detach().cpu()
+    # One device-to-host copy per field and batch, sliced on the host (not one per request).
+    st_host = st.map(lambda t: t.detach().cpu()) if want_stats else None
     start = 0
     for r, n in zip(batch, seg, strict=True):
         tok = lp[start:start + n]
         stats = None
-        if want_stats:
-            stats = st.map(lambda t, a=start, b=start + n: t[a:b].detach().cpu())
+        if st_host is not None:
+            stats = st_host.map(lambda t, a=start, b=start + n: t[a:b])
         results[r[0]] = ContinuationResult(
             loglik=float(tok.double().sum()), is_greedy=bool(greedy[start:start + n].all()),
             n_tokens=n, token_logprobs=tok.tolist(), stats=stats)

@@ -323,11 +323,13 @@ class ICQSScorer:
         st = ops.linear_token_stats(h, head.weight, torch.tensor(targets, device=dev),
                                     bias=getattr(head, "bias", None), backend=self.backend)
         lp = st.logprob.detach().double().cpu()
+        # One device-to-host copy per field and batch, sliced on the host (not one per segment).
+        st_host = st.map(lambda t: t.detach().cpu()) if self.return_token_stats else None
         start = 0
         for (rec, c), nr in zip(batch, seg, strict=True):
             rec["loglik"][c] = lp[start:start + nr].sum()
-            if self.return_token_stats:
-                rec["stats"][c] = st.map(lambda t, a=start, b=start + nr: t[a:b].detach().cpu())
+            if st_host is not None:
+                rec["stats"][c] = st_host.map(lambda t, a=start, b=start + nr: t[a:b])
             rec["done"] += 1
             start += nr
 

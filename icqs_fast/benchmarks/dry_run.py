@@ -1,0 +1,749 @@
+"""``icqs-fast bench gpu --dry-run``: every CUDA code path of the package, run without a GPU.
+
+Under ``torch._subclasses.fake_tensor.FakeTensorMode`` a CPU-only torch makes *fake* CUDA
+tensors: ``torch.empty(..., device="cuda")`` gives a tensor with a shape, a dtype and the device
+``cuda:0`` but no storage; every op propagates shapes, dtypes and devices (the custom ops of
+:mod:`icqs_fast.torch_ops` through their fake implementations), and an op that mixes a CUDA
+tensor with a CPU tensor raises as it would on a GPU. :func:`dry_run` runs, on device
+``"cuda"``:
+
+* ``bench_gpu``: the inputs and op calls of ``icqs-fast bench gpu`` (:func:`gpu._case_fns` of
+  its quick cases: token_stats, linear_token_stats, attention with and without the entropy
+  state, the torch sdpa reference);
+* ``engine``: :class:`~icqs_fast.engine.scorer.ICQSScorer` on the ``bench icqs`` tiny random
+  Llama (``load(cuda, random_weights=True, config="tiny")``, bf16) with cascade attention:
+  prefix bank, suffix forwards, fused head statistics;
+* ``features``: :func:`icqs_fast.features.extract.glassbox`, all features incl. the fused
+  attention-entropy capture, standard and compat modes;
+* ``audit``: :class:`~icqs_fast.allure.evaluators.LikelihoodEvaluator` (``evaluate`` and
+  ``attention_entropy``) and :class:`~icqs_fast.allure.evaluators.ICQSEvaluator`;
+* ``lm_eval``: :class:`~icqs_fast.compat.lm_eval.ICQSFastLM` built with ``device="cuda"``
+  (``loglikelihood``, ``loglikelihood_rolling``; not ``generate_until``, whose Hugging Face
+  ``generate`` loop stops on token values).
+
+Every Triton launch is intercepted (``JITFunction.run``): its arguments must all be CUDA
+tensors or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's
+runtime specialises them, and the kernel is compiled for sm_90 with ``triton.compile`` (each
+distinct configuration once, :class:`icqs_fast.benchmarks.static.Compiler`) instead of launched.
+For the ``bench_gpu`` cases the intercepted configurations are compared with the kernel
+modules' ``gpu_launches`` descriptions, which ``bench static`` compiles.
+
+Host syncs (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``.numpy()``, ``nonzero``, a
+CUDA -> CPU copy, boolean-mask indexing) on a fake CUDA tensor are recorded with their call
+site and count, and answered with a placeholder (1, 1.0, False, zeros, an empty selection),
+so the run goes on: the values computed after a sync are not meaningful, only devices, dtypes
+and shapes are.
+
+The patches that make the package believe a GPU is present (``torch.cuda.is_available`` and a
+few ``torch.cuda`` queries, ``torch.Generator(device="cuda")``, ``nn.Module._apply`` for fake
+parameters, ``"cuda"`` -> ``cuda:0`` device arguments) live only in :class:`FakeCuda` and are
+undone when it exits.
+
+What the dry run CANNOT catch: numerics (NaN/overflow, precision of bf16 paths, wrong results),
+kernel correctness on hardware (the compile proves the kernel lowers for sm_90, not that it
+computes the right values, nor that its masks keep loads in bounds), timing and throughput,
+memory limits (fake tensors have no storage: no out-of-memory, no allocator fragmentation),
+races and stream ordering, cuBLAS / cuDNN / SDPA backend selection and their own failures, the
+real CUDA driver, NCCL and multi-GPU placement, value-dependent control flow after a host sync
+(the placeholder value picks one branch), data-dependent shape checks, and anything the
+CPU-only torch decides differently from a CUDA build (e.g. an op that has no CUDA kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval")
+CUDA0 = torch.device("cuda", 0)
+_PKG = str(Path(__file__).resolve().parents[1])
+_KERNELS = str(Path(__file__).resolve().parents[2] / "kernels")
+_HERE = str(Path(__file__).resolve())
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
+                 torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Call sites
+
+
+def _site(skip_torch: bool = True) -> str:
+    """The innermost frames of the package (or of transformers / lm_eval, when the call came
+    from there) that led here, as ``file:line (fn)`` joined by `` < ``."""
+    frames = []
+    for fr in reversed(traceback.extract_stack()[:-1]):
+        f = fr.filename
+        if f == _HERE:
+            continue
+        if f.startswith(_PKG) or f.startswith(_KERNELS):
+            rel = os.path.relpath(f, os.path.dirname(_PKG))
+            frames.append(f"{rel}:{fr.lineno} ({fr.name})")
+        elif not frames and ("transformers" in f or "lm_eval" in f):
+            frames.append(f"{f.split('site-packages/')[-1]}:{fr.lineno} ({fr.name})")
+        if len(frames) == 3:
+            break
+    return " < ".join(frames) or "?"
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton launches
+
+
+@dataclass
+class Recorder:
+    """What a dry run saw: launches, compiles, host syncs, kernel-argument errors."""
+
+    arch: str = "sm_90"
+    compile: bool = True
+    path: str = "?"
+    launches: list[dict] = field(default_factory=list)
+    syncs: Counter = field(default_factory=Counter)
+    compiler: Any = None
+
+    def sync(self, op: str) -> None:
+        self.syncs[(self.path, op, _site())] += 1
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
+    """The :class:`~icqs_fast.kernels.launch.Launch` Triton's runtime would compile for this
+    call (signature and constexprs specialised as the JIT does: an int equal to 1 and None
+    become constexprs, pointers and multiples of 16 are 16-divisible) and the problems of its
+    arguments (a CPU tensor passed to a CUDA kernel, a missing argument)."""
+    from icqs_fast.kernels.launch import Launch
+
+    kwargs = dict(kwargs)
+    num_warps = int(kwargs.pop("num_warps", 4))
+    num_stages = int(kwargs.pop("num_stages", 3))
+    names = [p.name for p in fn.params]
+    if len(args) > len(names):
+        raise TypeError(f"{fn.__name__}: {len(args)} positional arguments for {len(names)} "
+                        "parameters")
+    values = dict(zip(names, args, strict=False))
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    problems = [f"{fn.__name__}: no value for parameter {n!r}" for n in names
+                if n not in values]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        problems.append(f"{fn.__name__}: unknown launch arguments {unknown}")
+    sig: dict[str, str] = {}
+    const: dict[str, Any] = {}
+    div16: list[str] = []
+    for p in fn.params:
+        v = values.get(p.name)
+        if p.is_constexpr:
+            sig[p.name], const[p.name] = "constexpr", v
+        elif v is None:
+            sig[p.name], const[p.name] = "constexpr", None
+        elif isinstance(v, torch.Tensor):
+            if not _is_cuda(v):
+                problems.append(f"{fn.__name__}: argument {p.name!r} is a {v.device.type} "
+                                f"tensor (a CUDA kernel needs CUDA tensors)")
+            if v.dtype not in _TRITON_TYPES:
+                problems.append(f"{fn.__name__}: argument {p.name!r} has dtype {v.dtype}")
+            sig[p.name] = "*" + _TRITON_TYPES.get(v.dtype, "fp32")
+            if (v.storage_offset() * v.element_size()) % 16 == 0:
+                div16.append(p.name)
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:
+                sig[p.name], const[p.name] = "constexpr", 1
+                continue
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                div16.append(p.name)
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            problems.append(f"{fn.__name__}: argument {p.name!r} of type {type(v).__name__}")
+            sig[p.name] = "constexpr"
+            const[p.name] = v
+    if callable(grid):
+        grid = grid(dict(values))
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    launch = Launch(kernel=fn.__name__, fn=fn, signature=sig, constexprs=const,
+                    num_warps=num_warps, num_stages=num_stages, grid=grid, hbm_bytes=0,
+                    label=f"w{num_warps}_s{num_stages}", extra={"divisible_by_16": div16})
+    return launch, problems
+
+
+class KernelArgumentError(RuntimeError):
+    """A Triton launch whose arguments a GPU run would reject (e.g. a CPU tensor)."""
+
+
+def _intercept_run(rec: Recorder):
+    def run(self, *args, grid, warmup, **kwargs):
+        from icqs_fast.benchmarks.static import compile_key
+
+        launch, problems = launch_of(self, args, kwargs, grid)
+        entry = {"path": rec.path, "kernel": self.__name__, "grid": list(launch.grid),
+                 "signature": {k: v for k, v in launch.signature.items() if v != "constexpr"},
+                 "constexprs": {k: v if isinstance(v, (int, float, bool, str, type(None)))
+                                else repr(v) for k, v in launch.constexprs.items()},
+                 "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                 "site": _site(), "key": repr(compile_key(launch, rec.arch))}
+        rec.launches.append(entry)
+        if problems:
+            entry["error"] = "; ".join(problems)
+            raise KernelArgumentError(entry["error"])
+        if rec.compile:
+            out = rec.compiler(launch, rec.arch)
+            entry["compiled"] = "error" not in out
+            if "error" in out:
+                entry["compile_error"] = out["error"][:500]
+            else:
+                entry["regs"] = out["res"]["regs"]
+                entry["spill_bytes"] = out["res"]["stack"] + out["res"]["local"]
+        return None
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# The fake GPU
+
+
+def _norm_device(a):
+    if isinstance(a, str) and a == "cuda":
+        return CUDA0
+    if isinstance(a, torch.device) and a.type == "cuda" and a.index is None:
+        return CUDA0
+    return a
+
+
+def _placeholder(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 1
+
+
+def _nested(shape, value):
+    if not shape:
+        return value
+    return [_nested(shape[1:], value) for _ in range(shape[0])]
+
+
+_A = torch.ops.aten
+
+
+def _split_index(x: torch.Tensor, idx) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``x[idx]`` without the Python binding (whose CUDA device guard a CPU-only torch cannot
+    take): the basic part (ints, slices, None, ...) as aten views, the advanced part as
+    ``{dim: index tensor}`` for ``aten.index`` / ``aten.index_put_``."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    consuming = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    adv: dict[int, torch.Tensor] = {}
+    d = 0
+    for i in idx:
+        if i is None:
+            x = _A.unsqueeze.default(x, d)
+            d += 1
+        elif i is Ellipsis:
+            d += x.dim() - d - consuming
+        elif isinstance(i, bool):
+            raise NotImplementedError("bool index")
+        elif isinstance(i, int):
+            x = _A.select.int(x, d, int(i))
+            consuming -= 1
+        elif isinstance(i, slice):
+            x = _A.slice.Tensor(x, d, i.start, i.stop, 1 if i.step is None else i.step)
+            d += 1
+            consuming -= 1
+        else:
+            t = i if isinstance(i, torch.Tensor) else torch.tensor(i, device=x.device)
+            adv[d] = t
+            d += 1
+            consuming -= 1
+    return x, adv
+
+
+def _getitem(x, idx):
+    x, adv = _split_index(x, idx)
+    if not adv:
+        return x
+    return _A.index.Tensor(x, [adv.get(j) for j in range(max(adv) + 1)])
+
+
+def _setitem(x, idx, value) -> None:
+    view, adv = _split_index(x, idx)
+    if not isinstance(value, torch.Tensor):
+        value = torch.full((), value, dtype=x.dtype, device=x.device)
+    if adv:
+        _A.index_put_.default(view, [adv.get(j) for j in range(max(adv) + 1)],
+                              value.to(x.dtype))
+    else:
+        _A.copy_.default(view, value)
+
+
+class _CudaFunctionMode(torch.overrides.TorchFunctionMode):
+    """Rewrites ``"cuda"`` device arguments to ``cuda:0`` (a CPU-only torch cannot resolve the
+    current CUDA device), routes ``copy_`` / ``__setitem__`` around the Python bindings' CUDA
+    device guard, and records host syncs on fake CUDA tensors."""
+
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+        T = torch.Tensor
+        self.scalar = {T.item: "item()", T.__bool__: "bool(tensor)", T.__int__: "int(tensor)",
+                       T.__float__: "float(tensor)", T.__index__: "tensor as index"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        args = tuple(_norm_device(a) for a in args)
+        kwargs = {k: _norm_device(v) for k, v in kwargs.items()}
+        gen = kwargs.pop("generator", None)
+        if gen is not None and id(gen) not in _FAKE_GENERATORS:
+            kwargs["generator"] = gen
+        elif gen is not None:
+            dev = torch.device(kwargs.get("device") or "cpu")
+            if _FAKE_GENERATORS[id(gen)].type != dev.type:
+                raise RuntimeError(f"a cuda generator for a {dev.type} tensor")
+        T = torch.Tensor
+        self0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_cuda = self0 is not None and _is_cuda(self0)
+        if func in self.scalar:
+            if on_cuda:
+                self.rec.sync(self.scalar[func])
+            try:
+                return func(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a fake tensor has no value: a placeholder
+                return getattr(self0, "_dry_value", _placeholder(self0.dtype))
+        if func is T.tolist:
+            if on_cuda:
+                self.rec.sync("tolist()")
+            try:
+                return func(*args, **kwargs)
+            except Exception:  # noqa: BLE001
+                return _nested(list(self0.shape), _placeholder(self0.dtype))
+        if func is T.numpy:
+            import numpy as np
+
+            if on_cuda:
+                self.rec.sync("numpy()")
+            return np.zeros(tuple(self0.shape), dtype=np.float32)
+        if func in (T.cpu, T.to, T.copy_) and on_cuda:
+            dst = kwargs.get("device") or next((a for a in args[1:] if isinstance(
+                a, (str, torch.device))), None)
+            if func is T.cpu or (dst is not None and torch.device(dst).type == "cpu"):
+                self.rec.sync("cuda -> cpu copy")
+        if func is T.copy_ and self0 is not None and len(args) > 1 and _is_cuda(self0) \
+                is False and isinstance(args[1], torch.Tensor) and _is_cuda(args[1]):
+            self.rec.sync("cuda -> cpu copy_")
+        if func in (T.nonzero, torch.nonzero, torch.argwhere, T.argwhere) and on_cuda:
+            self.rec.sync("nonzero")
+            return torch.zeros((0, self0.dim()), dtype=torch.int64, device=self0.device)
+        if func is T.copy_:
+            return _A.copy_.default(args[0], args[1], bool(kwargs.get("non_blocking", False)))
+        if func is T.contiguous and self0 is not None:
+            fmt = kwargs.get("memory_format", args[1] if len(args) > 1 else
+                             torch.contiguous_format)
+            if self0.is_contiguous(memory_format=fmt):
+                return self0
+            return _A.clone.default(self0, memory_format=fmt)
+        if func is T.cuda:
+            return self0.to(CUDA0, non_blocking=bool(kwargs.get("non_blocking", False)))
+        if func is T.new_tensor:
+            return torch.tensor(args[1], dtype=kwargs.get("dtype") or self0.dtype,
+                                device=kwargs.get("device") or self0.device)
+        if func is T.__getitem__ and self0 is not None:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            masks = [i for i in idx if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
+            if masks:
+                if on_cuda or any(_is_cuda(m) for m in masks):
+                    self.rec.sync("boolean-mask indexing")
+                _check_devices(self0, masks)
+                return self0.new_empty((0, *self0.shape[masks[0].dim():]))
+            return _getitem(self0, args[1])
+        if func is T.__setitem__ and self0 is not None:
+            _setitem(self0, args[1], args[2])
+            return None
+        if func in (T.all, torch.all, T.any, torch.any):
+            # Checks read ``bool(ok.all())`` / ``bool(bad.any())``: answer that the check holds.
+            out = func(*args, **kwargs)
+            out._dry_value = func in (T.all, torch.all)
+            return out
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            # The Python binding of this op takes a CUDA device guard, which a CPU-only torch
+            # cannot: call the aten op of the same name instead (same schema, no guard).
+            if "not linked with support for cuda" not in str(exc):
+                raise
+            op, args = _aten_of(getattr(func, "__name__", ""), args)
+            if op is None:
+                raise
+            return op(*args, **kwargs)
+
+
+_DUNDER = {"invert": "bitwise_not", "and": "bitwise_and", "or": "bitwise_or",
+           "xor": "bitwise_xor", "neg": "neg", "add": "add", "sub": "sub", "mul": "mul",
+           "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "pow": "pow",
+           "matmul": "matmul", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt",
+           "ge": "ge", "abs": "abs", "lshift": "bitwise_left_shift",
+           "rshift": "bitwise_right_shift"}
+
+
+def _aten_of(name: str, args: tuple):
+    """The aten op behind a torch function or Tensor method name (dunders included; a
+    reflected ``__rsub__`` swaps its operands, an in-place ``__iadd__`` is ``add_``)."""
+    if name.startswith("__") and name.endswith("__"):
+        base = name[2:-2]
+        if base in _DUNDER:
+            return getattr(torch.ops.aten, _DUNDER[base]), args
+        if base.startswith("r") and base[1:] in _DUNDER and len(args) == 2:
+            return getattr(torch.ops.aten, _DUNDER[base[1:]]), (args[1], args[0])
+        if base.startswith("i") and base[1:] in _DUNDER:
+            return getattr(torch.ops.aten, _DUNDER[base[1:]] + "_", None), args
+        return None, args
+    return getattr(torch.ops.aten, name, None), args
+
+
+def _check_devices(t: torch.Tensor, others) -> None:
+    for o in others:
+        if o.device != t.device:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
+                               f"least two devices, {t.device} and {o.device}!")
+
+
+def _module_apply(self, fn, recurse=True):
+    """``nn.Module._apply`` for fake parameters: a new Parameter per tensor (fake tensors
+    cannot be swapped in place), tied weights kept tied."""
+    memo: dict[int, Any] = {}
+    mods = self.modules() if recurse else [self]
+    for m in mods:
+        for key, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                with torch.no_grad():
+                    memo[id(p)] = torch.nn.Parameter(fn(p), requires_grad=p.requires_grad)
+            m._parameters[key] = memo[id(p)]
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[key] = fn(b)
+    return self
+
+
+_REAL_GENERATOR = torch.Generator
+_FAKE_GENERATORS: dict[int, torch.device] = {}
+
+
+class _FakeGenerator(_REAL_GENERATOR):
+    """``torch.Generator(device="cuda")`` stand-in: a CPU generator remembered as a CUDA one
+    (a CPU-only torch has no CUDA generator); fake tensors hold no values, so the function mode
+    checks its device against the tensor's and drops it."""
+
+    def __new__(cls, device="cpu"):
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return _REAL_GENERATOR(device=dev)
+        g = _REAL_GENERATOR()
+        _FAKE_GENERATORS[id(g)] = dev
+        return g
+
+
+@contextlib.contextmanager
+def FakeCuda(rec: Recorder):  # noqa: N802 - reads as a mode
+    """Fake CUDA tensors, a GPU the package believes in, Triton launches compiled for
+    ``rec.arch`` instead of run. Everything patched is restored on exit."""
+    import triton.runtime.jit as tjit
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    props = SimpleNamespace(name="dry-run (fake) H100", major=9, minor=0,
+                            multi_processor_count=132, total_memory=80 * 2**30)
+    patches = [
+        (torch.cuda, "is_available", lambda: True),
+        (torch.cuda, "device_count", lambda: 1),
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
+        (torch.cuda, "get_device_name", lambda device=None: props.name),
+        (torch.cuda, "get_device_properties", lambda device=None: props),
+        (torch.cuda, "is_bf16_supported", lambda *a, **k: True),
+        (torch.cuda, "synchronize", lambda device=None: None),
+        (torch.cuda, "empty_cache", lambda: None),
+        (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
+        (torch.cuda, "max_memory_allocated", lambda device=None: 0),
+        (torch.cuda, "memory_allocated", lambda device=None: 0),
+        (torch, "Generator", _FakeGenerator),
+        (torch.nn.Module, "_apply", _module_apply),
+        (tjit.JITFunction, "run", _intercept_run(rec)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, new in patches:
+        setattr(obj, name, new)
+    class _Mode(FakeTensorMode):
+        # A CPU-only torch: lift constants on the CPU and never initialise CUDA, although
+        # torch.cuda.is_available() answers True here.
+        avoid_device_init = True
+
+    try:
+        with _Mode(allow_non_fake_inputs=True), _CudaFunctionMode(rec):
+            yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
+# ----------------------------------------------------------------------------------------------
+# The paths
+
+
+def _path_bench_gpu(rec: Recorder, device: torch.device) -> dict:
+    from icqs_fast.benchmarks import gpu
+    from icqs_fast.benchmarks.static import compile_key
+
+    assert gpu.arch_of(device) == "sm_90"
+    mismatches = []
+    for op, dt, shape in gpu.QUICK_CASES:
+        for variant, (launches, fn) in gpu._case_fns(op, gpu._DTYPES[dt], shape,
+                                                     device).items():
+            n0 = len(rec.launches)
+            fn()
+            if launches is None:
+                continue
+            seen = {e["key"] for e in rec.launches[n0:]}
+            described = {repr(compile_key(ln, rec.arch)) for ln in launches}
+            if seen != described:
+                mismatches.append({"case": [op, dt, list(shape), variant],
+                                   "launched_not_described": sorted(seen - described),
+                                   "described_not_launched": sorted(described - seen)})
+    return {"gpu_launches_mismatches": mismatches}
+
+
+def _tiny(device: torch.device):
+    from icqs_fast.benchmarks.icqs import load
+
+    model, tok, _ = load(device, random_weights=True, config="tiny")
+    return model, tok
+
+
+def _path_engine(rec: Recorder, device: torch.device) -> dict:
+    from icqs_fast.benchmarks.icqs import demos, responses
+    from icqs_fast.data import TEMPLATE
+    from icqs_fast.engine.scorer import ICQSScorer
+
+    model, tok = _tiny(device)
+    good, bad = demos()
+    scorer = ICQSScorer(model, tok, good, bad, template=TEMPLATE, num_ratios=2,
+                        demos_per_set=2, sets_per_ratio=2, cascade=True,
+                        return_token_stats=True)
+    out = list(scorer.score(responses(3)))
+    assert len(out) == 3 and scorer.cascade
+    return {"responses": len(out), "cascade": scorer.cascade,
+            "model_device": str(next(model.parameters()).device),
+            "model_dtype": str(next(model.parameters()).dtype)}
+
+
+def _path_features(rec: Recorder, device: torch.device) -> dict:
+    from icqs_fast.features.extract import glassbox
+
+    model, tok = _tiny(device)
+    items = [("Say hello.", "Hello there."), ("Add 2 and 3.", "The sum is 5.", "5")]
+    n = 0
+    for mode in ("standard", "selfeval-compat"):
+        rows = glassbox(model, tok, items, mode=mode, batch_size=2)
+        n += len(rows)
+    return {"rows": n}
+
+
+def _path_audit(rec: Recorder, device: torch.device) -> dict:
+    from icqs_fast.allure.data import AuditRecord, custom_task
+    from icqs_fast.allure.evaluators import ICQSEvaluator, LikelihoodEvaluator, make_example
+    from icqs_fast.allure.memory import MemoryEntry
+
+    model, tok = _tiny(device)
+    spec = custom_task()
+    recs = [AuditRecord(f"r{i}", {"task": f"What is {i} + 1?", "response": f"It is {i + 1}."},
+                        str(i % 2)) for i in range(3)]
+    mem = [MemoryEntry(f"m{i}", 0, "train", "false_positive", r, make_example(spec, r))
+           for i, r in enumerate(recs[:2])]
+    ev = LikelihoodEvaluator(model, tok, spec)
+    js = ev.evaluate(recs, mem)
+    ent = ev.attention_entropy(recs, mem)
+    icqs = ICQSEvaluator(model, tok, spec, seed_good=[recs[1]], seed_bad=[recs[0]],
+                         num_ratios=2, demos_per_set=1, sets_per_ratio=1)
+    js2 = icqs.evaluate(recs, mem)
+    return {"judgments": len(js) + len(js2), "entropies": len(ent)}
+
+
+def _path_lm_eval(rec: Recorder, device: torch.device) -> dict:
+    from lm_eval.api.instance import Instance
+
+    from icqs_fast.compat.lm_eval import ICQSFastLM
+
+    model, tok = _tiny(device)
+    lm = ICQSFastLM(model=model, tokenizer=tok, device="cuda", chunk_size=2)
+    assert lm.device.type == "cuda", lm.device
+    ll = lm.loglikelihood([Instance("loglikelihood", {}, a, i) for i, a in enumerate(
+        [("The sky is", " blue"), ("Two plus two is", " four"), ("", "hello")])],
+        disable_tqdm=True)
+    rl = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("a b c d",), 0)],
+                                  disable_tqdm=True)
+    # generate_until is left out: Hugging Face's generate loop stops on token values, which
+    # fake tensors do not have (it would run to the model's maximum length).
+    return {"loglikelihood": len(ll), "rolling": len(rl), "device": str(lm.device)}
+
+
+_RUNNERS = {"bench_gpu": _path_bench_gpu, "engine": _path_engine, "features": _path_features,
+            "audit": _path_audit, "lm_eval": _path_lm_eval}
+
+
+def dry_run(paths=PATHS, *, arch: str = "sm_90", compile: bool = True) -> dict:
+    """Run ``paths`` (names of :data:`PATHS`) on fake CUDA tensors; returns the report:
+    ``{"paths": {name: {"status": "ok"|"error", "error", "launches", "compiles", ...}},
+    "kernels": [...distinct compiled configurations...], "host_syncs": [...], "ok": bool}``.
+
+    Needs Triton's interpreter off (``TRITON_INTERPRET`` unset when triton was imported);
+    :func:`dry_run_in_child` takes care of that."""
+    from icqs_fast.backends import triton_interpreting
+    from icqs_fast.benchmarks.static import Compiler
+
+    if compile and triton_interpreting():
+        raise RuntimeError("the dry run compiles Triton kernels: TRITON_INTERPRET must be off "
+                           "(use dry_run_in_child)")
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown dry-run paths {sorted(unknown)}; choose from {PATHS}")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as bench static compiles
+    rec = Recorder(arch=arch, compile=compile, compiler=Compiler())
+    report: dict[str, Any] = {"arch": arch, "device": "cuda (fake)", "paths": {}}
+    for name in paths:
+        rec.path = name
+        n0 = len(rec.launches)
+        t0 = time.perf_counter()
+        entry: dict[str, Any] = {}
+        try:
+            with FakeCuda(rec), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")
+                entry.update(_RUNNERS[name](rec, CUDA0))
+            entry["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a failing path is the finding
+            entry["status"] = "error"
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            entry["traceback"] = traceback.format_exc()[-4000:]
+        mine = rec.launches[n0:]
+        entry["launches"] = len(mine)
+        entry["kernels"] = sorted({e["kernel"] for e in mine})
+        entry["compiles_ok"] = len({e["key"] for e in mine if e.get("compiled")})
+        entry["compile_errors"] = sorted({e["compile_error"] for e in mine
+                                          if e.get("compile_error")})
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+        if entry["status"] == "ok" and entry["compile_errors"]:
+            entry["status"] = "error"
+        report["paths"][name] = entry
+    kernels = {}
+    for e in rec.launches:
+        if e["key"] not in kernels:
+            kernels[e["key"]] = {k: e.get(k) for k in (
+                "kernel", "signature", "constexprs", "num_warps", "num_stages", "compiled",
+                "compile_error", "regs", "spill_bytes")}
+            kernels[e["key"]].update(grid_example=e["grid"], paths=set())
+        kernels[e["key"]]["paths"].add(e["path"])
+    report["kernels"] = [{**v, "paths": sorted(v["paths"])} for v in kernels.values()]
+    report["compiles"] = sum(1 for v in kernels.values() if v.get("compiled"))
+    report["host_syncs"] = [{"path": p, "op": op, "site": s, "count": c}
+                            for (p, op, s), c in sorted(rec.syncs.items())]
+    report["ok"] = all(e["status"] == "ok" for e in report["paths"].values())
+    return report
+
+
+def dry_run_in_child(paths=PATHS, *, arch: str = "sm_90", compile: bool = True,
+                     timeout: float = 900) -> dict:
+    """:func:`dry_run` in a fresh interpreter with ``TRITON_INTERPRET`` removed (the test
+    suite's interpreter makes ``@triton.jit`` functions uncompilable); Triton's own on-disk
+    cache is kept, so a second run recompiles nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    code = ("import json, sys; from icqs_fast.benchmarks.dry_run import dry_run; "
+            f"r = dry_run({tuple(paths)!r}, arch={arch!r}, compile={compile!r}); "
+            "sys.stdout.write('\\n@@REPORT@@' + json.dumps(r))")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=timeout, check=False)
+    if "@@REPORT@@" not in p.stdout:
+        raise RuntimeError(f"dry run child exited {p.returncode}: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.rsplit("@@REPORT@@", 1)[1])
+
+
+def _key_diff(m: dict) -> str:
+    """The parts of the launched compile keys that the described ones lack."""
+    import ast
+
+    def parts(keys):
+        out = set()
+        for k in keys:
+            name, sig, const, div, warps, stages, _ = ast.literal_eval(k)
+            out |= {f"{a}:{b}" for a, b in sig} | {f"{a}={b}" for a, b in const}
+            out |= {f"div16({d})" for d in div} | {f"warps={warps}", f"stages={stages}"}
+        return out
+
+    la, de = parts(m["launched_not_described"]), parts(m["described_not_launched"])
+    return f"{sorted(la - de)} where described {sorted(de - la)}"
+
+
+def print_report(r: dict, file=sys.stdout) -> None:
+    print(f"bench gpu --dry-run: fake CUDA device, Triton launches compiled for {r['arch']}",
+          file=file)
+    for name, e in r["paths"].items():
+        print(f"  {name:10s} {e['status']:5s} {e['launches']:4d} launches, "
+              f"{e['compiles_ok']} kernels compiled ({', '.join(e['kernels'])}) "
+              f"{e['seconds']} s", file=file)
+        if e["status"] != "ok":
+            print(f"      error: {e.get('error') or e.get('compile_errors')}", file=file)
+        for m in e.get("gpu_launches_mismatches", []):
+            print(f"      finding: the launch of {m['case']} is not the configuration its "
+                  f"gpu_launches() describes (what bench static compiles): launched "
+                  f"{_key_diff(m)}", file=file)
+    print(f"  distinct kernel configurations compiled: {r['compiles']}", file=file)
+    if r["host_syncs"]:
+        print("  host syncs on CUDA tensors (count per run, call site):", file=file)
+        for s in r["host_syncs"]:
+            print(f"    {s['path']:10s} {s['count']:4d} x {s['op']:22s} {s['site']}", file=file)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU needed: run the CUDA code paths (bench gpu's cases, the ICQS "
+                        "engine with cascade attention, features, audit, lm-eval) on fake CUDA "
+                        "tensors (FakeTensorMode), compile every Triton launch for sm_90 "
+                        "instead of running it, and report device/dtype errors and host syncs. "
+                        "It cannot catch numerics, kernel correctness on hardware, timing, "
+                        "memory limits or races (docs/GPU_MODEL.md)")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help=f"with --dry-run: comma-separated subset of {','.join(PATHS)}")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the JSON report")
+    p.add_argument("--out", default=None, help="with --dry-run: also write the JSON report here")
+
+
+def main(args: argparse.Namespace) -> int:
+    from icqs_fast.backends import triton_interpreting
+
+    paths = tuple(x for x in args.paths.split(",") if x)
+    r = dry_run_in_child(paths) if triton_interpreting() else dry_run(paths)
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print_report(r)
+    return 0 if r["ok"] else 1
