@@ -1,19 +1,11 @@
-"""ICQS / ICQS-Epistemic scoring engine with a prefix-sharing batcher.
+"""Token ids of the engine's prompts, as a plain forward over the whole prompt text sees them.
 
-For every response (x, y) and every demonstration set (ratio j, set l),
-``l_{j,l} = log P(y | demos_{j,l}, x)``; ICQS on set l is ``r_k``, ``k = argmax_j l_{j,l}``, and
-ICQS-Epistemic is ``r_k`` with ``k = argmax_j mean_l l_{j,l}``.
-
-The engine computes the KV caches of the ``(M+1) L`` demonstration prefixes once, then runs the
-rest of many (response, context) prompts in padded forwards against them, and applies the LM
-head only at the response positions, through :func:`icqs_fast.ops.linear_token_stats` (no
-``[T, V]`` logits tensor).
-
-Token ids are those of the whole prompt text (prefix + query + response as one string, BOS as
-the tokenizer adds it), as a plain forward over the full text sees them; the response tokens
-are found by character offsets (:func:`first_response_token`). The bank holds each prefix up to
-a token boundary that the whole-text tokenization shares (:meth:`PromptTokens.entry_ids`,
-checked per prompt), and the prefix's remaining tokens run with the query and response.
+:class:`PromptTokens` tokenizes each (demonstration set, query, response) prompt as one string
+(BOS as the tokenizer adds it) and finds the response tokens by character offsets
+(:func:`first_response_token`); :meth:`PromptTokens.entry_ids` gives the prefix-bank entry of a
+context up to a token boundary the whole-text tokenization shares, and :class:`PromptLayout`
+where a prompt's context, query and response tokens lie. :class:`PromptTooLong` is raised for a
+prompt over the length limit (unless the oldest demonstrations may be dropped).
 """
 
 from __future__ import annotations
