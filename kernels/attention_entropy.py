@@ -295,12 +295,16 @@ def _int_type(v: int) -> str:
     return "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
 
 
-def _signature(dtype: torch.dtype, strides: dict[str, int]) -> dict[str, str]:
+def _signature(dtype: torch.dtype, strides: dict[str, int], scalars: dict[str, int]
+               ) -> dict[str, str]:
     sig = {"q_ptr": ptr(dtype), "k_ptr": ptr(dtype), "v_ptr": ptr(dtype), "out_ptr": ptr(dtype),
            "ent_ptr": "*fp32", "lse_ptr": "*fp32", "keyok_ptr": "*i8", "qmask_ptr": "*i8",
            "krange_ptr": "*i64"}
     sig.update({name: _int_type(v) for name, v in strides.items()})
-    sig.update({"Tq": "i32", "Tk": "i32", "HQ": "i32", "GROUP": "i32", "qk_scale": "fp32"})
+    # The Triton runtime specialises an int argument equal to 1 into a constexpr (GROUP = 1
+    # when Hq == Hk), as the launch on a GPU compiles it.
+    sig.update({name: "constexpr" if v == 1 else _int_type(v) for name, v in scalars.items()})
+    sig["qk_scale"] = "fp32"
     for c in ("CAUSAL", "HAS_KEYOK", "WITH_ENTROPY", "RETURN_LSE", "FP32_DOT", "PRECISION",
               "EVEN_N", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D"):
         sig[c] = "constexpr"
@@ -351,10 +355,15 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
                         "stride_oh", "stride_om"), sq + sk + sk + sq, strict=True))
     div16 = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "ent_ptr", "lse_ptr", "keyok_ptr",
              "qmask_ptr", "krange_ptr"]
-    div16 += [n for n, v in strides.items() if v % 16 == 0]
+    scalars = {"Tq": tq, "Tk": tk, "HQ": hq, "GROUP": hq // hk}
+    # ... and marks the int arguments divisible by 16 (strides and sizes alike).
+    div16 += [n for n, v in (strides | scalars).items() if v % 16 == 0]
+    ones = {n: 1 for n, v in scalars.items() if v == 1}
     return [Launch(
-        kernel="attention_entropy", fn=_attn_entropy_fwd, signature=_signature(dtype, strides),
-        constexprs={"CAUSAL": bool(causal), "HAS_KEYOK": False, "WITH_ENTROPY": bool(entropy),
+        kernel="attention_entropy", fn=_attn_entropy_fwd,
+        signature=_signature(dtype, strides, scalars),
+        constexprs={**ones, "CAUSAL": bool(causal), "HAS_KEYOK": False,
+                    "WITH_ENTROPY": bool(entropy),
                     "RETURN_LSE": False, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
                     "EVEN_N": cfg.even_n, "HEAD_DIM": d, "BLOCK_M": cfg.block_m,
                     "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d},

@@ -393,3 +393,17 @@ def test_hf_hook_matches_eager_tiny_gpt2(side, inverse_layer_scale):
     batch = _random_padded_batch(cfg.vocab_size, side, torch.Generator().manual_seed(1))
     assert batch[0].shape[0] == 2
     _assert_hook_matches_eager(model, *batch, "torch", atol=1e-5)
+
+
+def test_gpu_launch_description_specialises_as_the_runtime_does():
+    """The launch `bench static` compiles is the one a GPU runs: Triton specialises an int
+    argument equal to 1 into a constexpr (GROUP when Hq == Hk) and marks ints divisible by 16
+    (found by `bench gpu --dry-run`, which derives the signature as the runtime does)."""
+    from icqs_fast.kernels import attention_entropy as ak
+
+    (same,) = ak.gpu_launches(1, 8, 8, 128, 128, 64, torch.bfloat16, causal=True)
+    assert same.signature["GROUP"] == "constexpr" and same.constexprs["GROUP"] == 1
+    assert {"Tq", "Tk"} <= set(same.extra["divisible_by_16"])
+    (grouped,) = ak.gpu_launches(1, 8, 2, 100, 100, 64, torch.bfloat16, causal=False)
+    assert grouped.signature["GROUP"] == "i32" and "GROUP" not in grouped.constexprs
+    assert not {"Tq", "Tk"} & set(grouped.extra["divisible_by_16"])
