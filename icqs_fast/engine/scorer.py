@@ -40,6 +40,10 @@ __all__ = ["DEFAULT_TOKEN_BUDGET", "ICQSResult", "ICQSScorer", "ScoringSettings"
 # shared 2-core CPU, and hold more activations: 16 responses x 20 contexts, peak RSS growth
 # ~535 MB at 4096 vs ~250-300 MB at 1024, time no worse; the GPU uses the full token budget).
 SUFFIX_CHUNK_CPU = 1024
+# Batch-invariant mode (``deterministic=True``): the prefix bank's first (trie) build runs in
+# chunks of this many tokens whatever ``token_budget`` says, so the stored prefix states - and
+# every score computed against them - do not depend on the budget.
+DETERMINISTIC_PREFIX_BUDGET = 1024
 
 
 @dataclass
@@ -115,6 +119,15 @@ class ICQSScorer:
         drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
             until it fits instead of raising.
         return_token_stats: attach per-token :class:`TokenStats` to each result.
+        deterministic: batch-invariant mode. Each response runs in suffix forwards of its own
+            (all its ``(M+1) L`` contexts in one forward, whatever ``token_budget``; no row of
+            another response in it, so the padding, the row count and every matmul's shape
+            depend on the response alone), its LM-head statistics in a call of its own, and the
+            prefix bank is built in chunks of ``DETERMINISTIC_PREFIX_BUDGET`` tokens: a
+            response's log-likelihoods and statistics are then bit-identical whatever else is in
+            the input, its position, the order and ``token_budget`` (tests/
+            test_batch_invariance.py). The prefix bank is still shared. Slower (see
+            docs/ARCHITECTURE.md, *Batch-invariant mode*, for the cost and what a GPU needs).
 
     Token ids are those of each whole prompt text (:class:`PromptTokens`; a fast tokenizer is
     needed, for the offsets). ``seam_fallbacks`` counts the (response, context) prompts whose ids
@@ -153,6 +166,7 @@ class ICQSScorer:
         self.drop_oldest_demos = st.drop_oldest_demos
         self.return_token_stats = return_token_stats
         self.cascade = supports_cascade(model) if st.cascade is None else st.cascade
+        self.deterministic = st.deterministic
         self.tokens = PromptTokens(tokenizer, self.template, self.sets)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
@@ -176,7 +190,8 @@ class ICQSScorer:
     def prefix_bank(self) -> PrefixBank:
         """The stored prefix KV states, computed on first use (all contexts, batched)."""
         if self._bank is None:
-            bank = PrefixBank(self.model, self.pad_id, self.token_budget)
+            budget = DETERMINISTIC_PREFIX_BUDGET if self.deterministic else self.token_budget
+            bank = PrefixBank(self.model, self.pad_id, budget)
             ids = [self.tokens.entry_ids(c, 0) for c in range(self.n_contexts)]
             keep = [c for c in range(self.n_contexts) if ids[c]]
             for c in range(self.n_contexts):
@@ -232,6 +247,12 @@ class ICQSScorer:
             as the current batch needs.
         """
         c_n = self.n_contexts
+        if self.deterministic:  # one response per forward (see the class docstring)
+            for i, item in enumerate(responses):
+                rec = self._prepare(i, item)
+                self._run([(rec, c) for c in range(c_n)])
+                yield self._finish(rec)
+            return
         pending: list[dict] = []  # prepared responses whose rows are not all done yet
         rows: list[tuple[dict, int]] = []  # queued (response, context) rows
         it = enumerate(responses)
