@@ -471,6 +471,7 @@ def glassbox(
     reference: str | None = None,
     calibration_factor: float = 1.0,
     combo_scale: ComboScale | Mapping[str, float] | None = None,
+    deterministic: bool = False,
 ) -> list[dict[str, float]]:
     """Glass-box features of each response (see the module docstring for definitions and the
     sign convention, ``FEATURE_DIRECTION``).
@@ -494,6 +495,9 @@ def glassbox(
         combo_scale: the normalisation of ``softmax_combo`` (:class:`ComboScale` or its
             ``as_dict()``); None = :meth:`ComboScale.intrinsic` of the model's vocabulary.
             Either way an item's value depends on that item alone.
+        deterministic: batch-invariant mode: every item runs in a forward (and an LM-head call)
+            of its own, unpadded, whatever ``batch_size``, so its features are bit-identical
+            whatever else is in ``items`` and their order. Slower (no batching).
 
     Returns:
         one dict per item, in order, with the requested features plus ``n_tokens`` (response
@@ -515,7 +519,8 @@ def glassbox(
         its = [illustrate(it) for it in its]
     elif reference == "calibrate":
         kw = dict(features=feats, mode=mode, batch_size=batch_size, system_prompt=system_prompt,
-                  backend=backend, use_chat_template=use_chat_template, combo_scale=combo_scale)
+                  backend=backend, use_chat_template=use_chat_template, combo_scale=combo_scale,
+                  deterministic=deterministic)
         return calibrate(model, tokenizer, its, factor=calibration_factor, **kw)
     if not its:
         return []
@@ -526,7 +531,7 @@ def glassbox(
     fn = _standard_batch if mode == "standard" else _compat_batch
     pad_id = _pad_id(tokenizer)
     rows: list[dict[str, float] | None] = [None] * len(its)
-    for idx in _batches(encs, batch_size):
+    for idx in _batches(encs, 1 if deterministic else batch_size):
         for i, d in zip(idx, fn(model, encs, idx, pad_id, want_attn, backend), strict=True):
             rows[i] = d
     full = [r for r in rows if r is not None]
