@@ -270,7 +270,8 @@ class FeatureStrategy:
             self.model, self.tokenizer, records, chunk_size=c.chunk_size, write_from=write_from,
             path=c.input_name, x_field=c.x_field, y_field=c.y_field, on_error=on_error,
             features=list(c.features), mode=c.mode, batch_size=c.batch_size, backend=c.backend,
-            system_prompt=c.system_prompt, combo_scale=self.scale)
+            system_prompt=c.system_prompt, combo_scale=self.scale,
+            deterministic=c.deterministic)
 
     def line(self, rec: Record, res: dict[str, float]) -> dict:
         return feature_line(rec, res)

@@ -316,11 +316,12 @@ def _actor_kw(config: JobConfig) -> dict:
         scoring["stratify"] = resolve_stratify(config)
         return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
                     token_budget=config.token_budget, encoding=config.encoding, **scoring,
-                    **common)
+                    deterministic=config.deterministic, **common)
     assert isinstance(config, FeatureJobConfig)
     return dict(features=list(config.features), mode=config.mode,
                 batch_size=config.batch_size, chunk_size=config.chunk_size,
-                system_prompt=config.system_prompt, combo_scale=config.combo_scale, **common)
+                system_prompt=config.system_prompt, combo_scale=config.combo_scale,
+                deterministic=config.deterministic, **common)
 
 
 def _prepare_output(out: Path, settings: dict, config: JobConfig,
