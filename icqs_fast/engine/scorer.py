@@ -60,6 +60,9 @@ class ICQSResult:
         n_dropped_demos: ``[M+1, L]`` int64, demonstrations dropped to fit the max length.
         token_stats: per-token statistics, each field ``[M+1, L, T]``, when requested.
         index: the response's position in the input stream.
+        join: the response's first token merges with the text before it under whole-text
+            tokenization (after some context; :attr:`PromptLayout.join`): that token is scored
+            with the response, and holds characters of the query too.
     """
 
     score: float
@@ -71,18 +74,25 @@ class ICQSResult:
     n_dropped_demos: torch.Tensor
     token_stats: TokenStats | None = None
     index: int = 0
+    join: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        """Whether some context's prompt was cut to fit the max length (demonstrations dropped,
+        ``drop_oldest_demos``; the engine never cuts a prompt otherwise, it refuses it)."""
+        return bool(int(self.n_dropped_demos.sum()) > 0)
 
 
 def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
-              n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None
-              ) -> ICQSResult:
+              n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None,
+              join: bool = False) -> ICQSResult:
     """Build an :class:`ICQSResult` from ``loglik`` ``[M+1, L]`` (fp32)."""
     ll = loglik.double()
     per_set = [ratios[int(k)] for k in torch.argmax(ll, dim=0)]
     score = ratios[int(torch.argmax(ll.mean(dim=1)))]
     return ICQSResult(score=score, score_per_set=per_set, loglik=loglik.float(), ratios=ratios,
                       n_response_tokens=n_resp, n_prompt_tokens=n_prompt,
-                      n_dropped_demos=n_drop, token_stats=stats, index=index)
+                      n_dropped_demos=n_drop, token_stats=stats, index=index, join=join)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -290,7 +300,7 @@ class ICQSScorer:
                 "suffix": [lay.ids[p:-1] for lay, p in zip(lays, plen, strict=True)],
                 "rstart": [lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
                 "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
-                "entries": entries, "plen": plen,
+                "entries": entries, "plen": plen, "join": any(lay.join for lay in lays),
                 "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
                 "stats": [None] * self.n_contexts, "done": 0}
 
@@ -365,4 +375,4 @@ class ICQSScorer:
                 for k in parts[0].as_dict()
             })
         return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
-                         stats)
+                         stats, join=rec["join"])

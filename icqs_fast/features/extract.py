@@ -89,7 +89,7 @@ import torch
 from icqs_fast import ops
 from icqs_fast.engine.batching import decoder_body, model_device
 from icqs_fast.engine.checks import check_model
-from icqs_fast.engine.prompt_tokens import first_response_token
+from icqs_fast.engine.prompt_tokens import first_response_token, joins_response
 from icqs_fast.engine.prompts import adds_bos
 
 FEATURE_DIRECTION: dict[str, int] = {
@@ -160,6 +160,7 @@ class _Encoded:
     ids: list[int]
     prompt_len: int
     instr: tuple[int, int]  # key range of the instruction's own tokens
+    join: bool = False  # the first response token begins inside the prompt text
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
@@ -183,7 +184,8 @@ def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
 
     Returns:
         ``_Encoded``: ``ids`` (list of int), ``prompt_len`` (tokens before the response) and
-        ``instr`` (``[start, end)`` token range of the instruction).
+        ``instr`` (``[start, end)`` token range of the instruction) and ``join`` (the first
+        response token begins inside the prompt text: it merges the two).
 
     Raises:
         TypeError: a tokenizer without character offsets (not a fast tokenizer).
@@ -224,7 +226,8 @@ def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
     # Instruction tokens: spans overlapping [ins_start, ins_end) (none for an empty one).
     i0 = first_response_token(offs, ins_start)
     i1 = i0 if ins_end == ins_start else sum(1 for a, _ in offs if a < ins_end)
-    return _Encoded(ids, prompt_len, (n_bos + i0, n_bos + max(i0, i1)))
+    return _Encoded(ids, prompt_len, (n_bos + i0, n_bos + max(i0, i1)),
+                    joins_response(offs, len(prompt_text)))
 
 
 # --------------------------------------------------------------------------- main entry
