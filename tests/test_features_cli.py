@@ -81,8 +81,12 @@ def test_file_equals_glassbox_called_directly(features, tiny, tmp_path, mode, fe
     assert [r["id"] for r in rows] == [r["id"] for r in RESPONSES]
     assert [r["line"] for r in rows] == list(range(1, 11))
     for got, w in zip(rows, want, strict=True):
-        # The features in the order asked for, after index/line/id/n_tokens.
-        assert list(got) == ["index", "line", "id", "n_tokens", *feats]
+        # The features in the order asked for, after index/line/id/n_tokens; then the
+        # per-record diagnostics.
+        assert list(got) == ["index", "line", "id", "n_tokens", *feats, "n_prompt_tokens",
+                             "truncated", "join"]
+        assert got["truncated"] is False and isinstance(got["join"], bool)
+        assert got["n_prompt_tokens"] > 0
         assert got["n_tokens"] == w["n_tokens"] > 0
         _close(got, w, feats)
         assert all(math.isfinite(got[k]) for k in feats)

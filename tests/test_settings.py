@@ -104,7 +104,9 @@ def test_fingerprint_is_stable_json():
     assert json.dumps(again.fingerprint(), sort_keys=True) == text
     assert s.replace(seed=4).fingerprint() != fp
     everything = s.asdict()
-    assert everything == {**fp, "backend": "torch", "token_budget": 99, "cascade": False}
+    assert everything == {**fp, "backend": "torch", "token_budget": 99, "cascade": False,
+                          "deterministic": False}
+    assert s.replace(deterministic=True).fingerprint() == fp  # engine-only
     json.dumps(everything)
     assert ScoringSettings.from_dict(everything) == s
 

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="items per padded forward")
     p.add_argument("--chunk-size", type=int, default=128,
                    help="records per glassbox call, sorted by length into batches")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: each record in a forward of its own, so its "
+                   "features are bit-identical whatever the batch (slower)")
     p.add_argument("--system-prompt", default=None, help="system prompt for every record")
     p.add_argument("--combo-scale", default=None,
                    help="JSON file with softmax_combo's constants (ent_lo, ent_hi, var_lo, "
@@ -70,6 +73,7 @@ def build_config(args: argparse.Namespace) -> FeatureJobConfig:
     return FeatureJobConfig(features=tuple(feats), mode=args.mode, batch_size=args.batch_size,
                             chunk_size=args.chunk_size, system_prompt=args.system_prompt,
                             combo_scale=None if scale is None else scale.as_dict(),
+                            deterministic=args.deterministic,
                             **job_kwargs(args))
 
 

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: each response's numbers are bit-identical "
+                   "whatever else is in the input, its order and --token-budget (one response "
+                   "per forward; slower)")
     p.add_argument("--max-length", type=int, default=None, help="prompt length limit")
     p.add_argument("--drop-oldest-demos", action="store_true",
                    help="drop a set's oldest demonstrations when a prompt is too long")
@@ -86,7 +90,8 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
                    strata_order=args.strata_order, max_length=args.max_length,
                    drop_oldest_demos=args.drop_oldest_demos, template=template_spec)
     return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
-                          token_budget=args.token_budget, **job_kwargs(args))
+                          token_budget=args.token_budget, deterministic=args.deterministic,
+                          **job_kwargs(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -85,6 +85,11 @@ class ICQSFastLM(TemplateLM):
         add_bos_token, prefix_token_id: as ``HFLM``.
         token_budget: tokens per forward of :func:`score_continuations`; its default if None.
         max_gen_toks: default generation length of ``generate_until``.
+        deterministic: batch-invariant mode (``--model_args deterministic=True``): each
+            request is scored with shapes that depend on it alone
+            (:func:`score_continuations` ``deterministic``), so its log-likelihood is
+            bit-identical whatever the other requests, their order, ``chunk_size`` and the
+            budgets. Slower (one suffix forward per request).
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class ICQSFastLM(TemplateLM):
         token_budget: int | None = None,
         max_bank_tokens: int | None = None,
         max_gen_toks: int = 256,
+        deterministic: bool | str = False,
     ) -> None:
         super().__init__()
         if (model is None) != (tokenizer is None):
@@ -137,6 +143,11 @@ class ICQSFastLM(TemplateLM):
         self.token_budget = token_budget
         self.max_bank_tokens = max_bank_tokens
         self._max_gen_toks = int(max_gen_toks)
+        if isinstance(deterministic, str):  # a model_args string that lm-eval left as text
+            if deterministic.strip().lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+            deterministic = deterministic.strip().lower() in ("true", "1")
+        self.deterministic = bool(deterministic)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
         self.requests_scored = 0  # loglikelihood requests (and rolling windows) so far
@@ -249,7 +260,7 @@ class ICQSFastLM(TemplateLM):
         return res  # type: ignore[return-value]
 
     def _budget_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"deterministic": self.deterministic}
         if self.token_budget is not None:
             kw["token_budget"] = int(self.token_budget)
         if self.max_bank_tokens is not None:
@@ -354,7 +365,8 @@ class ICQSFastLM(TemplateLM):
         return {"model_num_parameters": n,
                 "model_dtype": str(next(self._model.parameters()).dtype),
                 "model_name": str(getattr(self._model, "name_or_path", "")),
-                "icqs_fast_backend": self.stats_backend}
+                "icqs_fast_backend": self.stats_backend,
+                "icqs_fast_deterministic": self.deterministic}
 
 
 def register() -> None:

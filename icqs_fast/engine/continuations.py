@@ -100,6 +100,7 @@ def score_continuations(
     return_token_stats: bool = False,
     max_bank_tokens: int | None = None,
     cascade: bool | None = None,
+    deterministic: bool = False,
 ) -> list[ContinuationResult]:
     """Score ``R`` continuations, computing the contexts' shared leading tokens once.
 
@@ -117,6 +118,13 @@ def score_continuations(
         max_bank_tokens: most prefix tokens one chunk's bank holds (default:
             ``DEFAULT_BANK_BYTES`` of KV states for this model).
         cascade: as in :func:`icqs_fast.engine.batching.suffix_hidden`.
+        deterministic: batch-invariant mode: every distinct context's stored prefix is computed
+            in a prefix forward of its own (no trie split that depends on the other contexts;
+            requests with the same context still share it), and every request's suffix runs in
+            a forward of its own, with an LM-head call of its own. A request's results are then
+            bit-identical whatever else is in ``requests``, their order, ``token_budget`` and
+            ``max_bank_tokens`` (the same as scoring it alone). Slower: one suffix forward per
+            request.
 
     Returns:
         ``R`` :class:`ContinuationResult`, in request order.
@@ -145,13 +153,17 @@ def score_continuations(
     rows = [(i, tuple(ctx[:-1]), ctx[-1:] + cont[:-1]) for i, (ctx, cont) in enumerate(reqs)]
     bare = [r for r in rows if not r[1]]  # one-token contexts: nothing to store
     stored = sorted((r for r in rows if r[1]), key=lambda r: r[1])  # shared runs adjacent
-    for batch in _batches(bare, budget):
+    batches = (lambda rs, _b: [[r] for r in rs]) if deterministic else _batches
+    for batch in batches(bare, budget):
         score_plain(model, batch, reqs, results, pad_id, backend, return_token_stats)
     for chunk in _bank_chunks(stored, max_bank_tokens):
         bank = PrefixBank(model, pad_id, token_budget)
         uniq = list(dict.fromkeys(r[1] for r in chunk))
-        entry = dict(zip(uniq, bank.add([list(p) for p in uniq]), strict=True))
-        for batch in _batches(chunk, budget):
+        if deterministic:  # one prefix per add: a single trie edge, one forward of its own
+            entry = {p: bank.add([list(p)])[0] for p in uniq}
+        else:
+            entry = dict(zip(uniq, bank.add([list(p) for p in uniq]), strict=True))
+        for batch in batches(chunk, budget):
             hidden, _ = suffix_hidden(model, bank, [entry[r[1]] for r in batch],
                                       [r[2] for r in batch], pad_id, cascade=cascade)
             _head(model, hidden, batch, reqs, results, backend, return_token_stats)

@@ -36,11 +36,16 @@ class PromptLayout:
         ids: BOS (when the tokenizer adds one) + the tokens of ``prefix + query + response``.
         n_prompt: tokens before the response: ``ids[n_prompt:]`` are the scored tokens.
         drop: the oldest demonstrations left out of the prefix (``drop_oldest_demos``).
+        join: the response's first token merges with the context under whole-text
+            tokenization: it begins before the response's first character (it holds the end of
+            the query text too; it is scored with the response, see
+            :func:`first_response_token`).
     """
 
     ids: list[int]
     n_prompt: int
     drop: int
+    join: bool = False
 
 
 def first_response_token(offsets: Sequence[tuple[int, int]], start: int) -> int:
@@ -60,6 +65,13 @@ def first_response_token(offsets: Sequence[tuple[int, int]], start: int) -> int:
             break
         k -= 1
     return k
+
+
+def joins_response(offsets: Sequence[tuple[int, int]], start: int) -> bool:
+    """Whether the first token of text starting at character ``start``
+    (:func:`first_response_token`) begins before ``start``: it spans the prompt/response join."""
+    k = first_response_token(offsets, start)
+    return k < len(offsets) and offsets[k][0] < start
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -202,7 +214,7 @@ class PromptTokens:
                 full = self.bos + ids
                 k0 = len(self.bos) + first_response_token(offs, start)
                 if max_len is None or len(full) <= max_len:
-                    out[c] = PromptLayout(full, k0, drops[c])
+                    out[c] = PromptLayout(full, k0, drops[c], joins_response(offs, start))
                 elif drop_oldest and drops[c] + 1 < len(self.flat[c].examples):
                     drops[c] += 1
                     nxt.append(c)

@@ -42,7 +42,8 @@ def icqs_naive(
     :class:`~icqs_fast.engine.settings.ScoringSettings`, or its field names as keywords (which
     build it, or replace fields of ``settings``). Every result option is honoured (demonstration
     sets incl. ``stratify`` and ``strata_order``, template, ``max_length``,
-    ``drop_oldest_demos``); the engine-only ``backend``, ``token_budget`` and ``cascade`` are
+    ``drop_oldest_demos``); the engine-only ``backend``, ``token_budget``, ``cascade`` and
+    ``deterministic`` are
     accepted and have no effect here; any other unknown argument is a TypeError.
 
     ``compute_dtype`` is the dtype of the full-vocabulary ``log_softmax`` (the logits are cast

@@ -40,6 +40,10 @@ __all__ = ["DEFAULT_TOKEN_BUDGET", "ICQSResult", "ICQSScorer", "ScoringSettings"
 # shared 2-core CPU, and hold more activations: 16 responses x 20 contexts, peak RSS growth
 # ~535 MB at 4096 vs ~250-300 MB at 1024, time no worse; the GPU uses the full token budget).
 SUFFIX_CHUNK_CPU = 1024
+# Batch-invariant mode (``deterministic=True``): the prefix bank's first (trie) build runs in
+# chunks of this many tokens whatever ``token_budget`` says, so the stored prefix states - and
+# every score computed against them - do not depend on the budget.
+DETERMINISTIC_PREFIX_BUDGET = 1024
 
 
 @dataclass
@@ -56,6 +60,9 @@ class ICQSResult:
         n_dropped_demos: ``[M+1, L]`` int64, demonstrations dropped to fit the max length.
         token_stats: per-token statistics, each field ``[M+1, L, T]``, when requested.
         index: the response's position in the input stream.
+        join: the response's first token merges with the text before it under whole-text
+            tokenization (after some context; :attr:`PromptLayout.join`): that token is scored
+            with the response, and holds characters of the query too.
     """
 
     score: float
@@ -67,18 +74,25 @@ class ICQSResult:
     n_dropped_demos: torch.Tensor
     token_stats: TokenStats | None = None
     index: int = 0
+    join: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        """Whether some context's prompt was cut to fit the max length (demonstrations dropped,
+        ``drop_oldest_demos``; the engine never cuts a prompt otherwise, it refuses it)."""
+        return bool(int(self.n_dropped_demos.sum()) > 0)
 
 
 def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
-              n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None
-              ) -> ICQSResult:
+              n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None,
+              join: bool = False) -> ICQSResult:
     """Build an :class:`ICQSResult` from ``loglik`` ``[M+1, L]`` (fp32)."""
     ll = loglik.double()
     per_set = [ratios[int(k)] for k in torch.argmax(ll, dim=0)]
     score = ratios[int(torch.argmax(ll.mean(dim=1)))]
     return ICQSResult(score=score, score_per_set=per_set, loglik=loglik.float(), ratios=ratios,
                       n_response_tokens=n_resp, n_prompt_tokens=n_prompt,
-                      n_dropped_demos=n_drop, token_stats=stats, index=index)
+                      n_dropped_demos=n_drop, token_stats=stats, index=index, join=join)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -115,6 +129,15 @@ class ICQSScorer:
         drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
             until it fits instead of raising.
         return_token_stats: attach per-token :class:`TokenStats` to each result.
+        deterministic: batch-invariant mode. Each response runs in suffix forwards of its own
+            (all its ``(M+1) L`` contexts in one forward, whatever ``token_budget``; no row of
+            another response in it, so the padding, the row count and every matmul's shape
+            depend on the response alone), its LM-head statistics in a call of its own, and the
+            prefix bank is built in chunks of ``DETERMINISTIC_PREFIX_BUDGET`` tokens: a
+            response's log-likelihoods and statistics are then bit-identical whatever else is in
+            the input, its position, the order and ``token_budget`` (tests/
+            test_batch_invariance.py). The prefix bank is still shared. Slower (see
+            docs/ARCHITECTURE.md, *Batch-invariant mode*, for the cost and what a GPU needs).
 
     Token ids are those of each whole prompt text (:class:`PromptTokens`; a fast tokenizer is
     needed, for the offsets). ``seam_fallbacks`` counts the (response, context) prompts whose ids
@@ -153,6 +176,7 @@ class ICQSScorer:
         self.drop_oldest_demos = st.drop_oldest_demos
         self.return_token_stats = return_token_stats
         self.cascade = supports_cascade(model) if st.cascade is None else st.cascade
+        self.deterministic = st.deterministic
         self.tokens = PromptTokens(tokenizer, self.template, self.sets)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
@@ -176,7 +200,8 @@ class ICQSScorer:
     def prefix_bank(self) -> PrefixBank:
         """The stored prefix KV states, computed on first use (all contexts, batched)."""
         if self._bank is None:
-            bank = PrefixBank(self.model, self.pad_id, self.token_budget)
+            budget = DETERMINISTIC_PREFIX_BUDGET if self.deterministic else self.token_budget
+            bank = PrefixBank(self.model, self.pad_id, budget)
             ids = [self.tokens.entry_ids(c, 0) for c in range(self.n_contexts)]
             keep = [c for c in range(self.n_contexts) if ids[c]]
             for c in range(self.n_contexts):
@@ -232,6 +257,12 @@ class ICQSScorer:
             as the current batch needs.
         """
         c_n = self.n_contexts
+        if self.deterministic:  # one response per forward (see the class docstring)
+            for i, item in enumerate(responses):
+                rec = self._prepare(i, item)
+                self._run([(rec, c) for c in range(c_n)])
+                yield self._finish(rec)
+            return
         pending: list[dict] = []  # prepared responses whose rows are not all done yet
         rows: list[tuple[dict, int]] = []  # queued (response, context) rows
         it = enumerate(responses)
@@ -269,7 +300,7 @@ class ICQSScorer:
                 "suffix": [lay.ids[p:-1] for lay, p in zip(lays, plen, strict=True)],
                 "rstart": [lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
                 "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
-                "entries": entries, "plen": plen,
+                "entries": entries, "plen": plen, "join": any(lay.join for lay in lays),
                 "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
                 "stats": [None] * self.n_contexts, "done": 0}
 
@@ -346,4 +377,4 @@ class ICQSScorer:
                 for k in parts[0].as_dict()
             })
         return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
-                         stats)
+                         stats, join=rec["join"])

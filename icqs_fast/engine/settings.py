@@ -21,7 +21,7 @@ DEFAULT_TOKEN_BUDGET = 16384
 RESULT_FIELDS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "mixing", "replacement",
                  "stratify", "strata_order", "template", "max_length", "drop_oldest_demos")
 # Engine-only options: how the engine computes, not what (the reference ignores them).
-ENGINE_FIELDS = ("backend", "token_budget", "cascade")
+ENGINE_FIELDS = ("backend", "token_budget", "cascade", "deterministic")
 TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
 
 
@@ -59,7 +59,9 @@ class ScoringSettings:
     ``drop_oldest_demos``.
 
     Engine-only options (no effect on the reference, not in :meth:`fingerprint`): ``backend``,
-    ``token_budget``, ``cascade``.
+    ``token_budget``, ``cascade``, ``deterministic`` (batch-invariant mode: each response runs in
+    forwards whose shapes depend on that response alone, so its numbers are bit-identical
+    whatever else is scored with it; see :class:`icqs_fast.engine.scorer.ICQSScorer`).
     """
 
     num_ratios: int = 5
@@ -77,6 +79,7 @@ class ScoringSettings:
     backend: str = "auto"
     token_budget: int = DEFAULT_TOKEN_BUDGET
     cascade: bool | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least("num_ratios", self.num_ratios, 2)
@@ -86,7 +89,7 @@ class ScoringSettings:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.mixing not in ("exact", "bernoulli"):
             raise ValueError(f"mixing must be 'exact' or 'bernoulli', got {self.mixing!r}")
-        for name in ("replacement", "drop_oldest_demos"):
+        for name in ("replacement", "drop_oldest_demos", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "stratify", _strata_tuple(self.stratify))

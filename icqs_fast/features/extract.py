@@ -89,7 +89,7 @@ import torch
 from icqs_fast import ops
 from icqs_fast.engine.batching import decoder_body, model_device
 from icqs_fast.engine.checks import check_model
-from icqs_fast.engine.prompt_tokens import first_response_token
+from icqs_fast.engine.prompt_tokens import first_response_token, joins_response
 from icqs_fast.engine.prompts import adds_bos
 
 FEATURE_DIRECTION: dict[str, int] = {
@@ -160,6 +160,7 @@ class _Encoded:
     ids: list[int]
     prompt_len: int
     instr: tuple[int, int]  # key range of the instruction's own tokens
+    join: bool = False  # the first response token begins inside the prompt text
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
@@ -183,7 +184,8 @@ def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
 
     Returns:
         ``_Encoded``: ``ids`` (list of int), ``prompt_len`` (tokens before the response) and
-        ``instr`` (``[start, end)`` token range of the instruction).
+        ``instr`` (``[start, end)`` token range of the instruction) and ``join`` (the first
+        response token begins inside the prompt text: it merges the two).
 
     Raises:
         TypeError: a tokenizer without character offsets (not a fast tokenizer).
@@ -224,7 +226,8 @@ def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
     # Instruction tokens: spans overlapping [ins_start, ins_end) (none for an empty one).
     i0 = first_response_token(offs, ins_start)
     i1 = i0 if ins_end == ins_start else sum(1 for a, _ in offs if a < ins_end)
-    return _Encoded(ids, prompt_len, (n_bos + i0, n_bos + max(i0, i1)))
+    return _Encoded(ids, prompt_len, (n_bos + i0, n_bos + max(i0, i1)),
+                    joins_response(offs, len(prompt_text)))
 
 
 # --------------------------------------------------------------------------- main entry
@@ -471,6 +474,7 @@ def glassbox(
     reference: str | None = None,
     calibration_factor: float = 1.0,
     combo_scale: ComboScale | Mapping[str, float] | None = None,
+    deterministic: bool = False,
 ) -> list[dict[str, float]]:
     """Glass-box features of each response (see the module docstring for definitions and the
     sign convention, ``FEATURE_DIRECTION``).
@@ -494,6 +498,9 @@ def glassbox(
         combo_scale: the normalisation of ``softmax_combo`` (:class:`ComboScale` or its
             ``as_dict()``); None = :meth:`ComboScale.intrinsic` of the model's vocabulary.
             Either way an item's value depends on that item alone.
+        deterministic: batch-invariant mode: every item runs in a forward (and an LM-head call)
+            of its own, unpadded, whatever ``batch_size``, so its features are bit-identical
+            whatever else is in ``items`` and their order. Slower (no batching).
 
     Returns:
         one dict per item, in order, with the requested features plus ``n_tokens`` (response
@@ -515,7 +522,8 @@ def glassbox(
         its = [illustrate(it) for it in its]
     elif reference == "calibrate":
         kw = dict(features=feats, mode=mode, batch_size=batch_size, system_prompt=system_prompt,
-                  backend=backend, use_chat_template=use_chat_template, combo_scale=combo_scale)
+                  backend=backend, use_chat_template=use_chat_template, combo_scale=combo_scale,
+                  deterministic=deterministic)
         return calibrate(model, tokenizer, its, factor=calibration_factor, **kw)
     if not its:
         return []
@@ -526,7 +534,7 @@ def glassbox(
     fn = _standard_batch if mode == "standard" else _compat_batch
     pad_id = _pad_id(tokenizer)
     rows: list[dict[str, float] | None] = [None] * len(its)
-    for idx in _batches(encs, batch_size):
+    for idx in _batches(encs, 1 if deterministic else batch_size):
         for i, d in zip(idx, fn(model, encs, idx, pad_id, want_attn, backend), strict=True):
             rows[i] = d
     full = [r for r in rows if r is not None]

@@ -140,13 +140,15 @@ class ScoreJobConfig(JobConfig):
     ``scoring``: the ICQS options, :data:`DEFAULT_SCORING`'s keys (the result fields of
     :class:`~icqs_fast.engine.settings.ScoringSettings`, with ``stratify`` as the
     ``--stratify-field`` spec). ``token_budget`` and ``backend`` are engine-only (they do not
-    change a score).
+    change a score), and so is ``deterministic`` (batch-invariant mode, ``--deterministic``:
+    the same scores, computed per response so that their bits do not depend on the batch).
     """
 
     good: str
     bad: str
     scoring: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SCORING))
     token_budget: int | None = None
+    deterministic: bool = False
 
     kind = "score"
 
@@ -183,7 +185,10 @@ class FeatureJobConfig(JobConfig):
     """An ``icqs-fast features`` job: the glass-box features, their mode, the batch and chunk
     sizes (they decide which records share a padded forward, so they change the last bits),
     the system prompt and, optionally, the ``softmax_combo`` constants (a dict of
-    ``ComboScale.as_dict``; None: from the vocabulary size)."""
+    ``ComboScale.as_dict``; None: from the vocabulary size). ``deterministic``
+    (``--deterministic``): every record in a forward of its own, whatever the batch and chunk
+    sizes (batch-invariant features; in the fingerprint only when set, so older outputs still
+    resume)."""
 
     features: tuple[str, ...] = DEFAULT_FEATURES
     mode: str = "standard"
@@ -191,6 +196,7 @@ class FeatureJobConfig(JobConfig):
     chunk_size: int = 128
     system_prompt: str | None = None
     combo_scale: dict | None = None
+    deterministic: bool = False
 
     kind = "features"
 
@@ -225,4 +231,6 @@ class FeatureJobConfig(JobConfig):
         del fp["label_field"]  # features writes no label
         if self.combo_scale is not None:
             fp["combo_scale"] = self.combo_scale
+        if self.deterministic:
+            fp["deterministic"] = True
         return fp | ({"shard": self.shard} if self.shard else {})

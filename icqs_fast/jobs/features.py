@@ -2,8 +2,10 @@
 
     icqs-fast features responses.jsonl -o features.jsonl [--features sent_logprob,softmax_ent]
 
-One output line per response, ``{"index", "line", "id"?, "n_tokens", <feature>: float, ...}``,
-in input order (features from :func:`icqs_fast.features.glassbox`; NaN is written as ``NaN``).
+One output line per response, ``{"index", "line", "id"?, "n_tokens", <feature>: float, ...,
+"n_prompt_tokens", "truncated", "join"}``, in input order (features from
+:func:`icqs_fast.features.glassbox`; NaN is written as ``NaN``; the last three are the
+per-record diagnostics, :data:`DIAGNOSTICS`).
 It streams, resumes, locks and handles bad input as ``icqs-fast score`` does (the machinery is
 shared, in :mod:`icqs_fast.io`): one ``write`` per line, ``--resume`` after the last complete
 line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:line:field
@@ -91,7 +93,7 @@ def feature_records(
 ) -> Iterator[tuple[Record, dict[str, float]]]:
     """Glass-box features of :class:`~icqs_fast.io.records.Record` s, yielding ``(record, row)`` in
     input order, one chunk at a time (``row`` as one :func:`~icqs_fast.features.glassbox` row:
-    ``n_tokens`` and the features, floats).
+    ``n_tokens`` and the features, floats; then the diagnostics :data:`DIAGNOSTICS`).
 
     Chunks are the records with the same ``index // chunk_size``, each one ``glassbox`` call
     (``glassbox_kw``: features, mode, batch_size, backend, combo_scale, system_prompt, ...), so a
@@ -106,7 +108,7 @@ def feature_records(
     and yielded, then the error is raised.
     """
     from icqs_fast.engine.checks import model_max_length
-    from icqs_fast.features.extract import glassbox
+    from icqs_fast.features.extract import GlassboxItem, encode, glassbox
 
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -123,7 +125,12 @@ def feature_records(
             if isinstance(item, Record):
                 row = next(rows)
                 if item.index >= write_from:
-                    yield item, row
+                    enc = encode(tokenizer, GlassboxItem(item.x, item.y), sp,
+                                 glassbox_kw.get("use_chat_template"))
+                    # Per-record diagnostics: prompts are never cut here (a record too long
+                    # for the model is refused), so ``truncated`` is always False.
+                    yield item, {**row, "n_prompt_tokens": enc.prompt_len, "truncated": False,
+                                 "join": enc.join}
             elif item.index >= write_from:
                 assert on_error is not None
                 on_error(item)
@@ -158,14 +165,23 @@ def feature_records(
         raise fatal
 
 
-def feature_line(rec: Record, row: dict[str, float]) -> dict[str, Any]:
+# Per-record diagnostics after the features (issue 21.4): prompt tokens before the response, the
+# prompt cut (never, in ``features``), the first response token merged with the prompt.
+DIAGNOSTICS = ("n_prompt_tokens", "truncated", "join")
+
+
+def feature_line(rec: Record, row: dict[str, Any]) -> dict[str, Any]:
     """The output JSON object of one record: ``index``, ``line``, ``id`` (when the input has
-    one), ``n_tokens`` and the features in the order asked for."""
+    one), ``n_tokens``, the features in the order asked for, then the :data:`DIAGNOSTICS` the
+    row has (``n_prompt_tokens`` int, ``truncated`` and ``join`` bool)."""
     out: dict[str, Any] = {"index": rec.index, "line": rec.line}
     if rec.id is not None:
         out["id"] = rec.id
     out["n_tokens"] = int(row["n_tokens"])
-    out.update((k, float(v)) for k, v in row.items() if k != "n_tokens")
+    out.update((k, float(v)) for k, v in row.items() if k != "n_tokens" and k not in DIAGNOSTICS)
+    if "n_prompt_tokens" in row:
+        out["n_prompt_tokens"] = int(row["n_prompt_tokens"])
+    out.update((k, bool(row[k])) for k in ("truncated", "join") if k in row)
     return out
 
 
@@ -270,7 +286,8 @@ class FeatureStrategy:
             self.model, self.tokenizer, records, chunk_size=c.chunk_size, write_from=write_from,
             path=c.input_name, x_field=c.x_field, y_field=c.y_field, on_error=on_error,
             features=list(c.features), mode=c.mode, batch_size=c.batch_size, backend=c.backend,
-            system_prompt=c.system_prompt, combo_scale=self.scale)
+            system_prompt=c.system_prompt, combo_scale=self.scale,
+            deterministic=c.deterministic)
 
     def line(self, rec: Record, res: dict[str, float]) -> dict:
         return feature_line(rec, res)

@@ -111,7 +111,7 @@ class ICQSBatchScorer:
         dtype, device, load_in_8bit, load_in_4bit: as :func:`icqs_fast.models.load_model`.
         template: a :class:`~icqs_fast.engine.prompts.Template` or a dict of its fields.
         num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, stratify,
-        strata_order, backend, token_budget, max_length, drop_oldest_demos: as
+        strata_order, backend, token_budget, max_length, drop_oldest_demos, deterministic: as
         :class:`~icqs_fast.engine.scorer.ICQSScorer` (``stratify`` as there: None, "y",
         "auto" or the per-file label lists of ``jobs.score.resolve_stratify``).
         x_field, y_field: the batch columns with the prompt and the response (and the fields
@@ -132,7 +132,7 @@ class ICQSBatchScorer:
                  strata_order: str = "fixed", backend: str = "auto",
                  token_budget: int | None = None, max_length: int | None = None,
                  drop_oldest_demos: bool = False, x_field: str = "x", y_field: str = "y",
-                 encoding: str = "utf-8") -> None:
+                 encoding: str = "utf-8", deterministic: bool = False) -> None:
         from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, ICQSScorer
         from icqs_fast.models import load_model
@@ -151,7 +151,7 @@ class ICQSBatchScorer:
             seed=seed, mixing=mixing, replacement=replacement, stratify=stratify,
             strata_order=strata_order, backend=backend,
             token_budget=token_budget or DEFAULT_TOKEN_BUDGET, max_length=max_length,
-            drop_oldest_demos=drop_oldest_demos)
+            drop_oldest_demos=drop_oldest_demos, deterministic=deterministic)
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
         self.runtime = runtime_settings(self.model, backend)
 
@@ -197,7 +197,8 @@ class GlassboxBatchScorer:
     Args:
         model, dtype, device, load_in_8bit, load_in_4bit: as :class:`ICQSBatchScorer`.
         features: feature names (default: ``features_cli.DEFAULT_FEATURES``).
-        mode, batch_size, backend, system_prompt: as :func:`icqs_fast.features.glassbox`.
+        mode, batch_size, backend, system_prompt, deterministic: as
+            :func:`icqs_fast.features.glassbox`.
         chunk_size: records per ``glassbox`` call (records with the same ``index //
             chunk_size``; as ``icqs-fast features --chunk-size``).
         combo_scale: ``softmax_combo`` constants (a dict); default from the vocabulary size.
@@ -209,7 +210,7 @@ class GlassboxBatchScorer:
                  features: Sequence[str] | None = None, mode: str = "standard",
                  batch_size: int = 8, chunk_size: int = 128, backend: str = "auto",
                  system_prompt: str | None = None, combo_scale: dict | None = None,
-                 x_field: str = "x", y_field: str = "y") -> None:
+                 x_field: str = "x", y_field: str = "y", deterministic: bool = False) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.jobs.config import DEFAULT_FEATURES
         from icqs_fast.models import load_model
@@ -223,7 +224,8 @@ class GlassboxBatchScorer:
                       else ComboScale.intrinsic(vocab_size(self.model)))
         self.chunk_size = chunk_size
         self.kw = dict(features=self.features, mode=mode, batch_size=batch_size,
-                       backend=backend, system_prompt=system_prompt, combo_scale=self.scale)
+                       backend=backend, system_prompt=system_prompt, combo_scale=self.scale,
+                       deterministic=deterministic)
         self.runtime = runtime_settings(self.model, backend)
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",

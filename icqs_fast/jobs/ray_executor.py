@@ -29,8 +29,9 @@ JSONL output lines are the single-process lines; ``cat OUT/part-*.jsonl`` is the
 output. Parquet columns: ``index``, ``line``, ``id`` (a string; non-string ids as JSON text),
 ``label`` (JSON text), then for ``score`` ``score``, ``score_per_set``, ``loglik`` (flattened
 row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``ratios``,
-``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik), and
-for ``features`` ``n_tokens`` and the features.
+``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik),
+``truncated``, ``join`` (bool), and for ``features`` ``n_tokens``, the features,
+``n_prompt_tokens``, ``truncated`` and ``join``.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             pa.field("score", pa.float64()), pa.field("score_per_set", pa.list_(pa.float64())),
             flat("loglik", pa.float64()), pa.field("ratios", pa.list_(pa.float64())),
             pa.field("n_response_tokens", pa.int64()), flat("n_prompt_tokens", pa.int64()),
-            flat("n_dropped_demos", pa.int64())])
+            flat("n_dropped_demos", pa.int64()), pa.field("truncated", pa.bool_()),
+            pa.field("join", pa.bool_())])
         zeros = [[0] * ll] * m1
         cols = {
             "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
@@ -239,6 +241,7 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             "n_response_tokens": [r["n_response_tokens"] for r in rows],
             "n_prompt_tokens": [sum(r["n_prompt_tokens"], []) for r in rows],
             "n_dropped_demos": [sum(r.get("n_dropped_demos", zeros), []) for r in rows],
+            "truncated": [r["truncated"] for r in rows], "join": [r["join"] for r in rows],
         }
         return pa.table(cols, schema=schema)
 
@@ -264,12 +267,15 @@ class FeatureBlocks(_BlockMixin, GlassboxBatchScorer):
 
         schema = pa.schema([pa.field("index", pa.int64()), pa.field("line", pa.int64()),
                             pa.field("id", pa.string()), pa.field("n_tokens", pa.int64())]
-                           + [pa.field(f, pa.float64()) for f in self.features])
+                           + [pa.field(f, pa.float64()) for f in self.features]
+                           + [pa.field("n_prompt_tokens", pa.int64()),
+                              pa.field("truncated", pa.bool_()), pa.field("join", pa.bool_())])
         cols: dict[str, list] = {
             "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
             "id": [_id_text(r.get("id")) for r in rows],
             "n_tokens": [r["n_tokens"] for r in rows]}
         cols.update((f, [r[f] for r in rows]) for f in self.features)
+        cols.update((k, [r[k] for r in rows]) for k in ("n_prompt_tokens", "truncated", "join"))
         return pa.table(cols, schema=schema)
 
 
@@ -316,11 +322,12 @@ def _actor_kw(config: JobConfig) -> dict:
         scoring["stratify"] = resolve_stratify(config)
         return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
                     token_budget=config.token_budget, encoding=config.encoding, **scoring,
-                    **common)
+                    deterministic=config.deterministic, **common)
     assert isinstance(config, FeatureJobConfig)
     return dict(features=list(config.features), mode=config.mode,
                 batch_size=config.batch_size, chunk_size=config.chunk_size,
-                system_prompt=config.system_prompt, combo_scale=config.combo_scale, **common)
+                system_prompt=config.system_prompt, combo_scale=config.combo_scale,
+                deterministic=config.deterministic, **common)
 
 
 def _prepare_output(out: Path, settings: dict, config: JobConfig,

@@ -24,8 +24,9 @@ pid. A bad input line stops the run with an error naming the file, line and fiel
 Output record fields: ``index`` (0-based record number in the input; bad records count too),
 ``line``, ``id`` (when the input has one), ``label`` (with ``--label-field``), ``score``
 (ICQS-Epistemic), ``score_per_set`` (plain ICQS per set), ``loglik`` (``[M+1][L]``),
-``ratios``, ``n_response_tokens``, ``n_prompt_tokens`` (``[M+1][L]``) and, when demonstrations
-had to be dropped, ``n_dropped_demos``.
+``ratios``, ``n_response_tokens``, ``n_prompt_tokens`` (``[M+1][L]``), when demonstrations
+had to be dropped ``n_dropped_demos``, then ``truncated`` (demonstrations were dropped) and
+``join`` (the response's first token merges with the query under whole-text tokenization).
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
     )
     if int(res.n_dropped_demos.sum()) > 0:
         out["n_dropped_demos"] = res.n_dropped_demos.tolist()
+    # Per-record diagnostics (issue 21.4; absent from outputs written before them).
+    out["truncated"] = bool(int(res.n_dropped_demos.sum()) > 0)
+    out["join"] = bool(getattr(res, "join", False))
     return out
 
 
@@ -240,7 +244,8 @@ def scoring_settings(config: ScoreJobConfig) -> ScoringSettings:
         kw.pop("template")
     kw["stratify"] = resolve_stratify(config)
     return ScoringSettings.from_dict(kw | dict(
-        backend=config.backend, token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET))
+        backend=config.backend, token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET,
+        deterministic=config.deterministic))
 
 
 def scorer_kwargs(config: ScoreJobConfig) -> dict[str, Any]:
