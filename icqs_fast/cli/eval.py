@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.evals.plots import DATASET_NAMES, write_plots
-
 DEFAULT_FILES = {"fpb": ("fpb", "Sentences_AllAgree.txt"), "sst2": ("sst2", "dev.tsv"),
                  "chaosnli": ("chaosnli", "chaosNLI_snli.jsonl")}
 
@@ -153,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     # Load = data + model; the rest of the wall time not in a phase is bootstrap and bookkeeping.
     doc["timing"] = {"load": round(t_load, 2), **doc["timing"]}
     if args.plot:
+        from icqs_fast.evals.plots import write_plots
+
         doc["plots"] = [str(p) for p in write_plots(dataset, out, ns, args.plot)]
     if args.json:
         print(study.dumps(doc))
@@ -168,6 +168,8 @@ def _pct(v: float | None) -> str:
 
 
 def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
+    from icqs_fast.evals.plots import DATASET_NAMES
+
     s = doc["settings"]
     print(f"{DATASET_NAMES[doc['dataset']]} ({path}), model {doc['model']}, "
           f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, "
@@ -211,6 +213,8 @@ def _timing(doc: dict[str, Any]) -> str:
 
 
 def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
+    from icqs_fast.evals.plots import DATASET_NAMES
+
     s = doc["settings"]
     print(f"{DATASET_NAMES['chaosnli']} ({path}), model {doc['model']}, {doc['n']} test pairs, "
           f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, seed "
