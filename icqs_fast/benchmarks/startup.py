@@ -44,8 +44,9 @@ def _help(words: list[str], env: dict[str, str]) -> tuple[float, str]:
 
 
 def _choices(help_text: str) -> list[str]:
-    """The subcommands argparse lists as ``{a,b,c}`` in a usage text."""
-    m = re.search(r"\{([\w,-]+)\}", help_text)
+    """The subcommands argparse lists as ``{a,b,c} ...`` in a usage text (not an option's
+    choices, which have no ``...`` after them)."""
+    m = re.search(r"\{([\w,-]+)\}\s+\.\.\.", help_text)
     return m.group(1).split(",") if m else []
 
 
