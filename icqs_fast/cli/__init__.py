@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"icqs-fast: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that cannot be read or written: one line, no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"icqs-fast: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
