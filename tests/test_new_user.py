@@ -88,6 +88,31 @@ def test_missing_output_folder_is_created_and_said(cmd, files, tiny, loads, tmp_
     assert capsys.readouterr().err == ""
 
 
+# --------------------------------------------------------------------------- 3: quiet
+
+@pytest.mark.parametrize("cmd", ["score", "features"])
+def test_quiet_prints_nothing_no_loading_bar_no_future_warning(cmd, files, tiny, tmp_path,
+                                                               monkeypatch, capsys):
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    bar = []
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (
+        bar.append(hf_logging.is_progress_bar_enabled()), tiny[1])[1])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            assert RUN[cmd](files, tmp_path / "out.jsonl", "--quiet", tiny=tiny) == 0
+        finally:
+            hf_logging.enable_progress_bar()
+            hf_logging.set_verbosity_warning()
+    assert bar == [False]
+    assert not [w for w in seen if "past_key_values" in str(w.message)], \
+        [str(w.message) for w in seen]
+    assert capsys.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- 4: whole-file errors
 
 @pytest.mark.parametrize("cmd", ["score", "features"])

@@ -180,6 +180,14 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def quiet_transformers() -> None:
+    """--quiet: no "Loading weights" progress bar, only errors from transformers' logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
     """The job in this process, its output lock held."""
 
@@ -190,6 +198,8 @@ def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
     start, stop, total = input_range(config.input, config.format, config.encoding,
                                      config.shard, plan, align=strategy.align)
     set_threads(config.threads)
+    if config.quiet:
+        quiet_transformers()
     strategy.load(plan, settings, log)
     check_runtime(plan, settings)
     start_output(plan, settings, log)
