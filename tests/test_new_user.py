@@ -213,3 +213,42 @@ def test_summary_says_which_stratification_auto_chose(files, tiny, loads, tmp_pa
            "(--stratify-field auto)" in err, err
     assert score(files, tmp_path / "out2.jsonl", "--stratify-field", "none", tiny=tiny) == 0
     assert "demonstration sets unstratified (--stratify-field none)" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- 9: help and names
+
+def _sub(path):
+    import argparse
+
+    from icqs_fast.cli import build_parser
+
+    p = build_parser(list(path))
+    for w in path:
+        p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[w]
+    return p
+
+
+def test_audit_help_has_a_description_and_every_option_help():
+    p = _sub(("audit",))
+    assert p.description
+    assert [a.option_strings for a in p._actions if a.option_strings and a.help is None] == []
+
+
+def test_top_level_help_has_no_rst_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out
+
+
+def test_one_name_for_sets_per_ratio_and_both_feature_forms():
+    p = _sub(("eval", "sst2"))
+    assert p.parse_args(["--sets-per-ratio", "2"]).sets == 2
+    assert p.parse_args(["--sets", "3"]).sets == 3  # the old name, hidden
+    assert p.parse_args([]).sets == 4
+    assert "--sets-per-ratio" in p.format_help() and "--sets " not in p.format_help()
+    f = _sub(("features",))
+    from icqs_fast.cli.features import build_config
+
+    for form in (["sent_logprob,softmax_ent"], ["sent_logprob", "softmax_ent"]):
+        args = f.parse_args(["in.jsonl", "-o", "o.jsonl", "--features", *form])
+        assert build_config(args).features == ("sent_logprob", "softmax_ent")

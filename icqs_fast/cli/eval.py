@@ -9,7 +9,7 @@ group), ``<dataset>_hist.png`` (ICQS-Epistemic score histograms per group) and
 
 Examples::
 
-    icqs-fast eval fpb --limit 20 --demos-per-set 2,4 --num-ratios 5 --sets 2 --plot figs
+    icqs-fast eval fpb --limit 20 --demos-per-set 2,4 --num-ratios 5 --sets-per-ratio 2 --plot figs
     icqs-fast eval sst2 --limit 30 --labels synonyms --json
     icqs-fast eval chaosnli --limit 10 --json
 """
@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="demonstrations per set; a list (e.g. 2,4,8) gives the curve against "
                         "the number of in-context examples; the largest is reported (default 8)")
     p.add_argument("--num-ratios", type=int, default=5, help="M+1 mixture ratios (default 5)")
-    p.add_argument("--sets", type=int, default=4, help="L sets per ratio (default 4)")
+    p.add_argument("--sets-per-ratio", type=int, default=4, dest="sets",
+                   help="L sets per ratio (default 4; as in score)")
+    p.add_argument("--sets", type=int, dest="sets", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old name of --sets-per-ratio
     p.add_argument("--pool", type=int, default=32,
                    help="good and bad demonstration pool sizes, each (default 32)")
     p.add_argument("--labels", default="original", choices=["original", "synonyms"],
