@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from icqs_fast.ops import linear_token_stats, token_stats  # noqa: E402
-from icqs_fast.types import TokenStats  # noqa: E402
 from icqs_fast.version import __version__
 
 __all__ = [
@@ -15,11 +13,27 @@ __all__ = [
     "ICQSResult",
 ]
 
+# Everything but the version is imported on first use (module __getattr__), so that
+# ``import icqs_fast`` - and ``icqs-fast --help`` - does not pull in torch / transformers.
+_LAZY = {
+    "TokenStats": "icqs_fast.types",
+    "token_stats": "icqs_fast.ops",
+    "linear_token_stats": "icqs_fast.ops",
+    "ICQSScorer": "icqs_fast.engine.scorer",
+    "ICQSResult": "icqs_fast.engine.scorer",
+}
+
 
 def __getattr__(name: str):
-    # The scoring engine pulls in transformers; import it only when asked for.
-    if name in ("ICQSScorer", "ICQSResult"):
-        from icqs_fast.engine import scorer
+    modname = _LAZY.get(name)
+    if modname is None:
+        raise AttributeError(f"module 'icqs_fast' has no attribute {name!r}")
+    import importlib
 
-        return getattr(scorer, name)
-    raise AttributeError(f"module 'icqs_fast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(modname), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,8 +8,10 @@ import datetime
 import platform
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _rss_kb(field: str) -> int:
@@ -28,6 +30,8 @@ def peak_growth_mb(fn, device: torch.device | str = "cpu") -> tuple[float, objec
     so memory the allocator already holds from earlier work is invisible: call it in a fresh
     process (after a warm-up) for a figure that means "what this call needs".
     """
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -68,6 +72,8 @@ def environment(device: torch.device | str | None = None) -> dict:
     ``date`` (UTC, ISO 8601), ``device_name`` (GPU name on CUDA, else the CPU model),
     ``cpu_count``, ``torch`` version and ``threads`` (torch CPU threads)."""
     import os
+
+    import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":

@@ -44,8 +44,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from icqs_fast.benchmarks import (
     at_most,
     check_fields,
@@ -216,6 +214,7 @@ def bench(limit: int = 60, shots: int = 5, model: str = "embedded", *, data: str
           hf_batch_size: int = 8, device: str = "cpu", backend: str = "auto") -> dict[str, Any]:
     """Run the task with ``HFLM`` and with ``ICQSFastLM`` on one loaded model; the record
     described in the module docstring."""
+    import torch
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
@@ -322,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rec = bench(args.limit, args.shots, args.model, data=args.data,

@@ -30,8 +30,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from icqs_fast.benchmarks import emit_record, environment
 
 TOL = 1e-4
@@ -186,6 +184,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
+        import torch
+
         torch.set_num_threads(max(1, args.threads))
     rec = bench(args.model, clients=args.clients, requests=args.requests,
                 max_seconds=args.max_seconds, shots=args.shots, logprobs=args.logprobs,

@@ -33,7 +33,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",
      "records/s on Ray Data with 1..n workers vs the single-process CLI"),
     (("bench", "serve"), "icqs_fast.benchmarks.serve",
-     "load test of `serve` on 127.0.0.1: throughput, latency percentiles, no lost answers"),
+     "load test of 'serve' on 127.0.0.1: throughput, latency percentiles, no lost answers"),
+    (("bench", "startup"), "icqs_fast.benchmarks.startup",
+     "wall time of --help of every command (lazy imports: under 1 s)"),
     (("eval", "mtbench"), "icqs_fast.cli.eval_mtbench", "glass-box features vs GPT-4 on MT-Bench"),
     (("eval", "fpb"), "icqs_fast.cli.eval", "ICQS study on Financial PhraseBank"),
     (("eval", "sst2"), "icqs_fast.cli.eval", "ICQS study on SST-2"),
@@ -41,8 +43,25 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="icqs-fast", description=__doc__.splitlines()[0])
+def _selected(argv: list[str] | None) -> tuple[str, ...] | None:
+    """The command path ``argv`` names (its leading non-option words); None: build them all."""
+    if argv is None:
+        return None
+    words = []
+    for a in argv:
+        if a.startswith("-") or len(words) == 2:
+            break
+        words.append(a)
+    return tuple(words)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given ``argv``, only the command it names imports its module and adds its
+    arguments (so ``--help`` and argument errors answer without importing any other command's
+    module). Command modules keep ``add_arguments`` free of torch / transformers / numpy."""
+    selected = _selected(argv)
+    parser = argparse.ArgumentParser(prog="icqs-fast", description=__doc__.splitlines()[0]
+                                     .replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, modname, help_ in COMMANDS:
@@ -54,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_)
         p.set_defaults(_module=modname)
+        if selected is not None and selected[:len(path)] != path:
+            continue  # not the command asked for: its arguments are never parsed
         try:
             mod = importlib.import_module(modname)
         except ImportError as exc:
@@ -65,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = build_parser(argv).parse_args(argv)
     err = getattr(args, "_import_error", None)
     if err:
         print(f"icqs-fast: this command is unavailable: {err}", file=sys.stderr)
@@ -75,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(mod.run(args) or 0)
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"icqs-fast: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file that cannot be read or written: one line, no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"icqs-fast: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
 
 

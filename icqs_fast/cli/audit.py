@@ -44,13 +44,18 @@ TASKS = ("summeval", "llmbar", "custom")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=TASKS, required=True)
+    p.description = ("ALLURE: audit an LLM evaluator round by round - in-context examples from "
+                     "its training mistakes, accuracy on a held-out part (see docs)")
+    p.add_argument("--task", choices=TASKS, required=True,
+                   help="summeval, llmbar, or custom (a file with the custom-task fields)")
     p.add_argument("--data", default=None, help="input file (default for summeval / llmbar: "
                    "../shared/data)")
     p.add_argument("--rounds", type=int, default=3, help="most memory updates (default 3)")
     p.add_argument("--memory", default=None, help="memory JSONL (append-only); needed for "
                    "--resume and --audit file (default: kept in the process only)")
-    p.add_argument("--audit", choices=("auto", "file", "none"), default="auto")
+    p.add_argument("--audit", choices=("auto", "file", "none"), default="auto",
+                   help="how candidates are accepted: auto (--audit-threshold), file (you "
+                   "mark them in --audit-file, then --resume), none (all; default auto)")
     p.add_argument("--audit-threshold", type=float, default=0.6,
                    help="auto audit: accept when P(wrong label) >= this (default 0.6)")
     p.add_argument("--audit-file", default=None,
@@ -59,26 +64,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", action="store_true",
                    help="with --limit: the same number of records of each truth class")
     p.add_argument("--heldout", type=float, default=0.5, help="held-out fraction (default 0.5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the spread and split (default 0)")
     p.add_argument("--max-new", type=int, default=6, help="most examples accepted per round")
     p.add_argument("--no-patience", action="store_true",
                    help="do not stop when the training accuracy stops improving")
-    p.add_argument("--evaluator", choices=("likelihood", "icqs"), default="likelihood")
-    p.add_argument("--icqs-threshold", type=float, default=0.5)
+    p.add_argument("--evaluator", choices=("likelihood", "icqs"), default="likelihood",
+                   help="the evaluator audited: label likelihood or ICQS (default likelihood)")
+    p.add_argument("--icqs-threshold", type=float, default=0.5,
+                   help="ICQS evaluator: score above which the verdict is positive (default 0.5)")
     p.add_argument("--icqs-seed-examples", type=int, default=2,
                    help="ICQS evaluator: training records per class as seed demonstrations")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--bank-mib", type=int, default=1024,
                    help="KV memory of one scoring call (default 1024)")
     p.add_argument("--sweep-seeds", type=int, default=3, help="seeds of the sweep (0: no sweep)")
-    p.add_argument("--proportions", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--proportions", default="0,0.25,0.5,0.75,1",
+                   help="sweep: fractions of the memory used (default 0,0.25,0.5,0.75,1)")
     p.add_argument("--clusters", type=int, default=3, help="failure-mode clusters (0: none)")
-    p.add_argument("--no-ablation", action="store_true")
+    p.add_argument("--no-ablation", action="store_true", help="skip the memory ablation study")
     p.add_argument("--attn-items", type=int, default=4,
                    help="held-out records whose attention entropy is measured per round")
     p.add_argument("--debias", action="store_true",
@@ -90,16 +98,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bootstrap resamples of the judge-bias intervals (default 1000)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", default=None, help="folder for PNG plots")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue the rounds of --memory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --memory")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar / status lines on stderr")
     g = p.add_argument_group("custom task")
-    g.add_argument("--task-field", default="x")
-    g.add_argument("--response-field", default="y")
-    g.add_argument("--label-field", default=None)
+    g.add_argument("--task-field", default="x", help="field with the task (default x)")
+    g.add_argument("--response-field", default="y", help="field with the response (default y)")
+    g.add_argument("--label-field", default=None, help="field with the truth label")
     g.add_argument("--answer-field", default=None,
                    help="correct-answer field: truth by regex match of the response")
-    g.add_argument("--id-field", default=None)
+    g.add_argument("--id-field", default=None, help="field with the record id")
     g.add_argument("--pattern", default=r"(?<!\w){answer}(?!\w)",
                    help="regex truth pattern with {answer}")
     g.add_argument("--normalise", default="lower,space,strip",

@@ -9,7 +9,7 @@ group), ``<dataset>_hist.png`` (ICQS-Epistemic score histograms per group) and
 
 Examples::
 
-    icqs-fast eval fpb --limit 20 --demos-per-set 2,4 --num-ratios 5 --sets 2 --plot figs
+    icqs-fast eval fpb --limit 20 --demos-per-set 2,4 --num-ratios 5 --sets-per-ratio 2 --plot figs
     icqs-fast eval sst2 --limit 30 --labels synonyms --json
     icqs-fast eval chaosnli --limit 10 --json
 """
@@ -20,8 +20,6 @@ import argparse
 import time
 from pathlib import Path
 from typing import Any
-
-from icqs_fast.evals.plots import DATASET_NAMES, write_plots
 
 DEFAULT_FILES = {"fpb": ("fpb", "Sentences_AllAgree.txt"), "sst2": ("sst2", "dev.tsv"),
                  "chaosnli": ("chaosnli", "chaosNLI_snli.jsonl")}
@@ -43,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="demonstrations per set; a list (e.g. 2,4,8) gives the curve against "
                         "the number of in-context examples; the largest is reported (default 8)")
     p.add_argument("--num-ratios", type=int, default=5, help="M+1 mixture ratios (default 5)")
-    p.add_argument("--sets", type=int, default=4, help="L sets per ratio (default 4)")
+    p.add_argument("--sets-per-ratio", type=int, default=4, dest="sets",
+                   help="L sets per ratio (default 4; as in score)")
+    p.add_argument("--sets", type=int, dest="sets", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old name of --sets-per-ratio
     p.add_argument("--pool", type=int, default=32,
                    help="good and bad demonstration pool sizes, each (default 32)")
     p.add_argument("--labels", default="original", choices=["original", "synonyms"],
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     # Load = data + model; the rest of the wall time not in a phase is bootstrap and bookkeeping.
     doc["timing"] = {"load": round(t_load, 2), **doc["timing"]}
     if args.plot:
+        from icqs_fast.evals.plots import write_plots
+
         doc["plots"] = [str(p) for p in write_plots(dataset, out, ns, args.plot)]
     if args.json:
         print(study.dumps(doc))
@@ -168,6 +171,8 @@ def _pct(v: float | None) -> str:
 
 
 def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
+    from icqs_fast.evals.plots import DATASET_NAMES
+
     s = doc["settings"]
     print(f"{DATASET_NAMES[doc['dataset']]} ({path}), model {doc['model']}, "
           f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, "
@@ -211,6 +216,8 @@ def _timing(doc: dict[str, Any]) -> str:
 
 
 def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
+    from icqs_fast.evals.plots import DATASET_NAMES
+
     s = doc["settings"]
     print(f"{DATASET_NAMES['chaosnli']} ({path}), model {doc['model']}, {doc['n']} test pairs, "
           f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, seed "

@@ -15,7 +15,7 @@ from icqs_fast.io.datasets import load_mtbench
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from icqs_fast.features.extract import ALL_FEATURES, MODES
+    from icqs_fast.features.names import ALL_FEATURES, MODES
 
     p.add_argument("--data", default=DEFAULT_DATA, help=f"MT-Bench folder (default {DEFAULT_DATA})")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")

@@ -36,8 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--features", default=",".join(DEFAULT_FEATURES),
-                   help="comma-separated feature names (default: all)")
+    p.add_argument("--features", nargs="+", default=[",".join(DEFAULT_FEATURES)],
+                   metavar="FEATURE",
+                   help="feature names, space- or comma-separated (as in eval mtbench; "
+                   f"default: all of {' '.join(DEFAULT_FEATURES)})")
     p.add_argument("--mode", choices=["standard", "selfeval-compat"], default="standard")
     p.add_argument("--batch-size", type=int, default=8, help="items per padded forward")
     p.add_argument("--chunk-size", type=int, default=128,
@@ -68,7 +70,7 @@ def build_config(args: argparse.Namespace) -> FeatureJobConfig:
     from icqs_fast.cli.ray_options import job_kwargs
     from icqs_fast.jobs.features import load_combo_scale, parse_features
 
-    feats = parse_features(args.features)
+    feats = parse_features(",".join(args.features))
     scale = load_combo_scale(args.combo_scale)
     return FeatureJobConfig(features=tuple(feats), mode=args.mode, batch_size=args.batch_size,
                             chunk_size=args.chunk_size, system_prompt=args.system_prompt,

@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from icqs_fast.info import collect
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "versions, device and available backends"
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    from icqs_fast.info import collect  # torch: only when run
+
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))

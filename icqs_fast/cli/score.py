@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from icqs_fast.io.records import FORMATS
-from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
+from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig, flag_names
 
 # --------------------------------------------------------------------------- command line
 
@@ -19,8 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="results: JSONL (one line per response), or Parquet for "
                    ".parquet; with --ray a folder of per-block files")
-    p.add_argument("--good", required=True, help="good demonstrations (JSONL/CSV/TSV, x/y fields)")
-    p.add_argument("--bad", required=True, help="bad demonstrations (JSONL/CSV/TSV, x/y fields)")
+    p.add_argument("--good", required=True,
+                   help="good demonstrations: JSONL/CSV/TSV (optionally .gz), Parquet or a "
+                   "datasets folder, with the --demo-x-field / --demo-y-field fields")
+    p.add_argument("--bad", required=True,
+                   help="bad demonstrations (the same formats and fields as --good)")
     p.add_argument("--format", choices=list(FORMATS), default=None,
                    help="input format (default: from the extension; a folder is 'datasets')")
     p.add_argument("--shard", default=None, metavar="I/N",
@@ -28,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "outputs concatenated in shard order are the unsharded output")
     p.add_argument("--x-field", default="x", help="field with the prompt/input (default: x)")
     p.add_argument("--y-field", default="y", help="field with the response (default: y)")
+    p.add_argument("--demo-x-field", default=None,
+                   help="field with the input in the --good / --bad files (default: --x-field)")
+    p.add_argument("--demo-y-field", default=None,
+                   help="field with the answer in the --good / --bad files (default: "
+                   "--y-field)")
     p.add_argument("--id-field", default=None,
                    help="field with the record id (default: 'id' when present)")
     p.add_argument("--label-field", default=None,
@@ -89,12 +97,22 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
                    replacement=args.replacement, stratify=args.stratify_field,
                    strata_order=args.strata_order, max_length=args.max_length,
                    drop_oldest_demos=args.drop_oldest_demos, template=template_spec)
-    return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
-                          token_budget=args.token_budget, deterministic=args.deterministic,
-                          **job_kwargs(args))
+    try:
+        return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
+                              token_budget=args.token_budget, deterministic=args.deterministic,
+                              demo_x_field=args.demo_x_field, demo_y_field=args.demo_y_field,
+                              **job_kwargs(args))
+    except ValueError as exc:
+        raise ValueError(flag_names(str(exc))) from None
 
 
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.jobs.runner import run_job
 
-    return run_job(build_config(args))
+    config = build_config(args)
+    try:
+        return run_job(config)
+    except ValueError as exc:
+        if type(exc) is not ValueError:  # InputError & co. name files and fields already
+            raise
+        raise ValueError(flag_names(str(exc))) from None

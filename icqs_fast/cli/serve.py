@@ -13,7 +13,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from icqs_fast.serve.app import ServeConfig
+    from icqs_fast.serve.config import ServeConfig
 
     d = ServeConfig()
     p.description = __doc__.split("\n\n")[0].replace("``", "")

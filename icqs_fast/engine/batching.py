@@ -36,6 +36,21 @@ PREFIX_CHUNK_CPU = 1024
 FORWARD_COST_TOKENS = (1024, 40)
 
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_kwarg(body: Any, cache: Any) -> dict[str, Any]:
+    """``{"cache": cache}`` for a forward that takes ``cache`` (transformers >= 5.24 deprecates
+    ``past_key_values``, with a FutureWarning per call), else ``{"past_key_values": cache}``."""
+    name = _CACHE_KWARG.get(type(body))
+    if name is None:
+        import inspect
+
+        params = inspect.signature(body.forward).parameters
+        name = _CACHE_KWARG[type(body)] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
 def decoder_body(model: Any) -> Any:
     """The decoder without the LM head (``model.model`` for Llama, ``model.transformer`` for
     GPT-2); its output hidden states are already final-normed for these architectures."""
@@ -221,7 +236,7 @@ class PrefixBank:
         targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
         self.forward_tokens += n * t_max
         self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                  past_key_values=_BankWriter(build, targets, past), use_cache=True)
+                  **cache_kwarg(self.body, _BankWriter(build, targets, past)), use_cache=True)
 
     def gather(self, entries: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                                       torch.Tensor, torch.Tensor]:
@@ -424,8 +439,9 @@ def suffix_hidden(
     # A fresh cache object around per-batch copies of the stored states (the forward appends
     # to it, so the bank itself is never written).
     cache = DynamicCache(ddp_cache_data=kv)
-    out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=attn.to(dev),
-                              position_ids=pos.to(dev), past_key_values=cache, use_cache=True)
+    body = decoder_body(model)
+    out = body(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+               **cache_kwarg(body, cache), use_cache=True)
     return out.last_hidden_state, smask.bool().to(dev)
 
 

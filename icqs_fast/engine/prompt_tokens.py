@@ -219,6 +219,12 @@ class PromptTokens:
                     drops[c] += 1
                     nxt.append(c)
                 else:
+                    alone = len(self.bos) + len(self.tokenize([qr])[0][0])
+                    if alone >= max_len:  # no demonstration count can help
+                        raise PromptTooLong(i, (
+                            f"the query and response alone are {alone} tokens, not less than "
+                            f"the model's max length {max_len}: no prompt with demonstrations "
+                            "fits; shorten the response or raise the max length"))
                     ds = self.flat[c]
                     raise PromptTooLong(i, (
                         f"prompt of {len(full)} tokens (prefix and query {k0} + response "

@@ -37,6 +37,24 @@ DEFAULT_SCORING: dict[str, Any] = {
 _FINGERPRINT_NAMES = {"stratify": "stratify_field"}
 
 
+# The command-line flag of each option a message may name (``num_ratios`` -> ``--num-ratios``).
+OPTION_FLAGS = {**{k: "--" + k.replace("_", "-") for k in (*DEFAULT_SCORING, "token_budget")},
+                "stratify": "--stratify-field"}
+
+
+def flag_names(message: str) -> str:
+    """``message`` with the Python names of the score options as their flags:
+    ``demos_per_set=8`` -> ``--demos-per-set 8``, ``replacement=True`` -> ``--replacement``."""
+    import re
+
+    def sub(m: re.Match) -> str:
+        value = m.group(3)
+        return OPTION_FLAGS[m.group(1)] + ("" if value in (None, "True") else f" {value}")
+
+    names = "|".join(sorted(OPTION_FLAGS, key=len, reverse=True))
+    return re.sub(rf"(?<![-\w])({names})\b(=([\w.'-]+))?", sub, message)
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -149,10 +167,15 @@ class ScoreJobConfig(JobConfig):
     scoring: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SCORING))
     token_budget: int | None = None
     deterministic: bool = False
+    # The fields of the demonstration files (None: x_field / y_field).
+    demo_x_field: str | None = None
+    demo_y_field: str | None = None
 
     kind = "score"
 
     def __post_init__(self) -> None:
+        self.demo_x_field = self.demo_x_field or self.x_field
+        self.demo_y_field = self.demo_y_field or self.y_field
         unknown = sorted(set(self.scoring) - set(DEFAULT_SCORING))
         if unknown:
             raise TypeError(f"ScoreJobConfig.scoring: unknown option(s) {unknown}")
@@ -177,6 +200,9 @@ class ScoreJobConfig(JobConfig):
         }
         fp.update((_FINGERPRINT_NAMES.get(k, k), v) for k, v in self.scoring.items())
         fp.update(self._record_fingerprint())
+        if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
+            # Only when they differ, so that outputs written before the option still resume.
+            fp.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
         return fp | ({"shard": self.shard} if self.shard else {})
 
 

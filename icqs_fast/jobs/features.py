@@ -186,7 +186,7 @@ def feature_line(rec: Record, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_features(spec: str) -> list[str]:
-    from icqs_fast.features.extract import ALL_FEATURES
+    from icqs_fast.features.names import ALL_FEATURES
 
     feats = [f.strip() for f in spec.split(",") if f.strip()]
     bad = [f for f in feats if f not in ALL_FEATURES]

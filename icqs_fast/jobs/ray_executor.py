@@ -320,6 +320,15 @@ def _actor_kw(config: JobConfig) -> dict:
 
         scoring = dict(config.scoring)
         scoring["stratify"] = resolve_stratify(config)
+        if (config.demo_x_field, config.demo_y_field) != (config.x_field, config.y_field):
+            from icqs_fast.io.readers import read_examples
+
+            kw = dict(x_field=config.demo_x_field, y_field=config.demo_y_field,
+                      encoding=config.encoding)  # other fields: the examples themselves
+            return dict(good=read_examples(config.good, **kw),
+                        bad=read_examples(config.bad, **kw),
+                        token_budget=config.token_budget, encoding=config.encoding, **scoring,
+                        **common)
         return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
                     token_budget=config.token_budget, encoding=config.encoding, **scoring,
                     deterministic=config.deterministic, **common)

@@ -16,6 +16,8 @@ executor is chosen by a string, ``"local"`` (this process) or ``"ray"`` (Ray Dat
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -23,13 +25,14 @@ from typing import Any, Protocol
 
 from icqs_fast.io.readers import read_records
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.results import skipped_record
+from icqs_fast.io.results import output_format, remove_parquet_output, skipped_record
 from icqs_fast.io.runs import (
     OutputLock,
     check_run_paths,
     check_runtime,
     checked_resume,
     input_range,
+    meta_path,
     open_results,
     plan_output,
     resume_check_needed,
@@ -41,6 +44,7 @@ Log = Callable[..., None]
 
 
 class JobSummary(Protocol):
+    n: int
     skipped: int
 
     def add(self, rec: Record, res: Any) -> None: ...
@@ -109,9 +113,63 @@ def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None =
     config.check()
     log = log or stderr_log(config.quiet)
     check_run_paths(config.input, config.resume, config.overwrite, config.format)
-    # Held until this process ends (or crashes: the OS drops it), before the output is touched.
-    with OutputLock(Path(config.output)):
-        return run_local_locked(config, strategy_for(config), log)
+    peek_input(config)  # whole-file errors before anything is written or loaded
+    strategy = strategy_for(config)
+    prepare = getattr(strategy, "prepare", None)
+    if prepare is not None:
+        prepare(log)  # what needs no model (score: the demonstration sets)
+    try:
+        make_output_folder(config.output, log)
+        # Held until this process ends (or crashes: the OS drops it), before the output is
+        # touched.
+        with OutputLock(Path(config.output)):
+            return run_local_locked(config, strategy, log)
+    except OSError as exc:
+        if not is_output_error(exc, config.output):
+            raise
+        raise OutputError(f"cannot write the output {config.output}: "
+                          f"{exc.strerror or exc}"
+                          + (f" ({exc.filename})" if exc.filename else "")) from None
+
+
+class OutputError(ValueError):
+    """The output cannot be written (an OS error on it: a usage error, exit code 2)."""
+
+
+def is_output_error(exc: OSError, output: str) -> bool:
+    """An OS error on the output, its lock, settings or part files, or its folder (one with
+    no file name is a write error: reads name their file)."""
+    if exc.filename is None:
+        return True
+    name, out = os.path.abspath(os.fspath(exc.filename)), os.path.abspath(output)
+    return name.startswith(out) or out.startswith(name + os.sep)
+
+
+def make_output_folder(output: str, log: Log) -> None:
+    """Create a missing output folder (like ``mkdir -p``), saying so."""
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        log(f"icqs-fast: created the output folder {os.path.dirname(output) or parent}")
+
+
+def peek_input(config: JobConfig) -> None:
+    """Read the input's first record (files only; standard input cannot be read twice), so
+    that what is wrong with the whole file - empty, a header without the fields (a wrong
+    delimiter), unreadable - fails before the model loads and before the output is created.
+    An error in the record itself is left to the run (its earlier records are kept)."""
+    if config.input == "-" or config.resume or config.shard is not None:
+        return  # resuming / sharded: the input range is checked by the run
+    it = read_records(config.input, format=config.format, x_field=config.x_field,
+                      y_field=config.y_field, id_field=config.id_field,
+                      label_field=config.label_field, encoding=config.encoding,
+                      on_error="yield", allow_empty=False)
+    try:
+        next(iter(it), None)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 def set_threads(threads: int | None) -> None:
@@ -122,9 +180,16 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def quiet_transformers() -> None:
+    """--quiet: no "Loading weights" progress bar, only errors from transformers' logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
     """The job in this process, its output lock held."""
-    from icqs_fast.progress import track
 
     out = Path(config.output)
     settings = config.fingerprint()
@@ -133,6 +198,8 @@ def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
     start, stop, total = input_range(config.input, config.format, config.encoding,
                                      config.shard, plan, align=strategy.align)
     set_threads(config.threads)
+    if config.quiet:
+        quiet_transformers()
     strategy.load(plan, settings, log)
     check_runtime(plan, settings)
     start_output(plan, settings, log)
@@ -155,6 +222,30 @@ def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
         records = (r for r in records if r.index >= first)  # the last record may precede it
 
     summary = strategy.summary()
+    try:
+        return _write_results(config, strategy, plan, records, summary, start, total, log)
+    except InputError as exc:
+        if not isinstance(exc, RecordError) and not plan.append and summary.n == 0 \
+                and summary.skipped == 0:
+            remove_output(out)  # nothing was written: leave nothing behind
+        raise
+
+
+def remove_output(out: Path) -> None:
+    """Remove a new output that holds nothing, its settings file and its lock file."""
+    for p in (out, meta_path(out), Path(f"{out}.lock")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    if output_format(out) == "parquet":
+        remove_parquet_output(out)
+
+
+def _write_results(config: JobConfig, strategy: JobStrategy, plan: Any,
+                   records: Iterable[Record | RecordError], summary: JobSummary, start: int,
+                   total: int, log: Log) -> int:
+    from icqs_fast.progress import track
+
+    out = plan.out
     with open_results(plan) as writer:
         def skip(err: RecordError) -> None:
             writer.write(skipped_record(err))
@@ -168,10 +259,13 @@ def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
                                   desc=strategy.desc, unit="record", quiet=config.quiet):
                 writer.write(strategy.line(rec, res))
                 summary.add(rec, res)
-        except InputError:
+        except InputError as exc:
+            if not isinstance(exc, RecordError):  # the whole input (e.g. empty standard input)
+                raise
             log(summary.text("icqs-fast: stopped: "))
             log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
-                "with --resume, or pass --on-error skip")
+                "with --resume" + (", or pass --on-error skip" if config.on_error == "stop"
+                                   else ""))
             raise
         except KeyboardInterrupt:
             log(summary.text("icqs-fast: interrupted: "))

@@ -82,7 +82,8 @@ def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: st
         tokens.layouts(rec.index, rec.x, rec.y, scorer.max_length, scorer.drop_oldest_demos)
     except PromptTooLong as exc:
         return err(None, exc.reason.replace("drop_oldest_demos=True",
-                                            "drop_oldest_demos=True (--drop-oldest-demos)"))
+                                            "drop_oldest_demos=True (--drop-oldest-demos)")
+                   .replace("raise the max length", "raise --max-length"))
     except ValueError as exc:
         return err(None, str(exc))
     return None
@@ -226,11 +227,11 @@ def resolve_stratify(config: ScoreJobConfig) -> Any:
     spec = config.scoring["stratify"]
     if spec == "none":
         return None
-    if spec == config.y_field:
+    if spec == config.demo_y_field:
         return "y"
     if spec in (None, "y", "auto"):
         return spec
-    kw = dict(x_field=config.x_field, y_field=config.y_field, encoding=config.encoding)
+    kw = dict(x_field=config.demo_x_field, y_field=config.demo_y_field, encoding=config.encoding)
     return tuple([str(r.label) for r in read_records(path, label_field=spec, **kw)]
                  for path in (config.good, config.bad))
 
@@ -266,15 +267,38 @@ class ScoreStrategy:
         self.config = config
         self.scorer: Any = None
 
+    def prepare(self, log: Callable[..., None]) -> None:
+        """What needs no model: read the demonstration files, build the settings and the
+        demonstration sets (pool sizes, strata), and say which stratification was used."""
+        from icqs_fast.engine.prompts import build_demo_sets
+
+        c = self.config
+        ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
+        self.good = read_examples(c.good, **ex_kw)
+        self.bad = read_examples(c.bad, **ex_kw)
+        self.kw = scorer_kwargs(c)
+        sets = build_demo_sets(self.good, self.bad, **self.kw["settings"].demo_set_options())
+        strata = sets[0][0].strata
+        spec = c.scoring["stratify"]
+        if strata is None:
+            how = "unstratified"
+        else:
+            names = sorted(set(strata))
+            by = "the answer" if spec in ("auto", "y", c.demo_y_field) else spec
+            how = (f"stratified by {by}"
+                   f" ({len(names)} strata: {', '.join(map(str, names[:8]))}"
+                   f"{', ...' if len(names) > 8 else ''})")
+        self.stratification = f"{how} (--stratify-field {spec})"
+        log(f"icqs-fast: demonstration sets {self.stratification}")
+
     def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.models import load_model
 
         c = self.config
-        ex_kw = dict(x_field=c.x_field, y_field=c.y_field, encoding=c.encoding)
-        good = read_examples(c.good, **ex_kw)
-        bad = read_examples(c.bad, **ex_kw)
-        kw = scorer_kwargs(c)
+        if not hasattr(self, "kw"):
+            self.prepare(log)
+        good, bad, kw = self.good, self.bad, self.kw
         t_load = time.perf_counter()
         model, tok = load_model(None if c.model == "embedded" else c.model, dtype=c.dtype,
                                 device=c.device, load_in_8bit=c.load_in_8bit,

@@ -30,51 +30,17 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.logprobs import prompt_logprobs
 from icqs_fast.serve.queue import QueueFull, WorkQueue
 
 ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed")
-
-
-@dataclass
-class ServeConfig:
-    """Settings of one server (``icqs-fast serve`` flags of the same names).
-
-    Attributes:
-        model_name: the id ``/v1/models`` lists; requests naming another model get 404.
-        api_key: bearer token every route requires (None: no check; only for 127.0.0.1).
-        max_body_bytes: request bodies above this get 413.
-        max_prompt_tokens: prompts above this many tokens get 400 (capped by the model's
-            positions).
-        max_prompts: prompts (or records) per request.
-        max_logprobs: largest ``logprobs=N``.
-        max_gen_tokens: largest ``max_tokens`` (greedy generation).
-        max_queue: prompts admitted and not yet answered; past it 429.
-        batch_wait_ms: how long a request waits for others to batch with.
-        max_batch_tokens: prompt tokens per batch.
-        token_budget: tokens per forward of the engine.
-        backend: token-statistics backend for ``/v1/score``.
-    """
-
-    model_name: str = "icqs-fast"
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 2**20
-    max_prompt_tokens: int = 4096
-    max_prompts: int = 64
-    max_logprobs: int = 20
-    max_gen_tokens: int = 256
-    max_queue: int = 256
-    batch_wait_ms: float = 5.0
-    max_batch_tokens: int = 16384
-    token_budget: int = 16384
-    backend: str = "auto"
 
 
 class APIError(Exception):

@@ -1,0 +1,52 @@
+"""Issue 19.8: ``icqs-fast --help``, every ``<command> --help`` and argument errors import no
+torch / transformers (not timed: ``icqs-fast bench startup`` measures the wall time)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from icqs_fast.cli import COMMANDS
+
+HEAVY = ("torch", "transformers", "numpy", "fastapi", "scipy", "sklearn", "pyarrow", "pandas")
+# Benchmarks of torch code itself import torch to build their options (their defaults).
+TORCH_BENCHES = {("bench", "kernels"), ("bench", "icqs"), ("bench", "attention"),
+                 ("bench", "gpu")}
+
+_PROBE = """
+import sys
+from icqs_fast.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("HEAVY:" + ",".join(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+def _heavy_after(argv):
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=HEAVY), *argv],
+                         capture_output=True, text=True, check=True).stdout
+    return out.rsplit("HEAVY:", 1)[1].strip()
+
+
+def test_import_icqs_fast_is_light_and_facade_still_works():
+    code = ("import sys, icqs_fast; assert 'torch' not in sys.modules, 'torch'; "
+            "from icqs_fast import ICQSScorer, TokenStats, linear_token_stats, token_stats; "
+            "assert callable(token_stats) and callable(linear_token_stats); "
+            "print(TokenStats.__name__, ICQSScorer.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["TokenStats", "ICQSScorer"]
+
+
+@pytest.mark.parametrize("path", [()] + [p for p, _, _ in COMMANDS if p not in TORCH_BENCHES],
+                         ids=lambda p: " ".join(p) or "top")
+def test_help_imports_no_heavy_module(path):
+    assert _heavy_after([*path, "--help"]) == ""
+
+
+@pytest.mark.parametrize("argv", [["score", "in.jsonl"], ["features", "--bogus"],
+                                  ["eval", "sst2", "--ns", "x"], ["nope"]])
+def test_argument_errors_import_no_heavy_module(argv):
+    assert _heavy_after(argv) == ""
