@@ -18,6 +18,7 @@ import torch
 
 from icqs_fast.benchmarks import attention as bench_attention
 from icqs_fast.benchmarks import peak_growth_mb
+from icqs_fast.cli import bench_attention as cli_bench_attention
 
 FIELDS = ("model", "device", "seq_len", "time_ms", "eager_ms", "speedup", "peak_mem_mb",
           "eager_peak_mem_mb", "mem_ratio", "max_abs_err")
@@ -135,7 +136,7 @@ def test_eager_peak_holds_its_attention_matrices(one_thread):
 
 def test_arguments_and_bad_settings():
     p = argparse.ArgumentParser()
-    bench_attention.add_arguments(p)
+    cli_bench_attention.add_arguments(p)
     a = p.parse_args(ARGS[2:])
     assert (a.json, a.random_weights, a.config, a.seq_len, a.repeat, a.no_memory) == \
         (True, True, "tiny", 64, 1, True)

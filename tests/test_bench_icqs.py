@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from icqs_fast.benchmarks import icqs as bench_icqs
+from icqs_fast.cli import bench_icqs as cli_bench_icqs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -116,7 +117,7 @@ def test_responses_and_arguments():
     assert len(set(r[:64])) == 64  # 32 headlines x 2 answers
     assert r[64] == r[0]  # cycled
     p = argparse.ArgumentParser()
-    bench_icqs.add_arguments(p)
+    cli_bench_icqs.add_arguments(p)
     a = p.parse_args(["--random-weights", "--config", "llama-1b", "--responses", "4", "--json",
                       "--device", "cpu", "--out", "x.json"])
     assert (a.random_weights, a.config, a.responses, a.json, a.device, a.out) == \
@@ -131,7 +132,7 @@ def test_responses_and_arguments():
 
 def _args(*extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench_icqs.add_arguments(p)
+    cli_bench_icqs.add_arguments(p)
     return p.parse_args(["--random-weights", "--config", "tiny", "--device", "cpu",
                          "--no-memory", "--cold-repeats", "1", "--json", *extra])
 

@@ -212,25 +212,6 @@ def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool 
     return rec
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the record as JSON")
-    p.add_argument("--seq-len", type=int, default=1024,
-                   help="input tokens (instruction = first half, response = second half)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repeats per side (median)")
-    p.add_argument("--quick", action="store_true", help="128 tokens, one repeat (for tests)")
-    p.add_argument("--out", default=None, help="also write the JSON record to this file")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--random-weights", action="store_true",
-                   help="a random-weight Llama of --config instead of the embedded model")
-    p.add_argument("--config", default="tiny", choices=("tiny", "llama-1b"),
-                   help="model shape with --random-weights (tiny: 2 layers, for tests)")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="largest max_abs_err that passes (default 1e-3 for fp32 models, 5e-2 "
-                        "for half precision); the command exits 1, naming the field, on a "
-                        "failure")
-
-
 def run(args: argparse.Namespace) -> int:
     seq_len = 128 if args.quick else args.seq_len
     repeat = 1 if args.quick else args.repeat

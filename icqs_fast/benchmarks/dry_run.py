@@ -721,24 +721,10 @@ def print_report(r: dict, file=sys.stdout) -> None:
             print(f"    {s['path']:10s} {s['count']:4d} x {s['op']:22s} {s['site']}", file=file)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true",
-                   help="no GPU needed: run the CUDA code paths (bench gpu's cases, the ICQS "
-                        "engine with cascade attention, features, audit, lm-eval) on fake CUDA "
-                        "tensors (FakeTensorMode), compile every Triton launch for sm_90 "
-                        "instead of running it, and report device/dtype errors and host syncs. "
-                        "It cannot catch numerics, kernel correctness on hardware, timing, "
-                        "memory limits or races (docs/GPU_MODEL.md)")
-    p.add_argument("--paths", default=",".join(PATHS),
-                   help=f"with --dry-run: comma-separated subset of {','.join(PATHS)}")
-    p.add_argument("--json", action="store_true", help="with --dry-run: print the JSON report")
-    p.add_argument("--out", default=None, help="with --dry-run: also write the JSON report here")
-
-
 def main(args: argparse.Namespace) -> int:
     from icqs_fast.backends import triton_interpreting
 
-    paths = tuple(x for x in args.paths.split(",") if x)
+    paths = tuple(x for x in (args.paths or ",".join(PATHS)).split(",") if x)
     r = dry_run_in_child(paths) if triton_interpreting() else dry_run(paths)
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=1) + "\n")

@@ -204,14 +204,6 @@ def _run_child(argv: list[str], log: Path) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out-dir", default=str(RESULTS),
-                   help="where the JSON files go (default bench/results)")
-    p.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
-    p.add_argument("--no-end-to-end", action="store_true",
-                   help="only the model check, not bench kernels/attention/icqs")
-
-
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("icqs-fast bench gpu: no CUDA device here; this command measures GPU times "
@@ -221,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.benchmarks.static import Compiler
 
     device = torch.device("cuda")
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = arch_of(device)
     props = torch.cuda.get_device_properties(device)

@@ -340,27 +340,6 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     return rec
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.split("\n\n")[0].replace("``", "").replace(":class:", "") \
-        .replace(":func:", "")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
-    p.add_argument("--responses", type=int, default=64, help="responses to score (default 64)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--random-weights", action="store_true",
-                   help="a random-weight model of --config instead of the embedded model")
-    p.add_argument("--config", default="llama-1b", choices=CONFIGS,
-                   help="model shape with --random-weights (llama-1b: ~1.1B params)")
-    p.add_argument("--out", default=None, help="also write the JSON record to this file")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--cold-repeats", type=int, default=3,
-                   help="runs of each side of the cold single-response comparison (median)")
-    p.add_argument("--mem-responses", type=int, default=16,
-                   help="responses scored in the engine's memory subprocess (default 16)")
-    p.add_argument("--tolerance", type=float, default=LOGLIK_TOL,
-                   help="largest |loglik engine - naive| that passes (default %(default)g); "
-                        "the command exits 1, naming the field, when a check fails")
-
-
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(args.responses, args.device, args.random_weights, args.config,
@@ -369,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)
-    return report_failures("icqs", check_fields(rec, checks(args.tolerance)))
+    return report_failures("icqs", check_fields(
+        rec, checks(LOGLIK_TOL if args.tolerance is None else args.tolerance)))
 
 
 def checks(tolerance: float = LOGLIK_TOL) -> dict:

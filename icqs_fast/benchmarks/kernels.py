@@ -205,19 +205,6 @@ def plan(quick: bool, cuda: bool) -> list[tuple]:
     return jobs
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the records as a JSON list")
-    p.add_argument("--repeat", type=int, default=5, help="timed repeats per side (median)")
-    p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
-    p.add_argument("--out", default=None, help="also write the JSON records to this file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (torch.set_num_threads; the cpp backend follows it)")
-    p.add_argument("--no-cuda", action="store_true", help="CPU records only")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="largest max_abs_err that passes, every op (default: per op, "
-                        f"{ERR_TOL}); the command exits 1, naming the field, on a failure")
-
-
 def checks(op: str, tolerance: float | None = None) -> dict:
     """The correctness fields of an ``op`` record and what each must be."""
     out = {"max_abs_err": at_most(ERR_TOL[op] if tolerance is None else tolerance)}

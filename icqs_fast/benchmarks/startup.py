@@ -31,11 +31,25 @@ def _env(pythonpath: str | None) -> dict[str, str]:
     return env
 
 
+def _cwd(env: dict[str, str]) -> str:
+    # `python -m` puts the working folder first on sys.path, ahead of PYTHONPATH: run in the
+    # measured checkout (or, without one, a folder that holds no package) so that the package
+    # measured is the one asked for.
+    return env.get("PYTHONPATH") or os.path.expanduser("~")
+
+
+def package_file(env: dict[str, str]) -> str:
+    """The ``icqs_fast/__init__.py`` the measured processes import (recorded with the figures)."""
+    return subprocess.run([sys.executable, "-c", "import icqs_fast; print(icqs_fast.__file__)"],
+                          env=env, cwd=_cwd(env), capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def _help(words: list[str], env: dict[str, str]) -> tuple[float, str]:
     """Wall seconds of ``python -m icqs_fast.cli WORDS --help`` and its output."""
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "icqs_fast.cli", *words, "--help"], env=env,
-                          capture_output=True, text=True, check=False)
+                          cwd=_cwd(env), capture_output=True, text=True, check=False)
     dt = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"icqs-fast {' '.join(words)} --help exited {proc.returncode}: "
@@ -72,6 +86,7 @@ def bench(runs: int = 5, limit: float = 1.0, pythonpath: str | None = None) -> d
     slow = [r["command"] for r in rows if r["median_s"] > limit]
     return {"bench": "startup", "runs": runs, "limit_s": limit,
             "python": sys.executable, "pythonpath": env.get("PYTHONPATH"),
+            "package": package_file(env),
             "loadavg_1min": os.getloadavg()[0], "commands": rows,
             "max_median_s": max(r["median_s"] for r in rows), "over_limit": slow}
 

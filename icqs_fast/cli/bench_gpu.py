@@ -7,15 +7,39 @@ from __future__ import annotations
 
 import argparse
 
-from icqs_fast.benchmarks import dry_run, gpu
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-dir", default=None,
+                   help="where the JSON files go (default bench/results)")
+    p.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
+    p.add_argument("--no-end-to-end", action="store_true",
+                   help="only the model check, not bench kernels/attention/icqs")
+
+
+def _dry_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU needed: run the CUDA code paths (bench gpu's cases, the ICQS "
+                        "engine with cascade attention, features, audit, lm-eval) on fake CUDA "
+                        "tensors (FakeTensorMode), compile every Triton launch for sm_90 "
+                        "instead of running it, and report device/dtype errors and host syncs. "
+                        "It cannot catch numerics, kernel correctness on hardware, timing, "
+                        "memory limits or races (docs/GPU_MODEL.md)")
+    p.add_argument("--paths", default=None,
+                   help="with --dry-run: comma-separated subset of bench_gpu,engine,features,"
+                        "audit,lm_eval (default: all)")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the JSON report")
+    p.add_argument("--out", default=None, help="with --dry-run: also write the JSON report here")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    gpu.add_arguments(p)
-    dry_run.add_arguments(p)
+    _gpu_arguments(p)
+    _dry_run_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: both pull in torch, and `--help` must not.
+    from icqs_fast.benchmarks import dry_run, gpu
+
     if args.dry_run:
         return dry_run.main(args)
     return gpu.run(args)

@@ -1,0 +1,34 @@
+"""``icqs-fast bench icqs``: options, then :func:`icqs_fast.benchmarks.icqs.run`
+(torch is imported only when it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("icqs-fast bench icqs: the ICQS engine (ICQSScorer) against the naive method "
+                     "(one full forward per response and demonstration set), side by side")
+    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    p.add_argument("--responses", type=int, default=64, help="responses to score (default 64)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--random-weights", action="store_true",
+                   help="a random-weight model of --config instead of the embedded model")
+    p.add_argument("--config", default="llama-1b", choices=("llama-1b", "tiny"),
+                   help="model shape with --random-weights (llama-1b: ~1.1B params)")
+    p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--cold-repeats", type=int, default=3,
+                   help="runs of each side of the cold single-response comparison (median)")
+    p.add_argument("--mem-responses", type=int, default=16,
+                   help="responses scored in the engine's memory subprocess (default 16)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest |loglik engine - naive| that passes (default 1e-4); "
+                        "the command exits 1, naming the field, when a check fails")
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.benchmarks import icqs
+
+    return icqs.run(args)
