@@ -252,3 +252,22 @@ def test_one_name_for_sets_per_ratio_and_both_feature_forms():
     for form in (["sent_logprob,softmax_ent"], ["sent_logprob", "softmax_ent"]):
         args = f.parse_args(["in.jsonl", "-o", "o.jsonl", "--features", *form])
         assert build_config(args).features == ("sent_logprob", "softmax_ent")
+
+
+def test_summary_after_resume_covers_the_whole_output(files, tmp_path, tiny, capsys):
+    """Issue 19.10: a resumed run's summary also says what the whole output holds (before, a
+    resume of a complete output printed "scored 0 responses ... mean score n/a" only)."""
+    out = tmp_path / "o.jsonl"
+    rows = [dict(r, label="a" if i % 2 else "b") for i, r in enumerate(ROWS)]
+    inp = _jsonl(tmp_path / "lab.jsonl", rows)
+    assert score(files, out, "--label-field", "label", "--quiet", tiny=tiny, inp=inp) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    capsys.readouterr()
+    assert score(files, out, "--label-field", "label", "--resume", tiny=tiny, inp=inp) == 0
+    err = capsys.readouterr().err
+    assert "scored 0 responses" in err  # this run's own part
+    mean = sum(r["score"] for r in got) / len(got)
+    assert f"the whole output {out} holds 3 records, mean score {mean:.4f}" in err, err
+    by = {lab: [r["score"] for r in got if r["label"] == lab] for lab in ("a", "b")}
+    want = ", ".join(f"{k}: {sum(v) / len(v):.4f} (n={len(v)})" for k, v in sorted(by.items()))
+    assert f"mean score by label: {want}" in err.split("whole output")[1], err

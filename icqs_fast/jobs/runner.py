@@ -17,13 +17,14 @@ executor is chosen by a string, ``"local"`` (this process) or ``"ray"`` (Ray Dat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from icqs_fast.io.readers import read_records
+from icqs_fast.io.readers import read_records, read_rows
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.results import output_format, remove_parquet_output, skipped_record
 from icqs_fast.io.runs import (
@@ -272,5 +273,41 @@ def _write_results(config: JobConfig, strategy: JobStrategy, plan: Any,
             log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
             return 130
     log(summary.text(strategy.done_prefix))
+    if plan.append:  # the lines above cover this run only: say what the whole output holds
+        log(output_summary(out, label=config.label_field is not None
+                           and isinstance(config, ScoreJobConfig)))
     return 0
+
+
+def output_summary(out: Path, *, label: bool = False) -> str:
+    """One line on a whole results file (after a resumed run): its records, the bad records
+    skipped in it and, for ``score`` output, the mean score (per label with ``label``)."""
+    n = skipped = 0
+    total = 0.0
+    scored = 0
+    by_label: dict[str, list[float]] = {}
+    for _, _, row in read_rows(out, optional=("score", "label", "error", "n_tokens")):
+        if "error" in row and "score" not in row and "n_tokens" not in row:
+            skipped += 1
+            continue
+        n += 1
+        score = row.get("score")
+        if isinstance(score, (int, float)):
+            scored += 1
+            total += score
+            if label:
+                key = row.get("label")
+                key = key if isinstance(key, str) else json.dumps(key)
+                s = by_label.setdefault(key, [0, 0.0])
+                s[0] += 1
+                s[1] += score
+    line = f"icqs-fast: the whole output {out} holds {n} records"
+    if scored:
+        line += f", mean score {total / scored:.4f}"
+    if skipped:
+        line += f", {skipped} bad records skipped"
+    if by_label:
+        line += "\n  mean score by label: " + ", ".join(
+            f"{k}: {v[1] / v[0]:.4f} (n={v[0]})" for k, v in sorted(by_label.items()))
+    return line
 
