@@ -271,3 +271,22 @@ def test_summary_after_resume_covers_the_whole_output(files, tmp_path, tiny, cap
     by = {lab: [r["score"] for r in got if r["label"] == lab] for lab in ("a", "b")}
     want = ", ".join(f"{k}: {sum(v) / len(v):.4f} (n={len(v)})" for k, v in sorted(by.items()))
     assert f"mean score by label: {want}" in err.split("whole output")[1], err
+
+
+def test_eval_prints_short_intervals_and_named_curve_columns(tiny, capsys):
+    """Issue 19.10: `eval` prints intervals with 3 decimals (not 16 digits) and curve columns
+    with the method's name."""
+    from icqs_fast.io.datasets import shared_data_dir
+
+    data = shared_data_dir() / "sst2"
+    if not (data / "dev.tsv").is_file():
+        pytest.skip(f"no SST-2 data in {data} (../shared/data)")
+    assert main(["eval", "sst2", "--data", str(data), "--model", str(tiny[0]), "--limit", "2",
+                 "--demos-per-set", "1,2", "--num-ratios", "2", "--sets-per-ratio", "1",
+                 "--pool", "4", "--no-baselines", "--n-boot", "20", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"\d\.\d{5,}", out), out  # no long floats anywhere
+    curve = [x for x in out.splitlines() if x.strip().startswith("N=")]
+    assert len(curve) == 2 and all("correct: icqs " in x and "icqs_epistemic " in x
+                                   for x in curve), curve
+    assert re.search(r"Spearman \S+ \(95% CI (n/a|\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\])\)", out), out

@@ -189,7 +189,9 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     r = doc["ranking"]
     means = ", ".join(f"{100 * m['accuracy']:.0f}%: {m['mean_score']:.3f}" for m in r["models"])
     rho = "nan" if r["spearman"] is None else f"{r['spearman']:+.3f}"
-    print(f"synthetic-LLM ranking: Spearman {rho} (95% CI {r['interval']}); mean scores {means}")
+    ci = r["interval"]
+    ci = "n/a" if not ci or any(v is None for v in ci) else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+    print(f"synthetic-LLM ranking: Spearman {rho} (95% CI {ci}); mean scores {means}")
     sep = doc["separation"]
     print("mean score per group: " + "; ".join(
         f"{g}: " + ", ".join(f"{m} {v:.3f}" for m, v in row.items())
@@ -200,7 +202,8 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     if len(doc["curve"]) > 1:
         print("curve (accuracy % per N):")
         for pt in doc["curve"]:
-            row = "; ".join(f"{g}: " + " ".join(_pct(pt["groups"][g][m]).strip() for m in methods)
+            row = "; ".join(f"{g}: " + ", ".join(f"{m} {_pct(pt['groups'][g][m]).strip()}"
+                                                  for m in methods)
                             for g in pt["groups"])
             print(f"  N={pt['demos_per_set']}: {row}")
     print("accuracy % [bootstrap 95% CI] = fraction judged as the expected verdict; rules: "
