@@ -56,6 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="label-stratified demonstration sets (build_demo_sets(stratify='y')): "
                         "every set holds the same label counts, only correctness changes with r "
                         "(fpb, sst2)")
+    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
+                   help="calibration of the ICQS log-likelihoods (issue 17): content_free = "
+                        "minus log P(y | demos, content-free input), pmi = minus log P(y | "
+                        "demos, domain premise); default none")
+    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
+                   help="ICQS score: the ratio of the most likely context (argmax, default) or "
+                        "the posterior mean of the ratio (mean)")
+    p.add_argument("--compare", action="store_true",
+                   help="also compute every calibration x score variant from the same run "
+                        "(raw and content-free log-likelihoods shared) and print their "
+                        "comparison (AUCs with intervals, accuracy per group)")
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
@@ -125,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         demos_per_set=ns, num_ratios=args.num_ratios, sets_per_ratio=args.sets, seed=args.seed,
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
         n_boot=args.n_boot, backend=args.backend, quiet=args.quiet,
-        baselines=not args.no_baselines, stratify=args.stratify)
+        baselines=not args.no_baselines, stratify=args.stratify,
+        calibration=args.calibrate, score=args.score, compare=args.compare)
     t0 = time.perf_counter()
     if dataset == "chaosnli":
         if args.labels != "original" or args.stratify:
@@ -201,13 +213,20 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     print("accuracy % [bootstrap 95% CI] = fraction judged as the expected verdict; rules: "
           "ICQS per set score >= 0.5, Epistemic score >= 0.5, ICL predicted label == response, "
           f"Ask LLM expected rating >= {s['ask_threshold']:g}")
+    if "compare" in doc:
+        from icqs_fast.evals.calibration_study import compare_table
+
+        print("calibration x score comparison (one run; the raw and content-free "
+              "log-likelihoods shared):")
+        print(compare_table(doc["compare"]))
     print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):
         print(f"wrote {p}")
 
 
 def _timing(doc: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items())
+    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items()
+                     if isinstance(v, (int, float)))
 
 
 def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
@@ -230,6 +249,14 @@ def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
             row = "; ".join(f"{m}: " + "/".join(_f(pt[m][k]) for k in ("mae", "ce", "spearman"))
                             for m in ("icqs", "icqs_epistemic", "icl") if m in pt)
             print(f"  N={pt['demos_per_set']}: {row}")
+    if "compare" in doc:
+        print("calibration x score comparison (one run), ICQS-Epistemic / per-set ICQS:")
+        for name, row in doc["compare"].items():
+            print(f"  {name:<22} " + "; ".join(
+                f"{m}: mae {_f(row[m]['mae']['value'])} ce {_f(row[m]['ce']['value'])} "
+                f"spearman {_f(row[m]['spearman']['value'])} "
+                f"[{_f(row[m]['spearman']['lo'])}, {_f(row[m]['spearman']['hi'])}]"
+                for m in ("icqs_epistemic", "icqs")))
     print("distribution rules: " + "; ".join(f"{k}: {v}" for k, v in doc["rules"].items()))
     print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):

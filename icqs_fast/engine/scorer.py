@@ -311,7 +311,14 @@ class ICQSScorer:
         self.tokens.response_parts(i, x, y)  # both parts must give tokens (clear errors)
         lays = self.tokens.layouts(i, x, y, self.max_length, self.drop_oldest_demos)
         rec = self._prepare_layouts(i, lays)
-        rec["cal"], rec["new"] = [], []
+        rec["cal"], rec["new"] = self._baseline_recs(i, y)
+        return rec
+
+    def _baseline_recs(self, i: int, y: str) -> tuple[list[dict], list[dict]]:
+        """The baseline records of answer ``y`` (one per calibration query; cached ones reused)
+        and those of them that are new (their rows still to be queued)."""
+        cal: list[dict] = []
+        new: list[dict] = []
         for q, (tokens, xq) in enumerate(self._cal_queries):
             key = (q, y)
             child = self._cal_cache.get(key)
@@ -320,13 +327,35 @@ class ICQSScorer:
                     i, xq, y, self.max_length, self.drop_oldest_demos))
                 child["child"] = True
                 self._cal_cache[key] = child
-                rec["new"].append(child)
+                new.append(child)
                 self.calibration_rows += self.n_contexts
                 self._trim_cal_cache()
             else:
                 self._cal_cache.move_to_end(key)
-            rec["cal"].append(child)
-        return rec
+            cal.append(child)
+        return cal, new
+
+    def baselines(self, answers: Iterable[str]) -> list[torch.Tensor]:
+        """The calibration baseline ``[M+1, L]`` (fp32) of each answer ``y`` alone: what
+        ``score`` subtracts for any response with that answer (it does not depend on ``x``),
+        computing only the baseline rows (cached as in ``score``). ValueError when the settings'
+        calibration is "none"."""
+        if not self._cal_queries:
+            raise ValueError("baselines: this scorer's calibration is 'none'")
+        c_n = self.n_contexts
+        ys = [parse_response(i, ("", y))[1] for i, y in enumerate(answers)]
+        cals, rows = [], []
+        for i, y in enumerate(ys):
+            cal, new = self._baseline_recs(i, y)
+            cals.append(cal)
+            rows.extend((ch, c) for ch in new for c in range(c_n))
+        while rows:
+            take = self._take(rows)
+            self._run(rows[:take])
+            rows = rows[take:]
+        m1, ls = self.num_ratios, self.sets_per_ratio
+        return [torch.stack([ch["loglik"] for ch in cal]).mean(dim=0).reshape(m1, ls).float()
+                for cal in cals]
 
     def _trim_cal_cache(self) -> None:
         while len(self._cal_cache) > CALIBRATION_CACHE:
