@@ -173,3 +173,50 @@ def test_settings_fingerprint_and_validation():
     assert [x for _, x in calibration_queries(s.replace(calibration="content_free"))] == \
         ["N/A", "", "[MASK]"]
     assert calibration_queries(s) == []
+
+
+def test_score_cli_writes_raw_and_baseline(tmp_path, tiny):
+    """``icqs-fast score --calibrate content_free --score mean``: each line keeps the raw loglik
+    and the baseline, and its scores are those of their difference."""
+    import json
+
+    from _helpers import save_tiny_llama
+
+    from icqs_fast.cli import main
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+
+    def jsonl(name, rows):
+        p = tmp_path / name
+        p.write_text("".join(json.dumps({"x": x, "y": y}) + "\n" for x, y in rows))
+        return p
+
+    out = tmp_path / "out.jsonl"
+    assert main(["score", str(jsonl("in.jsonl", RESPONSES)), "-o", str(out), "--good",
+                 str(jsonl("g.jsonl", GOOD)), "--bad", str(jsonl("b.jsonl", BAD)), "--model",
+                 str(model_dir), "--num-ratios", "3", "--demos-per-set", "4",
+                 "--sets-per-ratio", "2", "--calibrate", "content_free", "--score", "mean",
+                 "--quiet"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(RESPONSES)
+    for r in rows:
+        ll = torch.tensor(r["loglik"], dtype=torch.float64)
+        base = torch.tensor(r["loglik_baseline"], dtype=torch.float64)
+        s, per = icqs_scores(ll - base, r["ratios"], "mean")
+        assert abs(s - r["score"]) < 1e-5 and max(abs(a - b) for a, b in
+                                                  zip(per, r["score_per_set"], strict=True)) < 1e-5
+    from icqs_fast.io.runs import meta_path
+
+    meta = json.loads(meta_path(out).read_text())
+    assert "content_free" in json.dumps(meta) and "mean" in json.dumps(meta)
+
+
+def test_bench_icqs_calibrate_records_the_overhead():
+    from icqs_fast.benchmarks import icqs as bench_icqs
+
+    rec = bench_icqs.bench(2, "cpu", random_weights=True, config="tiny", measure_memory=False,
+                           settings=dict(num_ratios=2, demos_per_set=2, sets_per_ratio=2),
+                           cold_repeats=1, calibrate="content_free")
+    assert rec["calibration"] == "content_free" and rec["calibration_overhead"] > 0
+    # Both headlines' answers are labels: each (query, answer) pair once per context.
+    assert 0 < rec["calibration_rows"] <= 3 * 2 * 4

@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strata-order", choices=["shuffled", "fixed"], default="fixed",
                    help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
                         "position of every set (the last demonstration's label included)")
+    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
+                   help="calibrate the log-likelihoods: content_free = minus log P(y | demos, "
+                        "content-free input) (Zhao et al. 2021), pmi = minus log P(y | demos, "
+                        "domain premise) (Holtzman et al. 2021); default none")
+    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
+                   help="the ratio of the most likely context (argmax, default) or the "
+                        "posterior mean of the ratio (mean)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
@@ -81,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.ray:
+        if args.calibrate != "none" or args.score != "argmax":
+            raise ValueError("--calibrate / --score are not passed to --ray workers yet; run "
+                             "without --ray")
         from icqs_fast.jobs.ray_executor import run_ray
 
         return run_ray("score", args)

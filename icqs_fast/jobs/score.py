@@ -164,6 +164,8 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
         score=res.score,
         score_per_set=list(res.score_per_set),
         loglik=res.loglik.tolist(),
+        **({"loglik_baseline": res.loglik_baseline.tolist()}
+           if getattr(res, "loglik_baseline", None) is not None else {}),
         ratios=list(res.ratios),
         n_response_tokens=int(res.n_response_tokens),
         n_prompt_tokens=res.n_prompt_tokens.tolist(),
@@ -251,7 +253,19 @@ def score_settings(args: argparse.Namespace, template_spec: dict | None) -> dict
         "template": template_spec,
         "x_field": args.x_field,
         "y_field": args.y_field,
-    } | ({"shard": args.shard} if getattr(args, "shard", None) else {})
+    } | _calibration_settings(args) | (
+        {"shard": args.shard} if getattr(args, "shard", None) else {})
+
+
+def _calibration_settings(args: argparse.Namespace) -> dict:
+    """The calibration options, in the settings only when not the defaults (so outputs written
+    before they existed still resume)."""
+    out = {}
+    if getattr(args, "calibrate", "none") != "none":
+        out["calibration"] = args.calibrate
+    if getattr(args, "score", "argmax") != "argmax":
+        out["score"] = args.score
+    return out
 
 
 def run_score_locked(args: argparse.Namespace, out: Path, log: Callable[..., None]) -> int:
@@ -289,6 +303,7 @@ def run_score_locked(args: argparse.Namespace, out: Path, log: Callable[..., Non
         strata_order=args.strata_order, backend=args.backend,
         token_budget=args.token_budget or DEFAULT_TOKEN_BUDGET, max_length=args.max_length,
         drop_oldest_demos=args.drop_oldest_demos,
+        calibration=getattr(args, "calibrate", "none"), score=getattr(args, "score", "argmax"),
     )
     log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
         f"demonstrations, {args.num_ratios} ratios x {args.sets_per_ratio} sets of "
