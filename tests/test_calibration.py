@@ -220,3 +220,50 @@ def test_bench_icqs_calibrate_records_the_overhead():
     assert rec["calibration"] == "content_free" and rec["calibration_overhead"] > 0
     # Both headlines' answers are labels: each (query, answer) pair once per context.
     assert 0 < rec["calibration_rows"] <= 3 * 2 * 4
+
+
+def test_eval_fpb_compare_and_pool_end_to_end(tmp_path, capsys):
+    """``eval fpb --compare --json``: every calibration x score variant from one run, the
+    selected one (--calibrate/--score) in the main table; ``--pool-json`` pools two runs."""
+    import json
+
+    from _helpers import save_tiny_llama
+    from test_study import _write_fpb
+
+    from icqs_fast.cli import main
+    from icqs_fast.evals.calibration_study import VARIANTS
+
+    model_dir = save_tiny_llama(tmp_path / "m")
+    _write_fpb(tmp_path)
+    docs = []
+    for seed in (0, 1):
+        argv = ["eval", "fpb", "--data", str(tmp_path), "--model", str(model_dir), "--limit",
+                "2", "--pool", "2", "--demos-per-set", "2", "--num-ratios", "3", "--sets", "2",
+                "--n-boot", "30", "--no-baselines", "--compare", "--calibrate", "pmi",
+                "--score", "mean", "--seed", str(seed), "--json", "--quiet"]
+        assert main(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["settings"]["calibration"] == "pmi" and doc["settings"]["score"] == "mean"
+        cmp = doc["compare"]
+        assert list(cmp["variants"]) == VARIANTS
+        for name in VARIANTS:
+            v = cmp["variants"][name]
+            a = v["auc_correct_vs_incorrect"]["icqs_epistemic"]
+            assert a["value"] is None or 0.0 <= a["value"] <= 1.0
+            assert "auc_semantic_vs_labeled_neutral" in v
+            assert set(v["accuracy"]) == {"correct", "incorrect", "labeled_neutral",
+                                          "semantic_neutral"}
+        # The selected variant is the one the main table reports.
+        sel = cmp["variants"]["pmi/mean"]["accuracy"]
+        for g in sel:
+            assert sel[g]["icqs_epistemic"] == pytest.approx(doc["groups"][g]["icqs_epistemic"])
+        # none/argmax and none/mean share the raw log-likelihoods: means differ, argmax is
+        # the ratio grid.
+        ep = cmp["items"]["none/argmax"]["correct"]["icqs_epistemic"]
+        assert all(s in (0.0, 0.5, 1.0) for s in ep)
+        p = tmp_path / f"s{seed}.json"
+        p.write_text(json.dumps(doc))
+        docs.append(p)
+    assert main(["eval", "fpb", "--pool-json", ",".join(map(str, docs)), "--n-boot", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs pooled" in out and "content_free/mean" in out and "pmi/argmax" in out

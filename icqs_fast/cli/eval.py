@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compute every calibration x score variant from the same run "
                         "(raw and content-free log-likelihoods shared) and print their "
                         "comparison (AUCs with intervals, accuracy per group)")
+    p.add_argument("--pool-json", default=None, metavar="FILE[,FILE...]",
+                   help="fpb/sst2: run nothing; read these '--compare --json' documents (e.g. "
+                        "one per seed), pool their items and print the comparison table")
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
@@ -125,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.models import load_model
 
     dataset = args.subcommand
+    if args.pool_json:
+        return _pool(args)
     _check(args)
     ns = parse_ns(args.demos_per_set)
     if max(ns) > args.pool:
@@ -172,6 +177,35 @@ def run(args: argparse.Namespace) -> int:
         _print_chaosnli(doc, path)
     else:
         _print_sentiment(doc, path)
+    return 0
+
+
+def _pool(args: argparse.Namespace) -> int:
+    """``--pool-json``: the comparison table of several ``--compare --json`` documents' items."""
+    import json
+
+    from icqs_fast.evals import study
+    from icqs_fast.evals.calibration_study import compare_table, pool
+
+    docs = []
+    for f in str(args.pool_json).split(","):
+        with open(f.strip(), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        if "compare" not in doc or doc.get("dataset") != args.subcommand:
+            raise ValueError(f"--pool-json {f}: not an 'eval {args.subcommand} --compare --json' "
+                             "document")
+        docs.append(doc)
+    cmp = pool(docs, n_boot=args.n_boot, seed=args.seed)
+    if args.json:
+        print(study.dumps(study.finite(cmp)))
+        return 0
+    s = docs[0]["settings"]
+    print(f"{DATASET_NAMES[args.subcommand]}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
+          f"stratify {s.get('stratify')}, N={s['demos_per_set']}, M+1={s['num_ratios']}, "
+          f"L={s['sets_per_ratio']}")
+    print(compare_table(cmp))
+    print("Epistemic AUC per run: " + "; ".join(
+        f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
     return 0
 
 

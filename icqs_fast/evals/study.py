@@ -510,6 +510,11 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def finite(obj: Any) -> Any:
+    """NaN / inf -> None, recursively (strict JSON)."""
+    return _finite(obj)
+
+
 def dumps(doc: dict[str, Any]) -> str:
     """Strict JSON text of a study document."""
     return json.dumps(doc, indent=1, allow_nan=False)
