@@ -267,3 +267,30 @@ def test_eval_fpb_compare_and_pool_end_to_end(tmp_path, capsys):
     assert main(["eval", "fpb", "--pool-json", ",".join(map(str, docs)), "--n-boot", "30"]) == 0
     out = capsys.readouterr().out
     assert "2 runs pooled" in out and "content_free/mean" in out and "pmi/argmax" in out
+
+
+def test_eval_chaosnli_compare_end_to_end(tmp_path, capsys):
+    import json
+
+    from _helpers import save_tiny_llama
+    from test_study import _write_chaosnli
+
+    from icqs_fast.cli import main
+    from icqs_fast.evals.calibration_study import VARIANTS
+
+    model_dir = save_tiny_llama(tmp_path / "m")
+    _write_chaosnli(tmp_path / "chaosNLI_snli.jsonl", n_each=3)
+    base = ["eval", "chaosnli", "--data", str(tmp_path), "--model", str(model_dir), "--pool",
+            "2", "--demos-per-set", "2", "--num-ratios", "3", "--sets", "2", "--n-boot", "30",
+            "--no-baselines", "--compare", "--quiet"]
+    assert main(base + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["compare"]) == VARIANTS
+    for row in doc["compare"].values():
+        for m in ("icqs", "icqs_epistemic"):
+            assert 0.0 <= row[m]["mae"]["value"] <= 2 / 3
+    # The uncalibrated argmax variant is what the main table reports.
+    assert doc["compare"]["none/argmax"]["icqs_epistemic"]["mae"]["value"] == \
+        pytest.approx(doc["icqs_epistemic"]["mae"])
+    assert main(base) == 0
+    assert "content_free/mean" in capsys.readouterr().out
