@@ -91,6 +91,27 @@ def auc_ci(pos: Sequence[float], neg: Sequence[float], *, n_boot: int = 1000, se
             "n_neg": int(q.size)}
 
 
+def auc_difference(pos_a: Sequence[float], neg_a: Sequence[float], pos_b: Sequence[float],
+                   neg_b: Sequence[float], *, n_boot: int = 1000, seed: int = 0
+                   ) -> dict[str, float]:
+    """AUC(a) - AUC(b) of two scorings of the SAME items (paired: each resample draws the same
+    positive and negative items for both), with its 95 % percentile bootstrap interval."""
+    pa, na, pb, nb = (np.asarray(v, dtype=np.float64) for v in (pos_a, neg_a, pos_b, neg_b))
+    if pa.shape != pb.shape or na.shape != nb.shape or pa.size == 0 or na.size == 0:
+        return {"value": float("nan"), "lo": float("nan"), "hi": float("nan")}
+
+    def auc(a: np.ndarray, b: np.ndarray) -> float:
+        return float((a[:, None] > b[None, :]).mean() + 0.5 * (a[:, None] == b[None, :]).mean())
+
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        i, j = rng.integers(0, pa.size, pa.size), rng.integers(0, na.size, na.size)
+        boots.append(auc(pa[i], na[j]) - auc(pb[i], nb[j]))
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return {"value": auc(pa, na) - auc(pb, nb), "lo": float(lo), "hi": float(hi)}
+
+
 def item_scores(results_by: dict, groups: dict[str, list]) -> dict[str, dict[str, list]]:
     """Per group: the ICQS-Epistemic scores and the mean per-set ICQS scores of its items."""
     out: dict[str, dict[str, list]] = {}
@@ -144,8 +165,16 @@ def pool(docs: Sequence[dict], *, n_boot: int = 1000, seed: int = 0) -> dict[str
                 for k, xs in v.items():
                     m.setdefault(g, {}).setdefault(k, []).extend(xs)
         merged[name] = m
-    return {"variants": {n: summarise_items(merged[n], n_boot=n_boot, seed=seed)
-                         for n in names},
+    ref = names[0]  # none/argmax: today's score
+    summ = {n: summarise_items(merged[n], n_boot=n_boot, seed=seed) for n in names}
+    for n in names:
+        m, r = merged[n], merged[ref]
+        if "correct" in m and "incorrect" in m:
+            summ[n]["auc_difference_vs_" + ref.replace("/", "_")] = {
+                k: auc_difference(m["correct"][k], m["incorrect"][k], r["correct"][k],
+                                  r["incorrect"][k], n_boot=n_boot, seed=seed)
+                for k in ("icqs_epistemic", "icqs")}
+    return {"variants": summ, "reference": ref,
             "per_doc": {n: [d["compare"]["variants"][n]["auc_correct_vs_incorrect"]
                             .get("icqs_epistemic", {}).get("value") for d in docs]
                         for n in names},
@@ -162,13 +191,22 @@ def compare_table(cmp: dict[str, Any]) -> str:
     groups = list(next(iter(cmp["variants"].values()))["accuracy"])
     head = (f"{'calibration/score':<22} {'AUC c-vs-i Epi.':>19} {'AUC c-vs-i set':>19} "
             f"{'AUC sem-vs-lab Epi.':>19} " + " ".join(f"{g[:10]:>10}" for g in groups))
+    ref = cmp.get("reference")
+    dkey = "auc_difference_vs_" + ref.replace("/", "_") if ref else None
+    if dkey:
+        head += f" {'dAUC Epi. vs ' + ref:>26}"
     lines = [head]
     for name, v in cmp["variants"].items():
         a = v["auc_correct_vs_incorrect"]
         sn = v.get("auc_semantic_vs_labeled_neutral", {})
         acc = " ".join(f"{100 * v['accuracy'][g]['icqs_epistemic']:10.1f}" for g in groups)
+        d = ""
+        if dkey and dkey in v:
+            dv = v[dkey]["icqs_epistemic"]
+            d = f" {dv['value']:+.3f} [{dv['lo']:+.2f},{dv['hi']:+.2f}]".rjust(27)
         lines.append(f"{name:<22} {ci(a.get('icqs_epistemic'))} {ci(a.get('icqs'))} "
-                     f"{ci(sn.get('icqs_epistemic'))} {acc}")
+                     f"{ci(sn.get('icqs_epistemic'))} {acc}{d}")
     lines.append("AUC [bootstrap 95% CI]; accuracy % = ICQS-Epistemic judged as the group's "
-                 "expected verdict (score >= 0.5 = correct)")
+                 "expected verdict (score >= 0.5 = correct)"
+                 + ("; dAUC: paired bootstrap of the difference (same items)" if dkey else ""))
     return "\n".join(lines)
