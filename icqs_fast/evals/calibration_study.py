@@ -210,3 +210,31 @@ def compare_table(cmp: dict[str, Any]) -> str:
                  "expected verdict (score >= 0.5 = correct)"
                  + ("; dAUC: paired bootstrap of the difference (same items)" if dkey else ""))
     return "\n".join(lines)
+
+
+def plot_pooled(tables: dict[str, dict[str, Any]], path: str) -> str:
+    """One panel per pooled comparison (``{title: pool(...)}``): the ICQS-Epistemic
+    correct-vs-incorrect AUC of each variant with its 95 % interval; a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(4.2 * len(tables), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, (title, cmp) in zip(axes[0], tables.items(), strict=True):
+        names = list(cmp["variants"])
+        vals = [cmp["variants"][n]["auc_correct_vs_incorrect"]["icqs_epistemic"] for n in names]
+        y = [v["value"] for v in vals]
+        err = [[v["value"] - v["lo"] for v in vals], [v["hi"] - v["value"] for v in vals]]
+        ax.bar(range(len(names)), y, yerr=err, capsize=3,
+               color=["#888", "#bbb", "#37c", "#8be", "#c63", "#eb8"][:len(names)])
+        ax.axhline(0.5, color="k", lw=0.6, ls=":")
+        ax.set_xticks(range(len(names)), [n.replace("/", "\n") for n in names], fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("AUC correct vs incorrect (Epistemic)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
