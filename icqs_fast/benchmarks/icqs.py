@@ -31,6 +31,12 @@ Fields:
   ``score_agreement == 1.0`` and ``max_abs_loglik_diff <= --tolerance`` (default
   ``LOGLIK_TOL = 1e-4``), after the record is printed and written.
 
+``--calibrate content_free|pmi`` (issue 17) adds ``calibrated_fast_s`` and
+``uncalibrated_fast_s`` (fresh engines, prefix caches included, the two interleaved
+``cold_repeats`` times, medians) and ``calibration_overhead`` = their ratio (the target is
+<= 1.3), plus ``calibration_rows`` (baseline rows scored; each (query, answer) pair once per
+context). Not a pass/fail field: a timing on a shared machine.
+
 ``--random-weights --config llama-1b`` uses a ~1.1B-parameter Llama with random weights (bf16 on
 CUDA, fp32 on the CPU) and the embedded model's tokenizer, for GPU runs; ``--config tiny`` is a
 tiny random Llama (tests).
@@ -226,7 +232,8 @@ def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
 def bench(n_responses: int = 64, device: str | torch.device = "auto",
           random_weights: bool = False, config: str = "llama-1b",
           measure_memory: bool = True, mem_responses: int = 16,
-          settings: dict | None = None, cold_repeats: int = 3) -> dict:
+          settings: dict | None = None, cold_repeats: int = 3,
+          calibrate: str | None = None) -> dict:
     """The benchmark record (fields: see the module docstring). ``settings`` overrides the
     ICQS settings (``num_ratios``, ``demos_per_set``, ``sets_per_ratio``, ``seed``; tests use
     small ones); the memory subprocesses always use the default settings."""
@@ -330,6 +337,9 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "scoring_settings": scorer.settings.fingerprint(),
         "threads": torch.get_num_threads(),
     }
+    if calibrate and calibrate != "none":
+        rec.update(calibration_timing(model, tok, good, bad, resp, settings, calibrate,
+                                      cold_repeats, dev))
     if measure_memory:
         m = min(n_responses, mem_responses)
         pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config)
@@ -340,11 +350,33 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     return rec
 
 
+def calibration_timing(model, tok, good, bad, resp, settings: dict, calibrate: str,
+                       repeats: int, dev: torch.device) -> dict:
+    """Fresh engines without and with ``calibrate`` over ``resp``, interleaved ``repeats``
+    times: the medians and their ratio (see the module docstring)."""
+    times: dict[str, list[float]] = {"none": [], calibrate: []}
+    rows = 0
+    for _ in range(repeats):
+        for cal in ("none", calibrate):
+            _sync(dev)
+            t0 = time.perf_counter()
+            sc = _scorer(model, tok, good, bad, dict(settings, calibration=cal))
+            list(sc.score(resp))
+            _sync(dev)
+            times[cal].append(time.perf_counter() - t0)
+            rows = max(rows, sc.calibration_rows)
+    un, ca = statistics.median(times["none"]), statistics.median(times[calibrate])
+    return {"calibration": calibrate, "uncalibrated_fast_s": round(un, 6),
+            "calibrated_fast_s": round(ca, 6), "calibration_overhead": round(ca / un, 3),
+            "calibration_rows": rows, "response_rows": len(resp) * sc.n_contexts,
+            "calibration_times_s": {k: [round(t, 4) for t in v] for k, v in times.items()}}
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(args.responses, args.device, args.random_weights, args.config,
                 measure_memory=not args.no_memory, mem_responses=args.mem_responses,
-                cold_repeats=args.cold_repeats)
+                cold_repeats=args.cold_repeats, calibrate=getattr(args, "calibrate", None))
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)

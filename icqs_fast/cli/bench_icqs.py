@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs of each side of the cold single-response comparison (median)")
     p.add_argument("--mem-responses", type=int, default=16,
                    help="responses scored in the engine's memory subprocess (default 16)")
+    p.add_argument("--calibrate", default=None, choices=["none", "content_free", "pmi"],
+                   help="also time the engine with this calibration against without it "
+                        "(calibration_overhead; issue 17)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |loglik engine - naive| that passes (default 1e-4); "
                         "the command exits 1, naming the field, when a check fails")

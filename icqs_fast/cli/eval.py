@@ -57,6 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="label-stratified demonstration sets (build_demo_sets(stratify='y')): "
                         "every set holds the same label counts, only correctness changes with r "
                         "(fpb, sst2)")
+    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
+                   help="calibration of the ICQS log-likelihoods (issue 17): content_free = "
+                        "minus log P(y | demos, content-free input), pmi = minus log P(y | "
+                        "demos, domain premise); default none")
+    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
+                   help="ICQS score: the ratio of the most likely context (argmax, default) or "
+                        "the posterior mean of the ratio (mean)")
+    p.add_argument("--compare", action="store_true",
+                   help="also compute every calibration x score variant from the same run "
+                        "(raw and content-free log-likelihoods shared) and print their "
+                        "comparison (AUCs with intervals, accuracy per group)")
+    p.add_argument("--pool-json", default=None, metavar="FILE[,FILE...]",
+                   help="fpb/sst2: run nothing; read these '--compare --json' documents (e.g. "
+                        "one per seed), pool their items and print the comparison table")
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
@@ -115,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.models import load_model
 
     dataset = args.subcommand
+    if args.pool_json:
+        return _pool(args)
     _check(args)
     ns = parse_ns(args.demos_per_set)
     if max(ns) > args.pool:
@@ -126,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         demos_per_set=ns, num_ratios=args.num_ratios, sets_per_ratio=args.sets, seed=args.seed,
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
         n_boot=args.n_boot, backend=args.backend, quiet=args.quiet,
-        baselines=not args.no_baselines, stratify=args.stratify)
+        baselines=not args.no_baselines, stratify=args.stratify,
+        calibration=args.calibrate, score=args.score, compare=args.compare)
     t0 = time.perf_counter()
     if dataset == "chaosnli":
         if args.labels != "original" or args.stratify:
@@ -163,6 +180,35 @@ def run(args: argparse.Namespace) -> int:
         _print_chaosnli(doc, path)
     else:
         _print_sentiment(doc, path)
+    return 0
+
+
+def _pool(args: argparse.Namespace) -> int:
+    """``--pool-json``: the comparison table of several ``--compare --json`` documents' items."""
+    import json
+
+    from icqs_fast.evals import study
+    from icqs_fast.evals.calibration_study import compare_table, pool
+
+    docs = []
+    for f in str(args.pool_json).split(","):
+        with open(f.strip(), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        if "compare" not in doc or doc.get("dataset") != args.subcommand:
+            raise ValueError(f"--pool-json {f}: not an 'eval {args.subcommand} --compare --json' "
+                             "document")
+        docs.append(doc)
+    cmp = pool(docs, n_boot=args.n_boot, seed=args.seed)
+    if args.json:
+        print(study.dumps(study.finite(cmp)))
+        return 0
+    s = docs[0]["settings"]
+    print(f"{DATASET_NAMES[args.subcommand]}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
+          f"stratify {s.get('stratify')}, N={s['demos_per_set']}, M+1={s['num_ratios']}, "
+          f"L={s['sets_per_ratio']}")
+    print(compare_table(cmp))
+    print("Epistemic AUC per run: " + "; ".join(
+        f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
     return 0
 
 
@@ -209,13 +255,20 @@ def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
     print("accuracy % [bootstrap 95% CI] = fraction judged as the expected verdict; rules: "
           "ICQS per set score >= 0.5, Epistemic score >= 0.5, ICL predicted label == response, "
           f"Ask LLM expected rating >= {s['ask_threshold']:g}")
+    if "compare" in doc:
+        from icqs_fast.evals.calibration_study import compare_table
+
+        print("calibration x score comparison (one run; the raw and content-free "
+              "log-likelihoods shared):")
+        print(compare_table(doc["compare"]))
     print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):
         print(f"wrote {p}")
 
 
 def _timing(doc: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items())
+    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items()
+                     if isinstance(v, (int, float)))
 
 
 def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
@@ -240,6 +293,14 @@ def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
             row = "; ".join(f"{m}: " + "/".join(_f(pt[m][k]) for k in ("mae", "ce", "spearman"))
                             for m in ("icqs", "icqs_epistemic", "icl") if m in pt)
             print(f"  N={pt['demos_per_set']}: {row}")
+    if "compare" in doc:
+        print("calibration x score comparison (one run), ICQS-Epistemic / per-set ICQS:")
+        for name, row in doc["compare"].items():
+            print(f"  {name:<22} " + "; ".join(
+                f"{m}: mae {_f(row[m]['mae']['value'])} ce {_f(row[m]['ce']['value'])} "
+                f"spearman {_f(row[m]['spearman']['value'])} "
+                f"[{_f(row[m]['spearman']['lo'])}, {_f(row[m]['spearman']['hi'])}]"
+                for m in ("icqs_epistemic", "icqs")))
     print("distribution rules: " + "; ".join(f"{k}: {v}" for k, v in doc["rules"].items()))
     print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):

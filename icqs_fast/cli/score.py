@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strata-order", choices=["shuffled", "fixed"], default="fixed",
                    help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
                         "position of every set (the last demonstration's label included)")
+    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
+                   help="calibrate the log-likelihoods: content_free = minus log P(y | demos, "
+                        "content-free input) (Zhao et al. 2021), pmi = minus log P(y | demos, "
+                        "domain premise) (Holtzman et al. 2021); default none")
+    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
+                   help="the ratio of the most likely context (argmax, default) or the "
+                        "posterior mean of the ratio (mean)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
@@ -96,7 +103,8 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
                    sets_per_ratio=args.sets_per_ratio, seed=args.seed, mixing=args.mixing,
                    replacement=args.replacement, stratify=args.stratify_field,
                    strata_order=args.strata_order, max_length=args.max_length,
-                   drop_oldest_demos=args.drop_oldest_demos, template=template_spec)
+                   drop_oldest_demos=args.drop_oldest_demos, template=template_spec,
+                   calibration=args.calibrate, score=args.score)
     try:
         return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
                               token_budget=args.token_budget, deterministic=args.deterministic,
@@ -108,6 +116,11 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
 
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.jobs.runner import run_job
+
+    if args.ray and (args.calibrate != "none" or args.score != "argmax"):
+        # The Ray blocks' Parquet schema has no loglik_baseline column yet.
+        raise ValueError("--calibrate / --score are not passed to --ray workers yet; run "
+                         "without --ray")
 
     config = build_config(args)
     try:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from icqs_fast.backends import torch_ref
+from icqs_fast.engine.calibration import calibration_queries
 from icqs_fast.engine.checks import model_max_length, parse_response
 from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.scorer import ICQSResult, summarise
@@ -50,12 +51,17 @@ def icqs_naive(
     to it): float32 as usually written, float64 for an accuracy reference (fp32 log_softmax over
     a 49k vocabulary is off by ~5e-6 per token, which adds up over long responses).
 
+    Calibration (``calibration="content_free"`` / ``"pmi"``) is computed independently too: for
+    every context, one more plain forward per baseline query (each content-free input in the
+    template's query, or the bare premise) over its whole text, no caching; the result's
+    ``loglik_baseline`` is their mean.
+
     Returns:
         one :class:`ICQSResult` per response; ``loglik`` ``[M+1, L]`` fp32 (summed in float64).
     """
     # No check_model here: this path scores the model's own logits, so it is right for models
     # whose head the engine refuses.
-    st = ScoringSettings.build(settings, **options)
+    st = settings_ = ScoringSettings.build(settings, **options)
     template = st.template
     num_ratios, sets_per_ratio = st.num_ratios, st.sets_per_ratio
     drop_oldest_demos = st.drop_oldest_demos
@@ -63,31 +69,23 @@ def icqs_naive(
     ratios = [row[0].ratio for row in sets]
     flat = [s for row in sets for s in row]
     max_len = model_max_length(model, st.max_length)
-    dev = next(model.parameters()).device
     n_ctx = num_ratios * sets_per_ratio
+    queries = [(tpl.format_query(xq), tpl) for tpl, xq in calibration_queries(st)]
     out = []
     for i, item in enumerate(responses):
         x, y = parse_response(i, item)
         ll = torch.zeros(n_ctx, dtype=torch.float64)
+        base = torch.zeros(n_ctx, dtype=torch.float64)
         n_prompt, n_drop, stats, n_resp = [], [], [], []
         for c in range(n_ctx):
             demos = flat[c].examples
-            for d in range(len(demos)):  # drop the oldest demonstrations until it fits
-                before = template.format_prefix(demos[d:]) + template.format_query(x)
-                ids, k0 = _whole_text_ids(tokenizer, before, template.format_response(y))
-                if max_len is None or len(ids) <= max_len or not drop_oldest_demos:
-                    break
-            if max_len is not None and len(ids) > max_len:
-                raise ValueError(f"response {i}: prompt of {len(ids)} tokens exceeds the max "
-                                 f"length {max_len} (context {c})")
-            if k0 == len(ids) or k0 == 0:
-                raise ValueError(f"response {i}: no response tokens or no prompt tokens")
-            t_ids = torch.tensor([ids], device=dev)
-            logits = model(input_ids=t_ids).logits[0].to(compute_dtype)  # [len, V]
-            logp = torch.log_softmax(logits, dim=-1)
-            pos = torch.arange(k0 - 1, len(ids) - 1, device=dev)  # position t predicts t + 1
-            tgt = t_ids[0, k0:]
-            ll[c] = logp[pos, tgt].double().sum()
+            for query, tpl in queries:  # the calibration baseline: the same, another query
+                cal = _plain_loglik(model, tokenizer, demos, tpl, query, y, max_len,
+                                    drop_oldest_demos, compute_dtype, i, c)[0]
+                base[c] += cal / len(queries)
+            ll[c], logits, pos, tgt, k0, d, ids = _plain_loglik(
+                model, tokenizer, demos, template, template.format_query(x), y, max_len,
+                drop_oldest_demos, compute_dtype, i, c, full=True)
             if return_token_stats:
                 stats.append(torch_ref.token_stats(logits[pos], tgt, compute_dtype=compute_dtype)
                              .map(lambda t: t.cpu()))
@@ -103,10 +101,40 @@ def icqs_naive(
                                .reshape(num_ratios, sets_per_ratio, -1)
                                for k in stats[0].as_dict()})
         shape = (num_ratios, sets_per_ratio)
-        out.append(summarise(i, ll.float().reshape(shape), ratios, n_resp[0],
-                             torch.tensor(n_prompt).reshape(shape),
-                             torch.tensor(n_drop).reshape(shape), st))
+        out.append(summarise(i, (ll if queries else ll.float()).reshape(shape), ratios,
+                             n_resp[0], torch.tensor(n_prompt).reshape(shape),
+                             torch.tensor(n_drop).reshape(shape), st,
+                             base.reshape(shape) if queries else None,
+                             calibration=settings_.calibration, score_kind=settings_.score))
     return out
+
+
+def _plain_loglik(model: Any, tokenizer: Any, demos: Sequence, template: Any, query: str,
+                  y: str, max_len: int | None, drop_oldest_demos: bool, compute_dtype: Any,
+                  i: int, c: int, full: bool = False) -> tuple:
+    """``log P(response(y) | prefix(demos) + query)`` by one plain forward over the whole text
+    (dropping the oldest demonstrations until it fits when allowed): ``(loglik, logits,
+    positions, targets, k0, drop, ids)`` (logits etc. only when ``full``)."""
+    dev = next(model.parameters()).device
+    for d in range(len(demos)):  # drop the oldest demonstrations until it fits
+        before = template.format_prefix(demos[d:]) + query
+        ids, k0 = _whole_text_ids(tokenizer, before, template.format_response(y))
+        if max_len is None or len(ids) <= max_len or not drop_oldest_demos:
+            break
+    if max_len is not None and len(ids) > max_len:
+        raise ValueError(f"response {i}: prompt of {len(ids)} tokens exceeds the max "
+                         f"length {max_len} (context {c})")
+    if k0 == len(ids) or k0 == 0:
+        raise ValueError(f"response {i}: no response tokens or no prompt tokens")
+    t_ids = torch.tensor([ids], device=dev)
+    logits = model(input_ids=t_ids).logits[0].to(compute_dtype)  # [len, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    pos = torch.arange(k0 - 1, len(ids) - 1, device=dev)  # position t predicts t + 1
+    tgt = t_ids[0, k0:]
+    ll = logp[pos, tgt].double().sum()
+    if not full:
+        return ll, None, None, None, k0, d, ids
+    return ll, logits, pos, tgt, k0, d, ids
 
 
 def _whole_text_ids(tokenizer: Any, before: str, response: str) -> tuple[list[int], int]:

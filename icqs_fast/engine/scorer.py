@@ -19,6 +19,7 @@ checked per prompt), and the prefix's remaining tokens run with the query and re
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 
 from icqs_fast import ops
 from icqs_fast.engine.batching import PrefixBank, check_padded_kv, suffix_hidden
+from icqs_fast.engine.calibration import calibration_queries, icqs_scores
 from icqs_fast.engine.cascade import supports_cascade
 from icqs_fast.engine.checks import check_model, model_max_length, parse_response
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
@@ -45,15 +47,23 @@ SUFFIX_CHUNK_CPU = 1024
 # every score computed against them - do not depend on the budget.
 DETERMINISTIC_PREFIX_BUDGET = 1024
 
+# Calibration baselines kept per (query, y) (each an [M+1 L] tensor): label-like answers hit it
+# almost always; the oldest finished entries go first beyond this many.
+CALIBRATION_CACHE = 65536
+
 
 @dataclass
 class ICQSResult:
     """Scores of one response.
 
     Attributes:
-        score: ICQS-Epistemic score, ``ratios[argmax_j mean_l loglik[j, l]]``.
-        score_per_set: ``L`` floats, plain ICQS on each set l: ``ratios[argmax_j loglik[j, l]]``.
-        loglik: ``[M+1, L]`` fp32, ``log P(y | demos_{j,l}, x)`` summed over y's tokens.
+        score: ICQS-Epistemic score of :attr:`loglik_calibrated`: ``ratios[argmax_j mean_l
+            loglik_calibrated[j, l]]`` (``score="argmax"``) or the posterior mean
+            ``sum_j q_j r_j`` (``score="mean"``; :func:`icqs_fast.engine.calibration.icqs_scores`).
+        score_per_set: ``L`` floats, plain ICQS on each set l (argmax or posterior mean of
+            column l).
+        loglik: ``[M+1, L]`` fp32, the raw ``log P(y | demos_{j,l}, x)`` summed over y's tokens
+            (whatever the calibration).
         ratios: ``M+1`` floats ``j / M``.
         n_response_tokens: number of scored tokens of y.
         n_prompt_tokens: ``[M+1, L]`` int64, prompt tokens before y (prefix + query) per context.
@@ -63,6 +73,10 @@ class ICQSResult:
         join: the response's first token merges with the text before it under whole-text
             tokenization (after some context; :attr:`PromptLayout.join`): that token is scored
             with the response, and holds characters of the query too.
+        loglik_baseline: ``[M+1, L]`` fp32, what ``calibration`` subtracts: the mean over the
+            content-free inputs of ``log P(y | demos_{j,l}, x_cf)``, or ``log P(y |
+            demos_{j,l}, premise)`` for "pmi"; None for "none".
+        calibration: "none", "content_free" or "pmi"; score_kind: "argmax" or "mean".
     """
 
     score: float
@@ -82,17 +96,34 @@ class ICQSResult:
         ``drop_oldest_demos``; the engine never cuts a prompt otherwise, it refuses it)."""
         return bool(int(self.n_dropped_demos.sum()) > 0)
 
+    loglik_baseline: torch.Tensor | None = None
+    calibration: str = "none"
+    score_kind: str = "argmax"
+
+    @property
+    def loglik_calibrated(self) -> torch.Tensor:
+        """``[M+1, L]`` fp32: ``loglik - loglik_baseline`` (``loglik`` when uncalibrated); the
+        scores are made from it."""
+        if self.loglik_baseline is None:
+            return self.loglik
+        return (self.loglik.double() - self.loglik_baseline.double()).float()
+
 
 def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
               n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None,
-              join: bool = False) -> ICQSResult:
-    """Build an :class:`ICQSResult` from ``loglik`` ``[M+1, L]`` (fp32)."""
+              join: bool = False, baseline: torch.Tensor | None = None, *,
+              calibration: str = "none", score_kind: str = "argmax") -> ICQSResult:
+    """Build an :class:`ICQSResult` from the raw ``loglik`` ``[M+1, L]`` and, when calibrated,
+    its ``baseline`` ``[M+1, L]`` (the scores come from their difference, in float64)."""
     ll = loglik.double()
-    per_set = [ratios[int(k)] for k in torch.argmax(ll, dim=0)]
-    score = ratios[int(torch.argmax(ll.mean(dim=1)))]
+    if baseline is not None:
+        ll = ll - baseline.double()
+    score, per_set = icqs_scores(ll, ratios, score_kind)
     return ICQSResult(score=score, score_per_set=per_set, loglik=loglik.float(), ratios=ratios,
                       n_response_tokens=n_resp, n_prompt_tokens=n_prompt,
-                      n_dropped_demos=n_drop, token_stats=stats, index=index, join=join)
+                      n_dropped_demos=n_drop, token_stats=stats, index=index, join=join,
+                      loglik_baseline=None if baseline is None else baseline.float(),
+                      calibration=calibration, score_kind=score_kind)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -128,6 +159,10 @@ class ICQSScorer:
         max_length: prompt length limit (default: the model's max positions).
         drop_oldest_demos: when a prompt is too long, drop that set's oldest demonstrations
             until it fits instead of raising.
+        calibration, content_free, pmi_premise, score: see :mod:`icqs_fast.engine.calibration`
+            ("none" / "content_free" / "pmi"; "argmax" / "mean"). The baseline prompts (content-
+            free queries, the PMI premise) continue from the same prefix-bank entries; each
+            (query, y) pair is scored once per context and cached.
         return_token_stats: attach per-token :class:`TokenStats` to each result.
         deterministic: batch-invariant mode. Each response runs in suffix forwards of its own
             (all its ``(M+1) L`` contexts in one forward, whatever ``token_budget``; no row of
@@ -187,6 +222,16 @@ class ICQSScorer:
         # context's cached entry (keyed by their ids), and how often that happened.
         self._fallback_entry: dict[tuple[int, ...], int] = {}
         self.seam_fallbacks = 0
+        # Calibration: the baseline (template, x) queries, their tokenizers (the content-free
+        # queries use the settings' template: the same PromptTokens), and the baseline rows of
+        # each (query, y) pair, keyed by (query index, y): scored once per context, shared by
+        # every response with that answer. Never keyed by context: a row is one context's.
+        self.calibration, self.score_kind = st.calibration, st.score
+        self._cal_queries = [
+            (self.tokens if tpl == self.template else PromptTokens(tokenizer, tpl, self.sets), x)
+            for tpl, x in calibration_queries(st)]
+        self._cal_cache: OrderedDict[tuple[int, str], dict] = OrderedDict()
+        self.calibration_rows = 0  # baseline (query, y, context) rows scored (not cached)
 
     @property
     def _budget(self) -> int:
@@ -278,20 +323,81 @@ class ICQSScorer:
                 rec = self._prepare(i, item)
                 pending.append(rec)
                 rows.extend((rec, c) for c in range(c_n))
+                for child in rec["new"]:  # baseline rows not scored or queued before
+                    rows.extend((child, c) for c in range(c_n))
             if not rows:
                 break
             take = self._take(rows)
             batch, rows = rows[:take], rows[take:]
             self._run(batch)
-            while pending and pending[0]["done"] == c_n:
+            while pending and self._ready(pending[0]):
                 yield self._finish(pending.pop(0))
         while pending:  # only reached when every row ran
             yield self._finish(pending.pop(0))
+
+    def _ready(self, rec: dict) -> bool:
+        c_n = self.n_contexts
+        return rec["done"] == c_n and all(ch["done"] == c_n for ch in rec["cal"])
 
     def _prepare(self, i: int, item: Any) -> dict:
         x, y = parse_response(i, item)
         self.tokens.response_parts(i, x, y)  # both parts must give tokens (clear errors)
         lays = self.tokens.layouts(i, x, y, self.max_length, self.drop_oldest_demos)
+        rec = self._prepare_layouts(i, lays)
+        rec["cal"], rec["new"] = self._baseline_recs(i, y)
+        return rec
+
+    def _baseline_recs(self, i: int, y: str) -> tuple[list[dict], list[dict]]:
+        """The baseline records of answer ``y`` (one per calibration query; cached ones reused)
+        and those of them that are new (their rows still to be queued)."""
+        cal: list[dict] = []
+        new: list[dict] = []
+        for q, (tokens, xq) in enumerate(self._cal_queries):
+            key = (q, y)
+            child = self._cal_cache.get(key)
+            if child is None:
+                child = self._prepare_layouts(i, tokens.layouts(
+                    i, xq, y, self.max_length, self.drop_oldest_demos))
+                child["child"] = True
+                self._cal_cache[key] = child
+                new.append(child)
+                self.calibration_rows += self.n_contexts
+                self._trim_cal_cache()
+            else:
+                self._cal_cache.move_to_end(key)
+            cal.append(child)
+        return cal, new
+
+    def baselines(self, answers: Iterable[str]) -> list[torch.Tensor]:
+        """The calibration baseline ``[M+1, L]`` (fp32) of each answer ``y`` alone: what
+        ``score`` subtracts for any response with that answer (it does not depend on ``x``),
+        computing only the baseline rows (cached as in ``score``). ValueError when the settings'
+        calibration is "none"."""
+        if not self._cal_queries:
+            raise ValueError("baselines: this scorer's calibration is 'none'")
+        c_n = self.n_contexts
+        ys = [parse_response(i, ("", y))[1] for i, y in enumerate(answers)]
+        cals, rows = [], []
+        for i, y in enumerate(ys):
+            cal, new = self._baseline_recs(i, y)
+            cals.append(cal)
+            rows.extend((ch, c) for ch in new for c in range(c_n))
+        while rows:
+            take = self._take(rows)
+            self._run(rows[:take])
+            rows = rows[take:]
+        m1, ls = self.num_ratios, self.sets_per_ratio
+        return [torch.stack([ch["loglik"] for ch in cal]).mean(dim=0).reshape(m1, ls).float()
+                for cal in cals]
+
+    def _trim_cal_cache(self) -> None:
+        while len(self._cal_cache) > CALIBRATION_CACHE:
+            key, oldest = next(iter(self._cal_cache.items()))
+            if oldest["done"] != self.n_contexts:
+                break  # still queued: kept (responses in flight hold it anyway)
+            del self._cal_cache[key]
+
+    def _prepare_layouts(self, i: int, lays: list[PromptLayout]) -> dict:
         entries = [self._entry_of(i, c, lay) for c, lay in enumerate(lays)]
         plen = [self.prefix_bank.lengths[e] for e in entries]
         # Row c runs ids[plen:-1] against its entry; suffix position n_prompt - 1 - plen + t
@@ -302,7 +408,7 @@ class ICQSScorer:
                 "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
                 "entries": entries, "plen": plen, "join": any(lay.join for lay in lays),
                 "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
-                "stats": [None] * self.n_contexts, "done": 0}
+                "stats": [None] * self.n_contexts, "done": 0, "cal": [], "new": []}
 
     def _row_cost(self, rows: list[tuple[dict, int]]) -> int:
         if not rows:
@@ -359,14 +465,20 @@ class ICQSScorer:
         start = 0
         for (rec, c), nr in zip(batch, seg, strict=True):
             rec["loglik"][c] = lp[start:start + nr].sum()
-            if st_host is not None:
+            if st_host is not None and not rec.get("child"):
                 rec["stats"][c] = st_host.map(lambda t, a=start, b=start + nr: t[a:b])
             rec["done"] += 1
             start += nr
+            if rec.get("child") and rec["done"] == self.n_contexts:
+                # A finished baseline keeps its log-likelihoods only.
+                for k in ("suffix", "rstart", "entries", "plen", "stats"):
+                    rec.pop(k, None)
 
     def _finish(self, rec: dict) -> ICQSResult:
         m1, ls = self.num_ratios, self.sets_per_ratio
-        ll = rec["loglik"].float().reshape(m1, ls)
+        ll = rec["loglik"].reshape(m1, ls)
+        if not rec["cal"]:
+            ll = ll.float()  # the uncalibrated scores from fp32 log-likelihoods, as always
         n_prompt = torch.tensor(rec["n_prompt"], dtype=torch.long).reshape(m1, ls)
         n_drop = torch.tensor(rec["drops"], dtype=torch.long).reshape(m1, ls)
         stats = None
@@ -376,5 +488,9 @@ class ICQSScorer:
                 k: torch.stack([getattr(p, k) for p in parts]).reshape(m1, ls, -1)
                 for k in parts[0].as_dict()
             })
+        base = None
+        if rec["cal"]:
+            base = torch.stack([ch["loglik"] for ch in rec["cal"]]).mean(dim=0).reshape(m1, ls)
         return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
-                         stats, join=rec["join"])
+                         stats, join=rec["join"], baseline=base, calibration=self.calibration,
+                         score_kind=self.score_kind)

@@ -19,10 +19,16 @@ DEFAULT_TOKEN_BUDGET = 16384
 
 # Options that change an ICQS result (demonstration sets, prompt text, truncation).
 RESULT_FIELDS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "mixing", "replacement",
-                 "stratify", "strata_order", "template", "max_length", "drop_oldest_demos")
+                 "stratify", "strata_order", "template", "max_length", "drop_oldest_demos",
+                 "calibration", "content_free", "pmi_premise", "score")
 # Engine-only options: how the engine computes, not what (the reference ignores them).
 ENGINE_FIELDS = ("backend", "token_budget", "cascade", "deterministic")
 TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
+CALIBRATIONS = ("none", "content_free", "pmi")
+SCORE_KINDS = ("argmax", "mean")
+# Content-free inputs of contextual calibration (Zhao et al. 2021 average "N/A", "" and
+# "[MASK]"); each is put in the template's query in place of x.
+DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
 
 
 def _int_at_least(name: str, v: Any, lo: int) -> None:
@@ -58,6 +64,15 @@ class ScoringSettings:
     :class:`Template`; None gives the default one), ``max_length`` (None: the model's),
     ``drop_oldest_demos``.
 
+    Calibration and the score (:mod:`icqs_fast.engine.calibration`): ``calibration`` "none"
+    (the paper's ``log P(y | demos, x)``), "content_free" (contextual calibration, Zhao et al.
+    2021: minus the mean over ``content_free`` inputs x_cf of ``log P(y | demos, x_cf)``, each
+    x_cf in the template's query) or "pmi" (domain-conditional PMI, Holtzman et al. 2021: minus
+    ``log P(y | demos, premise)``, the premise replacing the whole query; ``pmi_premise`` None =
+    the template's query text after ``{x}`` without leading whitespace, e.g. "Answer:");
+    ``score`` "argmax" (the paper's ratio of the most likely context) or "mean" (the posterior
+    mean ``sum_j q_j r_j``).
+
     Engine-only options (no effect on the reference, not in :meth:`fingerprint`): ``backend``,
     ``token_budget``, ``cascade``, ``deterministic`` (batch-invariant mode: each response runs in
     forwards whose shapes depend on that response alone, so its numbers are bit-identical
@@ -75,6 +90,10 @@ class ScoringSettings:
     template: Template = field(default_factory=Template)
     max_length: int | None = None
     drop_oldest_demos: bool = False
+    calibration: str = "none"
+    content_free: tuple[str, ...] = DEFAULT_CONTENT_FREE
+    pmi_premise: str | None = None
+    score: str = "argmax"
     # -- engine-only
     backend: str = "auto"
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -103,6 +122,18 @@ class ScoringSettings:
                             f"{type(self.template).__name__}")
         if self.max_length is not None:
             _int_at_least("max_length", self.max_length, 1)
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got "
+                             f"{self.calibration!r}")
+        if self.score not in SCORE_KINDS:
+            raise ValueError(f"score must be one of {SCORE_KINDS}, got {self.score!r}")
+        cf = self.content_free
+        if isinstance(cf, str) or not isinstance(cf, Sequence) or not cf \
+                or not all(isinstance(t, str) for t in cf):
+            raise ValueError(f"content_free must be a non-empty sequence of str, got {cf!r}")
+        object.__setattr__(self, "content_free", tuple(cf))
+        if self.pmi_premise is not None and not isinstance(self.pmi_premise, str):
+            raise ValueError(f"pmi_premise must be None or a str, got {self.pmi_premise!r}")
         if not isinstance(self.backend, str):
             raise ValueError(f"backend must be a str, got {self.backend!r}")
         _int_at_least("token_budget", self.token_budget, 1)
@@ -152,6 +183,8 @@ class ScoringSettings:
             return {k: getattr(v, k) for k in TEMPLATE_FIELDS}
         if name == "stratify" and isinstance(v, tuple):
             return [list(s) if isinstance(s, tuple) else s for s in v]
+        if name == "content_free":
+            return list(v)
         return v
 
     def fingerprint(self) -> dict[str, Any]:
@@ -163,6 +196,14 @@ class ScoringSettings:
     def engine_options(self) -> dict[str, Any]:
         """The engine-only options (JSON-able)."""
         return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+    def premise(self) -> str:
+        """The domain premise of ``calibration="pmi"``: ``pmi_premise``, or the template's
+        query text after ``{x}`` without its leading whitespace ("Answer:" for the default
+        template)."""
+        if self.pmi_premise is not None:
+            return self.pmi_premise
+        return self.template.query.split("{x}", 1)[1].lstrip()
 
     def asdict(self) -> dict[str, Any]:
         """Every field as a JSON-able dict: :meth:`fingerprint` then :meth:`engine_options`."""

@@ -148,6 +148,9 @@ class StudySettings:
     quiet: bool = False
     baselines: bool = True
     stratify: bool = False
+    calibration: str = "none"
+    score: str = "argmax"
+    compare: bool = False  # every calibration x score kind from one run (calibration_study)
 
 
 def _icqs_scores(model: Any, tok: Any, good: Sequence, bad: Sequence,
@@ -165,13 +168,15 @@ def scoring_settings(n: int, st: StudySettings, template: Any = None) -> Any:
     """The :class:`icqs_fast.engine.settings.ScoringSettings` of a study run with ``n``
     demonstrations per set: label-stratified sets (fixed label order) when ``st.stratify``, else
     unstratified as in the study (explicitly: the engine's own default is ``stratify="auto"``);
-    the oldest demonstrations dropped when a prompt is too long."""
+    the oldest demonstrations dropped when a prompt is too long; ``st.calibration`` and
+    ``st.score``."""
     from icqs_fast.engine.settings import ScoringSettings
 
     return ScoringSettings(num_ratios=st.num_ratios, demos_per_set=n,
                            sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
                            backend=st.backend, drop_oldest_demos=True,
-                           stratify="y" if st.stratify else None)
+                           stratify="y" if st.stratify else None,
+                           calibration=st.calibration, score=st.score)
 
 
 def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,
@@ -225,7 +230,9 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
     ratios: list[float] = []
     for n in st.demos_per_set:
         t0 = time.perf_counter()
-        results = _icqs_scores(model, tok, data.good, data.bad, responses, n, st)
+        variants = _variants(model, tok, data.good, data.bad, responses, n, st, timing)
+        results = variants[f"{st.calibration}/{st.score}"] if variants else \
+            _icqs_scores(model, tok, data.good, data.bad, responses, n, st)
         timing["icqs"] += time.perf_counter() - t0
         by = dict(zip(responses, results, strict=True))
         ratios = list(results[0].ratios)
@@ -280,9 +287,31 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
         ranking = synthetic_ranking(data.polar, lookup, seed=st.seed, n_boot=st.n_boot)
         per_n[n] = {"groups": summary, "ranking": ranking,
                     "separation": _separation(item_vals, st.baselines)}
+        if variants:
+            from icqs_fast.evals.calibration_study import compare_sentiment
+
+            per_n[n]["compare"] = compare_sentiment(
+                {k: dict(zip(responses, v, strict=True)) for k, v in variants.items()}, groups,
+                n_boot=st.n_boot, seed=st.seed)
         items[n] = item_vals
     return {"per_n": per_n, "items": items, "ratios": ratios,
-            "timing": {k: round(v, 2) for k, v in timing.items()}}
+            "timing": {k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}}
+
+
+def _variants(model: Any, tok: Any, good: Sequence, bad: Sequence,
+              responses: Sequence[tuple[str, str]], n: int, st: StudySettings,
+              timing: dict[str, Any], template: Any = None) -> dict[str, list]:
+    """With ``st.compare``: every calibration x score variant's results from one run
+    (:func:`icqs_fast.evals.calibration_study.score_variants`), its timing in
+    ``timing["calibration"]``; else {}."""
+    if not st.compare:
+        return {}
+    from icqs_fast.evals.calibration_study import score_variants
+
+    out, t = score_variants(model, tok, good, bad, responses, scoring_settings(n, st, template),
+                            desc=f"ICQS N={n}", quiet=st.quiet)
+    timing["calibration"] = t
+    return out
 
 
 def _separation(item_vals: dict[str, Any], baselines: bool) -> dict[str, Any]:
@@ -356,13 +385,13 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
     timing = {"icl": 0.0, "icqs": 0.0}
     for n in st.demos_per_set:
         t0 = time.perf_counter()
-        results = _icqs_scores(model, tok, good, bad, responses, n, st, template=tpl)
+        variants = _variants(model, tok, good, bad, responses, n, st, timing, template=tpl)
+        results = variants[f"{st.calibration}/{st.score}"] if variants else \
+            _icqs_scores(model, tok, good, bad, responses, n, st, template=tpl)
         timing["icqs"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         ratios = list(results[0].ratios)
-        pred = {"icqs": np.stack([icqs_distribution(r.score_per_set) for r in results]),
-                "icqs_epistemic": np.stack([epistemic_distribution(r.loglik, r.ratios)
-                                            for r in results])}
+        pred = _nli_preds(results)
         if st.baselines:
             k_e = n - n // 2
             demos_e = _demo_sample([(_nli_x(it), "entailment") for it in data.good], k_e, st.seed)
@@ -378,11 +407,30 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
         timing["icl"] += time.perf_counter() - t0
         per_n[n] = {m: distribution_metrics(p, human, n_boot=st.n_boot, seed=st.seed)
                     for m, p in pred.items()}
+        if variants:
+            per_n[n]["compare"] = {
+                name: {m: distribution_metrics(p, human, n_boot=st.n_boot, seed=st.seed)
+                       for m, p in _nli_preds(rs).items()} for name, rs in variants.items()}
         items[n] = {"pred": pred, "score": [r.score for r in results],
                     "loglik": np.stack([r.loglik.double().numpy() for r in results]),
                     "majority": [it.majority for it in data.test]}
     return {"per_n": per_n, "items": items, "human": human, "ratios": ratios,
-            "timing": {k: round(v, 2) for k, v in timing.items()}}
+            "timing": {k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}}
+
+
+def _nli_preds(results: Sequence[Any]) -> dict[str, np.ndarray]:
+    """ICQS and ICQS-Epistemic (e, n, c) distributions of (calibrated) results: the tent of each
+    set's score averaged; Epistemic: the posterior over ratios pushed through the tent
+    (``score="argmax"``), or the tent of the posterior-mean score (``score="mean"``)."""
+    from icqs_fast.evals.study_metrics import tent
+
+    def epi(r: Any) -> np.ndarray:
+        if r.score_kind == "mean":
+            return tent(r.score)
+        return epistemic_distribution(r.loglik_calibrated, r.ratios)
+
+    return {"icqs": np.stack([icqs_distribution(r.score_per_set) for r in results]),
+            "icqs_epistemic": np.stack([epi(r) for r in results])}
 
 
 # --------------------------------------------------------------------------- JSON
@@ -409,6 +457,7 @@ def sentiment_json(out: dict[str, Any], *, dataset: str, model: str, seconds: fl
                         "interval": [per["ranking"]["spearman_lo"], per["ranking"]["spearman_hi"]],
                         "models": per["ranking"]["models"]},
             "separation": per["separation"],
+            **({"compare": per["compare"]} if "compare" in per else {}),
         }
 
     doc = {"dataset": dataset, "model": model, "seconds": round(seconds, 2), **flat(main),
@@ -418,7 +467,8 @@ def sentiment_json(out: dict[str, Any], *, dataset: str, model: str, seconds: fl
            "settings": {"demos_per_set": max(ns), "num_ratios": st.num_ratios,
                         "sets_per_ratio": st.sets_per_ratio, "seed": st.seed,
                         "ask_threshold": st.ask_threshold, "n_boot": st.n_boot,
-                        "stratify": st.stratify},
+                        "stratify": st.stratify, "calibration": st.calibration,
+                        "score": st.score},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
     return _finite(doc)
 
@@ -430,9 +480,12 @@ def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudyS
     ns = list(st.demos_per_set)
 
     def flat(per: dict) -> dict[str, Any]:
-        d: dict[str, Any] = {m: {k: _v(v) for k, v in row.items()} for m, row in per.items()}
+        main = {m: row for m, row in per.items() if m != "compare"}
+        d: dict[str, Any] = {m: {k: _v(v) for k, v in row.items()} for m, row in main.items()}
         d["intervals"] = {m: {k: [v["lo"], v["hi"]] for k, v in row.items()}
-                          for m, row in per.items()}
+                          for m, row in main.items()}
+        if "compare" in per:
+            d["compare"] = per["compare"]
         return d
 
     doc = {"dataset": "chaosnli", "model": model, "seconds": round(seconds, 2),
@@ -440,7 +493,8 @@ def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudyS
            "timing": out["timing"],
            "settings": {"demos_per_set": max(ns), "num_ratios": st.num_ratios,
                         "sets_per_ratio": st.sets_per_ratio, "seed": st.seed,
-                        "n_boot": st.n_boot, "stratify": st.stratify},
+                        "n_boot": st.n_boot, "stratify": st.stratify,
+                        "calibration": st.calibration, "score": st.score},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
     return _finite(doc)
 
@@ -454,6 +508,11 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
+
+def finite(obj: Any) -> Any:
+    """NaN / inf -> None, recursively (strict JSON)."""
+    return _finite(obj)
 
 
 def dumps(doc: dict[str, Any]) -> str:

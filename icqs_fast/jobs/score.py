@@ -155,6 +155,8 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
         score=res.score,
         score_per_set=list(res.score_per_set),
         loglik=res.loglik.tolist(),
+        **({"loglik_baseline": res.loglik_baseline.tolist()}
+           if getattr(res, "loglik_baseline", None) is not None else {}),
         ratios=list(res.ratios),
         n_response_tokens=int(res.n_response_tokens),
         n_prompt_tokens=res.n_prompt_tokens.tolist(),
