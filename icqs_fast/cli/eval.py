@@ -189,6 +189,7 @@ def _pool(args: argparse.Namespace) -> int:
 
     from icqs_fast.evals import study
     from icqs_fast.evals.calibration_study import compare_table, pool
+    from icqs_fast.evals.plots import DATASET_NAMES
 
     docs = []
     for f in str(args.pool_json).split(","):
