@@ -327,7 +327,10 @@ def test_one_prefix_forward_per_record_for_all_options(tiny):
 
     def pre(mod, args, kwargs):
         ids = kwargs["input_ids"]
-        if isinstance(kwargs.get("past_key_values"), _BankWriter):
+        # The engine passes its cache as `cache=` where the model takes it, else as
+        # `past_key_values=`.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, _BankWriter):
             # A prefix-bank forward: its real (non-pad) new tokens, the mask's last T columns.
             seen["bank"] += int(kwargs["attention_mask"][:, -ids.shape[1]:].sum())
         else:

@@ -112,7 +112,7 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
     assert "pass --resume" in capsys.readouterr().err
     # Other settings than the output was written with: refused.
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--seed", "2") == 2
-    assert "other settings (seed: 1 there, 2 now)" in capsys.readouterr().err
+    assert "other settings (--seed: 1 there, 2 now)" in capsys.readouterr().err
 
     _jsonl(inp, RESPONSES)  # fixed
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--token-budget", "4000") == 0
@@ -154,7 +154,8 @@ def test_on_error_skip(files, tiny_dir, capsys):
     err = capsys.readouterr().err
     assert f"skipping bad record: {inp}:2: invalid JSON" in err
     assert f"skipping bad record: {inp}:4: field 'y': must be a string, got int 5" in err
-    assert f"skipping bad record: {inp}:6: prompt of" in err
+    # The query and response alone are over the limit: said so (not "drop demonstrations").
+    assert f"skipping bad record: {inp}:6: the query and response alone are" in err
     assert "3 bad records skipped" in err
     rows = _read(out)
     # Skipped records keep their place in the output (a resume neither redoes nor loses them).
@@ -165,7 +166,7 @@ def test_on_error_skip(files, tiny_dir, capsys):
                                  "quotes at column 2)"}}
     assert rows[3]["error"] == {"field": "y", "reason": "must be a string, got int 5"}
     assert rows[5]["error"]["field"] is None
-    assert rows[5]["error"]["reason"].startswith("prompt of")
+    assert rows[5]["error"]["reason"].startswith("the query and response alone are")
 
 
 def test_too_long_record_stops_after_earlier_ones(files, tiny_dir, capsys):
@@ -178,7 +179,8 @@ def test_too_long_record_stops_after_earlier_ones(files, tiny_dir, capsys):
     out = d / "out.jsonl"
     assert _score(inp, out, g, b, tiny_dir, "--max-length", "120", "--token-budget",
                   "4000") == 2
-    assert f"icqs-fast: error: {inp}:6: prompt of" in capsys.readouterr().err
+    assert f"icqs-fast: error: {inp}:6: the query and response alone are" in \
+        capsys.readouterr().err
     assert [r["index"] for r in _read(out)] == [0, 1, 2, 3, 4]
 
 
@@ -304,7 +306,7 @@ def test_score_records_errors_are_typed_not_parsed(loaded):
     assert [(k, v if k == "ok" else (v.index, v.line, v.field)) for k, v in events] == [
         ("ok", 0), ("err", (1, 2, "y")), ("err", (2, 3, None)), ("err", (3, 4, "answer")),
         ("ok", 4)]
-    assert str(events[2][1]).startswith("in.jsonl:3: prompt of ")
+    assert str(events[2][1]).startswith("in.jsonl:3: the query and response alone are ")
     # Without on_error: the records before the first bad one come out, then it is raised.
     got = []
     with pytest.raises(RecordError) as ei:

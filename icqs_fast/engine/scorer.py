@@ -111,7 +111,7 @@ class ICQSResult:
 
 def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
               n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None,
-              join: bool = False, baseline: torch.Tensor | None = None, *,
+              baseline: torch.Tensor | None = None, *, join: bool = False,
               calibration: str = "none", score_kind: str = "argmax") -> ICQSResult:
     """Build an :class:`ICQSResult` from the raw ``loglik`` ``[M+1, L]`` and, when calibrated,
     its ``baseline`` ``[M+1, L]`` (the scores come from their difference, in float64)."""

@@ -12,6 +12,7 @@ backend; the ``softmax_combo`` constants) is added by the job.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,7 +199,10 @@ class ScoreJobConfig(JobConfig):
             "good_sha256": file_sha256(self.good),
             "bad_sha256": file_sha256(self.bad),
         }
-        fp.update((_FINGERPRINT_NAMES.get(k, k), v) for k, v in self.scoring.items())
+        # As JSON holds them (tuples become lists), so a fingerprint read back from the run
+        # metadata compares equal.
+        fp.update((_FINGERPRINT_NAMES.get(k, k), json.loads(json.dumps(v)))
+                  for k, v in self.scoring.items())
         fp.update(self._record_fingerprint())
         if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
             # Only when they differ, so that outputs written before the option still resume.
