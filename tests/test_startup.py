@@ -47,3 +47,17 @@ def test_help_imports_no_heavy_module(path):
                                   ["eval", "sst2", "--ns", "x"], ["nope"]])
 def test_argument_errors_import_no_heavy_module(argv):
     assert _heavy_after(argv) == ""
+
+
+def test_every_option_has_help():
+    """Issue 19.9: every option of every command says what it does in --help."""
+    import argparse
+    import importlib
+
+    missing = []
+    for path, mod, _ in COMMANDS:
+        p = argparse.ArgumentParser()
+        importlib.import_module(mod).add_arguments(p)
+        missing += [f"{' '.join(path)} {a.option_strings[0] if a.option_strings else a.dest}"
+                    for a in p._actions if not a.help and a.dest != "help"]
+    assert not missing, missing

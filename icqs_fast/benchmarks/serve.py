@@ -176,8 +176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop sending after this many seconds (default 120)")
     p.add_argument("--shots", type=int, default=4, help="shared few-shot demonstrations")
     p.add_argument("--logprobs", type=int, default=1, help="top-N alternatives per token")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="the server's --batch-wait-ms (default 5)")
+    p.add_argument("--device", default="cpu", help="the server's model device (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
 

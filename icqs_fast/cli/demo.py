@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-ratios", type=int, default=5, help="M+1 (default 5)")
     p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")
     p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--fpb", action="store_true",

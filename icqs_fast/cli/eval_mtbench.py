@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=list(ALL_FEATURES) + list(ENSEMBLE_FEATURES), metavar="FEATURE",
                    help=f"features (default all of {' '.join(ALL_FEATURES)}; "
                         "unt_exp / unt_var run the 7-prompt ensemble)")
-    p.add_argument("--mode", default="standard", choices=list(MODES))
+    p.add_argument("--mode", default="standard", choices=list(MODES),
+                   help="standard, or the selfeval reference code's formulas (selfeval-compat)")
     p.add_argument("--reference", default="none", choices=["none", "illustrate", "calibrate"],
                    help="reference augmentation for questions with a GPT-4 reference answer")
     p.add_argument("--calibration-factor", type=float, default=1.0,

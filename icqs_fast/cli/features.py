@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="FEATURE",
                    help="feature names, space- or comma-separated (as in eval mtbench; "
                    f"default: all of {' '.join(DEFAULT_FEATURES)})")
-    p.add_argument("--mode", choices=["standard", "selfeval-compat"], default="standard")
+    p.add_argument("--mode", choices=["standard", "selfeval-compat"], default="standard",
+                   help="standard, or the formulas of the selfeval reference code "
+                   "(selfeval-compat; docs/scoring_files.md)")
     p.add_argument("--batch-size", type=int, default=8, help="items per padded forward")
     p.add_argument("--chunk-size", type=int, default=128,
                    help="records per glassbox call, sorted by length into batches")

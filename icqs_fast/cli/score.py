@@ -48,8 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-ratios", type=int, default=5, help="M+1 ratios j/M (default 5)")
     p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")
     p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mixing", choices=["exact", "bernoulli"], default="exact")
+    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
+    p.add_argument("--mixing", choices=["exact", "bernoulli"], default="exact",
+                   help="good demonstrations per set: exact (round(r N)) or bernoulli "
+                   "(each one good with probability r)")
     p.add_argument("--replacement", action="store_true",
                    help="draw demonstrations with replacement (small pools)")
     p.add_argument("--stratify-field", default="auto", metavar="FIELD",

@@ -24,32 +24,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="token-statistics backend of /v1/score")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs --api-key)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("ICQS_FAST_API_KEY"),
                    help="bearer token every route requires (default: $ICQS_FAST_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="model id of /v1/models (default: --model, or 'embedded')")
     p.add_argument("--good", default=None, help="good demonstrations (JSONL/CSV/TSV x,y) for ICQS")
     p.add_argument("--bad", default=None, help="bad demonstrations for ICQS")
-    p.add_argument("--num-ratios", type=int, default=5)
-    p.add_argument("--demos-per-set", type=int, default=8)
-    p.add_argument("--sets-per-ratio", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--num-ratios", type=int, default=5, help="/v1/score: M+1 ratios (default 5)")
+    p.add_argument("--demos-per-set", type=int, default=8, help="/v1/score: N (default 8)")
+    p.add_argument("--sets-per-ratio", type=int, default=4, help="/v1/score: L (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body; larger: 413 (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="longest prompt in tokens; longer: 400 (default %(default)s)")
     p.add_argument("--max-prompts", type=int, default=d.max_prompts,
                    help="prompts (or records) per request")
-    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="largest logprobs=N (top-N alternatives) a request may ask for "
+                   "(default %(default)s)")
     p.add_argument("--max-gen-tokens", type=int, default=d.max_gen_tokens,
                    help="largest max_tokens (greedy generation)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="prompts admitted and not yet answered; past it: 429")
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
                    help="how long a request waits for others to share a batch with")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="tokens per engine call over the queued requests (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
 
 def run(args: argparse.Namespace) -> int:
