@@ -163,3 +163,11 @@ def track(iterable: Iterable[T], *, total: int | None = None, desc: str = "",
         for item in iterable:
             yield item
             p.update(1)
+
+
+def quiet_transformers() -> None:
+    """--quiet: no "Loading weights" progress bar, only errors from transformers' logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

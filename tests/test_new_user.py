@@ -284,7 +284,9 @@ def test_eval_prints_short_intervals_and_named_curve_columns(tiny, capsys):
     assert main(["eval", "sst2", "--data", str(data), "--model", str(tiny[0]), "--limit", "2",
                  "--demos-per-set", "1,2", "--num-ratios", "2", "--sets-per-ratio", "1",
                  "--pool", "4", "--no-baselines", "--n-boot", "20", "--quiet"]) == 0
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
+    assert "Loading weights" not in cap.err and "past_key_values" not in cap.err  # --quiet
     assert not re.search(r"\d\.\d{5,}", out), out  # no long floats anywhere
     curve = [x for x in out.splitlines() if x.strip().startswith("N=")]
     assert len(curve) == 2 and all("correct: icqs " in x and "icqs_epistemic " in x

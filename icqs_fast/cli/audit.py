@@ -191,6 +191,10 @@ def _clean(x: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "quiet", False):  # quiet means only errors, transformers' output too
+        from icqs_fast.progress import quiet_transformers
+
+        quiet_transformers()
     from icqs_fast.allure.data import default_path
 
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))

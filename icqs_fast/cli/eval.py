@@ -123,6 +123,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one study command; 0 on success (bad input raises, which the CLI turns into 2)."""
+    if getattr(args, "quiet", False):  # quiet means only errors, transformers' output too
+        from icqs_fast.progress import quiet_transformers
+
+        quiet_transformers()
     import torch
 
     from icqs_fast.evals import study, study_data

@@ -50,6 +50,10 @@ def _fmt(v: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "quiet", False):  # quiet means only errors, transformers' output too
+        from icqs_fast.progress import quiet_transformers
+
+        quiet_transformers()
     import torch
 
     from icqs_fast.features.ensembles import prompt_ensemble

@@ -40,6 +40,7 @@ from icqs_fast.io.runs import (
     start_output,
 )
 from icqs_fast.jobs.config import EXECUTORS, FeatureJobConfig, JobConfig, ScoreJobConfig
+from icqs_fast.progress import quiet_transformers
 
 Log = Callable[..., None]
 
@@ -179,14 +180,6 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-
-
-def quiet_transformers() -> None:
-    """--quiet: no "Loading weights" progress bar, only errors from transformers' logging."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
