@@ -157,7 +157,7 @@ class ICQSBatchScorer:
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",
                 on_error: Any = None):
-        """``(record, ICQSResult)`` for the good items, in order (``score_cli.score_records``
+        """``(record, ICQSResult)`` for the good items, in order (``jobs.score.score_records``
         rules: ``on_error`` gets each bad item; without it the first bad one is raised)."""
         from icqs_fast.jobs.score import score_records
 
@@ -196,7 +196,7 @@ class GlassboxBatchScorer:
 
     Args:
         model, dtype, device, load_in_8bit, load_in_4bit: as :class:`ICQSBatchScorer`.
-        features: feature names (default: ``features_cli.DEFAULT_FEATURES``).
+        features: feature names (default: ``jobs.config.DEFAULT_FEATURES``).
         mode, batch_size, backend, system_prompt, deterministic: as
             :func:`icqs_fast.features.glassbox`.
         chunk_size: records per ``glassbox`` call (records with the same ``index //
@@ -230,7 +230,7 @@ class GlassboxBatchScorer:
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",
                 on_error: Any = None):
-        """``(record, row)`` for the good items, in order (``features_cli.feature_records``
+        """``(record, row)`` for the good items, in order (``jobs.features.feature_records``
         rules)."""
         from icqs_fast.jobs.features import feature_records
 
