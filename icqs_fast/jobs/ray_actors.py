@@ -116,6 +116,9 @@ class ICQSBatchScorer:
         "auto" or the per-file label lists of ``jobs.score.resolve_stratify``).
         x_field, y_field: the batch columns with the prompt and the response (and the fields
         of the demonstration files, read with ``encoding``).
+        scoring: the other :class:`~icqs_fast.engine.settings.ScoringSettings` options
+            (``calibration``, ``content_free``, ``pmi_premise``, ``score``), passed on as they
+            are, so the job's settings reach the actors whole.
 
     Attributes:
         model, tokenizer, scorer: the loaded model and the :class:`ICQSScorer` (its prefix bank
@@ -132,7 +135,8 @@ class ICQSBatchScorer:
                  strata_order: str = "fixed", backend: str = "auto",
                  token_budget: int | None = None, max_length: int | None = None,
                  drop_oldest_demos: bool = False, x_field: str = "x", y_field: str = "y",
-                 encoding: str = "utf-8", deterministic: bool = False) -> None:
+                 encoding: str = "utf-8", deterministic: bool = False,
+                 **scoring: Any) -> None:
         from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, ICQSScorer
         from icqs_fast.models import load_model
@@ -151,7 +155,8 @@ class ICQSBatchScorer:
             seed=seed, mixing=mixing, replacement=replacement, stratify=stratify,
             strata_order=strata_order, backend=backend,
             token_budget=token_budget or DEFAULT_TOKEN_BUDGET, max_length=max_length,
-            drop_oldest_demos=drop_oldest_demos, deterministic=deterministic)
+            drop_oldest_demos=drop_oldest_demos, deterministic=deterministic,
+            **scoring)  # the other ScoringSettings options (calibration, score, ...)
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
         self.runtime = runtime_settings(self.model, backend)
 
