@@ -44,7 +44,7 @@ from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
-           "resolve_stratify", "result_record", "score_records", "scorer_kwargs"]
+           "resolve_stratify", "result_record", "score_records", "scoring_settings"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -251,10 +251,6 @@ def scoring_settings(config: ScoreJobConfig) -> ScoringSettings:
         deterministic=config.deterministic))
 
 
-def scorer_kwargs(config: ScoreJobConfig) -> dict[str, Any]:
-    """ICQSScorer's keyword arguments for the config: its settings object."""
-    return {"settings": scoring_settings(config)}
-
 
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
@@ -278,8 +274,8 @@ class ScoreStrategy:
         ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
         self.good = read_examples(c.good, **ex_kw)
         self.bad = read_examples(c.bad, **ex_kw)
-        self.kw = scorer_kwargs(c)
-        sets = build_demo_sets(self.good, self.bad, **self.kw["settings"].demo_set_options())
+        self.settings = scoring_settings(c)
+        sets = build_demo_sets(self.good, self.bad, **self.settings.demo_set_options())
         strata = sets[0][0].strata
         spec = c.scoring["stratify"]
         if strata is None:
@@ -298,16 +294,16 @@ class ScoreStrategy:
         from icqs_fast.models import load_model
 
         c = self.config
-        if not hasattr(self, "kw"):
+        if not hasattr(self, "settings"):
             self.prepare(log)
-        good, bad, kw = self.good, self.bad, self.kw
+        good, bad = self.good, self.bad
         t_load = time.perf_counter()
         model, tok = load_model(None if c.model == "embedded" else c.model, dtype=c.dtype,
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
         settings.update(runtime_settings(model, c.backend))  # checked by the runner
-        self.scorer = ICQSScorer(model, tok, good, bad, **kw)
+        self.scorer = ICQSScorer(model, tok, good, bad, self.settings)
         s = c.scoring
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
             f"demonstrations, {s['num_ratios']} ratios x {s['sets_per_ratio']} sets of "
