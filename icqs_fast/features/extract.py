@@ -265,6 +265,18 @@ def _attn_summary(ent: torch.Tensor | None, r: int, p: int, n: int) -> dict[str,
     return {"attn_ent_avg": float(per_head.mean()), "attn_ent_min": float(per_head.min())}
 
 
+def _capture_masks(encs: list[_Encoded], idx: list[int], shape: torch.Size,
+                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention-entropy capture's inputs for a padded batch: ``query_mask [B, T]`` bool
+    (the response tokens) and ``key_range [B, 2]`` (the instruction's token span)."""
+    qm = torch.zeros(shape, dtype=torch.bool, device=dev)
+    kr = torch.zeros((len(idx), 2), dtype=torch.long, device=dev)
+    for r, i in enumerate(idx):
+        qm[r, encs[i].prompt_len:len(encs[i].ids)] = True
+        kr[r, 0], kr[r, 1] = encs[i].instr
+    return qm, kr
+
+
 def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
     dev = model_device(model)
     ids, am = _padded(encs, idx, pad_id, dev)
@@ -276,11 +288,7 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
     if want_attn:
         from icqs_fast.features.attention import capture_attention_entropy
 
-        qm = torch.zeros(ids.shape, dtype=torch.bool, device=dev)
-        kr = torch.zeros((len(idx), 2), dtype=torch.long, device=dev)
-        for r, i in enumerate(idx):
-            qm[r, encs[i].prompt_len:len(encs[i].ids)] = True
-            kr[r, 0], kr[r, 1] = encs[i].instr
+        qm, kr = _capture_masks(encs, idx, ids.shape, dev)
         attn_backend = backend if backend in ("torch", "triton") else "auto"
         with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
             out = body(input_ids=ids, attention_mask=am, use_cache=False)
@@ -352,11 +360,7 @@ def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str
     if want_attn:
         from icqs_fast.features.attention import capture_attention_entropy
 
-        qm = torch.zeros(ids.shape, dtype=torch.bool, device=dev)
-        kr = torch.zeros((len(idx), 2), dtype=torch.long, device=dev)
-        for r, i in enumerate(idx):
-            qm[r, encs[i].prompt_len:len(encs[i].ids)] = True
-            kr[r, 0], kr[r, 1] = encs[i].instr
+        qm, kr = _capture_masks(encs, idx, ids.shape, dev)
         attn_backend = backend if backend in ("torch", "triton") else "auto"
         with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
             logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
