@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from icqs_fast.cli.options import add_calibration_arguments
+
 DEFAULT_FILES = {"fpb": ("fpb", "Sentences_AllAgree.txt"), "sst2": ("sst2", "dev.tsv"),
                  "chaosnli": ("chaosnli", "chaosNLI_snli.jsonl")}
 
@@ -57,13 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="label-stratified demonstration sets (build_demo_sets(stratify='y')): "
                         "every set holds the same label counts, only correctness changes with r "
                         "(fpb, sst2)")
-    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
-                   help="calibration of the ICQS log-likelihoods (issue 17): content_free = "
-                        "minus log P(y | demos, content-free input), pmi = minus log P(y | "
-                        "demos, domain premise); default none")
-    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
-                   help="ICQS score: the ratio of the most likely context (argmax, default) or "
-                        "the posterior mean of the ratio (mean)")
+    add_calibration_arguments(p)
     p.add_argument("--compare", action="store_true",
                    help="also compute every calibration x score variant from the same run "
                         "(raw and content-free log-likelihoods shared) and print their "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.cli.options import add_calibration_arguments
 from icqs_fast.io.records import FORMATS
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig, flag_names
 
@@ -62,13 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strata-order", choices=["shuffled", "fixed"], default="fixed",
                    help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
                         "position of every set (the last demonstration's label included)")
-    p.add_argument("--calibrate", default="none", choices=["none", "content_free", "pmi"],
-                   help="calibrate the log-likelihoods: content_free = minus log P(y | demos, "
-                        "content-free input) (Zhao et al. 2021), pmi = minus log P(y | demos, "
-                        "domain premise) (Holtzman et al. 2021); default none")
-    p.add_argument("--score", default="argmax", choices=["argmax", "mean"],
-                   help="the ratio of the most likely context (argmax, default) or the "
-                        "posterior mean of the ratio (mean)")
+    add_calibration_arguments(p)
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
