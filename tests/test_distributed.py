@@ -260,6 +260,52 @@ def test_bad_record_stops_with_file_line_field(cluster, data, tmp_path):
         run_ray(_args("score", data, out, "--block-size", "3"))
 
 
+def test_score_calibrated_parquet_equals_single_process(cluster, data, tmp_path):
+    """``--calibrate content_free --score mean`` reaches the actors: the Parquet blocks hold
+    the single-process run's scores, raw loglik and loglik_baseline (the shape in the field
+    metadata)."""
+    import pyarrow.parquet as pq
+
+    opts = ["--calibrate", "content_free", "--score", "mean"]
+    single = tmp_path / "single.jsonl"
+    assert main(["score", str(data["input"]), "-o", str(single), *data["common"], *opts,
+                 "--on-error", "skip", "--quiet"]) == 0
+    want = [r for r in _read(single) if "error" not in r]
+    assert all("loglik_baseline" in r for r in want)
+    out = tmp_path / "out"
+    assert run_ray(_args("score", data, out, *opts, "--workers", "1", "--block-size", "6",
+                         "--on-error", "skip")) == 0
+    field = pq.read_schema(out / _blocks(out, "parquet")[0]).field("loglik_baseline")
+    assert json.loads(field.metadata[b"shape"]) == [3, 2]
+    rows = sorted(_parquet_rows(out), key=lambda r: r["index"])
+    assert [r["index"] for r in rows] == [r["index"] for r in want]
+    for got, exp in zip(rows, want, strict=True):
+        assert _close(np.reshape(got["loglik"], (3, 2)), exp["loglik"])
+        assert _close(np.reshape(got["loglik_baseline"], (3, 2)), exp["loglik_baseline"])
+        assert abs(got["score"] - exp["score"]) < 1e-6  # a softmax of the fp32 log-likelihoods
+        assert got["score_per_set"] == pytest.approx(exp["score_per_set"], abs=1e-6)
+    # The mean score is continuous: not only the M+1 ratios.
+    assert any(r["score"] not in (0.0, 0.5, 1.0) for r in rows)
+
+
+def test_actor_gets_the_jobs_one_settings_object(data, tmp_path):
+    """The driver sends the job's ScoringSettings whole (asdict), whatever the options - also
+    with other demonstration fields, where the keyword path once dropped ``deterministic``."""
+    from icqs_fast.engine.settings import ScoringSettings
+    from icqs_fast.jobs.ray_executor import _actor_kw
+    from icqs_fast.jobs.score import scoring_settings
+
+    for extra in ([], ["--demo-x-field", "x", "--demo-y-field", "y", "--x-field", "x2"]):
+        cfg = _args("score", data, tmp_path / "o", "--deterministic", "--calibrate", "pmi",
+                    "--score", "mean", "--stratify-field", "none", *extra)
+        kw = _actor_kw(cfg)
+        st = ScoringSettings.from_dict(json.loads(json.dumps(kw["settings"])))
+        assert st == scoring_settings(cfg)
+        assert (st.deterministic, st.calibration, st.score, st.stratify) == (
+            True, "pmi", "mean", None)
+        assert not set(kw) & set(st.asdict())  # no option travels twice
+
+
 def test_resume_with_other_settings_is_refused(data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -289,6 +335,31 @@ def test_batch_scorer_matches_single_process_lines(data):
     assert res["error"][:10].tolist() == [None] * 10
     assert res["error"][10] == "y: empty response (nothing to score)"
     assert np.isnan(res["score"][10])
+    assert "loglik_baseline" not in res  # uncalibrated: no baseline column
+
+
+def test_batch_scorer_settings_object_calibrated(data):
+    """``settings=`` (a ScoringSettings' asdict, as the driver sends it) gives the engine's
+    calibrated results, the baseline beside the raw loglik."""
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.engine.settings import ScoringSettings
+    from icqs_fast.io.readers import read_examples
+
+    st = ScoringSettings(num_ratios=3, demos_per_set=2, sets_per_ratio=2, seed=1,
+                         backend="torch", calibration="content_free", content_free=("N/A",),
+                         score="mean")
+    sc = ICQSBatchScorer(str(data["dir"] / "good.jsonl"), str(data["dir"] / "bad.jsonl"),
+                         st.asdict(), model=str(data["tiny"]), dtype="float32", device="cpu")
+    assert sc.settings == st
+    pairs = [(r["x"], r["y"]) for r in RESPONSES[:3]]
+    res = sc({"x": np.array([x for x, _ in pairs], dtype=object),
+              "y": np.array([y for _, y in pairs], dtype=object)})
+    ref = list(ICQSScorer(sc.model, sc.tokenizer, read_examples(data["dir"] / "good.jsonl"),
+                     read_examples(data["dir"] / "bad.jsonl"), st).score(pairs))
+    assert _close(res["loglik_baseline"], [r.loglik_baseline.tolist() for r in ref])
+    assert _close(res["score"], [r.score for r in ref])
+    with pytest.raises(TypeError, match="unknown scoring option"):
+        ICQSBatchScorer([], [], st.asdict(), calibrate="pmi")
 
 
 def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):

@@ -114,11 +114,6 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.jobs.runner import run_job
 
-    if args.ray and (args.calibrate != "none" or args.score != "argmax"):
-        # The Ray blocks' Parquet schema has no loglik_baseline column yet.
-        raise ValueError("--calibrate / --score are not passed to --ray workers yet; run "
-                         "without --ray")
-
     config = build_config(args)
     try:
         return run_job(config)

@@ -18,9 +18,9 @@ are always scored inside one call, so the prefix sharing stays intact whatever `
 
 * :class:`ICQSBatchScorer`: ``x``, ``y`` (``id``, ``index`` passed through) -> ``score``,
   ``score_per_set`` ``[n, L]``, ``loglik`` ``[n, M+1, L]`` float64 (Ray stores it as a tensor
-  column, its shape ``(M+1, L)`` in the schema), ``n_response_tokens``, ``n_prompt_tokens``
-  ``[n, M+1, L]``, ``error`` (None, or ``"field: reason"`` for a record the scorer rejects;
-  its numbers are NaN / 0).
+  column, its shape ``(M+1, L)`` in the schema), ``loglik_baseline`` (calibrated runs only,
+  the same shape), ``n_response_tokens``, ``n_prompt_tokens`` ``[n, M+1, L]``, ``error``
+  (None, or ``"field: reason"`` for a record the scorer rejects; its numbers are NaN / 0).
 * :class:`GlassboxBatchScorer`: ``x``, ``y`` -> ``n_tokens`` and one float64 column per
   glass-box feature, ``error``.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,59 +106,60 @@ class ICQSBatchScorer:
     Args:
         good, bad: demonstration files (JSONL/CSV/TSV with ``x_field``/``y_field``) or
             sequences of ``(x, y)`` pairs.
+        settings: the :class:`~icqs_fast.engine.settings.ScoringSettings` of the run, or its
+            :meth:`~icqs_fast.engine.settings.ScoringSettings.asdict` (what a driver sends to
+            its actors: JSON-able, so one object carries every option to every actor); None:
+            the defaults.
         model: a local Hugging Face folder; None (or ``"embedded"``) for the embedded
             SmolLM2-135M-Instruct.
         dtype, device, load_in_8bit, load_in_4bit: as :func:`icqs_fast.models.load_model`.
-        template: a :class:`~icqs_fast.engine.prompts.Template` or a dict of its fields.
-        num_ratios, demos_per_set, sets_per_ratio, seed, mixing, replacement, stratify,
-        strata_order, backend, token_budget, max_length, drop_oldest_demos, deterministic: as
-        :class:`~icqs_fast.engine.scorer.ICQSScorer` (``stratify`` as there: None, "y",
-        "auto" or the per-file label lists of ``jobs.score.resolve_stratify``).
         x_field, y_field: the batch columns with the prompt and the response (and the fields
-        of the demonstration files, read with ``encoding``).
-        scoring: the other :class:`~icqs_fast.engine.settings.ScoringSettings` options
-            (``calibration``, ``content_free``, ``pmi_premise``, ``score``), passed on as they
-            are, so the job's settings reach the actors whole.
+            of the demonstration files, read with ``encoding``).
+        **options: ScoringSettings fields replacing those of ``settings`` (``num_ratios``,
+            ``demos_per_set``, ``stratify`` as ``jobs.score.resolve_stratify`` gives it,
+            ``calibration``, ``score``, ``backend``, ...; ``template`` may be a dict of its
+            fields, ``token_budget`` None keeps the default): the keyword form of the same
+            settings, as :class:`~icqs_fast.engine.scorer.ICQSScorer` takes them.
+
+    Output columns (``__call__``): ``score``, ``score_per_set`` ``[n, L]``, ``loglik``
+    ``[n, M+1, L]`` float64 (raw log-likelihoods), ``loglik_baseline`` ``[n, M+1, L]`` (only
+    when ``calibration`` is not "none": what calibration subtracts), ``n_response_tokens``,
+    ``n_prompt_tokens`` ``[n, M+1, L]``, ``error``, and ``id`` / ``index`` passed through.
 
     Attributes:
         model, tokenizer, scorer: the loaded model and the :class:`ICQSScorer` (its prefix bank
             is built in the constructor, once per actor).
+        settings: the run's ScoringSettings.
         runtime: :func:`~icqs_fast.models.runtime_settings` of the loaded model.
     """
 
-    def __init__(self, good: PathLike | Sequence, bad: PathLike | Sequence, *,
-                 model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 load_in_8bit: bool = False, load_in_4bit: bool = False,
-                 template: Any = None, num_ratios: int = 5, demos_per_set: int = 8,
-                 sets_per_ratio: int = 4, seed: int = 0, mixing: str = "exact",
-                 replacement: bool = False, stratify: Any = "auto",
-                 strata_order: str = "fixed", backend: str = "auto",
-                 token_budget: int | None = None, max_length: int | None = None,
-                 drop_oldest_demos: bool = False, x_field: str = "x", y_field: str = "y",
-                 encoding: str = "utf-8", deterministic: bool = False,
-                 **scoring: Any) -> None:
+    def __init__(self, good: PathLike | Sequence, bad: PathLike | Sequence,
+                 settings: Any = None, *, model: str | None = None, dtype: str = "auto",
+                 device: str = "auto", load_in_8bit: bool = False, load_in_4bit: bool = False,
+                 x_field: str = "x", y_field: str = "y", encoding: str = "utf-8",
+                 **options: Any) -> None:
         from icqs_fast.engine.prompts import Template
-        from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, ICQSScorer
+        from icqs_fast.engine.scorer import ICQSScorer
+        from icqs_fast.engine.settings import ScoringSettings
         from icqs_fast.models import load_model
 
+        if isinstance(settings, Mapping):
+            settings = ScoringSettings.from_dict(settings)
+        if isinstance(options.get("template"), Mapping):
+            options["template"] = Template(**options["template"])
+        if options.get("token_budget", 0) is None:
+            del options["token_budget"]  # None: the engine's default
+        # Validated before the model loads (TypeError naming an unknown option).
+        self.settings = ScoringSettings.build(settings, **options)
         self.x_field, self.y_field = x_field, y_field
         g = _load_demos(good, x_field, y_field, encoding)
         b = _load_demos(bad, x_field, y_field, encoding)
         self.model, self.tokenizer = load_model(
             None if model in (None, "embedded") else model, dtype=dtype, device=device,
             load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
-        if isinstance(template, dict):
-            template = Template(**template)
-        self.scorer = ICQSScorer(
-            self.model, self.tokenizer, g, b, num_ratios=num_ratios,
-            demos_per_set=demos_per_set, sets_per_ratio=sets_per_ratio, template=template,
-            seed=seed, mixing=mixing, replacement=replacement, stratify=stratify,
-            strata_order=strata_order, backend=backend,
-            token_budget=token_budget or DEFAULT_TOKEN_BUDGET, max_length=max_length,
-            drop_oldest_demos=drop_oldest_demos, deterministic=deterministic,
-            **scoring)  # the other ScoringSettings options (calibration, score, ...)
+        self.scorer = ICQSScorer(self.model, self.tokenizer, g, b, self.settings)
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
-        self.runtime = runtime_settings(self.model, backend)
+        self.runtime = runtime_settings(self.model, self.settings.backend)
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",
                 on_error: Any = None):
@@ -181,6 +182,8 @@ class ICQSBatchScorer:
             "n_prompt_tokens": np.zeros((n, m1, ll), dtype=np.int64),
             "error": np.full(n, None, dtype=object),
         }
+        if self.settings.calibration != "none":
+            out["loglik_baseline"] = np.full((n, m1, ll), np.nan)
         row = {it.index: i for i, it in enumerate(items)}
         errors: list[RecordError] = []
         for rec, res in self.results(items, on_error=errors.append):
@@ -188,6 +191,8 @@ class ICQSBatchScorer:
             out["score"][i] = res.score
             out["score_per_set"][i] = res.score_per_set
             out["loglik"][i] = res.loglik.double().numpy()
+            if res.loglik_baseline is not None:
+                out["loglik_baseline"][i] = res.loglik_baseline.double().numpy()
             out["n_response_tokens"][i] = res.n_response_tokens
             out["n_prompt_tokens"][i] = res.n_prompt_tokens.numpy()
         for err in errors:

@@ -28,7 +28,8 @@ the block (Parquet output).
 JSONL output lines are the single-process lines; ``cat OUT/part-*.jsonl`` is the single-process
 output. Parquet columns: ``index``, ``line``, ``id`` (a string; non-string ids as JSON text),
 ``label`` (JSON text), then for ``score`` ``score``, ``score_per_set``, ``loglik`` (flattened
-row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``ratios``,
+row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``loglik_baseline`` (only
+with ``--calibrate``; flattened like loglik), ``ratios``,
 ``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik),
 ``truncated``, ``join`` (bool), and for ``features`` ``n_tokens``, the features,
 ``n_prompt_tokens``, ``truncated`` and ``join``.
@@ -228,6 +229,10 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             pa.field("n_response_tokens", pa.int64()), flat("n_prompt_tokens", pa.int64()),
             flat("n_dropped_demos", pa.int64()), pa.field("truncated", pa.bool_()),
             pa.field("join", pa.bool_())])
+        calibrated = self.settings.calibration != "none"
+        if calibrated:  # beside the raw loglik, so a user can recompute (as the JSONL lines)
+            schema = schema.insert(schema.get_field_index("loglik") + 1,
+                                   flat("loglik_baseline", pa.float64()))
         zeros = [[0] * ll] * m1
         cols = {
             "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
@@ -243,6 +248,8 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             "n_dropped_demos": [sum(r.get("n_dropped_demos", zeros), []) for r in rows],
             "truncated": [r["truncated"] for r in rows], "join": [r["join"] for r in rows],
         }
+        if calibrated:
+            cols["loglik_baseline"] = [sum(r["loglik_baseline"], []) for r in rows]
         return pa.table(cols, schema=schema)
 
 
@@ -311,32 +318,31 @@ def _check_config(config: JobConfig) -> None:
 
 
 def _actor_kw(config: JobConfig) -> dict:
-    """The actor's constructor kwargs."""
+    """The actor's constructor kwargs. A score job sends its one ScoringSettings (as
+    ``asdict()``, JSON-able) rather than option keywords, so every option reaches the actors
+    as the single-process run uses it."""
     common = dict(model=config.model, dtype=config.dtype, device=config.device,
-                  backend=config.backend, x_field=config.x_field, y_field=config.y_field,
+                  x_field=config.x_field, y_field=config.y_field,
                   load_in_8bit=config.load_in_8bit, load_in_4bit=config.load_in_4bit)
     if isinstance(config, ScoreJobConfig):
-        from icqs_fast.jobs.score import resolve_stratify
+        from icqs_fast.jobs.score import scoring_settings
 
-        scoring = dict(config.scoring)
-        scoring["stratify"] = resolve_stratify(config)
+        settings = scoring_settings(config).asdict()
         if (config.demo_x_field, config.demo_y_field) != (config.x_field, config.y_field):
             from icqs_fast.io.readers import read_examples
 
             kw = dict(x_field=config.demo_x_field, y_field=config.demo_y_field,
                       encoding=config.encoding)  # other fields: the examples themselves
             return dict(good=read_examples(config.good, **kw),
-                        bad=read_examples(config.bad, **kw),
-                        token_budget=config.token_budget, encoding=config.encoding, **scoring,
-                        **common)
+                        bad=read_examples(config.bad, **kw), settings=settings,
+                        encoding=config.encoding, **common)
         return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
-                    token_budget=config.token_budget, encoding=config.encoding, **scoring,
-                    deterministic=config.deterministic, **common)
+                    settings=settings, encoding=config.encoding, **common)
     assert isinstance(config, FeatureJobConfig)
     return dict(features=list(config.features), mode=config.mode,
                 batch_size=config.batch_size, chunk_size=config.chunk_size,
                 system_prompt=config.system_prompt, combo_scale=config.combo_scale,
-                deterministic=config.deterministic, **common)
+                deterministic=config.deterministic, backend=config.backend, **common)
 
 
 def _prepare_output(out: Path, settings: dict, config: JobConfig,
