@@ -4,6 +4,7 @@ of two independent plain-forward log-likelihoods of whole texts; its (query, y) 
 never mixes contexts; score="mean" lies in [0, 1] and equals the argmax score when the posterior
 is one-hot; the settings fingerprint holds the new options."""
 
+import numpy as np
 import pytest
 import torch
 from _helpers import DEVICE
@@ -277,20 +278,52 @@ def test_eval_chaosnli_compare_end_to_end(tmp_path, capsys):
 
     from icqs_fast.cli import main
     from icqs_fast.evals.calibration_study import VARIANTS
+    from icqs_fast.evals.study_metrics import mae
 
     model_dir = save_tiny_llama(tmp_path / "m")
     _write_chaosnli(tmp_path / "chaosNLI_snli.jsonl", n_each=3)
     base = ["eval", "chaosnli", "--data", str(tmp_path), "--model", str(model_dir), "--pool",
             "2", "--demos-per-set", "2", "--num-ratios", "3", "--sets", "2", "--n-boot", "30",
             "--no-baselines", "--compare", "--quiet"]
-    assert main(base + ["--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert list(doc["compare"]) == VARIANTS
-    for row in doc["compare"].values():
-        for m in ("icqs", "icqs_epistemic"):
-            assert 0.0 <= row[m]["mae"]["value"] <= 2 / 3
-    # The uncalibrated argmax variant is what the main table reports.
-    assert doc["compare"]["none/argmax"]["icqs_epistemic"]["mae"]["value"] == \
-        pytest.approx(doc["icqs_epistemic"]["mae"])
+    docs = []
+    for seed in (0, 1):
+        assert main(base + ["--json", "--seed", str(seed)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        cmp = doc["compare"]
+        assert list(cmp["variants"]) == VARIANTS
+        for row in cmp["variants"].values():
+            for m in ("icqs", "icqs_epistemic"):
+                assert 0.0 <= row[m]["mae"]["value"] <= 2 / 3
+        # The uncalibrated argmax variant is what the main table reports.
+        assert cmp["variants"]["none/argmax"]["icqs_epistemic"]["mae"]["value"] == \
+            pytest.approx(doc["icqs_epistemic"]["mae"])
+        # The items reproduce the metrics (what --pool-json pools).
+        human = np.asarray(cmp["items"]["human"])
+        for name in VARIANTS:
+            p = np.asarray(cmp["items"]["pred"][name]["icqs_epistemic"])
+            assert p.shape == human.shape == (doc["n"], 3)
+            assert np.allclose(p.sum(1), 1.0)
+            assert mae(p, human) == pytest.approx(
+                cmp["variants"][name]["icqs_epistemic"]["mae"]["value"])
+        path = tmp_path / f"nli{seed}.json"
+        path.write_text(json.dumps(doc))
+        docs.append((path, doc))
     assert main(base) == 0
     assert "content_free/mean" in capsys.readouterr().out
+    # Pooled: the metrics of the concatenated items; none/argmax's difference from itself is 0.
+    pooled = ",".join(str(p) for p, _ in docs)
+    assert main(["eval", "chaosnli", "--pool-json", pooled, "--n-boot", "30", "--json"]) == 0
+    pl = json.loads(capsys.readouterr().out)
+    human = np.concatenate([np.asarray(d["compare"]["items"]["human"]) for _, d in docs])
+    p = np.concatenate([np.asarray(d["compare"]["items"]["pred"]["pmi/mean"]["icqs"])
+                        for _, d in docs])
+    assert pl["n"] == len(human) == 2 * docs[0][1]["n"]
+    assert pl["variants"]["pmi/mean"]["icqs"]["mae"]["value"] == pytest.approx(mae(p, human))
+    d0 = pl["variants"]["none/argmax"]["icqs"]["difference_vs_none_argmax"]
+    assert all(d0[k]["value"] == 0.0 for k in ("mae", "ce", "spearman"))
+    assert main(["eval", "chaosnli", "--pool-json", pooled, "--n-boot", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs pooled" in out and "pmi/argmax" in out and "dspearman" in out
+    # A document of another dataset is refused (exit 2), naming the file.
+    assert main(["eval", "fpb", "--pool-json", str(docs[0][0])]) == 2
+    assert "nli0.json" in capsys.readouterr().err

@@ -63,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also compute every calibration x score variant from the same run "
                         "(raw and content-free log-likelihoods shared) and print their "
-                        "comparison (AUCs with intervals, accuracy per group)")
+                        "comparison (fpb/sst2: AUCs with intervals, accuracy per group; chaosnli: "
+                        "MAE / CE / Spearman with intervals)")
     p.add_argument("--pool-json", default=None, metavar="FILE[,FILE...]",
-                   help="fpb/sst2: run nothing; read these '--compare --json' documents (e.g. "
+                   help="run nothing; read these '--compare --json' documents (e.g. "
                         "one per seed), pool their items and print the comparison table")
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
@@ -199,6 +200,24 @@ def _pool(args: argparse.Namespace) -> int:
             raise ValueError(f"--pool-json {f}: not an 'eval {args.subcommand} --compare --json' "
                              "document")
         docs.append(doc)
+    if args.subcommand == "chaosnli":
+        from icqs_fast.evals.calibration_study import nli_compare_table, pool_nli
+
+        if any("items" not in d["compare"] for d in docs):
+            raise ValueError("--pool-json: a document without per-item predictions (written "
+                             "before 'eval chaosnli --compare' kept them); rerun it")
+        cmp = pool_nli(docs, n_boot=args.n_boot, seed=args.seed)
+        if args.json:
+            print(study.dumps(study.finite(cmp)))
+            return 0
+        s = docs[0]["settings"]
+        print(f"{DATASET_NAMES['chaosnli']}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
+              f"{cmp['n']} items, N={s['demos_per_set']}, M+1={s['num_ratios']}, "
+              f"L={s['sets_per_ratio']}")
+        print(nli_compare_table(cmp))
+        print("Epistemic Spearman per run: " + "; ".join(
+            f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
+        return 0
     cmp = pool(docs, n_boot=args.n_boot, seed=args.seed)
     if args.json:
         print(study.dumps(study.finite(cmp)))
@@ -295,13 +314,10 @@ def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
                             for m in ("icqs", "icqs_epistemic", "icl") if m in pt)
             print(f"  N={pt['demos_per_set']}: {row}")
     if "compare" in doc:
-        print("calibration x score comparison (one run), ICQS-Epistemic / per-set ICQS:")
-        for name, row in doc["compare"].items():
-            print(f"  {name:<22} " + "; ".join(
-                f"{m}: mae {_f(row[m]['mae']['value'])} ce {_f(row[m]['ce']['value'])} "
-                f"spearman {_f(row[m]['spearman']['value'])} "
-                f"[{_f(row[m]['spearman']['lo'])}, {_f(row[m]['spearman']['hi'])}]"
-                for m in ("icqs_epistemic", "icqs")))
+        from icqs_fast.evals.calibration_study import nli_compare_table
+
+        print("calibration x score comparison (one run):")
+        print(nli_compare_table(doc["compare"]))
     print("distribution rules: " + "; ".join(f"{k}: {v}" for k, v in doc["rules"].items()))
     print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
     for p in doc.get("plots", []):

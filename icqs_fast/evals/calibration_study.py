@@ -11,7 +11,8 @@ and of the mean per-set ICQS score, AUC semantic-neutral vs labeled-neutral (FPB
 on a neutral sentence should score above one on a polar sentence), and accuracy per group with
 the study's rules (score >= 0.5 judges correct). Intervals: 95 % percentile bootstrap, each group
 resampled on its own. :func:`pool` merges the per-item scores of several ``--json`` documents
-(seeds) into one table.
+(seeds) into one table. ChaosNLI (:func:`compare_nli`, :func:`pool_nli`): MAE / CE / Spearman
+of each variant's (e, n, c) distributions against the human ones.
 """
 
 from __future__ import annotations
@@ -179,6 +180,90 @@ def pool(docs: Sequence[dict], *, n_boot: int = 1000, seed: int = 0) -> dict[str
                             .get("icqs_epistemic", {}).get("value") for d in docs]
                         for n in names},
             "seeds": [d.get("settings", {}).get("seed") for d in docs]}
+
+
+def compare_nli(preds: dict[str, dict[str, Any]], human: Any, *, n_boot: int = 1000,
+                seed: int = 0) -> dict[str, Any]:
+    """ChaosNLI: ``{"variants": {name: {method: {metric: {"value", "lo", "hi"}}}}, "items":
+    {"human": [n, 3], "pred": {name: {method: [n, 3]}}}}`` (``preds``: name -> method ->
+    ``[n, 3]`` (e, n, c) distributions); the items let :func:`pool_nli` pool runs."""
+    from icqs_fast.evals.study_metrics import distribution_metrics
+
+    h = np.asarray(human, dtype=np.float64)
+    return {"variants": {name: {m: distribution_metrics(p, h, n_boot=n_boot, seed=seed)
+                                for m, p in by.items()} for name, by in preds.items()},
+            "items": {"human": h.tolist(),
+                      "pred": {name: {m: np.asarray(p, dtype=np.float64).tolist()
+                                      for m, p in by.items()} for name, by in preds.items()}}}
+
+
+def pool_nli(docs: Sequence[dict], *, n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Merge the ``compare`` items of several ``eval chaosnli --compare --json`` documents
+    (e.g. seeds) and summarise them as one sample: per variant and method MAE / CE / Spearman
+    with intervals, and each metric's paired difference from ``none/argmax`` (the same items
+    resampled for both: :func:`icqs_fast.metrics.bootstrap_ci` keeps arrays paired)."""
+    from icqs_fast.evals.study_metrics import NLI_METRICS, distribution_metrics
+    from icqs_fast.metrics import bootstrap_ci
+
+    names = list(docs[0]["compare"]["variants"])
+    human = np.concatenate([np.asarray(d["compare"]["items"]["human"], dtype=np.float64)
+                            for d in docs])
+    preds = {n: {m: np.concatenate([np.asarray(d["compare"]["items"]["pred"][n][m],
+                                               dtype=np.float64) for d in docs])
+                 for m in docs[0]["compare"]["items"]["pred"][n]} for n in names}
+    ref = names[0]  # none/argmax: today's score
+    out: dict[str, Any] = {}
+    for n in names:
+        out[n] = {m: distribution_metrics(p, human, n_boot=n_boot, seed=seed)
+                  for m, p in preds[n].items()}
+        for m, p in preds[n].items():
+            q = preds[ref][m]
+            diff = {}
+            for k, fn in NLI_METRICS.items():
+                def stat(a: np.ndarray, b: np.ndarray, h: np.ndarray, fn: Any = fn) -> float:
+                    return float(fn(a, h) - fn(b, h))
+                lo, hi = bootstrap_ci(stat, p, q, human, n_resamples=n_boot, seed=seed)
+                diff[k] = {"value": stat(p, q, human), "lo": lo, "hi": hi}
+            out[n][m]["difference_vs_" + ref.replace("/", "_")] = diff
+    return {"variants": out, "reference": ref, "n": int(len(human)),
+            "per_doc": {n: [d["compare"]["variants"][n]["icqs_epistemic"]["spearman"]["value"]
+                            for d in docs] for n in names},
+            "seeds": [d.get("settings", {}).get("seed") for d in docs]}
+
+
+def nli_compare_table(cmp: dict[str, Any]) -> str:
+    """ChaosNLI comparison (one run's ``compare`` or :func:`pool_nli`) as text: one line per
+    variant and method, MAE / CE / Spearman with intervals (and, pooled, the paired difference
+    of each from the reference variant)."""
+    def ci(d: dict) -> str:
+        if d["value"] is None or d["value"] != d["value"]:
+            return "-".rjust(22)
+        return f"{d['value']:.3f} [{d['lo']:.2f},{d['hi']:.2f}]".rjust(22)
+
+    ref = cmp.get("reference")
+    dkey = "difference_vs_" + ref.replace("/", "_") if ref else None
+    head = f"{'calibration/score':<22} {'method':<15} " + " ".join(
+        f"{k:>22}" for k in ("mae", "ce", "spearman"))
+    if dkey:
+        head += "  " + " ".join(f"{'d' + k + ' vs ' + ref:>26}" for k in ("mae", "ce",
+                                                                         "spearman"))
+    lines = [head]
+    for name, row in cmp["variants"].items():
+        for m in ("icqs_epistemic", "icqs"):
+            if m not in row:
+                continue
+            line = f"{name:<22} {m:<15} " + " ".join(ci(row[m][k]) for k in ("mae", "ce",
+                                                                               "spearman"))
+            if dkey and dkey in row[m]:
+                line += "  " + " ".join(
+                    f"{row[m][dkey][k]['value']:+.3f} [{row[m][dkey][k]['lo']:+.2f},"
+                    f"{row[m][dkey][k]['hi']:+.2f}]".rjust(26) for k in ("mae", "ce",
+                                                                          "spearman"))
+            lines.append(line)
+    lines.append("value [bootstrap 95% CI over items]; lower MAE / CE and higher Spearman are "
+                 "better" + ("; d: paired bootstrap of the difference (same items)" if dkey
+                             else ""))
+    return "\n".join(lines)
 
 
 def compare_table(cmp: dict[str, Any]) -> str:

@@ -408,9 +408,11 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
         per_n[n] = {m: distribution_metrics(p, human, n_boot=st.n_boot, seed=st.seed)
                     for m, p in pred.items()}
         if variants:
-            per_n[n]["compare"] = {
-                name: {m: distribution_metrics(p, human, n_boot=st.n_boot, seed=st.seed)
-                       for m, p in _nli_preds(rs).items()} for name, rs in variants.items()}
+            from icqs_fast.evals.calibration_study import compare_nli
+
+            per_n[n]["compare"] = compare_nli({name: _nli_preds(rs)
+                                               for name, rs in variants.items()},
+                                              human, n_boot=st.n_boot, seed=st.seed)
         items[n] = {"pred": pred, "score": [r.score for r in results],
                     "loglik": np.stack([r.loglik.double().numpy() for r in results]),
                     "majority": [it.majority for it in data.test]}
