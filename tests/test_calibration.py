@@ -265,9 +265,11 @@ def test_eval_fpb_compare_and_pool_end_to_end(tmp_path, capsys):
         p = tmp_path / f"s{seed}.json"
         p.write_text(json.dumps(doc))
         docs.append(p)
-    assert main(["eval", "fpb", "--pool-json", ",".join(map(str, docs)), "--n-boot", "30"]) == 0
+    assert main(["eval", "fpb", "--pool-json", ",".join(map(str, docs)), "--n-boot", "30",
+                 "--plot", str(tmp_path / "fig")]) == 0
     out = capsys.readouterr().out
     assert "2 runs pooled" in out and "content_free/mean" in out and "pmi/argmax" in out
+    assert (tmp_path / "fig" / "calibration_fpb_unstratified.png").stat().st_size > 1000
 
 
 def test_eval_chaosnli_compare_end_to_end(tmp_path, capsys):
@@ -321,9 +323,18 @@ def test_eval_chaosnli_compare_end_to_end(tmp_path, capsys):
     assert pl["variants"]["pmi/mean"]["icqs"]["mae"]["value"] == pytest.approx(mae(p, human))
     d0 = pl["variants"]["none/argmax"]["icqs"]["difference_vs_none_argmax"]
     assert all(d0[k]["value"] == 0.0 for k in ("mae", "ce", "spearman"))
-    assert main(["eval", "chaosnli", "--pool-json", pooled, "--n-boot", "30"]) == 0
+    assert main(["eval", "chaosnli", "--pool-json", pooled, "--n-boot", "30", "--plot",
+                 str(tmp_path / "fig")]) == 0
     out = capsys.readouterr().out
     assert "2 runs pooled" in out and "pmi/argmax" in out and "dspearman" in out
+    png = tmp_path / "fig" / "calibration_chaosnli.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
+    # Runs that differ in more than the seed are not one sample: refused, naming the setting.
+    other = dict(docs[1][1], settings=dict(docs[1][1]["settings"], num_ratios=4))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["eval", "chaosnli", "--pool-json", f"{docs[0][0]},{tmp_path / 'other.json'}"]
+                ) == 2
+    assert "num_ratios" in capsys.readouterr().err
     # A document of another dataset is refused (exit 2), naming the file.
     assert main(["eval", "fpb", "--pool-json", str(docs[0][0])]) == 2
     assert "nli0.json" in capsys.readouterr().err

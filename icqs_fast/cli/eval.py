@@ -17,6 +17,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fpb/ sst2/ chaosnli/ subfolder); default ../shared/data/...")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write the PNG figures to DIR")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write the PNG figures to DIR (with --pool-json: the pooled "
+                        "comparison's figure)")
     p.add_argument("--seed", type=int, default=0, help="seed of pools, groups, sets (default 0)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="test sentences per group (seeded; ChaosNLI: per majority label); "
@@ -185,50 +188,60 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pool(args: argparse.Namespace) -> int:
-    """``--pool-json``: the comparison table of several ``--compare --json`` documents' items."""
+    """``--pool-json``: the comparison table of several ``--compare --json`` documents' items
+    (runs of the same settings but the seed); ``--plot DIR``: its figure."""
     import json
 
+    from icqs_fast.evals import calibration_study as cs
     from icqs_fast.evals import study
-    from icqs_fast.evals.calibration_study import compare_table, pool
     from icqs_fast.evals.plots import DATASET_NAMES
 
-    docs = []
-    for f in str(args.pool_json).split(","):
-        with open(f.strip(), encoding="utf-8") as fh:
-            doc = json.load(fh)
-        if "compare" not in doc or doc.get("dataset") != args.subcommand:
+    docs, files = [], [f.strip() for f in str(args.pool_json).split(",") if f.strip()]
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            try:
+                doc = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--pool-json {f}: line {exc.lineno}: invalid JSON "
+                                 f"({exc.msg})") from None
+        if not isinstance(doc, dict) or "compare" not in doc \
+                or doc.get("dataset") != args.subcommand:
             raise ValueError(f"--pool-json {f}: not an 'eval {args.subcommand} --compare --json' "
                              "document")
+        if args.subcommand == "chaosnli" and "items" not in doc["compare"]:
+            raise ValueError(f"--pool-json {f}: no per-item predictions (written before 'eval "
+                             "chaosnli --compare' kept them); rerun it")
         docs.append(doc)
-    if args.subcommand == "chaosnli":
-        from icqs_fast.evals.calibration_study import nli_compare_table, pool_nli
-
-        if any("items" not in d["compare"] for d in docs):
-            raise ValueError("--pool-json: a document without per-item predictions (written "
-                             "before 'eval chaosnli --compare' kept them); rerun it")
-        cmp = pool_nli(docs, n_boot=args.n_boot, seed=args.seed)
-        if args.json:
-            print(study.dumps(study.finite(cmp)))
-            return 0
-        s = docs[0]["settings"]
-        print(f"{DATASET_NAMES['chaosnli']}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
-              f"{cmp['n']} items, N={s['demos_per_set']}, M+1={s['num_ratios']}, "
-              f"L={s['sets_per_ratio']}")
-        print(nli_compare_table(cmp))
-        print("Epistemic Spearman per run: " + "; ".join(
-            f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
-        return 0
-    cmp = pool(docs, n_boot=args.n_boot, seed=args.seed)
+    if not docs:
+        raise ValueError("--pool-json: no file given")
+    # Pooling is over seeds: every other setting must agree, or the items are not one sample.
+    same = {k: v for k, v in docs[0]["settings"].items() if k != "seed"}
+    for f, d in zip(files, docs, strict=True):
+        diff = sorted(k for k in same if d["settings"].get(k) != same[k])
+        if diff:
+            raise ValueError(f"--pool-json {f}: settings differ from {files[0]}'s ({diff[0]}: "
+                             f"{d['settings'].get(diff[0])!r} vs {same[diff[0]]!r}); pool runs "
+                             "that differ only in --seed")
+    nli = args.subcommand == "chaosnli"
+    cmp = (cs.pool_nli if nli else cs.pool)(docs, n_boot=args.n_boot, seed=args.seed)
+    if args.plot:
+        os.makedirs(args.plot, exist_ok=True)
+        kind = "" if nli else "_stratified" if same.get("stratify") else "_unstratified"
+        path = os.path.join(args.plot, f"calibration_{args.subcommand}{kind}.png")
+        title = f"{DATASET_NAMES[args.subcommand]}{kind.replace('_', ', ')}"
+        cmp["plot"] = (cs.plot_pooled_nli if nli else cs.plot_pooled)({title: cmp}, path)
     if args.json:
         print(study.dumps(study.finite(cmp)))
         return 0
     s = docs[0]["settings"]
     print(f"{DATASET_NAMES[args.subcommand]}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
-          f"stratify {s.get('stratify')}, N={s['demos_per_set']}, M+1={s['num_ratios']}, "
-          f"L={s['sets_per_ratio']}")
-    print(compare_table(cmp))
-    print("Epistemic AUC per run: " + "; ".join(
+          + (f"{cmp['n']} items" if nli else f"stratify {s.get('stratify')}")
+          + f", N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}")
+    print(cs.nli_compare_table(cmp) if nli else cs.compare_table(cmp))
+    print(f"Epistemic {'Spearman' if nli else 'AUC'} per run: " + "; ".join(
         f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
+    if args.plot:
+        print(f"wrote {cmp['plot']}")
     return 0
 
 

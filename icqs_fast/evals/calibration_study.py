@@ -323,3 +323,30 @@ def plot_pooled(tables: dict[str, dict[str, Any]], path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_pooled_nli(tables: dict[str, dict[str, Any]], path: str) -> str:
+    """ChaosNLI (``{title: pool_nli(...)}``): per table, two panels, the ICQS-Epistemic MAE
+    and Spearman of each variant with its 95 % interval; a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("mae", "MAE (lower is better)"), ("spearman", "Spearman (higher is better)"))
+    fig, axes = plt.subplots(len(tables), 2, figsize=(8.4, 3.6 * len(tables)), squeeze=False)
+    for row, (title, cmp) in zip(axes, tables.items(), strict=True):
+        names = list(cmp["variants"])
+        for ax, (k, label) in zip(row, metrics, strict=True):
+            vals = [cmp["variants"][n]["icqs_epistemic"][k] for n in names]
+            y = [v["value"] for v in vals]
+            err = [[v["value"] - v["lo"] for v in vals], [v["hi"] - v["value"] for v in vals]]
+            ax.bar(range(len(names)), y, yerr=err, capsize=3,
+                   color=["#888", "#bbb", "#37c", "#8be", "#c63", "#eb8"][:len(names)])
+            ax.axhline(0.0, color="k", lw=0.6)
+            ax.set_xticks(range(len(names)), [n.replace("/", "\n") for n in names], fontsize=7)
+            ax.set_title(f"{title}: {label}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
