@@ -221,6 +221,31 @@ def test_bench_icqs_calibrate_records_the_overhead():
     assert rec["calibration"] == "content_free" and rec["calibration_overhead"] > 0
     # Both headlines' answers are labels: each (query, answer) pair once per context.
     assert 0 < rec["calibration_rows"] <= 3 * 2 * 4
+    # The calibrated engine is checked against the reference, and the check is pass/fail.
+    assert rec["max_abs_baseline_diff"] <= 1e-4 and rec["calibrated_score_agreement"] == 1.0
+    assert set(bench_icqs.checks(calibrated=True)) >= {"max_abs_baseline_diff",
+                                                        "calibrated_score_agreement"}
+    from icqs_fast.benchmarks import check_fields
+
+    bad = dict(rec, calibrated_score_agreement=0.5)
+    assert check_fields(bad, bench_icqs.checks(calibrated=True)) == [
+        "calibrated_score_agreement = 0.5 (want == 1.0)"]
+
+
+def test_bench_icqs_free_text_answers_share_no_baseline():
+    """``--answers free-text``: a distinct answer per response, so every response adds its own
+    baseline rows (3 content-free inputs x 4 contexts each)."""
+    from icqs_fast.benchmarks import icqs as bench_icqs
+
+    resp = bench_icqs.responses(4, "free-text")
+    assert len({y for _, y in resp}) == 4 and all(len(y.split()) > 8 for _, y in resp)
+    rec = bench_icqs.bench(3, "cpu", random_weights=True, config="tiny", measure_memory=False,
+                           settings=dict(num_ratios=2, demos_per_set=2, sets_per_ratio=2),
+                           cold_repeats=1, calibrate="content_free", answers="free-text")
+    assert rec["answers"] == "free-text" and rec["calibration_rows"] == 3 * 3 * 4
+    assert rec["max_abs_baseline_diff"] <= 1e-4 and rec["calibrated_score_agreement"] == 1.0
+    with pytest.raises(ValueError, match="--answers"):
+        bench_icqs.responses(2, "sentences")
 
 
 def test_eval_fpb_compare_and_pool_end_to_end(tmp_path, capsys):

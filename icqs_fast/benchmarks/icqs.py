@@ -35,7 +35,12 @@ Fields:
 ``uncalibrated_fast_s`` (fresh engines, prefix caches included, the two interleaved
 ``cold_repeats`` times, medians) and ``calibration_overhead`` = their ratio (the target is
 <= 1.3), plus ``calibration_rows`` (baseline rows scored; each (query, answer) pair once per
-context). Not a pass/fail field: a timing on a shared machine.
+context). Not a pass/fail field: a timing on a shared machine. The calibrated engine's last run
+is checked against the reference with the same settings on its first
+``CALIBRATION_CHECK_RESPONSES`` responses: ``max_abs_baseline_diff`` (<= ``--tolerance``) and
+``calibrated_score_agreement`` (== 1.0) are pass/fail fields. ``--answers free-text`` scores
+each headline with a distinct one-sentence answer (:func:`free_text_answer`) instead of a label,
+so no baseline is shared between responses: the calibration's worst case.
 
 ``--random-weights --config llama-1b`` uses a ~1.1B-parameter Llama with random weights (bf16 on
 CUDA, fp32 on the CPU) and the embedded model's tokenizer, for GPU runs; ``--config tiny`` is a
@@ -106,9 +111,26 @@ LOGLIK_TOL = 1e-4
 CONFIGS = ("llama-1b", "tiny")
 
 
-def responses(n: int) -> list[tuple[str, str]]:
-    """``n`` (headline, answer) pairs: every headline with each answer, cycled."""
-    pairs = [(h, a) for a in ANSWERS for h in HEADLINES]
+ANSWER_KINDS = ("labels", "free-text")
+# Calibrated engine results checked against the reference (icqs_naive with the same settings),
+# on this many responses: the naive side is the slow one.
+CALIBRATION_CHECK_RESPONSES = 4
+
+
+def free_text_answer(headline: str, answer: str) -> str:
+    """A one-sentence rationale (a distinct answer per headline, ~20 tokens), as a judge's or a
+    generator's free-text response would be: no two responses share it, so no calibration
+    baseline is reused across responses."""
+    return f"This is {answer} news, because {headline[0].lower()}{headline[1:]}."
+
+
+def responses(n: int, answers: str = "labels") -> list[tuple[str, str]]:
+    """``n`` (headline, answer) pairs: every headline with each answer, cycled; ``answers=
+    "free-text"``: the answer as :func:`free_text_answer`'s sentence."""
+    if answers not in ANSWER_KINDS:
+        raise ValueError(f"--answers must be one of {ANSWER_KINDS}, got {answers!r}")
+    pairs = [(h, a if answers == "labels" else free_text_answer(h, a))
+             for a in ANSWERS for h in HEADLINES]
     return [pairs[i % len(pairs)] for i in range(n)]
 
 
@@ -233,10 +255,11 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
           random_weights: bool = False, config: str = "llama-1b",
           measure_memory: bool = True, mem_responses: int = 16,
           settings: dict | None = None, cold_repeats: int = 3,
-          calibrate: str | None = None) -> dict:
+          calibrate: str | None = None, answers: str = "labels") -> dict:
     """The benchmark record (fields: see the module docstring). ``settings`` overrides the
     ICQS settings (``num_ratios``, ``demos_per_set``, ``sets_per_ratio``, ``seed``; tests use
-    small ones); the memory subprocesses always use the default settings."""
+    small ones); the memory subprocesses always use the default settings. ``answers``:
+    "labels" (positive / negative) or "free-text" (:func:`free_text_answer`)."""
     settings = dict(SETTINGS, **(settings or {}))
     if n_responses < 1:
         raise ValueError(f"--responses must be >= 1, got {n_responses}")
@@ -245,7 +268,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     dev = _resolve_device(str(device))
     model, tok, name = load(dev, random_weights, config)
     good, bad = demos()
-    resp = responses(n_responses)
+    resp = responses(n_responses, answers)
 
     # Warm-up (lazy imports, allocator, kernels), not timed.
     from icqs_fast.data import TEMPLATE
@@ -311,6 +334,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "contexts": scorer.n_contexts,
         "demo_tokens_mean": round(sum(bank.lengths[:scorer.n_contexts]) / scorer.n_contexts, 1),
         "response_tokens_mean": round(sum(r_lens) / len(r_lens), 2),
+        "answers": answers,
         "naive_s": round(naive_s, 6),
         "fast_s": round(fast_s, 6),
         "speedup": round(naive_s / fast_s, 2),
@@ -338,8 +362,20 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "threads": torch.get_num_threads(),
     }
     if calibrate and calibrate != "none":
-        rec.update(calibration_timing(model, tok, good, bad, resp, settings, calibrate,
-                                      cold_repeats, dev))
+        timing, cal_got = calibration_timing(model, tok, good, bad, resp, settings, calibrate,
+                                             cold_repeats, dev)
+        rec.update(timing)
+        # The calibrated engine against the reference with the same settings: its baseline
+        # rows and the scores made from them.
+        k = min(len(resp), CALIBRATION_CHECK_RESPONSES)
+        cal_ref = _naive(model, tok, good, bad, resp[:k], dict(settings, calibration=calibrate))
+        rec["max_abs_baseline_diff"] = max(
+            float((a.loglik_baseline.double() - b.loglik_baseline.double()).abs().max())
+            for a, b in zip(cal_got[:k], cal_ref, strict=True))
+        rec["calibrated_score_agreement"] = sum(
+            a.score == b.score and a.score_per_set == b.score_per_set
+            for a, b in zip(cal_got[:k], cal_ref, strict=True)) / k
+        rec["calibration_checked_responses"] = k
     if measure_memory:
         m = min(n_responses, mem_responses)
         pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config)
@@ -351,17 +387,19 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
 
 
 def calibration_timing(model, tok, good, bad, resp, settings: dict, calibrate: str,
-                       repeats: int, dev: torch.device) -> dict:
+                       repeats: int, dev: torch.device) -> tuple[dict, list]:
     """Fresh engines without and with ``calibrate`` over ``resp``, interleaved ``repeats``
-    times: the medians and their ratio (see the module docstring)."""
+    times: the medians and their ratio (see the module docstring), and the last calibrated
+    run's results."""
     times: dict[str, list[float]] = {"none": [], calibrate: []}
     rows = 0
+    got: list = []
     for _ in range(repeats):
         for cal in ("none", calibrate):
             _sync(dev)
             t0 = time.perf_counter()
             sc = _scorer(model, tok, good, bad, dict(settings, calibration=cal))
-            list(sc.score(resp))
+            got = list(sc.score(resp))
             _sync(dev)
             times[cal].append(time.perf_counter() - t0)
             rows = max(rows, sc.calibration_rows)
@@ -369,21 +407,28 @@ def calibration_timing(model, tok, good, bad, resp, settings: dict, calibrate: s
     return {"calibration": calibrate, "uncalibrated_fast_s": round(un, 6),
             "calibrated_fast_s": round(ca, 6), "calibration_overhead": round(ca / un, 3),
             "calibration_rows": rows, "response_rows": len(resp) * sc.n_contexts,
-            "calibration_times_s": {k: [round(t, 4) for t in v] for k, v in times.items()}}
+            "calibration_times_s": {k: [round(t, 4) for t in v] for k, v in times.items()}}, got
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(args.responses, args.device, args.random_weights, args.config,
                 measure_memory=not args.no_memory, mem_responses=args.mem_responses,
-                cold_repeats=args.cold_repeats, calibrate=getattr(args, "calibrate", None))
+                cold_repeats=args.cold_repeats, calibrate=getattr(args, "calibrate", None),
+                answers=getattr(args, "answers", "labels"))
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)
     return report_failures("icqs", check_fields(
-        rec, checks(LOGLIK_TOL if args.tolerance is None else args.tolerance)))
+        rec, checks(LOGLIK_TOL if args.tolerance is None else args.tolerance,
+                    calibrated="max_abs_baseline_diff" in rec)))
 
 
-def checks(tolerance: float = LOGLIK_TOL) -> dict:
-    """The record's correctness fields and what each must be."""
-    return {"score_agreement": equals(1.0), "max_abs_loglik_diff": at_most(tolerance)}
+def checks(tolerance: float = LOGLIK_TOL, calibrated: bool = False) -> dict:
+    """The record's correctness fields and what each must be (``calibrated``: also those of
+    the calibrated engine against the reference)."""
+    out = {"score_agreement": equals(1.0), "max_abs_loglik_diff": at_most(tolerance)}
+    if calibrated:
+        out.update(calibrated_score_agreement=equals(1.0),
+                   max_abs_baseline_diff=at_most(tolerance))
+    return out

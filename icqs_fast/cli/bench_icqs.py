@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", default=None, choices=["none", "content_free", "pmi"],
                    help="also time the engine with this calibration against without it "
                         "(calibration_overhead; issue 17)")
+    p.add_argument("--answers", default="labels", choices=("labels", "free-text"),
+                   help="the responses' answers: labels (positive / negative; default) or "
+                        "free-text (a distinct one-sentence answer per headline: no shared "
+                        "calibration baselines)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |loglik engine - naive| that passes (default 1e-4); "
                         "the command exits 1, naming the field, when a check fails")
