@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,24 @@ def runtime_settings(model: Any, backend: str) -> dict:
     p = next(model.parameters())
     return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
             "backend": backends.resolve(backend, p.device)}
+
+
+_ATTN_LOCK = threading.Lock()
+_ATTN_REGISTERED: set[str] = set()
+
+
+def register_attention(name: str, fn: Any) -> None:
+    """Register ``fn`` as transformers attention implementation ``name`` (its
+    ``AttentionInterface`` contract, with the sdpa mask: the same 4D bool mask, or None +
+    ``is_causal``, as sdpa gets), once per process; thread-safe. Used by the engine's cascade
+    attention and the features' attention-entropy capture, each switching a model to its
+    implementation with ``model.set_attn_implementation(name)``."""
+    with _ATTN_LOCK:
+        if name in _ATTN_REGISTERED:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+        _ATTN_REGISTERED.add(name)

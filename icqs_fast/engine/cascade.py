@@ -46,8 +46,6 @@ IMPL_NAME = "icqs_cascade"
 CASCADE_MODEL_TYPES = ("llama", "gpt2")
 
 _ACTIVE = threading.local()
-_LOCK = threading.Lock()
-_REGISTERED = False
 
 
 @dataclass
@@ -260,16 +258,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _register() -> None:
-    global _REGISTERED
-    with _LOCK:
-        if _REGISTERED:
-            return
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from icqs_fast.models import register_attention
 
-        AttentionInterface.register(IMPL_NAME, cascade_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL_NAME, sdpa_mask)
-        _REGISTERED = True
+    register_attention(IMPL_NAME, cascade_attention)
 
 
 @contextlib.contextmanager

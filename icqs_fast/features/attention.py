@@ -42,8 +42,6 @@ class _Capture:
 
 
 _ACTIVE = threading.local()
-_LOCK = threading.Lock()
-_REGISTERED = False
 
 
 def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor, bool]:
@@ -112,17 +110,9 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _register() -> None:
-    global _REGISTERED
-    with _LOCK:
-        if _REGISTERED:
-            return
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from icqs_fast.models import register_attention
 
-        AttentionInterface.register(IMPL_NAME, _attention_forward)
-        # Same 4D bool mask (or None + is_causal) as sdpa gets.
-        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL_NAME, sdpa_mask)
-        _REGISTERED = True
+    register_attention(IMPL_NAME, _attention_forward)
 
 
 @contextlib.contextmanager
