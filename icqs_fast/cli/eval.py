@@ -228,7 +228,9 @@ def _pool(args: argparse.Namespace) -> int:
         os.makedirs(args.plot, exist_ok=True)
         kind = "" if nli else "_stratified" if same.get("stratify") else "_unstratified"
         path = os.path.join(args.plot, f"calibration_{args.subcommand}{kind}.png")
-        title = f"{DATASET_NAMES[args.subcommand]}{kind.replace('_', ', ')}"
+        title = (f"{DATASET_NAMES[args.subcommand]}{kind.replace('_', ', ')}, "
+                 f"N={same['demos_per_set']}, M+1={same['num_ratios']}, "
+                 f"L={same['sets_per_ratio']}, {len(docs)} runs")
         cmp["plot"] = (cs.plot_pooled_nli if nli else cs.plot_pooled)({title: cmp}, path)
     if args.json:
         print(study.dumps(study.finite(cmp)))
