@@ -293,6 +293,23 @@ def test_score_endpoint_equals_in_process(server, tiny):
         assert got["icqs"]["score"] == want.score
         assert torch.allclose(torch.tensor(got["icqs"]["loglik"]), want.loglik, atol=TOL)
         assert abs(got["features"]["sent_logprob"] - f["sent_logprob"]) <= TOL
+    # Calibrated, continuous scores (issue 17): the engine's, with the raw loglik kept beside
+    # the baseline; a bad option value is a 400 naming it before anything is queued.
+    cal = {**opts, "calibration": "content_free", "score": "mean"}
+    r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
+        "records": recs, "good": good, "bad": bad, "icqs_options": cal})
+    assert r.status_code == 200, r.text
+    ref = list(ICQSScorer(model, tok, [tuple(g) for g in good], [tuple(b) for b in bad],
+                          **cal).score([(x["x"], x["y"]) for x in recs]))
+    for got, want in zip(r.json()["data"], ref, strict=True):
+        assert abs(got["icqs"]["score"] - want.score) <= 1e-6
+        assert torch.allclose(torch.tensor(got["icqs"]["loglik"]), want.loglik, atol=TOL)
+        assert torch.allclose(torch.tensor(got["icqs"]["loglik_baseline"]),
+                              want.loglik_baseline, atol=TOL)
+    for bad_opts, word in (({"calibration": "zhao"}, "calibration"), ({"score": 1}, "string")):
+        r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
+            "records": recs, "good": good, "bad": bad, "icqs_options": bad_opts})
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
     # An empty response: NaN features go out as null (JSON has no NaN).
     r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
         "records": [{"instruction": "Say nothing", "response": ""}], "features": ["softmax_ent"]})

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demos-per-set", type=int, default=8, help="/v1/score: N (default 8)")
     p.add_argument("--sets-per-ratio", type=int, default=4, help="/v1/score: L (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
+    from icqs_fast.cli.options import add_calibration_arguments
+
+    add_calibration_arguments(p)  # /v1/score's default; a request's icqs_options may change it
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body; larger: 413 (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     server = Server(model, tok, cfg, good=good, bad=bad,
                     icqs_options={"num_ratios": args.num_ratios,
                                   "demos_per_set": args.demos_per_set,
-                                  "sets_per_ratio": args.sets_per_ratio, "seed": args.seed})
+                                  "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
+                                  "calibration": args.calibrate, "score": args.score})
     print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key'})", file=sys.stderr)
     serve(server, args.host, args.port, log_level=args.log_level)

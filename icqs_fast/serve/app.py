@@ -40,7 +40,10 @@ from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.logprobs import prompt_logprobs
 from icqs_fast.serve.queue import QueueFull, WorkQueue
 
-ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed")
+# /v1/score's "icqs_options": integers, and the calibration / score kind (issue 17) as strings.
+ICQS_INT_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed")
+ICQS_STR_OPTIONS = ("calibration", "score")
+ICQS_OPTIONS = ICQS_INT_OPTIONS + ICQS_STR_OPTIONS
 
 
 class APIError(Exception):
@@ -239,6 +242,8 @@ class Server:
                 o["icqs"] = {"score": res.score, "score_per_set": res.score_per_set,
                              "loglik": res.loglik.tolist(), "ratios": res.ratios,
                              "n_response_tokens": res.n_response_tokens}
+                if res.loglik_baseline is not None:  # calibrated: the raw loglik stays
+                    o["icqs"]["loglik_baseline"] = res.loglik_baseline.tolist()
         if features:
             from icqs_fast.features.extract import glassbox
 
@@ -488,9 +493,18 @@ class Server:
             raise APIError(400, "'icqs' must be a boolean", "invalid_request")
         options = body.get("icqs_options") or {}
         if not isinstance(options, dict) or any(k not in ICQS_OPTIONS for k in options) or \
-                not all(_is_int(v) for v in options.values()):
-            raise APIError(400, f"'icqs_options' must be an object of integers with keys from "
-                           f"{list(ICQS_OPTIONS)}", "invalid_request")
+                not all(_is_int(v) if k in ICQS_INT_OPTIONS else isinstance(v, str)
+                        for k, v in options.items()):
+            raise APIError(400, f"'icqs_options' must be an object with integer "
+                           f"{list(ICQS_INT_OPTIONS)} and string {list(ICQS_STR_OPTIONS)}",
+                           "invalid_request")
+        if options:
+            from icqs_fast.engine.settings import ScoringSettings
+
+            try:  # the engine's own checks, before the request is queued
+                ScoringSettings.build(**{**self.icqs_options, **options})
+            except ValueError as exc:
+                raise APIError(400, f"'icqs_options': {exc}", "invalid_request") from None
         if not want_icqs and not feats:
             raise APIError(400, "nothing to compute: ask for 'icqs' and/or 'features'",
                            "invalid_request")
