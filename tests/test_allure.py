@@ -459,3 +459,14 @@ def test_icqs_evaluator_thresholds_the_icqs_score(tiny):
     want = [float(r.score) for r in ref.score([ev.xy(r) for r in recs])]
     assert [j.probs["1"] for j in js] == pytest.approx(want)
     assert [j.label for j in js] == ["1" if s >= 0.5 else "0" for s in want]
+    # Calibrated, continuous ICQS (issue 17) reaches the evaluator's scorer; a bad option is
+    # refused when the evaluator is built.
+    cal = ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad, threshold=0.5,
+                        calibration="pmi", score="mean")
+    got = [j.probs["1"] for j in cal.evaluate(recs, mem)]
+    ref = ICQSScorer(model, tok, [ev.xy(r) for r in pool if r.truth == "1"],
+                     [ev.xy(r) for r in pool if r.truth == "0"], **cal.kw)
+    assert ref.settings.calibration == "pmi" and "pmi" in cal.describe()
+    assert got == pytest.approx([float(r.score) for r in ref.score([ev.xy(r) for r in recs])])
+    with pytest.raises(ValueError, match="calibration"):
+        ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad, calibration="zhao")

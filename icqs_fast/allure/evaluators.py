@@ -445,7 +445,8 @@ class ICQSEvaluator:
                  seed_good: Sequence[AuditRecord], seed_bad: Sequence[AuditRecord],
                  good: str | None = None, threshold: float = 0.5, num_ratios: int = 3,
                  demos_per_set: int = 2, sets_per_ratio: int = 2, seed: int = 0,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", calibration: str = "none",
+                 score: str = "argmax") -> None:
         if len(spec.options) != 2:
             raise ValueError("the ICQS evaluator labels binary tasks only")
         self.model, self.tok, self.spec = model, tokenizer, spec
@@ -454,13 +455,19 @@ class ICQSEvaluator:
         self.threshold = threshold
         self.kw = dict(num_ratios=num_ratios, demos_per_set=demos_per_set,
                        sets_per_ratio=sets_per_ratio, seed=seed, replacement=True,
-                       backend=backend, drop_oldest_demos=True)
+                       backend=backend, drop_oldest_demos=True, calibration=calibration,
+                       score=score)
+        from icqs_fast.engine.settings import ScoringSettings
+
+        ScoringSettings.build(**self.kw)  # a bad option fails here, not at the first round
         self.seed_good, self.seed_bad = list(seed_good), list(seed_bad)
         self._key: tuple | None = None
         self._scorer = None
 
     def describe(self) -> str:
-        return f"ICQS-Epistemic score >= {self.threshold} -> {self.good!r}"
+        cal = "" if self.kw["calibration"] == "none" else f", calibration {self.kw['calibration']}"
+        kind = "" if self.kw["score"] == "argmax" else f", {self.kw['score']} score"
+        return f"ICQS-Epistemic score >= {self.threshold} -> {self.good!r}{cal}{kind}"
 
     def xy(self, rec: AuditRecord) -> tuple[str, str]:
         """The record as an ICQS (x, y) pair: task fields, then response fields."""

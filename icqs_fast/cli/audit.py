@@ -74,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ICQS evaluator: score above which the verdict is positive (default 0.5)")
     p.add_argument("--icqs-seed-examples", type=int, default=2,
                    help="ICQS evaluator: training records per class as seed demonstrations")
+    from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
+
+    p.add_argument("--icqs-calibrate", default="none", choices=list(CALIBRATIONS),
+                   help="ICQS evaluator: calibration of its log-likelihoods (as score "
+                        "--calibrate; default none)")
+    p.add_argument("--icqs-score", default="argmax", choices=list(SCORE_KINDS),
+                   help="ICQS evaluator: argmax ratio (default) or posterior-mean score")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
@@ -155,6 +162,10 @@ def _settings(args: argparse.Namespace, data: str) -> dict[str, Any]:
     s["model"] = os.path.abspath(args.model) if args.model else "embedded:SmolLM2-135M-Instruct"
     if args.debias:  # only when set: memories written before the flag existed still resume
         s["debias"] = True
+    if args.evaluator == "icqs":  # what changes the ICQS evaluator's verdicts
+        s["icqs"] = {"threshold": args.icqs_threshold,
+                     "seed_examples": args.icqs_seed_examples,
+                     "calibration": args.icqs_calibrate, "score": args.icqs_score}
     if args.task == "custom":
         s["custom"] = {k: v for k, v in _custom_kwargs(args).items() if k != "normalisers"}
         s["custom"]["normalisers"] = list(_custom_kwargs(args)["normalisers"])
@@ -254,7 +265,8 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
         good = [r for r in train if r.truth == spec.positive][:n]
         bad = [r for r in train if r.truth != spec.positive][:n]
         ev = ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad,
-                           threshold=args.icqs_threshold, seed=args.seed, backend=args.backend)
+                           threshold=args.icqs_threshold, seed=args.seed, backend=args.backend,
+                           calibration=args.icqs_calibrate, score=args.icqs_score)
     else:
         ev = LikelihoodEvaluator(model, tok, spec, backend=args.backend, bank_mib=args.bank_mib)
     if args.debias:
