@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FIELDS = ("model", "device", "dtype", "responses", "contexts", "demo_tokens_mean",
           "response_tokens_mean", "naive_s", "fast_s", "speedup", "cold_single_speedup",
-          "peak_mem_naive_mb", "peak_mem_fast_mb", "max_abs_loglik_diff", "score_agreement")
+          "peak_mem_naive_mb", "peak_mem_fast_mb", "max_abs_loglik_diff",
+          "max_abs_loglik_diff_per_token", "score_agreement")
 SMALL = dict(num_ratios=2, demos_per_set=2, sets_per_ratio=2)
 MiB = 2**20
 
@@ -149,7 +150,9 @@ def test_default_settings_agree_and_the_command_passes(tmp_path, capsys):
     assert rec["settings"] == bench_icqs.SETTINGS and rec["contexts"] == 20
     assert rec["scoring_settings"]["stratify"] == "auto"
     assert rec["score_agreement"] == 1.0
-    assert rec["max_abs_loglik_diff"] <= bench_icqs.LOGLIK_TOL == 1e-4
+    assert rec["max_abs_loglik_diff_per_token"] <= bench_icqs.LOGLIK_TOL == 1e-4
+    assert rec["max_abs_loglik_diff_per_token"] == pytest.approx(
+        rec["max_abs_loglik_diff"] / rec["response_tokens_mean"])  # one response
     assert rc == 0
     assert "correctness check failed" not in capsys.readouterr().err
 
@@ -157,19 +160,20 @@ def test_default_settings_agree_and_the_command_passes(tmp_path, capsys):
 def test_failing_correctness_field_exits_nonzero_naming_it(monkeypatch, tmp_path, capsys):
     """A record whose correctness fields fail: the record is still written and printed, then
     the command exits 1 and names each failing field and value on stderr."""
-    rec = {"score_agreement": 0.5, "max_abs_loglik_diff": 3.37, "device": "cpu"}
+    rec = {"score_agreement": 0.5, "max_abs_loglik_diff_per_token": 3.37, "device": "cpu"}
     monkeypatch.setattr(bench_icqs, "bench", lambda *a, **k: dict(rec))
     out = tmp_path / "rec.json"
     rc = bench_icqs.run(_args("--out", str(out)))
     cap = capsys.readouterr()
     assert rc == 1
     assert json.loads(out.read_text())["score_agreement"] == 0.5
-    assert json.loads(cap.out)["max_abs_loglik_diff"] == 3.37
+    assert json.loads(cap.out)["max_abs_loglik_diff_per_token"] == 3.37
     assert "score_agreement = 0.5 (want == 1.0)" in cap.err
-    assert "max_abs_loglik_diff = 3.37 (want <= 0.0001)" in cap.err
+    assert "max_abs_loglik_diff_per_token = 3.37 (want <= 0.0001)" in cap.err
     # Agreement, but a diff over an impossible tolerance: only that field is named.
-    rec.update(score_agreement=1.0, max_abs_loglik_diff=1e-6)
+    rec.update(score_agreement=1.0, max_abs_loglik_diff_per_token=1e-6)
     assert bench_icqs.run(_args("--tolerance", "1e-9")) == 1
     err = capsys.readouterr().err
-    assert "max_abs_loglik_diff = 1e-06 (want <= 1e-09)" in err and "score_agreement" not in err
+    assert "max_abs_loglik_diff_per_token = 1e-06 (want <= 1e-09)" in err
+    assert "score_agreement" not in err
     assert bench_icqs.run(_args()) == 0

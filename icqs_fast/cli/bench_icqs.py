@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "free-text (a distinct one-sentence answer per headline: no shared "
                         "calibration baselines)")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="largest |loglik engine - naive| that passes (default 1e-4); "
+                   help="largest |loglik engine - naive| per response token that passes "
+                        "(default 1e-4); "
                         "the command exits 1, naming the field, when a check fails")
 
 
