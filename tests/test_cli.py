@@ -218,6 +218,15 @@ def test_demo_json_on_embedded_model(capsys):
     s = doc["summary"]
     assert s["n_responses"] == 16 and s["score_seconds"] > 0
     assert -1 <= s["difference"] <= 1
+    # Calibrated, continuous scores (issue 17): the same raw loglik, a baseline beside it.
+    assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
+                 "--demos-per-set", "2", "--calibrate", "content_free", "--score", "mean"]) == 0
+    cal = json.loads(capsys.readouterr().out)
+    assert (cal["settings"]["calibration"], cal["settings"]["score"]) == ("content_free", "mean")
+    for r, c in zip(res, cal["results"], strict=True):
+        assert sum(c["loglik"], []) == pytest.approx(sum(r["loglik"], []), abs=1e-4)
+        assert len(c["loglik_baseline"]) == 3 and 0.0 <= c["score"] <= 1.0
+    assert any(c["score"] not in (0.0, 0.5, 1.0) for c in cal["results"])
 
 
 def test_score_records_streams(loaded):

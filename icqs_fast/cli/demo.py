@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--fpb", action="store_true",
                    help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
+    from icqs_fast.cli.options import add_calibration_arguments
+
+    add_calibration_arguments(p)
 
 
 def _trunc(s: str, n: int) -> str:
@@ -63,14 +66,16 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     scorer = ICQSScorer(model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=n,
                         sets_per_ratio=args.sets_per_ratio, template=TEMPLATE, seed=args.seed,
-                        backend=args.backend)
+                        backend=args.backend, calibration=args.calibrate, score=args.score)
     t1 = time.perf_counter()
     rows = []
     records = read_records(responses, label_field="quality")
     for rec, res in score_records(scorer, records, path=responses):
         rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
                      "score": res.score, "score_per_set": list(res.score_per_set),
-                     "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens})
+                     "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens,
+                     **({"loglik_baseline": res.loglik_baseline.tolist()}
+                        if res.loglik_baseline is not None else {})})
     t_score = time.perf_counter() - t1
 
     means = {}
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 "demonstrations": demo_source, "n_good": len(good), "n_bad": len(bad),
                 "num_ratios": args.num_ratios, "demos_per_set": n,
                 "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
+                "calibration": args.calibrate, "score": args.score,
                 "ratios": list(scorer.ratios)}
     if args.json:
         json.dump({"settings": settings, "results": rows, "summary": summary}, sys.stdout,
@@ -100,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"ICQS demo: {len(rows)} financial-news sentiment answers, "
           f"{settings['model']}, {demo_source} demonstrations")
     print(f"M+1={args.num_ratios} ratios x L={args.sets_per_ratio} sets of N={n} "
-          f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set\n")
+          f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set"
+          + ("" if args.calibrate == "none" else f"; calibration {args.calibrate}")
+          + ("" if args.score == "argmax" else f"; {args.score} score") + "\n")
     xw = 46
     print(f"{'#':>2}  {'headline':<{xw}}  {'answer':<8}  {'meant':<5}  {'score':>5}  per-set")
     for i, r in enumerate(rows, start=1):
