@@ -210,6 +210,20 @@ def test_score_cli_writes_raw_and_baseline(tmp_path, tiny):
 
     meta = json.loads(meta_path(out).read_text())
     assert "content_free" in json.dumps(meta) and "mean" in json.dumps(meta)
+    # One content-free input (--content-free, repeatable): its own baseline, in the settings;
+    # a resume with other inputs is refused.
+    out1 = tmp_path / "one.jsonl"
+    argv = [str(jsonl("in.jsonl", RESPONSES)), "--good", str(tmp_path / "g.jsonl"), "--bad",
+            str(tmp_path / "b.jsonl"), "--model", str(model_dir), "--num-ratios", "3",
+            "--demos-per-set", "4", "--sets-per-ratio", "2", "--calibrate", "content_free",
+            "--quiet"]
+    assert main(["score", "-o", str(out1), *argv, "--content-free", "N/A"]) == 0
+    one = [json.loads(line) for line in out1.read_text().splitlines()]
+    assert json.loads(meta_path(out1).read_text())["content_free"] == ["N/A"]
+    assert all(r["loglik"] == w["loglik"] for r, w in zip(one, rows, strict=True))
+    assert any(r["loglik_baseline"] != w["loglik_baseline"] for r, w in zip(one, rows,
+                                                                             strict=True))
+    assert main(["score", "-o", str(out1), *argv, "--content-free", "None", "--resume"]) == 2
 
 
 def test_bench_icqs_calibrate_records_the_overhead():

@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
                         "position of every set (the last demonstration's label included)")
     add_calibration_arguments(p)
+    p.add_argument("--content-free", action="append", default=None, metavar="TEXT",
+                   help="a content-free input of --calibrate content_free, put in the "
+                        "template's query in place of x; repeat for several (averaged). "
+                        "Default: 'N/A', '' and '[MASK]'. For free-text answers each input adds "
+                        "one row per context and response, so one input costs a third")
+    p.add_argument("--pmi-premise", default=None, metavar="TEXT",
+                   help="the domain premise of --calibrate pmi, replacing the whole query "
+                        "(default: the template's query text after {x}, e.g. 'Answer:')")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--token-budget", type=int, default=None,
                    help="max rows x tokens per forward (default: the engine's)")
@@ -101,7 +109,9 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
                    replacement=args.replacement, stratify=args.stratify_field,
                    strata_order=args.strata_order, max_length=args.max_length,
                    drop_oldest_demos=args.drop_oldest_demos, template=template_spec,
-                   calibration=args.calibrate, score=args.score)
+                   calibration=args.calibrate, score=args.score,
+                   pmi_premise=args.pmi_premise,
+                   **({"content_free": tuple(args.content_free)} if args.content_free else {}))
     try:
         return ScoreJobConfig(good=args.good, bad=args.bad, scoring=scoring,
                               token_budget=args.token_budget, deterministic=args.deterministic,

@@ -40,7 +40,7 @@ _FINGERPRINT_NAMES = {"stratify": "stratify_field"}
 
 # The command-line flag of each option a message may name (``num_ratios`` -> ``--num-ratios``).
 OPTION_FLAGS = {**{k: "--" + k.replace("_", "-") for k in (*DEFAULT_SCORING, "token_budget")},
-                "stratify": "--stratify-field"}
+                "stratify": "--stratify-field", "calibration": "--calibrate"}
 
 
 def flag_names(message: str) -> str:
