@@ -231,14 +231,19 @@ def pool_nli(docs: Sequence[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
             "seeds": [d.get("settings", {}).get("seed") for d in docs]}
 
 
+def _ci_cell(d: dict | None, width: int) -> str:
+    """``value [lo,hi]`` right-aligned in ``width`` ("-" for a missing or NaN value)."""
+    if not d or d["value"] is None or d["value"] != d["value"]:
+        return "-".rjust(width)
+    return f"{d['value']:.3f} [{d['lo']:.2f},{d['hi']:.2f}]".rjust(width)
+
+
 def nli_compare_table(cmp: dict[str, Any]) -> str:
     """ChaosNLI comparison (one run's ``compare`` or :func:`pool_nli`) as text: one line per
     variant and method, MAE / CE / Spearman with intervals (and, pooled, the paired difference
     of each from the reference variant)."""
     def ci(d: dict) -> str:
-        if d["value"] is None or d["value"] != d["value"]:
-            return "-".rjust(22)
-        return f"{d['value']:.3f} [{d['lo']:.2f},{d['hi']:.2f}]".rjust(22)
+        return _ci_cell(d, 22)
 
     ref = cmp.get("reference")
     dkey = "difference_vs_" + ref.replace("/", "_") if ref else None
@@ -269,9 +274,7 @@ def nli_compare_table(cmp: dict[str, Any]) -> str:
 def compare_table(cmp: dict[str, Any]) -> str:
     """The comparison as text: one line per variant."""
     def ci(d: dict | None) -> str:
-        if not d or d["value"] != d["value"]:
-            return "-".rjust(19)
-        return f"{d['value']:.3f} [{d['lo']:.2f},{d['hi']:.2f}]".rjust(19)
+        return _ci_cell(d, 19)
 
     groups = list(next(iter(cmp["variants"].values()))["accuracy"])
     head = (f"{'calibration/score':<22} {'AUC c-vs-i Epi.':>19} {'AUC c-vs-i set':>19} "
@@ -297,9 +300,17 @@ def compare_table(cmp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tick(name: str) -> str:
+def _bars(ax: Any, names: Sequence[str], vals: Sequence[dict]) -> None:
+    """One bar per variant (``{"value", "lo", "hi"}``) with its interval, a colour per
+    calibration (lighter: the mean score), and short tick labels."""
+    y = [v["value"] for v in vals]
+    err = [[v["value"] - v["lo"] for v in vals], [v["hi"] - v["value"] for v in vals]]
+    ax.bar(range(len(names)), y, yerr=err, capsize=3,
+           color=["#888", "#bbb", "#37c", "#8be", "#c63", "#eb8"][:len(names)])
     # "content_free/argmax" -> three short lines, so neighbouring labels do not overlap.
-    return name.replace("content_free", "content-\nfree").replace("/", "\n")
+    ax.set_xticks(range(len(names)),
+                  [n.replace("content_free", "content-\nfree").replace("/", "\n")
+                   for n in names], fontsize=7)
 
 
 def plot_pooled(tables: dict[str, dict[str, Any]], path: str) -> str:
@@ -315,13 +326,9 @@ def plot_pooled(tables: dict[str, dict[str, Any]], path: str) -> str:
     for ax, (title, cmp) in zip(axes[0], tables.items(), strict=True):
         names = list(cmp["variants"])
         vals = [cmp["variants"][n]["auc_correct_vs_incorrect"]["icqs_epistemic"] for n in names]
-        y = [v["value"] for v in vals]
-        err = [[v["value"] - v["lo"] for v in vals], [v["hi"] - v["value"] for v in vals]]
-        ax.bar(range(len(names)), y, yerr=err, capsize=3,
-               color=["#888", "#bbb", "#37c", "#8be", "#c63", "#eb8"][:len(names)])
+        _bars(ax, names, vals)
         ax.axhline(0.5, color="k", lw=0.6, ls=":")
         ax.axhline(0.8, color="#c00", lw=0.6, ls="--")  # the issue's goal
-        ax.set_xticks(range(len(names)), [_tick(n) for n in names], fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("AUC correct vs incorrect (Epistemic)")
@@ -345,12 +352,8 @@ def plot_pooled_nli(tables: dict[str, dict[str, Any]], path: str) -> str:
         names = list(cmp["variants"])
         for ax, (k, label) in zip(row, metrics, strict=True):
             vals = [cmp["variants"][n]["icqs_epistemic"][k] for n in names]
-            y = [v["value"] for v in vals]
-            err = [[v["value"] - v["lo"] for v in vals], [v["hi"] - v["value"] for v in vals]]
-            ax.bar(range(len(names)), y, yerr=err, capsize=3,
-                   color=["#888", "#bbb", "#37c", "#8be", "#c63", "#eb8"][:len(names)])
+            _bars(ax, names, vals)
             ax.axhline(0.0, color="k", lw=0.6)
-            ax.set_xticks(range(len(names)), [_tick(n) for n in names], fontsize=7)
             ax.set_title(f"{title}: {label}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
