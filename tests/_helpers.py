@@ -1,6 +1,7 @@
 """Shared test helpers (tests/ is on sys.path; it is deliberately not a package, so the repository
 root - whose kernels/ folder must never be importable as top-level `kernels` - stays off it)."""
 
+import json
 import math
 
 import torch
@@ -89,3 +90,31 @@ def save_tiny_llama(d, *, layers: int = 1, max_positions: int = 512):
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+def tiny_llama(*, device: str = DEVICE):
+    """``(model, tokenizer)``: a seeded tiny random Llama (2 layers, hidden 64, GQA 4/2, sdpa)
+    in eval mode on ``device``, with the embedded model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from icqs_fast import models
+
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=len(tok),
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(device).eval(), tok
+
+
+def write_jsonl(path, rows):
+    """Write ``rows`` to ``path`` one per line (dicts as JSON, strings verbatim: a test's bad
+    line); returns ``path``."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def read_jsonl(path):
+    """The JSON objects of a JSONL file, in order."""
+    return [json.loads(line) for line in open(path, encoding="utf-8").read().splitlines()]

@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import tiny_llama
 
 from icqs_fast.engine.prompts import Template, build_demo_sets
 from icqs_fast.engine.reference import icqs_naive
 from icqs_fast.engine.scorer import ICQSScorer
 from icqs_fast.engine.settings import ENGINE_FIELDS, RESULT_FIELDS, ScoringSettings
-from icqs_fast.models import embedded_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,14 +31,7 @@ SMALL = dict(num_ratios=3, demos_per_set=4, sets_per_ratio=2, seed=3)
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, vocab_size=len(tok),
-                      attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).to(DEVICE).eval(), tok
+    return tiny_llama()
 
 
 # --------------------------------------------------------------------------- the object
