@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _helpers import save_tiny_llama
+from _helpers import save_tiny_llama, write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -54,10 +54,6 @@ WHOLE_FILE = {
     "semicolon.csv": r"1: field 'x': no such column in the header \(columns: id;x;y\)",
 }
 
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def _corpus(name, tmp_path):
@@ -113,8 +109,8 @@ def score(tiny, tmp_path, monkeypatch):
     """``icqs-fast score INPUT -o OUT`` with the tiny model (loaded once for the module)."""
     model_dir, loaded = tiny
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
-    good = _jsonl(tmp_path / "good.jsonl", GOOD_DEMOS)
-    bad = _jsonl(tmp_path / "bad.jsonl", BAD_DEMOS)
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD_DEMOS)
+    bad = write_jsonl(tmp_path / "bad.jsonl", BAD_DEMOS)
 
     def run(inp, out, *extra, good=good, bad=bad):
         return main(["score", str(inp), "-o", str(out), "--good", str(good), "--bad", str(bad),
@@ -182,7 +178,7 @@ def test_skip_mode_runs_the_whole_corpus_file(score, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["wrong_type.jsonl", "non_utf8.jsonl", "empty.jsonl",
                                   "folder.jsonl"])
 def test_bad_demonstration_file(name, score, tmp_path, capsys):
-    inp = _jsonl(tmp_path / "in.jsonl", [{"x": "sales up", "y": "positive"}])
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": "sales up", "y": "positive"}])
     out = tmp_path / "out.jsonl"
     assert score(inp, out, good=BAD / name) == 2
     err = capsys.readouterr().err
@@ -262,13 +258,13 @@ def test_features_skip_mode_and_resume_after_fixing(features, tmp_path):
 
 def _mtbench(root: Path) -> Path:
     root.mkdir()
-    _jsonl(root / "question.jsonl", [
+    write_jsonl(root / "question.jsonl", [
         {"question_id": q, "category": "writing", "turns": [f"Question {q}?", f"And {q}?"]}
         for q in (81, 82)])
-    _jsonl(root / "model_answer_m.jsonl", [
+    write_jsonl(root / "model_answer_m.jsonl", [
         {"question_id": q, "model_id": "m", "choices": [{"index": 0, "turns": [
             f"Answer {q}.", f"More {q}."]}]} for q in (81, 82)])
-    _jsonl(root / "judgment_gpt-4_single.jsonl", [
+    write_jsonl(root / "judgment_gpt-4_single.jsonl", [
         {"question_id": q, "model": "m", "turn": t, "score": float(q - 78 + t)}
         for q in (81, 82) for t in (1, 2)])
     return root

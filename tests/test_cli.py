@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from _helpers import save_tiny_llama
+from _helpers import read_jsonl, save_tiny_llama, write_jsonl
 
 from icqs_fast import ICQSScorer, models
 from icqs_fast.cli import main
@@ -20,14 +20,6 @@ RESPONSES = [{"id": f"r{i}", "x": f"sales up {i}%", "y": ["positive", "negative"
 KW = ["--num-ratios", "3", "--demos-per-set", "2", "--sets-per-ratio", "2", "--seed", "1"]
 
 
-def _jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
-                    encoding="utf-8")
-    return path
-
-
-def _read(path):
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +44,8 @@ def files(tmp_path, tiny_dir, loaded, monkeypatch):
         return real(name_or_path, **kw)
 
     monkeypatch.setattr(models, "load_model", cached)
-    g = _jsonl(tmp_path / "good.jsonl", GOOD)
-    b = _jsonl(tmp_path / "bad.jsonl", BAD)
+    g = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    b = write_jsonl(tmp_path / "bad.jsonl", BAD)
     return tmp_path, g, b
 
 
@@ -63,15 +55,15 @@ def _score(inp, out, g, b, model, *extra):
 
 
 def test_score_writes_valid_lines(tmp_path, tiny_dir, capsys):
-    g = _jsonl(tmp_path / "good.jsonl", GOOD)
-    b = _jsonl(tmp_path / "bad.jsonl", BAD)
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES)
+    g = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    b = write_jsonl(tmp_path / "bad.jsonl", BAD)
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES)
     out = tmp_path / "out.jsonl"
     assert _score(inp, out, g, b, tiny_dir, "--label-field", "gold", "--backend", "torch") == 0
     err = capsys.readouterr().err
     assert "scored 8 responses" in err and "responses/s" in err and "mean score" in err
     assert "mean score by label: 0:" in err
-    rows = _read(out)
+    rows = read_jsonl(out)
     assert [r["index"] for r in rows] == list(range(8))
     assert [r["id"] for r in rows] == [f"r{i}" for i in range(8)]
     assert [r["line"] for r in rows] == list(range(1, 9))
@@ -97,7 +89,7 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
     d, g, b = files
     rows = [json.dumps(r) for r in RESPONSES]
     rows[4] = json.dumps({"id": "r4", "x": "sales up"})  # line 5: no y
-    inp = _jsonl(d / "in.jsonl", rows)
+    inp = write_jsonl(d / "in.jsonl", rows)
     out = d / "out.jsonl"
     # A budget that pulls several responses into the first forward: those before the bad line
     # must still be scored and written.
@@ -105,7 +97,7 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
     err = capsys.readouterr().err
     assert f"icqs-fast: error: {inp}:5: field 'y': missing" in err
     assert "--resume" in err
-    assert [r["index"] for r in _read(out)] == [0, 1, 2, 3]
+    assert [r["index"] for r in read_jsonl(out)] == [0, 1, 2, 3]
 
     # Without --resume an existing output is not overwritten.
     assert _score(inp, out, g, b, tiny_dir) == 2
@@ -114,21 +106,21 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--seed", "2") == 2
     assert "other settings (--seed: 1 there, 2 now)" in capsys.readouterr().err
 
-    _jsonl(inp, RESPONSES)  # fixed
+    write_jsonl(inp, RESPONSES)  # fixed
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--token-budget", "4000") == 0
     assert "4 records there, continuing at input record 4" in capsys.readouterr().err
-    got = _read(out)
+    got = read_jsonl(out)
     assert [r["index"] for r in got] == list(range(8))
     assert [r["id"] for r in got] == [f"r{i}" for i in range(8)]
 
     # Resuming a complete output adds nothing; a record cut off mid-write is replaced.
     assert _score(inp, out, g, b, tiny_dir, "--resume") == 0
-    assert _read(out) == got
+    assert read_jsonl(out) == got
     text = out.read_text(encoding="utf-8").splitlines(keepends=True)
     out.write_text("".join(text[:6]) + text[6][:25], encoding="utf-8")
     assert _score(inp, out, g, b, tiny_dir, "--resume") == 0
     assert "removed an incomplete last line" in capsys.readouterr().err
-    again = _read(out)
+    again = read_jsonl(out)
     assert [r["index"] for r in again] == list(range(8))
     for r, e in zip(again, got, strict=True):
         assert r["score"] == e["score"]
@@ -136,7 +128,7 @@ def test_bad_line_stops_then_resume(files, tiny_dir, capsys):
 
     # An input that changed under the output (other id at the last written index): refused.
     changed = [dict(r, id=f"new{i}") for i, r in enumerate(RESPONSES)] + [RESPONSES[0]]
-    _jsonl(inp, changed)
+    write_jsonl(inp, changed)
     assert _score(inp, out, g, b, tiny_dir, "--resume") == 2
     assert "the input changed" in capsys.readouterr().err
 
@@ -147,7 +139,7 @@ def test_on_error_skip(files, tiny_dir, capsys):
     rows[1] = "{not json"
     rows[3] = json.dumps({"id": "r3", "x": "a", "y": 5})
     rows[5] = json.dumps({"id": "r5", "x": "long text " * 80, "y": "positive"})  # too long
-    inp = _jsonl(d / "in.jsonl", rows)
+    inp = write_jsonl(d / "in.jsonl", rows)
     out = d / "out.jsonl"
     assert _score(inp, out, g, b, tiny_dir, "--on-error", "skip", "--max-length", "120",
                   "--token-budget", "4000") == 0
@@ -157,7 +149,7 @@ def test_on_error_skip(files, tiny_dir, capsys):
     # The query and response alone are over the limit: said so (not "drop demonstrations").
     assert f"skipping bad record: {inp}:6: the query and response alone are" in err
     assert "3 bad records skipped" in err
-    rows = _read(out)
+    rows = read_jsonl(out)
     # Skipped records keep their place in the output (a resume neither redoes nor loses them).
     assert [r["index"] for r in rows] == list(range(8))
     assert [r["index"] for r in rows if "score" in r] == [0, 2, 4, 6, 7]
@@ -175,13 +167,13 @@ def test_too_long_record_stops_after_earlier_ones(files, tiny_dir, capsys):
     d, g, b = files
     rows = list(RESPONSES)
     rows[5] = {"id": "r5", "x": "long text " * 80, "y": "positive"}
-    inp = _jsonl(d / "in.jsonl", rows)
+    inp = write_jsonl(d / "in.jsonl", rows)
     out = d / "out.jsonl"
     assert _score(inp, out, g, b, tiny_dir, "--max-length", "120", "--token-budget",
                   "4000") == 2
     assert f"icqs-fast: error: {inp}:6: the query and response alone are" in \
         capsys.readouterr().err
-    assert [r["index"] for r in _read(out)] == [0, 1, 2, 3, 4]
+    assert [r["index"] for r in read_jsonl(out)] == [0, 1, 2, 3, 4]
 
 
 def test_csv_input_and_missing_files(files, tiny_dir, capsys):
@@ -193,11 +185,11 @@ def test_csv_input_and_missing_files(files, tiny_dir, capsys):
     assert _score(inp, out, g, b, tiny_dir, "--x-field", "question", "--y-field", "answer",
                   "--id-field", "uid") == 2  # the demo files have no question/answer fields
     assert f"{g}:1: field 'question': missing" in capsys.readouterr().err
-    g2 = _jsonl(d / "g2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in GOOD])
-    b2 = _jsonl(d / "b2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in BAD])
+    g2 = write_jsonl(d / "g2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in GOOD])
+    b2 = write_jsonl(d / "b2.jsonl", [{"question": r["x"], "answer": r["y"]} for r in BAD])
     assert _score(inp, out, g2, b2, tiny_dir, "--x-field", "question", "--y-field", "answer",
                   "--id-field", "uid", "--overwrite") == 0
-    assert [(r["id"], r["line"]) for r in _read(out)] == [("1", 2), ("2", 3)]
+    assert [(r["id"], r["line"]) for r in read_jsonl(out)] == [("1", 2), ("2", 3)]
     assert _score(d / "nope.jsonl", out, g, b, tiny_dir, "--overwrite") == 2
     assert "no such input file" in capsys.readouterr().err
 
@@ -258,13 +250,13 @@ def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, ca
     """A resume in another dtype or with another kernel backend is refused (it would mix, e.g.,
     fp32 and bf16 scores in one file); the meta file records what was used."""
     d, g, b = files
-    inp = _jsonl(d / "in.jsonl", RESPONSES[:3])
+    inp = write_jsonl(d / "in.jsonl", RESPONSES[:3])
     out = d / "out.jsonl"
     assert _score(inp, out, g, b, tiny_dir, "--dtype", "float32", "--backend", "torch") == 0
     meta = json.loads(meta_path(out).read_text())
     assert (meta["dtype"], meta["device"], meta["backend"]) == ("float32", "cpu", "torch")
     before = out.read_bytes()
-    _jsonl(inp, RESPONSES[:5])  # more input: a resume would add records
+    write_jsonl(inp, RESPONSES[:5])  # more input: a resume would add records
 
     import copy
 
@@ -290,7 +282,7 @@ def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, ca
     meta["dtype"] = "float32"
     meta_path(out).write_text(json.dumps(meta))
     assert _score(inp, out, g, b, tiny_dir, "--resume", "--backend", "torch") == 0
-    assert [r["index"] for r in _read(out)] == list(range(5))
+    assert [r["index"] for r in read_jsonl(out)] == list(range(5))
 
 
 def test_score_records_errors_are_typed_not_parsed(loaded):

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _helpers import save_tiny_llama
+from _helpers import read_jsonl, save_tiny_llama, write_jsonl
 
 from icqs_fast.cli import main
 from icqs_fast.engine.prompt_tokens import joins_response
@@ -32,13 +32,6 @@ RESPONSES = [
 ]
 
 
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def _read(path):
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +54,8 @@ def test_joins_response():
 @pytest.fixture(scope="module")
 def score_rows(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("diag")
-    inp = _jsonl(d / "in.jsonl", RESPONSES)
-    g, b = _jsonl(d / "good.jsonl", GOOD), _jsonl(d / "bad.jsonl", BAD)
+    inp = write_jsonl(d / "in.jsonl", RESPONSES)
+    g, b = write_jsonl(d / "good.jsonl", GOOD), write_jsonl(d / "bad.jsonl", BAD)
     tpl = d / "template.json"
     tpl.write_text(json.dumps(TEMPLATE), encoding="utf-8")
     out = d / "out.jsonl"
@@ -70,7 +63,7 @@ def score_rows(tiny_dir, tmp_path_factory):
     assert main(["score", str(inp), "-o", str(out), "--good", str(g), "--bad", str(b),
                  "--model", str(tiny_dir), "--template", str(tpl), "--max-length", "60",
                  "--drop-oldest-demos", *KW]) == 0
-    return _read(out)
+    return read_jsonl(out)
 
 
 def test_score_diagnostics(score_rows, tiny_dir):
@@ -101,11 +94,11 @@ def test_features_diagnostics(tiny_dir, tmp_path):
 
     items = [{"id": "plain", "x": "Summarise it", "y": "Sales rose."},
              {"id": "join", "x": "Summarise it", "y": "\n Sales rose."}]
-    inp = _jsonl(tmp_path / "in.jsonl", items)
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
     out = tmp_path / "out.jsonl"
     assert main(["features", str(inp), "-o", str(out), "--model", str(tiny_dir), "--dtype",
                  "float32", "--device", "cpu", "--features", "sent_logprob", "--quiet"]) == 0
-    rows = _read(out)
+    rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     for it, r in zip(items, rows, strict=True):
         enc = encode(tok, GlassboxItem(it["x"], it["y"]))
@@ -123,11 +116,11 @@ def _documented() -> set[str]:
 
 def test_every_output_field_is_documented(score_rows, tiny_dir, tmp_path):
     score_fields = {k for r in score_rows for k in r}
-    inp = _jsonl(tmp_path / "in.jsonl", [{"id": "a", "x": "Summarise it", "y": "Sales rose."}])
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "x": "Summarise it", "y": "Sales rose."}])
     out = tmp_path / "f.jsonl"
     assert main(["features", str(inp), "-o", str(out), "--model", str(tiny_dir), "--dtype",
                  "float32", "--device", "cpu", "--quiet"]) == 0
-    feature_fields = set(_read(out)[0])
+    feature_fields = set(read_jsonl(out)[0])
     missing = sorted((score_fields | feature_fields) - _documented())
     assert not missing, f"output fields not named in docs/scoring_files.md: {missing}"
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import save_tiny_llama
+from _helpers import read_jsonl, save_tiny_llama, write_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -38,13 +38,6 @@ KW = ["--num-ratios", "3", "--demos-per-set", "2", "--sets-per-ratio", "2", "--s
       "--dtype", "float32", "--device", "cpu", "--backend", "torch"]
 
 
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def _read(path):
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +71,8 @@ def data(tmp_path_factory):
     ``--on-error skip``; features), computed through the CLI in this process."""
     d = tmp_path_factory.mktemp("dist")
     tiny = save_tiny_llama(d / "tiny")
-    g, b = _jsonl(d / "good.jsonl", GOOD), _jsonl(d / "bad.jsonl", BAD)
-    inp = _jsonl(d / "in.jsonl", RESPONSES)
+    g, b = write_jsonl(d / "good.jsonl", GOOD), write_jsonl(d / "bad.jsonl", BAD)
+    inp = write_jsonl(d / "in.jsonl", RESPONSES)
     common = ["--good", str(g), "--bad", str(b), "--model", str(tiny), *KW]
     assert main(["score", str(inp), "-o", str(d / "single.jsonl"), *common,
                  "--on-error", "skip", "--quiet"]) == 0
@@ -89,7 +82,7 @@ def data(tmp_path_factory):
     assert main(["features", str(inp), "-o", str(d / "single_f.jsonl"), *fkw,
                  "--on-error", "skip", "--quiet"]) == 0
     return {"dir": d, "tiny": tiny, "input": inp, "common": common, "fkw": fkw,
-            "single": _read(d / "single.jsonl"), "single_f": _read(d / "single_f.jsonl")}
+            "single": read_jsonl(d / "single.jsonl"), "single_f": read_jsonl(d / "single_f.jsonl")}
 
 
 def _args(kind, data, out, *extra):
@@ -141,7 +134,7 @@ def test_score_jsonl_equals_single_process(cluster, data, tmp_path):
     assert _blocks(out, "jsonl") == [f"part-{k:06d}.jsonl" for k in range(3)]
     got = []
     for p in _blocks(out, "jsonl"):
-        got += _read(out / p)
+        got += read_jsonl(out / p)
     single = data["single"]
     assert [r["index"] for r in got] == list(range(11))
     assert got[5] == single[5] == {"index": 5, "line": 6, "error": {
@@ -170,7 +163,7 @@ def test_features_parquet_equals_single_process(cluster, data, tmp_path):
         for f in ("sent_logprob", "softmax_ent", "attn_ent_avg"):
             assert _close(g[f], s[f]), f
     # The bad record is in its block's side file, as the single-process line.
-    side = _read(out / "part-000001.skipped.jsonl")
+    side = read_jsonl(out / "part-000001.skipped.jsonl")
     assert side == [data["single_f"][5]]
     assert not os.path.exists(out / "part-000000.skipped.jsonl")
 
@@ -211,7 +204,7 @@ def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path
     assert killed, "the hold hook never ran: the kill was not exercised"
     assert _blocks(out, "parquet") == [f"part-{k:06d}.parquet" for k in range(4)]
     _check_score_parquet(out, data["single"])
-    assert _read(out / "part-000001.skipped.jsonl") == [data["single"][5]]
+    assert read_jsonl(out / "part-000001.skipped.jsonl") == [data["single"][5]]
     assert not [p for p in os.listdir(out) if ".tmp." in p]
 
 
@@ -241,7 +234,7 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
     got = []
     for p in _blocks(out, "jsonl"):
-        got += _read(out / p)
+        got += read_jsonl(out / p)
     assert [r["index"] for r in got] == list(range(11))
     for g, s in zip(got, data["single"], strict=True):
         assert g.keys() == s.keys() and g.get("id") == s.get("id")
@@ -270,7 +263,7 @@ def test_score_calibrated_parquet_equals_single_process(cluster, data, tmp_path)
     single = tmp_path / "single.jsonl"
     assert main(["score", str(data["input"]), "-o", str(single), *data["common"], *opts,
                  "--on-error", "skip", "--quiet"]) == 0
-    want = [r for r in _read(single) if "error" not in r]
+    want = [r for r in read_jsonl(single) if "error" not in r]
     assert all("loglik_baseline" in r for r in want)
     out = tmp_path / "out"
     assert run_ray(_args("score", data, out, *opts, "--workers", "1", "--block-size", "6",
@@ -375,7 +368,7 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
     rows = [{"id": str(r["id"]), "x": r["x"], "y": r.get("y")} for r in RESPONSES]
     path = str(tmp_path / "in.parquet")
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)  # blocks cross groups
-    jl = _jsonl(tmp_path / "in.jsonl", rows)
+    jl = write_jsonl(tmp_path / "in.jsonl", rows)
     assert count_records(path) == count_records(jl) == 11
     want = list(read_records(jl, on_error="yield"))
     for start, end in ((0, 3), (3, 6), (6, 11)):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from _helpers import save_tiny_llama
+from _helpers import save_tiny_llama, write_jsonl
 
 from icqs_fast import backends, models
 from icqs_fast.cli import main
@@ -22,11 +22,6 @@ RESPONSES = [{"id": f"r{i}", "x": f"Summarise report {i}" + " briefly" * (i % 3)
 KW = ["--dtype", "float32", "--device", "cpu", "--batch-size", "2", "--chunk-size", "4",
       "--quiet"]
 
-
-def _jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
-                    encoding="utf-8")
-    return path
 
 
 def _rows(path):
@@ -70,7 +65,7 @@ def _close(got: dict, want: dict, keys):
     ("selfeval-compat", ["softmax_combo", "sent_logprob", "softmax_var", "attn_ent_min"]),
 ])
 def test_file_equals_glassbox_called_directly(features, tiny, tmp_path, mode, feats):
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES)
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES)
     out = tmp_path / "out.jsonl"
     assert features(inp, out, "--mode", mode, "--features", ",".join(feats)) == 0
     rows = _rows(out)
@@ -118,7 +113,7 @@ def test_csv_input_with_fields_and_combo_scale_file(features, tiny, tmp_path):
 
 
 def test_bad_options(features, tmp_path, capsys):
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES[:2])
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES[:2])
     out = tmp_path / "out.jsonl"
     assert features(inp, out, "--features", "sent_logprob,nope") == 2
     assert "--features: unknown or no feature(s) ['nope']" in capsys.readouterr().err
@@ -134,7 +129,7 @@ def test_bad_options(features, tmp_path, capsys):
 def test_resume_at_every_cut_is_byte_identical(features, tmp_path):
     """An output cut after any number of complete records (or inside a line) is completed by
     --resume into exactly the uninterrupted run's bytes, whichever chunk the cut falls in."""
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES)
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES)
     ref = tmp_path / "ref.jsonl"
     assert features(inp, ref, "--features", "sent_logprob,softmax_ent,attn_ent_avg") == 0
     ref_bytes = ref.read_bytes()
@@ -150,7 +145,7 @@ def test_resume_at_every_cut_is_byte_identical(features, tmp_path):
 
 
 def test_resume_refused_on_other_settings(features, tmp_path, capsys):
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES[:3])
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES[:3])
     out = tmp_path / "out.jsonl"
     assert features(inp, out, "--features", "sent_logprob") == 0
     before = out.read_bytes()
@@ -178,13 +173,13 @@ def test_resume_refused_on_other_settings(features, tmp_path, capsys):
 
 
 def test_resume_refused_when_the_input_changed(features, tmp_path, capsys):
-    inp = _jsonl(tmp_path / "in.jsonl", RESPONSES[:6])
+    inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES[:6])
     out = tmp_path / "out.jsonl"
     assert features(inp, out, "--features", "sent_logprob") == 0
     lines = out.read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(lines[:5]))  # record 4 is the last; chunk 1 starts there
     changed = [dict(r, id="zz") if i == 4 else r for i, r in enumerate(RESPONSES[:6])]
-    _jsonl(inp, changed)
+    write_jsonl(inp, changed)
     assert features(inp, out, "--resume", "--features", "sent_logprob") == 2
     assert (f"cannot --resume: {inp}:5 (record 4) has id 'zz' but the output's last record "
             "has id 'r4'") in capsys.readouterr().err
@@ -195,7 +190,7 @@ def test_record_too_long_for_the_model(features, tmp_path, capsys):
     not a crash or a silently wrong value; --on-error skip records it in its place."""
     rows = [dict(r) for r in RESPONSES[:4]]
     rows[2]["y"] = "word " * 300
-    inp = _jsonl(tmp_path / "in.jsonl", rows)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     assert features(inp, out, "--features", "sent_logprob") == 2
     err = capsys.readouterr().err

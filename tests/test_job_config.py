@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _helpers import save_tiny_llama
+from _helpers import save_tiny_llama, write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -23,10 +23,6 @@ KW = ["--num-ratios", "3", "--demos-per-set", "2", "--sets-per-ratio", "2", "--s
 FKW = ["--dtype", "float32", "--device", "cpu", "--backend", "torch", "--quiet",
        "--chunk-size", "2", "--batch-size", "2", "--features", "sent_logprob,softmax_ent"]
 
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +46,9 @@ def files(tmp_path, tiny_dir, loaded, monkeypatch):
         return loaded
 
     monkeypatch.setattr(models, "load_model", cached)
-    return {"dir": tmp_path, "good": _jsonl(tmp_path / "good.jsonl", GOOD),
-            "bad": _jsonl(tmp_path / "bad.jsonl", BAD),
-            "input": _jsonl(tmp_path / "in.jsonl", RESPONSES), "model": tiny_dir,
+    return {"dir": tmp_path, "good": write_jsonl(tmp_path / "good.jsonl", GOOD),
+            "bad": write_jsonl(tmp_path / "bad.jsonl", BAD),
+            "input": write_jsonl(tmp_path / "in.jsonl", RESPONSES), "model": tiny_dir,
             "calls": calls}
 
 

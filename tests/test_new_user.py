@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from _helpers import save_tiny_llama
+from _helpers import save_tiny_llama, write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -21,10 +21,6 @@ FKW = ["--features", "sent_logprob", "--batch-size", "2", "--chunk-size", "2", "
        "float32", "--device", "cpu"]
 
 
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -36,8 +32,8 @@ def tiny(tmp_path_factory):
 def files(tmp_path):
     d = tmp_path / "in"
     d.mkdir()
-    return {"good": _jsonl(d / "good.jsonl", GOOD), "bad": _jsonl(d / "bad.jsonl", BAD),
-            "input": _jsonl(d / "input.jsonl", ROWS)}
+    return {"good": write_jsonl(d / "good.jsonl", GOOD), "bad": write_jsonl(d / "bad.jsonl", BAD),
+            "input": write_jsonl(d / "input.jsonl", ROWS)}
 
 
 @pytest.fixture
@@ -142,7 +138,7 @@ def test_empty_stdin_leaves_nothing(files, tiny, loads, tmp_path, capsys, monkey
 
 
 def test_response_longer_than_the_context_alone(files, tiny, loads, tmp_path, capsys):
-    inp = _jsonl(tmp_path / "long.jsonl", [{"x": "a", "y": "word " * 200}])
+    inp = write_jsonl(tmp_path / "long.jsonl", [{"x": "a", "y": "word " * 200}])
     out = tmp_path / "out.jsonl"
     assert score(files, out, "--max-length", "64", "--drop-oldest-demos", "--quiet", tiny=tiny,
                  inp=inp) == 2
@@ -156,7 +152,7 @@ def test_response_longer_than_the_context_alone(files, tiny, loads, tmp_path, ca
 
 def test_demo_fields_default_to_the_input_fields_and_can_differ(files, tiny, loads, tmp_path,
                                                                 capsys):
-    inp = _jsonl(tmp_path / "sst.jsonl", [{"sentence": r["x"], "label": r["y"]} for r in ROWS])
+    inp = write_jsonl(tmp_path / "sst.jsonl", [{"sentence": r["x"], "label": r["y"]} for r in ROWS])
     out = tmp_path / "out.jsonl"
     # The demonstration files have x / y, the input sentence / label: refused without the option.
     assert score(files, out, "--x-field", "sentence", "--y-field", "label", "--quiet",
@@ -168,7 +164,7 @@ def test_demo_fields_default_to_the_input_fields_and_can_differ(files, tiny, loa
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
     assert (meta["demo_x_field"], meta["demo_y_field"]) == ("x", "y")
     # ... and in the resume check: other demonstration fields are refused.
-    demos = {k: _jsonl(tmp_path / f"{k}2.jsonl", [{"q": d["x"], "a": d["y"]} for d in rows])
+    demos = {k: write_jsonl(tmp_path / f"{k}2.jsonl", [{"q": d["x"], "a": d["y"]} for d in rows])
              for k, rows in (("good", GOOD), ("bad", BAD))}
     assert main(["score", str(inp), "-o", str(out), "--good", str(demos["good"]), "--bad",
                  str(demos["bad"]), "--model", str(tiny[0]), *KW, "--x-field", "sentence",
@@ -259,7 +255,7 @@ def test_summary_after_resume_covers_the_whole_output(files, tmp_path, tiny, cap
     resume of a complete output printed "scored 0 responses ... mean score n/a" only)."""
     out = tmp_path / "o.jsonl"
     rows = [dict(r, label="a" if i % 2 else "b") for i, r in enumerate(ROWS)]
-    inp = _jsonl(tmp_path / "lab.jsonl", rows)
+    inp = write_jsonl(tmp_path / "lab.jsonl", rows)
     assert score(files, out, "--label-field", "label", "--quiet", tiny=tiny, inp=inp) == 0
     got = [json.loads(x) for x in out.read_text().splitlines()]
     capsys.readouterr()

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from _helpers import write_jsonl
 from scipy import stats
 
 from icqs_fast.cli import main
@@ -30,10 +31,6 @@ def _records(scores=SCORES):
     rows.insert(3, {"index": 99, "line": 4, "error": {"field": "y", "reason": "missing"}})
     return rows
 
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def test_rank_models_known_means_ranks_and_intervals():
@@ -75,7 +72,7 @@ def test_every_input_format_gives_the_same_groups(tmp_path):
     import pyarrow.parquet as pq
 
     rows = _records()
-    ref, counts = read_group_scores(_jsonl(tmp_path / "s.jsonl", rows))
+    ref, counts = read_group_scores(write_jsonl(tmp_path / "s.jsonl", rows))
     assert counts == {"records": 17, "error_records": 1}
     assert list(ref) == ["a", "b", "c", "d"]
     scored = [r for r in rows if "score" in r]
@@ -95,7 +92,7 @@ def test_every_input_format_gives_the_same_groups(tmp_path):
 def test_rank_cli_table_json_truth_and_plot(tmp_path, capsys):
     import matplotlib.image as mpimg
 
-    scores = _jsonl(tmp_path / "s.jsonl", _records())
+    scores = write_jsonl(tmp_path / "s.jsonl", _records())
     truth = tmp_path / "truth.json"
     truth.write_text(json.dumps(TRUTH))
     plots = tmp_path / "plots"
@@ -148,12 +145,12 @@ def test_rank_cli_bad_scores_exit_2_naming_file_line_field(tmp_path, capsys, con
 
 
 def test_rank_cli_bad_truth_and_options(tmp_path, capsys):
-    scores = _jsonl(tmp_path / "s.jsonl", _records())
+    scores = write_jsonl(tmp_path / "s.jsonl", _records())
     bad = tmp_path / "t.json"
     bad.write_text('{"a": 1, "b": "good"}')
     assert main(["rank", "--scores", str(scores), "--truth", str(bad), "--quiet"]) == 2
     assert "t.json: field 'b': must be a number" in capsys.readouterr().err
-    tj = _jsonl(tmp_path / "t.jsonl", [{"model": "a", "truth": 1}, {"model": "a", "truth": 2}])
+    tj = write_jsonl(tmp_path / "t.jsonl", [{"model": "a", "truth": 1}, {"model": "a", "truth": 2}])
     assert main(["rank", "--scores", str(scores), "--truth", str(tj), "--quiet"]) == 2
     assert "t.jsonl:2: field 'model': model 'a' appears twice" in capsys.readouterr().err
     assert main(["rank", "--scores", str(tmp_path / "nope.jsonl")]) == 2
