@@ -327,17 +327,16 @@ def _actor_kw(config: JobConfig) -> dict:
     if isinstance(config, ScoreJobConfig):
         from icqs_fast.jobs.score import scoring_settings
 
-        settings = scoring_settings(config).asdict()
+        good: Any = os.path.abspath(config.good)
+        bad: Any = os.path.abspath(config.bad)
         if (config.demo_x_field, config.demo_y_field) != (config.x_field, config.y_field):
             from icqs_fast.io.readers import read_examples
 
             kw = dict(x_field=config.demo_x_field, y_field=config.demo_y_field,
                       encoding=config.encoding)  # other fields: the examples themselves
-            return dict(good=read_examples(config.good, **kw),
-                        bad=read_examples(config.bad, **kw), settings=settings,
-                        encoding=config.encoding, **common)
-        return dict(good=os.path.abspath(config.good), bad=os.path.abspath(config.bad),
-                    settings=settings, encoding=config.encoding, **common)
+            good, bad = read_examples(good, **kw), read_examples(bad, **kw)
+        return dict(good=good, bad=bad, settings=scoring_settings(config).asdict(),
+                    encoding=config.encoding, **common)
     assert isinstance(config, FeatureJobConfig)
     return dict(features=list(config.features), mode=config.mode,
                 batch_size=config.batch_size, chunk_size=config.chunk_size,
