@@ -19,8 +19,15 @@ from typing import Any
 
 import torch
 
-from icqs_fast.engine.batching import PrefixBank, decoder_body, model_device, suffix_hidden
-from icqs_fast.engine.cascade import supports_cascade
+from icqs_fast.engine.batching import (
+    PrefixBank,
+    last_hidden,
+    model_device,
+    plain_logits,
+    right_padded,
+    suffix_hidden,
+)
+from icqs_fast.engine.capability import ModelPlan, model_plan
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 
 # Rows of fp32 logits materialised at once (x vocabulary size).
@@ -99,17 +106,23 @@ def _batches(items: list, length, budget: int) -> list[list]:
     return out
 
 
-def _head(model: Any, seg: _Segment, hidden: torch.Tensor, top_n: int) -> None:
-    """LM head (fp32) over one segment's hidden states ``[len, H]``."""
+def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_n: int
+          ) -> None:
+    """LM head (fp32, with the model's logit epilogue) over one segment's hidden states
+    ``[len, H]``, or the model's own logits ``[len, V]`` when the plan scores from those."""
     head = model.get_output_embeddings()
     w = head.weight
     bias = getattr(head, "bias", None)
     n = hidden.shape[0]
     for a in range(0, n, HEAD_ROWS):
         h = hidden[a: a + HEAD_ROWS].float()
-        logits = h @ w.float().t()
-        if bias is not None:
-            logits = logits + bias.float()
+        if plan.own_logits:
+            logits = h
+        else:
+            logits = h @ w.float().t()
+            if bias is not None:
+                logits = logits + bias.float()
+            logits = plan.head.apply(logits)
         lp = torch.log_softmax(logits, dim=-1)
         rows = range(a, a + h.shape[0])
         inner = [r for r in rows if seg.start + r + 1 < len(seg.path)]
@@ -144,12 +157,14 @@ def prompt_logprobs(
         raise ValueError("a prompt must hold at least one token")
     if not prompts:
         return []
-    cascade = supports_cascade(model) if cascade is None else bool(cascade)
+    plan = model_plan(model)
+    cascade = plan.path == "cascade" and cascade is not False
     dev = model_device(model)
     budget = token_budget
-    if cascade and dev.type == "cpu":
+    if (cascade or not plan.bank) and dev.type == "cpu":
         budget = min(budget, SUFFIX_CHUNK_CPU)
-    cuts = prompt_cuts(prompts)
+    # Without a bank (the plain path) every prompt is one segment of its own.
+    cuts = prompt_cuts(prompts) if plan.bank else [[len(p)] for p in prompts]
     segs: dict[tuple[int, ...], _Segment] = {}
     for p, cs in zip(prompts, cuts, strict=True):
         d = 0
@@ -158,19 +173,18 @@ def prompt_logprobs(
             d = e
     plain = [s for s in segs.values() if s.start == 0]
     stored = sorted((s for s in segs.values() if s.start > 0), key=lambda s: s.path)
-    body = decoder_body(model)
     for batch in _batches(plain, lambda s: len(s.path), budget):
-        width = max(len(s.path) for s in batch)
-        ids = torch.full((len(batch), width), int(pad_id), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        seqs = [s.path for s in batch]
+        if plan.own_logits:
+            out = plain_logits(model, seqs, pad_id, dev)
+        else:
+            ids, mask = right_padded(seqs, pad_id)
+            out = last_hidden(plan.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                        use_cache=False))
         for b, s in enumerate(batch):
-            ids[b, : len(s.path)] = torch.tensor(s.path)
-            mask[b, : len(s.path)] = 1
-        out = body(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
-        for b, s in enumerate(batch):
-            _head(model, s, out.last_hidden_state[b, : len(s.path)], top_n)
+            _head(model, plan, s, out[b, : len(s.path)], top_n)
     if stored:
-        bank = PrefixBank(model, pad_id, token_budget)
+        bank = PrefixBank(model, pad_id, token_budget, body=plan.body, layers=plan.layers)
         parents = list(dict.fromkeys(s.path[: s.start] for s in stored))
         entry = dict(zip(parents, bank.add([list(p) for p in parents]), strict=True))
         for batch in _batches(stored, lambda s: len(s.path) - s.start, budget):
@@ -178,7 +192,7 @@ def prompt_logprobs(
                                       [list(s.path[s.start:]) for s in batch], pad_id,
                                       cascade=cascade)
             for b, s in enumerate(batch):
-                _head(model, s, hidden[b, : len(s.path) - s.start], top_n)
+                _head(model, plan, s, hidden[b, : len(s.path) - s.start], top_n)
         del bank
     out_list = []
     for p, cs in zip(prompts, cuts, strict=True):
