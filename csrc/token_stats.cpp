@@ -17,6 +17,14 @@
 // its max, the finite count, the rank/greedy counts and the u sums; if the max grew, the double
 // accumulators are rescaled once; pass 2 accumulates e^{d}, e^{d} d, e^{d} d^2 (d = x - m <= 0)
 // from the buffer in float, added to the double row totals at the end of the block.
+//
+// Soft-capping epilogue (ops.linear_token_stats' softcap): with tanh_scale = a > 0 pass 1 counts
+// the rank/greedy comparisons on the logit z as loaded (z_t is the target's uncapped logit: tanh
+// is increasing, so that is the order of the exact capped logits, with no ties made by rounding
+// where the cap saturates), then replaces it by tanh(a z) for everything else (max, finite
+// count, u sums, the buffer pass 2 reads); the block is still read once and never written back.
+// The caller passes the capped target's x as the shift and the temperature divided by the cap.
+// It is a template flag (SC): the default kernels are compiled exactly as without it.
 
 #include <pybind11/pybind11.h>
 
@@ -165,9 +173,33 @@ ICQS_INLINE typename V<W>::f exp_neg(typename V<W>::f d) {
     return d < splat<W>(-87.0f) ? F{} : e;
 }
 
+// tanh(a z), the soft-cap epilogue, to ~2 ulp: Cephes' odd polynomial for |u| < 0.625, else
+// (1 - e) / (1 + e) with e = e^{-2|u|} (exp_neg's domain), sign restored. +-inf gives +-1 (so a
+// -inf bias entry becomes the finite -cap, as a model computing c tanh(z / c) gets); NaN stays
+// NaN (padding and masked entries stay out). kernels/linear_token_stats.py uses the same formula.
+template <int W>
+ICQS_INLINE typename V<W>::f tanh_scaled(typename V<W>::f z, typename V<W>::f a) {
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    const F u = z * a;
+    const I sign = (I)u & (I{} + INT32_MIN);
+    const F au = (F)((I)u & 0x7fffffff);
+    const F u2 = u * u;
+    F p = splat<W>(-5.70498872745e-3f);
+    p = p * u2 + splat<W>(2.06390887954e-2f);
+    p = p * u2 + splat<W>(-5.37397155531e-2f);
+    p = p * u2 + splat<W>(1.33314422036e-1f);
+    p = p * u2 + splat<W>(-3.33332819422e-1f);
+    const F small = p * u2 * u + u;
+    const F e = exp_neg<W>(splat<W>(-2.0f) * au);
+    const F big = (F)((I)((splat<W>(1.0f) - e) / (splat<W>(1.0f) + e)) | sign);
+    const F w = au < splat<W>(0.625f) ? small : big;
+    return u == u ? w : u;
+}
+
 template <int W>
 struct Consts {
-    typename V<W>::f gthr, eqval, cz, inv_t;
+    typename V<W>::f gthr, eqval, cz, inv_t, a;  // a: tanh scale (SC only)
 };
 
 template <int W>
@@ -180,7 +212,7 @@ struct Pass1 {
 
 // Pass 1 over one block of bl elements: read (and convert) it once, store the finite values
 // (-inf elsewhere) in buf, and accumulate max, counts and u sums.
-template <int W, int DT, bool EQ>
+template <int W, int DT, bool SC, bool EQ>
 ICQS_INLINE void pass1(const void* row, int64_t b0, int64_t bl, const Consts<W>& c, float* buf,
                        Pass1<W>& a) {
     using F = typename V<W>::f;
@@ -190,10 +222,11 @@ ICQS_INLINE void pass1(const void* row, int64_t b0, int64_t bl, const Consts<W>&
     const F vninf = splat<W>(-std::numeric_limits<float>::infinity());
     const int64_t nvec = (bl + W - 1) / W;
     for (int64_t k = 0; k < nvec; ++k) {
-        const F z = load<W, DT>(row, b0 + k * W, bl - k * W);
-        const I fin = ((I)z & 0x7f800000) != 0x7f800000;
+        F z = load<W, DT>(row, b0 + k * W, bl - k * W);
         a.gtv -= z > c.gthr;
         if (EQ) a.eqv -= z == c.eqval;
+        if (SC) z = tanh_scaled<W>(z, c.a);
+        const I fin = ((I)z & 0x7f800000) != 0x7f800000;
         a.nv -= fin;
         const F zf = fin ? z : vninf;
         a.bmax = vmax<W>(a.bmax, zf);
@@ -217,11 +250,12 @@ struct RowIn {
     double z_t;      // target logit
     double shift;    // K, in x = z / T units
     double temp;
+    float tanh_scale;  // a of the soft-cap epilogue (used only by the SC kernels)
 };
 
 // The mode-independent row reduction: used for whole rows (token_stats) and for vocabulary
 // blocks (reduce_block) alike, since both are "a row of logits plus a target index".
-template <int W, int DT>
+template <int W, int DT, bool SC>
 ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts) {
     using F = typename V<W>::f;
     const float inf = std::numeric_limits<float>::infinity();
@@ -242,7 +276,8 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
     const double delta = static_cast<double>(cz) / in.temp - in.shift;
     const int64_t t_lim = in.t < 0 ? 0 : (in.t > in.v ? in.v : in.t);
 
-    const Consts<W> c{splat<W>(gthr), splat<W>(eqval), splat<W>(cz), splat<W>(inv_t)};
+    const Consts<W> c{splat<W>(gthr), splat<W>(eqval), splat<W>(cz), splat<W>(inv_t),
+                      splat<W>(in.tanh_scale)};
 
     double s0 = 0, s1 = 0, s2 = 0, su = 0, suu = 0;
     int64_t n_fin = 0, greater = 0, eq_before = 0;
@@ -257,11 +292,12 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
         // counted in the vector loop, the one block holding it by a scalar loop (an index mask
         // in the vector loop makes GCC scalarise it).
         if (b0 + bl <= t_lim) {
-            pass1<W, DT, true>(in.row, b0, bl, c, buf, acc);
+            pass1<W, DT, SC, true>(in.row, b0, bl, c, buf, acc);
         } else {
-            pass1<W, DT, false>(in.row, b0, bl, c, buf, acc);
-            if (std::isfinite(eqval)) {
-                // buf holds the block's finite values (-inf elsewhere): same answer, in L1.
+            pass1<W, DT, SC, false>(in.row, b0, bl, c, buf, acc);
+            if (!SC && std::isfinite(eqval)) {
+                // buf holds the block's finite values (-inf elsewhere): same answer, in L1
+                // (not with the soft cap: buf holds the capped values, the ranks the uncapped).
                 int64_t cnt = 0;
                 for (int64_t j = 0; j < t_lim - b0; ++j) cnt += buf[j] == eqval;
                 eq_before += cnt;
@@ -333,17 +369,44 @@ ICQS_INLINE void reduce_row_impl(const RowIn& in, double* state, int64_t* counts
 
 typedef void (*RowFn)(const RowIn&, double*, int64_t*);
 
-// One instantiation per (ISA, dtype); the helpers are always-inlined into these, so each is
-// compiled entirely for its target.
+// One instantiation per (ISA, dtype, soft-cap); the helpers are always-inlined into these, so
+// each is compiled entirely for its target. TanhFn: the epilogue alone over fp32 values, for the
+// caller's target logits (the same code as the blocks', so saturated ties compare equal).
+typedef void (*TanhFn)(const float*, float*, int64_t, float);
+
+template <int W>
+ICQS_INLINE void tanh_impl(const float* in, float* out, int64_t n, float a) {
+    using F = typename V<W>::f;
+    for (int64_t j = 0; j < n; j += W) {
+        const int64_t m = n - j < W ? n - j : W;
+        F z = splat<W>(0.0f);
+        for (int64_t k = 0; k < m; ++k) z[k] = in[j + k];
+        const F w = tanh_scaled<W>(z, splat<W>(a));
+        for (int64_t k = 0; k < m; ++k) out[j + k] = w[k];
+    }
+}
+
 #define ICQS_ROW_FNS(NAME, TARGET, W)                                                        \
     TARGET void NAME##_f32(const RowIn& in, double* s, int64_t* c) {                         \
-        reduce_row_impl<W, kF32>(in, s, c);                                                  \
+        reduce_row_impl<W, kF32, false>(in, s, c);                                           \
     }                                                                                        \
     TARGET void NAME##_f16(const RowIn& in, double* s, int64_t* c) {                         \
-        reduce_row_impl<W, kF16>(in, s, c);                                                  \
+        reduce_row_impl<W, kF16, false>(in, s, c);                                           \
     }                                                                                        \
     TARGET void NAME##_bf16(const RowIn& in, double* s, int64_t* c) {                        \
-        reduce_row_impl<W, kBF16>(in, s, c);                                                 \
+        reduce_row_impl<W, kBF16, false>(in, s, c);                                          \
+    }                                                                                        \
+    TARGET void NAME##_f32_sc(const RowIn& in, double* s, int64_t* c) {                      \
+        reduce_row_impl<W, kF32, true>(in, s, c);                                            \
+    }                                                                                        \
+    TARGET void NAME##_f16_sc(const RowIn& in, double* s, int64_t* c) {                      \
+        reduce_row_impl<W, kF16, true>(in, s, c);                                            \
+    }                                                                                        \
+    TARGET void NAME##_bf16_sc(const RowIn& in, double* s, int64_t* c) {                     \
+        reduce_row_impl<W, kBF16, true>(in, s, c);                                           \
+    }                                                                                        \
+    TARGET void NAME##_tanh(const float* in, float* out, int64_t n, float a) {               \
+        tanh_impl<W>(in, out, n, a);                                                         \
     }
 
 ICQS_ROW_FNS(row_v2, , 4)
@@ -351,11 +414,12 @@ ICQS_ROW_FNS(row_v2, , 4)
 ICQS_ROW_FNS(row_v4, __attribute__((target("arch=x86-64-v4"))), 16)
 ICQS_ROW_FNS(row_v3, __attribute__((target("arch=x86-64-v3"))), 8)
 
-const RowFn kRowFns[3][3] = {
-    {row_v2_f32, row_v2_f16, row_v2_bf16},
-    {row_v3_f32, row_v3_f16, row_v3_bf16},
-    {row_v4_f32, row_v4_f16, row_v4_bf16},
+const RowFn kRowFns[3][2][3] = {
+    {{row_v2_f32, row_v2_f16, row_v2_bf16}, {row_v2_f32_sc, row_v2_f16_sc, row_v2_bf16_sc}},
+    {{row_v3_f32, row_v3_f16, row_v3_bf16}, {row_v3_f32_sc, row_v3_f16_sc, row_v3_bf16_sc}},
+    {{row_v4_f32, row_v4_f16, row_v4_bf16}, {row_v4_f32_sc, row_v4_f16_sc, row_v4_bf16_sc}},
 };
+const TanhFn kTanhFns[3] = {row_v2_tanh, row_v3_tanh, row_v4_tanh};
 
 int best_isa() {
     __builtin_cpu_init();
@@ -366,14 +430,27 @@ int best_isa() {
 #else
 // Other architectures (e.g. aarch64 NEON): the portable 4-lane kernel only
 // (-DICQS_FAST_GENERIC_ONLY builds this variant on x86-64, to test it).
-const RowFn kRowFns[1][3] = {{row_v2_f32, row_v2_f16, row_v2_bf16}};
+const RowFn kRowFns[1][2][3] = {
+    {{row_v2_f32, row_v2_f16, row_v2_bf16}, {row_v2_f32_sc, row_v2_f16_sc, row_v2_bf16_sc}}};
+const TanhFn kTanhFns[1] = {row_v2_tanh};
 
 int best_isa() { return kIsaV2; }
 #endif
 
+int pick_isa(int isa) {
+    const int best = best_isa();
+    if (isa < 0) return best;
+    if (isa > best)
+        throw std::invalid_argument("isa " + std::to_string(isa) +
+                                    " is not supported by this CPU (best: " +
+                                    std::to_string(best) + ")");
+    return isa;
+}
+
 void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int dtype,
                  uintptr_t t_ptr, uintptr_t zt_ptr, uintptr_t shift_ptr, double temperature,
-                 uintptr_t state_ptr, uintptr_t counts_ptr, int nthreads, int isa) {
+                 uintptr_t state_ptr, uintptr_t counts_ptr, int nthreads, int isa,
+                 double tanh_scale) {
     if (n < 0 || v < 0) throw std::invalid_argument("reduce_rows: n and v must be >= 0");
     if (v >= (int64_t(1) << 31) - kBlock)
         throw std::invalid_argument("reduce_rows: vocabulary size must be < 2^31");
@@ -381,13 +458,11 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
         throw std::invalid_argument("reduce_rows: temperature must be finite and > 0");
     if (dtype != kF32 && dtype != kF16 && dtype != kBF16)
         throw std::invalid_argument("reduce_rows: dtype code must be 0 (fp32), 1 (fp16), 2 (bf16)");
-    const int best = best_isa();
-    if (isa < 0) isa = best;
-    if (isa > best)
-        throw std::invalid_argument("reduce_rows: isa " + std::to_string(isa) +
-                                    " is not supported by this CPU (best: " +
-                                    std::to_string(best) + ")");
-    const RowFn fn = kRowFns[isa][dtype];
+    if (!std::isfinite(tanh_scale))
+        throw std::invalid_argument("reduce_rows: tanh_scale must be finite (0 = no soft cap)");
+    isa = pick_isa(isa);
+    const RowFn fn = kRowFns[isa][tanh_scale != 0.0][dtype];
+    const float a = static_cast<float>(tanh_scale);
     const size_t esize = dtype == kF32 ? 4 : 2;
     const char* z = reinterpret_cast<const char*>(z_ptr);
     const int64_t* t = reinterpret_cast<const int64_t*>(t_ptr);
@@ -402,9 +477,19 @@ void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int 
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (n > 1 && nthreads > 1)
     for (int64_t i = 0; i < n; ++i) {
         const RowIn in{z + static_cast<size_t>(i) * static_cast<size_t>(row_stride) * esize, v,
-                       t[i], zt[i], shift[i], temperature};
+                       t[i], zt[i], shift[i], temperature, a};
         fn(in, state + 7 * i, counts + 2 * i);
     }
+}
+
+void tanh_rows(uintptr_t in_ptr, uintptr_t out_ptr, int64_t n, double tanh_scale, int isa) {
+    if (n < 0) throw std::invalid_argument("tanh_rows: n must be >= 0");
+    if (!std::isfinite(tanh_scale) || tanh_scale == 0.0)
+        throw std::invalid_argument("tanh_rows: tanh_scale must be finite and != 0");
+    const TanhFn fn = kTanhFns[pick_isa(isa)];
+    py::gil_scoped_release nogil;
+    fn(reinterpret_cast<const float*>(in_ptr), reinterpret_cast<float*>(out_ptr), n,
+       static_cast<float>(tanh_scale));
 }
 
 #if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
@@ -430,10 +515,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("v"), py::arg("dtype"), py::arg("t_ptr"), py::arg("zt_ptr"),
           py::arg("shift_ptr"), py::arg("temperature"), py::arg("state_ptr"),
           py::arg("counts_ptr"), py::arg("nthreads"), py::arg("isa") = -1,
+          py::arg("tanh_scale") = 0.0,
           "Per-row softmax state [n,7] float64 and counts [n,2] int64 of a [n,v] logits array "
           "(row_stride in elements, unit column stride; dtype 0=fp32, 1=fp16, 2=bf16; t int64, "
           "zt/shift float64 per row). Writes into the given output buffers. isa: -1 = best for "
-          "this CPU, else 0 (x86-64-v2), 1 (x86-64-v3), 2 (x86-64-v4) - for tests.");
+          "this CPU, else 0 (x86-64-v2), 1 (x86-64-v3), 2 (x86-64-v4) - for tests. tanh_scale a != 0: "
+          "the soft-cap epilogue: counts compare the logits as given (zt: the target's), every "
+          "other sum uses tanh(a z) (shift: in those units).");
+    m.def("tanh_rows", &tanh_rows, py::arg("in_ptr"), py::arg("out_ptr"), py::arg("n"),
+          py::arg("tanh_scale"), py::arg("isa") = -1,
+          "out[i] = tanh(a in[i]) over n fp32 values with reduce_rows' epilogue code (same "
+          "ISA choice), for the target logits.");
     m.def("best_isa", &best_isa, "the ISA level reduce_rows uses by default (0, 1 or 2)");
     m.def("isa_name", [](int isa) -> std::string {
         if (isa < 0 || isa > best_isa())

@@ -98,8 +98,21 @@ def linear_token_stats(
     backend: str = "auto",
     chunk_tokens: int = 256,
     chunk_vocab: int = 16384,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> TokenStats:
-    """Token statistics of ``softmax((hidden @ weight.T + bias) / T)``, never building ``[N, V]``.
+    """Token statistics of ``softmax(z / T)``, never building ``[N, V]``, where::
+
+        z = (hidden @ weight.T + bias) * logit_scale
+        z = softcap * tanh(z / softcap)          # only if softcap is not None
+
+    (the logit post-processing of Cohere / Granite / MiniCPM3, ``logit_scale``, and of
+    Gemma 2/3 / RecurrentGemma, ``softcap`` = ``final_logit_softcapping``). Every statistic is
+    of this ``z``; the target logit goes through the same epilogue. ``target_rank`` and
+    ``is_greedy`` order the logits before the cap (tanh is increasing, so that is the order of
+    the exact capped logits: logits the cap saturates, ``|z| / softcap`` above ~9 in fp32,
+    are not made ties by rounding, on any backend). The soft cap turns a ``-inf`` logit into
+    the finite ``-softcap`` (no longer masked out); NaN stays masked.
 
     The product is computed block by block: for each chunk of ``c = min(chunk_tokens, N)``
     tokens, the chunk's target logits (from its ``[c, H]`` gathered weight rows), then the fp32
@@ -136,9 +149,22 @@ def linear_token_stats(
         bias: optional ``[V]`` float32/float16/bfloat16 bias (promoted with the others).
         temperature, ignore_index, backend: as in :func:`token_stats`.
         chunk_tokens, chunk_vocab: block sizes of the cpp/torch path.
+        logit_scale: finite, non-zero multiplier of the logits (1.0: none).
+        softcap: finite cap > 0, or None (no soft cap).
+
+    How each backend computes it (the defaults cost nothing and change no bit): the scale
+    alone is folded into the temperature (``T / |logit_scale|``; a negative scale negates
+    ``hidden`` and ``bias``, exact, one ``[N, H]`` copy); with a soft cap every logit ``r``
+    becomes ``tanh(r * logit_scale / softcap)`` in fp32 as the reduction reads it (fused into
+    the C++ pass and the Triton epilogue, a constexpr variant; a torch op per block on the
+    torch backend), at temperature ``T / softcap``.
 
     Returns:
         :class:`TokenStats` as in :func:`token_stats`.
+
+    Raises:
+        ValueError: ``logit_scale`` not finite or 0, ``softcap`` not finite or <= 0 (or their
+            ratios outside float32's range), besides the shape/device checks above.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -150,15 +176,52 @@ def linear_token_stats(
     hidden, weight, bias = _common_dtype_device(hidden, weight, targets, bias)
     n, v = hidden.shape[0], weight.shape[0]
     _check_common(targets, n, v, ignore_index, temperature)
+    negate, temperature, tanh_scale = _epilogue(logit_scale, softcap, float(temperature))
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError("chunk_tokens and chunk_vocab must be >= 1")
     name = backends.resolve(backend, hidden.device)
     mod = backends.module(name)
+    if negate:
+        # z = r * s with s < 0 is (-r) * |s|, and -r = (-hidden) @ W.T + (-bias) exactly.
+        hidden = -hidden
+        bias = None if bias is None else -bias
     if name == "triton":
         return mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
-                                      float(temperature))
-    return _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, float(temperature),
-                           chunk_tokens, chunk_vocab, mod.reduce_block)
+                                      temperature, tanh_scale=tanh_scale)
+    return _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, temperature,
+                           chunk_tokens, chunk_vocab, mod.reduce_block, tanh_scale,
+                           getattr(mod, "tanh_logits", None))
+
+
+def _epilogue(logit_scale: float, softcap: float | None, temperature: float
+              ) -> tuple[bool, float, float | None]:
+    """Validate ``logit_scale`` / ``softcap`` and map them onto what the backends compute:
+    ``(negate, T', a)``: with ``r = hidden @ weight.T + bias``, negated if ``negate``, the
+    backends reduce ``r``, or ``tanh(a r)`` when ``a`` is not None, at temperature ``T'``.
+
+    ``r s / T = (+-r) / (T / |s|)`` and ``c tanh(r s / c) / T = tanh(a (+-r)) / (T / c)`` with
+    ``a = |s| / c > 0`` (so ranks of ``+-r`` are ranks of the capped logits); at the defaults
+    ``T' = T / 1.0 = T`` bit for bit and nothing else changes."""
+    real = (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+            and math.isfinite(x))
+    if not (real(logit_scale) and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite number != 0, got {logit_scale!r}")
+    if softcap is not None and not (real(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    s = float(logit_scale)
+    if softcap is None:
+        t_eff, a = temperature / abs(s), None
+    else:
+        t_eff, a = temperature / float(softcap), abs(s) / float(softcap)
+    negate = s < 0
+    # The kernels take 1 / T' and a as fp32: they must stay normal, finite floats there.
+    lo, hi = 1e-37, 1e37
+    if (s != 1.0 or a is not None) and not (lo < t_eff < hi and (a is None or lo < abs(a) < hi)):
+        raise ValueError(
+            f"temperature {temperature!r}, logit_scale {logit_scale!r} and softcap {softcap!r} "
+            "give factors outside float32's range (temperature / |logit_scale|, temperature / "
+            "softcap and logit_scale / softcap must lie within 1e-37 .. 1e37)")
+    return negate, t_eff, a
 
 
 def _common_dtype_device(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -184,7 +247,8 @@ def _common_dtype_device(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct, cv, reduce_block):
+def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct, cv, reduce_block,
+                    tanh_scale=None, tanh_logits=None):
     n, v = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
@@ -198,17 +262,21 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
         z_t = weight.index_select(0, t).float().mul_(h).sum(-1).double()
         if bias is not None:
             z_t += bias.index_select(0, t).double()
-        shift = torch.where(torch.isfinite(z_t), z_t / temperature, torch.zeros_like(z_t))
+        # Soft cap: the blocks' ranks compare uncapped logits with z_t, their sums use capped
+        # ones (by the same epilogue code as the target's here, zc_t).
+        zc_t = z_t if tanh_scale is None else tanh_logits(z_t, tanh_scale).double()
+        shift = torch.where(torch.isfinite(zc_t), zc_t / temperature, torch.zeros_like(zc_t))
         acc = _state.empty(r1 - r0, hidden.device)
         for c0 in range(0, v, cv):
             c1 = min(v, c0 + cv)
             z = h @ weight[c0:c1].float().t()
             if bias is not None:
                 z += bias[c0:c1].float()
-            blk = reduce_block(z, t - c0, z_t, shift, temperature)
+            blk = (reduce_block(z, t - c0, z_t, shift, temperature) if tanh_scale is None
+                   else reduce_block(z, t - c0, z_t, shift, temperature, tanh_scale))
             acc = _state.merge(acc, blk)
             del z, blk
-        parts.append(_state.finalize(*acc, z_t, valid[r0:r1], temperature))
+        parts.append(_state.finalize(*acc, zc_t, valid[r0:r1], temperature))
         del h, acc
     if not parts:
         z_t = torch.zeros(0, dtype=torch.float64, device=hidden.device)

@@ -23,6 +23,15 @@ grid (``chunks`` programs per row block) fills the GPU.
 
 ``target_logits`` computes each row's target logit ``hidden[r] . weight[t_r] (+ bias[t_r])`` in
 fp32 straight from the inputs (``[N]`` out, no ``[N, H]`` gather).
+
+Soft cap (``HAS_SOFTCAP``, a constexpr: the default variant compiles without it): the fused
+kernel counts each finished tile's ranks on the uncapped logits against the uncapped target
+logit (tanh is increasing: the order of the exact capped logits, with no ties made by rounding
+where the cap saturates), then replaces the tile by ``tanh(a z)`` (:func:`_tanh_scaled`, ``a``
+a runtime fp32) for the sums; ``target_logits`` writes both the uncapped and the capped target
+logit (the same epilogue code). The caller divides the temperature by the cap
+(``ops.linear_token_stats``' mapping). It costs one MUFU.EX2, a division and a short
+polynomial per logit, on the tile in registers.
 """
 
 from __future__ import annotations
@@ -37,6 +46,25 @@ from .launch import Launch, ptr
 from .token_stats import shift_origin
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh_scaled(z, a):
+    """``tanh(a z)`` to ~2 ulp, the formula of ``csrc/token_stats.cpp``'s ``tanh_scaled``:
+    Cephes' odd polynomial for ``|u| < 0.625``, else ``(1 - e) / (1 + e)``, ``e = 2^(-2|u|
+    log2 e)``, sign restored; +-inf gives +-1 and NaN stays NaN."""
+    u = z * a
+    au = tl.abs(u)
+    u2 = u * u
+    p = u2 * -5.70498872745e-3 + 2.06390887954e-2
+    p = p * u2 - 5.37397155531e-2
+    p = p * u2 + 1.33314422036e-1
+    p = p * u2 - 3.33332819422e-1
+    small = p * u2 * u + u
+    e = tl.exp2(au * -2.8853900817779268)  # e^(-2|u|)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(u < 0, -big, big)
+    return tl.where(au < 0.625, small, big)
 
 
 @triton.jit
@@ -58,21 +86,33 @@ def _fold_exp(y, m, m_tile, s0, s1, s2):
 
 
 @triton.jit
+def _count_ranks(z, col_ok, t_rel, thr, greater, eq_before, BLOCK_N: tl.constexpr):
+    """Rank counts of any tile ``z`` against per-row ``thr`` (padded columns never count; the
+    target's own column is not "greater" and only columns before it count as ties)."""
+    z = tl.where(col_ok[None, :], z, float("nan"))  # NaN compares false
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    gt = ((z > thr[:, None]) & (lane != t_rel[:, None])).to(tl.int32)
+    eq = ((z == thr[:, None]) & (lane < t_rel[:, None])).to(tl.int32)
+    return greater + tl.sum(gt, axis=1), eq_before + tl.sum(eq, axis=1)
+
+
+@triton.jit
 def _fold_masked(y, col_ok, t_rel, thr, m, s0, s1, s2, n, u1, u2, greater, eq_before,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, COUNT: tl.constexpr):
     """Fold any tile: entries of padded columns (``col_ok`` False) and non-finite ``y`` are
     left out of the sums; the target's own column (``lane == t_rel``) is not counted as greater
-    and only columns before it count as ties. Written so that one ``[BLOCK_M, BLOCK_N]`` value
-    at a time stays live (registers)."""
+    and only columns before it count as ties (``COUNT`` False: the caller counted the ranks).
+    Written so that one ``[BLOCK_M, BLOCK_N]`` value at a time stays live (registers)."""
     y = tl.where(col_ok[None, :], y, float("nan"))  # NaN compares false and is not finite
-    lane = tl.arange(0, BLOCK_N)[None, :]
-    gt = ((y > thr[:, None]) & (lane != t_rel[:, None])).to(tl.int32)
-    eq = ((y == thr[:, None]) & (lane < t_rel[:, None])).to(tl.int32)
+    if COUNT:
+        lane = tl.arange(0, BLOCK_N)[None, :]
+        gt = ((y > thr[:, None]) & (lane != t_rel[:, None])).to(tl.int32)
+        eq = ((y == thr[:, None]) & (lane < t_rel[:, None])).to(tl.int32)
+        greater += tl.sum(gt, axis=1)
+        eq_before += tl.sum(eq, axis=1)
     fin = tl.abs(y) < float("inf")
     yz = tl.where(fin, y, 0.0)
     y = tl.where(fin, y, float("-inf"))
-    greater += tl.sum(gt, axis=1)
-    eq_before += tl.sum(eq, axis=1)
     u1 += tl.sum(yz, axis=1)
     u2 += tl.sum(yz * yz, axis=1)
     n += tl.sum(fin.to(tl.int32), axis=1)
@@ -87,6 +127,7 @@ def _linear_token_stats_kernel(
     bias_ptr,
     target_ptr,
     zt_ptr,
+    zraw_ptr,
     pstate_ptr,
     pcounts_ptr,
     N,
@@ -97,7 +138,9 @@ def _linear_token_stats_kernel(
     stride_wv,
     stride_wh,
     scale,
+    tanh_scale,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     FP32_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -124,6 +167,8 @@ def _linear_token_stats_kernel(
     rows64 = tl.minimum(rows, N - 1).to(tl.int64)
     t = tl.load(target_ptr + rows64).to(tl.int32)
     zt = tl.load(zt_ptr + rows64)
+    if HAS_SOFTCAP:
+        zraw = tl.load(zraw_ptr + rows64)  # uncapped target logit, for the ranks
     zt_fin = tl.abs(zt) < float("inf")
     zref = tl.where(zt_fin, zt, 0.0)
     # y > thr iff z > z_t and y == thr iff z == z_t, also for a non-finite z_t (zref = 0 then).
@@ -168,15 +213,29 @@ def _linear_token_stats_kernel(
         # hold no row's target column and only finite logits: they take the unmasked path.
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols64).to(tl.float32)[None, :]
-        y = (acc - zref[:, None]) * scale
         t_rel = t - col0
         targets_here = tl.sum(((t_rel >= 0) & (t_rel < BLOCK_N)).to(tl.int32), axis=0)
         easy = (col0 + BLOCK_N <= V) & (targets_here == 0)
+        if HAS_SOFTCAP:
+            # Ranks on the uncapped logits first (exact also for non-finite ones), then the cap.
+            if easy:
+                greater += tl.sum((acc > zraw[:, None]).to(tl.int32), axis=1)
+                eq_tile = tl.sum((acc == zraw[:, None]).to(tl.int32), axis=1)
+                eq_before += tl.where(t_rel >= BLOCK_N, eq_tile, 0)
+            else:
+                greater, eq_before = _count_ranks(acc, cols < V, t_rel, zraw, greater,
+                                                  eq_before, BLOCK_N)
+            acc = _tanh_scaled(acc, tanh_scale)
+        y = (acc - zref[:, None]) * scale
         if easy:
             u1_tile = tl.sum(y, axis=1)
             u2_tile = tl.sum(y * y, axis=1)
-            gt_tile = tl.sum((y > thr[:, None]).to(tl.int32), axis=1)
-            eq_tile = tl.sum((y == thr[:, None]).to(tl.int32), axis=1)
+            if HAS_SOFTCAP:
+                gt_tile = tl.zeros((BLOCK_M,), tl.int32)
+                eq_tile = tl.zeros((BLOCK_M,), tl.int32)
+            else:
+                gt_tile = tl.sum((y > thr[:, None]).to(tl.int32), axis=1)
+                eq_tile = tl.sum((y == thr[:, None]).to(tl.int32), axis=1)
             m_tile = tl.max(y, axis=1)
             # A NaN or an infinity anywhere in a row makes its sums non-finite.
             finite_rows = (tl.abs(u1_tile) < float("inf")) & (tl.abs(u2_tile) < float("inf"))
@@ -198,7 +257,7 @@ def _linear_token_stats_kernel(
         else:
             m, s0, s1, s2, n, u1, u2, greater, eq_before = _fold_masked(
                 y, cols < V, t_rel, thr, m, s0, s1, s2, n, u1, u2, greater, eq_before,
-                BLOCK_N)
+                BLOCK_N, not HAS_SOFTCAP)
 
     base = (chunk.to(tl.int64) * N + rows64) * 7
     tl.store(pstate_ptr + base + 0, m, mask=row_ok)
@@ -313,35 +372,41 @@ def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bo
 
 
 def launch(hidden, weight, bias, targets, z_t, temperature: float, pstate, pcounts,
-           cfg: Settings) -> None:
+           cfg: Settings, tanh_scale: float | None = None, z_raw=None) -> None:
     """Fill ``pstate [chunks, N, 7]`` fp32 and ``pcounts [chunks, N, 2]`` int64 with partial
     states (log2 units relative to each row's reference logit, see the module docstring).
 
     Args:
         hidden: ``[N, H]``; weight: ``[V, H]`` (same dtype); bias: ``[V]`` or None.
-        targets: ``[N]`` int64 in range; z_t: ``[N]`` fp32 target logits.
+        targets: ``[N]`` int64 in range; z_t: ``[N]`` fp32 target logits (capped, from
+            :func:`target_logits` with the same ``tanh_scale``).
         cfg: from :func:`launch_settings` for this shape and dtype.
+        tanh_scale: ``a`` of the soft-cap epilogue ``z -> tanh(a z)`` (the ``HAS_SOFTCAP``
+            variant), or None.
+        z_raw: with ``tanh_scale``, ``[N]`` fp32 uncapped target logits (the ranks').
     """
     n, hdim = hidden.shape
     v = weight.shape[0]
     _linear_token_stats_kernel[cfg.grid](
-        hidden, weight, bias if bias is not None else hidden, targets, z_t, pstate, pcounts,
-        n, v, hdim,
+        hidden, weight, bias if bias is not None else hidden, targets, z_t,
+        z_t if z_raw is None else z_raw, pstate, pcounts, n, v, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        LOG2E / temperature,
-        HAS_BIAS=bias is not None, FP32_DOT=cfg.fp32_dot, PRECISION=cfg.precision,
-        EVEN_K=cfg.even_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES=cfg.tiles, GROUP_M=cfg.group_m,
+        LOG2E / temperature, 0.0 if tanh_scale is None else float(tanh_scale),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=tanh_scale is not None, FP32_DOT=cfg.fp32_dot,
+        PRECISION=cfg.precision, EVEN_K=cfg.even_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, TILES=cfg.tiles, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 @triton.jit
 def _target_logits_kernel(
-    HID, W, BIAS, T, ZT,
+    HID, W, BIAS, T, ZT, ZRAW,
     N, H,
     s_hn, s_hh, s_wv, s_wh,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    tanh_scale,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
@@ -357,23 +422,32 @@ def _target_logits_kernel(
     z = tl.sum(acc, axis=1)
     if HAS_BIAS:
         z += tl.load(BIAS + t, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        tl.store(ZRAW + rows, z, mask=row_ok)
+        z = _tanh_scaled(z, tanh_scale)
     tl.store(ZT + rows, z, mask=row_ok)
 
 
 TARGET_BLOCK_M, TARGET_BLOCK_K, TARGET_WARPS, TARGET_STAGES = 16, 64, 4, 3
 
 
-def target_logits(hidden, weight, bias, targets, out) -> None:
+def target_logits(hidden, weight, bias, targets, out, tanh_scale: float | None = None,
+                  raw_out=None) -> None:
     """Fill ``out [N]`` fp32 with ``hidden[r] . weight[targets[r]] (+ bias[targets[r]])``,
-    accumulated in fp32; ``targets`` int64, in range."""
+    accumulated in fp32; ``targets`` int64, in range. With ``tanh_scale``, ``raw_out [N]``
+    fp32 gets that value and ``out`` its ``tanh(tanh_scale z)`` (the fused kernel's soft-cap
+    epilogue)."""
     n, hdim = hidden.shape
     if n == 0:
         return
     grid = (triton.cdiv(n, TARGET_BLOCK_M),)
     _target_logits_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, targets, out, n, hdim,
+        hidden, weight, bias if bias is not None else hidden, targets, out,
+        out if raw_out is None else raw_out, n, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=TARGET_BLOCK_M, BLOCK_K=TARGET_BLOCK_K,
+        0.0 if tanh_scale is None else float(tanh_scale),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=tanh_scale is not None,
+        BLOCK_M=TARGET_BLOCK_M, BLOCK_K=TARGET_BLOCK_K,
         num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
     )
 
@@ -397,11 +471,12 @@ def _signature(params: dict[str, str], ints: dict[str, int], consts: dict
     return sig, const, div16
 
 
-def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = False
-                 ) -> list[Launch]:
+def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = False,
+                 softcap: bool = False) -> list[Launch]:
     """The launches :func:`icqs_fast.backends.triton_backend.linear_token_stats` issues on a
     CUDA device for contiguous ``hidden [N, H]`` and ``weight [V, H]`` of ``dtype``: the
-    target-logits kernel, then the fused kernel (settings from :func:`launch_settings`).
+    target-logits kernel, then the fused kernel (settings from :func:`launch_settings`);
+    ``softcap``: the ``HAS_SOFTCAP`` variants (``extra["variant"] = "softcap"``).
 
     ``loop_iters`` of the fused launch counts its innermost (K) loop per program
     (``tiles * cdiv(H, BLOCK_K)``) and ``outer_iters`` its tile loop (``tiles``: the
@@ -414,9 +489,12 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
     ints = {"N": n, "V": v, "H": h, "s_hn": h, "s_hh": 1, "s_wv": h, "s_wh": 1}
     strides = {"s_hn": "i32", "s_hh": "i32", "s_wv": "i32", "s_wh": "i32"}
     tsig, tconst, tdiv = _signature(
-        {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "N": "i32", "H": "i32",
-         **strides},
-        ints, {"HAS_BIAS": has_bias, "BLOCK_M": TARGET_BLOCK_M, "BLOCK_K": TARGET_BLOCK_K})
+        {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "ZRAW": "*fp32", "N": "i32",
+         "H": "i32",
+         **strides, "tanh_scale": "fp32"},
+        ints, {"HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "BLOCK_M": TARGET_BLOCK_M,
+               "BLOCK_K": TARGET_BLOCK_K})
+    variant = {"variant": "softcap"} if softcap else {}
     target = Launch(
         kernel="linear_token_stats.target_logits", fn=_target_logits_kernel,
         signature=tsig, constexprs=tconst, num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
@@ -424,20 +502,22 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
         hbm_bytes=2 * n * h * s + n * (8 + 4) + (n * s if has_bias else 0),
         elements=n, loop_iters=triton.cdiv(h, TARGET_BLOCK_K),
         loop_elements=TARGET_BLOCK_M * TARGET_BLOCK_K,
-        label=f"m{TARGET_BLOCK_M}_k{TARGET_BLOCK_K}_w{TARGET_WARPS}",
-        extra={"divisible_by_16": tdiv},
+        label=f"m{TARGET_BLOCK_M}_k{TARGET_BLOCK_K}_w{TARGET_WARPS}" + ("_sc" if softcap else ""),
+        extra={"divisible_by_16": tdiv, **variant},
     )
     cfg = launch_settings(n, h, v, dtype)
     mints = {"N": n, "V": v, "H": h, "stride_hn": h, "stride_hh": 1, "stride_wv": h,
              "stride_wh": 1}
     msig, mconst, mdiv = _signature(
         {"hid_ptr": p, "w_ptr": p, "bias_ptr": p, "target_ptr": "*i64", "zt_ptr": "*fp32",
-         "pstate_ptr": "*fp32", "pcounts_ptr": "*i64", "N": "i32", "V": "i32", "H": "i32",
+         "zraw_ptr": "*fp32", "pstate_ptr": "*fp32", "pcounts_ptr": "*i64", "N": "i32",
+         "V": "i32", "H": "i32",
          "stride_hn": "i32", "stride_hh": "i32", "stride_wv": "i32", "stride_wh": "i32",
-         "scale": "fp32"},
-        mints, {"HAS_BIAS": has_bias, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
-                "EVEN_K": cfg.even_k, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                "BLOCK_K": cfg.block_k, "TILES": cfg.tiles, "GROUP_M": cfg.group_m})
+         "scale": "fp32", "tanh_scale": "fp32"},
+        mints, {"HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "FP32_DOT": cfg.fp32_dot,
+                "PRECISION": cfg.precision, "EVEN_K": cfg.even_k, "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TILES": cfg.tiles,
+                "GROUP_M": cfg.group_m})
     k_iters = triton.cdiv(h, cfg.block_k)
     main = Launch(
         kernel="linear_token_stats", fn=_linear_token_stats_kernel,
@@ -448,9 +528,9 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
         tensor_flops=2 * n * v * h, elements=n * v,
         loop_iters=cfg.tiles * k_iters, outer_iters=cfg.tiles,
         loop_elements=round(cfg.block_m * cfg.block_n / k_iters),
-        label=cfg.label,
+        label=cfg.label + ("_sc" if softcap else ""),
         extra={"tiles": cfg.tiles, "k_iters_per_tile": k_iters,
                "tile_elements": cfg.block_m * cfg.block_n, "chunks": cfg.chunks,
-               "divisible_by_16": mdiv},
+               "divisible_by_16": mdiv, **variant},
     )
     return [target, main]

@@ -47,8 +47,13 @@ def _rows(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _isa() -> int:
+    return -1 if FORCE_ISA is None else int(FORCE_ISA)
+
+
 def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Tensor,
-            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+            temperature: float, tanh_scale: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     n, v = z.shape
     state = _state.new_buffer(n, _state.STATE_WIDTH, dtype=torch.float64)
     counts = _state.new_buffer(n, 2, dtype=torch.int64)
@@ -64,8 +69,8 @@ def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Te
     shift = shift.to(torch.float64).contiguous()
     _C.reduce_rows(z.data_ptr(), z.stride(0) if n > 1 else v, n, v, _DTYPE_CODES[z.dtype],
                    t.data_ptr(), z_t.data_ptr(), shift.data_ptr(), float(temperature),
-                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads(),
-                   -1 if FORCE_ISA is None else int(FORCE_ISA))
+                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads(), _isa(),
+                   0.0 if tanh_scale is None else float(tanh_scale))
     return state, counts
 
 
@@ -75,6 +80,7 @@ def reduce_block(
     z_t: torch.Tensor,
     shift: torch.Tensor,
     temperature: float,
+    tanh_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C++ version of :func:`icqs_fast.backends.state.reduce_block` (same semantics).
 
@@ -82,15 +88,29 @@ def reduce_block(
         z: ``[N, Vb]`` fp32/fp16/bf16 logits of one vocabulary block (float64 goes to the torch
             version, since the kernel reads 32/16-bit floats).
         t_local: ``[N]`` int64 target index relative to the block (may lie outside it).
-        z_t: ``[N]`` float64 target logits; shift: ``[N]`` float64 shift K (x units).
+        z_t: ``[N]`` float64 target logits (uncapped); shift: ``[N]`` float64 shift K (x
+            units).
         temperature: T > 0.
+        tanh_scale: soft-cap epilogue ``z -> tanh(tanh_scale z)``, fused into the C++ pass
+            (applied to each logit as it is read, after its rank comparisons; the block is not
+            rewritten); None = none. Semantics as in the torch version.
 
     Returns:
         ``(state [N, 7] float64, counts [N, 2] int64)``.
     """
     if z.dtype not in _DTYPE_CODES:
-        return _state.reduce_block(z, t_local, z_t, shift, temperature)
-    return _reduce(_rows(z), t_local, z_t, shift, temperature)
+        return _state.reduce_block(z, t_local, z_t, shift, temperature, tanh_scale)
+    return _reduce(_rows(z), t_local, z_t, shift, temperature, tanh_scale)
+
+
+def tanh_logits(z: torch.Tensor, tanh_scale: float) -> torch.Tensor:
+    """``tanh(tanh_scale * z)`` of CPU logits (any float dtype, any shape) as a new fp32 tensor,
+    by the C++ epilogue code :func:`reduce_block` applies to every logit (same ISA)."""
+    x = z.float().contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _C.tanh_rows(x.data_ptr(), out.data_ptr(), x.numel(), float(tanh_scale), _isa())
+    return out
 
 
 def token_stats(

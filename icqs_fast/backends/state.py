@@ -42,12 +42,19 @@ def empty(n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, tor
     return state, torch.zeros(n, 2, dtype=torch.int64, device=device)
 
 
+def tanh_logits(z: torch.Tensor, tanh_scale: float) -> torch.Tensor:
+    """The soft-cap epilogue of the torch backend: ``tanh(tanh_scale * z)`` in fp32 (``z`` any
+    float dtype, any shape; a new fp32 tensor). +-inf gives +-1, NaN stays NaN."""
+    return torch.tanh(z.float() * tanh_scale)
+
+
 def reduce_block(
     z: torch.Tensor,
     t_local: torch.Tensor,
     z_t: torch.Tensor,
     shift: torch.Tensor,
     temperature: float,
+    tanh_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of one block's state.
 
@@ -58,11 +65,15 @@ def reduce_block(
         z: ``[N, Vb]`` logits of one vocabulary block, any float dtype.
         t_local: ``[N]`` int64 target index relative to the block's first column (may lie
             outside the block).
-        z_t: ``[N]`` float64 target logits (unscaled).
+        z_t: ``[N]`` float64 target logits (unscaled; the rank counts compare ``z`` with it).
         shift: ``[N]`` float64 shift K for the u sums (in x = z/T units).
         temperature: T > 0.
+        tanh_scale: if not None, the soft-cap epilogue: every sum is over
+            ``tanh_logits(z, tanh_scale)``, while the rank counts still compare the uncapped
+            ``z`` and ``z_t`` (tanh is increasing: the order of the exact capped logits, without
+            the ties rounding makes where the cap saturates).
     """
-    x = z.to(torch.float64, copy=True)
+    x = (z if tanh_scale is None else tanh_logits(z, tanh_scale)).to(torch.float64, copy=True)
     x.div_(temperature)
     nonfin = ~torch.isfinite(x)
     x.masked_fill_(nonfin, float("-inf"))

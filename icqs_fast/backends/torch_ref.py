@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The torch block reduction of the chunked ops (ops.py picks `mod.reduce_block` per backend).
-from icqs_fast.backends.state import reduce_block  # noqa: F401
+# The torch block reduction and soft-cap epilogue of the chunked ops (ops.py picks
+# `mod.reduce_block` and `mod.tanh_logits` per backend).
+from icqs_fast.backends.state import reduce_block, tanh_logits  # noqa: F401
 from icqs_fast.types import TokenStats
 
 

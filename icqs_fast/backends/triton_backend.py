@@ -178,8 +178,14 @@ def linear_token_stats(
     block_n: int | None = None,
     block_k: int | None = None,
     tiles: int | None = None,
+    tanh_scale: float | None = None,
 ) -> TokenStats:
     """Fused ``hidden @ weight.T`` + statistics (see :mod:`icqs_fast.kernels.linear_token_stats`).
+
+    ``tanh_scale`` ``a``: the soft-cap epilogue, every logit ``z`` (the target's too) becomes
+    ``tanh(a z)`` in the kernels' fp32 epilogue (the ``HAS_SOFTCAP`` variant), the ranks
+    compare the uncapped logits; the caller passes the matching temperature
+    (``ops.linear_token_stats`` maps its arguments).
 
     Block sizes, warps, stages and grid come from ``kernels.linear_token_stats.launch_settings``
     (the explicit block arguments override it; tests use small blocks to exercise the merge).
@@ -204,7 +210,13 @@ def linear_token_stats(
     # Target logits, one fp32 row-wise dot product each, read straight from hidden and weight
     # (the kernel compares every logit to them): [N] out, no [N, H] gather.
     z_t = _state.new_buffer(n, dtype=torch.float32, device=hidden.device)
-    _k.target_logits(hidden, weight, bias, safe_t, z_t)
+    z_raw = None
+    if tanh_scale is None:
+        _k.target_logits(hidden, weight, bias, safe_t, z_t)
+    else:  # the soft cap: z_t capped, z_raw uncapped (for the ranks)
+        z_raw = _state.new_buffer(n, dtype=torch.float32, device=hidden.device)
+        _k.target_logits(hidden, weight, bias, safe_t, z_t, tanh_scale=tanh_scale,
+                         raw_out=z_raw)
     interp = triton_interpreting() and hidden.device.type != "cuda"
     # Block sizes, warps, stages and grid come from the one settings function that
     # kernels.linear_token_stats.gpu_launches also describes.
@@ -215,7 +227,11 @@ def linear_token_stats(
                          device=hidden.device)
     pcounts = _state.new_buffer(chunks, n, 2, dtype=torch.int64, device=hidden.device)
     if n and v:
-        _k.launch(hidden, weight, bias, safe_t, z_t, temperature, pstate, pcounts, cfg)
+        if tanh_scale is None:
+            _k.launch(hidden, weight, bias, safe_t, z_t, temperature, pstate, pcounts, cfg)
+        else:
+            _k.launch(hidden, weight, bias, safe_t, z_t, temperature, pstate, pcounts, cfg,
+                      tanh_scale=tanh_scale, z_raw=z_raw)
     # The kernel's partials are in log2 units relative to x_ref = zref / T (zref: the target
     # logit when finite, else 0).
     zt64 = z_t.double()
@@ -231,6 +247,8 @@ def linear_token_stats(
             z = h64 @ weight[v0:v0 + width].double().t()
             if bias is not None:
                 z = z + bias[v0:v0 + width].double()
+            if tanh_scale is not None:
+                z = torch.tanh(z * tanh_scale)
             yield z / temperature
 
     _fix_nonfinite_target_var(out, z_t, valid, logit_chunks)
