@@ -218,6 +218,9 @@ TOKEN_N = (1, 64, 1024, 8192, 65536)
 LINEAR_H = (2048, 4096, 8192)
 LINEAR_V = (151936, 128256)
 LINEAR_N = (16, 512, 8192)
+# The soft-cap epilogue (HAS_SOFTCAP) next to the default variant: bf16 at one table shape and at
+# a Gemma-2-9B head (final_logit_softcapping 30, H = 3584, V = 256000).
+SOFTCAP_HV = ((4096, 151936), (3584, 256000))
 
 
 def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
@@ -225,7 +228,9 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
 
     token_stats: fp32/fp16/bf16 x V in {32000, 49152, 128256, 151936} x N in
     {1, 64, 1024, 8192, 65536}; linear_token_stats: bf16/fp16, H in {2048, 4096, 8192} x
-    V in {151936, 128256} x N in {16, 512, 8192}; attention entropy: bf16/fp16, head dim 64/128,
+    V in {151936, 128256} x N in {16, 512, 8192}, and the soft-cap variant (``softcap: True``)
+    in bf16 at (H, V) of :data:`SOFTCAP_HV` x the same N, with the default variant beside it
+    where the table above lacks that shape; attention entropy: bf16/fp16, head dim 64/128,
     hq/hk 32/8 (GQA) and 32/32, causal and not, T = 1024 / 4096, with and without the entropy
     state. ``quick`` keeps one shape per op and dtype (for tests of the command).
     """
@@ -244,6 +249,13 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
                 for n in ((16, 8192) if quick else LINEAR_N):
                     rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats",
                                  {"n": n, "h": h, "v": v, "dtype": dt}))
+    for h, v in (SOFTCAP_HV[:1] if quick else SOFTCAP_HV):
+        for n in ((16, 8192) if quick else LINEAR_N):
+            kw = {"n": n, "h": h, "v": v, "dtype": torch.bfloat16}
+            if h not in LINEAR_H or v not in LINEAR_V:
+                rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats", kw))
+            rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats",
+                         {**kw, "softcap": True}))
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
         for d in ((128,) if quick else (64, 128)):
             for hq, hk in ((32, 8),) if quick else ((32, 8), (32, 32)):
@@ -289,6 +301,7 @@ def table_records(archs: tuple[str, ...], quick: bool, compiler: Compiler) -> li
                 r["op_predicted_high_ms"] = high
             records.extend(recs)
     _entropy_ratios(records)
+    _softcap_costs(records)
     return records
 
 
@@ -309,6 +322,34 @@ def _entropy_ratios(records: list[dict]) -> None:
                 r["predicted_ratio_vs_no_entropy"] = r["predicted_ms"] / b["predicted_ms"]
                 r["predicted_ratio_vs_no_entropy_high"] = (r["predicted_high_ms"]
                                                            / b["predicted_high_ms"])
+
+
+def _softcap_costs(records: list[dict]) -> None:
+    """On the soft-cap records of the fused linear kernel (``extra.variant == "softcap"``), the
+    predicted cost of the tanh epilogue against the default variant of the same shape and arch:
+    ``predicted_ratio_vs_no_softcap`` (low end), ``predicted_ratio_vs_no_softcap_high`` (high
+    end), ``softcap_extra_ms_high`` (high end, ms) and ``bound_class`` (the default variant's
+    bound: ``"memory"`` (hbm), ``"compute"`` (tensor) or ``"instruction"``)."""
+    def key(r):
+        s = {k: v for k, v in r["shape"].items() if k != "softcap"}
+        return (r["arch"], r["kernel"], json.dumps(s, sort_keys=True))
+
+    base = {key(r): r for r in records
+            if r.get("op") == "linear_token_stats" and not r["shape"].get("softcap")
+            and "predicted_ms" in r}
+    for r in records:
+        if not (r.get("op") == "linear_token_stats" and r["shape"].get("softcap")
+                and "predicted_ms" in r):
+            continue
+        b = base.get(key(r))
+        if b:
+            r["predicted_ratio_vs_no_softcap"] = r["predicted_ms"] / b["predicted_ms"]
+            r["predicted_ratio_vs_no_softcap_high"] = (r["predicted_high_ms"]
+                                                       / b["predicted_high_ms"])
+            r["softcap_extra_ms_high"] = r["predicted_high_ms"] - b["predicted_high_ms"]
+            # Which resource the default variant is predicted to wait on at this shape.
+            r["bound_class"] = {"hbm": "memory", "tensor": "compute"}.get(b["bound"],
+                                                                         "instruction")
 
 
 # ----------------------------------------------------------------------------------------------
