@@ -73,15 +73,17 @@ def _(logits, targets, ignore_index, temperature, backend):
 @torch.library.custom_op("icqs_fast::linear_token_stats", mutates_args=())
 def _linear_token_stats_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
                            ignore_index: int, temperature: float, backend: str, chunk_tokens: int,
-                           chunk_vocab: int) -> _STATS:
+                           chunk_vocab: int, logit_scale: float = 1.0,
+                           softcap: float | None = None) -> _STATS:
     return _as_tuple(ops.linear_token_stats(
         hidden, weight, targets, bias=bias, ignore_index=ignore_index, temperature=temperature,
-        backend=backend, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab))
+        backend=backend, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+        logit_scale=logit_scale, softcap=softcap))
 
 
 @_linear_token_stats_op.register_fake
 def _(hidden, weight, targets, bias, ignore_index, temperature, backend, chunk_tokens,
-      chunk_vocab):
+      chunk_vocab, logit_scale=1.0, softcap=None):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V, H]; got {list(hidden.shape)} and "
                          f"{list(weight.shape)}")
@@ -219,6 +221,18 @@ def _check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
+def _check_epilogue(logit_scale: float, softcap: float | None) -> tuple[float, float | None]:
+    # The messages of ops.linear_token_stats, raised at trace time as well.
+    def real(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (real(logit_scale) and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite number != 0, got {logit_scale!r}")
+    if softcap is not None and not (real(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    return float(logit_scale), None if softcap is None else float(softcap)
+
+
 def token_stats(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
                 temperature: float = 1.0, backend: str = "auto") -> TokenStats:
     """:func:`icqs_fast.ops.token_stats` through ``torch.ops.icqs_fast.token_stats``.
@@ -235,16 +249,18 @@ def token_stats(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
 def linear_token_stats(hidden: Tensor, weight: Tensor, targets: Tensor, *,
                        bias: Tensor | None = None, ignore_index: int = -100,
                        temperature: float = 1.0, backend: str = "auto", chunk_tokens: int = 256,
-                       chunk_vocab: int = 16384) -> TokenStats:
+                       chunk_vocab: int = 16384, logit_scale: float = 1.0,
+                       softcap: float | None = None) -> TokenStats:
     """:func:`icqs_fast.ops.linear_token_stats` through ``torch.ops.icqs_fast.linear_token_stats``.
 
     ``hidden [N, H]``, ``weight [V, H]``, ``targets [N]`` int64, optional ``bias [V]``; every
-    field ``[N]``. Usable inside ``torch.compile(fullgraph=True)`` and ``torch.export``. Not
-    differentiable.
+    field ``[N]``; ``logit_scale`` / ``softcap`` as in the ops function. Usable inside
+    ``torch.compile(fullgraph=True)`` and ``torch.export``. Not differentiable.
     """
+    logit_scale, softcap = _check_epilogue(logit_scale, softcap)
     out = torch.ops.icqs_fast.linear_token_stats(
         hidden, weight, targets, bias, int(ignore_index), _check_temperature(temperature),
-        backend, int(chunk_tokens), int(chunk_vocab))
+        backend, int(chunk_tokens), int(chunk_vocab), logit_scale, softcap)
     return TokenStats(*out)
 
 
