@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from icqs_fast.engine.batching import PrefixBank, suffix_hidden
-from icqs_fast.engine.cascade import supports_cascade
+from icqs_fast.engine.capability import supports_cascade
 
 
 def _model(kind: str):
@@ -149,12 +149,12 @@ def test_fused_cascade_matches_current_path(kind, layout, monkeypatch):
 
 
 def test_fused_attn_lse_matches_attn_lse():
-    """``_fused_attn_lse`` against ``_attn_lse`` (the CPU path) on the two calls cascade
+    """``_fused_attn_lse`` against ``attn_lse`` (the CPU path) on the two calls cascade
     attention makes: grouped prefix queries against padded prefixes (key mask vs additive mask,
     different lengths per entry) and causal GQA suffix attention (vs the grouped causal mask);
     outputs and log-sum-exps, fp32."""
     from icqs_fast import backends
-    from icqs_fast.engine.cascade import _attn_lse, _fused_attn_lse, _grouped_causal_mask
+    from icqs_fast.engine.cascade import _fused_attn_lse, attn_lse, grouped_causal_allow
 
     if not backends.triton_interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
@@ -165,8 +165,7 @@ def test_fused_attn_lse_matches_attn_lse():
     k = torch.randn(3, 2, 33, 16, generator=g) * 2
     v = torch.randn(3, 2, 33, 16, generator=g)
     key_ok = torch.arange(33)[None, :] < lens[:, None]
-    add = torch.zeros(3, 1, 1, 33).masked_fill(~key_ok[:, None, None, :], float("-inf"))
-    o_ref, l_ref = _attn_lse(q, k, v, add, 0.25)
+    o_ref, l_ref = attn_lse(q, k, v, key_ok[:, None, None, :], 0.25)
     o, lse = _fused_attn_lse(q, k, v, 0.25, key_ok=key_ok)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, l_ref, atol=1e-5, rtol=1e-5)
@@ -175,8 +174,8 @@ def test_fused_attn_lse_matches_attn_lse():
     q = torch.randn(r, hq, s, d, generator=g)
     k = torch.randn(r, hk, s, d, generator=g)
     v = torch.randn(r, hk, s, d, generator=g)
-    o_ref, l_ref = _attn_lse(q.reshape(r, hk, 2 * s, d), k, v,
-                             _grouped_causal_mask(2, s, torch.float32, q.device), 0.3)
+    o_ref, l_ref = attn_lse(q.reshape(r, hk, 2 * s, d), k, v,
+                            grouped_causal_allow(2, s, q.device), 0.3)
     o, lse = _fused_attn_lse(q, k, v, 0.3, causal=True)
     torch.testing.assert_close(o, o_ref.reshape(r, hq, s, d), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, l_ref.reshape(r, hq, s), atol=1e-5, rtol=1e-5)

@@ -87,11 +87,15 @@ def test_greedy_continuation_is_flagged():
 
 
 def test_shared_prefix_computed_once():
-    """Eight options of one 40-token context: the bank's forwards run the context once."""
+    """Eight options of one 40-token context: the bank's forwards run the context once (the
+    capability check's probe, once per model, runs before and is not counted)."""
+    from icqs_fast.engine import batching
+    from icqs_fast.engine.capability import model_plan
+
     model = _tiny("llama")
+    model_plan(model)
     ctx = list(range(1, 41))
     calls = []
-    from icqs_fast.engine import batching
 
     orig = batching.PrefixBank.add
 

@@ -134,7 +134,7 @@ def _head_model(kind: str, vocab: int = 300):
     # Gemma2 softcaps its logits: cap * tanh(z / cap). A random tiny model's logits are ~0.1, far
     # below the real cap of 30, so a cap of 0.1 is what makes it bite here.
     cap = None if kind == "gemma2-plain" else 0.1
-    # All layers global: the engine refuses Gemma2's default sliding/global hybrid on its own.
+    # All layers global: this test is about the head (windows are tested below).
     cfg = Gemma2Config(**small, head_dim=16, final_logit_softcapping=cap,
                        layer_types=["full_attention"] * 2)
     return Gemma2ForCausalLM(cfg).eval()
@@ -145,29 +145,64 @@ BAD = [("terrible film", "positive"), ("wonderful", "negative")]
 KW = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1)
 
 
-@pytest.mark.parametrize("kind,cls,hint", [
-    ("llama-scaled", "ScaledLlama", "e.g. final-logit softcapping, a logit scale"),
-    ("cohere", "CohereForCausalLM", "logit_scale=0.0625"),
-    ("gemma2", "Gemma2ForCausalLM", "final_logit_softcapping=0.1"),
+@pytest.mark.parametrize("kind,message", [
+    ("llama-scaled", "llama: prefix bank, cascade attention, logit scale 0.5 (fitted)"),
+    ("cohere", "cohere: prefix bank, cascade attention, logit scale 0.0625 (logit_scale)"),
+    ("gemma2", "gemma2: prefix bank, cascade attention, attention softcapping, "
+               "final-logit softcapping 0.1"),
 ])
-def test_post_processed_logits_are_refused(tokenizer, kind, cls, hint):
-    """The scorer and the glass-box features refuse a model whose forward post-processes its
-    logits, naming the class, the difference and the likely cause; the naive reference, which
-    scores the model's own logits, still runs."""
+def test_post_processed_logits_are_scored(tokenizer, kind, message):
+    """A model whose forward post-processes its logits (a scale no config attribute announces,
+    Cohere's logit_scale, Gemma 2's final softcap) is scored through the fused head with that
+    epilogue: the engine equals the naive reference (which reads the model's own logits), the
+    path message names the epilogue, and the glass-box sentence log-prob equals the one from the
+    model's own log-probabilities."""
     from icqs_fast import ICQSScorer
-    from icqs_fast.features.extract import glassbox
+    from icqs_fast.engine.reference import icqs_naive
+    from icqs_fast.features.extract import as_item, encode, glassbox
 
     model = _head_model(kind, len(tokenizer))
-    msg = rf"^{cls} post-processes its logits \(.*{hint}.*\): its own logits differ from the " \
-          r"fused LM head .* by up to \d"
-    with pytest.raises(NotImplementedError, match=msg):
-        ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
-    with pytest.raises(NotImplementedError, match=msg):
-        glassbox(model, tokenizer, [("Say hi", "Hi!")], features=["sent_logprob"])
-    # Compat mode scores the model's own logits: nothing to check.
-    compat = glassbox(model, tokenizer, [("Say hi", "Hi!")], mode="selfeval-compat",
-                      features=["sent_logprob"])
-    assert compat[0]["n_tokens"] > 0
+    resp = [("the plot was thin", "negative"), ("a joy", "positive")]
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
+    assert scorer.plan.message == message
+    eng = list(scorer.score(resp))
+    ref = icqs_naive(model, tokenizer, GOOD, BAD, resp, **KW, compute_dtype=torch.float64)
+    for e, r in zip(eng, ref, strict=True):
+        torch.testing.assert_close(e.loglik, r.loglik, atol=1e-4, rtol=0)
+    std = glassbox(model, tokenizer, [("Say hi", "Hi!")], features=["sent_logprob"])
+    enc = encode(tokenizer, as_item(("Say hi", "Hi!")))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([enc.ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[torch.arange(enc.prompt_len - 1, len(enc.ids) - 1),
+                                        torch.tensor(enc.ids[enc.prompt_len:])]
+    assert std[0]["sent_logprob"] == pytest.approx(float(lp.mean()), abs=1e-4)
+
+
+def test_unknown_head_is_scored_from_its_own_logits(tokenizer):
+    """A head the fused statistics cannot reproduce (here: logits shifted per vocabulary entry by
+    a fixed random vector, which no scale or softcap explains) is not refused: the model takes
+    the plain path scored from its own logits, exact against the reference."""
+    from transformers import LlamaForCausalLM
+
+    from icqs_fast import ICQSScorer
+    from icqs_fast.engine.reference import icqs_naive
+
+    class OddHead(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            g = torch.Generator().manual_seed(3)
+            out.logits = out.logits + torch.randn(out.logits.shape[-1], generator=g)
+            return out
+
+    model = _llama(len(tokenizer), cls=OddHead)
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
+    assert scorer.plan.path == "plain" and scorer.plan.own_logits
+    assert scorer.plan.message.startswith(
+        "llama: plain forward, no prefix sharing, scored from the model's own logits")
+    resp = [("the plot was thin", "negative")]
+    e = next(iter(scorer.score(resp)))
+    r = icqs_naive(model, tokenizer, GOOD, BAD, resp, **KW, compute_dtype=torch.float64)[0]
+    torch.testing.assert_close(e.loglik, r.loglik, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama-plain", "gemma2-plain"])
@@ -367,22 +402,20 @@ def _mistral(window):
     return MistralForCausalLM(cfg).eval()
 
 
-def _suffix_errors(model, monkeypatch=None):
-    """Largest difference between the KV-copy path's suffix states and a plain, unpadded
-    forward of each row's prefix + suffix (rows with prefixes of different lengths, so the
-    shorter ones carry padding inside the sequence)."""
-    from icqs_fast.engine import batching
+def _suffix_errors(model, layers=None, cascade=False):
+    """Largest difference between the bank's suffix states (KV-copy path, or cascade) and a
+    plain, unpadded forward of each row's prefix + suffix (rows with prefixes of different
+    lengths, so the shorter ones carry padding inside the sequence). ``layers``: the layer
+    descriptions the bank builds its masks from (None: transformers' own masks)."""
     from icqs_fast.engine.batching import PrefixBank, decoder_body, suffix_hidden
 
-    if monkeypatch is not None:  # look behind the refusal
-        monkeypatch.setattr(batching, "check_padded_kv", lambda m: None)
     g = torch.Generator().manual_seed(1)
     prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
-    bank = PrefixBank(model, 0, 10_000)
+    bank = PrefixBank(model, 0, 10_000, layers=layers)
     bank.add(prefixes)
     entries = [2, 0, 1, 0, 1]
     suffixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (5, 3, 7, 2, 6)]
-    h, _ = suffix_hidden(model, bank, entries, suffixes, 0, cascade=False)
+    h, _ = suffix_hidden(model, bank, entries, suffixes, 0, cascade=cascade)
     err = 0.0
     for i, (e, s) in enumerate(zip(entries, suffixes, strict=True)):
         with torch.no_grad():
@@ -392,39 +425,38 @@ def _suffix_errors(model, monkeypatch=None):
 
 
 def test_kv_copy_path_on_a_mistral_without_window():
-    """The KV-copy fallback on a model type no other test covers (Mistral, full attention):
-    every row equals a plain forward of its prefix + suffix."""
-    from icqs_fast.engine.cascade import supports_cascade
+    """The KV-copy path on a full-attention Mistral: every row equals a plain forward of its
+    prefix + suffix."""
+    assert _suffix_errors(_mistral(None)) < 1e-5
 
-    model = _mistral(None)
-    assert not supports_cascade(model)  # the engine would take this path
-    assert _suffix_errors(model) < 1e-5
+
+def _gemma2(window):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=300, head_dim=16, sliding_window=window,
+        final_logit_softcapping=None, attn_implementation="eager")).eval()
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_sliding_window_models_are_refused(tokenizer, kind, monkeypatch):
-    """A sliding-window Mistral (window 4) and a hybrid sliding/global Gemma2 are refused by the
-    scorer, the bank and suffix_hidden, naming the model type and the reason; the refusal is
-    needed: behind it, the padded layout gives states far from a plain forward."""
+def test_sliding_window_models_take_positional_masks(tokenizer, kind):
+    """A sliding-window Mistral (window 4, every layer) and a hybrid sliding/global Gemma2 (one
+    sliding layer, attention softcapping) are served by the prefix bank: with the layers'
+    descriptions the bank builds and the suffix forwards (KV copies and cascade) take their
+    masks from positions and match a plain forward; the engine says so. Negative control: with
+    transformers' slot-counting masks (no descriptions) the padded layout is far off, which is
+    why the bank needs the positional masks."""
     from icqs_fast import ICQSScorer
-    from icqs_fast.engine.batching import PrefixBank
+    from icqs_fast.engine.layout import layer_attention
 
-    if kind == "mistral":
-        model = _mistral(4)
-        msg = r"^MistralForCausalLM \(model_type 'mistral'\) is not supported .*: it uses " \
-              r"sliding-window attention \(sliding_window=4\)\. .*count cache slots"
-    else:
-        from transformers import Gemma2Config, Gemma2ForCausalLM
-
-        torch.manual_seed(0)
-        model = Gemma2ForCausalLM(Gemma2Config(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=300, head_dim=16, sliding_window=4,
-            final_logit_softcapping=None, attn_implementation="eager")).eval()
-        msg = r"^Gemma2ForCausalLM \(model_type 'gemma2'\) is not supported .*: 1 of its 2 " \
-              r"layers use sliding-attention \(sliding_window=4"
-    with pytest.raises(NotImplementedError, match=msg):
-        ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
-    with pytest.raises(NotImplementedError, match=msg):
-        PrefixBank(model, 0, 100)
-    assert _suffix_errors(model, monkeypatch) > 1e-2
+    model = _mistral(4) if kind == "mistral" else _gemma2(4)
+    layers = layer_attention(model.config)
+    assert sum(la.kind == "sliding" for la in layers) == (2 if kind == "mistral" else 1)
+    assert _suffix_errors(model, layers) < 1e-4
+    assert _suffix_errors(model, layers, cascade=True) < 1e-4
+    assert _suffix_errors(model) > 1e-2
+    scorer = ICQSScorer(model, tokenizer, GOOD, BAD, **KW)
+    assert scorer.plan.path == "cascade"
+    assert "sliding-window masks (4 tokens" in scorer.plan.message

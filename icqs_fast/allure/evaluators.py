@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from icqs_fast.allure.data import AuditRecord, TaskSpec
-from icqs_fast.engine.batching import decoder_body, model_device
+from icqs_fast.engine.batching import model_device
+from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length
 from icqs_fast.engine.continuations import kv_bytes_per_token, score_continuations
 from icqs_fast.engine.prompts import adds_bos
@@ -406,7 +407,9 @@ class LikelihoodEvaluator:
         from icqs_fast.features.attention import capture_attention_entropy
 
         dev = model_device(self.model)
-        body = decoder_body(self.model)
+        # The capture only needs the attention layers to run: the body, or the whole model
+        # where the capability check found no separate body.
+        body = model_plan(self.model).body or self.model
         out = []
         for r in records:
             enc = self.encode(r, memory)

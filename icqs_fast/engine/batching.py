@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from icqs_fast.engine.layout import LayerAttention
+
 # Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
 # prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
 # 256 tokens, 6.9 s at 512, 6.4 s at 1024, 6.5 s at 2048 (larger batches spill the elementwise
@@ -60,46 +62,6 @@ def decoder_body(model: Any) -> Any:
     return body
 
 
-def padded_kv_problem(model: Any) -> str | None:
-    """Why the bank's padded KV layout gives wrong states for this model, or None when it is
-    fine. The prefix bank (trie pasts padded to the longest) and the KV-copy suffix forwards put
-    padding *inside* the sequence, masked in the 2D attention mask, with explicit position ids.
-    transformers' sliding-window (and chunked) masks measure distance in cache slots, not
-    positions, so a row with padding would lose keys that are inside its window (a tiny Mistral
-    with a 4-token window: hidden states off by ~2.5); full causal attention only looks at the
-    mask and is exact."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-    types = list(getattr(cfg, "layer_types", None) or [])
-    local = [t for t in types if t in ("sliding_attention", "chunked_attention")]
-    window = getattr(cfg, "sliding_window", None)
-    if local:
-        return (f"{len(local)} of its {len(types)} layers use {local[0].replace('_', '-')} "
-                f"(sliding_window={window}, attention_chunk_size="
-                f"{getattr(cfg, 'attention_chunk_size', None)})")
-    if types:  # per-layer types given, all global: the window setting is unused
-        return None
-    if window and getattr(cfg, "use_sliding_window", True) is not False:
-        return f"it uses sliding-window attention (sliding_window={window})"
-    return None
-
-
-def check_padded_kv(model: Any) -> None:
-    """Raise NotImplementedError, naming the model type and the reason, for models whose
-    attention makes the bank's padded KV layout wrong (:func:`padded_kv_problem`)."""
-    why = padded_kv_problem(model)
-    if why is not None:
-        mt = getattr(model.config, "model_type", None)
-        raise NotImplementedError(
-            f"{type(model).__name__} (model_type {mt!r}) is not supported by the prefix-sharing "
-            f"engine: {why}. The prefix bank and the suffix forwards keep padding inside the "
-            "sequence, and transformers' sliding-window masks count cache slots, not positions, "
-            "so the scores would silently differ from a plain forward. Use the naive reference "
-            "(icqs_fast.engine.reference.icqs_naive) for this model."
-        )
-
-
 def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -125,10 +87,15 @@ class PrefixBank:
     cannot change them (rows past ``E`` are not part of the views).
     """
 
-    def __init__(self, model: Any, pad_id: int, token_budget: int) -> None:
-        check_padded_kv(model)
+    def __init__(self, model: Any, pad_id: int, token_budget: int, *, body: Any = None,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
         self.model = model
-        self.body = decoder_body(model)
+        self.body = decoder_body(model) if body is None else body
+        # With local (sliding-window / chunked) layers the trie forwards take their masks from
+        # token positions (:func:`~icqs_fast.engine.cascade.positional_attention`): the pasts
+        # are padded, and transformers' window masks count cache slots.
+        self.layers = tuple(layers) if layers is not None else None
+        self.positional = bool(self.layers) and any(la.local for la in self.layers)
         self.pad_id = int(pad_id)
         self.token_budget = int(token_budget)
         self.keys: list[torch.Tensor] = []
@@ -235,8 +202,22 @@ class PrefixBank:
                     for k, v in zip(build.keys, build.values, strict=True)]
         targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
         self.forward_tokens += n * t_max
-        self.body(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                  **cache_kwarg(self.body, _BankWriter(build, targets, past)), use_cache=True)
+        run = lambda: self.body(  # noqa: E731
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+            **cache_kwarg(self.body, _BankWriter(build, targets, past)), use_cache=True)
+        if not self.positional:
+            run()
+            return
+        from icqs_fast.engine.cascade import PositionPlan, position_plan
+
+        # Key slots: the padded past (slot j is position j of a real token when j < depth_i),
+        # then the new tokens at depth_i + t.
+        slot = torch.arange(d_max)
+        depth = torch.tensor([d for d, _, _ in edges])
+        k_past = torch.where(slot[None, :] < depth[:, None], slot[None, :], -1)
+        k_pos = torch.cat([k_past, pos], dim=1)
+        with position_plan(self.model, PositionPlan(pos.to(dev), k_pos.to(dev), self.layers)):
+            run()
 
     def gather(self, entries: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                                       torch.Tensor, torch.Tensor]:
@@ -332,15 +313,20 @@ class _BankBuild:
     def _grow(cap: int, need: int) -> int:
         return cap if need <= cap else max(need, math.ceil(cap * BANK_GROWTH))
 
-    def layer(self, li: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, li: int, like: torch.Tensor, like_v: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Values may have another head size than keys (multi-head latent attention).
+        like_v = like if like_v is None else like_v
         while len(self.keys) <= li:
             i = len(self.keys)
             shape = (like.shape[1], like.shape[3])
+            shape_v = (like_v.shape[1], like_v.shape[3])
             if i < len(self.old_k):
                 ok, ov = self.old_k[i], self.old_v[i]
                 e_cap, p_cap = ok.shape[0], ok.shape[2]
                 fits = (self.total <= e_cap and self.p_all <= p_cap and ok.dtype == like.dtype
-                        and ok.device == like.device and (ok.shape[1], ok.shape[3]) == shape)
+                        and ok.device == like.device and (ok.shape[1], ok.shape[3]) == shape
+                        and (ov.shape[1], ov.shape[3]) == shape_v)
                 if fits:
                     ok[self.first:self.total].zero_()
                     ov[self.first:self.total].zero_()
@@ -351,7 +337,7 @@ class _BankBuild:
             else:
                 e_cap, p_cap = self.total, self.p_all  # the first add: exactly to size
             k = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
-            v = like.new_zeros((e_cap, shape[0], p_cap, shape[1]))
+            v = like_v.new_zeros((e_cap, shape_v[0], p_cap, shape_v[1]))
             if i < len(self.old_k) and self.first:
                 src_k = self.old_k[i][: self.first, :, : self.p_used]
                 src_v = self.old_v[i][: self.first, :, : self.p_used]
@@ -381,7 +367,7 @@ class _BankWriter(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.build.layer(layer_idx, key_states)
+        k, v = self.build.layer(layer_idx, key_states, value_states)
         for i, (rows, d, t) in enumerate(self.targets):
             for r in rows:
                 k[r, :, d:d + t] = key_states[i, :, :t]
@@ -393,6 +379,12 @@ class _BankWriter(DynamicCache):
                 torch.cat([layer.values, value_states], dim=2))
 
 
+def last_hidden(out: Any) -> torch.Tensor:
+    """The final hidden states of a decoder body's output (a ModelOutput or a tuple)."""
+    h = getattr(out, "last_hidden_state", None)
+    return h if h is not None else out[0]
+
+
 @torch.no_grad()
 def suffix_hidden(
     model: Any,
@@ -400,7 +392,7 @@ def suffix_hidden(
     entries: Sequence[int],
     suffixes: Sequence[Sequence[int]],
     pad_id: int,
-    cascade: bool | None = None,
+    cascade: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded forward of ``R`` suffixes, row ``i`` continuing bank entry ``entries[i]``.
 
@@ -409,20 +401,16 @@ def suffix_hidden(
         suffixes: ``R`` non-empty token id lists.
         cascade: run the attention as cascade attention against the bank's shared prefix
             states (:mod:`icqs_fast.engine.cascade`: no per-row KV copy; fastest when the rows are
-            ordered by entry); None = when the model supports it (Llama family, GPT-2).
-            False = the per-row KV-copy path below (any model with a transformers KV cache and
-            full attention: sliding-window / hybrid models are refused, see
-            :func:`check_padded_kv`).
+            ordered by entry; the capability check, :func:`icqs_fast.engine.capability.
+            model_plan`, says whether a model supports it). False = the per-row KV-copy path
+            below (a transformers KV cache per row; local layers get positional masks).
+
+    The bank's ``body`` runs the forward and its ``layers`` give each layer's mask.
 
     Returns:
         ``hidden``: ``[R, S, H]`` final (normed) hidden states of the suffix tokens, model dtype;
         ``suffix_mask``: ``[R, S]`` bool, True on real tokens.
     """
-    from icqs_fast.engine import cascade as casc
-
-    check_padded_kv(model)
-    if cascade is None:
-        cascade = casc.supports_cascade(model)
     if cascade:
         return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id)
     dev = model_device(model)
@@ -439,10 +427,20 @@ def suffix_hidden(
     # A fresh cache object around per-batch copies of the stored states (the forward appends
     # to it, so the bank itself is never written).
     cache = DynamicCache(ddp_cache_data=kv)
-    body = decoder_body(model)
-    out = body(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
-               **cache_kwarg(body, cache), use_cache=True)
-    return out.last_hidden_state, smask.bool().to(dev)
+    body = bank.body
+    run = lambda: body(  # noqa: E731
+        input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+        **cache_kwarg(body, cache), use_cache=True)
+    if not bank.positional:
+        return last_hidden(run()), smask.bool().to(dev)
+    from icqs_fast.engine.cascade import PositionPlan, position_plan
+
+    # Key slots: the padded prefix (slot j real when j < length), then the suffix at length + t.
+    p = prefix_mask.shape[1]
+    slot = torch.arange(p)
+    k_pos = torch.cat([torch.where(slot[None, :] < lens[:, None], slot[None, :], -1), pos], 1)
+    with position_plan(model, PositionPlan(pos.to(dev), k_pos.to(dev), bank.layers)):
+        return last_hidden(run()), smask.bool().to(dev)
 
 
 def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
@@ -476,14 +474,51 @@ def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
             starts.append(row)
             counts.append(1)
     plan = CascadePlan(bank.keys, bank.values, groups_e, starts, counts,
-                       [bank.lengths[e] for e in groups_e])
+                       [bank.lengths[e] for e in groups_e], bank.layers)
     with cascade_plan(model, plan):
-        out = decoder_body(model)(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                                  use_cache=False)
-    hidden = out.last_hidden_state
+        out = bank.body(input_ids=ids.to(dev), position_ids=pos.to(dev), use_cache=False)
+    hidden = last_hidden(out)
     if not ordered:
         inv = torch.empty(r, dtype=torch.long)
         inv[torch.tensor(order)] = torch.arange(r)
         hidden = hidden.index_select(0, inv.to(dev))
         smask = smask[inv]
     return hidden, smask.to(dev)
+
+
+@torch.no_grad()
+def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
+                 ) -> torch.Tensor:
+    """One right-padded forward of whole sequences through ``body`` (no prefix sharing): the
+    path of models the prefix bank cannot serve (recurrent / SSM layers, unknown layouts).
+    Right padding keeps every real token at its own position and in front of the padding, so a
+    causal model computes each row as it would alone.
+
+    Returns:
+        ``[R, T, H]`` final hidden states (model dtype), ``T`` the longest sequence.
+    """
+    ids, mask = right_padded(seqs, pad_id)
+    out = body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    return last_hidden(out)
+
+
+def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids [R, T]`` int64 (``pad_id`` after each sequence) and ``mask [R, T]`` int64 (1 on real
+    tokens), ``T`` the longest sequence."""
+    r = len(seqs)
+    t = max(len(x) for x in seqs)
+    ids = torch.full((r, t), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((r, t), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        mask[i, : len(x)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
+                 ) -> torch.Tensor:
+    """:func:`plain_hidden` through the whole model: its own logits ``[R, T, V]`` (for heads the
+    fused statistics cannot reproduce; the full ``[tokens, vocab]`` tensor is built)."""
+    ids, mask = right_padded(seqs, pad_id)
+    return model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits

@@ -12,10 +12,15 @@ cache, through an attention function registered with transformers' ``AttentionIn
 * suffix part: causal attention of each row's suffix queries to its own suffix keys;
 * the two partial softmaxes are merged exactly through their log-sum-exps.
 
-It applies to models whose positional information is in the queries/keys or the input (RoPE,
-absolute position embeddings) and whose attention is plain causal softmax attention with a
-scale: the Llama family (Llama, SmolLM2, ...) and GPT-2 (see :func:`supports_cascade`). Other
-models keep the per-row KV-copy path of :func:`icqs_fast.engine.batching.suffix_hidden`.
+It applies to every model whose layers all run softmax attention through transformers'
+``AttentionInterface`` with ``module.layer_idx`` set, positions in the queries/keys or the input
+(RoPE, NoPE, absolute position embeddings), as the capability check finds
+(:func:`icqs_fast.engine.capability.model_plan`). Each layer's mask comes from its
+:class:`~icqs_fast.engine.layout.LayerAttention` on absolute positions (full causal, a sliding
+window, fixed chunks); score softcapping (Gemma 2), attention sinks (gpt-oss: ``s_aux``, their
+share of the softmax denominator added at the merge) and value heads of another size than the
+query/key heads (multi-head latent attention) are handled here too. Other models keep the
+per-row KV-copy path of :func:`icqs_fast.engine.batching.suffix_hidden` or a plain forward.
 
 Exactness: both parts use fp32 accumulation (the CPU flash kernel, or a float32 math path), so
 results match a plain attention over ``[prefix; suffix]`` to rounding.
@@ -28,7 +33,8 @@ probabilities enter the PV product in the input dtype, as in any flash attention
 ops that return a log-sum-exp were not used: the flash op takes no mask (padded prefixes would
 need one call per length), neither op takes fewer key heads than query heads (the suffix part
 would need a ``repeat_kv`` copy), and the memory-efficient op pads its LSE's query dimension
-(to a multiple of 32 in some versions). The CPU path is unchanged.
+(to a multiple of 32 in some versions). Local layers, softcapping and ``Dv != D`` take the
+torch path on every device (the fused kernel takes a key mask and plain causality only).
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
+from icqs_fast.engine.layout import LayerAttention
+
 IMPL_NAME = "icqs_cascade"
-# Model types whose attention is plain causal softmax attention over RoPE'd / absolute-position
-# queries and keys, called through ALL_ATTENTION_FUNCTIONS with module.layer_idx set.
-CASCADE_MODEL_TYPES = ("llama", "gpt2")
+# The positional-mask attention of prefix-bank builds and KV-copy suffix forwards of models with
+# local (sliding-window / chunked) layers: transformers' masks count cache slots, and the bank
+# keeps padding inside sequences, so those forwards get their masks from token positions here.
+POSITIONAL_IMPL = "icqs_positional"
 
 _ACTIVE = threading.local()
 
@@ -56,9 +65,13 @@ class CascadePlan:
     prefix entry ``entries[g]``.
 
     Attributes:
-        keys, values: the bank's per-layer ``[E_bank, H_kv, P_bank, D]`` tensors (never written).
+        keys, values: the bank's per-layer ``[E_bank, H_kv, P_bank, D]`` tensors (never written;
+            values may have another head size than keys: multi-head latent attention).
         entries, starts, counts: the row groups.
-        lengths: prefix length of each group's entry.
+        lengths: prefix length of each group's entry (suffix token ``t`` of its rows is at
+            position ``lengths[g] + t``).
+        layers: each layer's :class:`~icqs_fast.engine.layout.LayerAttention` (masks, softcap);
+            None = every layer full causal attention.
     """
 
     keys: Sequence[torch.Tensor]
@@ -67,6 +80,7 @@ class CascadePlan:
     starts: list[int]
     counts: list[int]
     lengths: list[int]
+    layers: Sequence[LayerAttention] | None = None
 
     def __post_init__(self) -> None:
         self.uniform = len(set(self.counts)) == 1
@@ -78,6 +92,13 @@ class CascadePlan:
         self.p_max = max(self.lengths)
         self._mask: torch.Tensor | None = None
         self._key_ok: torch.Tensor | None = None
+        self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention description (full causal when none was given)."""
+        if self.layers is None:
+            return _FULL_LAYER
+        return self.layers[layer]
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The used entries' keys/values ``[G, H_kv, P_max, D]`` (a view when possible)."""
@@ -89,17 +110,15 @@ class CascadePlan:
         return (k.index_select(0, self._idx)[:, :, : self.p_max],
                 v.index_select(0, self._idx)[:, :, : self.p_max])
 
-    def prefix_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """Additive mask ``[G, 1, 1, P_max]`` (-inf on padded slots), None if no padding."""
+    def prefix_allow(self, device: torch.device) -> torch.Tensor | None:
+        """Key mask ``[G, 1, 1, P_max]`` bool (False on padded slots), None if no padding."""
         if all(p == self.p_max for p in self.lengths):
             return None
-        if self._mask is None or self._mask.dtype != dtype:
+        if self._mask is None:
             lens = torch.tensor(self.lengths, device=device)
-            pad = torch.arange(self.p_max, device=device)[None, :] >= lens[:, None]
-            m = torch.zeros(len(self.lengths), 1, 1, self.p_max, dtype=dtype, device=device)
-            self._mask = m.masked_fill(pad[:, None, None, :], float("-inf"))
+            ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
+            self._mask = ok[:, None, None, :]
         return self._mask
-
 
     def prefix_key_ok(self, device: torch.device) -> torch.Tensor | None:
         """Key mask ``[G, P_max]`` bool (False on padded slots) for the fused path, None if no
@@ -111,38 +130,61 @@ class CascadePlan:
             self._key_ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
         return self._key_ok
 
+    def local_masks(self, la: LayerAttention, s: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks of a local (sliding / chunked) layer on absolute positions: ``prefix [G, 1, S,
+        P_max]`` (suffix query ``t`` of group ``g`` at ``lengths[g] + t`` against prefix key
+        ``j``, padded slots off) and ``suffix [G, 1, S, S]`` (against suffix key ``t'``)."""
+        key = (la.kind, la.window, la.chunk, s, str(device))
+        got = self._local.get(key)
+        if got is None:
+            lens = torch.tensor(self.lengths, device=device)
+            t = torch.arange(s, device=device)
+            j = torch.arange(self.p_max, device=device)
+            q_pos = lens[:, None] + t[None, :]  # [G, S]
+            k_pre = torch.where(j[None, :] < lens[:, None], j[None, :], -1)  # [G, P]
+            pre = la.allowed(q_pos, k_pre)[:, None]
+            suf = la.allowed(q_pos, q_pos)[:, None]
+            got = self._local[key] = (pre, suf)
+        return got
 
-def supports_cascade(model) -> bool:
-    """True when :func:`cascade_attention` can run this model's suffix forwards."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in CASCADE_MODEL_TYPES:
-        return False
-    if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
-        return False
-    can = getattr(model, "_can_set_attn_implementation", None)
-    return bool(can()) if callable(can) else True
+
+_FULL_LAYER = LayerAttention("full")
 
 
 # --------------------------------------------------------------------------- attention with LSE
 
 
-def _attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention ``[B, H, L, D]`` x ``[B, H, T, D]`` returning the output (q's dtype) and
-    the fp32 log-sum-exp ``[B, H, L]`` of the scaled, masked scores. ``mask`` is additive and
-    broadcastable to ``[B, H, L, T]``."""
-    if q.device.type == "cpu":
+def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor | None,
+             scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention ``q [B, H, L, D]`` x ``k [B, H, T, D]`` -> ``v [B, H, T, Dv]``, returning
+    the output ``[B, H, L, Dv]`` (q's dtype) and the fp32 log-sum-exp ``[B, H, L]`` of the scaled
+    (then softcapped: ``c * tanh(s / c)``), masked scores. ``allow`` is bool, broadcastable to
+    ``[B, H, L, T]``, True = attend. A row with no allowed key has LSE ``-inf`` and output 0, so
+    it drops out of an LSE merge exactly."""
+    if q.device.type == "cpu" and softcap is None and v.shape[-1] == q.shape[-1]:
         try:
+            mask = None
+            if allow is not None:
+                mask = torch.zeros(allow.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    ~allow, float("-inf"))
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-            return out, lse.float()
+                q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+            lse = lse.float()
+            if allow is not None:
+                # The CPU kernel gives a fully masked row LSE 0 and output 0: make it -inf.
+                live = allow.any(-1).expand(lse.shape)
+                lse = lse.masked_fill(~live, float("-inf"))
+            return out, lse
         except (RuntimeError, AttributeError, NotImplementedError):  # pragma: no cover
             pass
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s + mask.float()
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if allow is not None:
+        s = s.masked_fill(~allow, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return torch.matmul(p, v.float()).to(q.dtype), lse
 
 
@@ -167,47 +209,82 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 _CAUSAL: dict[tuple, torch.Tensor] = {}
 
 
-def _grouped_causal_mask(group: int, s: int, dtype: torch.dtype,
-                         device: torch.device) -> torch.Tensor:
-    """Additive ``[1, 1, group * s, s]``: query ``g * s + i`` sees suffix keys ``j <= i``."""
-    key = (group, s, dtype, str(device))
+def grouped_causal_allow(group: int, s: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[1, 1, group * s, s]``: query ``g * s + i`` sees suffix keys ``j <= i``."""
+    key = (group, s, str(device))
     m = _CAUSAL.get(key)
     if m is None:
         i = torch.arange(s, device=device)
-        bad = (i[None, :] > i[:, None]).repeat(group, 1)
-        m = torch.zeros(group * s, s, dtype=dtype, device=device).masked_fill(bad, float("-inf"))
-        m = m[None, None]
+        m = (i[None, :] <= i[:, None]).repeat(group, 1)[None, None]
         if len(_CAUSAL) > 64:
             _CAUSAL.clear()
         _CAUSAL[key] = m
     return m
 
 
+def _runtime_checks(la: LayerAttention, kwargs: dict, where: str) -> float | None:
+    """The layer's score softcap, after checking that what the model passes at run time agrees
+    with the description read from its config (a disagreement would mean a wrong mask)."""
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{where}: position_bias is not supported")
+    sc = kwargs.get("softcap")
+    if sc is not None and la.softcap is not None and abs(float(sc) - la.softcap) > 1e-6:
+        raise ValueError(f"{where}: the layer passes softcap={sc} but its config says "
+                         f"{la.softcap}")
+    sw = kwargs.get("sliding_window")
+    if sw is not None and la.kind == "full":
+        raise ValueError(f"{where}: the layer passes sliding_window={sw} but its config "
+                         "describes it as full attention")
+    return float(sc) if sc is not None else la.softcap
+
+
+def _sinks(kwargs: dict) -> torch.Tensor | None:
+    """Attention-sink logits ``[Hq]`` (gpt-oss passes them as ``s_aux``), or None."""
+    s = kwargs.get("s_aux")
+    if s is None:
+        s = kwargs.get("sinks")
+    return s
+
+
 def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       **kwargs):
     """``AttentionInterface`` function (contract of transformers' ``sdpa_attention_forward``:
-    ``query [R, Hq, S, D]``, ``key/value [R, Hk, S, D]`` of the suffix tokens only; returns
-    ``[R, S, Hq, D]``, None). The causal mask transformers passes is not needed (suffix rows are
-    right-padded, so causality alone keeps real queries off padded keys) and is ignored."""
+    ``query [R, Hq, S, D]``, ``key [R, Hk, S, D]``, ``value [R, Hk, S, Dv]`` of the suffix tokens
+    only; returns ``[R, S, Hq, Dv]``, None). The mask transformers passes is not used: suffix rows
+    are right-padded, so causality alone keeps real queries off padded keys, and the layer's
+    window / chunk comes from the plan's layer description, on absolute positions."""
     plan: CascadePlan | None = getattr(_ACTIVE, "plan", None)
     if plan is None:
         raise RuntimeError(f"attention implementation {IMPL_NAME!r} is only usable inside "
                            "icqs_fast.engine.cascade.cascade_plan(...)")
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError("cascade attention: softcap / position_bias are not supported")
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError("cascade attention needs module.layer_idx")
+    la = plan.layer(int(layer))
+    softcap = _runtime_checks(la, kwargs, "cascade attention")
+    sinks = _sinks(kwargs)
     r, hq, s, d = query.shape
     hk = key.shape[1]
+    dv = value.shape[-1]
     group = hq // hk
     scale = float(scaling) if scaling is not None else d ** -0.5
     dt, dev = query.dtype, query.device
     kp, vp = plan.prefix_kv(int(layer))
+    if kp.shape[1] != hk or kp.shape[-1] != d or vp.shape[-1] != dv:
+        # e.g. DeepSeek V2's cache holds its compressed latent, not the attention keys.
+        raise ValueError(f"cascade attention: the bank holds keys {list(kp.shape[1::2])} / values "
+                         f"{list(vp.shape[1::2])} (heads, dim) but layer {layer} attends with "
+                         f"keys ({hk}, {d}) / values ({hk}, {dv}): the model caches something "
+                         "other than its attention keys/values")
     if kp.dtype != dt:
         kp, vp = kp.to(dt), vp.to(dt)
+    local = la.local
+    pre_m = suf_m = None
+    if local:
+        pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
 
-    fused = _use_fused(dev)
+    # The fused kernel takes key padding and plain causality: other layers take the torch path.
+    fused = _use_fused(dev) and not local and softcap is None and dv == d
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
     if plan.uniform:
         n = plan.counts[0]
@@ -215,25 +292,34 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         qg = query.reshape(g_n, n, hk, group, s, d).permute(0, 2, 1, 3, 4, 5)
         qg = qg.reshape(g_n, hk, n * group * s, d)
         if fused:
-            key_ok = plan.prefix_key_ok(dev)
-            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, key_ok=key_ok)
+            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, key_ok=plan.prefix_key_ok(dev))
         else:
-            o1, l1 = _attn_lse(qg, kp, vp, plan.prefix_mask(dt, dev), scale)
-        # -> row layout [R, S, Hk, group, D] / [R, S, Hk, group]
-        o1 = o1.view(g_n, hk, n, group, s, d).permute(0, 2, 4, 1, 3, 5).reshape(r, s, hk, group, d)
+            allow = plan.prefix_allow(dev)
+            if pre_m is not None:  # the same [S, P] mask for each row and head of the group
+                allow = pre_m[:, :, None].expand(g_n, 1, n * group, s, plan.p_max).reshape(
+                    g_n, 1, n * group * s, plan.p_max)
+            o1, l1 = attn_lse(qg, kp, vp, allow, scale, softcap)
+        # -> row layout [R, S, Hk, group, Dv] / [R, S, Hk, group]
+        o1 = o1.view(g_n, hk, n, group, s, dv).permute(0, 2, 4, 1, 3, 5).reshape(
+            r, s, hk, group, dv)
         l1 = l1.view(g_n, hk, n, group, s).permute(0, 2, 4, 1, 3).reshape(r, s, hk, group)
     else:
-        o1 = torch.empty(r, s, hk, group, d, dtype=dt, device=dev)
+        o1 = torch.empty(r, s, hk, group, dv, dtype=dt, device=dev)
         l1 = torch.empty(r, s, hk, group, dtype=torch.float32, device=dev)
         for gi, (r0, n, p) in enumerate(zip(plan.starts, plan.counts, plan.lengths,
                                             strict=True)):
             qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
             qg = qg.reshape(1, hk, n * group * s, d)
+            kg, vg = kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p]
             if fused:
-                og, lg = _fused_attn_lse(qg, kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p], scale)
+                og, lg = _fused_attn_lse(qg, kg, vg, scale)
             else:
-                og, lg = _attn_lse(qg, kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p], None, scale)
-            o1[r0:r0 + n] = og.view(hk, n, group, s, d).permute(1, 3, 0, 2, 4)
+                allow = None
+                if pre_m is not None:
+                    allow = pre_m[gi:gi + 1, :, None, :, :p].expand(1, 1, n * group, s, p)
+                    allow = allow.reshape(1, 1, n * group * s, p)
+                og, lg = attn_lse(qg, kg, vg, allow, scale, softcap)
+            o1[r0:r0 + n] = og.view(hk, n, group, s, dv).permute(1, 3, 0, 2, 4)
             l1[r0:r0 + n] = lg.view(hk, n, group, s).permute(1, 3, 0, 2)
 
     # ---- suffix part: causal within each row, query heads grouped per key head
@@ -241,42 +327,131 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # Causal GQA in the kernel: query head h reads key head h // group (transformers'
         # repeat_kv order), as the grouped reshape below does.
         o2, l2 = _fused_attn_lse(query, key, value, scale, causal=True)
-        o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, d)
+        o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, dv)
         l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
     else:
         q2 = query.reshape(r, hk, group * s, d)
-        o2, l2 = _attn_lse(q2, key.contiguous(), value.contiguous(),
-                           _grouped_causal_mask(group, s, dt, dev), scale)
-        o2 = o2.view(r, hk, group, s, d).permute(0, 3, 1, 2, 4)
+        if suf_m is None:
+            allow = grouped_causal_allow(group, s, dev)
+        else:  # per group of rows (chunk boundaries depend on the prefix length): [R, 1, gS, S]
+            rows_g = torch.repeat_interleave(
+                torch.arange(len(plan.counts), device=dev),
+                torch.tensor(plan.counts, device=dev))
+            allow = suf_m.index_select(0, rows_g)[:, :, None].expand(r, 1, group, s, s)
+            allow = allow.reshape(r, 1, group * s, s)
+        o2, l2 = attn_lse(q2, key.contiguous(), value.contiguous(), allow, scale, softcap)
+        o2 = o2.view(r, hk, group, s, dv).permute(0, 3, 1, 2, 4)
         l2 = l2.view(r, hk, group, s).permute(0, 3, 1, 2)
 
-    # ---- exact merge of the two partial softmaxes
+    # ---- exact merge of the two partial softmaxes (and the sinks' share of the denominator)
+    if sinks is not None:
+        ls = sinks.float().view(1, 1, hk, group).expand_as(l1)
+        lt = torch.logsumexp(torch.stack([l1, l2, ls]), dim=0)
+        out = (torch.exp(l1 - lt)[..., None] * o1.float()
+               + torch.exp(l2 - lt)[..., None] * o2.float())
+        return out.to(dt).reshape(r, s, hq, dv), None
     w1 = torch.sigmoid(l1 - l2)[..., None]
     out = o2.float() + w1 * (o1.float() - o2.float()) if dt != torch.float32 else \
         torch.lerp(o2, o1, w1)
-    return out.to(dt).reshape(r, s, hq, d), None
+    return out.to(dt).reshape(r, s, hq, dv), None
+
+
+# --------------------------------------------------------------------------- positional masks
+
+
+@dataclass
+class PositionPlan:
+    """Token positions of one forward whose keys are ``[past slots; new tokens]``: ``q_pos [B,
+    Lq]`` of the new tokens and ``k_pos [B, Tk]`` of every key slot (-1 = a padding slot), with
+    each layer's description. The attention mask is rebuilt from them per layer."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    layers: Sequence[LayerAttention]
+
+    def __post_init__(self) -> None:
+        self._allow: dict[tuple, torch.Tensor] = {}
+
+    def allow(self, la: LayerAttention, tk: int) -> torch.Tensor:
+        """``[B, 1, Lq, Tk]`` bool for a layer like ``la``."""
+        key = (la.kind, la.window, la.chunk, tk)
+        m = self._allow.get(key)
+        if m is None:
+            if self.k_pos.shape[1] != tk:
+                raise ValueError(f"positional attention: {tk} keys, but the plan describes "
+                                 f"{self.k_pos.shape[1]}")
+            m = self._allow[key] = la.allowed(self.q_pos, self.k_pos)[:, None]
+        return m
+
+
+def positional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         **kwargs):
+    """``AttentionInterface`` function for forwards with padding inside the sequence (prefix-bank
+    builds, KV-copy suffix forwards) of models with local layers: the mask comes from the active
+    :class:`PositionPlan` and the layer's description (window, chunk, softcap) rather than from
+    transformers' slot-based masks; sinks (``s_aux``) take their share of the denominator."""
+    plan: PositionPlan | None = getattr(_ACTIVE, "positions", None)
+    if plan is None:
+        raise RuntimeError(f"attention implementation {POSITIONAL_IMPL!r} is only usable inside "
+                           "icqs_fast.engine.cascade.position_plan(...)")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError("positional attention needs module.layer_idx")
+    la = plan.layers[int(layer)]
+    softcap = _runtime_checks(la, kwargs, "positional attention")
+    sinks = _sinks(kwargs)
+    b, hq, lq, d = query.shape
+    hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    group = hq // hk
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    allow = plan.allow(la, tk)[:, :, None].expand(b, 1, group, lq, tk).reshape(
+        b, 1, group * lq, tk)
+    out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
+                        value.contiguous(), allow, scale, softcap)
+    out = out.view(b, hq, lq, dv)
+    if sinks is not None:
+        lse = lse.view(b, hq, lq)
+        keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
+        out = (out.float() * keep[..., None]).to(out.dtype)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
     from icqs_fast.models import register_attention
 
     register_attention(IMPL_NAME, cascade_attention)
+    register_attention(POSITIONAL_IMPL, positional_attention)
+
+
+@contextlib.contextmanager
+def _attention_impl(model, name: str, attr: str, value) -> Iterator[None]:
+    if getattr(_ACTIVE, attr, None) is not None:
+        raise RuntimeError(f"{name} blocks cannot be nested")
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(previous)
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation")
+    setattr(_ACTIVE, attr, value)
+    try:
+        yield
+    finally:
+        setattr(_ACTIVE, attr, None)
+        model.set_attn_implementation(previous)
 
 
 @contextlib.contextmanager
 def cascade_plan(model, plan: CascadePlan) -> Iterator[None]:
     """Run the model's attention through :func:`cascade_attention` with ``plan`` inside the
     block (one suffix forward, no KV cache); the previous implementation is restored on exit."""
-    if getattr(_ACTIVE, "plan", None) is not None:
-        raise RuntimeError("cascade_plan blocks cannot be nested")
-    _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(IMPL_NAME)
-    if model.config._attn_implementation != IMPL_NAME:
-        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation")
-    _ACTIVE.plan = plan
-    try:
+    with _attention_impl(model, IMPL_NAME, "plan", plan):
         yield
-    finally:
-        _ACTIVE.plan = None
-        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def position_plan(model, plan: PositionPlan) -> Iterator[None]:
+    """Run the model's attention through :func:`positional_attention` with ``plan`` inside the
+    block; the previous implementation is restored on exit."""
+    with _attention_impl(model, POSITIONAL_IMPL, "positions", plan):
+        yield

@@ -23,13 +23,12 @@ import torch
 from icqs_fast import ops
 from icqs_fast.engine.batching import (
     PrefixBank,
-    check_padded_kv,
-    decoder_body,
     model_device,
+    plain_hidden,
+    plain_logits,
     suffix_hidden,
 )
-from icqs_fast.engine.cascade import supports_cascade
-from icqs_fast.engine.checks import check_model
+from icqs_fast.engine.capability import ModelPlan, model_plan
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.types import TokenStats
 
@@ -105,8 +104,9 @@ def score_continuations(
     """Score ``R`` continuations, computing the contexts' shared leading tokens once.
 
     Args:
-        model: a causal LM with a decoder body and a plain linear LM head (checked once, see
-            :func:`icqs_fast.engine.checks.check_model`), in eval mode.
+        model: a causal LM, in eval mode; the capability check
+            (:func:`icqs_fast.engine.capability.model_plan`) decides once whether the prefix bank
+            serves it (else every request runs as one plain forward of context + continuation).
         requests: ``R`` pairs ``(context_ids, continuation_ids)`` of token ids; the context
             holds at least one token, the continuation at least one.
         pad_id: id used for padding (any valid id: padded positions are masked); default the
@@ -132,17 +132,16 @@ def score_continuations(
     reqs = _check_requests(requests)
     if not reqs:
         return []
-    check_padded_kv(model)
-    check_model(model)
+    plan = model_plan(model)
     if pad_id is None:
         cfg = model.config
         pad = getattr(cfg, "pad_token_id", None)
         pad = pad if isinstance(pad, int) else getattr(cfg, "eos_token_id", None)
         vocab = int(model.get_output_embeddings().weight.shape[0])
         pad_id = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
-    cascade = supports_cascade(model) if cascade is None else bool(cascade)
+    cascade = plan.path == "cascade" and cascade is not False
     budget = token_budget
-    if cascade and model_device(model).type == "cpu":
+    if (cascade or not plan.bank) and model_device(model).type == "cpu":
         budget = min(budget, SUFFIX_CHUNK_CPU)
     if max_bank_tokens is None:
         max_bank_tokens = max(1, DEFAULT_BANK_BYTES // kv_bytes_per_token(model))
@@ -151,13 +150,18 @@ def score_continuations(
     # Rows: (request index, stored prefix, suffix). The suffix starts with the context's last
     # token, whose hidden state predicts the first continuation token.
     rows = [(i, tuple(ctx[:-1]), ctx[-1:] + cont[:-1]) for i, (ctx, cont) in enumerate(reqs)]
+    batches = (lambda rs, _b: [[r] for r in rs]) if deterministic else _batches
+    if not plan.bank:  # the plain path: context + continuation in one forward, no bank
+        rows = [(i, (), ctx + cont[:-1]) for i, (ctx, cont) in enumerate(reqs)]
+        for batch in batches(rows, budget):
+            score_plain(model, batch, reqs, results, pad_id, backend, return_token_stats, plan)
+        return results  # type: ignore[return-value]
     bare = [r for r in rows if not r[1]]  # one-token contexts: nothing to store
     stored = sorted((r for r in rows if r[1]), key=lambda r: r[1])  # shared runs adjacent
-    batches = (lambda rs, _b: [[r] for r in rs]) if deterministic else _batches
     for batch in batches(bare, budget):
-        score_plain(model, batch, reqs, results, pad_id, backend, return_token_stats)
+        score_plain(model, batch, reqs, results, pad_id, backend, return_token_stats, plan)
     for chunk in _bank_chunks(stored, max_bank_tokens):
-        bank = PrefixBank(model, pad_id, token_budget)
+        bank = PrefixBank(model, pad_id, token_budget, body=plan.body, layers=plan.layers)
         uniq = list(dict.fromkeys(r[1] for r in chunk))
         if deterministic:  # one prefix per add: a single trie edge, one forward of its own
             entry = {p: bank.add([list(p)])[0] for p in uniq}
@@ -166,7 +170,7 @@ def score_continuations(
         for batch in batches(chunk, budget):
             hidden, _ = suffix_hidden(model, bank, [entry[r[1]] for r in batch],
                                       [r[2] for r in batch], pad_id, cascade=cascade)
-            _head(model, hidden, batch, reqs, results, backend, return_token_stats)
+            _head(plan, hidden, batch, reqs, results, backend, return_token_stats)
         del bank
     return results  # type: ignore[return-value]
 
@@ -208,34 +212,38 @@ def _batches(rows: list, budget: int) -> list[list]:
     return out
 
 
-def score_plain(model, batch, reqs, results, pad_id, backend, want_stats) -> None:
-    """Rows with nothing stored (one-token contexts): a plain right-padded forward."""
+def score_plain(model, batch, reqs, results, pad_id, backend, want_stats,
+                plan: ModelPlan | None = None) -> None:
+    """Rows with nothing stored (one-token contexts, or every row on the plain path): a plain
+    right-padded forward of each row's tokens."""
+    plan = model_plan(model) if plan is None else plan
     dev = model_device(model)
-    s = max(len(r[2]) for r in batch)
-    ids = torch.full((len(batch), s), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((len(batch), s), dtype=torch.long)
-    for b, r in enumerate(batch):
-        ids[b, : len(r[2])] = torch.tensor(r[2])
-        mask[b, : len(r[2])] = 1
-    out = decoder_body(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
-    _head(model, out.last_hidden_state, batch, reqs, results, backend, want_stats)
+    seqs = [r[2] for r in batch]
+    if plan.own_logits:
+        _head(plan, plain_logits(model, seqs, pad_id, dev), batch, reqs, results, backend,
+              want_stats)
+    else:
+        _head(plan, plain_hidden(plan.body, seqs, pad_id, dev), batch, reqs, results, backend,
+              want_stats)
 
 
-def _head(model, hidden, batch, reqs, results, backend, want_stats) -> None:
-    """Fused LM-head statistics at each row's continuation positions (suffix position t
-    predicts continuation token t)."""
+def _head(plan, hidden, batch, reqs, results, backend, want_stats) -> None:
+    """LM-head statistics at each row's continuation positions: the last ``len(cont)`` positions
+    of its suffix (which ends with ``cont[:-1]``) predict the continuation. ``hidden`` is the
+    body's states (fused head + epilogue) or, for a model scored from its own logits, those."""
     dev = hidden.device
     rows_idx, pos_idx, targets, seg = [], [], [], []
     for b, r in enumerate(batch):
         cont = reqs[r[0]][1]
+        start = len(r[2]) - len(cont)
         rows_idx.extend([b] * len(cont))
-        pos_idx.extend(range(len(cont)))
+        pos_idx.extend(range(start, start + len(cont)))
         targets.extend(cont)
         seg.append(len(cont))
     h = hidden[torch.tensor(rows_idx, device=dev), torch.tensor(pos_idx, device=dev)]
-    head = model.get_output_embeddings()
-    st = ops.linear_token_stats(h, head.weight, torch.tensor(targets, device=dev),
-                                bias=getattr(head, "bias", None), backend=backend)
+    tgt = torch.tensor(targets, device=dev)
+    st = ops.token_stats(h, tgt, backend=backend) if plan.own_logits else \
+        plan.head_stats(h, tgt, backend)
     lp = st.logprob.detach().float().cpu()
     greedy = st.is_greedy.detach().cpu()
     # One device-to-host copy per field and batch, sliced on the host (not one per request).

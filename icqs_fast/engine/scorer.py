@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from icqs_fast import ops
-from icqs_fast.engine.batching import PrefixBank, check_padded_kv, suffix_hidden
+from icqs_fast.engine.batching import PrefixBank, plain_hidden, plain_logits, suffix_hidden
 from icqs_fast.engine.calibration import calibration_queries, icqs_scores
-from icqs_fast.engine.cascade import supports_cascade
-from icqs_fast.engine.checks import check_model, model_max_length, parse_response
+from icqs_fast.engine.capability import model_plan
+from icqs_fast.engine.checks import model_max_length, parse_response
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
 from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
@@ -192,8 +192,9 @@ class ICQSScorer:
         **options: Any,
     ) -> None:
         st = ScoringSettings.build(settings, **options)
-        check_padded_kv(model)
-        check_model(model)
+        # The capability check: the path (prefix bank with cascade attention or KV copies, or a
+        # plain forward per prompt), the decoder body and the head's epilogue.
+        self.plan = model_plan(model)
         if getattr(model, "training", False):
             warnings.warn("the model is in training mode (dropout is active); call model.eval() "
                           "for deterministic scores", stacklevel=2)
@@ -210,7 +211,10 @@ class ICQSScorer:
         self.max_length = model_max_length(model, st.max_length)
         self.drop_oldest_demos = st.drop_oldest_demos
         self.return_token_stats = return_token_stats
-        self.cascade = supports_cascade(model) if st.cascade is None else st.cascade
+        # cascade=False forces the KV-copy path on a bank model; cascade attention runs only
+        # where the check verified it.
+        self.cascade = self.plan.path == "cascade" and st.cascade is not False
+        self.plain = not self.plan.bank
         self.deterministic = st.deterministic
         self.tokens = PromptTokens(tokenizer, self.template, self.sets)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
@@ -236,7 +240,8 @@ class ICQSScorer:
     @property
     def _budget(self) -> int:
         """Tokens per suffix forward (see ``token_budget``)."""
-        if self.cascade and next(self.model.parameters()).device.type == "cpu":
+        if (self.cascade or self.plain) and \
+                next(self.model.parameters()).device.type == "cpu":
             return min(self.token_budget, SUFFIX_CHUNK_CPU)
         return self.token_budget
 
@@ -246,7 +251,8 @@ class ICQSScorer:
         """The stored prefix KV states, computed on first use (all contexts, batched)."""
         if self._bank is None:
             budget = DETERMINISTIC_PREFIX_BUDGET if self.deterministic else self.token_budget
-            bank = PrefixBank(self.model, self.pad_id, budget)
+            bank = PrefixBank(self.model, self.pad_id, budget, body=self.plan.body,
+                              layers=self.plan.layers)
             ids = [self.tokens.entry_ids(c, 0) for c in range(self.n_contexts)]
             keep = [c for c in range(self.n_contexts) if ids[c]]
             for c in range(self.n_contexts):
@@ -398,8 +404,12 @@ class ICQSScorer:
             del self._cal_cache[key]
 
     def _prepare_layouts(self, i: int, lays: list[PromptLayout]) -> dict:
-        entries = [self._entry_of(i, c, lay) for c, lay in enumerate(lays)]
-        plen = [self.prefix_bank.lengths[e] for e in entries]
+        if self.plain:  # no bank: each row is its whole prompt
+            entries: list = [None] * len(lays)
+            plen = [0] * len(lays)
+        else:
+            entries = [self._entry_of(i, c, lay) for c, lay in enumerate(lays)]
+            plen = [self.prefix_bank.lengths[e] for e in entries]
         # Row c runs ids[plen:-1] against its entry; suffix position n_prompt - 1 - plen + t
         # predicts response token t.
         return {"index": i, "resp": lays[0].ids[lays[0].n_prompt:],
@@ -413,7 +423,7 @@ class ICQSScorer:
     def _row_cost(self, rows: list[tuple[dict, int]]) -> int:
         if not rows:
             return 0
-        p = 0 if self.cascade else max(rec["plen"][c] for rec, c in rows)
+        p = 0 if self.cascade or self.plain else max(rec["plen"][c] for rec, c in rows)
         s = max(len(rec["suffix"][c]) for rec, c in rows)
         return len(rows) * (p + s)
 
@@ -427,7 +437,7 @@ class ICQSScorer:
         p = s = 0
         take = len(rows)
         for n, (rec, c) in enumerate(rows):
-            p2 = 0 if self.cascade else max(p, rec["plen"][c])
+            p2 = 0 if self.cascade or self.plain else max(p, rec["plen"][c])
             s2 = max(s, len(rec["suffix"][c]))
             if n > 0 and (n + 1) * (p2 + s2) > self._budget:
                 take = n
@@ -445,8 +455,15 @@ class ICQSScorer:
             batch = sorted(batch, key=lambda rc: rc[0]["entries"][rc[1]])
         entries = [rec["entries"][c] for rec, c in batch]
         suffixes = [rec["suffix"][c] for rec, c in batch]
-        hidden, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
-                                  cascade=self.cascade)
+        dev = next(self.model.parameters()).device
+        if self.plain:
+            if self.plan.own_logits:
+                out = plain_logits(self.model, suffixes, self.pad_id, dev)
+            else:
+                out = plain_hidden(self.plan.body, suffixes, self.pad_id, dev)
+        else:
+            out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
+                                   cascade=self.cascade)
         rows_idx, pos_idx, targets, seg = [], [], [], []
         for b, (rec, c) in enumerate(batch):
             r0, nr = rec["rstart"][c], len(rec["resp"])
@@ -454,11 +471,13 @@ class ICQSScorer:
             pos_idx.extend(range(r0, r0 + nr))
             targets.extend(rec["resp"])
             seg.append(nr)
-        dev = hidden.device
-        h = hidden[torch.tensor(rows_idx, device=dev), torch.tensor(pos_idx, device=dev)]
-        head = self.model.get_output_embeddings()
-        st = ops.linear_token_stats(h, head.weight, torch.tensor(targets, device=dev),
-                                    bias=getattr(head, "bias", None), backend=self.backend)
+        dev = out.device
+        h = out[torch.tensor(rows_idx, device=dev), torch.tensor(pos_idx, device=dev)]
+        tgt = torch.tensor(targets, device=dev)
+        if self.plain and self.plan.own_logits:
+            st = ops.token_stats(h, tgt, backend=self.backend)
+        else:
+            st = self.plan.head_stats(h, tgt, self.backend)
         lp = st.logprob.detach().double().cpu()
         # One device-to-host copy per field and batch, sliced on the host (not one per segment).
         st_host = st.map(lambda t: t.detach().cpu()) if self.return_token_stats else None

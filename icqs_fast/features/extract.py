@@ -87,8 +87,8 @@ from typing import Any
 import torch
 
 from icqs_fast import ops
-from icqs_fast.engine.batching import decoder_body, model_device
-from icqs_fast.engine.checks import check_model
+from icqs_fast.engine.batching import last_hidden, model_device
+from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.prompt_tokens import first_response_token, joins_response
 from icqs_fast.engine.prompts import adds_bos
 from icqs_fast.features.names import (  # noqa: F401 (re-exported)
@@ -280,10 +280,12 @@ def _capture_masks(encs: list[_Encoded], idx: list[int], shape: torch.Size,
 def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
     dev = model_device(model)
     ids, am = _padded(encs, idx, pad_id, dev)
-    body = decoder_body(model)
-    head = model.get_output_embeddings()
-    if head is None:
-        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
+    # The capability check's decoder body and logit epilogue; a head it cannot reproduce is read
+    # from the model's own logits instead (same statistics, a [tokens, vocab] tensor built).
+    plan = model_plan(model)
+    run = (lambda: model(input_ids=ids, attention_mask=am, use_cache=False).logits) \
+        if plan.own_logits else \
+        (lambda: last_hidden(plan.body(input_ids=ids, attention_mask=am, use_cache=False)))
     ent = None
     if want_attn:
         from icqs_fast.features.attention import capture_attention_entropy
@@ -291,11 +293,10 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
         qm, kr = _capture_masks(encs, idx, ids.shape, dev)
         attn_backend = backend if backend in ("torch", "triton") else "auto"
         with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
-            out = body(input_ids=ids, attention_mask=am, use_cache=False)
+            hidden = run()
         ent = cap.entropy
     else:
-        out = body(input_ids=ids, attention_mask=am, use_cache=False)
-    hidden = out[0]
+        hidden = run()
     rows, cols, spans = [], [], []
     start = 0
     for r, i in enumerate(idx):
@@ -308,8 +309,8 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
     cols_t = torch.tensor(cols, dtype=torch.long, device=dev)
     h = hidden[rows_t, cols_t]
     targets = ids[rows_t, cols_t + 1]
-    ts = ops.linear_token_stats(h, head.weight, targets, bias=getattr(head, "bias", None),
-                                backend=backend)
+    ts = ops.token_stats(h, targets, backend=backend) if plan.own_logits else \
+        plan.head_stats(h, targets, backend)
     res = []
     for r, i in enumerate(idx):
         s, e = spans[r]
@@ -498,8 +499,7 @@ def glassbox(
         tokens). Features of an empty response are NaN.
 
     Raises:
-        NotImplementedError: in the standard mode, when the model's own logits are not what
-            the fused LM head computes (:func:`icqs_fast.engine.checks.check_model`).
+        TypeError: when the model has no output embeddings (LM head) at all.
     """
     feats = _check_features(features)
     if mode not in MODES:
@@ -518,8 +518,8 @@ def glassbox(
         return calibrate(model, tokenizer, its, factor=calibration_factor, **kw)
     if not its:
         return []
-    if mode == "standard":  # the fused LM head replaces the model's logits: check them once
-        check_model(model)
+    if mode == "standard":  # the fused LM head replaces the model's logits: one check
+        model_plan(model)
     encs = [encode(tokenizer, it, system_prompt, use_chat_template) for it in its]
     want_attn = any(f in ATTN_FEATURES for f in feats)
     fn = _standard_batch if mode == "standard" else _compat_batch

@@ -1,0 +1,389 @@
+"""The capability check: one decision per model of how the engine runs it, said once.
+
+Every scoring path (ICQS, continuations, glass-box features, the server) asks
+:func:`model_plan` and follows its answer:
+
+* **body and head**: the decoder body whose output the LM head reads, and the head's logit
+  epilogue (:class:`~icqs_fast.engine.layout.HeadEpilogue`: a logit scale, final-logit
+  softcapping), found from one 4-token forward of the model itself: the head's input is captured
+  by a hook, a scale is fitted and snapped to a config value when one matches, and the fused head
+  plus epilogue must reproduce the model's own log-probabilities. A head that nothing here
+  reproduces is not refused: such a model is scored from its own logits (plain path).
+* **path**: ``"cascade"`` (prefix bank + cascade attention), ``"kv-copy"`` (prefix bank + a
+  per-row KV cache) or ``"plain"`` (one right-padded forward per prompt, no prefix sharing:
+  exact, slower). The bank paths are tried in that order on a probe (shared and padded prefixes,
+  longer than the model's windows where they are short) and taken only when the probe's hidden
+  states match the model's plain forward; models with layers that are not attention (Mamba,
+  RWKV, hybrids: their state is not in the bank) go straight to the plain path.
+
+The decision and its reason are in :attr:`ModelPlan.message` (e.g. ``"gemma2: prefix bank,
+cascade attention, sliding-window masks (16 tokens, 1 of 2 layers), attention softcapping,
+final-logit softcapping 30"``; ``"mamba: plain forward, no prefix sharing (2 of 2 layers
+without attention (linear_attention))"``), logged once per model on the ``icqs_fast`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from icqs_fast import ops
+from icqs_fast.engine.batching import (
+    PrefixBank,
+    last_hidden,
+    model_device,
+    suffix_hidden,
+)
+from icqs_fast.engine.layout import (
+    HeadEpilogue,
+    LayerAttention,
+    describe_layers,
+    final_softcap,
+    layer_attention,
+    text_config,
+)
+from icqs_fast.types import TokenStats
+
+log = logging.getLogger("icqs_fast")
+
+PATHS = ("cascade", "kv-copy", "plain")
+# Largest |log_softmax difference| accepted between the fused head (+ epilogue) and the model's
+# own logits, relative to max(1, max |logit|): the fused head computes in fp32 from the body's
+# hidden states while the model's lm_head rounds its logits to the model dtype (bf16: 2^-8
+# relative), so the tolerance follows the dtype.
+HEAD_CHECK_RTOL = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 8e-3,
+                   torch.bfloat16: 4e-2}
+# Largest |hidden-state difference| of the bank probe against the plain forward, relative to
+# max(1, max |h|). fp32: the cascade merge and padded matmuls round differently (~1e-6); 16-bit
+# states differ by a few units of the last place per layer. A wrong mask (a window off by one, a
+# missing prefix) moves states by a sizeable fraction of their scale.
+PROBE_RTOL = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2,
+              torch.bfloat16: 6e-2}
+# Probe prefixes run past the model's windows / chunks up to this many tokens (a 4096-token
+# window is not crossed: the window masks are checked on small windows by the tests).
+PROBE_MAX_TOKENS = 80
+
+
+@dataclass
+class ModelPlan:
+    """How the engine runs one model (:func:`model_plan`).
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        path: ``"cascade"``, ``"kv-copy"`` or ``"plain"``.
+        layers: each decoder layer's :class:`~icqs_fast.engine.layout.LayerAttention`.
+        head: the LM head's logit epilogue.
+        body: the module whose output the head reads (None when :attr:`own_logits`).
+        own_logits: the head is not a linear layer + epilogue this package reproduces: scores
+            come from the model's own logits (plain path only).
+        reason: why the path is not the prefix bank (empty when it is).
+        probe_diff: the bank probe's relative hidden-state difference (None when not probed).
+    """
+
+    model_type: str
+    path: str
+    layers: tuple[LayerAttention, ...]
+    head: HeadEpilogue
+    body: Any
+    own_logits: bool = False
+    reason: str = ""
+    probe_diff: float | None = None
+    signature: tuple = field(default=(), repr=False)
+
+    @property
+    def bank(self) -> bool:
+        """Whether the prefix bank serves this model (cascade or KV-copy path)."""
+        return self.path != "plain"
+
+    @property
+    def message(self) -> str:
+        """One line naming the path and what it uses, e.g. ``"gemma2: prefix bank, cascade
+        attention, sliding-window masks (...), final-logit softcapping 30"``."""
+        if self.path == "plain":
+            parts = ["plain forward, no prefix sharing"]
+            if self.own_logits:
+                parts.append("scored from the model's own logits")
+            parts += describe_layers(self.layers) + self.head.describe()
+            if self.reason:
+                parts.append(f"because {self.reason}")
+        else:
+            parts = ["prefix bank", "cascade attention" if self.path == "cascade"
+                     else "per-row KV copies"]
+            parts += describe_layers(self.layers) + self.head.describe()
+        return f"{self.model_type}: {', '.join(parts)}"
+
+    def head_stats(self, hidden: torch.Tensor, targets: torch.Tensor, backend: str = "auto"
+                   ) -> TokenStats:
+        """Fused LM-head statistics (:func:`icqs_fast.ops.linear_token_stats` with the head's
+        epilogue) of ``hidden [N, H]`` (the body's final states) at ``targets [N]`` int64."""
+        if self.own_logits:
+            raise RuntimeError(f"{self.model_type}: its head is scored from the model's own "
+                               "logits, not from hidden states")
+        return head_stats(self._model_head(), self.head, hidden, targets, backend)
+
+    def _model_head(self) -> Any:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise RuntimeError("the model of this plan is gone")
+        return model.get_output_embeddings()
+
+    _model: Any = field(default=None, repr=False)
+
+
+def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets: torch.Tensor,
+               backend: str = "auto") -> TokenStats:
+    """:func:`icqs_fast.ops.linear_token_stats` through a linear ``head`` and its epilogue."""
+    kw: dict[str, Any] = {}
+    if epilogue.logit_scale != 1.0:
+        kw["logit_scale"] = epilogue.logit_scale
+    if epilogue.softcap is not None:
+        kw["softcap"] = epilogue.softcap
+    return ops.linear_token_stats(hidden, head.weight, targets, bias=getattr(head, "bias", None),
+                                  backend=backend, **kw)
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.RLock()
+
+
+def _signature(model: Any) -> tuple:
+    head = model.get_output_embeddings()
+    w = getattr(head, "weight", None)
+    p = next(model.parameters())
+    return (p.dtype, p.device, None if w is None else (w.data_ptr(), tuple(w.shape)),
+            model.config._attn_implementation)
+
+
+def model_plan(model: Any) -> ModelPlan:
+    """The engine's plan for ``model`` (see the module docstring), decided on first use and
+    cached per model object (re-decided when its dtype, device, head weight or attention
+    implementation changes). Logs :attr:`ModelPlan.message` once per decision.
+
+    Raises:
+        TypeError: the model has no output embeddings at all (not a causal LM).
+    """
+    with _LOCK:
+        sig = _signature(model)
+        plan = _PLANS.get(model)
+        if plan is not None and plan.signature == sig:
+            return plan
+        was_training = getattr(model, "training", False)
+        model.eval()
+        try:
+            plan = _decide(model)
+        finally:
+            if was_training:
+                model.train()
+        plan.signature = sig
+        plan._model = weakref.ref(model)
+        _PLANS[model] = plan
+        log.info("%s", plan.message)
+        return plan
+
+
+def supports_cascade(model: Any) -> bool:
+    """True when the capability check runs this model's suffix forwards through cascade
+    attention (:func:`icqs_fast.engine.cascade.cascade_attention`): every layer's attention goes
+    through transformers' ``AttentionInterface`` and the probe through the bank matched the
+    plain forward."""
+    return model_plan(model).path == "cascade"
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+def _check_ids(model: Any, v: int) -> torch.Tensor:
+    bos = getattr(text_config(model.config), "bos_token_id", None)
+    first = int(bos) if isinstance(bos, int) and 0 <= bos < v else 0
+    return torch.tensor([[first, 1 % v, v // 2, v - 1]], device=model_device(model))
+
+
+# Config names that may hold a logit scale (Cohere logit_scale, Granite logits_scaling, ...).
+_SCALE_NAME = re.compile(r"scale|scaling|multiplier|temperature|logit|dim_model_base")
+
+
+def _scale_candidates(cfg: Any) -> list[tuple[float, str]]:
+    """Config values a logit scale may be (scale-like names): each and its reciprocal."""
+    out = []
+    for c in {id(cfg): cfg, id(text_config(cfg)): text_config(cfg)}.values():
+        for k, v in c.to_dict().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and \
+                    math.isfinite(v) and _SCALE_NAME.search(k):
+                out.append((float(v), k))
+                out.append((1.0 / float(v), f"1/{k}"))
+    return out
+
+
+def _fit_scale(z: torch.Tensor, target: torch.Tensor) -> float:
+    """Least-squares ``a`` with ``target ~ a z + c_row`` (a per-row shift changes nothing)."""
+    zc = z - z.mean(-1, keepdim=True)
+    tc = target - target.mean(-1, keepdim=True)
+    den = float((zc * zc).sum())
+    return float((zc * tc).sum()) / den if den > 0 else 1.0
+
+
+def _log_softmax_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max())
+
+
+def _fit_epilogue(cfg: Any, z: torch.Tensor, logits: torch.Tensor, tol: float
+                  ) -> HeadEpilogue | None:
+    """The epilogue that turns the fused head's ``z`` into the model's ``logits`` (both
+    ``[T, V]`` fp32 in float64 here), or None."""
+    z, logits = z.double(), logits.double()
+    if _log_softmax_diff(z, logits) <= tol:
+        return HeadEpilogue()
+    caps: list[float | None] = [None]
+    c = final_softcap(cfg)
+    if c is not None:
+        caps.insert(0, c)
+    for cap in caps:
+        target = logits
+        if cap is not None:
+            ratio = (logits / cap).clamp(-0.999999, 0.999999)
+            target = torch.atanh(ratio) * cap
+        a = _fit_scale(z, target)
+        src = ""
+        for cand, name in _scale_candidates(cfg):
+            if abs(cand - a) <= 1e-4 * abs(a):
+                a, src = cand, name
+                break
+        if not math.isfinite(a) or a == 0:
+            continue
+        ep = HeadEpilogue(logit_scale=1.0 if src == "" and abs(a - 1) < 1e-6 else a,
+                          softcap=cap, source=src or ("fitted" if abs(a - 1) >= 1e-6 else ""))
+        if _log_softmax_diff(ep.apply(z), logits) <= tol:
+            return ep
+    return None
+
+
+def _body_candidates(model: Any) -> list[Any]:
+    """Modules that may be the decoder body: the base model (when it is not the model itself)
+    and the usual attribute names one and two levels down (OPT's head reads
+    ``model.decoder``; some causal-LM classes are their own ``base_model``)."""
+    names = ("model", "decoder", "transformer", "language_model", "text_model", "backbone")
+    out: list[Any] = []
+    base = getattr(model, "base_model", None)
+    tops = [base] if base is not None and base is not model else []
+    tops += [getattr(model, n, None) for n in names]
+    for top in tops:
+        if not isinstance(top, torch.nn.Module) or top is model:
+            continue
+        for m in [top] + [getattr(top, n, None) for n in names]:
+            if isinstance(m, torch.nn.Module) and m is not model and \
+                    all(m is not o for o in out):
+                out.append(m)
+    return out
+
+
+@torch.no_grad()
+def _find_head(model: Any) -> tuple[Any, HeadEpilogue, float, str]:
+    """``(body, epilogue, scale_of_body, why)``: the body whose output times ``scale_of_body``
+    is what the head reads, and the epilogue; body None (and ``why``) when no candidate works."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise TypeError(f"{type(model).__name__} has no linear output embeddings (LM head)")
+    w = head.weight
+    v = int(w.shape[0])
+    ids = _check_ids(model, v)
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        hook.remove()
+    h_in = seen[-1][0] if seen else None
+    scale = max(1.0, float(logits.abs().max()))
+    tol = HEAD_CHECK_RTOL.get(w.dtype, 4e-2) * scale
+    cfg = model.config
+    for body in _body_candidates(model):
+        try:
+            hb = last_hidden(body(input_ids=ids, use_cache=False))[0].float()
+        except Exception:  # noqa: BLE001 - a candidate that cannot run on input_ids is not it
+            continue
+        if hb.shape[-1] != w.shape[1]:
+            continue
+        k = 1.0
+        if h_in is not None and h_in.shape == hb.shape and not torch.allclose(
+                hb, h_in.float(), rtol=1e-3, atol=1e-5):
+            k = _fit_scale(hb.reshape(1, -1), h_in.float().reshape(1, -1))
+            if not torch.allclose(hb * k, h_in.float(), rtol=1e-3, atol=1e-4):
+                continue
+        z = hb @ w.float().t()
+        if getattr(head, "bias", None) is not None:
+            z = z + head.bias.float()
+        ep = _fit_epilogue(cfg, z, logits, tol)
+        if ep is not None:
+            return body, ep, k, ""
+    why = ("its logits are not a linear head (+ scale / softcap) on a decoder body's output "
+           "that this package can run")
+    return None, HeadEpilogue(), 1.0, why
+
+
+@torch.no_grad()
+def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: bool) -> float:
+    """Relative max difference of the bank path's suffix hidden states from the body's plain
+    forward over the whole texts, on shared, padded prefixes that cross short windows."""
+    v = int(model.get_output_embeddings().weight.shape[0])
+    spans = [la.window or la.chunk or 0 for la in layers if la.local]
+    base = min(max([24] + [2 * s + 5 for s in spans]), PROBE_MAX_TOKENS)
+    g = torch.Generator().manual_seed(0)
+    hi = max(2, min(v, 32000))
+    tok = lambda n: torch.randint(1, hi, (n,), generator=g).tolist()  # noqa: E731
+    a = tok(base)
+    b = a[: base - 7] + tok(4)
+    c = a[:5]
+    prefixes = [a, b, c]
+    rows = [(0, tok(6)), (0, tok(11)), (1, tok(9)), (2, tok(3))]
+    pad = 0
+    bank = PrefixBank(model, pad, 4096, body=body, layers=layers)
+    entries = bank.add(prefixes)
+    hidden, _ = suffix_hidden(model, bank, [entries[p] for p, _ in rows], [s for _, s in rows],
+                              pad, cascade=cascade)
+    worst = 0.0
+    dev = model_device(model)
+    for i, (p, s) in enumerate(rows):
+        full = torch.tensor([prefixes[p] + s], device=dev)
+        ref = last_hidden(body(input_ids=full, use_cache=False))[0, len(prefixes[p]):].float()
+        got = hidden[i, : len(s)].float()
+        d = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+        worst = max(worst, d if math.isfinite(d) else math.inf)
+    return worst
+
+
+def _decide(model: Any) -> ModelPlan:
+    cfg = model.config
+    mt = str(getattr(cfg, "model_type", None) or type(model).__name__)
+    layers = layer_attention(cfg)
+    body, ep, k, why = _find_head(model)
+    if body is not None and k != 1.0:
+        ep = HeadEpilogue(logit_scale=ep.logit_scale * k, softcap=ep.softcap,
+                          source=ep.source or "fitted")
+    if body is None:
+        return ModelPlan(mt, "plain", layers, ep, None, own_logits=True, reason=why)
+    none = [la for la in layers if la.kind == "none"]
+    if none:
+        return ModelPlan(mt, "plain", layers, ep, body,
+                         reason="the prefix bank holds attention keys/values only")
+    dtype = next(model.parameters()).dtype
+    tol = PROBE_RTOL.get(dtype, 6e-2)
+    reasons = []
+    diff = None
+    for path in ("cascade", "kv-copy"):
+        try:
+            diff = _probe(model, body, layers, cascade=path == "cascade")
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this path
+            reasons.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            continue
+        if diff <= tol:
+            return ModelPlan(mt, path, layers, ep, body, probe_diff=diff)
+        reasons.append(f"{path}: differs from a plain forward by {diff:.2g} (relative)")
+    return ModelPlan(mt, "plain", layers, ep, body, probe_diff=diff,
+                     reason="the prefix-bank probe failed (" + "; ".join(reasons) + ")")
