@@ -47,7 +47,16 @@ calibration's worst case.
 
 ``--random-weights --config llama-1b`` uses a ~1.1B-parameter Llama with random weights (bf16 on
 CUDA, fp32 on the CPU) and the embedded model's tokenizer, for GPU runs; ``--config tiny`` is a
-tiny random Llama (tests).
+tiny random Llama (tests). ``mistral-1b`` / ``mistral-tiny`` are the same shapes as Mistral
+(sliding-window attention on every layer) with a window shorter than the prompts
+(``MISTRAL_WINDOW``: 256 and 64 tokens; the benchmark prompts hold ~400 tokens), so the window
+masks do cut keys. For a windowed config the record also times a fresh engine on the same
+weights with the window switched off (``no_window_fast_s``, interleaved with ``window_fast_s``,
+medians of ``cold_repeats``; ``--config mistral-smol``: the embedded SmolLM2 weights as a
+Mistral with a 64-token window, with or without ``--random-weights``):
+``window_bank_ratio = window_fast_s / no_window_fast_s`` is what the window-aware prefix bank
+costs over the plain one. ``path`` is the capability check's
+message for the model (its path: cascade, KV copies or plain).
 """
 
 from __future__ import annotations
@@ -113,7 +122,10 @@ SETTINGS = dict(num_ratios=5, demos_per_set=8, sets_per_ratio=4, seed=0)
 # the fp32 difference of two summation orders grows with the answer: 2-3e-5 per token measured
 # on the CPU, 6.5e-5 for 2-token labels and 4.9e-4 for ~21-token free-text answers.
 LOGLIK_TOL = 1e-4
-CONFIGS = ("llama-1b", "tiny")
+CONFIGS = ("llama-1b", "tiny", "mistral-1b", "mistral-tiny", "mistral-smol")
+# Sliding windows of the Mistral-shaped configs: shorter than the benchmark prompts (Mistral-7B's
+# own 4096-token window would never cut a key of a ~400-token prompt).
+MISTRAL_WINDOW = {"mistral-1b": 256, "mistral-tiny": 64, "mistral-smol": 64}
 
 
 ANSWER_KINDS = ("labels", "free-text")
@@ -161,28 +173,81 @@ def load(device: torch.device, random_weights: bool = False, config: str = "llam
     from icqs_fast.models import embedded_model_dir, load_model
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if config == "mistral-smol":  # the embedded weights (a Llama) as a windowed Mistral
+        model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
+        return as_mistral(model, MISTRAL_WINDOW[config]), tok, "SmolLM2-135M-as-Mistral-w64"
     if not random_weights:
         model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
         return model, tok, "SmolLM2-135M-Instruct"
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     if config not in CONFIGS:
         raise ValueError(f"unknown --config {config!r}; use one of {list(CONFIGS)}")
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    if config == "llama-1b":  # ~1.1B parameters (TinyLlama-like shape)
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                          num_attention_heads=32, num_key_value_heads=4, vocab_size=len(tok),
-                          max_position_embeddings=2048, tie_word_embeddings=False)
-    else:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                          max_position_embeddings=2048)
-    cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model = model_for(config, len(tok), window=True).to(device=device, dtype=dtype).eval()
     return model, tok, f"random-{config}"
+
+
+def model_for(config: str, vocab: int, *, window: bool = True):
+    """A random-weight model of ``config`` (``window=False``: a Mistral config with its sliding
+    window switched off, the same shapes and parameter names)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    big = config.endswith("-1b")
+    if big:  # ~1.1B parameters (TinyLlama-like shape)
+        dims = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                    num_attention_heads=32, num_key_value_heads=4, vocab_size=vocab,
+                    max_position_embeddings=2048, tie_word_embeddings=False)
+    else:
+        dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                    max_position_embeddings=2048)
+    if config.startswith("mistral"):
+        cfg = MistralConfig(**dims, sliding_window=MISTRAL_WINDOW[config] if window else None)
+        cls = MistralForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**dims), LlamaForCausalLM
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg)
+
+
+def as_mistral(model, window: int | None):
+    """The Llama ``model``'s weights in a Mistral with sliding window ``window`` (None: none):
+    the two share every parameter name, so with no window it computes what the Llama does."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    d = model.config.to_dict()
+    for k in ("architectures", "model_type", "transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    cfg = MistralConfig(**d)
+    cfg.sliding_window = window
+    cfg._attn_implementation = "sdpa"
+    out = MistralForCausalLM(cfg)
+    out.load_state_dict(model.state_dict())
+    p = next(model.parameters())
+    return out.to(device=p.device, dtype=p.dtype).eval()
+
+
+def window_timing(model, tok, good, bad, resp, settings: dict, repeats: int,
+                  dev: torch.device, config: str) -> dict:
+    """Fresh engines on ``model`` (windowed) and on the same weights without the window,
+    interleaved ``repeats`` times: medians and their ratio."""
+    plain = as_mistral(model, None)
+    times: dict[str, list[float]] = {"window": [], "no_window": []}
+    for _ in range(repeats):
+        for kind, m in (("window", model), ("no_window", plain)):
+            _sync(dev)
+            t0 = time.perf_counter()
+            list(_scorer(m, tok, good, bad, settings).score(resp))
+            _sync(dev)
+            times[kind].append(time.perf_counter() - t0)
+    w, nw = statistics.median(times["window"]), statistics.median(times["no_window"])
+    return {"window": MISTRAL_WINDOW[config], "window_fast_s": round(w, 6),
+            "no_window_fast_s": round(nw, 6), "window_bank_ratio": round(w / nw, 3),
+            "window_times_s": {k: [round(t, 4) for t in v] for k, v in times.items()}}
 
 
 def _sync(device: torch.device) -> None:
@@ -364,6 +429,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
         "mem_ratio": None,
         "mem_responses": None,
         "cascade": scorer.cascade,
+        "path": scorer.plan.message,
         "settings": settings,
         "scoring_settings": scorer.settings.fingerprint(),
         "threads": torch.get_num_threads(),
@@ -386,6 +452,9 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
             a.score == b.score and a.score_per_set == b.score_per_set
             for a, b in zip(cal_got[:k], cal_ref, strict=True)) / k
         rec["calibration_checked_responses"] = k
+    if config in MISTRAL_WINDOW and (random_weights or config == "mistral-smol"):
+        rec.update(window_timing(model, tok, good, bad, resp, settings, cold_repeats, dev,
+                                 config))
     if measure_memory:
         m = min(n_responses, mem_responses)
         pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config)

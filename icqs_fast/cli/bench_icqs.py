@@ -15,8 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--random-weights", action="store_true",
                    help="a random-weight model of --config instead of the embedded model")
-    p.add_argument("--config", default="llama-1b", choices=("llama-1b", "tiny"),
-                   help="model shape with --random-weights (llama-1b: ~1.1B params)")
+    p.add_argument("--config", default="llama-1b",
+                   choices=("llama-1b", "tiny", "mistral-1b", "mistral-tiny", "mistral-smol"),
+                   help="model shape with --random-weights (llama-1b: ~1.1B params; mistral-*: "
+                        "the same with a sliding window shorter than the prompts; mistral-smol: "
+                        "the embedded weights as a Mistral with a 64-token window)")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--cold-repeats", type=int, default=3,
