@@ -295,6 +295,10 @@ def attention_entropy(
     causal: bool = True,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output plus the entropy of flagged rows over a key range, without ever building
     the ``[B, Hq, Tq, Tk]`` attention matrix.
@@ -304,9 +308,19 @@ def attention_entropy(
     renormalised over ``key_range[b] = [k0, k1)``. A row with no allowed key in the range gets
     entropy 0; a row with no allowed key at all gets output 0.
 
+    A layer's own attention variant (one per call, as transformers' layers have): ``window``
+    (sliding window: query at position ``p`` sees keys ``p - window < j <= p``), ``chunk``
+    (keys in the query's chunk ``j // chunk == p // chunk``), ``softcap`` (scores
+    ``c * tanh(s / c)``, Gemma 2), ``sinks`` (``[Hq]`` logits of attention sinks, gpt-oss: they
+    take a share of each row's softmax mass, so the output shrinks by ``1 / (1 + e^(sink - lse))``;
+    the entropy, renormalised over the key range, is unchanged). Positions are key slots:
+    queries at the last ``Tq`` slots, right padding only. These variants run on the torch
+    backend (``"auto"`` picks it for them on every device).
+
     Args:
         q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
-        k, v: ``[B, Hk, Tk, D]``, same dtype and device; ``Hq`` a multiple of ``Hk`` (GQA).
+        k, v: ``[B, Hk, Tk, D]`` (v may have another head size, ``Dv``), same dtype and device;
+            ``Hq`` a multiple of ``Hk`` (GQA).
         key_range: ``[B, 2]`` int64 ``(start, end)`` key positions (clipped to ``[0, Tk]``).
         query_mask: ``[B, Tq]`` bool, rows whose entropy is wanted.
         attention_mask: ``[B, Tk]`` bool (True = real token, False = padding) or None.
@@ -314,9 +328,10 @@ def attention_entropy(
         scale: score multiplier, ``1 / sqrt(D)`` if None.
         backend: ``"auto"`` (triton on CUDA, torch otherwise), ``"triton"`` (CUDA, or CPU under
             ``TRITON_INTERPRET=1``) or ``"torch"``.
+        window, chunk, softcap, sinks: the layer's attention variant (see above), or None.
 
     Returns:
-        ``(out [B, Hq, Tq, D]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32, 0 where
+        ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32, 0 where
         ``query_mask`` is False).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -326,9 +341,9 @@ def attention_entropy(
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     b, hq, tq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B={b}, Hk, Tk, D={d}]; got k {list(k.shape)}, "
-                         f"v {list(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must be [B={b}, Hk, Tk, D={d}] and v [B, Hk, Tk, Dv]; got k "
+                         f"{list(k.shape)}, v {list(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must share dtype and device")
     hk, tk = k.shape[1], k.shape[2]
@@ -346,10 +361,23 @@ def attention_entropy(
                                        or attention_mask.dtype != torch.bool):
         raise ValueError(f"attention_mask must be [{b}, {tk}] bool or None, got "
                          f"{list(attention_mask.shape)} {attention_mask.dtype}")
+    for name, val in (("window", window), ("chunk", chunk)):
+        if val is not None and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {val!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [{hq}] (one logit per query head), got "
+                         f"{list(sinks.shape)}")
+    variant = (window is not None or chunk is not None or softcap is not None
+               or sinks is not None or v.shape[3] != d)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if backend == "auto":
-        backend = "triton" if q.device.type == "cuda" else "torch"
+        backend = "triton" if q.device.type == "cuda" and not variant else "torch"
+    if backend == "triton" and variant:
+        raise ValueError("attention_entropy: window / chunk / softcap / sinks / a value head size "
+                         "other than D run on the torch backend only")
     key_range = key_range.to(q.device).long()
     query_mask = query_mask.to(q.device)
     if attention_mask is not None:
@@ -358,7 +386,9 @@ def attention_entropy(
         from icqs_fast.backends.torch_ref import attention_entropy_torch
 
         return attention_entropy_torch(q, k, v, key_range, query_mask, attention_mask,
-                                       bool(causal), float(scale))
+                                       bool(causal), float(scale), window=window,
+                                       chunk_size=chunk,
+                                       softcap=softcap, sinks=sinks)
     if backend == "triton":
         if q.device.type != "cuda" and not backends.triton_interpreting():
             raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")

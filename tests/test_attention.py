@@ -407,3 +407,44 @@ def test_gpu_launch_description_specialises_as_the_runtime_does():
     (grouped,) = ak.gpu_launches(1, 8, 2, 100, 100, 64, torch.bfloat16, causal=False)
     assert grouped.signature["GROUP"] == "i32" and "GROUP" not in grouped.constexprs
     assert not {"Tq", "Tk"} & set(grouped.extra["divisible_by_16"])
+
+
+# --------------------------------------------------------------------------- each layer's own mask
+
+
+def _tiny_variant(kind):
+    """Tiny eager models whose layers differ from plain causal attention: a 4-token sliding
+    window on every layer (Mistral), a window on one of two layers plus score softcapping
+    (Gemma 2), a window plus attention sinks (gpt-oss), 4-token chunks on one layer (Llama 4)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                 attn_implementation="eager")
+    extra = {
+        "mistral": dict(sliding_window=4),
+        "gemma2": dict(sliding_window=4, head_dim=16, attn_logit_softcapping=2.0,
+                       final_logit_softcapping=None),
+        "gpt_oss": dict(sliding_window=4, head_dim=16, num_local_experts=2,
+                        num_experts_per_tok=1, layer_types=["sliding_attention",
+                                                            "full_attention"]),
+        "llama4_text": dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
+                            intermediate_size_mlp=64,
+                            layer_types=["chunked_attention", "full_attention"]),
+    }[kind]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **small, **extra))
+    if kind == "gpt_oss":  # random sinks big enough to matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return model.to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss", "llama4_text"])
+def test_hf_hook_follows_each_layers_own_mask(kind):
+    """Windows, chunks, score softcapping and sinks: the captured entropies equal eager
+    ``output_attentions=True`` (which applies each layer's own mask; sinks drop out of the
+    range-renormalised entropy) and the logits are unchanged, so the outputs are right too."""
+    model = _tiny_variant(kind)
+    batch = _random_padded_batch(97, "right", torch.Generator().manual_seed(2))
+    _assert_hook_matches_eager(model, *batch, "torch", atol=1e-5)

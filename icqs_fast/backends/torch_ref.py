@@ -124,23 +124,31 @@ def attention_entropy_torch(
     scale: float,
     chunk: int = 512,
     ent_chunk: int | None = None,
+    *,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch forward with entropy (inputs already validated by ``icqs_fast.ops``).
 
     The output comes from ``scaled_dot_product_attention`` one block of ``chunk`` query rows at a
-    time (its mask block is ``[B, 1, chunk, Tk]`` bool); the entropy is computed only for the
-    flagged rows and only over the key range, ``ent_chunk`` rows at a time (scores
-    ``[Hq, ent_chunk, k1 - k0]`` fp32; by default about 1M scores, at most ``chunk`` rows).
-    Memory is O(B * Hq * chunk * Tk), never ``[B, Hq, Tq, Tk]`` for ``Tq > chunk``.
+    time (its mask block is ``[B, 1, chunk, Tk]`` bool; with ``softcap`` or ``sinks`` an explicit
+    fp32 softmax of the block instead); the entropy is computed only for the flagged rows and
+    only over the key range, ``ent_chunk`` rows at a time (scores ``[Hq, ent_chunk, k1 - k0]``
+    fp32; by default about 1M scores, at most ``chunk`` rows). Memory is O(B * Hq * chunk * Tk),
+    never ``[B, Hq, Tq, Tk]`` for ``Tq > chunk``.
 
     Args:
-        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hk, Tk, D]``; key_range ``[B, 2]`` int64;
-        query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]`` bool or None; causal; scale;
-        chunk: query rows per masked SDPA block; ent_chunk: flagged rows per entropy block
-        (None = automatic).
+        q: ``[B, Hq, Tq, D]``; k ``[B, Hk, Tk, D]``, v ``[B, Hk, Tk, Dv]``; key_range ``[B, 2]``
+        int64; query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]`` bool or None; causal;
+        scale; chunk: query rows per masked block; ent_chunk: flagged rows per entropy block
+        (None = automatic); window, chunk_size (the ``chunk`` of ``ops.attention_entropy``: keys
+        in the query's chunk), softcap, sinks ``[Hq]``: the layer's variant (see
+        :func:`icqs_fast.ops.attention_entropy`).
 
     Returns:
-        ``out [B, Hq, Tq, D]`` in q's dtype and ``entropy [B, Hq, Tq]`` fp32.
+        ``out [B, Hq, Tq, Dv]`` in q's dtype and ``entropy [B, Hq, Tq]`` fp32.
     """
     bsz, hq, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
@@ -148,9 +156,21 @@ def attention_entropy_torch(
     off = tk - tq
     dev = q.device
     kpos = torch.arange(tk, device=dev)
+    local = window is not None or chunk_size is not None
+
+    def position_ok(qpos: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
+        """``[n, K]``: the window / chunk rule between query and key positions."""
+        ok = torch.ones(qpos.shape[0], kp.shape[0], dtype=torch.bool, device=dev)
+        if window is not None:
+            ok = ok & (qpos[:, None] - kp[None, :] < window)
+        if chunk_size is not None:
+            ok = ok & (torch.div(kp, chunk_size, rounding_mode="floor")[None, :]
+                       == torch.div(qpos, chunk_size, rounding_mode="floor")[:, None])
+        return ok
 
     # ---- output
-    if attention_mask is None and (not causal or tq == tk):
+    explicit = softcap is not None or sinks is not None or v.shape[-1] != d
+    if attention_mask is None and (not causal or tq == tk) and not local and not explicit:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq > 1, scale=scale,
                                              enable_gqa=group > 1)
     else:
@@ -160,11 +180,16 @@ def attention_entropy_torch(
             allow = torch.ones(bsz, 1, r1 - r0, tk, dtype=torch.bool, device=dev)
             if attention_mask is not None:
                 allow = allow & attention_mask[:, None, None, :].bool()
+            qpos = off + torch.arange(r0, r1, device=dev)
             if causal:
-                qpos = off + torch.arange(r0, r1, device=dev)
                 allow = allow & (kpos[None, :] <= qpos[:, None])[None, None]
-            o = F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=allow,
-                                               scale=scale, enable_gqa=group > 1)
+            if local:
+                allow = allow & position_ok(qpos, kpos)[None, None]
+            if explicit:
+                o = _explicit_attention(q[:, :, r0:r1], k, v, allow, scale, softcap, sinks)
+            else:
+                o = F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=allow,
+                                                   scale=scale, enable_gqa=group > 1)
             # Rows with no allowed key: SDPA may return NaN there; the contract is 0.
             o = torch.where(allow.any(-1, keepdim=True), o, torch.zeros((), dtype=o.dtype,
                                                                          device=dev))
@@ -191,13 +216,38 @@ def attention_entropy_torch(
             # GQA: query head h uses key head h // group, so group the query heads per key head.
             s = torch.matmul(qb.reshape(hk, group * n, d), kb.transpose(1, 2)) * scale
             s = s.reshape(hq, n, k1 - k0)
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
             # A mask only where some key of the range is hidden from some row of the chunk
             # (the common case, response rows over instruction keys, needs none).
             allow = None
-            if not all_keys_ok or (causal and off + int(idx[0]) < k1 - 1):
+            if not all_keys_ok or local or (causal and off + int(idx[0]) < k1 - 1):
                 allow = key_ok[None, :].expand(n, -1)
                 if causal:
                     allow = allow & (kpos[None, k0:k1] <= (off + idx)[:, None])
+                if local:
+                    allow = allow & position_ok(off + idx, kpos[k0:k1])
                 allow = allow[None]
             ent[b][:, idx] = _entropy_rows(s, allow)
     return out, ent
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor,
+                        scale: float, softcap: float | None, sinks: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """fp32 softmax attention of one query block ``q [B, Hq, n, D]`` with an explicit bool mask
+    ``[B, 1, n, Tk]``, score softcapping and sink logits ``[Hq]`` in the denominator."""
+    bsz, hq, n, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    s = torch.matmul(q.float().reshape(bsz, hk, group * n, d), k.float().transpose(-1, -2))
+    s = s.reshape(bsz, hq, n, -1) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~allow, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.float().view(1, hq, 1, 1).expand_as(lse))
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0))
+    o = torch.matmul(p.reshape(bsz, hk, group * n, -1), v.float())
+    return o.reshape(bsz, hq, n, -1).to(q.dtype)

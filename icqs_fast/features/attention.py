@@ -26,10 +26,12 @@ IMPL_NAME = "icqs_entropy"
 class _Capture:
     """State of one :func:`capture_attention_entropy` block; ``entropy`` is set on exit."""
 
-    def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str):
+    def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str,
+                 layers: tuple = ()):
         self.query_mask = query_mask
         self.key_range = key_range
         self.backend = backend
+        self.layers_desc = layers  # each layer's LayerAttention (window, chunk, softcap)
         self.layers: dict[int, torch.Tensor] = {}
         self.entropy: torch.Tensor | None = None
 
@@ -44,10 +46,12 @@ class _Capture:
 _ACTIVE = threading.local()
 
 
-def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor, bool]:
+def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int, la=None) -> tuple[torch.Tensor, bool]:
     """Turn the 4D mask the model passes (``[B or 1, 1 or H, Tq, Tk]``, bool with True = attend or
     additive float with 0 = attend) into a key-padding mask ``[B, Tk]`` and a causal flag, and
-    check that they reproduce the mask exactly on every row that attends to something."""
+    check that they, with the layer's own window / chunk rule (``la``, a
+    :class:`~icqs_fast.engine.layout.LayerAttention`), reproduce the mask exactly on every row
+    that attends to something."""
     allow = mask if mask.dtype == torch.bool else mask == 0
     if allow.shape[1] != 1:
         if not bool((allow == allow[:, :1]).all()):
@@ -57,17 +61,23 @@ def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor
     allow = allow[:, 0]  # [B, Tq, Tk]
     dev = allow.device
     qpos = tk - tq + torch.arange(tq, device=dev)
-    causal_m = torch.arange(tk, device=dev)[None, :] <= qpos[:, None]
-    # Padded keys are the keys no query attends to; real keys are attended by the last query.
+    kpos = torch.arange(tk, device=dev)
+    causal_m = kpos[None, :] <= qpos[:, None]
+    local = torch.ones_like(causal_m)
+    if la is not None and la.local:
+        local = la.allowed(qpos, kpos)  # includes causality
+    # Padded keys are the keys no query attends to; real keys are attended at least by the
+    # query at their own position (the last query without a cache).
     key_ok = allow.any(1)
     live = allow.any(-1, keepdim=True)  # rows with some allowed key (pad-query rows may be empty)
     for causal in (True, False):
-        pred = key_ok[:, None, :] & (causal_m[None] if causal else True)
+        pred = key_ok[:, None, :] & (causal_m[None] if causal else True) & local[None]
         if bool(((pred == allow) | ~live).all()):
             return key_ok, causal
     raise ValueError(
-        "capture_attention_entropy: the model's attention mask is neither causal + key padding "
-        "nor key padding alone (sliding windows and packed sequences are not supported)"
+        "capture_attention_entropy: the model's attention mask is not causal + key padding + "
+        "the layer's own window / chunk (packed sequences and bidirectional parts are not "
+        "supported)"
     )
 
 
@@ -81,8 +91,16 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     if cap is None:
         raise RuntimeError(f"attention implementation {IMPL_NAME!r} is only usable inside "
                            "capture_attention_entropy(...)")
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError("capture_attention_entropy: softcap / position_bias are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("capture_attention_entropy: position_bias is not supported")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        layer = len(cap.layers)
+    la = cap.layers_desc[int(layer)] if int(layer) < len(cap.layers_desc) else None
+    softcap = kwargs.get("softcap")
+    if softcap is None and la is not None:
+        softcap = la.softcap
+    sinks = kwargs.get("s_aux")
     tq, tk = query.shape[2], key.shape[2]
     if cap.query_mask.shape[1] != tq:
         raise ValueError(f"capture_attention_entropy: query_mask has {cap.query_mask.shape[1]} "
@@ -91,20 +109,24 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         key_ok = None
     else:
-        key_ok, causal = _mask_to_padding(attention_mask, tq, tk)
+        key_ok, causal = _mask_to_padding(attention_mask, tq, tk, la)
         if bool(key_ok.all()):
             key_ok = None
     bsz = query.shape[0]
     if key_ok is not None and key_ok.shape[0] != bsz:
         key_ok = key_ok.expand(bsz, -1)
+    local = la is not None and la.local
+    variant = local or softcap is not None or sinks is not None or value.shape[-1] != key.shape[-1]
     out, ent = ops.attention_entropy(
         query, key, value, key_range=cap.key_range.to(query.device),
         query_mask=cap.query_mask.to(query.device), attention_mask=key_ok,
-        causal=bool(causal), scale=scaling, backend=cap.backend,
+        causal=bool(causal), scale=scaling,
+        backend="auto" if variant and cap.backend == "triton" else cap.backend,
+        window=la.window if local and la.kind == "sliding" else None,
+        chunk=la.chunk if local and la.kind == "chunked" else None,
+        softcap=None if softcap is None else float(softcap),
+        sinks=None if sinks is None else sinks.to(query.device),
     )
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        layer = len(cap.layers)
     cap.layers[int(layer)] = ent
     return out.transpose(1, 2).contiguous(), None
 
@@ -134,7 +156,10 @@ def capture_attention_entropy(
     implementation is restored on exit, also on error.
 
     Args:
-        model: a transformers model that supports ``sdpa`` (e.g. Llama / SmolLM2).
+        model: a transformers model whose layers call its attention through the
+            ``AttentionInterface`` (e.g. Llama / SmolLM2); each layer's own mask (sliding
+            window, chunks), softcap and sinks are honoured (from its
+            :class:`~icqs_fast.engine.layout.LayerAttention` and the call's arguments).
         query_mask: ``[B, T]`` bool, rows whose entropy is wanted.
         key_range: ``[B, 2]`` int64, positions in the (padded) input sequence.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -151,8 +176,10 @@ def capture_attention_entropy(
     if getattr(_ACTIVE, "cap", None) is not None:
         raise RuntimeError("capture_attention_entropy blocks cannot be nested")
     _register()
+    from icqs_fast.engine.layout import layer_attention
+
     previous = model.config._attn_implementation
-    cap = _Capture(query_mask, key_range.long(), backend)
+    cap = _Capture(query_mask, key_range.long(), backend, layer_attention(model.config))
     model.set_attn_implementation(IMPL_NAME)
     if model.config._attn_implementation != IMPL_NAME:
         raise ValueError(f"{type(model).__name__} cannot switch its attention implementation "
