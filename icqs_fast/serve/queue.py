@@ -1,13 +1,22 @@
-"""A bounded work queue with one worker thread that owns the model.
+"""A bounded, fair work queue with one worker thread that owns the model.
 
-Requests are admitted as long as the prompts outstanding (queued or running) stay within
-``max_pending``; past that :meth:`WorkQueue.submit_logprobs` / :meth:`WorkQueue.submit_call`
-raise :class:`QueueFull` at once (the server answers 429). Log-prob jobs that arrive within
-``batch_wait_s`` of the oldest queued one run together, up to ``max_batch_tokens`` prompt
-tokens, through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent
-requests that share a prefix (a few-shot context, a judge template) compute it once. Other
-work (``/v1/score``) runs one job at a time on the same thread: the model is never used by two
-threads at once.
+A request becomes a :class:`Ticket`: a list of *units* of work, each bounded in cost (prompt
+tokens for log-prob units; estimated token-passes for other work), run in order. The route cuts
+a large request into units of at most ``chunk_tokens`` (a unit that is one prompt or record may
+be larger, up to the per-prompt limit). The worker serves the tickets round-robin, one unit per
+ticket per step, so a request that arrives while a maximum-size one is running waits for at
+most the unit (the *chunk*) that is running, never for the whole large request.
+
+One step is either one ``call`` unit, alone, or a batch of ``logprobs`` units from different
+tickets (at most one unit each, at most ``chunk_tokens`` tokens together unless the first unit
+alone is larger) run through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so
+concurrent requests that share a prefix compute it once. The oldest ticket's first log-prob unit
+waits up to ``batch_wait_s`` for company.
+
+Admission: tickets are admitted while the prompts outstanding (queued or running) stay within
+``max_pending``; past that :meth:`WorkQueue.submit` raises :class:`QueueFull` at once (the
+server answers 429). A ticket past its deadline, or cancelled (its client went away), is dropped
+before its next unit runs: its remaining work never runs and its prompts leave the queue.
 """
 
 from __future__ import annotations
@@ -22,17 +31,70 @@ from typing import Any
 
 
 class QueueFull(RuntimeError):
-    """The queue holds ``max_pending`` prompts already."""
+    """The queue holds ``max_pending`` prompts already (or the server is stopping)."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """The ticket's deadline passed before its work was done."""
+
+
+class Cancelled(RuntimeError):
+    """The ticket was cancelled (its client disconnected)."""
 
 
 @dataclass
-class _Job:
-    kind: str  # "logprobs" or "call"
-    size: int  # prompts, the admission unit
-    tokens: int
+class Unit:
+    """One bounded piece of a request's work.
+
+    Attributes:
+        kind: ``"logprobs"`` (payload ``(prompts, top_n)``, result: per-prompt results) or
+            ``"call"`` (payload ``fn``, result ``fn()``).
+        cost: prompt tokens (log-probs) or estimated token-passes (calls); the batch bound.
+        payload: see ``kind``.
+        prompts: how many prompts the unit holds (the batch-size counter).
+    """
+
+    kind: str
+    cost: int
     payload: Any
+    prompts: int = 1
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request's units, run in order; ``future`` gets ``combine(unit results)``."""
+
+    units: list[Unit]
+    size: int  # prompts, the admission unit
+    combine: Callable[[list], Any] = list
+    deadline: float | None = None
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
+    results: list = field(default_factory=list)
+    running: bool = False
+    done: bool = False
+    finished: float | None = None  # when it was answered or dropped (monotonic)
+
+    @property
+    def next_unit(self) -> Unit:
+        return self.units[len(self.results)]
+
+
+def chunk_prompts(prompts: Sequence[Sequence[int]], chunk_tokens: int) -> list[list[list[int]]]:
+    """Consecutive groups of ``prompts`` of at most ``chunk_tokens`` tokens each (a longer prompt
+    is a group of its own)."""
+    out: list[list[list[int]]] = []
+    cur: list[list[int]] = []
+    tokens = 0
+    for p in prompts:
+        if cur and tokens + len(p) > chunk_tokens:
+            out.append(cur)
+            cur, tokens = [], 0
+        cur.append(list(p))
+        tokens += len(p)
+    if cur:
+        out.append(cur)
+    return out
 
 
 class WorkQueue:
@@ -41,149 +103,258 @@ class WorkQueue:
     Args:
         run_logprobs: ``(prompts, top_n) -> list`` of per-prompt results, in order.
         max_pending: most prompts admitted and not yet answered.
-        batch_wait_s: how long the oldest queued log-prob job waits for company.
-        max_batch_tokens: most prompt tokens per batch (a longer single job runs alone).
+        batch_wait_s: how long the oldest queued log-prob unit waits for company.
+        chunk_tokens: most tokens per step (one unit larger than this runs alone), and the size
+            :meth:`submit_logprobs` cuts a request into.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
                  max_pending: int = 256, batch_wait_s: float = 0.005,
-                 max_batch_tokens: int = 16384) -> None:
+                 chunk_tokens: int = 2048) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.run_logprobs = run_logprobs
         self.max_pending = int(max_pending)
         self.batch_wait_s = float(batch_wait_s)
-        self.max_batch_tokens = int(max_batch_tokens)
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self.chunk_tokens = int(chunk_tokens)
+        # Tickets with work left, in service order: the head is served next, a served ticket
+        # goes to the back (round robin).
+        self._active: collections.deque[Ticket] = collections.deque()
         self._cond = threading.Condition()
         self._pending = 0
         self._stop = False
         self._thread: threading.Thread | None = None
-        # Counters (read by /health and the load test).
-        self.batches = 0
+        # Counters (read by /health, /metrics and the load test).
+        self.batches = 0  # log-prob engine calls
         self.batched_prompts = 0
-        self.largest_batch = 0
+        self.largest_batch = 0  # tickets in one log-prob batch
+        self.chunks = 0  # units run, of any kind
         self.rejected = 0
+        self.timed_out = 0
+        self.cancelled = 0
 
     # -- admission ------------------------------------------------------------------------
 
-    def _admit(self, job: _Job) -> Future:
+    def submit(self, units: Sequence[Unit], size: int, *, combine: Callable[[list], Any] = list,
+               timeout_s: float | None = None) -> Ticket:
+        """Admit a ticket of ``units`` (``size`` prompts' worth); QueueFull past the limit."""
+        if not units:
+            raise ValueError("a ticket needs at least one unit of work")
+        now = time.monotonic()
+        t = Ticket(list(units), max(1, int(size)), combine,
+                   None if timeout_s is None else now + float(timeout_s), arrived=now)
         with self._cond:
             if self._stop:
                 raise QueueFull("the server is shutting down")
-            if self._pending + job.size > self.max_pending:
+            if self._pending + t.size > self.max_pending:
                 self.rejected += 1
                 raise QueueFull(f"the queue is full ({self._pending} prompts pending, at most "
                                 f"{self.max_pending}); retry later")
-            self._pending += job.size
-            self._jobs.append(job)
+            self._pending += t.size
+            self._active.append(t)
             self._cond.notify()
-        return job.future
+        return t
 
-    def submit_logprobs(self, prompts: Sequence[Sequence[int]], top_n: int) -> Future:
-        """Queue echo log-probs of ``prompts``; the future's result is their list of results."""
-        return self._admit(_Job("logprobs", len(prompts), sum(len(p) for p in prompts),
-                                ([list(p) for p in prompts], int(top_n))))
+    def submit_logprobs(self, prompts: Sequence[Sequence[int]], top_n: int, *,
+                        timeout_s: float | None = None) -> Future:
+        """Echo log-probs of ``prompts``, cut into chunks; the future's result is their list of
+        results, in order."""
+        units = [Unit("logprobs", sum(len(p) for p in ch), (ch, int(top_n)), len(ch))
+                 for ch in chunk_prompts(prompts, self.chunk_tokens)]
+        return self.submit(units, len(prompts), combine=_concat, timeout_s=timeout_s).future
 
-    def submit_call(self, fn: Callable[[], Any], size: int = 1) -> Future:
-        """Queue ``fn()`` to run alone on the worker thread (``size`` prompts' worth)."""
-        return self._admit(_Job("call", max(1, int(size)), 0, fn))
+    def submit_call(self, fn: Callable[[], Any], size: int = 1, *,
+                    timeout_s: float | None = None) -> Future:
+        """``fn()`` as one unit on the worker thread (``size`` prompts' worth)."""
+        return self.submit([Unit("call", 0, fn)], size, combine=_first,
+                           timeout_s=timeout_s).future
+
+    def cancel(self, ticket: Ticket, exc: BaseException) -> None:
+        """Fail ``ticket`` with ``exc`` and drop its remaining units (a running unit finishes,
+        its result is dropped)."""
+        with self._cond:
+            if ticket.done:
+                return
+            if isinstance(exc, DeadlineExceeded):
+                self.timed_out += 1
+            else:
+                self.cancelled += 1
+            self._fail(ticket, exc)
 
     @property
     def pending(self) -> int:
+        """Prompts admitted and not yet answered."""
         return self._pending
+
+    @property
+    def queued_tickets(self) -> int:
+        """Requests admitted and not yet answered."""
+        return len(self._active)
+
+    # -- bookkeeping (under the lock) -----------------------------------------------------
+
+    def _fail(self, t: Ticket, exc: BaseException) -> None:
+        t.done = True
+        t.finished = t.finished or time.monotonic()
+        if t in self._active:
+            self._active.remove(t)
+            self._pending -= t.size
+        if not t.future.done():
+            t.future.set_exception(exc)
+
+    def _complete(self, t: Ticket, result: Any) -> None:
+        t.running = False
+        if t.done:  # cancelled while its unit ran: the result goes nowhere
+            return
+        t.results.append(result)
+        if len(t.results) < len(t.units):
+            return
+        t.done = True
+        t.finished = time.monotonic()
+        self._active.remove(t)
+        self._pending -= t.size
+        try:
+            out = t.combine(t.results)
+        except BaseException as exc:
+            t.future.set_exception(exc)
+            return
+        t.future.set_result(out)
+
+    def _expire(self, now: float) -> float | None:
+        """Fail the tickets past their deadline; the earliest deadline left (None: none)."""
+        soonest = None
+        for t in list(self._active):
+            if t.deadline is None or t.running:
+                continue
+            if t.deadline <= now:
+                self.timed_out += 1
+                self._fail(t, DeadlineExceeded("the request's deadline passed before its work "
+                                               "was done"))
+            elif soonest is None or t.deadline < soonest:
+                soonest = t.deadline
+        return soonest
 
     # -- the worker -----------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the worker thread (once)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="icqs-serve-worker",
                                             daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
-        """Finish the running batch, fail the queued jobs, end the thread."""
+        """Finish the running step, fail the queued tickets, end the thread."""
         with self._cond:
             self._stop = True
-            left = list(self._jobs)
-            self._jobs.clear()
+            for t in list(self._active):
+                if not t.running:
+                    self._fail(t, QueueFull("the server is shutting down"))
             self._cond.notify_all()
-        for job in left:
-            job.future.set_exception(QueueFull("the server is shutting down"))
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
 
-    def _take(self) -> list[_Job] | None:
+    def _take(self) -> list[Ticket] | None:
+        """The tickets of the next step (their ``next_unit``s), moved to the back."""
         with self._cond:
-            while not self._jobs and not self._stop:
-                self._cond.wait()
-            if self._stop:
-                return None
-            first = self._jobs[0]
-            if first.kind != "logprobs":
-                return [self._jobs.popleft()]
-            while not self._stop:
-                queued = 0
-                for j in self._jobs:
-                    if j.kind != "logprobs":
-                        break
-                    queued += j.tokens
-                left = first.arrived + self.batch_wait_s - time.monotonic()
-                if left <= 0 or queued >= self.max_batch_tokens:
-                    break
-                self._cond.wait(timeout=left)
-            batch = [self._jobs.popleft()]
-            tokens = batch[0].tokens
-            while (self._jobs and self._jobs[0].kind == "logprobs"
-                   and tokens + self._jobs[0].tokens <= self.max_batch_tokens):
-                tokens += self._jobs[0].tokens
-                batch.append(self._jobs.popleft())
-            return batch
+            while True:
+                if self._stop:
+                    for t in list(self._active):  # the rest of a ticket that was running
+                        self._fail(t, QueueFull("the server is shutting down"))
+                    return None
+                now = time.monotonic()
+                soonest = self._expire(now)
+                if not self._active:
+                    self._cond.wait(timeout=None if soonest is None else soonest - now)
+                    continue
+                head = self._active[0]
+                unit = head.next_unit
+                if unit.kind == "logprobs" and not head.results:
+                    # A new request: wait a little for others to share the batch with.
+                    left = head.arrived + self.batch_wait_s - now
+                    queued = sum(t.next_unit.cost for t in self._active
+                                 if t.next_unit.kind == "logprobs")
+                    if left > 0 and queued < self.chunk_tokens:
+                        self._cond.wait(timeout=left if soonest is None
+                                        else min(left, max(0.0, soonest - now)))
+                        continue
+                step = [head]
+                if unit.kind == "logprobs":
+                    tokens = unit.cost
+                    for t in list(self._active)[1:]:
+                        u = t.next_unit
+                        if u.kind == "logprobs" and tokens + u.cost <= self.chunk_tokens:
+                            step.append(t)
+                            tokens += u.cost
+                for t in step:
+                    t.running = True
+                return step
 
     def _loop(self) -> None:
         while True:
-            batch = self._take()
-            if batch is None:
+            step = self._take()
+            if step is None:
                 return
-            try:
-                if batch[0].kind == "call":
-                    self._finish(batch[0], batch[0].payload)
-                else:
-                    self._run_logprobs(batch)
-            finally:
-                with self._cond:
-                    self._pending -= sum(j.size for j in batch)
+            if step[0].next_unit.kind == "call":
+                results = [_outcome(step[0].next_unit.payload)]
+            else:
+                results = self._run_logprobs(step)
+            with self._cond:
+                self.chunks += len(step)
+                for t, (ok, value) in zip(step, results, strict=True):
+                    if ok:
+                        self._complete(t, value)
+                    else:
+                        t.running = False
+                        self._fail(t, value)
+                    if t in self._active:
+                        # Round robin: the served go behind every other ticket, those that
+                        # arrived while they ran included.
+                        self._active.remove(t)
+                        self._active.append(t)
+                self._cond.notify_all()
 
-    @staticmethod
-    def _finish(job: _Job, fn: Callable[[], Any]) -> None:
-        try:
-            job.future.set_result(fn())
-        except BaseException as exc:  # handed to the request, never kills the worker
-            job.future.set_exception(exc)
-
-    def _run_logprobs(self, batch: list[_Job]) -> None:
-        prompts = [p for j in batch for p in j.payload[0]]
-        top_n = max(j.payload[1] for j in batch)
-        try:
-            res = self.run_logprobs(prompts, top_n)
-        except BaseException as exc:
-            if len(batch) == 1:
-                batch[0].future.set_exception(exc)
-                return
-            # Run each job alone, so that one bad job fails only its own request.
-            for j in batch:
-                self._finish(j, lambda j=j: self.run_logprobs(*j.payload))
-            return
+    def _run_logprobs(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
+        units = [t.next_unit for t in step]
+        prompts = [p for u in units for p in u.payload[0]]
+        top_n = max(u.payload[1] for u in units)
+        ok, res = _outcome(lambda: self.run_logprobs(prompts, top_n))
+        if not ok:
+            if len(units) == 1:
+                return [(False, res)]
+            # Run each unit alone, so that one bad request fails only itself.
+            return [_outcome(lambda u=u: self.run_logprobs(*u.payload)) for u in units]
         self.batches += 1
         self.batched_prompts += len(prompts)
-        self.largest_batch = max(self.largest_batch, len(batch))
+        self.largest_batch = max(self.largest_batch, len(units))
+        out = []
         start = 0
-        for j in batch:
-            n = len(j.payload[0])
-            part = res[start: start + n]
+        for u in units:
+            n = len(u.payload[0])
+            out.append((True, res[start: start + n]))
             start += n
-            j.future.set_result(part)
+        return out
 
 
-__all__ = ["QueueFull", "WorkQueue"]
+def _outcome(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, fn())`` or ``(False, the exception)``: a failure is handed to its request and
+    never ends the worker."""
+    try:
+        return True, fn()
+    except BaseException as exc:
+        return False, exc
+
+
+def _concat(results: list[list]) -> list:
+    return [r for part in results for r in part]
+
+
+def _first(results: list) -> Any:
+    return results[0]
+
+
+__all__ = ["Cancelled", "DeadlineExceeded", "QueueFull", "Ticket", "Unit", "WorkQueue",
+           "chunk_prompts"]

@@ -31,13 +31,14 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def serve(server: Any, host: str = LOCAL_HOST, port: int = 8000, *,
-          log_level: str = "info") -> None:
-    """Run ``server`` in the foreground until interrupted."""
+          log_level: str = "info", access_log: bool = True) -> None:
+    """Run ``server`` in the foreground until interrupted (``access_log=False``: no line per
+    request)."""
     import uvicorn
 
     check_bind(host, server.config.api_key)
     uvicorn.run(server.app(), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+                access_log=access_log, timeout_graceful_shutdown=5)
 
 
 class ServerThread:

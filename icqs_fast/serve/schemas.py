@@ -1,0 +1,221 @@
+"""The request and response bodies of ``icqs-fast serve``, as pydantic models (the server's
+``/openapi.json`` is generated from them).
+
+Field names are OpenAI's (legacy ``/v1/completions``) where the route is OpenAI's. Every request
+model forbids unknown fields and runs in strict mode (no ``"1"`` for ``1``, no ``true`` for
+``1``), so a field we do not implement is a 400 naming it instead of being silently ignored.
+Fields OpenAI defines that we accept only at their neutral value (``stream``, ``n``, ...) are
+typed here and refused by the route with a 400 naming them when set otherwise. Text fields
+refuse strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``: JSON allows
+the escape, UTF-8 and the tokenizer do not).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
+from icqs_fast.features.names import ALL_FEATURES
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at character {exc.start})"
+                         ) from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
+FeatureName = Literal[tuple(ALL_FEATURES)]  # type: ignore[valid-type]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# --------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions`` (OpenAI legacy completions, greedy only)."""
+
+    model: str | None = Field(None, description="the served model id (any other: 404)")
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1)]) = Field(
+        ..., description="a string, a list of strings, a list of token ids or a list of "
+        "token-id lists")
+    max_tokens: int | None = Field(16, ge=0, description="new tokens to generate greedily; 0 "
+                                   "with echo=true scores the prompt")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, description="top-N alternatives per token")
+    temperature: float | None = Field(None, ge=0, description="0 only when generating "
+                                      "(sampling is not supported)")
+    top_p: float | None = Field(None, gt=0, le=1, description="accepted: greedy decoding "
+                                "keeps the argmax, which every nucleus holds")
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, description="accepted: greedy decoding is deterministic")
+    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to the logits "
+        "that choose generated tokens (their log-probs are of the biased distribution); prompt "
+        "tokens are not chosen, so echoed log-probs are unbiased")
+    n: int | None = Field(None, description="must be 1")
+    best_of: int | None = Field(None, description="must be 1")
+    stream: bool | None = Field(None, description="must be false")
+    stream_options: dict[str, Any] | None = Field(None, description="must be null")
+    suffix: str | None = Field(None, description="must be null or empty")
+    presence_penalty: float | None = Field(None, description="must be 0")
+    frequency_penalty: float | None = Field(None, description="must be 0")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# --------------------------------------------------------------------------- score
+
+
+class ScoreRecord(_Request):
+    """One record: the query (``x``, or ``instruction`` / ``prompt``) and the response (``y``
+    or ``response``); ``reference`` is read by the reference-based features."""
+
+    x: Text | None = None
+    instruction: Text | None = None
+    prompt: Text | None = None
+    y: Text | None = None
+    response: Text | None = None
+    reference: Text | None = None
+
+
+class Demonstration(_Request):
+    x: Text
+    y: Text
+
+
+DemoPool = Annotated[list[Demonstration | Annotated[list[Text], Field(min_length=2,
+                                                                       max_length=2)]],
+                     Field(min_length=1)]
+
+
+class IcqsOptions(_Request):
+    """Per-request ICQS settings (``serve --num-ratios ...`` give the defaults)."""
+
+    num_ratios: int | None = Field(None, ge=2)
+    demos_per_set: int | None = Field(None, ge=1)
+    sets_per_ratio: int | None = Field(None, ge=1)
+    seed: int | None = None
+    calibration: Literal[tuple(CALIBRATIONS)] | None = None  # type: ignore[valid-type]
+    score: Literal[tuple(SCORE_KINDS)] | None = None  # type: ignore[valid-type]
+
+
+class ScoreRequest(_Request):
+    """``POST /v1/score``: ICQS scores and/or glass-box features of ``records``."""
+
+    model: str | None = None
+    records: Annotated[list[ScoreRecord], Field(min_length=1)]
+    features: bool | list[FeatureName] | None = Field(
+        None, description="true: every feature; or a list of feature names")
+    icqs: bool | None = Field(None, description="default: true when demonstrations are known")
+    good: DemoPool | None = None
+    bad: DemoPool | None = None
+    icqs_options: IcqsOptions | None = None
+
+
+class IcqsScore(BaseModel):
+    score: float | None
+    score_per_set: list[float | None]
+    loglik: list[list[float | None]]
+    ratios: list[float]
+    n_response_tokens: int
+    loglik_baseline: list[list[float | None]] | None = None
+
+
+class ScoreItem(BaseModel):
+    index: int
+    icqs: IcqsScore | None = None
+    features: dict[str, float | None] | None = None
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["list"]
+    model: str
+    data: list[ScoreItem]
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    pending: int
+    max_queue: int
+    batches: int
+    batched_prompts: int
+    largest_batch: int
+    rejected: int
+    chunks: int
+    timed_out: int
+    cancelled: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+__all__ = ["CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse",
+           "Demonstration", "ErrorDetail", "ErrorResponse", "Health", "IcqsOptions",
+           "IcqsScore", "ModelCard", "ModelList", "ScoreItem", "ScoreRecord", "ScoreRequest",
+           "ScoreResponse", "Text", "Usage"]
