@@ -306,7 +306,7 @@ def test_score_endpoint_equals_in_process(server, tiny):
         assert torch.allclose(torch.tensor(got["icqs"]["loglik"]), want.loglik, atol=TOL)
         assert torch.allclose(torch.tensor(got["icqs"]["loglik_baseline"]),
                               want.loglik_baseline, atol=TOL)
-    for bad_opts, word in (({"calibration": "zhao"}, "calibration"), ({"score": 1}, "string")):
+    for bad_opts, word in (({"calibration": "zhao"}, "calibration"), ({"score": 1}, "argmax")):
         r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
             "records": recs, "good": good, "bad": bad, "icqs_options": bad_opts})
         assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
@@ -332,6 +332,15 @@ def test_bench_serve(tiny, capsys):
     assert rec["latency_ms_p50"] <= rec["latency_ms_p90"] <= rec["latency_ms_p99"]
     assert rec["requests_per_s"] > 0 and rec["batches"] >= 1
     assert rec["mean_batch_prompts"] > 1  # concurrent requests shared engine calls
+    # The mixed workload: large requests beside the small ones, p50/p99 per class, and the
+    # same load unchunked for the chunk's throughput cost.
+    assert main(["bench", "serve", "--json", "--model", d, "--requests", "12", "--clients", "4",
+                 "--large", "1", "--large-prompts", "4", "--large-tokens", "200",
+                 "--max-batch-tokens", "256", "--compare-unchunked", "--max-seconds", "60"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["passed"] and rec["large_ok"] == 1 and rec["small"]["n"] == 12
+    assert rec["large_class"]["latency_ms_p50"] <= rec["large_class"]["latency_ms_p99"]
+    assert rec["unchunked"]["prompt_tokens_per_s"] > 0 and "chunk_throughput_cost_pct" in rec
 
 
 def test_work_queue_batches_requests_that_arrive_together():
