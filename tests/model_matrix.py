@@ -130,6 +130,10 @@ OVERRIDES: dict[str, dict] = {
     # byte-level: the hash n-gram embedding is encoder_hash_byte_group_vocab x 6 groups rows
     # (3M x hidden by default) -> 1024 per group
     "blt": {"use_cache": False, "encoder_hash_byte_group_vocab": 1024},
+    # MLM-style default: XLM attends both ways unless causal; a causal LM needs the triangular
+    # mask (like is_decoder=True for the BERT family). (XLNet's attn_type="uni" would be the
+    # same switch, but its forward then fails for batch > 1: the default "bi" stays.)
+    "xlm": {"causal": True},
     "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
     "xmod": {"default_language": "en_XX"},  # forward raises without a language
     # default pad id is out of a 49152 vocab and the field must be an int
@@ -396,11 +400,17 @@ def attention_features(cfg, model=None) -> dict:
     td = text.to_dict()
     src = _module_source(mt) if mt else ""
     kinds = next((td[k] for k in _LAYER_KIND_KEYS if isinstance(td.get(k), list)), None)
-    f: dict = {"layers": next((td[k] for k in LAYER_KEYS if isinstance(td.get(k), int)), None)}
+    n = next((td[k] for k in LAYER_KEYS if isinstance(td.get(k), int)), None)
+    f: dict = {"layers": n if n is not None else (len(kinds) if kinds else None)}
     if kinds:
         f["layer_kinds"] = kinds
     f["window"] = {k: td[k] for k in WINDOW_KEYS if isinstance(td.get(k), int)
                    and not isinstance(td[k], bool)}
+    # whether some layer really is windowed: a layer kind says so, or (no kinds) the window is
+    # applied to every layer (mistral-style); qwen2-style use_sliding_window=False drops it
+    f["window_used"] = bool(f["window"]) and (
+        any(("sliding" in k or "chunk" in k or k == "local") for k in kinds) if kinds else True
+    )
     if "use_sliding_window" in td:
         f["window"]["use_sliding_window"] = td["use_sliding_window"]
     f["softcaps"] = {k: v for k, v in td.items()
@@ -418,7 +428,8 @@ def attention_features(cfg, model=None) -> dict:
         f["nope_layers"] = [i for i, r in enumerate(td["no_rope_layers"]) if not r]
     rec = _RECURRENT_FAMILIES.get(t)
     if kinds:
-        other = sorted({k for k in kinds if "attention" not in k and k not in ("mlp", "moe")
+        other = sorted({k for k in kinds if ("attention" not in k or k == "linear_attention")
+                        and k not in ("mlp", "moe")
                         and k not in ("global", "local", "lsh", "hybrid_sliding", "hybrid")})
         if other:
             rec = f"{rec or ''} {other}".strip()
