@@ -389,9 +389,11 @@ def launch(hidden, weight, bias, targets, z_t, temperature: float, pstate, pcoun
     v = weight.shape[0]
     _linear_token_stats_kernel[cfg.grid](
         hidden, weight, bias if bias is not None else hidden, targets, z_t,
-        z_t if z_raw is None else z_raw, pstate, pcounts, n, v, hdim,
+        z_raw, pstate, pcounts, n, v, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        LOG2E / temperature, 0.0 if tanh_scale is None else float(tanh_scale),
+        # None (the default variant) makes both soft-cap arguments constexprs: no extra kernel
+        # parameters, so it compiles exactly as the kernel without them.
+        LOG2E / temperature, None if tanh_scale is None else float(tanh_scale),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=tanh_scale is not None, FP32_DOT=cfg.fp32_dot,
         PRECISION=cfg.precision, EVEN_K=cfg.even_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, TILES=cfg.tiles, GROUP_M=cfg.group_m,
@@ -442,10 +444,9 @@ def target_logits(hidden, weight, bias, targets, out, tanh_scale: float | None =
         return
     grid = (triton.cdiv(n, TARGET_BLOCK_M),)
     _target_logits_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, targets, out,
-        out if raw_out is None else raw_out, n, hdim,
+        hidden, weight, bias if bias is not None else hidden, targets, out, raw_out, n, hdim,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        0.0 if tanh_scale is None else float(tanh_scale),
+        None if tanh_scale is None else float(tanh_scale),  # None: constexpr, no parameter
         HAS_BIAS=bias is not None, HAS_SOFTCAP=tanh_scale is not None,
         BLOCK_M=TARGET_BLOCK_M, BLOCK_K=TARGET_BLOCK_K,
         num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
@@ -457,9 +458,14 @@ def _signature(params: dict[str, str], ints: dict[str, int], consts: dict
     """Signature, constexprs and 16-divisible parameters as Triton's JIT specialises them for
     these argument values: an int equal to 1 becomes a constexpr; pointers (torch allocations
     are 256-byte aligned) and ints that are multiples of 16 get ``tt.divisibility`` 16, which
-    lets loads vectorise (pass them as ``attrs`` to ``ASTSource`` to compile the same code)."""
+    lets loads vectorise (pass them as ``attrs`` to ``ASTSource`` to compile the same code).
+    A parameter named in ``consts`` too is a constexpr of that value (None: an argument passed
+    as None)."""
     sig, const, div16 = {}, {}, []
     for name, kind in params.items():
+        if name in consts:
+            sig[name], const[name] = "constexpr", consts[name]
+            continue
         if kind == "i32" and ints[name] == 1:
             sig[name], const[name] = "constexpr", 1
             continue
@@ -488,13 +494,15 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
     p = ptr(dtype)
     ints = {"N": n, "V": v, "H": h, "s_hn": h, "s_hh": 1, "s_wv": h, "s_wh": 1}
     strides = {"s_hn": "i32", "s_hh": "i32", "s_wv": "i32", "s_wh": "i32"}
+    # The default variant passes None for the soft-cap arguments (constexprs, no parameters).
+    variant = {"variant": "softcap"} if softcap else {}
+    off = {} if softcap else {"ZRAW": None, "tanh_scale": None}
     tsig, tconst, tdiv = _signature(
         {"HID": p, "W": p, "BIAS": p, "T": "*i64", "ZT": "*fp32", "ZRAW": "*fp32", "N": "i32",
          "H": "i32",
          **strides, "tanh_scale": "fp32"},
-        ints, {"HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "BLOCK_M": TARGET_BLOCK_M,
+        ints, {**off, "HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "BLOCK_M": TARGET_BLOCK_M,
                "BLOCK_K": TARGET_BLOCK_K})
-    variant = {"variant": "softcap"} if softcap else {}
     target = Launch(
         kernel="linear_token_stats.target_logits", fn=_target_logits_kernel,
         signature=tsig, constexprs=tconst, num_warps=TARGET_WARPS, num_stages=TARGET_STAGES,
@@ -514,7 +522,8 @@ def gpu_launches(n: int, h: int, v: int, dtype: torch.dtype, has_bias: bool = Fa
          "V": "i32", "H": "i32",
          "stride_hn": "i32", "stride_hh": "i32", "stride_wv": "i32", "stride_wh": "i32",
          "scale": "fp32", "tanh_scale": "fp32"},
-        mints, {"HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "FP32_DOT": cfg.fp32_dot,
+        mints, {**({} if softcap else {"zraw_ptr": None, "tanh_scale": None}),
+                "HAS_BIAS": has_bias, "HAS_SOFTCAP": softcap, "FP32_DOT": cfg.fp32_dot,
                 "PRECISION": cfg.precision, "EVEN_K": cfg.even_k, "BLOCK_M": cfg.block_m,
                 "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TILES": cfg.tiles,
                 "GROUP_M": cfg.group_m})
