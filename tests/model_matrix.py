@@ -406,10 +406,15 @@ def attention_features(cfg, model=None) -> dict:
         f["layer_kinds"] = kinds
     f["window"] = {k: td[k] for k in WINDOW_KEYS if isinstance(td.get(k), int)
                    and not isinstance(td[k], bool)}
-    # whether some layer really is windowed: a layer kind says so, or (no kinds) the window is
-    # applied to every layer (mistral-style); qwen2-style use_sliding_window=False drops it
+    # whether some layer really is windowed: a layer kind says so, or no layer is plain
+    # "full_attention" (recurrent_gemma's local "attention", deepseek_v4's compressed kinds), or
+    # (no kinds) the window applies to every layer (mistral-style); qwen2-style
+    # use_sliding_window=False drops it
     f["window_used"] = bool(f["window"]) and (
-        any(("sliding" in k or "chunk" in k or k == "local") for k in kinds) if kinds else True
+        any(("sliding" in k or "chunk" in k or k == "local") for k in kinds)
+        or "full_attention" not in kinds
+        if kinds
+        else True
     )
     if "use_sliding_window" in td:
         f["window"]["use_sliding_window"] = td["use_sliding_window"]
