@@ -377,6 +377,10 @@ _RECURRENT_FAMILIES = {"mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mam
                        "nemotron_h": "mamba2", "granitemoehybrid": "mamba2",
                        "recurrent_gemma": "rg-lru", "lfm2": "short conv", "lfm2_moe": "short conv",
                        "lfm3": "short conv", "qwen3_next": "gated deltanet"}
+# the output Linear is a direct child but its forward first applies a sibling transform:
+# electra generator_lm_head(generator_predictions(h)), modernbert decoder(lm_head(h)) with lm_head
+# = dense + act + norm
+_TRANSFORM_BEFORE_HEAD = ("electra", "modernbert-decoder")
 _LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types", "attn_layers",
                     "attention_layers")
 
@@ -446,6 +450,7 @@ def attention_features(cfg, model=None) -> dict:
         # a bare nn.Linear applied to the base model's final hidden states (post-processing,
         # if any, is in logit_postprocess); False for prediction heads (dense + act + norm)
         f["lm_head_plain_linear"] = (isinstance(head, torch.nn.Linear)
+                                     and t not in _TRANSFORM_BEFORE_HEAD
                                      and not any(True for _ in _head_wrappers(model)))
     return f
 
