@@ -20,6 +20,15 @@ request, retries included), ``batches`` and ``mean_batch_prompts`` (how many pro
 ran per engine call: > 1 means concurrent requests shared batches); ``sequential_s`` /
 ``sequential_requests_per_s``: the same prompts computed one at a time in-process right after
 the load (the check's reference), the baseline on the same machine under the same load.
+
+Mixed workload (``--large N``): ``N`` more clients each send one large request at the start
+(``--large-prompts`` prompts of about ``--large-tokens`` tokens each, echo log-probs: the largest
+request the server admits by default is 16 such prompts of 4096 tokens) while the small requests
+run; ``small`` and ``large`` report ``latency_ms_p50`` / ``p99`` per class (the fairness the
+server's chunking buys: small requests no longer wait for whole large ones), and
+``prompt_tokens_per_s`` counts both classes. ``--compare-unchunked`` runs the same load again
+with chunking off (``--max-batch-tokens`` 10^9: a request is one unit) and reports it under
+``unchunked`` with ``chunk_throughput_cost_pct``, the throughput the chunk size costs.
 """
 
 from __future__ import annotations
@@ -53,16 +62,43 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return s[k]
 
 
+def make_large(n: int, prompts: int, tokens: int) -> list[list[str]]:
+    """``n`` large requests of ``prompts`` distinct prompts of about ``tokens`` tokens."""
+    words = max(1, tokens - 8)
+    return [[f"Document {r}.{k}: " + " ".join(f"w{(r * 7919 + k * 104729 + j) % 997}"
+                                               for j in range(words // 3))
+             for k in range(prompts)] for r in range(n)]
+
+
 async def _load(base_url: str, model: str, prompts: list[str], clients: int, max_seconds: float,
-                logprobs: int, api_key: str | None) -> dict[str, Any]:
+                logprobs: int, api_key: str | None,
+                large: list[list[str]] | None = None) -> dict[str, Any]:
     import httpx
 
     nxt = 0
     out: dict[int, dict] = {}
     lat: list[float] = []
+    large_lat: list[float] = []
+    large_ok = [0]
     counts = {"rejected_429": 0, "errors": 0}
     deadline = time.monotonic() + max_seconds
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def large_client(c: httpx.AsyncClient, texts: list[str]) -> None:
+        body = {"model": model, "prompt": texts, "echo": True, "max_tokens": 0,
+                "logprobs": logprobs}
+        t0 = time.perf_counter()
+        while True:
+            r = await c.post("/v1/completions", json=body, headers=headers)
+            if r.status_code == 429 and time.monotonic() < deadline:
+                counts["rejected_429"] += 1
+                await asyncio.sleep(0.05)
+                continue
+            break
+        large_lat.append((time.perf_counter() - t0) * 1000)
+        if r.status_code == 200 and [ch["text"] for ch in sorted(
+                r.json()["choices"], key=lambda ch: ch["index"])] == texts:
+            large_ok[0] += 1
 
     async def client(c: httpx.AsyncClient) -> None:
         nonlocal nxt
@@ -89,14 +125,19 @@ async def _load(base_url: str, model: str, prompts: list[str], clients: int, max
             lat.append((time.perf_counter() - t0) * 1000)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(base_url=base_url, timeout=max_seconds + 60) as c:
-        await asyncio.gather(*(client(c) for _ in range(clients)))
-    return {"answers": out, "latencies_ms": lat, "wall_s": time.perf_counter() - t0, **counts}
+    async with httpx.AsyncClient(base_url=base_url, timeout=max_seconds + 600) as c:
+        await asyncio.gather(*(large_client(c, texts) for texts in large or ()),
+                             *(client(c) for _ in range(clients)))
+    return {"answers": out, "latencies_ms": lat, "wall_s": time.perf_counter() - t0,
+            "large_latencies_ms": large_lat, "large_ok": large_ok[0], **counts}
 
 
 def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
           max_seconds: float = 120.0, shots: int = 4, logprobs: int = 1,
-          batch_wait_ms: float = 5.0, device: str = "cpu") -> dict[str, Any]:
+          batch_wait_ms: float = 5.0, device: str = "cpu", large: int = 0,
+          large_prompts: int = 16, large_tokens: int = 1024,
+          max_batch_tokens: int | None = None, compare_unchunked: bool = False,
+          threads: int | None = None) -> dict[str, Any]:
     from icqs_fast.models import load_model
     from icqs_fast.serve.app import ServeConfig, Server
     from icqs_fast.serve.logprobs import prompt_logprobs
@@ -106,14 +147,27 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
         raise ValueError("--clients and --requests must be >= 1 and --max-seconds > 0")
     model, tok = load_model(None if model_name in (None, "embedded") else model_name,
                             dtype="float32", device=device)
-    cfg = ServeConfig(model_name="bench", batch_wait_ms=batch_wait_ms,
-                      max_queue=max(256, clients))
-    server = Server(model, tok, cfg)
+    chunk = max_batch_tokens or ServeConfig().max_batch_tokens
+    big = make_large(large, large_prompts, large_tokens)
+
+    def served(chunk_tokens: int) -> tuple[Server, dict]:
+        cfg = ServeConfig(model_name="bench", batch_wait_ms=batch_wait_ms,
+                          max_queue=max(256, clients + large * large_prompts),
+                          max_prompts=max(64, large_prompts),
+                          max_request_tokens=max(65536, 2 * large_prompts * large_tokens),
+                          max_batch_tokens=chunk_tokens)
+        srv = Server(model, tok, cfg)
+        with ServerThread(srv) as st:
+            res = asyncio.run(_load(st.base_url, "bench", prompts, clients, max_seconds,
+                                    logprobs, None, big))
+        return srv, res
+
     prompts = make_prompts(requests, shots)
-    with ServerThread(server) as st:
-        res = asyncio.run(_load(st.base_url, "bench", prompts, clients, max_seconds, logprobs,
-                                None))
-        health = server.health()
+    unchunked = None
+    if compare_unchunked:  # first, so the chunked run is not the one that warms the caches
+        unchunked = served(10**9)[1]
+    server, res = served(chunk)
+    health = server.health()
     answers = res["answers"]
     # Each answer against its own prompt, computed alone in-process.
     lost = mismatched = 0
@@ -141,6 +195,22 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
     lat = res["latencies_ms"]
     wall = res["wall_s"]
     ok = sent - lost
+    large_tokens_sent = sum(len(tok(t)["input_ids"]) for texts in big for t in texts)
+    mixed: dict[str, Any] = {}
+    if large:
+        mixed = {"large": large, "large_prompts": large_prompts, "large_tokens": large_tokens,
+                 "max_batch_tokens": chunk, "large_ok": res["large_ok"],
+                 "small": _classes(lat), "large_class": _classes(res["large_latencies_ms"]),
+                 "mixed_prompt_tokens_per_s": round((n_tokens + large_tokens_sent) / wall, 1)}
+        if unchunked is not None:
+            u_wall = unchunked["wall_s"]
+            u_tps = (n_tokens + large_tokens_sent) / u_wall
+            mixed["unchunked"] = {"wall_s": round(u_wall, 3),
+                                  "prompt_tokens_per_s": round(u_tps, 1),
+                                  "small": _classes(unchunked["latencies_ms"]),
+                                  "large_class": _classes(unchunked["large_latencies_ms"])}
+            mixed["chunk_throughput_cost_pct"] = round(
+                100 * (1 - mixed["mixed_prompt_tokens_per_s"] / u_tps), 1)
     return {
         "model": model_name or "embedded", "clients": clients, "requests": requests,
         "max_seconds": max_seconds, "shots": shots, "logprobs": logprobs,
@@ -157,8 +227,14 @@ def bench(model_name: str | None, *, clients: int = 16, requests: int = 200,
         "batches": health["batches"],
         "mean_batch_prompts": round(health["batched_prompts"] / max(1, health["batches"]), 2),
         "largest_batch_requests": health["largest_batch"],
-        "passed": lost == 0 and mismatched == 0,
+        "passed": lost == 0 and mismatched == 0 and res["large_ok"] == large,
+        **mixed, "threads": threads,
     }
+
+
+def _classes(lat: list[float]) -> dict[str, float | int | None]:
+    return {"n": len(lat), "latency_ms_p50": _round(_percentile(lat, 50)),
+            "latency_ms_p99": _round(_percentile(lat, 99))}
 
 
 def _round(x: float | None) -> float | None:
@@ -179,6 +255,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="the server's --batch-wait-ms (default 5)")
     p.add_argument("--device", default="cpu", help="the server's model device (default cpu)")
+    p.add_argument("--large", type=int, default=0,
+                   help="mixed workload: this many large requests beside the small ones")
+    p.add_argument("--large-prompts", type=int, default=16, help="prompts per large request")
+    p.add_argument("--large-tokens", type=int, default=1024,
+                   help="tokens per prompt of a large request (about)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="the server's chunk (default: serve's)")
+    p.add_argument("--compare-unchunked", action="store_true",
+                   help="run the load again without chunking: the chunk's throughput cost")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
 
@@ -190,7 +275,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     rec = bench(args.model, clients=args.clients, requests=args.requests,
                 max_seconds=args.max_seconds, shots=args.shots, logprobs=args.logprobs,
-                batch_wait_ms=args.batch_wait_ms, device=args.device)
+                batch_wait_ms=args.batch_wait_ms, device=args.device, large=args.large,
+                large_prompts=args.large_prompts, large_tokens=args.large_tokens,
+                max_batch_tokens=args.max_batch_tokens,
+                compare_unchunked=args.compare_unchunked, threads=args.threads)
     rec.update(environment(args.device))
     emit_record(rec, out=args.out, as_json=args.json)
     if not rec["passed"]:
