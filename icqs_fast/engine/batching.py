@@ -487,19 +487,34 @@ def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
 
 
 @torch.no_grad()
-def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
-                 ) -> torch.Tensor:
+def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                 pad_safe: bool = True) -> torch.Tensor:
     """One right-padded forward of whole sequences through ``body`` (no prefix sharing): the
     path of models the prefix bank cannot serve (recurrent / SSM layers, unknown layouts).
     Right padding keeps every real token at its own position and in front of the padding, so a
-    causal model computes each row as it would alone.
+    causal model computes each row as it would alone; a model for which that does not hold
+    (``pad_safe=False``, found by the capability check) runs each sequence alone.
 
     Returns:
-        ``[R, T, H]`` final hidden states (model dtype), ``T`` the longest sequence.
+        ``[R, T, H]`` final hidden states (model dtype), ``T`` the longest sequence (rows run
+        alone are zero past their length).
     """
+    return _plain_forward(lambda ids, mask: last_hidden(body(
+        input_ids=ids, attention_mask=mask, use_cache=False)), seqs, pad_id, device, pad_safe)
+
+
+def _plain_forward(run: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                   pad_safe: bool) -> torch.Tensor:
     ids, mask = right_padded(seqs, pad_id)
-    out = body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    return last_hidden(out)
+    if pad_safe or len(seqs) == 1:
+        return run(ids.to(device), mask.to(device))
+    out = None
+    for i, x in enumerate(seqs):
+        one = run(ids[i: i + 1, : len(x)].to(device), mask[i: i + 1, : len(x)].to(device))
+        if out is None:
+            out = one.new_zeros((len(seqs), ids.shape[1], one.shape[-1]))
+        out[i, : len(x)] = one[0]
+    return out
 
 
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -516,9 +531,10 @@ def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
-                 ) -> torch.Tensor:
+def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                 pad_safe: bool = True) -> torch.Tensor:
     """:func:`plain_hidden` through the whole model: its own logits ``[R, T, V]`` (for heads the
     fused statistics cannot reproduce; the full ``[tokens, vocab]`` tensor is built)."""
-    ids, mask = right_padded(seqs, pad_id)
-    return model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+    return _plain_forward(lambda ids, mask: model(
+        input_ids=ids, attention_mask=mask, use_cache=False).logits, seqs, pad_id, device,
+        pad_safe)

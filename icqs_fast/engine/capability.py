@@ -39,6 +39,7 @@ from icqs_fast.engine.batching import (
     PrefixBank,
     last_hidden,
     model_device,
+    right_padded,
     suffix_hidden,
 )
 from icqs_fast.engine.layout import (
@@ -83,6 +84,8 @@ class ModelPlan:
         body: the module whose output the head reads (None when :attr:`own_logits`).
         own_logits: the head is not a linear layer + epilogue this package reproduces: scores
             come from the model's own logits (plain path only).
+        pad_safe: right padding leaves the real tokens' states unchanged (plain path: else each
+            prompt runs in a forward of its own).
         reason: why the path is not the prefix bank (empty when it is).
         probe_diff: the bank probe's relative hidden-state difference (None when not probed).
     """
@@ -93,6 +96,7 @@ class ModelPlan:
     head: HeadEpilogue
     body: Any
     own_logits: bool = False
+    pad_safe: bool = True
     reason: str = ""
     probe_diff: float | None = None
     signature: tuple = field(default=(), repr=False)
@@ -103,6 +107,30 @@ class ModelPlan:
         return self.path != "plain"
 
     @property
+    def uses(self) -> str:
+        """What the path uses beyond plain causal attention and a plain head, e.g.
+        ``"sliding-window masks (16 tokens, 1 of 2 layers), final-logit softcapping 30"``."""
+        parts = describe_layers(self.layers) + self.head.describe()
+        if self.own_logits:
+            parts.insert(0, "the model's own logits")
+        if not self.pad_safe:
+            parts.append("one prompt per forward")
+        return ", ".join(parts)
+
+    @property
+    def why_not_bank(self) -> str:
+        """A short, stable reason why the prefix bank does not serve the model ("" when it
+        does): ``"layers without attention"``, ``"head not reproduced"`` or ``"bank probe
+        failed"``."""
+        if self.path != "plain":
+            return ""
+        if self.own_logits:
+            return "head not reproduced"
+        if any(la.kind == "none" for la in self.layers):
+            return "layers without attention"
+        return "bank probe failed"
+
+    @property
     def message(self) -> str:
         """One line naming the path and what it uses, e.g. ``"gemma2: prefix bank, cascade
         attention, sliding-window masks (...), final-logit softcapping 30"``."""
@@ -110,6 +138,8 @@ class ModelPlan:
             parts = ["plain forward, no prefix sharing"]
             if self.own_logits:
                 parts.append("scored from the model's own logits")
+            if not self.pad_safe:
+                parts.append("one prompt per forward (right padding changes its states)")
             parts += describe_layers(self.layers) + self.head.describe()
             if self.reason:
                 parts.append(f"because {self.reason}")
@@ -358,20 +388,52 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
     return worst
 
 
+@torch.no_grad()
+def _pad_probe(model: Any, body: Any) -> bool:
+    """Whether a right-padded batch gives each real token the states (or logits) it has alone:
+    two rows of 12 and 7 tokens, the shorter padded, against each run alone."""
+    v = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(1)
+    hi = max(2, min(v, 32000))
+    rows = [torch.randint(1, hi, (n,), generator=g).tolist() for n in (12, 7)]
+    dev = model_device(model)
+    run = (lambda ids, mask: model(input_ids=ids, attention_mask=mask, use_cache=False).logits) \
+        if body is None else \
+        (lambda ids, mask: last_hidden(body(input_ids=ids, attention_mask=mask, use_cache=False)))
+    ids, mask = right_padded(rows, 0)
+    both = run(ids.to(dev), mask.to(dev)).float()
+    tol = PROBE_RTOL.get(next(model.parameters()).dtype, 6e-2)
+    for i, r in enumerate(rows):
+        alone = run(torch.tensor([r], device=dev), torch.ones(1, len(r), dtype=torch.long,
+                                                              device=dev))[0].float()
+        d = float((both[i, : len(r)] - alone).abs().max()) / max(1.0, float(alone.abs().max()))
+        if not d <= tol:
+            return False
+    return True
+
+
+def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any, **kw: Any
+           ) -> ModelPlan:
+    try:
+        safe = _pad_probe(model, body)
+    except Exception:  # noqa: BLE001 - a model that fails padded batches runs rows alone
+        safe = False
+    return ModelPlan(mt, "plain", layers, ep, body, pad_safe=safe, **kw)
+
+
 def _decide(model: Any) -> ModelPlan:
     cfg = model.config
     mt = str(getattr(cfg, "model_type", None) or type(model).__name__)
     layers = layer_attention(cfg)
-    body, ep, k, why = _find_head(model)
-    if body is not None and k != 1.0:
-        ep = HeadEpilogue(logit_scale=ep.logit_scale * k, softcap=ep.softcap,
-                          source=ep.source or "fitted")
+    # The epilogue was fitted on the body's own output, so a scale between the body and the
+    # head (MiniCPM divides the states before its head) is already in its logit scale.
+    body, ep, _, why = _find_head(model)
     if body is None:
-        return ModelPlan(mt, "plain", layers, ep, None, own_logits=True, reason=why)
+        return _plain(mt, layers, ep, None, model, own_logits=True, reason=why)
     none = [la for la in layers if la.kind == "none"]
     if none:
-        return ModelPlan(mt, "plain", layers, ep, body,
-                         reason="the prefix bank holds attention keys/values only")
+        return _plain(mt, layers, ep, body, model,
+                      reason="the prefix bank holds attention keys/values only")
     dtype = next(model.parameters()).dtype
     tol = PROBE_RTOL.get(dtype, 6e-2)
     reasons = []
@@ -380,10 +442,11 @@ def _decide(model: Any) -> ModelPlan:
         try:
             diff = _probe(model, body, layers, cascade=path == "cascade")
         except Exception as exc:  # noqa: BLE001 - any failure means: not this path
-            reasons.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            first = (str(exc).splitlines() or [""])[0][:160]
+            reasons.append(f"{path}: {type(exc).__name__}: {first}")
             continue
         if diff <= tol:
             return ModelPlan(mt, path, layers, ep, body, probe_diff=diff)
         reasons.append(f"{path}: differs from a plain forward by {diff:.2g} (relative)")
-    return ModelPlan(mt, "plain", layers, ep, body, probe_diff=diff,
-                     reason="the prefix-bank probe failed (" + "; ".join(reasons) + ")")
+    return _plain(mt, layers, ep, body, model, probe_diff=diff,
+                  reason="the prefix-bank probe failed (" + "; ".join(reasons) + ")")

@@ -14,8 +14,12 @@ from typing import Any
 def model_max_length(model: Any, max_length: int | None) -> int | None:
     """The longest prompt the model takes: ``max_length`` if given, capped by the config's
     ``max_position_embeddings`` / ``n_positions``; None if neither is known."""
-    cfg = model.config
+    from icqs_fast.engine.layout import text_config
+
+    cfg = text_config(model.config)
     lim = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if not isinstance(lim, int) or lim < 2:  # XLNet: -1 (relative positions, no limit)
+        lim = None
     if max_length is not None:
         if not isinstance(max_length, int) or max_length < 2:
             raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")

@@ -219,12 +219,9 @@ def score_plain(model, batch, reqs, results, pad_id, backend, want_stats,
     plan = model_plan(model) if plan is None else plan
     dev = model_device(model)
     seqs = [r[2] for r in batch]
-    if plan.own_logits:
-        _head(plan, plain_logits(model, seqs, pad_id, dev), batch, reqs, results, backend,
-              want_stats)
-    else:
-        _head(plan, plain_hidden(plan.body, seqs, pad_id, dev), batch, reqs, results, backend,
-              want_stats)
+    out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe) if plan.own_logits else \
+        plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe)
+    _head(plan, out, batch, reqs, results, backend, want_stats)
 
 
 def _head(plan, hidden, batch, reqs, results, backend, want_stats) -> None:

@@ -412,8 +412,11 @@ class ICQSScorer:
             plen = [self.prefix_bank.lengths[e] for e in entries]
         # Row c runs ids[plen:-1] against its entry; suffix position n_prompt - 1 - plen + t
         # predicts response token t.
+        # The plain path runs the whole text, last token included: the same forward as the
+        # model's own over the prompt (a model that is not causal, XLNet, sees it too).
+        cut = None if self.plain else -1
         return {"index": i, "resp": lays[0].ids[lays[0].n_prompt:],
-                "suffix": [lay.ids[p:-1] for lay, p in zip(lays, plen, strict=True)],
+                "suffix": [lay.ids[p:cut] for lay, p in zip(lays, plen, strict=True)],
                 "rstart": [lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
                 "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
                 "entries": entries, "plen": plen, "join": any(lay.join for lay in lays),
@@ -458,9 +461,11 @@ class ICQSScorer:
         dev = next(self.model.parameters()).device
         if self.plain:
             if self.plan.own_logits:
-                out = plain_logits(self.model, suffixes, self.pad_id, dev)
+                out = plain_logits(self.model, suffixes, self.pad_id, dev,
+                                   self.plan.pad_safe)
             else:
-                out = plain_hidden(self.plan.body, suffixes, self.pad_id, dev)
+                out = plain_hidden(self.plan.body, suffixes, self.pad_id, dev,
+                                   self.plan.pad_safe)
         else:
             out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
                                    cascade=self.cascade)

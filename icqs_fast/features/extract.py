@@ -525,7 +525,9 @@ def glassbox(
     fn = _standard_batch if mode == "standard" else _compat_batch
     pad_id = _pad_id(tokenizer)
     rows: list[dict[str, float] | None] = [None] * len(its)
-    for idx in _batches(encs, 1 if deterministic else batch_size):
+    # A model whose states change under right padding (the capability check) runs items alone.
+    alone = deterministic or (mode == "standard" and not model_plan(model).pad_safe)
+    for idx in _batches(encs, 1 if alone else batch_size):
         for i, d in zip(idx, fn(model, encs, idx, pad_id, want_attn, backend), strict=True):
             rows[i] = d
     full = [r for r in rows if r is not None]

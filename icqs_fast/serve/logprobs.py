@@ -21,10 +21,9 @@ import torch
 
 from icqs_fast.engine.batching import (
     PrefixBank,
-    last_hidden,
     model_device,
+    plain_hidden,
     plain_logits,
-    right_padded,
     suffix_hidden,
 )
 from icqs_fast.engine.capability import ModelPlan, model_plan
@@ -175,12 +174,8 @@ def prompt_logprobs(
     stored = sorted((s for s in segs.values() if s.start > 0), key=lambda s: s.path)
     for batch in _batches(plain, lambda s: len(s.path), budget):
         seqs = [s.path for s in batch]
-        if plan.own_logits:
-            out = plain_logits(model, seqs, pad_id, dev)
-        else:
-            ids, mask = right_padded(seqs, pad_id)
-            out = last_hidden(plan.body(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                        use_cache=False))
+        out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe) if plan.own_logits else \
+            plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe)
         for b, s in enumerate(batch):
             _head(model, plan, s, out[b, : len(s.path)], top_n)
     if stored:
