@@ -125,3 +125,29 @@ def test_bank_chunks_keep_prefixes_whole():
 def test_bad_requests(bad, msg):
     with pytest.raises(ValueError, match=msg):
         score_continuations(_tiny("llama"), bad)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "mamba", "prophetnet"])
+def test_every_path_matches_a_plain_forward(kind):
+    """The continuation scorer (the lm-eval model's and the server's engine) follows the
+    capability check's plan: a 16-token window on every layer (Mistral) or one layer with
+    softcaps (Gemma 2) through the bank, Mamba's recurrent layers and ProphetNet's own logits on
+    the plain path; contexts of 40-60 tokens, longer than the window. Each request equals a
+    plain forward of its whole sequence."""
+    from model_matrix import tiny_model
+
+    from icqs_fast.engine.capability import model_plan
+
+    model = tiny_model(kind, 300, window=16)
+    path = model_plan(model).path
+    assert path == {"mistral": "cascade", "gemma2": "cascade"}.get(kind, "plain")
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 300, (40,), generator=g).tolist()
+    reqs = [(shared + torch.randint(3, 300, (n,), generator=g).tolist(),
+             torch.randint(3, 300, (m,), generator=g).tolist())
+            for n, m in ((5, 3), (20, 1), (1, 4))]
+    got = score_continuations(model, reqs, backend="torch")
+    for r, (ctx, cont) in zip(got, reqs, strict=True):
+        ll, greedy, _ = _plain(model, ctx, cont)
+        assert r.loglik == pytest.approx(ll, abs=1e-4)
+        assert r.is_greedy == greedy

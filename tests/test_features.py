@@ -453,3 +453,28 @@ def test_eval_mtbench_three_answers(capsys):
     assert set(out["correlations"]) == set(ALL_FEATURES)
     for rec in out["records"]:
         assert all(math.isfinite(rec[f]) for f in ALL_FEATURES)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mamba", "prophetnet"])
+def test_glassbox_follows_the_capability_plan(kind):
+    """Glass-box features on a windowed model (the fused head on its body), a recurrent one and
+    one scored from its own logits: the sentence log-prob equals the model's own log-softmax at
+    the response tokens, batched and alone."""
+    from model_matrix import tiny_model
+    from transformers import AutoTokenizer
+
+    from icqs_fast import models
+    from icqs_fast.features.extract import as_item, encode, glassbox
+
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    model = tiny_model(kind, len(tok), window=16)
+    items = [("Write one sentence about the sea and the ships that sail on it.",
+              "The sea is wide and the ships are small."), ("Say hi", "Hi!")]
+    got = glassbox(model, tok, items, features=["sent_logprob"], batch_size=2)
+    for it, row in zip(items, got, strict=True):
+        enc = encode(tok, as_item(it))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([enc.ids])).logits[0].double()
+        pos = torch.arange(enc.prompt_len - 1, len(enc.ids) - 1)
+        lp = torch.log_softmax(logits, -1)[pos, torch.tensor(enc.ids[enc.prompt_len:])]
+        assert row["sent_logprob"] == pytest.approx(float(lp.mean()), abs=1e-4)
