@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     scorer = ICQSScorer(model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=n,
                         sets_per_ratio=args.sets_per_ratio, template=TEMPLATE, seed=args.seed,
-                        backend=args.backend, calibration=args.calibrate, score=args.score)
+                        backend=args.backend, calibration=args.calibrate, score=args.score,
+                        tie_epsilon=args.tie_epsilon)
     t1 = time.perf_counter()
     rows = []
     records = read_records(responses, label_field="quality")

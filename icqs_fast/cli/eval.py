@@ -78,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
+    p.add_argument("--stability", default=None, metavar="CONFIG",
+                   help="score the test responses (largest --demos-per-set) under this run's "
+                        "--dtype/--backend and again under CONFIG, and print how every score "
+                        "kind moves (issue 29); CONFIG: float32|bfloat16|float16, "
+                        "torch|cpp|triton, deterministic or budget=N")
 
 
 def parse_ns(text: str) -> list[int]:
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
         n_boot=args.n_boot, backend=args.backend, quiet=args.quiet,
         baselines=not args.no_baselines, stratify=args.stratify,
-        calibration=args.calibrate, score=args.score, compare=args.compare)
+        calibration=args.calibrate, score=args.score, compare=args.compare,
+        tie_epsilon=args.tie_epsilon)
     t0 = time.perf_counter()
     if dataset == "chaosnli":
         if args.labels != "original" or args.stratify:
@@ -161,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, dtype=args.dtype)
     t_load = time.perf_counter() - t_load
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
+    if args.stability:
+        return _stability(args, dataset, data, model, tok, st, max(ns), model_name)
     with torch.no_grad():
         if dataset == "chaosnli":
             out = study.run_chaosnli(model, tok, data, st)
@@ -184,6 +192,65 @@ def run(args: argparse.Namespace) -> int:
         _print_chaosnli(doc, path)
     else:
         _print_sentiment(doc, path)
+    return 0
+
+
+def _stability(args: argparse.Namespace, dataset: str, data: Any, model: Any, tok: Any,
+               st: Any, n: int, model_name: str) -> int:
+    """``--stability CONFIG``: both sides over the study's test responses and the table."""
+    from icqs_fast.evals import stability, study
+    from icqs_fast.evals.calibration_study import auc_ci
+
+    other = stability.parse_config(args.stability)
+    if dataset == "chaosnli":
+        from icqs_fast.engine.prompts import Template
+
+        template = Template(**study.NLI_ICQS_TEMPLATE)
+        good = [(it.premise, it.hypothesis) for it in data.good]
+        bad = [(it.premise, it.hypothesis) for it in data.bad]
+        responses = [(it.premise, it.hypothesis) for it in data.test]
+        groups: dict[str, list] = {}
+    else:
+        template, good, bad = None, data.good, data.bad
+        groups = {g: [(r.x, r.y) for r in rs] for g, rs in data.groups.items()}
+        responses = list(dict.fromkeys(xy for rs in groups.values() for xy in rs))
+    settings = study.scoring_settings(n, st, template)
+    a, ta, la = stability.score_side(model, tok, good, bad, responses, settings, quiet=args.quiet,
+                                     desc="ICQS side A")
+    b, tb, lb = stability.score_side(model, tok, good, bad, responses, settings, other,
+                                     quiet=args.quiet, desc="ICQS side B")
+    doc = stability.agreement(a, b, settings.tie_epsilon)
+    doc.update(dataset=dataset, model=model_name, side_a=la, side_b=lb,
+               seconds={"a": round(ta, 2), "b": round(tb, 2)},
+               settings={"demos_per_set": n, "num_ratios": st.num_ratios,
+                         "sets_per_ratio": st.sets_per_ratio, "seed": st.seed,
+                         "stratify": st.stratify, "calibration": st.calibration,
+                         "limit": args.limit})
+    if "correct" in groups and "incorrect" in groups:
+        # Correct vs incorrect answers: the AUC of each score kind on each side.
+        from icqs_fast.engine.calibration import icqs_scores
+
+        idx = {xy: i for i, xy in enumerate(responses)}
+        doc["auc"] = {}
+        for side, res in (("a", a), ("b", b)):
+            for kind in doc["kinds"]:
+                sc = [icqs_scores(r.loglik_calibrated, r.ratios, kind, settings.tie_epsilon)[0]
+                      for r in res]
+                doc["auc"][f"{side}/{kind}"] = auc_ci(
+                    [sc[idx[xy]] for xy in groups["correct"]],
+                    [sc[idx[xy]] for xy in groups["incorrect"]], n_boot=args.n_boot,
+                    seed=args.seed)
+    if args.json:
+        print(study.dumps(study.finite(doc)))
+        return 0
+    print(f"{dataset}: {len(responses)} responses, N={n}, M+1={st.num_ratios}, "
+          f"L={st.sets_per_ratio}, seed {st.seed}; side A {la} ({ta:.0f} s), side B {lb} "
+          f"({tb:.0f} s)")
+    print(stability.table(doc))
+    if "auc" in doc:
+        print("AUC correct vs incorrect (A / B): " + "; ".join(
+            f"{k} {doc['auc']['a/' + k]['value']:.3f} / {doc['auc']['b/' + k]['value']:.3f}"
+            for k in doc["kinds"]))
     return 0
 
 

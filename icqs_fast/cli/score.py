@@ -110,6 +110,7 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
                    strata_order=args.strata_order, max_length=args.max_length,
                    drop_oldest_demos=args.drop_oldest_demos, template=template_spec,
                    calibration=args.calibrate, score=args.score,
+                   tie_epsilon=args.tie_epsilon,
                    pmi_premise=args.pmi_premise,
                    **({"content_free": tuple(args.content_free)} if args.content_free else {}))
     try:

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                     icqs_options={"num_ratios": args.num_ratios,
                                   "demos_per_set": args.demos_per_set,
                                   "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
-                                  "calibration": args.calibrate, "score": args.score})
+                                  "calibration": args.calibrate, "score": args.score,
+                                  "tie_epsilon": args.tie_epsilon})
     if not args.quiet:
         print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
               f"({'API key required' if args.api_key else 'no API key'}; schema at /openapi.json,"

@@ -16,9 +16,17 @@ The baseline term depends on (context, y) only, never on ``x``: the engine score
 (query, y) pair once per context and caches it (:class:`icqs_fast.engine.scorer.ICQSScorer`), so
 label-like answers add almost nothing; free-text answers add one row per query and context.
 
-``score`` (same object): ``"argmax"`` (the paper: ``r_k``, ``k = argmax_j``) or ``"mean"`` (the
-posterior mean ``sum_j q_j r_j``, ``q = softmax_j(mean_l l_{j,l})`` for ICQS-Epistemic and
-``softmax_j(l_{j,l})`` per set: a uniform prior over the ratios, whose mode is the argmax score).
+``score`` (same object): ``"argmax"`` (the paper: ``r_k``, ``k = argmax_j``), ``"tied"`` (tie-aware
+argmax: the mean of the ratios ``r_j`` whose ``l_j`` lies within ``tie_epsilon`` nats of the
+best; equal to the argmax score whenever the best leads by more than ``tie_epsilon``, and it
+cannot jump from one ratio to a distant one when a rounding change of less than that reorders
+two near-equal contexts) or ``"mean"`` (the posterior mean ``sum_j q_j r_j``,
+``q = softmax_j(mean_l l_{j,l})`` for ICQS-Epistemic and ``softmax_j(l_{j,l})`` per set: a
+uniform prior over the ratios, whose mode is the argmax score).
+
+Stability diagnostics (:func:`icqs_margins`): per set, the margin in nats between the best and
+the second mixture ratio; a set whose margin is below the noise level (``tie_epsilon``) has an
+argmax that rounding may decide.
 """
 
 from __future__ import annotations
@@ -45,19 +53,38 @@ def calibration_queries(st: ScoringSettings) -> list[tuple[Template, str]]:
     return []
 
 
-def icqs_scores(loglik: torch.Tensor, ratios: Sequence[float], kind: str = "argmax"
-                ) -> tuple[float, list[float]]:
+def icqs_scores(loglik: torch.Tensor, ratios: Sequence[float], kind: str = "argmax",
+                tie_epsilon: float = 0.1) -> tuple[float, list[float]]:
     """``(score, score_per_set)`` of the (calibrated) ``loglik`` ``[M+1, L]``: ICQS-Epistemic
     from ``mean_l loglik[j, l]``, plain ICQS from each column; ``kind`` "argmax" (the ratio of
-    the most likely context) or "mean" (the posterior mean of the ratio, in [0, 1])."""
+    the most likely context), "tied" (the mean ratio of the contexts within ``tie_epsilon``
+    nats of the most likely) or "mean" (the posterior mean of the ratio, in [0, 1])."""
     ll = loglik.double()
     if kind == "argmax":
         per_set = [float(ratios[int(k)]) for k in torch.argmax(ll, dim=0)]
         return float(ratios[int(torch.argmax(ll.mean(dim=1)))]), per_set
-    if kind != "mean":
-        raise ValueError(f"score must be 'argmax' or 'mean', got {kind!r}")
     r = torch.tensor([float(v) for v in ratios], dtype=torch.float64)
+    if kind == "tied":
+        def tied(col: torch.Tensor) -> float:
+            near = col >= col.max() - tie_epsilon
+            return float(r[near].mean())
+
+        return tied(ll.mean(dim=1)), [tied(ll[:, j]) for j in range(ll.shape[1])]
+    if kind != "mean":
+        raise ValueError(f"score must be 'argmax', 'tied' or 'mean', got {kind!r}")
     lo, hi = float(r.min()), float(r.max())
     per_set = (torch.softmax(ll, dim=0) * r[:, None]).sum(dim=0).clamp(lo, hi)
     score = float((torch.softmax(ll.mean(dim=1), dim=0) * r).sum().clamp(lo, hi))
     return score, [float(v) for v in per_set]
+
+
+def icqs_margins(loglik: torch.Tensor) -> tuple[float, list[float]]:
+    """Stability diagnostics of the (calibrated) ``loglik`` ``[M+1, L]``: ``(margin, margins)``,
+    the gap in nats between the best and the second mixture ratio of ``mean_l loglik`` (what
+    ICQS-Epistemic's argmax decides on) and of each set's column. A margin below the rounding
+    noise of the configuration (``tie_epsilon``) is an argmax that a change of dtype, backend or
+    batch may flip."""
+    ll = loglik.double()
+    top = ll.topk(2, dim=0).values  # [2, L]
+    epi = ll.mean(dim=1).topk(2).values
+    return float(epi[0] - epi[1]), [float(v) for v in top[0] - top[1]]

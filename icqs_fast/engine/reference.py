@@ -105,7 +105,8 @@ def icqs_naive(
                              n_resp[0], torch.tensor(n_prompt).reshape(shape),
                              torch.tensor(n_drop).reshape(shape), st,
                              base.reshape(shape) if queries else None,
-                             calibration=settings_.calibration, score_kind=settings_.score))
+                             calibration=settings_.calibration, score_kind=settings_.score,
+                             tie_epsilon=settings_.tie_epsilon))
     return out
 
 

@@ -28,7 +28,7 @@ import torch
 
 from icqs_fast import ops
 from icqs_fast.engine.batching import PrefixBank, plain_hidden, plain_logits, suffix_hidden
-from icqs_fast.engine.calibration import calibration_queries, icqs_scores
+from icqs_fast.engine.calibration import calibration_queries, icqs_margins, icqs_scores
 from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length, parse_response
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
@@ -76,7 +76,11 @@ class ICQSResult:
         loglik_baseline: ``[M+1, L]`` fp32, what ``calibration`` subtracts: the mean over the
             content-free inputs of ``log P(y | demos_{j,l}, x_cf)``, or ``log P(y |
             demos_{j,l}, premise)`` for "pmi"; None for "none".
-        calibration: "none", "content_free" or "pmi"; score_kind: "argmax" or "mean".
+        calibration: "none", "content_free" or "pmi"; score_kind: "argmax", "tied" or "mean".
+        margin: stability diagnostic: the gap in nats between the best and the second mixture
+            ratio of ``mean_l loglik_calibrated`` (what ICQS-Epistemic's argmax decides on).
+        margins: ``L`` floats, the same gap per set.
+        tie_epsilon: the noise level (nats) of :attr:`near_ties` and of the "tied" score.
     """
 
     score: float
@@ -99,6 +103,15 @@ class ICQSResult:
     loglik_baseline: torch.Tensor | None = None
     calibration: str = "none"
     score_kind: str = "argmax"
+    margin: float = float("nan")
+    margins: list[float] | None = None
+    tie_epsilon: float = 0.1
+
+    @property
+    def near_ties(self) -> int:
+        """Sets whose argmax lies within :attr:`tie_epsilon` of the second ratio (a change of
+        dtype, backend or batch may flip their plain ICQS score)."""
+        return sum(1 for m in (self.margins or []) if m < self.tie_epsilon)
 
     @property
     def loglik_calibrated(self) -> torch.Tensor:
@@ -112,18 +125,22 @@ class ICQSResult:
 def summarise(index: int, loglik: torch.Tensor, ratios: list[float], n_resp: int,
               n_prompt: torch.Tensor, n_drop: torch.Tensor, stats: TokenStats | None,
               baseline: torch.Tensor | None = None, *, join: bool = False,
-              calibration: str = "none", score_kind: str = "argmax") -> ICQSResult:
+              calibration: str = "none", score_kind: str = "argmax",
+              tie_epsilon: float = 0.1) -> ICQSResult:
     """Build an :class:`ICQSResult` from the raw ``loglik`` ``[M+1, L]`` and, when calibrated,
-    its ``baseline`` ``[M+1, L]`` (the scores come from their difference, in float64)."""
+    its ``baseline`` ``[M+1, L]`` (the scores and margins come from their difference, in
+    float64)."""
     ll = loglik.double()
     if baseline is not None:
         ll = ll - baseline.double()
-    score, per_set = icqs_scores(ll, ratios, score_kind)
+    score, per_set = icqs_scores(ll, ratios, score_kind, tie_epsilon)
+    margin, margins = icqs_margins(ll)
     return ICQSResult(score=score, score_per_set=per_set, loglik=loglik.float(), ratios=ratios,
                       n_response_tokens=n_resp, n_prompt_tokens=n_prompt,
                       n_dropped_demos=n_drop, token_stats=stats, index=index, join=join,
                       loglik_baseline=None if baseline is None else baseline.float(),
-                      calibration=calibration, score_kind=score_kind)
+                      calibration=calibration, score_kind=score_kind, margin=margin,
+                      margins=margins, tie_epsilon=tie_epsilon)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -517,4 +534,4 @@ class ICQSScorer:
             base = torch.stack([ch["loglik"] for ch in rec["cal"]]).mean(dim=0).reshape(m1, ls)
         return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
                          stats, join=rec["join"], baseline=base, calibration=self.calibration,
-                         score_kind=self.score_kind)
+                         score_kind=self.score_kind, tie_epsilon=self.settings.tie_epsilon)

@@ -20,12 +20,17 @@ DEFAULT_TOKEN_BUDGET = 16384
 # Options that change an ICQS result (demonstration sets, prompt text, truncation).
 RESULT_FIELDS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "mixing", "replacement",
                  "stratify", "strata_order", "template", "max_length", "drop_oldest_demos",
-                 "calibration", "content_free", "pmi_premise", "score")
+                 "calibration", "content_free", "pmi_premise", "score", "tie_epsilon")
 # Engine-only options: how the engine computes, not what (the reference ignores them).
 ENGINE_FIELDS = ("backend", "token_budget", "cascade", "deterministic")
 TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
 CALIBRATIONS = ("none", "content_free", "pmi")
-SCORE_KINDS = ("argmax", "mean")
+SCORE_KINDS = ("argmax", "tied", "mean")
+# Ratios whose log-likelihood lies within this many nats of the best count as tied in the
+# "tied" score (tie-aware argmax). Chosen from the measured rounding noise (docs/RESULTS.md,
+# "Scores across dtypes and backends"): the fp32 -> bf16 change of the gap between two ratios'
+# log-likelihoods, embedded model, default settings.
+TIE_EPSILON = 0.1
 # Content-free inputs of contextual calibration (Zhao et al. 2021 average "N/A", "" and
 # "[MASK]"); each is put in the template's query in place of x.
 DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
@@ -70,8 +75,10 @@ class ScoringSettings:
     x_cf in the template's query) or "pmi" (domain-conditional PMI, Holtzman et al. 2021: minus
     ``log P(y | demos, premise)``, the premise replacing the whole query; ``pmi_premise`` None =
     the template's query text after ``{x}`` without leading whitespace, e.g. "Answer:");
-    ``score`` "argmax" (the paper's ratio of the most likely context) or "mean" (the posterior
-    mean ``sum_j q_j r_j``).
+    ``score`` "argmax" (the paper's ratio of the most likely context), "tied" (tie-aware
+    argmax: the mean ratio of the contexts within ``tie_epsilon`` nats of the most likely one,
+    so a rounding difference between two near-equal ratios cannot flip the score) or "mean"
+    (the posterior mean ``sum_j q_j r_j``).
 
     Engine-only options (no effect on the reference, not in :meth:`fingerprint`): ``backend``,
     ``token_budget``, ``cascade``, ``deterministic`` (batch-invariant mode: each response runs in
@@ -94,6 +101,7 @@ class ScoringSettings:
     content_free: tuple[str, ...] = DEFAULT_CONTENT_FREE
     pmi_premise: str | None = None
     score: str = "argmax"
+    tie_epsilon: float = TIE_EPSILON
     # -- engine-only
     backend: str = "auto"
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -127,6 +135,11 @@ class ScoringSettings:
                              f"{self.calibration!r}")
         if self.score not in SCORE_KINDS:
             raise ValueError(f"score must be one of {SCORE_KINDS}, got {self.score!r}")
+        te = self.tie_epsilon
+        if isinstance(te, bool) or not isinstance(te, (int, float)) or not te >= 0 \
+                or te == float("inf"):
+            raise ValueError(f"tie_epsilon must be a finite float >= 0 (nats), got {te!r}")
+        object.__setattr__(self, "tie_epsilon", float(te))
         cf = self.content_free
         if isinstance(cf, str) or not isinstance(cf, Sequence) or not cf \
                 or not all(isinstance(t, str) for t in cf):
@@ -190,8 +203,11 @@ class ScoringSettings:
     def fingerprint(self) -> dict[str, Any]:
         """Every option that changes a result, as a JSON-able dict (the template as a dict of
         its fields, explicit strata as lists), in a fixed key order: two settings give the same
-        fingerprint exactly when they give the same results."""
-        return {k: self._json_value(k) for k in RESULT_FIELDS}
+        fingerprint exactly when they give the same results. ``tie_epsilon`` is in it only for
+        ``score="tied"`` (the only score it changes; outputs of other scores written before it
+        existed still resume)."""
+        return {k: self._json_value(k) for k in RESULT_FIELDS
+                if k != "tie_epsilon" or self.score == "tied"}
 
     def engine_options(self) -> dict[str, Any]:
         """The engine-only options (JSON-able)."""

@@ -58,7 +58,7 @@ def score_variants(model: Any, tok: Any, good: Sequence, bad: Sequence,
             rows = []
             for r, b in zip(res, base[cal], strict=True):
                 ll = r.loglik.double() if b is None else r.loglik.double() - b.double()
-                s, per = icqs_scores(ll, r.ratios, kind)
+                s, per = icqs_scores(ll, r.ratios, kind, settings.tie_epsilon)
                 rows.append(dataclasses.replace(r, score=s, score_per_set=per,
                                                 loglik_baseline=b, calibration=cal,
                                                 score_kind=kind))

@@ -150,6 +150,7 @@ class StudySettings:
     stratify: bool = False
     calibration: str = "none"
     score: str = "argmax"
+    tie_epsilon: float = 0.1  # --score tied / near_ties noise level (nats)
     compare: bool = False  # every calibration x score kind from one run (calibration_study)
 
 
@@ -176,7 +177,8 @@ def scoring_settings(n: int, st: StudySettings, template: Any = None) -> Any:
                            sets_per_ratio=st.sets_per_ratio, seed=st.seed, template=template,
                            backend=st.backend, drop_oldest_demos=True,
                            stratify="y" if st.stratify else None,
-                           calibration=st.calibration, score=st.score)
+                           calibration=st.calibration, score=st.score,
+                           tie_epsilon=st.tie_epsilon)
 
 
 def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,

@@ -166,6 +166,10 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
     # Per-record diagnostics (issue 21.4; absent from outputs written before them).
     out["truncated"] = bool(int(res.n_dropped_demos.sum()) > 0)
     out["join"] = bool(getattr(res, "join", False))
+    # Stability diagnostics (issue 29): how far the argmax is from a tie, in nats.
+    out["margin"] = float(res.margin)
+    out["margins"] = [float(m) for m in res.margins]
+    out["near_ties"] = int(res.near_ties)
     return out
 
 

@@ -71,7 +71,8 @@ from icqs_fast.serve.schemas import (
 )
 
 # /v1/score's "icqs_options" (issue 17: calibration and the score kind as strings).
-ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "calibration", "score")
+ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "calibration", "score",
+                "tie_epsilon")
 # What a client that went away is logged with (nginx's "client closed request"; never sent).
 CLIENT_CLOSED = 499
 ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "/openapi.json")
@@ -334,7 +335,9 @@ class Server:
             for o, res in zip(out, scorer.score(pairs), strict=True):
                 o["icqs"] = {"score": res.score, "score_per_set": res.score_per_set,
                              "loglik": res.loglik.tolist(), "ratios": res.ratios,
-                             "n_response_tokens": res.n_response_tokens}
+                             "n_response_tokens": res.n_response_tokens,
+                             "margin": res.margin, "margins": res.margins,
+                             "near_ties": res.near_ties}
                 if res.loglik_baseline is not None:  # calibrated: the raw loglik stays
                     o["icqs"]["loglik_baseline"] = res.loglik_baseline.tolist()
         if features:

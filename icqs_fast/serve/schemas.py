@@ -138,6 +138,7 @@ class IcqsOptions(_Request):
     seed: int | None = None
     calibration: Literal[tuple(CALIBRATIONS)] | None = None  # type: ignore[valid-type]
     score: Literal[tuple(SCORE_KINDS)] | None = None  # type: ignore[valid-type]
+    tie_epsilon: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class ScoreRequest(_Request):
@@ -160,6 +161,10 @@ class IcqsScore(BaseModel):
     ratios: list[float]
     n_response_tokens: int
     loglik_baseline: list[list[float | None]] | None = None
+    margin: float | None = Field(None, description="nats between the best and the second "
+                                 "mixture ratio of the mean over sets (stability diagnostic)")
+    margins: list[float | None] | None = Field(None, description="the same per set")
+    near_ties: int | None = Field(None, description="sets whose margin is below tie_epsilon")
 
 
 class ScoreItem(BaseModel):
