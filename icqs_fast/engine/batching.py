@@ -415,14 +415,8 @@ def suffix_hidden(
         return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id)
     dev = model_device(model)
     kv, prefix_mask, lens = bank.gather(entries)
-    r = len(suffixes)
-    s = max(len(x) for x in suffixes)
-    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
-    smask = torch.zeros((r, s), dtype=torch.long)
-    for i, x in enumerate(suffixes):
-        ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        smask[i, : len(x)] = 1
-    pos = lens[:, None] + torch.arange(s)[None, :]
+    ids, smask = right_padded(suffixes, pad_id)
+    pos = lens[:, None] + torch.arange(ids.shape[1])[None, :]
     attn = torch.cat([prefix_mask, smask], dim=1)
     # A fresh cache object around per-batch copies of the stored states (the forward appends
     # to it, so the bank itself is never written).

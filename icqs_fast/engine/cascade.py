@@ -43,6 +43,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -246,6 +247,21 @@ def _sinks(kwargs: dict) -> torch.Tensor | None:
     return s
 
 
+def _active_layer(attr: str, impl: str, block: str, module: Any, kwargs: dict
+                  ) -> tuple[Any, int, LayerAttention, float | None, torch.Tensor | None]:
+    """The active plan of an attention implementation (``_ACTIVE.<attr>``), the calling layer's
+    index and description, its score softcap and its sinks."""
+    plan = getattr(_ACTIVE, attr, None)
+    if plan is None:
+        raise RuntimeError(f"attention implementation {impl!r} is only usable inside "
+                           f"icqs_fast.engine.cascade.{block}(...)")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{impl} attention needs module.layer_idx")
+    la = plan.layer(int(layer))
+    return plan, int(layer), la, _runtime_checks(la, kwargs, f"{impl} attention"), _sinks(kwargs)
+
+
 def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       **kwargs):
     """``AttentionInterface`` function (contract of transformers' ``sdpa_attention_forward``:
@@ -253,16 +269,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     only; returns ``[R, S, Hq, Dv]``, None). The mask transformers passes is not used: suffix rows
     are right-padded, so causality alone keeps real queries off padded keys, and the layer's
     window / chunk comes from the plan's layer description, on absolute positions."""
-    plan: CascadePlan | None = getattr(_ACTIVE, "plan", None)
-    if plan is None:
-        raise RuntimeError(f"attention implementation {IMPL_NAME!r} is only usable inside "
-                           "icqs_fast.engine.cascade.cascade_plan(...)")
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise ValueError("cascade attention needs module.layer_idx")
-    la = plan.layer(int(layer))
-    softcap = _runtime_checks(la, kwargs, "cascade attention")
-    sinks = _sinks(kwargs)
+    plan, layer, la, softcap, sinks = _active_layer("plan", IMPL_NAME, "cascade_plan", module,
+                                                    kwargs)
     r, hq, s, d = query.shape
     hk = key.shape[1]
     dv = value.shape[-1]
@@ -372,6 +380,10 @@ class PositionPlan:
     def __post_init__(self) -> None:
         self._allow: dict[tuple, torch.Tensor] = {}
 
+    def layer(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention description."""
+        return self.layers[layer]
+
     def allow(self, la: LayerAttention, tk: int) -> torch.Tensor:
         """``[B, 1, Lq, Tk]`` bool for a layer like ``la``."""
         key = (la.kind, la.window, la.chunk, tk)
@@ -390,16 +402,8 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
     builds, KV-copy suffix forwards) of models with local layers: the mask comes from the active
     :class:`PositionPlan` and the layer's description (window, chunk, softcap) rather than from
     transformers' slot-based masks; sinks (``s_aux``) take their share of the denominator."""
-    plan: PositionPlan | None = getattr(_ACTIVE, "positions", None)
-    if plan is None:
-        raise RuntimeError(f"attention implementation {POSITIONAL_IMPL!r} is only usable inside "
-                           "icqs_fast.engine.cascade.position_plan(...)")
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise ValueError("positional attention needs module.layer_idx")
-    la = plan.layers[int(layer)]
-    softcap = _runtime_checks(la, kwargs, "positional attention")
-    sinks = _sinks(kwargs)
+    plan, _, la, softcap, sinks = _active_layer("positions", POSITIONAL_IMPL, "position_plan",
+                                                module, kwargs)
     b, hq, lq, d = query.shape
     hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hk
