@@ -20,7 +20,12 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_common(targets: torch.Tensor, n: int, v: int, ignore_index: int, temperature: float):
+def _check_common(targets: torch.Tensor, n: int, v: int, ignore_index: int, temperature: float
+                  ) -> torch.Tensor | None:
+    """Argument checks of both ops. The targets' range is checked here on the CPU (free); on
+    a GPU it would cost a host sync per call, so there it is computed on the device: returns
+    ``bad [N]`` bool (the targets outside ``[0, v)`` that are not ``ignore_index``) for
+    :func:`_settle_targets`, or None."""
     ok = isinstance(temperature, (int, float)) and math.isfinite(temperature)
     if not (ok and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -28,15 +33,46 @@ def _check_common(targets: torch.Tensor, n: int, v: int, ignore_index: int, temp
         raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
     if targets.shape != (n,):
         raise ValueError(f"targets must have shape [{n}], got {list(targets.shape)}")
-    if n:
-        valid = targets != ignore_index
-        bad = valid & ((targets < 0) | (targets >= v))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"targets[{i}] = {int(targets[i])} is outside the vocabulary [0, {v}) "
-                f"and is not ignore_index ({ignore_index})"
-            )
+    if not n:
+        return None
+    valid = targets != ignore_index
+    bad = valid & ((targets < 0) | (targets >= v))
+    if targets.device.type != "cpu":
+        return bad
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(_TARGET_ERROR.format(i=i, value=int(targets[i]), v=v,
+                                              ignore_index=ignore_index))
+    return None
+
+
+_TARGET_ERROR = ("targets[{i}] = {value} is outside the vocabulary [0, {v}) and is not "
+                 "ignore_index ({ignore_index})")
+
+
+def _safe_targets(targets: torch.Tensor, bad: torch.Tensor | None, ignore_index: int
+                  ) -> torch.Tensor:
+    """``targets`` with the out-of-vocabulary ones (``bad``) set to ``ignore_index``, so no
+    kernel reads outside the head or the logits."""
+    if bad is None:
+        return targets
+    return torch.where(bad, torch.full_like(targets, ignore_index), targets)
+
+
+def _settle_targets(out: TokenStats, targets: torch.Tensor, bad: torch.Tensor | None, v: int,
+                    ignore_index: int) -> TokenStats:
+    """The GPU form of the target check: the bad rows' statistics are NaN (``valid`` False),
+    and the ValueError is raised when the results are read (``TokenStats.to_host``, in the
+    same one copy as the results, or any field access that resolves them)."""
+    if bad is None:
+        return out
+    nan = torch.full((), math.nan, device=bad.device)
+    for name in ("logprob", "entropy", "varentropy", "max_logprob"):
+        t = getattr(out, name)
+        setattr(out, name, torch.where(bad, nan.to(t.dtype), t))
+    out.defer_error(bad, targets, _TARGET_ERROR.replace("{v}", str(v)).replace(
+        "{ignore_index}", str(ignore_index)))
+    return out
 
 
 def token_stats(
@@ -54,7 +90,11 @@ def token_stats(
             strided (the last dimension must be contiguous for the cpp and triton backends,
             otherwise it is copied).
         targets: ``[N]`` (or ``[...]``) int64 target ids; ``ignore_index`` marks rows to skip;
-            on ``logits``' device (else a ValueError, the same on every backend).
+            on ``logits``' device (else a ValueError, the same on every backend). A target
+            outside ``[0, V)`` that is not ``ignore_index`` is a ValueError: at once on the
+            CPU; on a GPU (no host sync per call) its row's float statistics are NaN, ``valid``
+            False, and the error is raised when the result is read (``TokenStats.to_host``,
+            ``map``, ``as_dict``).
         ignore_index: target value of masked rows; their outputs are 0 and ``valid`` False.
         temperature: T > 0; statistics are of softmax(z / T).
         backend: ``"auto"`` (triton on CUDA, cpp on CPU when built, torch otherwise),
@@ -81,9 +121,11 @@ def token_stats(
     if targets.device != logits.device:
         raise ValueError(f"token_stats needs all inputs on one device; got logits on "
                          f"{logits.device}, targets on {targets.device}")
-    _check_common(t, z.shape[0], v, ignore_index, temperature)
+    bad = _check_common(t, z.shape[0], v, ignore_index, temperature)
     name = backends.resolve(backend, logits.device)
-    out = backends.module(name).token_stats(z, t.long(), ignore_index, float(temperature))
+    out = backends.module(name).token_stats(z, _safe_targets(t, bad, ignore_index).long(),
+                                            ignore_index, float(temperature))
+    out = _settle_targets(out, t, bad, v, ignore_index)
     return out.map(lambda x: x.reshape(lead)) if len(lead) != 1 else out
 
 
@@ -140,7 +182,8 @@ def linear_token_stats(
     fp32 on the CPU and on the GPU alike; casting the weight costs one ``[V, H]`` copy per
     call, so keep it in the body's dtype or wider). Any other dtype is a TypeError. ``hidden``,
     ``weight``, ``targets`` and ``bias`` must be on one device, else a ValueError naming the
-    devices.
+    devices. Out-of-vocabulary targets: as in :func:`token_stats` (on a GPU, raised when the
+    result is read).
 
     Args:
         hidden: ``[N, H]`` float32/float16/bfloat16 hidden states (e.g. before the LM head).
@@ -175,7 +218,8 @@ def linear_token_stats(
         raise ValueError(f"bias must be [{weight.shape[0]}], got {list(bias.shape)}")
     hidden, weight, bias = _common_dtype_device(hidden, weight, targets, bias)
     n, v = hidden.shape[0], weight.shape[0]
-    _check_common(targets, n, v, ignore_index, temperature)
+    bad = _check_common(targets, n, v, ignore_index, temperature)
+    checked, targets = targets, _safe_targets(targets, bad, ignore_index)
     negate, temperature, tanh_scale = _epilogue(logit_scale, softcap, float(temperature))
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError("chunk_tokens and chunk_vocab must be >= 1")
@@ -186,11 +230,13 @@ def linear_token_stats(
         hidden = -hidden
         bias = None if bias is None else -bias
     if name == "triton":
-        return mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
-                                      temperature, tanh_scale=tanh_scale)
-    return _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, temperature,
-                           chunk_tokens, chunk_vocab, mod.reduce_block, tanh_scale,
-                           getattr(mod, "tanh_logits", None))
+        out = mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
+                                     temperature, tanh_scale=tanh_scale)
+    else:
+        out = _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, temperature,
+                              chunk_tokens, chunk_vocab, mod.reduce_block, tanh_scale,
+                              getattr(mod, "tanh_logits", None))
+    return _settle_targets(out, checked, bad, v, ignore_index)
 
 
 def _epilogue(logit_scale: float, softcap: float | None, temperature: float

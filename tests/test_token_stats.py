@@ -308,3 +308,41 @@ def test_triton_bf16_unaligned_view():
     z = big[:, 1:]  # row stride 301 (odd) and base offset 2 bytes
     t = torch.tensor([0, 150, 299])
     compare(triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=64), ref64(z, t), 2e-4)
+
+
+def test_deferred_checks_settle_in_one_host_copy():
+    """What the GPU path defers instead of a host sync per op call (issue 27): the target-range
+    error and the float64 ``logprob_var`` fix are settled by ``to_host`` (one packed copy,
+    here on CPU tensors), or by any read that resolves them (``map``, ``logprob_var``)."""
+    z = torch.randn(5, 11)
+    t = torch.tensor([1, 2, 3, 4, 5])
+
+    def fresh():
+        return ops.token_stats(z, t, backend="torch")
+
+    base = fresh()
+    rows = torch.tensor([False, True, False, False, True])
+    s = fresh()
+    s.defer_var_fix(rows, lambda idx: torch.full((len(idx),), 7.0, dtype=torch.float64))
+    host, (extra,) = s.to_host_with([torch.arange(6).reshape(2, 3)])
+    assert host.logprob_var.tolist() == pytest.approx(
+        [7.0 if r else v for r, v in zip(rows.tolist(), base.logprob_var.tolist(),
+                                            strict=True)])
+    assert extra.tolist() == [[0, 1, 2], [3, 4, 5]]
+    for name in ("logprob", "entropy", "is_greedy", "target_rank", "valid"):
+        got = getattr(host, name)
+        assert got.dtype == getattr(base, name).dtype and torch.equal(got, getattr(base, name))
+    s = fresh()
+    s.defer_var_fix(rows, lambda idx: torch.full((len(idx),), 7.0, dtype=torch.float64))
+    assert s.logprob_var[1] == 7.0  # a plain read resolves it
+    s = fresh()
+    s.defer_error(rows, t * 10, "targets[{i}] = {value} is outside")
+    with pytest.raises(ValueError, match=r"targets\[1\] = 20 is outside"):
+        s.to_host(("logprob",))
+    s = fresh()
+    s.defer_error(rows, t * 10, "targets[{i}] = {value} is outside")
+    with pytest.raises(ValueError, match=r"targets\[1\]"):
+        s.map(lambda x: x)
+    s = fresh()
+    s.defer_error(torch.zeros(5, dtype=torch.bool), t, "never")
+    assert s.to_host(("logprob",)).logprob.shape == (5,)

@@ -71,10 +71,22 @@ def _fix_nonfinite_target_var(out: TokenStats, z_t: torch.Tensor, valid: torch.T
     no finite value on a row whose target logit is -inf/+inf/NaN (a masked entry): there they
     fall back to origin 0, and fp32 sums of logits far from 0 cancel. Such rows are rare
     (masked vocabulary entries as targets), so their ``logprob_var`` is recomputed directly in
-    float64 from ``row_chunks(rows)``, an iterator of ``[R, Vc]`` float64 ``x = z / T``."""
-    bad = (valid & ~torch.isfinite(z_t)).nonzero()[:, 0]
-    if bad.numel():
-        out.logprob_var[bad] = _finite_var_rows(row_chunks(bad)).to(out.logprob_var.dtype)
+    float64 from ``row_chunks(rows)``, an iterator of ``[R, Vc]`` float64 ``x = z / T``.
+
+    Finding those rows on the host would stop the GPU queue once per call; on a GPU the fix
+    is left pending on ``out`` (``TokenStats.defer_var_fix``) and done when the results are
+    read: ``TokenStats.to_host`` reads the row flags in the same one copy as the results."""
+    bad = valid & ~torch.isfinite(z_t)
+
+    def fix(rows: torch.Tensor) -> torch.Tensor:
+        return _finite_var_rows(row_chunks(rows))
+
+    if z_t.device.type != "cpu":
+        out.defer_var_fix(bad, fix)
+        return
+    rows = bad.nonzero()[:, 0]
+    if rows.numel():
+        out.logprob_var[rows] = fix(rows).to(out.logprob_var.dtype)
 
 
 def token_stats(
