@@ -410,7 +410,9 @@ class LikelihoodEvaluator:
         # The capture only needs the attention layers to run: the body, or the whole model
         # where the capability check found no separate body.
         body = model_plan(self.model).body or self.model
-        out = []
+        # Each record's value and mask check stay on the device; one device-to-host copy for
+        # the whole call (not a sync per record).
+        vals, bads = [], []
         for r in records:
             enc = self.encode(r, memory)
             self._check_length(r, enc)
@@ -419,10 +421,18 @@ class LikelihoodEvaluator:
             qm = torch.zeros((1, t), dtype=torch.bool, device=dev)
             qm[0, t - 1] = True
             kr = torch.tensor([list(enc.response_span)], dtype=torch.long, device=dev)
-            with capture_attention_entropy(self.model, qm, kr, backend=backend) as cap:
+            with capture_attention_entropy(self.model, qm, kr, backend=backend,
+                                           check_mask=False) as cap:
                 body(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-            out.append(float(cap.entropy[0, :, :, t - 1].double().mean()))
-        return out
+            vals.append(cap.entropy[0, :, :, t - 1].double().mean())
+            if cap.mask_bad is not None:
+                bads.append(cap.mask_bad.double())
+        if not vals:
+            return []
+        host = torch.stack(vals + bads).tolist()
+        if bads:
+            cap.check_mask(any(host[len(vals):]))
+        return host[:len(vals)]
 
 
 def _logsumexp(xs: list[float]) -> float:

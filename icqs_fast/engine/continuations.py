@@ -241,10 +241,11 @@ def _head(plan, hidden, batch, reqs, results, backend, want_stats) -> None:
     tgt = torch.tensor(targets, device=dev)
     st = ops.token_stats(h, tgt, backend=backend) if plan.own_logits else \
         plan.head_stats(h, tgt, backend)
-    lp = st.logprob.detach().float().cpu()
-    greedy = st.is_greedy.detach().cpu()
-    # One device-to-host copy per field and batch, sliced on the host (not one per request).
-    st_host = st.map(lambda t: t.detach().cpu()) if want_stats else None
+    # One device-to-host copy per batch (every field asked for, packed), sliced on the host:
+    # not one per request nor one per field.
+    host = st.to_host(None if want_stats else ("logprob", "is_greedy"))
+    lp, greedy = host.logprob.float(), host.is_greedy
+    st_host = host if want_stats else None
     start = 0
     for r, n in zip(batch, seg, strict=True):
         tok = lp[start:start + n]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -27,13 +28,28 @@ class _Capture:
     """State of one :func:`capture_attention_entropy` block; ``entropy`` is set on exit."""
 
     def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str,
-                 layers: tuple = ()):
+                 layers: tuple = (), model=None):
         self.query_mask = query_mask
         self.key_range = key_range
         self.backend = backend
         self.layers_desc = layers  # each layer's LayerAttention (window, chunk, softcap)
+        self.model = model
         self.layers: dict[int, torch.Tensor] = {}
         self.entropy: torch.Tensor | None = None
+        # The 4D masks seen in this forward, each analysed once for all layers that share it
+        # and rule: [(mask, rule, key_ok [B, Tk] bool, causal)].
+        self.masks: list[tuple[torch.Tensor, tuple, torch.Tensor, bool]] = []
+        # 0-d bool on the device: some mask seen did NOT reproduce causal + key padding + its
+        # layer's own window / chunk (checked once per forward, not per layer: check_mask).
+        self.mask_bad: torch.Tensor | None = None
+
+    def check_mask(self, bad: bool | None = None) -> None:
+        """Raise the mask ValueError if a mask of the forward failed; ``bad`` is
+        ``cap.mask_bad`` as the caller already read it (else it is read here: a host sync)."""
+        if self.mask_bad is None:
+            return
+        if bool(self.mask_bad) if bad is None else bad:
+            raise ValueError(MASK_ERROR)
 
     def finish(self) -> None:
         if not self.layers:
@@ -45,19 +61,29 @@ class _Capture:
 
 _ACTIVE = threading.local()
 
+MASK_ERROR = ("capture_attention_entropy: the model's attention mask is not causal + key "
+              "padding + the layer's own window / chunk (per-head masks, packed sequences and "
+              "bidirectional parts are not supported)")
 
-def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int, la=None) -> tuple[torch.Tensor, bool]:
-    """Turn the 4D mask the model passes (``[B or 1, 1 or H, Tq, Tk]``, bool with True = attend or
-    additive float with 0 = attend) into a key-padding mask ``[B, Tk]`` and a causal flag, and
-    check that they, with the layer's own window / chunk rule (``la``, a
-    :class:`~icqs_fast.engine.layout.LayerAttention`), reproduce the mask exactly on every row
-    that attends to something."""
+# Per model and layer rule: whether its masks are causal. Decided once per model from the first
+# forward's mask (one host sync); later forwards only check it on the device.
+_CAUSAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rule(la) -> tuple:
+    return ("full",) if la is None or not la.local else (la.kind, la.window, la.chunk)
+
+
+def _mask_checks(mask: torch.Tensor, tq: int, tk: int, la=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4D mask the model passes (``[B or 1, 1 or H, Tq, Tk]``, bool with True = attend or
+    additive float with 0 = attend) as a key-padding mask ``key_ok [B, Tk]`` bool, and two 0-d
+    bool tensors on the mask's device, no host sync: whether key padding + causality + the
+    layer's own window / chunk rule (``la``, a
+    :class:`~icqs_fast.engine.layout.LayerAttention`) reproduce the mask exactly on every row
+    that attends to something, and the same without causality."""
     allow = mask if mask.dtype == torch.bool else mask == 0
-    if allow.shape[1] != 1:
-        if not bool((allow == allow[:, :1]).all()):
-            raise ValueError("capture_attention_entropy: per-head attention masks are not "
-                             "supported")
-        allow = allow[:, :1]
+    same_heads = (allow == allow[:, :1]).all() if allow.shape[1] != 1 else None
     allow = allow[:, 0]  # [B, Tq, Tk]
     dev = allow.device
     qpos = tk - tq + torch.arange(tq, device=dev)
@@ -69,22 +95,51 @@ def _mask_to_padding(mask: torch.Tensor, tq: int, tk: int, la=None) -> tuple[tor
     # Padded keys are the keys no query attends to; real keys are attended at least by the
     # query at their own position (the last query without a cache).
     key_ok = allow.any(1)
-    live = allow.any(-1, keepdim=True)  # rows with some allowed key (pad-query rows may be empty)
+    dead = ~allow.any(-1, keepdim=True)  # rows with no allowed key (pad-query rows may be)
+    oks = []
     for causal in (True, False):
         pred = key_ok[:, None, :] & (causal_m[None] if causal else True) & local[None]
-        if bool(((pred == allow) | ~live).all()):
+        ok = ((pred == allow) | dead).all()
+        oks.append(ok if same_heads is None else ok & same_heads)
+    return key_ok, oks[0], oks[1]
+
+
+def mask_causality(model, rule: tuple, ok_causal: torch.Tensor, ok_full: torch.Tensor) -> bool:
+    """Whether ``model``'s masks for layers of ``rule`` are causal: read from the first mask
+    (one host sync per model and rule, like the capability check), remembered after."""
+    known = _CAUSAL.get(model, {}) if model is not None else {}
+    if rule in known:
+        return known[rule]
+    oc = bool(ok_causal)
+    if not (oc or bool(ok_full)):  # a second sync only for a model whose masks are not causal
+        raise ValueError(MASK_ERROR)
+    if model is not None:
+        _CAUSAL.setdefault(model, {})[rule] = bool(oc)
+    return bool(oc)
+
+
+def _mask_to_padding(cap: _Capture, mask: torch.Tensor, tq: int, tk: int, la=None
+                     ) -> tuple[torch.Tensor, bool]:
+    """``(key_ok [B, Tk] bool, causal)`` for this layer's mask, analysed once per forward for
+    all layers that share the mask object and rule; its check joins ``cap.mask_bad``."""
+    rule = _rule(la)
+    for m, r, key_ok, causal in cap.masks:
+        if m is mask and r == rule:
             return key_ok, causal
-    raise ValueError(
-        "capture_attention_entropy: the model's attention mask is not causal + key padding + "
-        "the layer's own window / chunk (packed sequences and bidirectional parts are not "
-        "supported)"
-    )
+    key_ok, ok_causal, ok_full = _mask_checks(mask, tq, tk, la)
+    causal = mask_causality(cap.model, rule, ok_causal, ok_full)
+    bad = ~(ok_causal if causal else ok_full)
+    cap.mask_bad = bad if cap.mask_bad is None else cap.mask_bad | bad
+    cap.masks.append((mask, rule, key_ok, causal))
+    return key_ok, causal
 
 
 def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                        is_causal=None, **kwargs):
     """``AttentionInterface`` function: same contract as transformers' ``sdpa_attention_forward``
-    (``query [B, Hq, Tq, D]``, ``key/value [B, Hk, Tk, D]``; returns ``[B, Tq, Hq, D]``, None)."""
+    (``query [B, Hq, Tq, D]``, ``key/value [B, Hk, Tk, D]``; returns ``[B, Tq, Hq, D]``, None).
+    No host sync per layer: the mask is analysed once per forward (:func:`_mask_to_padding`)
+    and an all-True key mask is passed as it is rather than tested for being all True."""
     from icqs_fast import ops
 
     cap: _Capture | None = getattr(_ACTIVE, "cap", None)
@@ -109,9 +164,7 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         key_ok = None
     else:
-        key_ok, causal = _mask_to_padding(attention_mask, tq, tk, la)
-        if bool(key_ok.all()):
-            key_ok = None
+        key_ok, causal = _mask_to_padding(cap, attention_mask, tq, tk, la)
     bsz = query.shape[0]
     if key_ok is not None and key_ok.shape[0] != bsz:
         key_ok = key_ok.expand(bsz, -1)
@@ -144,6 +197,7 @@ def capture_attention_entropy(
     key_range: torch.Tensor,
     *,
     backend: str = "auto",
+    check_mask: bool = True,
 ) -> Iterator[_Capture]:
     """Capture attention entropies during a normal forward of a Hugging Face model.
 
@@ -163,6 +217,12 @@ def capture_attention_entropy(
         query_mask: ``[B, T]`` bool, rows whose entropy is wanted.
         key_range: ``[B, 2]`` int64, positions in the (padded) input sequence.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        check_mask: check on exit (one host sync per block) that every layer's mask was
+            causal (or, for a model whose masks are not, bidirectional) + key padding + its
+            own window / chunk, else ValueError. False: the caller reads ``cap.mask_bad``
+            (a 0-d bool on the device, None when the forward passed no mask) in its own
+            device-to-host copy and calls ``cap.check_mask(value)``. The layers themselves never
+            sync: the mask is analysed once per forward, its causality once per model.
 
     Yields:
         the capture object; read ``cap.entropy`` after the block.
@@ -179,7 +239,7 @@ def capture_attention_entropy(
     from icqs_fast.engine.layout import layer_attention
 
     previous = model.config._attn_implementation
-    cap = _Capture(query_mask, key_range.long(), backend, layer_attention(model.config))
+    cap = _Capture(query_mask, key_range.long(), backend, layer_attention(model.config), model)
     model.set_attn_implementation(IMPL_NAME)
     if model.config._attn_implementation != IMPL_NAME:
         raise ValueError(f"{type(model).__name__} cannot switch its attention implementation "
@@ -191,6 +251,8 @@ def capture_attention_entropy(
         _ACTIVE.cap = None
         model.set_attn_implementation(previous)
         cap.finish()
+    if check_mask:
+        cap.check_mask()
 
 
 def eager_range_entropy(attn: torch.Tensor, key_range: torch.Tensor,

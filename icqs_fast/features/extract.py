@@ -258,11 +258,50 @@ def _padded(encs: list[_Encoded], idx: list[int], pad_id: int, dev: torch.device
     return ids.to(dev), am.to(dev)
 
 
-def _attn_summary(ent: torch.Tensor | None, r: int, p: int, n: int) -> dict[str, float]:
-    if ent is None or n == 0:
+def _attn_summaries(ent: torch.Tensor | None, encs: list[_Encoded], idx: list[int]
+                    ) -> torch.Tensor | None:
+    """``[B, 2]`` float64 on the device: per row, the attention entropy of its response
+    queries averaged over them per layer x head, then the mean and the min over layer x head
+    (NaN for a row without response tokens); None without a capture. No host sync: the
+    batch's one device-to-host copy carries it."""
+    if ent is None:
+        return None
+    t = ent.shape[-1]
+    pos = torch.arange(t, device=ent.device)
+    lo = torch.tensor([encs[i].prompt_len for i in idx], device=ent.device)
+    hi = torch.tensor([len(encs[i].ids) for i in idx], device=ent.device)
+    w = ((pos[None] >= lo[:, None]) & (pos[None] < hi[:, None])).double()  # [B, T]
+    cnt = w.sum(-1)
+    per_head = (ent.double() * w[:, None, None]).sum(-1) / cnt.clamp_min(1)[:, None, None]
+    out = torch.stack([per_head.mean((1, 2)), per_head.amin((1, 2))], dim=-1)
+    return torch.where((cnt > 0)[:, None], out, torch.full_like(out, math.nan))
+
+
+def _attn_summary(summ: torch.Tensor | None, r: int) -> dict[str, float]:
+    """Row ``r`` of the host copy of :func:`_attn_summaries`."""
+    if summ is None:
         return {"attn_ent_avg": math.nan, "attn_ent_min": math.nan}
-    per_head = ent[r, :, :, p:n].double().mean(-1)  # [layers, heads]
-    return {"attn_ent_avg": float(per_head.mean()), "attn_ent_min": float(per_head.min())}
+    return {"attn_ent_avg": float(summ[r, 0]), "attn_ent_min": float(summ[r, 1])}
+
+
+def _device_extras(cap, summ: torch.Tensor | None) -> list[torch.Tensor]:
+    """What rides along in the batch's one copy besides the statistics: the attention
+    summaries and the capture's mask check."""
+    extra = []
+    if summ is not None:
+        extra.append(summ)
+    if cap is not None and cap.mask_bad is not None:
+        extra.append(cap.mask_bad.reshape(1))
+    return extra
+
+
+def _host_extras(cap, summ: torch.Tensor | None, host: list[torch.Tensor]
+                 ) -> torch.Tensor | None:
+    """Check the capture's mask flag and return the host attention summaries."""
+    host = list(host)
+    if cap is not None and cap.mask_bad is not None:
+        cap.check_mask(bool(host.pop()[0]))
+    return host[0] if summ is not None else None
 
 
 def _capture_masks(encs: list[_Encoded], idx: list[int], shape: torch.Size,
@@ -286,13 +325,15 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
     run = (lambda: model(input_ids=ids, attention_mask=am, use_cache=False).logits) \
         if plan.own_logits else \
         (lambda: last_hidden(plan.body(input_ids=ids, attention_mask=am, use_cache=False)))
-    ent = None
+    ent = cap = None
     if want_attn:
         from icqs_fast.features.attention import capture_attention_entropy
 
         qm, kr = _capture_masks(encs, idx, ids.shape, dev)
         attn_backend = backend if backend in ("torch", "triton") else "auto"
-        with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
+        # The mask check rides in the batch's one device-to-host copy (check_mask=False).
+        with capture_attention_entropy(model, qm, kr, backend=attn_backend,
+                                       check_mask=False) as cap:
             hidden = run()
         ent = cap.entropy
     else:
@@ -311,8 +352,14 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
     targets = ids[rows_t, cols_t + 1]
     ts = ops.token_stats(h, targets, backend=backend) if plan.own_logits else \
         plan.head_stats(h, targets, backend)
+    # One device-to-host copy per batch (statistics, attention summaries, mask check); the
+    # per-response means are taken on the host, not one sync per feature and response.
+    summ = _attn_summaries(ent, encs, idx)
+    ts, host = ts.to_host_with(_device_extras(cap, summ),
+                               ("logprob", "entropy", "logprob_var"))
+    summ = _host_extras(cap, summ, host)
     res = []
-    for r, i in enumerate(idx):
+    for r in range(len(idx)):
         s, e = spans[r]
         n = e - s
         d: dict[str, float] = {"n_tokens": n}
@@ -325,15 +372,15 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
             d["softmax_ent"] = float(ts.entropy[s:e].double().mean())
             d["softmax_var"] = float(ts.logprob_var[s:e].double().mean())
             d["token_prob_var"] = float(lp.exp().var(unbiased=False))
-        d.update(_attn_summary(ent, r, encs[i].prompt_len, len(encs[i].ids)))
+        d.update(_attn_summary(summ, r))
         res.append(d)
     return res
 
 
-def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
-                      ) -> dict[str, float]:
-    """The SelfEval code's formulas for one unpadded row (``logits [L, V]``, ``ids [L]``,
-    ``1 <= prompt_len < L``); see the module docstring. Plain torch in the logits' dtype."""
+def _selfeval_tensors(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
+                      ) -> torch.Tensor:
+    """:func:`selfeval_formulas` on the device: ``[4]`` float64 (sent_logprob, softmax_ent,
+    softmax_var, token_prob_var; the last NaN for one token), no host sync."""
     p, n = prompt_len, int(ids.shape[0])
     if not 1 <= p < n:
         raise ValueError(f"need 1 <= prompt_len < len(ids), got {p} and {n}")
@@ -344,40 +391,61 @@ def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
     # The usual window (positions [p-1, L-1) vs ids[p:]), for our token_prob_var only.
     lp_usual = ls[:-1].gather(-1, ids[p:, None])[:, 0]
     z, lz = logits[p:], ls[1:]
-    return {
-        "n_tokens": n - p,
-        "sent_logprob": float(lp_compat.sum() / (n - p)),
-        "softmax_ent": float((lz * z).mean(-1).mean()),
-        "softmax_var": float(torch.var(lz, dim=-1).mean()),
-        # unbiased, as torch.var; NaN for one token (said here, without torch's warning)
-        "token_prob_var": float(torch.var(lp_usual.exp())) if n - p > 1 else math.nan,
-    }
+    # unbiased, as torch.var; NaN for one token (said here, without torch's warning)
+    tpv = torch.var(lp_usual.exp()) if n - p > 1 else torch.full((), math.nan,
+                                                                  device=logits.device)
+    return torch.stack([(lp_compat.sum() / (n - p)).double(), (lz * z).mean(-1).mean().double(),
+                        torch.var(lz, dim=-1).mean().double(), tpv.double()])
+
+
+_SELFEVAL_KEYS = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var")
+
+
+def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
+                      ) -> dict[str, float]:
+    """The SelfEval code's formulas for one unpadded row (``logits [L, V]``, ``ids [L]``,
+    ``1 <= prompt_len < L``); see the module docstring. Plain torch in the logits' dtype
+    (the float64 cast comes after each reduction)."""
+    vals = _selfeval_tensors(logits, ids, prompt_len).tolist()
+    return {"n_tokens": int(ids.shape[0]) - prompt_len, **dict(zip(_SELFEVAL_KEYS, vals,
+                                                                   strict=True))}
 
 
 def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
     dev = model_device(model)
     ids, am = _padded(encs, idx, pad_id, dev)
-    ent = None
+    ent = cap = None
     if want_attn:
         from icqs_fast.features.attention import capture_attention_entropy
 
         qm, kr = _capture_masks(encs, idx, ids.shape, dev)
         attn_backend = backend if backend in ("torch", "triton") else "auto"
-        with capture_attention_entropy(model, qm, kr, backend=attn_backend) as cap:
+        with capture_attention_entropy(model, qm, kr, backend=attn_backend,
+                                       check_mask=False) as cap:
             logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
         ent = cap.entropy
     else:
         logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+    # Every row's four values on the device, then one device-to-host copy per batch.
+    nan4 = torch.full((4,), math.nan, dtype=torch.float64, device=dev)
+    vals = [nan4 if len(encs[i].ids) == encs[i].prompt_len else
+            _selfeval_tensors(logits[r, :len(encs[i].ids)].float(), ids[r, :len(encs[i].ids)],
+                              encs[i].prompt_len) for r, i in enumerate(idx)]
+    summ = _attn_summaries(ent, encs, idx)
+    extra = [torch.stack(vals)] + _device_extras(cap, summ)
+    host = torch.cat([t.double().reshape(-1) for t in extra]).cpu()
+    parts, at = [], 0
+    for t in extra:
+        parts.append(host[at:at + t.numel()].reshape(t.shape))
+        at += t.numel()
+    vals_h = parts.pop(0)
+    summ = _host_extras(cap, summ, parts)
     res = []
-    nan = math.nan
     for r, i in enumerate(idx):
         p, n = encs[i].prompt_len, len(encs[i].ids)
-        if n == p:
-            d = {"n_tokens": 0, "sent_logprob": nan, "softmax_ent": nan, "softmax_var": nan,
-                 "token_prob_var": nan}
-        else:
-            d = selfeval_formulas(logits[r, :n].float(), ids[r, :n], p)
-        d.update(_attn_summary(ent, r, p, n))
+        d: dict[str, float] = {"n_tokens": n - p}
+        d.update(zip(_SELFEVAL_KEYS, vals_h[r].tolist(), strict=True))
+        d.update(_attn_summary(summ, r))
         res.append(d)
     return res
 
