@@ -98,6 +98,26 @@ def test_dry_run_covers_every_cuda_path(dry_report):
     assert not hot, hot
 
 
+def test_dry_run_sync_budgets(dry_report):
+    """Issue 27: every path within its host-sync budget (per batch forward, once-per-model
+    setup apart), none in the ops or the per-layer code, the counts in the report."""
+    from icqs_fast.benchmarks.dry_run import SETUP_SYNC_BUDGET, SYNC_BUDGETS
+
+    _, rep = dry_report
+    for name in _DRY_PATHS:
+        e = rep["paths"][name]
+        b = e["sync_budget"]
+        assert b["ok"], (name, b["problems"])
+        assert b["per_forward"] == SYNC_BUDGETS[name] and b["setup"] == SETUP_SYNC_BUDGET
+        assert e["syncs_batch"] <= SYNC_BUDGETS[name] * max(e["forwards"], 1)
+        if name != "bench_gpu":
+            assert e["forwards"] >= 1 and e["launches_batch"]["per_layer"] > 0, (name, e)
+    assert rep["paths"]["bench_gpu"]["syncs_batch"] == 0  # the ops themselves never sync
+    # The capture's mask checks: no sync per layer (its causality once per model, "setup").
+    assert not [s for s in rep["host_syncs"] if "features/attention.py" in s["site"].split(
+        " < ")[0] and s["phase"] != "setup"]
+
+
 _PLANTED = r'''
 import json, sys, torch
 from icqs_fast.backends import triton_backend
