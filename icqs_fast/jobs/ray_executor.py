@@ -14,6 +14,21 @@ when it is complete. ``--resume`` reruns skip existing block files; the run's se
 ``OUT/run.meta.json`` and a resumed run with other settings is refused, as the single-process
 ``--resume`` does. ``OUT.lock`` keeps a second driver off the same output.
 
+Who writes what (:class:`BlockOutput`): the **driver** creates ``OUT``, writes
+``OUT/run.meta.json`` (at the start, and again with dtype/device/backend once the first block
+reports them), holds ``OUT.lock``, lists the complete blocks and removes stale temporary files
+(``--resume``) or old blocks (``--overwrite``); each **worker** (actor) writes only the block
+files it scored (``part-KKKKKK.*`` and Parquet's ``part-KKKKKK.skipped.jsonl``). On a cluster
+``OUT`` must therefore be reachable under the same name from the driver and from every node:
+a folder every node mounts at the same path, or a URI of a pyarrow filesystem
+(``pyarrow.fs.FileSystem.from_uri``: ``file:///shared/out``, ``s3://bucket/out``, ``gs://``,
+``abfs://``; credentials from each node's environment, as pyarrow reads them). On a local or
+mounted filesystem a block goes to ``part-KKKKKK.<fmt>.tmp.PID`` (fsynced) and is renamed into
+place; on an object store (``s3``, ``gcs``, ``abfs``) it is uploaded under its final name,
+since an object becomes visible only when its upload completes (no rename there). An object
+store has no lock: ``OUT.lock`` is taken only on a local or mounted filesystem, so run one
+driver per object-store output.
+
 Faults: Ray restarts an actor that dies (``max_restarts=-1``) and re-sends its block
 (``max_task_retries=-1``); a re-sent block is rewritten whole, so nothing is lost or doubled. A
 driver that dies leaves complete block files only; the same command with ``--resume`` does the
@@ -37,7 +52,6 @@ with ``--calibrate``; flattened like loglik), ``ratios``,
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import socket
@@ -52,8 +66,8 @@ import numpy as np
 
 from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import InputError, RecordError, detect_format
-from icqs_fast.io.results import JsonlWriter, skipped_record
-from icqs_fast.io.runs import RUNTIME_KEYS, OutputLock, check_run_paths, resume_refusal, write_meta
+from icqs_fast.io.results import skipped_record
+from icqs_fast.io.runs import RUNTIME_KEYS, OutputLock, check_run_paths, resume_refusal
 from icqs_fast.jobs.config import (
     DEFAULT_BLOCK_SIZE,
     OUTPUT_FORMATS,
@@ -69,7 +83,8 @@ from icqs_fast.jobs.ray_actors import (
     items_of_block,
 )
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "run_ray", "block_path"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "OBJECT_STORES", "run_ray", "block_path",
+           "block_name", "is_uri", "BlockOutput"]
 META_NAME = "run"  # OUT/run.meta.json (io.write_meta adds .meta.json)
 HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
 
@@ -77,22 +92,47 @@ HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
 # --------------------------------------------------------------------------- actors
 
 
-def _hold_for_test(block: int) -> None:
-    """Test hook: with ``$ICQS_FAST_TEST_RAY_HOLD=DIR`` and ``DIR/arm-K`` present, the first
-    actor to take block K writes its pid to ``DIR/held-K`` and waits (to be killed from
-    outside); a later attempt at block K goes on."""
+def _node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - a summary field only; never fail a block for it
+        return ""
+
+
+def _hold_for_test(block: int, node: str) -> None:
+    """Test hook, with ``$ICQS_FAST_TEST_RAY_HOLD=DIR``:
+
+    * ``DIR/arm-K`` present: the first actor to take block K writes ``PID NODE`` to
+      ``DIR/held-K`` and waits (to be killed from outside, its node removed, or let go by
+      ``DIR/release-K``); a later attempt at block K goes on.
+    * ``DIR/arm-node-NODE`` present: every block an actor on Ray node NODE takes creates
+      ``DIR/held-node-NODE`` and waits until ``DIR/release-node-NODE`` exists (so a test knows
+      that this node's actor has work, or keeps the node busy while it changes the cluster).
+    """
     d = os.environ.get(HOLD_ENV)
-    if not d or not os.path.exists(os.path.join(d, f"arm-{block}")):
+    if not d:
+        return
+    if node and os.path.exists(os.path.join(d, f"arm-node-{node}")):
+        open(os.path.join(d, f"held-node-{node}"), "a").close()
+        _wait_for_file(os.path.join(d, f"release-node-{node}"))
+    if not os.path.exists(os.path.join(d, f"arm-{block}")):
         return
     held = os.path.join(d, f"held-{block}")
     try:
         fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()} {node}\n".encode())
     os.close(fd)
-    deadline = time.monotonic() + 120  # never outlive a test that forgot to kill us
-    while time.monotonic() < deadline:
+    _wait_for_file(os.path.join(d, f"release-{block}"))
+
+
+def _wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 120  # never outlive a test that forgot to let us go
+    while time.monotonic() < deadline and not os.path.exists(path):
         time.sleep(0.05)
 
 
@@ -103,11 +143,13 @@ class _BlockMixin:
     def _setup(self, out_dir: str, out_format: str, path_name: str, on_error: str,
                with_label: bool, expected_runtime: dict | None, old_meta: dict | None) -> None:
         self.out_dir, self.out_format = out_dir, out_format
+        self.output = BlockOutput(out_dir)
         self.path_name, self.on_error, self.with_label = path_name, on_error, with_label
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.node = _node_id()
         self.runtime_error = None
         if expected_runtime is not None and old_meta is not None:
-            err = resume_refusal(Path(out_dir), old_meta, self.runtime,
+            err = resume_refusal(out_dir, old_meta, self.runtime,
                            [k for k in RUNTIME_KEYS if k in old_meta])
             self.runtime_error = None if err is None else str(err)
 
@@ -129,12 +171,12 @@ class _BlockMixin:
         block = int(blocks[0])
         read_s = float(cols["read_s"][0]) if len(cols["read_s"]) else 0.0
         summary = {"block": block, "n": 0, "skipped": 0, "worker": self.worker,
-                   "seconds": 0.0, "read_s": read_s, "error": "",
+                   "node": self.node, "seconds": 0.0, "read_s": read_s, "error": "",
                    "runtime": json.dumps(self.runtime, sort_keys=True)}
         if self.runtime_error is not None:
             summary["error"] = json.dumps({"settings": self.runtime_error})
             return {k: np.array([v]) for k, v in summary.items()}
-        _hold_for_test(block)
+        _hold_for_test(block, self.node)
         items = items_of_block(cols, self.path_name)
         try:
             rows, skipped = self._lines(items)
@@ -155,23 +197,20 @@ class _BlockMixin:
         return results(items, path=self.path_name, on_error=on_error), errors
 
     def _write(self, block: int, rows: list[dict]) -> None:
-        final = block_path(self.out_dir, block, self.out_format)
-        tmp = f"{final}.tmp.{os.getpid()}"
+        # The worker writes its own block files (the driver never sees the rows): whole or not
+        # at all, so a block file exists only once it is complete (BlockOutput.write_bytes).
+        name = block_name(block, self.out_format)
         if self.out_format == "jsonl":
-            with JsonlWriter(tmp) as w:
-                for r in rows:
-                    w.write(r)
-        else:
-            import pyarrow.parquet as pq
+            self.output.write_jsonl(name, rows)
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-            if self._skipped_rows:
-                side = os.path.join(self.out_dir, f"part-{block:06d}.skipped.jsonl")
-                with JsonlWriter(side + f".tmp.{os.getpid()}") as w:
-                    for r in self._skipped_rows:
-                        w.write(r)
-                os.replace(side + f".tmp.{os.getpid()}", side)
-            pq.write_table(self._parquet(rows), tmp)
-        os.replace(tmp, final)  # the block file exists only once it is complete
+        if self._skipped_rows:  # before its block: a complete block has its side file
+            self.output.write_jsonl(f"part-{block:06d}.skipped.jsonl", self._skipped_rows)
+        buf = pa.BufferOutputStream()
+        pq.write_table(self._parquet(rows), buf)
+        self.output.write_bytes(name, buf.getvalue().to_pybytes())
 
 
 def _id_text(v: Any) -> str | None:
@@ -291,7 +330,132 @@ class FeatureBlocks(_BlockMixin, GlassboxBatchScorer):
 
 def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
     """The file of block ``block``: ``OUT/part-KKKKKK.<format>``."""
-    return os.path.join(os.fspath(out_dir), f"part-{block:06d}.{out_format}")
+    return os.path.join(os.fspath(out_dir), block_name(block, out_format))
+
+
+def block_name(block: int, out_format: str) -> str:
+    """The name of block ``block``'s file inside the output: ``part-KKKKKK.<format>``."""
+    return f"part-{block:06d}.{out_format}"
+
+
+# pyarrow filesystem types whose files appear only once their upload completes (and which have
+# no atomic rename): blocks are written there under their final name.
+OBJECT_STORES = ("s3", "gcs", "abfs")
+
+
+def is_uri(output: str) -> bool:
+    """Whether ``output`` names a pyarrow filesystem URI (``scheme://...``) rather than a path."""
+    head, sep, _ = output.partition("://")
+    return bool(sep) and head.replace("+", "").replace("-", "").isalnum() and "/" not in head
+
+
+class BlockOutput:
+    """The output folder of a ``--ray`` run, on the filesystem the driver and every worker reach.
+
+    ``output`` is a local path (a folder every node mounts at the same path) or a URI of a
+    pyarrow filesystem (``pyarrow.fs.FileSystem.from_uri``: ``file:///shared/out``,
+    ``s3://bucket/prefix?endpoint_override=host:port&scheme=http``, ...). Each process builds
+    its own from the same string, so credentials come from that process's environment.
+
+    Files are written whole or not at all (:meth:`write_bytes`): on a local or mounted
+    filesystem to ``NAME.tmp.PID`` (fsynced, so a machine crash cannot leave a complete-looking
+    empty block on a shared mount), then renamed; on an object store (:data:`OBJECT_STORES`)
+    under the final name, which its readers see only once the upload completes.
+
+    Args:
+        output: the path or URI.
+        by_rename: how :meth:`write_bytes` makes a write atomic (default: by the filesystem's
+            type, see above); False writes in place (what an object store does) on any
+            filesystem, which the tests use to run the object-store path on a local one.
+    """
+
+    def __init__(self, output: str, *, by_rename: bool | None = None) -> None:
+        import pyarrow.fs as pafs
+
+        self.output = output
+        if is_uri(output):
+            self.fs, root = pafs.FileSystem.from_uri(output)
+        else:
+            self.fs, root = pafs.LocalFileSystem(), os.path.abspath(output)
+        self.root = root.rstrip("/") or "/"
+        self.local = self.fs.type_name == "local"
+        self.by_rename = (self.fs.type_name not in OBJECT_STORES) if by_rename is None \
+            else by_rename
+
+    def path(self, name: str) -> str:
+        """The filesystem path of ``name`` inside the output."""
+        return f"{self.root}/{name}"
+
+    def kind(self) -> str:
+        """``"missing"``, ``"dir"`` or ``"file"`` (a prefix with objects is a folder)."""
+        import pyarrow.fs as pafs
+
+        t = self.fs.get_file_info(self.root).type
+        if t == pafs.FileType.Directory:
+            return "dir"
+        if t == pafs.FileType.File:
+            return "file"
+        return "dir" if self.names() else "missing"
+
+    def names(self) -> list[str]:
+        """The names of the files directly inside the output (none when it is missing)."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+    def exists(self, name: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self.path(name)).type == pafs.FileType.File
+
+    def read_text(self, name: str) -> str:
+        with self.fs.open_input_stream(self.path(name)) as f:
+            return f.read().decode("utf-8")
+
+    def remove(self, name: str) -> None:
+        self.fs.delete_file(self.path(name))
+
+    def make(self) -> None:
+        """Create the output folder (on an object store: nothing to create)."""
+        self.fs.create_dir(self.root, recursive=True)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write file ``name`` whole: it exists only once complete (see the class docstring)."""
+        final = self.path(name)
+        if not self.by_rename:
+            with self.fs.open_output_stream(final) as f:
+                f.write(data)
+            return
+        tmp = f"{final}.tmp.{os.getpid()}"
+        if self.local:  # os calls: fsync before the rename (pyarrow's stream does not sync)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            return
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(data)
+        self.fs.move(tmp, final)
+
+    def write_jsonl(self, name: str, rows: list[dict]) -> None:
+        """The rows as JSON lines, formatted as :class:`~icqs_fast.io.results.JsonlWriter`
+        writes them (the single-process lines)."""
+        self.write_bytes(name, "".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n"
+                                       for r in rows).encode("utf-8"))
+
+    def write_meta(self, settings: dict) -> None:
+        """``run.meta.json``, formatted as :func:`~icqs_fast.io.runs.write_meta` writes it."""
+        self.write_bytes(f"{META_NAME}.meta.json",
+                         (json.dumps(settings, indent=1) + "\n").encode("utf-8"))
+
+    def lock(self):
+        """``OUT.lock`` (:class:`~icqs_fast.io.runs.OutputLock`) on a local or mounted
+        filesystem; on an object store nothing (no exclusive create there)."""
+        import contextlib
+
+        return OutputLock(Path(self.root)) if self.local else contextlib.nullcontext()
 
 
 def _check_config(config: JobConfig) -> None:
@@ -344,30 +508,33 @@ def _actor_kw(config: JobConfig) -> dict:
                 deterministic=config.deterministic, backend=config.backend, **common)
 
 
-def _prepare_output(out: Path, settings: dict, config: JobConfig,
+def _prepare_output(out: BlockOutput, settings: dict, config: JobConfig,
                     log: Callable[..., None]) -> dict | None:
-    """Check or start ``OUT``; the old settings when resuming (None otherwise)."""
-    meta = out / f"{META_NAME}.meta.json"
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a folder; a --ray output is a folder of "
-                         "block files")
-    parts = glob.glob(os.path.join(out, "part-*")) if out.is_dir() else []
-    if config.resume and meta.is_file():
-        old = json.loads(meta.read_text(encoding="utf-8"))
-        err = resume_refusal(out, old, settings, settings)
+    """Check or start ``OUT`` (the driver's part: the folder, the settings, old blocks); the old
+    settings when resuming (None otherwise)."""
+    meta = f"{META_NAME}.meta.json"
+    kind = out.kind()
+    if kind == "file":
+        raise ValueError(f"{out.output} exists and is not a folder; a --ray output is a folder "
+                         "of block files")
+    names = out.names() if kind == "dir" else []
+    parts = [p for p in names if p.startswith("part-")]
+    if config.resume and meta in names:
+        old = json.loads(out.read_text(meta))
+        err = resume_refusal(out.output, old, settings, settings)
         if err is not None:
             raise err
         return old
     if parts and not config.resume and not config.overwrite:
-        raise ValueError(f"{out} holds block files; pass --resume to continue it or "
+        raise ValueError(f"{out.output} holds block files; pass --resume to continue it or "
                          "--overwrite to replace it")
     if parts and config.resume:
-        raise ValueError(f"cannot --resume {out}: it has block files but no "
-                         f"{meta.name}; use --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+        raise ValueError(f"cannot --resume {out.output}: it has block files but no "
+                         f"{meta}; use --overwrite")
+    out.make()
     for p in parts:
-        os.remove(p)
-    write_meta(out / META_NAME, settings)
+        out.remove(p)
+    out.write_meta(settings)
     return None
 
 
@@ -385,16 +552,27 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
-def run_ray(config: JobConfig, *, stats: dict | None = None) -> int:
+def run_ray(config: JobConfig, *, stats: dict | None = None,
+            actor_options: dict | None = None) -> int:
     """Run a ``score`` (:class:`ScoreJobConfig`) or ``features`` job on Ray Data with
     ``config.ray``'s options: see the module docstring. Returns the exit code (0; 130 on
     Ctrl-C).
 
+    ``config.output`` is a folder (every node must reach it at the same path) or a pyarrow
+    filesystem URI (:class:`BlockOutput`).
+
     ``stats``, if given, is filled with the run's figures: ``wall_s`` (from building the
     dataset to the last block, actor start-up included), ``first_block_s``, ``blocks``,
-    ``records``, ``skipped`` and ``workers`` (``{worker: {"blocks", "records", "busy_s",
-    "read_s"}}``, ``busy_s`` being the time spent in its calls, ``read_s`` in reading its
-    blocks).
+    ``records``, ``skipped``, ``workers`` (``{worker: {"blocks", "records", "busy_s",
+    "read_s", "node"}}``, ``busy_s`` being the time spent in its calls, ``read_s`` in reading
+    its blocks, ``node`` the Ray node id it ran on) and ``per_block`` (one dict per block in
+    the order the driver got them: ``block``, ``worker``, ``node``, ``seconds`` in the call,
+    ``read_s``, ``done_s`` since the start).
+
+    ``actor_options``: more Ray options for the actors (``map_batches``' ``ray_remote_args``:
+    ``resources={"big_gpu_node": 1}``, ``scheduling_strategy="SPREAD"``,
+    ``accelerator_type``, ``runtime_env``, ...), beside ``num_cpus`` / ``num_gpus`` from the
+    options (which they may replace).
 
     Raises:
         InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
@@ -404,7 +582,7 @@ def run_ray(config: JobConfig, *, stats: dict | None = None) -> int:
     ro = config.ray
     assert ro is not None
     log = (lambda *a: None) if config.quiet else (lambda *a: print(*a, file=sys.stderr))
-    out = Path(config.output)
+    out = BlockOutput(config.output)
     fmt_in = detect_format(config.input, config.format)
     settings = config.fingerprint()
     actor_kw = _actor_kw(config)
@@ -413,38 +591,45 @@ def run_ray(config: JobConfig, *, stats: dict | None = None) -> int:
         raise InputError(config.input, None, None, "no records (the input is empty)")
     settings.update(command=config.kind, input=os.path.abspath(config.input), n_records=n,
                     block_size=ro.block_size, output_format=ro.output_format)
-    with OutputLock(out):
+    with out.lock():
         old = _prepare_output(out, settings, config, log)
         return _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log,
-                           stats if stats is not None else {})
+                           stats if stats is not None else {}, actor_options or {})
 
 
-def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats) -> int:
+def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats,
+                actor_options) -> int:
     from icqs_fast.progress import track
 
     ro = config.ray
-    for stale in glob.glob(os.path.join(out, "part-*.tmp.*")):
-        os.remove(stale)  # a block being written when a driver or worker died
+    names = out.names()
+    for stale in (p for p in names if p.startswith("part-") and ".tmp." in p):
+        out.remove(stale)  # a block being written when a driver or worker died
     B = ro.block_size
     n_blocks = (n + B - 1) // B
-    done = {k for k in range(n_blocks) if os.path.exists(block_path(out, k, ro.output_format))}
+    done = {k for k in range(n_blocks) if block_name(k, ro.output_format) in names}
     pending = [k for k in range(n_blocks) if k not in done]
     if done:
-        log(f"icqs-fast: resuming {out}: {len(done)} of {n_blocks} blocks complete, "
+        log(f"icqs-fast: resuming {out.output}: {len(done)} of {n_blocks} blocks complete, "
             f"{len(pending)} to do")
     if not pending:
-        log(f"icqs-fast: {out}: all {n_blocks} blocks complete; nothing to do")
+        log(f"icqs-fast: {out.output}: all {n_blocks} blocks complete; nothing to do")
         return 0
     label_field = config.label_field
     specs = [BlockSpec(os.path.abspath(config.input), fmt_in, k, k * B, min(n, (k + 1) * B),
                        x_field=config.x_field, y_field=config.y_field, id_field=config.id_field,
                        label_field=label_field, encoding=config.encoding) for k in pending]
-    block_kw = dict(out_dir=os.path.abspath(out), out_format=ro.output_format,
+    # The actors get the output as the user gave it (a URI stays a URI; a path is made
+    # absolute), and each opens its own filesystem from it: see BlockOutput.
+    block_kw = dict(out_dir=config.output if is_uri(config.output) else out.root,
+                    out_format=ro.output_format,
                     path_name=config.input, on_error=config.on_error,
                     with_label=label_field is not None,
                     expected_runtime=None if old is None else
                     {k: old[k] for k in RUNTIME_KEYS if k in old},
                     old_meta=old)
+    remote = {"num_gpus": ro.gpus_per_worker or None, "num_cpus": ro.cpus_per_worker,
+              **actor_options}
     started = _init_ray(ro.address)
     try:
         import ray
@@ -458,8 +643,7 @@ def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats) -> 
             ScoreBlocks if config.kind == "score" else FeatureBlocks,
             fn_constructor_kwargs={"scorer_kw": actor_kw, "block_kw": block_kw},
             batch_size=None,  # one batch = one whole block
-            compute=ActorPoolStrategy(size=ro.workers), num_gpus=ro.gpus_per_worker or None,
-            num_cpus=ro.cpus_per_worker, batch_format="numpy",
+            compute=ActorPoolStrategy(size=ro.workers), batch_format="numpy", **remote,
         )
         return _drive(ds, track, config, out, settings, old, len(pending), n_blocks, t0, log,
                       stats)
@@ -471,7 +655,8 @@ def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats) -> 
 
 
 def _drive(ds, track, config, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:
-    per_worker: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    per_worker: dict[str, list] = defaultdict(lambda: [0, 0, 0.0, 0.0, ""])
+    per_block: list[dict] = []
     total = skipped = 0
     runtime = None if old is None else {k: old[k] for k in RUNTIME_KEYS if k in old} or None
     errors: list[dict] = []
@@ -487,41 +672,47 @@ def _drive(ds, track, config, out, settings, old, n_pending, n_blocks, t0, log, 
             rt = json.loads(row["runtime"])
             if runtime is None:
                 runtime = rt  # the first block fixes the run's dtype/device/backend
-                write_meta(out / META_NAME, {**settings, **rt})
+                out.write_meta({**settings, **rt})
             elif any(runtime.get(k) != rt.get(k) for k in RUNTIME_KEYS):
                 raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
                                  f"{runtime}; every worker must use the same dtype, device "
                                  "and backend")
-            stats.setdefault("first_block_s", time.perf_counter() - t0)
+            done_s = time.perf_counter() - t0
+            stats.setdefault("first_block_s", done_s)
             w = per_worker[str(row["worker"])]
             w[0] += 1
             w[1] += int(row["n"]) + int(row["skipped"])
             w[2] += float(row["seconds"])
             w[3] += float(row["read_s"])
+            w[4] = str(row["node"])
+            per_block.append({"block": int(row["block"]), "worker": str(row["worker"]),
+                              "node": str(row["node"]), "seconds": float(row["seconds"]),
+                              "read_s": float(row["read_s"]), "done_s": done_s})
             total += int(row["n"])
             skipped += int(row["skipped"])
     except KeyboardInterrupt:
-        log(f"icqs-fast: interrupted; complete blocks are in {out}; rerun with --resume")
+        log(f"icqs-fast: interrupted; complete blocks are in {out.output}; rerun with --resume")
         return 130
     dt = time.perf_counter() - t0
     stats.update(wall_s=dt, blocks=sum(int(w[0]) for w in per_worker.values()), records=total,
-                 skipped=skipped, workers={k: {"blocks": int(v[0]), "records": int(v[1]),
-                                               "busy_s": v[2], "read_s": v[3]}
-                                           for k, v in per_worker.items()})
+                 skipped=skipped, per_block=per_block,
+                 workers={k: {"blocks": int(v[0]), "records": int(v[1]), "busy_s": v[2],
+                              "read_s": v[3], "node": v[4]} for k, v in per_worker.items()})
     if errors:
         e = errors[0] if "settings" in errors[0] else min(
             errors, key=lambda e: e["index"] if e.get("index") is not None else 1 << 62)
         if "settings" in e:
             raise ValueError(e["settings"])
-        log(f"icqs-fast: stopped at a bad record; complete blocks are in {out}; fix it and "
-            "rerun with --resume, or pass --on-error skip")
+        log(f"icqs-fast: stopped at a bad record; complete blocks are in {out.output}; fix it "
+            "and rerun with --resume, or pass --on-error skip")
         raise InputError(e["path"], e["line"], e["field"], e["reason"])
-    for w, (nb, nr, sec, rd) in sorted(per_worker.items()):
+    nodes = {v[4] for v in per_worker.values()}
+    for w, (nb, nr, sec, rd, _node) in sorted(per_worker.items()):
         log(f"icqs-fast:   worker {w}: {nb} blocks, {nr} records in {sec:.1f} s busy "
             f"({nr / sec if sec > 0 else 0.0:.2f} records/s; reading its blocks {rd:.2f} s)")
     log(f"icqs-fast: {'scored' if settings['command'] == 'score' else 'features of'} {total} "
         f"responses in {dt:.1f} s ({total / dt if dt > 0 else 0.0:.2f} responses/s) on "
-        f"{len(per_worker)} workers, {n_pending} blocks"
+        f"{len(per_worker)} workers ({len(nodes)} nodes), {n_pending} blocks"
         + (f", {skipped} bad records skipped" if skipped else "")
         + (f" ({n_blocks - n_pending} blocks were already complete)"
            if n_blocks > n_pending else ""))
