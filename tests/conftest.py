@@ -8,6 +8,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every Ray node a test starts takes 127.0.0.1 as its address (the GCS, raylets, object stores
+# and workers listen and connect there only) instead of the machine's interface address: Ray
+# reads this when it is imported, hence here, before any test module imports it. The Ray tests
+# assert it for every node (tests/test_ray_cluster.py, tests/test_distributed.py).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
+
 import pytest  # noqa: E402
 from _helpers import DEVICE  # noqa: E402,F401
 from hypothesis import settings  # noqa: E402

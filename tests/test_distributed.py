@@ -1,6 +1,7 @@
-"""``--ray`` runs (icqs_fast.jobs.ray_actors) on a local Ray cluster started here (2 CPUs), with a
-tiny random Llama: the same output as the single-process CLI, a worker SIGKILLed mid-run, a
-driver SIGKILLed and rerun, bad records (skip and stop), a refused resume."""
+"""``--ray`` runs (icqs_fast.jobs.ray_actors) on a local Ray cluster started here (2 CPUs, on
+127.0.0.1 only: see tests/conftest.py), with a tiny random Llama: the same output as the
+single-process CLI, a worker SIGKILLed mid-run, a driver SIGKILLed and rerun, bad records (skip
+and stop), a refused resume. Multi-node clusters: tests/test_ray_cluster.py."""
 
 import json
 import os
@@ -54,6 +55,8 @@ def cluster(hold_dir):
     tmp = tempfile.mkdtemp(prefix="rayt-")  # short: Ray's socket paths have a length limit
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
     ray.data.DataContext.get_current().enable_progress_bars = False
+    # Loopback only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set in tests/conftest.py).
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
     for k, v in saved.items():
@@ -188,7 +191,7 @@ def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path
 
     def killer():
         _wait_for(held, 120)
-        pid = int(open(held).read())
+        pid = int(open(held).read().split()[0])
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
