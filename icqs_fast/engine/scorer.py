@@ -500,9 +500,11 @@ class ICQSScorer:
             st = ops.token_stats(h, tgt, backend=self.backend)
         else:
             st = self.plan.head_stats(h, tgt, self.backend)
-        lp = st.logprob.detach().double().cpu()
-        # One device-to-host copy per field and batch, sliced on the host (not one per segment).
-        st_host = st.map(lambda t: t.detach().cpu()) if self.return_token_stats else None
+        # One device-to-host copy per batch (every field asked for, and the deferred input
+        # checks, packed together), sliced on the host: no sync per field or per segment.
+        host = st.to_host(None if self.return_token_stats else ("logprob",))
+        lp = host.logprob.double()
+        st_host = host if self.return_token_stats else None
         start = 0
         for (rec, c), nr in zip(batch, seg, strict=True):
             rec["loglik"][c] = lp[start:start + nr].sum()
