@@ -129,3 +129,32 @@ def test_eval_stability_end_to_end(tmp_path, capsys):
     assert "score       same" in capsys.readouterr().out
     assert main([*argv[:-3], "--stability", "fp8"]) == 2
     assert "--stability 'fp8'" in capsys.readouterr().err
+
+
+def test_readable_scale_keeps_the_mean_scores_ranking():
+    """``slope`` / ``p_good`` are strictly increasing in the posterior-mean score (the same
+    ranking), 0 / 0.5 at no preference, and spread values that crowd near 0.5."""
+    from icqs_fast.engine.calibration import implied_slope
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(200):
+        ll = torch.randn(5, 4, generator=g, dtype=torch.float64) * 0.3
+        r = summarise(0, ll, RATIOS, 1, torch.zeros(5, 4), torch.zeros(5, 4), None,
+                      score_kind="mean")
+        rows.append((r.score, r.slope, r.p_good))
+    rows.sort()
+    slopes = [s for _, s, _ in rows]
+    assert all(a < b for a, b in zip(slopes, slopes[1:], strict=False))
+    assert all(0.0 < p < 1.0 for *_, p in rows)
+    assert implied_slope(0.5, RATIOS) == pytest.approx(0.0, abs=1e-12)
+    # The posterior of the implied slope has the score as its mean (the definition).
+    for m in (0.3, 0.52, 0.8):
+        b = implied_slope(m, RATIOS)
+        q = torch.softmax(b * torch.tensor(RATIOS, dtype=torch.float64), 0)
+        assert float((q * torch.tensor(RATIOS, dtype=torch.float64)).sum()) == \
+            pytest.approx(m, abs=1e-12)
+    spread = (max(p for *_, p in rows) - min(p for *_, p in rows))
+    # d p_good / d mean = sigmoid'(0) / Var(r) = 2 at the middle (5 ratios), less further out.
+    assert spread > 1.5 * (rows[-1][0] - rows[0][0])
+    assert implied_slope(1.0, RATIOS) == 50.0 and implied_slope(0.0, RATIOS) == -50.0

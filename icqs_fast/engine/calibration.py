@@ -31,6 +31,7 @@ argmax that rounding may decide.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -76,6 +77,35 @@ def icqs_scores(loglik: torch.Tensor, ratios: Sequence[float], kind: str = "argm
     per_set = (torch.softmax(ll, dim=0) * r[:, None]).sum(dim=0).clamp(lo, hi)
     score = float((torch.softmax(ll.mean(dim=1), dim=0) * r).sum().clamp(lo, hi))
     return score, [float(v) for v in per_set]
+
+
+def implied_slope(mean: float, ratios: Sequence[float]) -> float:
+    """The readable scale of the posterior-mean score: the slope ``b`` (nats per unit of mixture
+    ratio) of the log-linear posterior ``q_j ~ exp(b r_j)`` whose mean is ``mean``.
+
+    The mean of that posterior rises strictly with ``b`` (it is an exponential family in ``b``),
+    so ``b`` is a strictly increasing function of the score: it keeps the ranking exactly while
+    spreading the values that crowd near the middle. Read it as "the response's log-likelihood
+    rises by ``b`` nats from all-bad to all-good demonstrations" (``b = 0``: no preference);
+    ``sigmoid(b)`` (:attr:`ICQSResult.p_good`) is then the posterior probability of the
+    all-good context against the all-bad one. Clamped to ``[-50, 50]`` at the ends of the
+    ratio range. Solved by bisection in float64 (60 steps: exact to rounding)."""
+    r = torch.tensor([float(v) for v in ratios], dtype=torch.float64)
+    lo_r, hi_r = float(r.min()), float(r.max())
+    if not math.isfinite(mean):
+        return float("nan")
+    if mean <= lo_r:
+        return -50.0
+    if mean >= hi_r:
+        return 50.0
+    lo, hi = -50.0, 50.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float((torch.softmax(mid * r, 0) * r).sum()) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def icqs_margins(loglik: torch.Tensor) -> tuple[float, list[float]]:

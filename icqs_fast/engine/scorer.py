@@ -18,6 +18,7 @@ checked per prompt), and the prefix's remaining tokens run with the query and re
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +29,12 @@ import torch
 
 from icqs_fast import ops
 from icqs_fast.engine.batching import PrefixBank, plain_hidden, plain_logits, suffix_hidden
-from icqs_fast.engine.calibration import calibration_queries, icqs_margins, icqs_scores
+from icqs_fast.engine.calibration import (
+    calibration_queries,
+    icqs_margins,
+    icqs_scores,
+    implied_slope,
+)
 from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length, parse_response
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
@@ -106,6 +112,24 @@ class ICQSResult:
     margin: float = float("nan")
     margins: list[float] | None = None
     tie_epsilon: float = 0.1
+
+    @property
+    def slope(self) -> float:
+        """The readable scale of the posterior-mean score of ICQS-Epistemic (whatever
+        ``score_kind``): the log-likelihood slope over the mixture ratio, in nats from all-bad to
+        all-good demonstrations, that gives that posterior mean
+        (:func:`icqs_fast.engine.calibration.implied_slope`; strictly increasing in it)."""
+        ll = self.loglik_calibrated.double().mean(dim=1)
+        r = torch.tensor(self.ratios, dtype=torch.float64)
+        mean = float((torch.softmax(ll, 0) * r).sum())
+        return implied_slope(mean, self.ratios)
+
+    @property
+    def p_good(self) -> float:
+        """``sigmoid(slope)``: the posterior probability of the all-good context against the
+        all-bad one; in (0, 1), ranks as the posterior-mean score does."""
+        b = self.slope
+        return 1.0 / (1.0 + math.exp(-b)) if math.isfinite(b) else float("nan")
 
     @property
     def near_ties(self) -> int:

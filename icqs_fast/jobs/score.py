@@ -170,6 +170,9 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
     out["margin"] = float(res.margin)
     out["margins"] = [float(m) for m in res.margins]
     out["near_ties"] = int(res.near_ties)
+    # The posterior-mean score on a readable scale (same ranking): nats and a probability.
+    out["slope"] = float(res.slope)
+    out["p_good"] = float(res.p_good)
     return out
 
 

@@ -337,7 +337,8 @@ class Server:
                              "loglik": res.loglik.tolist(), "ratios": res.ratios,
                              "n_response_tokens": res.n_response_tokens,
                              "margin": res.margin, "margins": res.margins,
-                             "near_ties": res.near_ties}
+                             "near_ties": res.near_ties, "slope": res.slope,
+                             "p_good": res.p_good}
                 if res.loglik_baseline is not None:  # calibrated: the raw loglik stays
                     o["icqs"]["loglik_baseline"] = res.loglik_baseline.tolist()
         if features:

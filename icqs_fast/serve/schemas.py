@@ -165,6 +165,9 @@ class IcqsScore(BaseModel):
                                  "mixture ratio of the mean over sets (stability diagnostic)")
     margins: list[float | None] | None = Field(None, description="the same per set")
     near_ties: int | None = Field(None, description="sets whose margin is below tie_epsilon")
+    slope: float | None = Field(None, description="the posterior-mean score as the implied "
+                                "log-likelihood slope, nats from all-bad to all-good contexts")
+    p_good: float | None = Field(None, description="sigmoid(slope): readable, same ranking")
 
 
 class ScoreItem(BaseModel):
