@@ -32,6 +32,9 @@ class Launch:
         loop_elements: elements one program handles per hot-loop iteration.
         outer_iters: trip count per program of the loop enclosing the hot loop (a persistent
             kernel's tile loop, whose epilogue runs once per tile); 1 when there is none.
+        outer2_iters: trip count per program of the loop around that one (what it holds
+            besides the tile loop runs that often: a cold path kept out of the tile loop); 1
+            when there is none.
         label: configuration in words (block sizes, warps), for names and reports.
         extra: anything else a report should carry (e.g. ``{"variant": "no_entropy"}``).
     """
@@ -49,6 +52,7 @@ class Launch:
     loop_iters: float = 1.0
     loop_elements: int = 0
     outer_iters: float = 1.0
+    outer2_iters: float = 1.0
     label: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

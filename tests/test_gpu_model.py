@@ -146,3 +146,44 @@ def test_compute_bound_validation_records(tmp_path):
     flops = 4 * 4 * 32 * 4096 ** 2 * 64
     d64 = next(r for r in recs if r["shape"]["d"] == 64 and not r["shape"]["causal"])
     assert d64["published_ms"] == pytest.approx(flops / 400e12 * 1e3)
+
+
+def test_cold_path_outside_the_tile_loop_runs_outer2_iters_times():
+    # A loop around the tile loop (the masked fold kept out of it) with 200 instructions of its
+    # own: they run outer2_iters = 3 times per program, the tile loop's 30 outer_iters = 5 times.
+    counts = dict.fromkeys(gpu_model.CLASSES, 0)
+    s = gpu_model.SassSummary(
+        total=100 + 40 + 30 + 200, body=100,
+        loop_counts={**counts, "instructions": 100},
+        rest_counts={**counts, "instructions": 40 + 30 + 200}, tensor="hgmma", tf32=False,
+        loops=3, outer_counts={**counts, "instructions": 30},
+        outer2_counts={**counts, "instructions": 200})
+    assert s.per_execution(50, "instructions", 5, 3) == 100 * 50 + 270 + 30 * 4 + 200 * 2
+    p = gpu_model.predict(HW, s, loop_iters=50, outer_iters=5, outer2_iters=3, hbm_bytes=0,
+                          tensor_flops=132 * 2e8, **KW)
+    assert p["warp_instructions"] == 4 * (100 * 50 + 270 + 30 * 4 + 200 * 2)
+
+
+def test_summarize_finds_the_loop_around_the_tile_loop():
+    lines = []
+
+    def ins(addr, text):
+        lines.append(f"        /*{addr:04x}*/                   {text} ;")
+
+    lines.append(".L_x_0:")        # outer loop head (cold path)
+    ins(0x00, "FADD R1, R1, R2")
+    lines.append(".L_x_1:")        # tile loop head
+    ins(0x10, "IADD3 R3, R3, 0x1, RZ")
+    lines.append(".L_x_2:")        # K loop head
+    ins(0x20, "HGMMA.64x64x16.F32.BF16 R4, gdesc[UR4], R4")
+    ins(0x30, "@P0 BRA `(.L_x_2)")
+    ins(0x40, "MUFU.EX2 R5, R5")
+    ins(0x50, "@P1 BRA `(.L_x_1)")
+    ins(0x60, "FMUL R6, R6, R6")
+    ins(0x70, "FMUL R6, R6, R6")
+    ins(0x80, "@P2 BRA `(.L_x_0)")
+    ins(0x90, "EXIT")
+    s = gpu_model.summarize("\n".join(lines) + "\n")
+    assert s.body == 2 and s.outer_counts["instructions"] == 3
+    assert s.outer_counts["mufu"] == 1
+    assert s.outer2_counts["instructions"] == 4  # FADD, two FMUL, the branch

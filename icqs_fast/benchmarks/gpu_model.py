@@ -362,16 +362,21 @@ class SassSummary:
     tf32: bool
     loops: int
     outer_counts: dict[str, int] | None = None
+    outer2_counts: dict[str, int] | None = None
 
-    def per_execution(self, loop_iters: float, name: str, outer_iters: float = 1.0) -> float:
+    def per_execution(self, loop_iters: float, name: str, outer_iters: float = 1.0,
+                      outer2_iters: float = 1.0) -> float:
         """Executions of class ``name`` (or ``"instructions"``) per warp of one program.
 
         ``outer_iters``: trip count of the loop enclosing the hot loop (a persistent kernel's
         tile loop); its instructions outside the hot loop (``outer_counts``, part of
-        ``rest_counts``) run that many times, the rest once."""
+        ``rest_counts``) run that many times. ``outer2_iters``: trip count of the loop around
+        that one (``outer2_counts``: its instructions outside the tile loop, e.g. a cold path
+        taken out of it); the rest once."""
         outer = self.outer_counts[name] if self.outer_counts else 0
+        outer2 = self.outer2_counts[name] if self.outer2_counts else 0
         return (self.loop_counts[name] * loop_iters + self.rest_counts[name]
-                + outer * (outer_iters - 1.0))
+                + outer * (outer_iters - 1.0) + outer2 * (outer2_iters - 1.0))
 
 
 def summarize(sass_text: str) -> SassSummary:
@@ -388,10 +393,15 @@ def summarize(sass_text: str) -> SassSummary:
     around = [lp for lp in loops if hot and lp.contains(hot)]
     enc = min(around, key=lambda lp: lp.size) if around else None
     outer = (instrs[enc.start: hot.start] + instrs[hot.end + 1: enc.end + 1]) if enc else []
+    # And the loop around that one, less the tile loop (a cold path the kernel keeps out of its
+    # tile loop, run ``Launch.outer2_iters`` times per program).
+    around2 = [lp for lp in loops if enc and lp.contains(enc)]
+    enc2 = min(around2, key=lambda lp: lp.size) if around2 else None
+    outer2 = (instrs[enc2.start: enc.start] + instrs[enc.end + 1: enc2.end + 1]) if enc2 else []
     return SassSummary(
         total=len(instrs), body=len(body), loop_counts=classify(body),
         rest_counts=classify(rest), tensor=tensor_kind(instrs), tf32=tensor_is_tf32(instrs),
-        loops=len(loops), outer_counts=classify(outer),
+        loops=len(loops), outer_counts=classify(outer), outer2_counts=classify(outer2),
     )
 
 
@@ -440,7 +450,7 @@ def _waves(programs: int, sms: int, blocks_per_sm: int) -> list[int]:
 
 def _serial_compute(sass: SassSummary, t_issue: float, t_mufu: float, t_shfl: float,
                     t_tensor: float, num_warps: int, per_sm: int, loop_iters: float,
-                    outer_iters: float, hw: Hardware) -> float:
+                    outer_iters: float, hw: Hardware, outer2_iters: float = 1.0) -> float:
     """Compute time (s) at the pessimistic end of the overlap model (module docstring).
 
     A hot loop with MUFU work (a softmax on the loop's own MMA results, as in flash attention)
@@ -454,14 +464,14 @@ def _serial_compute(sass: SassSummary, t_issue: float, t_mufu: float, t_shfl: fl
         return t_cuda
     if not sass.body or sass.loop_counts["mufu"]:
         return t_tensor + t_cuda
-    total = sass.per_execution(loop_iters, "instructions", outer_iters)
+    total = sass.per_execution(loop_iters, "instructions", outer_iters, outer2_iters)
     in_loop = sass.loop_counts["instructions"] * loop_iters
     rest_share = (total - in_loop) / total if total else 0.0
     lanes = per_sm * num_warps * 32 / hw.clock_hz
 
     def split(name: str, rate: int) -> tuple[float, float]:
         loop = sass.loop_counts[name] * loop_iters
-        rest = sass.per_execution(loop_iters, name, outer_iters) - loop
+        rest = sass.per_execution(loop_iters, name, outer_iters, outer2_iters) - loop
         return lanes * loop / rate, lanes * rest / rate
 
     mufu_loop, mufu_rest = split("mufu", hw.mufu_per_clk_sm)
@@ -473,7 +483,8 @@ def _serial_compute(sass: SassSummary, t_issue: float, t_mufu: float, t_shfl: fl
 
 def predict(hw: Hardware, sass: SassSummary, *, num_warps: int, programs: int,
             loop_iters: float, hbm_bytes: float, tensor_flops: float, regs: int,
-            smem_bytes: int, launches: int = 1, outer_iters: float = 1.0) -> dict[str, Any]:
+            smem_bytes: int, launches: int = 1, outer_iters: float = 1.0,
+            outer2_iters: float = 1.0) -> dict[str, Any]:
     """Predicted time of one launch (see the module docstring for every term).
 
     Args:
@@ -485,6 +496,7 @@ def predict(hw: Hardware, sass: SassSummary, *, num_warps: int, programs: int,
         regs, smem_bytes: registers per thread, shared memory per block (static + dynamic).
         launches: launch overheads to add (1 per kernel launch).
         outer_iters: trip count of the loop enclosing the hot loop, per program (1: none).
+        outer2_iters: trip count of the loop around that one, per program (1: none).
 
     Returns a dict with ``predicted_low_s`` / ``predicted_high_s`` (the two ends of the overlap
     model, seconds; ``predicted_s`` = low), ``bound``, every term ``t_<name>_s``,
@@ -494,13 +506,13 @@ def predict(hw: Hardware, sass: SassSummary, *, num_warps: int, programs: int,
     occ = occupancy(hw, regs, smem_bytes, num_warps)
     waves = _waves(programs, hw.sms, occ["blocks_per_sm"])
     per_sm = sum(waves)
-    instr = num_warps * sass.per_execution(loop_iters, "instructions", outer_iters)
+    instr = num_warps * sass.per_execution(loop_iters, "instructions", outer_iters, outer2_iters)
     t_issue = 0.0
     for b in waves:
         rate = min(hw.schedulers_per_sm, b * num_warps) * hw.clock_hz * hw.issue_efficiency
         t_issue += b * instr / rate
-    mufu = num_warps * 32 * sass.per_execution(loop_iters, "mufu", outer_iters)
-    shfl = num_warps * 32 * sass.per_execution(loop_iters, "shuffle", outer_iters)
+    mufu = num_warps * 32 * sass.per_execution(loop_iters, "mufu", outer_iters, outer2_iters)
+    shfl = num_warps * 32 * sass.per_execution(loop_iters, "shuffle", outer_iters, outer2_iters)
     t_mufu = per_sm * mufu / (hw.mufu_per_clk_sm * hw.clock_hz)
     t_shfl = per_sm * shfl / (hw.shfl_per_clk_sm * hw.clock_hz)
     t_tensor = 0.0
@@ -517,7 +529,7 @@ def predict(hw: Hardware, sass: SassSummary, *, num_warps: int, programs: int,
     fixed = launches * hw.launch_overhead_s
     total = terms[bound] + fixed
     high = max(_serial_compute(sass, t_issue, t_mufu, t_shfl, t_tensor, num_warps, per_sm,
-                               loop_iters, outer_iters, hw), t_hbm) + fixed
+                               loop_iters, outer_iters, hw, outer2_iters), t_hbm) + fixed
     out: dict[str, Any] = {f"t_{k}_s": v for k, v in terms.items()}
     out.update(predicted_s=total, predicted_low_s=total, predicted_high_s=high, bound=bound,
                occupancy=occ, waves=len(waves), warp_instructions=instr)

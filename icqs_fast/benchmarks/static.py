@@ -170,7 +170,8 @@ def analyze(launch, arch: str, compiled: dict[str, Any], hw=None) -> dict[str, A
         hw, s, num_warps=launch.num_warps, programs=launch.programs,
         loop_iters=launch.loop_iters if s.body else 0.0, hbm_bytes=launch.hbm_bytes,
         tensor_flops=launch.tensor_flops, regs=res["regs"], smem_bytes=smem,
-        outer_iters=getattr(launch, "outer_iters", 1.0) if s.body else 1.0)
+        outer_iters=getattr(launch, "outer_iters", 1.0) if s.body else 1.0,
+        outer2_iters=getattr(launch, "outer2_iters", 1.0) if s.body else 1.0)
     rec.update(
         regs=res["regs"], spill_bytes=res["stack"] + res["local"], stack_bytes=res["stack"],
         local_bytes=res["local"], smem_bytes=smem, smem_limit=hw.smem_per_block,
