@@ -233,3 +233,50 @@ def test_gpu_launches_match_the_launch_settings():
         assert list(main.signature) == list(k._linear_token_stats_kernel.arg_names)
         assert list(target.signature) == list(k._target_logits_kernel.arg_names)
         assert target.grid[0] * k.TARGET_BLOCK_M >= n
+
+
+def test_triton_cold_tiles_between_unmasked_ones():
+    """The two-loop tile walk: one program of 7 tiles (the last padded) where masked tiles
+    (a target column, a NaN and a -inf column, two masked tiles in a row) sit between unmasked
+    ones, so the tile loop stops and resumes several times; exact ranks and the float64 state
+    reference. Also a softcapped run of the same walk (ranks on the uncapped logits)."""
+    n, h, v = 12, 8, 7 * 32 - 5
+    hid = torch.randn(n, h)
+    w = torch.randn(v, h) / 2
+    t = torch.tensor([40, 41, 150, 40, 3, 150, 40, 41, 150, 100, 101, 130])  # tiles 0, 1, 3, 4
+    b = torch.zeros(v)
+    b[70] = float("nan")      # tile 2: masked, no target
+    b[105] = float("-inf")    # tile 3 (holds targets 100, 101 too)
+    out = _triton_linear(hid, w, t, b, block_m=16, block_n=32, tiles=7)
+    ref = state_ref64(hid, w, t, b)
+    assert torch.equal(out.target_rank, ref.target_rank)
+    assert torch.equal(out.is_greedy, ref.is_greedy)
+    for name in ("entropy", "varentropy", "max_logprob", "logprob", "logprob_var"):
+        a, r = getattr(out, name).double(), getattr(ref, name).double()
+        assert ((a - r).abs() <= 2e-4 + 1e-5 * r.abs()).all(), name
+    # Same walk, finite logits, with the soft cap (c tanh(z / c) at T = 1 is tanh(z / c) at
+    # T = 1 / c, the mapping of ops.linear_token_stats): the reference caps float64 logits.
+    from icqs_fast.backends import triton_backend
+
+    b[70], b[105] = 0.0, 0.0
+    cap = 2.0
+    got = triton_backend.linear_token_stats(hid.to(DEVICE), w.to(DEVICE), t.to(DEVICE),
+                                            b.to(DEVICE), temperature=1 / cap,
+                                            tanh_scale=1 / cap, block_m=16, block_n=32, tiles=7)
+    z = hid.double() @ w.double().t() + b.double()
+    want = ref_token_stats64(cap * torch.tanh(z / cap), t)
+    compare(got, want, 2e-4)
+
+
+def test_gpu_launches_declare_the_cold_path():
+    """The fused launch charges the masked fold (outside the tile loop) once per cold tile:
+    each of the block's rows with its target in a tile of its own, plus the padded last tile."""
+    from icqs_fast.kernels import linear_token_stats as k
+
+    for n, v in ((8192, 151936), (8192, 131072), (16, 151936)):
+        main = k.gpu_launches(n, 4096, v, torch.bfloat16)[1]
+        cfg = k.launch_settings(n, 4096, v, torch.bfloat16)
+        tiles = -(-v // cfg.block_n)
+        cold = min(cfg.tiles, -(-min(n, cfg.block_m) * cfg.tiles // tiles)) + (v % 64 != 0)
+        assert main.extra["cold_tiles"] == cold and main.outer2_iters == 1 + cold
+        assert main.outer_iters == cfg.tiles
