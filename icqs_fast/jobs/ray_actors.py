@@ -121,7 +121,8 @@ class ICQSBatchScorer:
             fields, ``token_budget`` None keeps the default): the keyword form of the same
             settings, as :class:`~icqs_fast.engine.scorer.ICQSScorer` takes them.
 
-    Output columns (``__call__``): ``score``, ``score_per_set`` ``[n, L]``, ``loglik``
+    Output columns (``__call__``): ``score``, ``score_per_set`` ``[n, L]``, ``margin``,
+    ``margins`` ``[n, L]``, ``near_ties``, ``slope``, ``p_good``, ``loglik``
     ``[n, M+1, L]`` float64 (raw log-likelihoods), ``loglik_baseline`` ``[n, M+1, L]`` (only
     when ``calibration`` is not "none": what calibration subtracts), ``n_response_tokens``,
     ``n_prompt_tokens`` ``[n, M+1, L]``, ``error``, and ``id`` / ``index`` passed through.
@@ -180,6 +181,9 @@ class ICQSBatchScorer:
             "loglik": np.full((n, m1, ll), np.nan),
             "n_response_tokens": np.zeros(n, dtype=np.int64),
             "n_prompt_tokens": np.zeros((n, m1, ll), dtype=np.int64),
+            "margin": np.full(n, np.nan), "margins": np.full((n, ll), np.nan),
+            "near_ties": np.zeros(n, dtype=np.int64), "slope": np.full(n, np.nan),
+            "p_good": np.full(n, np.nan),
             "error": np.full(n, None, dtype=object),
         }
         if self.settings.calibration != "none":
@@ -195,6 +199,9 @@ class ICQSBatchScorer:
                 out["loglik_baseline"][i] = res.loglik_baseline.double().numpy()
             out["n_response_tokens"][i] = res.n_response_tokens
             out["n_prompt_tokens"][i] = res.n_prompt_tokens.numpy()
+            out["margin"][i], out["margins"][i] = res.margin, res.margins
+            out["near_ties"][i], out["slope"][i], out["p_good"][i] = (res.near_ties, res.slope,
+                                                                      res.p_good)
         for err in errors:
             out["error"][row[err.index]] = f"{err.field}: {err.reason}" if err.field else \
                 err.reason

@@ -46,7 +46,8 @@ output. Parquet columns: ``index``, ``line``, ``id`` (a string; non-string ids a
 row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``loglik_baseline`` (only
 with ``--calibrate``; flattened like loglik), ``ratios``,
 ``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik),
-``truncated``, ``join`` (bool), and for ``features`` ``n_tokens``, the features,
+``truncated``, ``join`` (bool), ``margin``, ``margins``, ``near_ties``, ``slope``, ``p_good``,
+and for ``features`` ``n_tokens``, the features,
 ``n_prompt_tokens``, ``truncated`` and ``join``.
 """
 
@@ -267,7 +268,11 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             flat("loglik", pa.float64()), pa.field("ratios", pa.list_(pa.float64())),
             pa.field("n_response_tokens", pa.int64()), flat("n_prompt_tokens", pa.int64()),
             flat("n_dropped_demos", pa.int64()), pa.field("truncated", pa.bool_()),
-            pa.field("join", pa.bool_())])
+            pa.field("join", pa.bool_()),
+            # Stability diagnostics and the readable scale (issue 29), as in the JSONL lines.
+            pa.field("margin", pa.float64()), pa.field("margins", pa.list_(pa.float64())),
+            pa.field("near_ties", pa.int64()), pa.field("slope", pa.float64()),
+            pa.field("p_good", pa.float64())])
         calibrated = self.settings.calibration != "none"
         if calibrated:  # beside the raw loglik, so a user can recompute (as the JSONL lines)
             schema = schema.insert(schema.get_field_index("loglik") + 1,
@@ -286,6 +291,8 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
             "n_prompt_tokens": [sum(r["n_prompt_tokens"], []) for r in rows],
             "n_dropped_demos": [sum(r.get("n_dropped_demos", zeros), []) for r in rows],
             "truncated": [r["truncated"] for r in rows], "join": [r["join"] for r in rows],
+            **{k: [r[k] for r in rows] for k in ("margin", "margins", "near_ties", "slope",
+                                                  "p_good")},
         }
         if calibrated:
             cols["loglik_baseline"] = [sum(r["loglik_baseline"], []) for r in rows]
