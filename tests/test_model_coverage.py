@@ -29,7 +29,8 @@ GOOD = [("The market rose sharply today.", "positive"), ("Profits fell sharply."
 BAD = [("The market rose sharply today.", "negative"), ("Profits fell sharply.", "positive")]
 RESP = [("Revenue increased by ten percent compared with last year.", "positive"),
         ("Cut.", "negative")]
-SETTINGS = dict(num_ratios=2, sets_per_ratio=1, demos_per_set=2, seed=0)
+# The argmax: the score a rounding difference can flip, so the strictest check (ties aside).
+SETTINGS = dict(num_ratios=2, sets_per_ratio=1, demos_per_set=2, seed=0, score="argmax")
 PATH_NAMES = {"cascade": "prefix bank, cascade attention", "kv-copy": "prefix bank, KV copies",
               "plain": "plain forward"}
 

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="label-stratified demonstration sets (build_demo_sets(stratify='y')): "
                         "every set holds the same label counts, only correctness changes with r "
                         "(fpb, sst2)")
-    add_calibration_arguments(p)
+    add_calibration_arguments(p, default_score="argmax")  # the paper's method, replicated
     p.add_argument("--compare", action="store_true",
                    help="also compute every calibration x score variant from the same run "
                         "(raw and content-free log-likelihoods shared) and print their "

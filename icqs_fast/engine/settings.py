@@ -27,10 +27,15 @@ TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
 CALIBRATIONS = ("none", "content_free", "pmi")
 SCORE_KINDS = ("argmax", "tied", "mean")
 # Ratios whose log-likelihood lies within this many nats of the best count as tied in the
-# "tied" score (tie-aware argmax). Chosen from the measured rounding noise (docs/RESULTS.md,
-# "Scores across dtypes and backends"): the fp32 -> bf16 change of the gap between two ratios'
-# log-likelihoods, embedded model, default settings.
-TIE_EPSILON = 0.1
+# "tied" score (tie-aware argmax), and the noise level of the near_ties diagnostic. From the
+# measured rounding noise (docs/RESULTS.md, "Scores across dtypes and backends"): the p99 of the
+# fp32 -> bf16 change of the gap between two ratios' log-likelihoods, embedded model, default
+# settings, was 0.13 (SST-2) and 0.16 (FPB) nats.
+TIE_EPSILON = 0.15
+# The default score: the posterior mean, the only kind that met the stability goal (>= 99 % of
+# records within 0.01 between fp32 and bf16: 100 % on FPB and SST-2, max change 0.007, against
+# 83-87 % for the argmax and 78-87 % for the tied score) with no AUC loss (docs/RESULTS.md).
+DEFAULT_SCORE = "mean"
 # Content-free inputs of contextual calibration (Zhao et al. 2021 average "N/A", "" and
 # "[MASK]"); each is put in the template's query in place of x.
 DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
@@ -75,10 +80,10 @@ class ScoringSettings:
     x_cf in the template's query) or "pmi" (domain-conditional PMI, Holtzman et al. 2021: minus
     ``log P(y | demos, premise)``, the premise replacing the whole query; ``pmi_premise`` None =
     the template's query text after ``{x}`` without leading whitespace, e.g. "Answer:");
-    ``score`` "argmax" (the paper's ratio of the most likely context), "tied" (tie-aware
+    ``score`` "mean" (the default: the posterior mean ``sum_j q_j r_j``, stable across dtypes
+    and backends), "argmax" (the paper's ratio of the most likely context) or "tied" (tie-aware
     argmax: the mean ratio of the contexts within ``tie_epsilon`` nats of the most likely one,
-    so a rounding difference between two near-equal ratios cannot flip the score) or "mean"
-    (the posterior mean ``sum_j q_j r_j``).
+    so a rounding difference between two near-equal ratios cannot flip the score).
 
     Engine-only options (no effect on the reference, not in :meth:`fingerprint`): ``backend``,
     ``token_budget``, ``cascade``, ``deterministic`` (batch-invariant mode: each response runs in
@@ -100,7 +105,7 @@ class ScoringSettings:
     calibration: str = "none"
     content_free: tuple[str, ...] = DEFAULT_CONTENT_FREE
     pmi_premise: str | None = None
-    score: str = "argmax"
+    score: str = DEFAULT_SCORE
     tie_epsilon: float = TIE_EPSILON
     # -- engine-only
     backend: str = "auto"
