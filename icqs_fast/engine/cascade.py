@@ -91,9 +91,10 @@ class CascadePlan:
         e0 = self.entries[0]
         self._slice = self.entries == list(range(e0, e0 + len(self.entries)))
         self.p_max = max(self.lengths)
-        self._mask: torch.Tensor | None = None
+        self._mask: Mask | None = None
         self._key_ok: torch.Tensor | None = None
         self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._expanded: dict[tuple, Mask] = {}
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description (full causal when none was given)."""
@@ -111,14 +112,14 @@ class CascadePlan:
         return (k.index_select(0, self._idx)[:, :, : self.p_max],
                 v.index_select(0, self._idx)[:, :, : self.p_max])
 
-    def prefix_allow(self, device: torch.device) -> torch.Tensor | None:
-        """Key mask ``[G, 1, 1, P_max]`` bool (False on padded slots), None if no padding."""
+    def prefix_allow(self, device: torch.device) -> Mask | None:
+        """Key mask ``[G, 1, 1, P_max]`` (False on padded slots), None if no padding."""
         if all(p == self.p_max for p in self.lengths):
             return None
         if self._mask is None:
             lens = torch.tensor(self.lengths, device=device)
             ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
-            self._mask = ok[:, None, None, :]
+            self._mask = Mask(ok[:, None, None, :])
         return self._mask
 
     def prefix_key_ok(self, device: torch.device) -> torch.Tensor | None:
@@ -130,6 +131,14 @@ class CascadePlan:
             lens = torch.tensor(self.lengths, device=device)
             self._key_ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
         return self._key_ok
+
+    def expanded(self, key: tuple, build: Any) -> Mask:
+        """The :class:`Mask` of ``key``, built once per plan (one suffix forward): every layer of
+        the same kind reuses it instead of expanding and converting it again."""
+        m = self._expanded.get(key)
+        if m is None:
+            m = self._expanded[key] = Mask(build())
+        return m
 
     def local_masks(self, la: LayerAttention, s: int, device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,26 +165,50 @@ _FULL_LAYER = LayerAttention("full")
 # --------------------------------------------------------------------------- attention with LSE
 
 
-def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor | None,
-             scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+class Mask:
+    """A boolean attention mask (True = attend) with its derived forms computed once: the
+    additive float mask the CPU flash kernel takes (per dtype) and the rows with any allowed
+    key. A plan builds each layer kind's masks once per forward and every layer reuses them."""
+
+    def __init__(self, allow: torch.Tensor) -> None:
+        self.allow = allow
+        self._add: dict[torch.dtype, torch.Tensor] = {}
+        self._live: torch.Tensor | None = None
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        m = self._add.get(dtype)
+        if m is None:
+            m = self._add[dtype] = torch.zeros(self.allow.shape, dtype=dtype,
+                                               device=self.allow.device).masked_fill(
+                ~self.allow, float("-inf"))
+        return m
+
+    @property
+    def live(self) -> torch.Tensor:
+        if self._live is None:
+            self._live = self.allow.any(-1)
+        return self._live
+
+
+def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             allow: torch.Tensor | Mask | None, scale: float, softcap: float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``q [B, H, L, D]`` x ``k [B, H, T, D]`` -> ``v [B, H, T, Dv]``, returning
     the output ``[B, H, L, Dv]`` (q's dtype) and the fp32 log-sum-exp ``[B, H, L]`` of the scaled
-    (then softcapped: ``c * tanh(s / c)``), masked scores. ``allow`` is bool, broadcastable to
-    ``[B, H, L, T]``, True = attend. A row with no allowed key has LSE ``-inf`` and output 0, so
-    it drops out of an LSE merge exactly."""
+    (then softcapped: ``c * tanh(s / c)``), masked scores. ``allow`` is bool (or a :class:`Mask`
+    of one), broadcastable to ``[B, H, L, T]``, True = attend. A row with no allowed key has LSE
+    ``-inf`` and output 0, so it drops out of an LSE merge exactly."""
+    if allow is not None and not isinstance(allow, Mask):
+        allow = Mask(allow)
     if q.device.type == "cpu" and softcap is None and v.shape[-1] == q.shape[-1]:
         try:
-            mask = None
-            if allow is not None:
-                mask = torch.zeros(allow.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    ~allow, float("-inf"))
+            mask = None if allow is None else allow.additive(q.dtype)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
             lse = lse.float()
             if allow is not None:
                 # The CPU kernel gives a fully masked row LSE 0 and output 0: make it -inf.
-                live = allow.any(-1).expand(lse.shape)
-                lse = lse.masked_fill(~live, float("-inf"))
+                lse = lse.masked_fill(~allow.live.expand(lse.shape), float("-inf"))
             return out, lse
         except (RuntimeError, AttributeError, NotImplementedError):  # pragma: no cover
             pass
@@ -183,7 +216,7 @@ def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Ten
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     if allow is not None:
-        s = s.masked_fill(~allow, float("-inf"))
+        s = s.masked_fill(~allow.allow, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return torch.matmul(p, v.float()).to(q.dtype), lse
@@ -207,16 +240,16 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok)
 
 
-_CAUSAL: dict[tuple, torch.Tensor] = {}
+_CAUSAL: dict[tuple, Mask] = {}
 
 
-def grouped_causal_allow(group: int, s: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[1, 1, group * s, s]``: query ``g * s + i`` sees suffix keys ``j <= i``."""
+def grouped_causal_allow(group: int, s: int, device: torch.device) -> Mask:
+    """``[1, 1, group * s, s]``: query ``g * s + i`` sees suffix keys ``j <= i``."""
     key = (group, s, str(device))
     m = _CAUSAL.get(key)
     if m is None:
         i = torch.arange(s, device=device)
-        m = (i[None, :] <= i[:, None]).repeat(group, 1)[None, None]
+        m = Mask((i[None, :] <= i[:, None]).repeat(group, 1)[None, None])
         if len(_CAUSAL) > 64:
             _CAUSAL.clear()
         _CAUSAL[key] = m
@@ -304,8 +337,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         else:
             allow = plan.prefix_allow(dev)
             if pre_m is not None:  # the same [S, P] mask for each row and head of the group
-                allow = pre_m[:, :, None].expand(g_n, 1, n * group, s, plan.p_max).reshape(
-                    g_n, 1, n * group * s, plan.p_max)
+                allow = plan.expanded(("pre", la.kind, la.window, la.chunk, s, n * group),
+                                      lambda: pre_m[:, :, None].expand(
+                                          g_n, 1, n * group, s, plan.p_max).reshape(
+                                          g_n, 1, n * group * s, plan.p_max))
             o1, l1 = attn_lse(qg, kp, vp, allow, scale, softcap)
         # -> row layout [R, S, Hk, group, Dv] / [R, S, Hk, group]
         o1 = o1.view(g_n, hk, n, group, s, dv).permute(0, 2, 4, 1, 3, 5).reshape(
@@ -324,8 +359,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             else:
                 allow = None
                 if pre_m is not None:
-                    allow = pre_m[gi:gi + 1, :, None, :, :p].expand(1, 1, n * group, s, p)
-                    allow = allow.reshape(1, 1, n * group * s, p)
+                    allow = plan.expanded(
+                        ("pre", gi, la.kind, la.window, la.chunk, s, n * group),
+                        lambda gi=gi, n=n, p=p: pre_m[gi:gi + 1, :, None, :, :p].expand(
+                            1, 1, n * group, s, p).reshape(1, 1, n * group * s, p))
                 og, lg = attn_lse(qg, kg, vg, allow, scale, softcap)
             o1[r0:r0 + n] = og.view(hk, n, group, s, dv).permute(1, 3, 0, 2, 4)
             l1[r0:r0 + n] = lg.view(hk, n, group, s).permute(1, 3, 0, 2)
@@ -342,11 +379,14 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         if suf_m is None:
             allow = grouped_causal_allow(group, s, dev)
         else:  # per group of rows (chunk boundaries depend on the prefix length): [R, 1, gS, S]
-            rows_g = torch.repeat_interleave(
-                torch.arange(len(plan.counts), device=dev),
-                torch.tensor(plan.counts, device=dev))
-            allow = suf_m.index_select(0, rows_g)[:, :, None].expand(r, 1, group, s, s)
-            allow = allow.reshape(r, 1, group * s, s)
+            def build() -> torch.Tensor:
+                rows_g = torch.repeat_interleave(
+                    torch.arange(len(plan.counts), device=dev),
+                    torch.tensor(plan.counts, device=dev))
+                m = suf_m.index_select(0, rows_g)[:, :, None].expand(r, 1, group, s, s)
+                return m.reshape(r, 1, group * s, s)
+
+            allow = plan.expanded(("suf", la.kind, la.window, la.chunk, s, group), build)
         o2, l2 = attn_lse(q2, key.contiguous(), value.contiguous(), allow, scale, softcap)
         o2 = o2.view(r, hk, group, s, dv).permute(0, 3, 1, 2, 4)
         l2 = l2.view(r, hk, group, s).permute(0, 3, 1, 2)
@@ -378,21 +418,25 @@ class PositionPlan:
     layers: Sequence[LayerAttention]
 
     def __post_init__(self) -> None:
-        self._allow: dict[tuple, torch.Tensor] = {}
+        self._allow: dict[tuple, Mask] = {}
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description."""
         return self.layers[layer]
 
-    def allow(self, la: LayerAttention, tk: int) -> torch.Tensor:
-        """``[B, 1, Lq, Tk]`` bool for a layer like ``la``."""
-        key = (la.kind, la.window, la.chunk, tk)
+    def allow(self, la: LayerAttention, tk: int, group: int = 1) -> Mask:
+        """``[B, 1, group * Lq, Tk]`` for a layer like ``la`` whose ``group`` query heads per key
+        head are stacked along the queries (built once per forward and layer kind)."""
+        key = (la.kind, la.window, la.chunk, tk, group)
         m = self._allow.get(key)
         if m is None:
             if self.k_pos.shape[1] != tk:
                 raise ValueError(f"positional attention: {tk} keys, but the plan describes "
                                  f"{self.k_pos.shape[1]}")
-            m = self._allow[key] = la.allowed(self.q_pos, self.k_pos)[:, None]
+            a = la.allowed(self.q_pos, self.k_pos)[:, None]
+            b, _, lq, _ = a.shape
+            m = self._allow[key] = Mask(a[:, :, None].expand(b, 1, group, lq, tk).reshape(
+                b, 1, group * lq, tk))
         return m
 
 
@@ -408,8 +452,7 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
     hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hk
     scale = float(scaling) if scaling is not None else d ** -0.5
-    allow = plan.allow(la, tk)[:, :, None].expand(b, 1, group, lq, tk).reshape(
-        b, 1, group * lq, tk)
+    allow = plan.allow(la, tk, group)
     out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
                         value.contiguous(), allow, scale, softcap)
     out = out.view(b, hq, lq, dv)
