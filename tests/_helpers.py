@@ -118,3 +118,17 @@ def write_jsonl(path, rows):
 def read_jsonl(path):
     """The JSON objects of a JSONL file, in order."""
     return [json.loads(line) for line in open(path, encoding="utf-8").read().splitlines()]
+
+
+def assert_same_scores(a, b, tol: float = 1e-5) -> None:
+    """Two ICQS results (e.g. engine and reference) have the same scores: identical for the
+    discrete kinds (argmax, tied: the same log-likelihood order gives the same ratios), within
+    ``tol`` for the posterior mean (fp32 rounding of the log-likelihoods moves it by ~1e-7)."""
+    import pytest
+
+    assert a.score_kind == b.score_kind
+    if a.score_kind == "mean":
+        assert a.score == pytest.approx(b.score, abs=tol)
+        assert a.score_per_set == pytest.approx(b.score_per_set, abs=tol)
+    else:
+        assert a.score == b.score and a.score_per_set == b.score_per_set

@@ -7,7 +7,7 @@ is one-hot; the settings fingerprint holds the new options."""
 import numpy as np
 import pytest
 import torch
-from _helpers import DEVICE, tiny_llama
+from _helpers import DEVICE, assert_same_scores, tiny_llama
 
 from icqs_fast.engine.calibration import calibration_queries, icqs_scores
 from icqs_fast.engine.prompts import Template, build_demo_sets
@@ -61,7 +61,7 @@ def test_calibrated_loglik_is_a_difference_of_plain_forwards(tiny, calibration):
         torch.testing.assert_close(g.loglik_baseline, r.loglik_baseline, atol=TOL, rtol=0)
         torch.testing.assert_close(g.loglik_calibrated, g.loglik - g.loglik_baseline,
                                    atol=1e-5, rtol=0)
-        assert g.score == r.score and g.score_per_set == r.score_per_set
+        assert_same_scores(g, r)
         # Two independent plain forwards per context (written here, not the reference's code).
         for c in (0, len(sets) - 1):
             prefix = tpl.format_prefix(sets[c].examples)
@@ -100,7 +100,7 @@ def test_baseline_cache_is_per_context_and_per_answer(tiny):
     again = list(sc.score(RESPONSES[::-1]))[::-1]
     assert sc.calibration_rows == len(answers) * len(st.content_free) * n_ctx
     for a, b in zip(got, again, strict=True):
-        assert a.score == b.score
+        assert_same_scores(a, b)
         torch.testing.assert_close(a.loglik_calibrated, b.loglik_calibrated, atol=TOL, rtol=0)
 
 
@@ -146,12 +146,12 @@ def test_engine_mean_score_matches_reference(tiny):
 
 def test_settings_fingerprint_and_validation():
     s = ScoringSettings()
-    assert (s.calibration, s.score, s.pmi_premise) == ("none", "argmax", None)
+    assert (s.calibration, s.score, s.pmi_premise) == ("none", "mean", None)
     fp = s.fingerprint()
     for k in ("calibration", "content_free", "pmi_premise", "score"):
         assert k in RESULT_FIELDS and k in fp
     assert fp["content_free"] == ["N/A", "", "[MASK]"]
-    for change in (dict(calibration="pmi"), dict(score="mean"), dict(content_free=["N/A"]),
+    for change in (dict(calibration="pmi"), dict(score="argmax"), dict(content_free=["N/A"]),
                    dict(pmi_premise="The answer is:")):
         assert s.replace(**change).fingerprint() != fp
     assert ScoringSettings.from_dict(s.replace(content_free=["x"]).fingerprint()).content_free \

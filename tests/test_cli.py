@@ -197,8 +197,9 @@ def test_csv_input_and_missing_files(files, tiny_dir, capsys):
 @pytest.mark.slow
 def test_demo_json_on_embedded_model(capsys):
     # Smaller than the default demo (M+1=5, L=4, N=8 takes ~50 s on 2 busy CPU cores).
+    # The paper's argmax score by name (the default is the posterior mean, checked below).
     assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
-                 "--demos-per-set", "2"]) == 0
+                 "--demos-per-set", "2", "--score", "argmax"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["settings"]["ratios"] == [0.0, 0.5, 1.0]
     res = doc["results"]
@@ -219,6 +220,13 @@ def test_demo_json_on_embedded_model(capsys):
         assert sum(c["loglik"], []) == pytest.approx(sum(r["loglik"], []), abs=1e-4)
         assert len(c["loglik_baseline"]) == 3 and 0.0 <= c["score"] <= 1.0
     assert any(c["score"] not in (0.0, 0.5, 1.0) for c in cal["results"])
+    # The default score is the posterior mean (issue 29): continuous, in [0, 1].
+    assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
+                 "--demos-per-set", "2"]) == 0
+    dflt = json.loads(capsys.readouterr().out)
+    assert dflt["settings"]["score"] == "mean"
+    for r, d in zip(res, dflt["results"], strict=True):
+        assert 0.0 <= d["score"] <= 1.0 and d["loglik"] == r["loglik"]
 
 
 def test_score_records_streams(loaded):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, assert_same_scores
 
 from icqs_fast import ICQSResult, ICQSScorer
 from icqs_fast.engine.prompts import Template
@@ -66,8 +66,8 @@ def _compare(a: list[ICQSResult], b: list[ICQSResult], atol: float = ATOL) -> No
         assert x.index == y.index == i
         assert x.loglik.dtype == torch.float32 and x.loglik.shape == y.loglik.shape
         torch.testing.assert_close(x.loglik, y.loglik, atol=atol, rtol=0)
-        # Same argmax: identical scores.
-        assert x.score == y.score and x.score_per_set == y.score_per_set
+        # Same log-likelihoods: the same scores (identical argmax, the posterior mean to rounding).
+        assert_same_scores(x, y)
         assert x.ratios == y.ratios
         assert x.n_response_tokens == y.n_response_tokens
         assert torch.equal(x.n_prompt_tokens, y.n_prompt_tokens)
@@ -77,8 +77,16 @@ def _compare(a: list[ICQSResult], b: list[ICQSResult], atol: float = ATOL) -> No
 def _check_scores(r: ICQSResult) -> None:
     # Score definitions, recomputed directly from the log-likelihoods.
     ll = r.loglik.double()
-    assert r.score == r.ratios[int(ll.mean(1).argmax())]
-    assert r.score_per_set == [r.ratios[int(k)] for k in ll.argmax(0)]
+    if r.score_kind == "argmax":
+        assert r.score == r.ratios[int(ll.mean(1).argmax())]
+        assert r.score_per_set == [r.ratios[int(k)] for k in ll.argmax(0)]
+    else:  # the default: the posterior mean of the ratio under a uniform prior
+        rat = torch.tensor(r.ratios, dtype=torch.float64)
+        q = torch.exp(ll.mean(1) - ll.mean(1).max())
+        assert r.score == pytest.approx(float((q * rat).sum() / q.sum()), abs=1e-9)
+        qs = torch.exp(ll - ll.max(0).values)
+        assert r.score_per_set == pytest.approx(((qs * rat[:, None]).sum(0) / qs.sum(0)).tolist(),
+                                                abs=1e-9)
 
 
 KW = dict(num_ratios=3, demos_per_set=2, sets_per_ratio=2, seed=1)
@@ -133,7 +141,7 @@ def test_prefix_cache_not_mutated_and_batching_invariant(tokenizer):
     one_by_one = [scorer.score_one(x, y) for x, y in RESPONSES]
     for a, b in zip(together, one_by_one, strict=True):
         torch.testing.assert_close(a.loglik, b.loglik, atol=1e-5, rtol=0)
-        assert a.score == b.score
+        assert_same_scores(a, b)
     # Still unchanged after more scoring.
     for a, b in zip(before_k + before_v, bank.keys + bank.values, strict=True):
         assert torch.equal(a, b)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from _helpers import tiny_llama
+from _helpers import assert_same_scores, tiny_llama
 
 from icqs_fast.engine.prompts import Template, build_demo_sets
 from icqs_fast.engine.reference import icqs_naive
@@ -125,7 +125,7 @@ def test_engine_and_reference_share_the_settings(tiny, stratify, strata_order):
         # Same demonstration sets: the same prompt lengths in every context.
         assert torch.equal(a.n_prompt_tokens, b.n_prompt_tokens)
         torch.testing.assert_close(a.loglik, b.loglik, atol=1e-4, rtol=0)
-        assert a.score == b.score and a.score_per_set == b.score_per_set
+        assert_same_scores(a, b)
     # The keywords build the same settings (and the same results).
     kw = ICQSScorer(model, tok, GOOD, BAD, stratify=stratify, strata_order=strata_order, **SMALL)
     assert kw.settings == st and kw.sets == scorer.sets

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, assert_same_scores
 
 from icqs_fast import ICQSScorer
 from icqs_fast.engine.prompt_tokens import PromptTokens, PromptTooLong, first_response_token
@@ -62,7 +62,7 @@ def _compare(got, ref, atol=1e-4):
         assert a.n_response_tokens == b.n_response_tokens
         assert torch.equal(a.n_prompt_tokens, b.n_prompt_tokens)
         assert torch.equal(a.n_dropped_demos, b.n_dropped_demos)
-        assert a.score == b.score and a.score_per_set == b.score_per_set
+        assert_same_scores(a, b)
 
 
 # --------------------------------------------------------------------------- tokenizers
