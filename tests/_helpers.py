@@ -132,3 +132,14 @@ def assert_same_scores(a, b, tol: float = 1e-5) -> None:
         assert a.score_per_set == pytest.approx(b.score_per_set, abs=tol)
     else:
         assert a.score == b.score and a.score_per_set == b.score_per_set
+
+
+def restore_environ(saved: dict) -> None:
+    """Put environment variables back as ``saved`` recorded them (None: it was unset)."""
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

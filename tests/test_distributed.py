@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import read_jsonl, save_tiny_llama, write_jsonl
+from _helpers import read_jsonl, restore_environ, save_tiny_llama, write_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -59,11 +59,7 @@ def cluster(hold_dir):
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_environ(saved)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(hold_dir, ignore_errors=True)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from _helpers import read_jsonl, save_tiny_llama, write_jsonl
+from _helpers import read_jsonl, restore_environ, save_tiny_llama, write_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -117,11 +117,7 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(saved)
         shutil.rmtree(root, ignore_errors=True)
 
 
