@@ -143,3 +143,19 @@ def restore_environ(saved: dict) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def wait_for_file(path, timeout: float, proc=None) -> None:
+    """Wait until ``path`` exists (a test hook's signal file), failing after ``timeout``
+    seconds, or at once, with its stderr tail, if the subprocess ``proc`` has exited."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"driver exited with {proc.returncode}: "
+                                 f"{proc.stderr.read().decode()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.05)

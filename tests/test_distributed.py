@@ -11,11 +11,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
-from _helpers import read_jsonl, restore_environ, save_tiny_llama, write_jsonl
+from _helpers import read_jsonl, restore_environ, save_tiny_llama, wait_for_file, write_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -167,17 +166,6 @@ def test_features_parquet_equals_single_process(cluster, data, tmp_path):
     assert not os.path.exists(out / "part-000000.skipped.jsonl")
 
 
-def _wait_for(path, timeout, proc=None):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"driver exited with {proc.returncode}: "
-                                 f"{proc.stderr.read().decode()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear in {timeout} s")
-        time.sleep(0.05)
-
-
 def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path):
     """The actor scoring block 1 is SIGKILLed mid-block; Ray restarts it and re-sends the
     block; every record is written exactly once."""
@@ -186,7 +174,7 @@ def test_worker_sigkilled_mid_run_is_restarted(cluster, data, hold_dir, tmp_path
     killed: list[int] = []
 
     def killer():
-        _wait_for(held, 120)
+        wait_for_file(held, 120)
         pid = int(open(held).read().split()[0])
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
@@ -216,7 +204,7 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
         proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.cli.ray_options", "score",
                                  *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            _wait_for(os.path.join(hold_dir, "held-2"), 150, proc)
+            wait_for_file(os.path.join(hold_dir, "held-2"), 150, proc)
             before = {p: os.stat(out / p) for p in _blocks(out, "jsonl")}
         finally:
             proc.send_signal(signal.SIGKILL)

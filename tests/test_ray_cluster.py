@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from _helpers import read_jsonl, restore_environ, save_tiny_llama, write_jsonl
+from _helpers import read_jsonl, restore_environ, save_tiny_llama, wait_for_file, write_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -182,17 +182,6 @@ def _same_as_single(rows, single) -> None:
         np.testing.assert_allclose(got["loglik"], want["loglik"], rtol=1e-6, atol=1e-9)
 
 
-def _wait_for(path, proc=None):
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.exists(path):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"driver exited with {proc.returncode}: "
-                                 f"{proc.stderr.read().decode()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear in {WAIT_S} s")
-        time.sleep(0.05)
-
-
 def _in_thread(fn):
     """Run ``fn`` in a thread; ``join()`` waits for it and re-raises what it raised (a job
     returning an exit code other than 0 fails too)."""
@@ -236,7 +225,7 @@ def test_loopback_nodes_and_actors_on_distinct_nodes(cluster, data, tmp_path):
 
     def release_when_both_hold():
         for n in nodes:
-            _wait_for(os.path.join(hold, f"held-node-{n}"))
+            wait_for_file(os.path.join(hold, f"held-node-{n}"), WAIT_S)
         for n in nodes:
             open(os.path.join(hold, f"release-node-{n}"), "w").close()
 
@@ -273,7 +262,7 @@ def test_worker_node_removed_mid_job(cluster, data, tmp_path):
                                      stats=stats, actor_options=SLOT))
     try:
         held = os.path.join(hold, "held-3")
-        _wait_for(held)
+        wait_for_file(held, WAIT_S)
         lost = open(held).read().split()[1]
         cluster.remove_worker(cluster.ids()[lost])
         assert lost not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -304,7 +293,7 @@ def test_node_added_mid_job_is_used(cluster, data, tmp_path):
                                      stats=stats, actor_options=SLOT))
     try:
         for n in nodes:
-            _wait_for(os.path.join(hold, f"held-node-{n}"))
+            wait_for_file(os.path.join(hold, f"held-node-{n}"), WAIT_S)
         assert not out.exists() or not [p for p in os.listdir(out) if p.endswith(".jsonl")]
         added = cluster.add_worker()[1].node_id
         deadline = time.monotonic() + WAIT_S
@@ -337,7 +326,7 @@ def test_driver_killed_then_resumed(cluster, data, tmp_path):
              cluster.cluster.address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
-            _wait_for(os.path.join(hold, "held-2"), proc)
+            wait_for_file(os.path.join(hold, "held-2"), WAIT_S, proc)
             before = {p: os.stat(out / p) for p in os.listdir(out)
                       if p.startswith("part-") and ".tmp." not in p}
         finally:
