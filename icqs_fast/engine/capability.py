@@ -314,9 +314,10 @@ def _body_candidates(model: Any) -> list[Any]:
 
 
 @torch.no_grad()
-def _find_head(model: Any) -> tuple[Any, HeadEpilogue, float, str]:
-    """``(body, epilogue, scale_of_body, why)``: the body whose output times ``scale_of_body``
-    is what the head reads, and the epilogue; body None (and ``why``) when no candidate works."""
+def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
+    """``(body, epilogue, why)``: the body whose output is (proportional to) what the head reads,
+    and the epilogue fitted on that output (so a scale between body and head is in its logit
+    scale); body None (and ``why``) when no candidate works."""
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise TypeError(f"{type(model).__name__} has no linear output embeddings (LM head)")
@@ -340,9 +341,9 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, float, str]:
             continue
         if hb.shape[-1] != w.shape[1]:
             continue
-        k = 1.0
         if h_in is not None and h_in.shape == hb.shape and not torch.allclose(
                 hb, h_in.float(), rtol=1e-3, atol=1e-5):
+            # Not the head's input itself: a candidate only if proportional to it (MiniCPM).
             k = _fit_scale(hb.reshape(1, -1), h_in.float().reshape(1, -1))
             if not torch.allclose(hb * k, h_in.float(), rtol=1e-3, atol=1e-4):
                 continue
@@ -351,10 +352,10 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, float, str]:
             z = z + head.bias.float()
         ep = _fit_epilogue(cfg, z, logits, tol)
         if ep is not None:
-            return body, ep, k, ""
+            return body, ep, ""
     why = ("its logits are not a linear head (+ scale / softcap) on a decoder body's output "
            "that this package can run")
-    return None, HeadEpilogue(), 1.0, why
+    return None, HeadEpilogue(), why
 
 
 @torch.no_grad()
@@ -425,9 +426,7 @@ def _decide(model: Any) -> ModelPlan:
     cfg = model.config
     mt = str(getattr(cfg, "model_type", None) or type(model).__name__)
     layers = layer_attention(cfg)
-    # The epilogue was fitted on the body's own output, so a scale between the body and the
-    # head (MiniCPM divides the states before its head) is already in its logit scale.
-    body, ep, _, why = _find_head(model)
+    body, ep, why = _find_head(model)
     if body is None:
         return _plain(mt, layers, ep, None, model, own_logits=True, reason=why)
     none = [la for la in layers if la.kind == "none"]
