@@ -34,7 +34,7 @@ from icqs_fast.cli import main  # noqa: E402
 from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.jobs.ray_executor import HOLD_ENV, BlockOutput, run_ray  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
 GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
     {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]
@@ -167,18 +167,20 @@ def _parquet_lines(out: BlockOutput) -> list[dict]:
         if name.startswith("part-") and name.endswith(".parquet"):
             with out.fs.open_input_file(out.path(name)) as f:
                 rows += pq.read_table(f).to_pylist()
-    for r in rows:  # as the JSONL lines: ids in their type, loglik [M+1, L]
+    for r in rows:  # as the JSONL lines: ids in their type (Parquet holds them as text)
         r["id"] = json.loads(r["id"]) if r["id"][:1].isdigit() else r["id"]
-        r["loglik"] = np.reshape(r["loglik"], (3, 2)).tolist()
     return sorted(rows, key=lambda r: r["index"])
 
 
 def _same_as_single(rows, single) -> None:
     """Each record once, in index order, with the single-process ids, scores and
-    log-likelihoods (within 1e-6 relative: the blocks batch responses differently)."""
+    log-likelihoods (within 1e-6 relative: the blocks batch responses differently, and the
+    default posterior-mean score follows them in its last bits, differently on AVX2 and
+    AVX-512 CPUs)."""
     assert [r["index"] for r in rows] == list(range(len(single)))  # none lost or doubled
     for got, want in zip(rows, single, strict=True):
-        assert (got["id"], got["line"], got["score"]) == (want["id"], want["line"], want["score"])
+        assert (got["id"], got["line"]) == (want["id"], want["line"])
+        assert got["score"] == pytest.approx(want["score"], abs=1e-6)
         np.testing.assert_allclose(got["loglik"], want["loglik"], rtol=1e-6, atol=1e-9)
 
 

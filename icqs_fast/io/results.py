@@ -327,16 +327,20 @@ class ParquetResultWriter:
 
     Records are buffered and committed as one part every ``part_rows`` records or
     ``commit_every`` seconds, whichever comes first; each part is one row group written with
-    ``pyarrow.parquet.ParquetWriter``. Column types are inferred from the records; a column that
-    changes type (an ``id`` that is a number in one record and a string in another) is a
-    ValueError at the commit that meets it. Records must carry an integer ``index`` that
-    increases (the results of ``score`` / ``features`` do).
+    ``pyarrow.parquet.ParquetWriter``. With ``schema`` (what ``score`` and ``features`` pass:
+    the job's declared table schema, :func:`icqs_fast.io.schema.arrow_schema`) every part and
+    the merged file have exactly that schema (``id`` / ``label`` as text), the one the
+    ``--ray`` blocks of the same job have; without, column types are inferred from the records
+    and a column that changes type (an ``id`` that is a number in one record and a string in
+    another) is a ValueError at the commit that meets it. Records must carry an integer
+    ``index`` that increases (the results of ``score`` / ``features`` do).
 
     Args:
         path: the output (``.parquet``); parent folders are created.
         append: continue an existing output (its file and committed parts are kept).
         part_rows, commit_every: when a part is committed (records, seconds).
         row_group_rows: rows per row group of the merged ``OUT``.
+        schema: the table schema (``pyarrow.Schema``); None: inferred.
 
     Test hook: ``ICQS_FAST_TEST_CRASH=MODE:N`` as for :class:`JsonlWriter`: ``before`` kills the
     process before record N is buffered, ``mid`` while the part holding record N is being
@@ -345,7 +349,7 @@ class ParquetResultWriter:
 
     def __init__(self, path: PathLike, *, append: bool = False,
                  part_rows: int = PARQUET_PART_ROWS, commit_every: float = PARQUET_COMMIT_SECONDS,
-                 row_group_rows: int = PARQUET_ROW_GROUP_ROWS) -> None:
+                 row_group_rows: int = PARQUET_ROW_GROUP_ROWS, schema: Any = None) -> None:
         import pyarrow.parquet as pq
 
         self.path = Path(path)
@@ -358,8 +362,9 @@ class ParquetResultWriter:
         st = parquet_output(self.path)
         self._last_index = st.last["index"] if st.last else None
         srcs = ([st.main] if st.main else []) + st.parts
-        self._schema = _unify([pq.read_schema(p) for p in srcs], os.fspath(self.path)) \
-            if srcs else None
+        self._declared = schema
+        self._schema = schema if schema is not None else \
+            _unify([pq.read_schema(p) for p in srcs], os.fspath(self.path)) if srcs else None
         self._buf: list[dict] = []
         self._part_rows = max(1, part_rows)
         self._commit_every = commit_every
@@ -394,9 +399,15 @@ class ParquetResultWriter:
         self._last_commit = time.monotonic()
         if not self._buf:
             return
-        table = records_table(self._buf)
-        schema = table.schema if self._schema is None else \
-            _unify([self._schema, table.schema], os.fspath(self.path))
+        if self._declared is not None:
+            from icqs_fast.io.schema import rows_table
+
+            table = rows_table(self._buf, self._declared)
+            schema = self._declared
+        else:
+            table = records_table(self._buf)
+            schema = table.schema if self._schema is None else \
+                _unify([self._schema, table.schema], os.fspath(self.path))
         name = f"{_PART_PREFIX}{self._buf[0]['index']:012d}.parquet"
         tmp = self.parts / f".{name}.tmp"
         crash = self._crash is not None and self._crash[0] in ("mid", "hold") and \
@@ -422,7 +433,8 @@ class ParquetResultWriter:
             return
         self.commit()
         self._closed = True
-        merge_parquet_output(self.path, row_group_rows=self._row_group_rows)
+        merge_parquet_output(self.path, row_group_rows=self._row_group_rows,
+                             schema=self._declared)
 
     def __enter__(self) -> ParquetResultWriter:
         return self
@@ -441,10 +453,13 @@ def remove_parquet_output(out: Path) -> None:
         shutil.rmtree(parts_dir(out))
 
 
-def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GROUP_ROWS) -> None:
+def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GROUP_ROWS,
+                         schema: Any = None) -> None:
     """Merge a Parquet output's committed parts into ``OUT`` (streamed row group by row group:
-    memory holds about ``row_group_rows`` rows), atomically, and remove ``OUT.parts``; without
-    any record at all, ``OUT`` is an empty table with ``index`` and ``line`` columns."""
+    memory holds about ``row_group_rows`` rows), atomically, and remove ``OUT.parts``. The
+    result has ``schema`` when given (an output resumed from an older layout is cast to it),
+    else the parts' unified schema; without any record at all and no schema, ``OUT`` is an
+    empty table with ``index`` and ``line`` columns."""
     import shutil
 
     import pyarrow as pa
@@ -454,10 +469,9 @@ def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GRO
     st = parquet_output(out)
     if st.parts or st.main is None:
         srcs = ([st.main] if st.main else []) + st.parts
-        if srcs:
-            schema = _unify([pq.read_schema(p) for p in srcs], os.fspath(out))
-        else:
-            schema = pa.schema([("index", pa.int64()), ("line", pa.int64())])
+        if schema is None:
+            schema = _unify([pq.read_schema(p) for p in srcs], os.fspath(out)) if srcs else \
+                pa.schema([("index", pa.int64()), ("line", pa.int64())])
         tmp = Path(f"{out}.tmp")
         with pq.ParquetWriter(tmp, schema) as w:
             pending: list[Any] = []

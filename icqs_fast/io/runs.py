@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from icqs_fast.io.arrow import dataset_files
 from icqs_fast.io.readers import count_records
@@ -95,11 +96,12 @@ class OutputLock:
         self.release()
 
 
-def open_results(plan: OutputPlan) -> JsonlWriter | ParquetResultWriter:
-    """The writer of ``plan.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq``, else
-    :class:`JsonlWriter` (appending when resuming)."""
+def open_results(plan: OutputPlan, *, schema: Any = None) -> JsonlWriter | ParquetResultWriter:
+    """The writer of ``plan.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq`` (rows
+    in ``schema``, the job's declared table schema, when given), else :class:`JsonlWriter`
+    (appending when resuming)."""
     if output_format(plan.out) == "parquet":
-        return ParquetResultWriter(plan.out, append=plan.append)
+        return ParquetResultWriter(plan.out, append=plan.append, schema=schema)
     return JsonlWriter(plan.out, append=plan.append)
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.models import runtime_settings
 
@@ -171,18 +172,12 @@ DIAGNOSTICS = ("n_prompt_tokens", "truncated", "join")
 
 
 def feature_line(rec: Record, row: dict[str, Any]) -> dict[str, Any]:
-    """The output JSON object of one record: ``index``, ``line``, ``id`` (when the input has
-    one), ``n_tokens``, the features in the order asked for, then the :data:`DIAGNOSTICS` the
-    row has (``n_prompt_tokens`` int, ``truncated`` and ``join`` bool)."""
-    out: dict[str, Any] = {"index": rec.index, "line": rec.line}
-    if rec.id is not None:
-        out["id"] = rec.id
-    out["n_tokens"] = int(row["n_tokens"])
-    out.update((k, float(v)) for k, v in row.items() if k != "n_tokens" and k not in DIAGNOSTICS)
-    if "n_prompt_tokens" in row:
-        out["n_prompt_tokens"] = int(row["n_prompt_tokens"])
-    out.update((k, bool(row[k])) for k in ("truncated", "join") if k in row)
-    return out
+    """The output JSON object of one record (:func:`icqs_fast.io.schema.features_row`):
+    ``index``, ``line``, ``id`` (when the input has one), ``n_tokens``, the features in the
+    order of ``row``, then the :data:`DIAGNOSTICS` (``n_prompt_tokens`` int, ``truncated`` and
+    ``join`` bool)."""
+    names = [k for k in row if k != "n_tokens" and k not in DIAGNOSTICS]
+    return features_row(rec, row, names)
 
 
 def parse_features(spec: str) -> list[str]:
@@ -291,6 +286,9 @@ class FeatureStrategy:
 
     def line(self, rec: Record, res: dict[str, float]) -> dict:
         return feature_line(rec, res)
+
+    def table_schema(self) -> Any:
+        return arrow_schema("features", self.config.features)
 
     def summary(self) -> FeatureSummary:
         return FeatureSummary()

@@ -46,6 +46,7 @@ import numpy as np
 
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import PathLike, Record, RecordError
+from icqs_fast.io.schema import column_arrays, features_row, fill_columns, icqs_row
 from icqs_fast.models import runtime_settings
 
 __all__ = ["ICQSBatchScorer", "GlassboxBatchScorer", "RecordBlocks", "BlockSpec",
@@ -121,11 +122,11 @@ class ICQSBatchScorer:
             fields, ``token_budget`` None keeps the default): the keyword form of the same
             settings, as :class:`~icqs_fast.engine.scorer.ICQSScorer` takes them.
 
-    Output columns (``__call__``): ``score``, ``score_per_set`` ``[n, L]``, ``margin``,
-    ``margins`` ``[n, L]``, ``near_ties``, ``slope``, ``p_good``, ``loglik``
-    ``[n, M+1, L]`` float64 (raw log-likelihoods), ``loglik_baseline`` ``[n, M+1, L]`` (only
-    when ``calibration`` is not "none": what calibration subtracts), ``n_response_tokens``,
-    ``n_prompt_tokens`` ``[n, M+1, L]``, ``error``, and ``id`` / ``index`` passed through.
+    Output columns (``__call__``): every result field of the declared schema
+    (:data:`icqs_fast.io.schema.ICQS_FIELDS`: ``score``, ``score_per_set`` ``[n, L]``,
+    ``loglik`` ``[n, M+1, L]`` float64, ``loglik_baseline`` (NaN unless calibrated), ...,
+    ``p_good``; floats NaN and ints 0 for a rejected record), ``error``, and ``id`` /
+    ``index`` passed through.
 
     Attributes:
         model, tokenizer, scorer: the loaded model and the :class:`ICQSScorer` (its prefix bank
@@ -175,37 +176,13 @@ class ICQSBatchScorer:
         cols = batch_columns(batch)
         items = _batch_records(cols, self.x_field, self.y_field)
         n = len(items)
-        m1, ll = self.scorer.num_ratios, self.scorer.sets_per_ratio
-        out = {
-            "score": np.full(n, np.nan), "score_per_set": np.full((n, ll), np.nan),
-            "loglik": np.full((n, m1, ll), np.nan),
-            "n_response_tokens": np.zeros(n, dtype=np.int64),
-            "n_prompt_tokens": np.zeros((n, m1, ll), dtype=np.int64),
-            "margin": np.full(n, np.nan), "margins": np.full((n, ll), np.nan),
-            "near_ties": np.zeros(n, dtype=np.int64), "slope": np.full(n, np.nan),
-            "p_good": np.full(n, np.nan),
-            "error": np.full(n, None, dtype=object),
-        }
-        if self.settings.calibration != "none":
-            out["loglik_baseline"] = np.full((n, m1, ll), np.nan)
+        dims = {"M+1": self.scorer.num_ratios, "L": self.scorer.sets_per_ratio}
+        out = column_arrays(n, dims, "icqs")
         row = {it.index: i for i, it in enumerate(items)}
         errors: list[RecordError] = []
         for rec, res in self.results(items, on_error=errors.append):
-            i = row[rec.index]
-            out["score"][i] = res.score
-            out["score_per_set"][i] = res.score_per_set
-            out["loglik"][i] = res.loglik.double().numpy()
-            if res.loglik_baseline is not None:
-                out["loglik_baseline"][i] = res.loglik_baseline.double().numpy()
-            out["n_response_tokens"][i] = res.n_response_tokens
-            out["n_prompt_tokens"][i] = res.n_prompt_tokens.numpy()
-            out["margin"][i], out["margins"][i] = res.margin, res.margins
-            out["near_ties"][i], out["slope"][i], out["p_good"][i] = (res.near_ties, res.slope,
-                                                                      res.p_good)
-        for err in errors:
-            out["error"][row[err.index]] = f"{err.field}: {err.reason}" if err.field else \
-                err.reason
-        return {**_passthrough(cols), **out}
+            fill_columns(out, row[rec.index], icqs_row(rec, res))
+        return {**_passthrough(cols), **out, "error": _error_column(n, row, errors)}
 
 
 class GlassboxBatchScorer:
@@ -259,20 +236,20 @@ class GlassboxBatchScorer:
         cols = batch_columns(batch)
         items = _batch_records(cols, self.x_field, self.y_field)
         n = len(items)
-        out: dict[str, np.ndarray] = {"n_tokens": np.zeros(n, dtype=np.int64)}
-        out.update((f, np.full(n, np.nan)) for f in self.features)
-        out["error"] = np.full(n, None, dtype=object)
+        out = column_arrays(n, {}, "features", self.features)
         row = {it.index: i for i, it in enumerate(items)}
         errors: list[RecordError] = []
         for rec, res in self.results(items, on_error=errors.append):
-            i = row[rec.index]
-            out["n_tokens"][i] = int(res["n_tokens"])
-            for f in self.features:
-                out[f][i] = float(res[f])
-        for err in errors:
-            out["error"][row[err.index]] = f"{err.field}: {err.reason}" if err.field else \
-                err.reason
-        return {**_passthrough(cols), **out}
+            fill_columns(out, row[rec.index], features_row(rec, res, self.features))
+        return {**_passthrough(cols), **out, "error": _error_column(n, row, errors)}
+
+
+def _error_column(n: int, row: dict[int, int], errors: list[RecordError]) -> np.ndarray:
+    """The ``error`` batch column: None, or ``"field: reason"`` for a record rejected."""
+    out = np.full(n, None, dtype=object)
+    for err in errors:
+        out[row[err.index]] = f"{err.field}: {err.reason}" if err.field else err.reason
+    return out
 
 
 # --------------------------------------------------------------------------- input blocks

@@ -18,7 +18,7 @@ Who writes what (:class:`BlockOutput`): the **driver** creates ``OUT``, writes
 ``OUT/run.meta.json`` (at the start, and again with dtype/device/backend once the first block
 reports them), holds ``OUT.lock``, lists the complete blocks and removes stale temporary files
 (``--resume``) or old blocks (``--overwrite``); each **worker** (actor) writes only the block
-files it scored (``part-KKKKKK.*`` and Parquet's ``part-KKKKKK.skipped.jsonl``). On a cluster
+files it scored (``part-KKKKKK.*``; :class:`~icqs_fast.io.blocks.BlockOutput`). On a cluster
 ``OUT`` must therefore be reachable under the same name from the driver and from every node:
 a folder every node mounts at the same path, or a URI of a pyarrow filesystem
 (``pyarrow.fs.FileSystem.from_uri``: ``file:///shared/out``, ``s3://bucket/out``, ``gs://``,
@@ -36,19 +36,12 @@ rest.
 
 Bad records follow the single-process rules: ``--on-error stop`` stops at a bad record with its
 file, line and field (its block is not written; the blocks done are kept for a ``--resume`` run
-after the fix); ``--on-error skip`` writes a ``{"index", "line", "error"}`` line in its place
-(JSONL output, as the single-process output does) or into ``part-KKKKKK.skipped.jsonl`` beside
-the block (Parquet output).
+after the fix); ``--on-error skip`` writes a ``{"index", "line", "error"}`` row in its place.
 
-JSONL output lines are the single-process lines; ``cat OUT/part-*.jsonl`` is the single-process
-output. Parquet columns: ``index``, ``line``, ``id`` (a string; non-string ids as JSON text),
-``label`` (JSON text), then for ``score`` ``score``, ``score_per_set``, ``loglik`` (flattened
-row-major, its shape ``[M+1, L]`` in the field metadata ``shape``), ``loglik_baseline`` (only
-with ``--calibrate``; flattened like loglik), ``ratios``,
-``n_response_tokens``, ``n_prompt_tokens``, ``n_dropped_demos`` (flattened like loglik),
-``truncated``, ``join`` (bool), ``margin``, ``margins``, ``near_ties``, ``slope``, ``p_good``,
-and for ``features`` ``n_tokens``, the features,
-``n_prompt_tokens``, ``truncated`` and ``join``.
+Block files hold the single-process output's rows: ``cat OUT/part-*.jsonl`` is the
+single-process JSONL output, and the Parquet blocks have exactly the schema of a local
+``-o X.parquet`` of the same job (:func:`icqs_fast.io.schema.arrow_schema`), so local and
+``--ray`` outputs read as one ``pyarrow.dataset``.
 """
 
 from __future__ import annotations
@@ -60,15 +53,23 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from icqs_fast.io.blocks import (
+    META_NAME,
+    OBJECT_STORES,
+    BlockOutput,
+    block_name,
+    block_path,
+    is_uri,
+)
 from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import InputError, RecordError, detect_format
 from icqs_fast.io.results import skipped_record
-from icqs_fast.io.runs import RUNTIME_KEYS, OutputLock, check_run_paths, resume_refusal
+from icqs_fast.io.runs import RUNTIME_KEYS, check_run_paths, resume_refusal
+from icqs_fast.io.schema import arrow_schema, rows_table
 from icqs_fast.jobs.config import (
     DEFAULT_BLOCK_SIZE,
     OUTPUT_FORMATS,
@@ -86,7 +87,6 @@ from icqs_fast.jobs.ray_actors import (
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "OBJECT_STORES", "run_ray", "block_path",
            "block_name", "is_uri", "BlockOutput"]
-META_NAME = "run"  # OUT/run.meta.json (io.write_meta adds .meta.json)
 HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
 
 
@@ -157,7 +157,7 @@ class _BlockMixin:
     def _lines(self, items: list) -> tuple[list[dict], int]:
         raise NotImplementedError
 
-    def _parquet(self, rows: list[dict]):
+    def table_schema(self) -> Any:
         raise NotImplementedError
 
     def __call__(self, batch: Any) -> dict[str, np.ndarray]:
@@ -188,8 +188,8 @@ class _BlockMixin:
             summary["seconds"] = time.perf_counter() - t0
             return {k: np.array([v]) for k, v in summary.items()}
         self._write(block, rows)
-        summary.update(n=len(rows) - skipped if self.out_format == "jsonl" else len(rows),
-                       skipped=skipped, seconds=time.perf_counter() - t0)
+        summary.update(n=len(rows) - skipped, skipped=skipped,
+                       seconds=time.perf_counter() - t0)
         return {k: np.array([v]) for k, v in summary.items()}
 
     def _collect(self, results, items):
@@ -203,37 +203,24 @@ class _BlockMixin:
         name = block_name(block, self.out_format)
         if self.out_format == "jsonl":
             self.output.write_jsonl(name, rows)
-            return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        if self._skipped_rows:  # before its block: a complete block has its side file
-            self.output.write_jsonl(f"part-{block:06d}.skipped.jsonl", self._skipped_rows)
-        buf = pa.BufferOutputStream()
-        pq.write_table(self._parquet(rows), buf)
-        self.output.write_bytes(name, buf.getvalue().to_pybytes())
+        else:  # the declared schema: the same as a local -o X.parquet of the job
+            self.output.write_parquet(name, rows_table(rows, self.table_schema()))
 
 
-def _id_text(v: Any) -> str | None:
-    return None if v is None else v if isinstance(v, str) else json.dumps(v)
-
-
-def _merge_in_order(results, errors: list[RecordError], jsonl: bool, line_of):
-    """Output lines in input order: results interleaved with skipped records (JSONL), or the
-    results alone and the skipped records apart (Parquet)."""
+def _merge_in_order(results, errors: list[RecordError], line_of) -> list[dict]:
+    """Output rows in input order: results interleaved with skipped records, as the
+    single-process output has them (JSONL lines or Parquet rows alike)."""
     rows: list[dict] = []
-    skipped_rows: list[dict] = []
     # score_records / feature_records pass each error to on_error in input order, before the
     # result that follows it; the list grows while results are yielded.
     seen = 0
     for rec, res in results:
         while seen < len(errors) and errors[seen].index < rec.index:
-            (rows if jsonl else skipped_rows).append(skipped_record(errors[seen]))
+            rows.append(skipped_record(errors[seen]))
             seen += 1
         rows.append(line_of(rec, res))
-    for err in errors[seen:]:
-        (rows if jsonl else skipped_rows).append(skipped_record(err))
-    return rows, skipped_rows
+    rows.extend(skipped_record(err) for err in errors[seen:])
+    return rows
 
 
 class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
@@ -247,56 +234,12 @@ class ScoreBlocks(_BlockMixin, ICQSBatchScorer):
         from icqs_fast.jobs.score import result_record
 
         results, errors = self._collect(self.results, items)
-        rows, self._skipped_rows = _merge_in_order(
-            results, errors, self.out_format == "jsonl",
-            lambda rec, res: result_record(rec, res, with_label=self.with_label))
+        rows = _merge_in_order(results, errors,
+                               lambda rec, res: result_record(rec, res, with_label=self.with_label))
         return rows, len(errors)
 
-    def _parquet(self, rows: list[dict]):
-        import pyarrow as pa
-
-        m1, ll = self.scorer.num_ratios, self.scorer.sets_per_ratio
-        shape = json.dumps([m1, ll]).encode()
-
-        def flat(name: str, typ: Any) -> pa.Field:
-            return pa.field(name, pa.list_(typ, m1 * ll), metadata={b"shape": shape})
-
-        schema = pa.schema([
-            pa.field("index", pa.int64()), pa.field("line", pa.int64()),
-            pa.field("id", pa.string()), pa.field("label", pa.string()),
-            pa.field("score", pa.float64()), pa.field("score_per_set", pa.list_(pa.float64())),
-            flat("loglik", pa.float64()), pa.field("ratios", pa.list_(pa.float64())),
-            pa.field("n_response_tokens", pa.int64()), flat("n_prompt_tokens", pa.int64()),
-            flat("n_dropped_demos", pa.int64()), pa.field("truncated", pa.bool_()),
-            pa.field("join", pa.bool_()),
-            # Stability diagnostics and the readable scale (issue 29), as in the JSONL lines.
-            pa.field("margin", pa.float64()), pa.field("margins", pa.list_(pa.float64())),
-            pa.field("near_ties", pa.int64()), pa.field("slope", pa.float64()),
-            pa.field("p_good", pa.float64())])
-        calibrated = self.settings.calibration != "none"
-        if calibrated:  # beside the raw loglik, so a user can recompute (as the JSONL lines)
-            schema = schema.insert(schema.get_field_index("loglik") + 1,
-                                   flat("loglik_baseline", pa.float64()))
-        zeros = [[0] * ll] * m1
-        cols = {
-            "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
-            "id": [_id_text(r.get("id")) for r in rows],
-            "label": [json.dumps(r["label"], ensure_ascii=False) if "label" in r else None
-                      for r in rows],
-            "score": [r["score"] for r in rows],
-            "score_per_set": [r["score_per_set"] for r in rows],
-            "loglik": [sum(r["loglik"], []) for r in rows],
-            "ratios": [r["ratios"] for r in rows],
-            "n_response_tokens": [r["n_response_tokens"] for r in rows],
-            "n_prompt_tokens": [sum(r["n_prompt_tokens"], []) for r in rows],
-            "n_dropped_demos": [sum(r.get("n_dropped_demos", zeros), []) for r in rows],
-            "truncated": [r["truncated"] for r in rows], "join": [r["join"] for r in rows],
-            **{k: [r[k] for r in rows] for k in ("margin", "margins", "near_ties", "slope",
-                                                  "p_good")},
-        }
-        if calibrated:
-            cols["loglik_baseline"] = [sum(r["loglik_baseline"], []) for r in rows]
-        return pa.table(cols, schema=schema)
+    def table_schema(self) -> Any:
+        return arrow_schema("icqs")
 
 
 class FeatureBlocks(_BlockMixin, GlassboxBatchScorer):
@@ -311,158 +254,14 @@ class FeatureBlocks(_BlockMixin, GlassboxBatchScorer):
         from icqs_fast.jobs.features import feature_line
 
         results, errors = self._collect(self.results, items)
-        rows, self._skipped_rows = _merge_in_order(results, errors, self.out_format == "jsonl",
-                                                   feature_line)
+        rows = _merge_in_order(results, errors, feature_line)
         return rows, len(errors)
 
-    def _parquet(self, rows: list[dict]):
-        import pyarrow as pa
-
-        schema = pa.schema([pa.field("index", pa.int64()), pa.field("line", pa.int64()),
-                            pa.field("id", pa.string()), pa.field("n_tokens", pa.int64())]
-                           + [pa.field(f, pa.float64()) for f in self.features]
-                           + [pa.field("n_prompt_tokens", pa.int64()),
-                              pa.field("truncated", pa.bool_()), pa.field("join", pa.bool_())])
-        cols: dict[str, list] = {
-            "index": [r["index"] for r in rows], "line": [r["line"] for r in rows],
-            "id": [_id_text(r.get("id")) for r in rows],
-            "n_tokens": [r["n_tokens"] for r in rows]}
-        cols.update((f, [r[f] for r in rows]) for f in self.features)
-        cols.update((k, [r[k] for r in rows]) for k in ("n_prompt_tokens", "truncated", "join"))
-        return pa.table(cols, schema=schema)
+    def table_schema(self) -> Any:
+        return arrow_schema("features", self.features)
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
-    """The file of block ``block``: ``OUT/part-KKKKKK.<format>``."""
-    return os.path.join(os.fspath(out_dir), block_name(block, out_format))
-
-
-def block_name(block: int, out_format: str) -> str:
-    """The name of block ``block``'s file inside the output: ``part-KKKKKK.<format>``."""
-    return f"part-{block:06d}.{out_format}"
-
-
-# pyarrow filesystem types whose files appear only once their upload completes (and which have
-# no atomic rename): blocks are written there under their final name.
-OBJECT_STORES = ("s3", "gcs", "abfs")
-
-
-def is_uri(output: str) -> bool:
-    """Whether ``output`` names a pyarrow filesystem URI (``scheme://...``) rather than a path."""
-    head, sep, _ = output.partition("://")
-    return bool(sep) and head.replace("+", "").replace("-", "").isalnum() and "/" not in head
-
-
-class BlockOutput:
-    """The output folder of a ``--ray`` run, on the filesystem the driver and every worker reach.
-
-    ``output`` is a local path (a folder every node mounts at the same path) or a URI of a
-    pyarrow filesystem (``pyarrow.fs.FileSystem.from_uri``: ``file:///shared/out``,
-    ``s3://bucket/prefix?endpoint_override=host:port&scheme=http``, ...). Each process builds
-    its own from the same string, so credentials come from that process's environment.
-
-    Files are written whole or not at all (:meth:`write_bytes`): on a local or mounted
-    filesystem to ``NAME.tmp.PID`` (fsynced, so a machine crash cannot leave a complete-looking
-    empty block on a shared mount), then renamed; on an object store (:data:`OBJECT_STORES`)
-    under the final name, which its readers see only once the upload completes.
-
-    Args:
-        output: the path or URI.
-        by_rename: how :meth:`write_bytes` makes a write atomic (default: by the filesystem's
-            type, see above); False writes in place (what an object store does) on any
-            filesystem, which the tests use to run the object-store path on a local one.
-    """
-
-    def __init__(self, output: str, *, by_rename: bool | None = None) -> None:
-        import pyarrow.fs as pafs
-
-        self.output = output
-        if is_uri(output):
-            self.fs, root = pafs.FileSystem.from_uri(output)
-        else:
-            self.fs, root = pafs.LocalFileSystem(), os.path.abspath(output)
-        self.root = root.rstrip("/") or "/"
-        self.local = self.fs.type_name == "local"
-        self.by_rename = (self.fs.type_name not in OBJECT_STORES) if by_rename is None \
-            else by_rename
-
-    def path(self, name: str) -> str:
-        """The filesystem path of ``name`` inside the output."""
-        return f"{self.root}/{name}"
-
-    def kind(self) -> str:
-        """``"missing"``, ``"dir"`` or ``"file"`` (a prefix with objects is a folder)."""
-        import pyarrow.fs as pafs
-
-        t = self.fs.get_file_info(self.root).type
-        if t == pafs.FileType.Directory:
-            return "dir"
-        if t == pafs.FileType.File:
-            return "file"
-        return "dir" if self.names() else "missing"
-
-    def names(self) -> list[str]:
-        """The names of the files directly inside the output (none when it is missing)."""
-        import pyarrow.fs as pafs
-
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
-
-    def exists(self, name: str) -> bool:
-        import pyarrow.fs as pafs
-
-        return self.fs.get_file_info(self.path(name)).type == pafs.FileType.File
-
-    def read_text(self, name: str) -> str:
-        with self.fs.open_input_stream(self.path(name)) as f:
-            return f.read().decode("utf-8")
-
-    def remove(self, name: str) -> None:
-        self.fs.delete_file(self.path(name))
-
-    def make(self) -> None:
-        """Create the output folder (on an object store: nothing to create)."""
-        self.fs.create_dir(self.root, recursive=True)
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Write file ``name`` whole: it exists only once complete (see the class docstring)."""
-        final = self.path(name)
-        if not self.by_rename:
-            with self.fs.open_output_stream(final) as f:
-                f.write(data)
-            return
-        tmp = f"{final}.tmp.{os.getpid()}"
-        if self.local:  # os calls: fsync before the rename (pyarrow's stream does not sync)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            return
-        with self.fs.open_output_stream(tmp) as f:
-            f.write(data)
-        self.fs.move(tmp, final)
-
-    def write_jsonl(self, name: str, rows: list[dict]) -> None:
-        """The rows as JSON lines, formatted as :class:`~icqs_fast.io.results.JsonlWriter`
-        writes them (the single-process lines)."""
-        self.write_bytes(name, "".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n"
-                                       for r in rows).encode("utf-8"))
-
-    def write_meta(self, settings: dict) -> None:
-        """``run.meta.json``, formatted as :func:`~icqs_fast.io.runs.write_meta` writes it."""
-        self.write_bytes(f"{META_NAME}.meta.json",
-                         (json.dumps(settings, indent=1) + "\n").encode("utf-8"))
-
-    def lock(self):
-        """``OUT.lock`` (:class:`~icqs_fast.io.runs.OutputLock`) on a local or mounted
-        filesystem; on an object store nothing (no exclusive create there)."""
-        import contextlib
-
-        return OutputLock(Path(self.root)) if self.local else contextlib.nullcontext()
 
 
 def _check_config(config: JobConfig) -> None:

@@ -75,6 +75,9 @@ class JobStrategy(Protocol):
     def line(self, rec: Record, res: Any) -> dict:
         """The output line of one result."""
 
+    def table_schema(self) -> Any:
+        """The ``pyarrow.Schema`` of a Parquet output (:func:`icqs_fast.io.schema.arrow_schema`)."""
+
     def summary(self) -> JobSummary: ...
 
 
@@ -240,7 +243,7 @@ def _write_results(config: JobConfig, strategy: JobStrategy, plan: Any,
     from icqs_fast.progress import track
 
     out = plan.out
-    with open_results(plan) as writer:
+    with open_results(plan, schema=strategy.table_schema()) as writer:
         def skip(err: RecordError) -> None:
             writer.write(skipped_record(err))
             summary.skipped += 1

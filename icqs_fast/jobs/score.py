@@ -40,6 +40,7 @@ from typing import Any
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
 
@@ -145,35 +146,9 @@ def score_records(
 
 
 def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
-    """The output JSON object of one scored record."""
-    out: dict[str, Any] = {"index": rec.index, "line": rec.line}
-    if rec.id is not None:
-        out["id"] = rec.id
-    if with_label:
-        out["label"] = rec.label
-    out.update(
-        score=res.score,
-        score_per_set=list(res.score_per_set),
-        loglik=res.loglik.tolist(),
-        **({"loglik_baseline": res.loglik_baseline.tolist()}
-           if getattr(res, "loglik_baseline", None) is not None else {}),
-        ratios=list(res.ratios),
-        n_response_tokens=int(res.n_response_tokens),
-        n_prompt_tokens=res.n_prompt_tokens.tolist(),
-    )
-    if int(res.n_dropped_demos.sum()) > 0:
-        out["n_dropped_demos"] = res.n_dropped_demos.tolist()
-    # Per-record diagnostics (issue 21.4; absent from outputs written before them).
-    out["truncated"] = bool(int(res.n_dropped_demos.sum()) > 0)
-    out["join"] = bool(getattr(res, "join", False))
-    # Stability diagnostics (issue 29): how far the argmax is from a tie, in nats.
-    out["margin"] = float(res.margin)
-    out["margins"] = [float(m) for m in res.margins]
-    out["near_ties"] = int(res.near_ties)
-    # The posterior-mean score on a readable scale (same ranking): nats and a probability.
-    out["slope"] = float(res.slope)
-    out["p_good"] = float(res.p_good)
-    return out
+    """The output JSON object of one scored record (:func:`icqs_fast.io.schema.icqs_row`: the
+    declared fields, in their order)."""
+    return icqs_row(rec, res, with_label=with_label)
 
 
 class Summary:
@@ -325,6 +300,9 @@ class ScoreStrategy:
 
     def line(self, rec: Record, res: Any) -> dict:
         return result_record(rec, res, with_label=self.config.label_field is not None)
+
+    def table_schema(self) -> Any:
+        return arrow_schema("icqs")
 
     def summary(self) -> Summary:
         return Summary(with_label=self.config.label_field is not None)
