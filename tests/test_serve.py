@@ -16,7 +16,7 @@ from icqs_fast.serve.app import ServeConfig, Server
 from icqs_fast.serve.logprobs import prompt_cuts, prompt_logprobs
 from icqs_fast.serve.runner import ServerThread, is_loopback
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-4
 

@@ -23,7 +23,7 @@ from _helpers import save_tiny_llama
 from icqs_fast.serve.app import ServeConfig, Server
 from icqs_fast.serve.runner import ServerThread
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_torch_thread")]
 
 GOOD = [("Review: fine", "positive"), ("Review: awful", "negative")] * 2
 BAD = [("Review: fine", "negative"), ("Review: awful", "positive")] * 2
@@ -261,8 +261,9 @@ def test_max_size_score_request_cannot_starve_small_completions(tiny):
     margin for a loaded box; without the round robin every small one waited for the whole
     large request and finished after it); the large request finishes last and correct."""
     d, model, tok = tiny
-    srv = _server(tiny, max_prompts=16, max_prompt_tokens=512, max_request_tokens=16 * 512,
-                  max_batch_tokens=2048, max_queue=64)
+    # The price: 16 records x 5 passes (2 x 2 ICQS contexts, the features) + the prefixes.
+    srv = _server(tiny, max_prompts=16, max_prompt_tokens=512,
+                  max_request_tokens=16 * 512 * 5 + 64, max_batch_tokens=2048, max_queue=64)
     word = tok.encode("lorem ipsum dolor sit amet " * 120)
     x, y = tok.decode(word[:250]), tok.decode(word[:260])
     rec_tokens = len(tok.encode(x)) + len(tok.encode(y))
@@ -270,7 +271,7 @@ def test_max_size_score_request_cannot_starve_small_completions(tiny):
     big = {"records": [{"x": x, "y": y}] * 16, "features": True}
     chunk_ends: list[float] = []
     tickets = []
-    score, submit = srv._score, srv.queue.submit
+    score, submit = srv.scoring.score_chunk, srv.queue.submit
 
     def timed_score(*a, **kw):
         out = score(*a, **kw)
@@ -282,7 +283,7 @@ def test_max_size_score_request_cannot_starve_small_completions(tiny):
         tickets.append(t)
         return t
 
-    srv._score, srv.queue.submit = timed_score, kept_submit
+    srv.scoring.score_chunk, srv.queue.submit = timed_score, kept_submit
     with ServerThread(srv) as st:
         async def run():
             async with httpx.AsyncClient(base_url=st.base_url, timeout=120) as c:
@@ -322,7 +323,7 @@ def test_max_size_score_request_cannot_starve_small_completions(tiny):
 def _slow_server(tiny, **cfg):
     """The tiny server whose log-prob engine calls take 0.3 s more each (a slow model)."""
     srv = _server(tiny, **cfg)
-    run = srv._run_logprobs
+    run = srv.run_logprobs
 
     def slow(prompts, top_n):
         time.sleep(0.3)

@@ -44,15 +44,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt (or /v1/score record, demonstration) in tokens; "
                    "longer: 400 (default %(default)s)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
-                   help="tokens of all prompts (records and demonstrations) of one request; "
-                   "more: 413 (default %(default)s)")
+                   help="the price of one request: the tokens it holds (prompts, records, "
+                   "demonstrations) and its work, tokens times the forward passes that read "
+                   "them (generated tokens, ICQS contexts and calibration baselines, features "
+                   "included); more: 413 (default %(default)s)")
     p.add_argument("--max-prompts", type=int, default=d.max_prompts,
-                   help="prompts (or records) per request")
+                   help="prompts (or /v1/score records) per request (default %(default)s)")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="largest logprobs=N (top-N alternatives) a request may ask for "
                    "(default %(default)s)")
     p.add_argument("--max-gen-tokens", type=int, default=d.max_gen_tokens,
-                   help="largest max_tokens (greedy generation)")
+                   help="largest max_tokens (greedy generation; default %(default)s)")
+    p.add_argument("--max-stop", type=int, default=d.max_stop,
+                   help="most 'stop' strings per request (default %(default)s)")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help="longest 'stop' string, in characters (default %(default)s)")
+    p.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help="most 'logit_bias' entries per request (default %(default)s)")
+    p.add_argument("--max-num-ratios", type=int, default=d.max_num_ratios,
+                   help="/v1/score: largest num_ratios (M+1) (default %(default)s)")
+    p.add_argument("--max-sets-per-ratio", type=int, default=d.max_sets_per_ratio,
+                   help="/v1/score: largest sets_per_ratio (L) (default %(default)s)")
+    p.add_argument("--max-demos-per-set", type=int, default=d.max_demos_per_set,
+                   help="/v1/score: largest demos_per_set (N) (default %(default)s)")
+    p.add_argument("--max-live-generations", type=int, default=d.max_live_generations,
+                   help="generations holding a KV cache at once; others wait for a free one "
+                   "(default %(default)s)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="prompts admitted and not yet answered; past it: 429")
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
@@ -62,8 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "into chunks served round-robin with the others, so no request waits for "
                    "more than one chunk of another (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="seconds a request may take from admission; past it: 504 and its "
-                   "remaining work is dropped (0: no limit; default %(default)s)")
+                   help="seconds a request may take from admission; past it: 504, its running "
+                   "work stops at the next forward or generated token and the rest is dropped "
+                   "(0: no limit; default %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM / SIGINT, seconds the requests in flight have to finish "
+                   "before they get 503 and the server exits (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
     p.add_argument("--log-level", default=None,
@@ -89,11 +110,18 @@ def run(args: argparse.Namespace) -> int:
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
-                 "max_queue", "max_batch_tokens", "max_gen_tokens", "max_request_tokens"):
+                 "max_queue", "max_batch_tokens", "max_gen_tokens", "max_request_tokens",
+                 "max_stop_chars", "max_num_ratios", "max_sets_per_ratio", "max_demos_per_set",
+                 "max_live_generations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_stop", "max_logit_bias"):  # 0: the option is refused
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if not args.request_timeout >= 0:
         raise ValueError("--request-timeout must be >= 0 (0: no limit)")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError("--shutdown-timeout must be a number of seconds >= 0")
     good = bad = None
     if args.good is not None:
         from icqs_fast.io.readers import read_examples
@@ -107,9 +135,14 @@ def run(args: argparse.Namespace) -> int:
                       max_prompt_tokens=args.max_prompt_tokens,
                       max_request_tokens=args.max_request_tokens, max_prompts=args.max_prompts,
                       max_logprobs=args.max_logprobs, max_gen_tokens=args.max_gen_tokens,
-                      max_queue=args.max_queue,
+                      max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                      max_logit_bias=args.max_logit_bias, max_num_ratios=args.max_num_ratios,
+                      max_sets_per_ratio=args.max_sets_per_ratio,
+                      max_demos_per_set=args.max_demos_per_set,
+                      max_live_generations=args.max_live_generations, max_queue=args.max_queue,
                       batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens,
-                      request_timeout=args.request_timeout, backend=args.backend)
+                      request_timeout=args.request_timeout,
+                      shutdown_timeout=args.shutdown_timeout, backend=args.backend)
     server = Server(model, tok, cfg, good=good, bad=bad,
                     icqs_options={"num_ratios": args.num_ratios,
                                   "demos_per_set": args.demos_per_set,

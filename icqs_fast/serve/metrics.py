@@ -38,7 +38,9 @@ class _QueueCollector:
                 ("batched_prompts", "prompts run in log-prob batches", q.batched_prompts),
                 ("chunks", "units of work run (a large request is cut into several)", q.chunks),
                 ("deadline_exceeded", "requests dropped at their deadline", q.timed_out),
-                ("cancelled", "requests dropped because their client went away", q.cancelled)):
+                ("cancelled", "requests dropped because their client went away", q.cancelled),
+                ("interrupted", "running chunks stopped part-way because their request had "
+                 "ended", q.interrupted)):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value)
 
     def describe(self) -> Iterable[Any]:

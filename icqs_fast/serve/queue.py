@@ -7,31 +7,47 @@ be larger, up to the per-prompt limit). The worker serves the tickets round-robi
 ticket per step, so a request that arrives while a maximum-size one is running waits for at
 most the unit (the *chunk*) that is running, never for the whole large request.
 
-One step is either one ``call`` unit, alone, or a batch of ``logprobs`` units from different
-tickets (at most one unit each, at most ``chunk_tokens`` tokens together unless the first unit
-alone is larger) run through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so
-concurrent requests that share a prefix compute it once. The oldest ticket's first log-prob unit
-waits up to ``batch_wait_s`` for company.
+One step is either one ``call`` unit, alone, one step of a ``steps`` unit (work that runs a
+piece at a time and keeps its state between turns, e.g. greedy generation: one token per step),
+or a batch of ``logprobs`` units from different tickets (at most one unit each, at most
+``chunk_tokens`` tokens together unless the first unit alone is larger) run through one
+:func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that share a prefix
+compute it once. The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for
+company. At most ``max_live_steps`` ``steps`` units hold their state at once (a generation's KV
+cache is memory): a ticket whose next such unit would start one more waits, the others are
+served past it.
 
 Admission: tickets are admitted while the prompts outstanding (queued or running) stay within
 ``max_pending``; past that :meth:`WorkQueue.submit` raises :class:`QueueFull` at once (the
 server answers 429). A ticket past its deadline, or cancelled (its client went away), is dropped
 before its next unit runs: its remaining work never runs and its prompts leave the queue.
+
+Stopping the running work itself: the worker's code calls :meth:`WorkQueue.check` between
+pieces of work (the server hooks it to every forward of the model, and generation calls it
+between tokens); it raises :class:`Interrupted` once every ticket of the running step has ended
+(deadline, cancelled) or the queue is stopping, so the worker is free for the next request after
+one forward, not after the whole unit. :meth:`WorkQueue.drain` refuses new tickets
+(:class:`ShuttingDown`) and lets the admitted ones finish; :meth:`WorkQueue.abort` ends them all.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class QueueFull(RuntimeError):
-    """The queue holds ``max_pending`` prompts already (or the server is stopping)."""
+    """The queue holds ``max_pending`` prompts already."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: no new tickets; the admitted ones are answered or ended."""
 
 
 class DeadlineExceeded(RuntimeError):
@@ -42,22 +58,45 @@ class Cancelled(RuntimeError):
     """The ticket was cancelled (its client disconnected)."""
 
 
+class Interrupted(BaseException):  # noqa: N818 (a signal to unwind, like KeyboardInterrupt)
+    """Raised inside the worker's running unit by :meth:`WorkQueue.check` when no one waits for
+    its result any more. A BaseException, so that the engine's ``except Exception`` fallbacks
+    (probes, retries) cannot mistake it for a failure of their own and carry on."""
+
+
+class Stepper(Protocol):
+    """The state of a running ``steps`` unit."""
+
+    def step(self) -> bool:
+        """Run one bounded piece of the work; True when the work is done."""
+
+    def result(self) -> Any:
+        """The unit's result (after :meth:`step` returned True)."""
+
+    def close(self) -> None:
+        """Release the state (memory) early; the unit will not be stepped again."""
+
+
 @dataclass
 class Unit:
     """One bounded piece of a request's work.
 
     Attributes:
-        kind: ``"logprobs"`` (payload ``(prompts, top_n)``, result: per-prompt results) or
-            ``"call"`` (payload ``fn``, result ``fn()``).
+        kind: ``"logprobs"`` (payload ``(prompts, top_n)``, result: per-prompt results),
+            ``"call"`` (payload ``fn``, result ``fn()``) or ``"steps"`` (payload a factory
+            ``() -> Stepper``, called when the unit first runs; one :meth:`Stepper.step` per
+            turn of its ticket; result :meth:`Stepper.result`).
         cost: prompt tokens (log-probs) or estimated token-passes (calls); the batch bound.
         payload: see ``kind``.
         prompts: how many prompts the unit holds (the batch-size counter).
+        state: the live :class:`Stepper` of a started ``steps`` unit (None otherwise).
     """
 
     kind: str
     cost: int
     payload: Any
     prompts: int = 1
+    state: Any = None
 
 
 @dataclass(eq=False)
@@ -106,48 +145,63 @@ class WorkQueue:
         batch_wait_s: how long the oldest queued log-prob unit waits for company.
         chunk_tokens: most tokens per step (one unit larger than this runs alone), and the size
             :meth:`submit_logprobs` cuts a request into.
+        max_live_steps: most ``steps`` units holding their state at once.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
                  max_pending: int = 256, batch_wait_s: float = 0.005,
-                 chunk_tokens: int = 2048) -> None:
+                 chunk_tokens: int = 2048, max_live_steps: int = 8) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if max_live_steps < 1:
+            raise ValueError(f"max_live_steps must be >= 1, got {max_live_steps}")
         self.run_logprobs = run_logprobs
         self.max_pending = int(max_pending)
         self.batch_wait_s = float(batch_wait_s)
         self.chunk_tokens = int(chunk_tokens)
+        self.max_live_steps = int(max_live_steps)
         # Tickets with work left, in service order: the head is served next, a served ticket
         # goes to the back (round robin).
         self._active: collections.deque[Ticket] = collections.deque()
         self._cond = threading.Condition()
         self._pending = 0
+        self._live = 0  # steps units holding their state
         self._stop = False
+        self._draining = False
+        self._aborted = False
         self._thread: threading.Thread | None = None
+        self._worker_id: int | None = None
+        self._current: list[Ticket] = []  # the tickets of the running step
         # Counters (read by /health, /metrics and the load test).
         self.batches = 0  # log-prob engine calls
         self.batched_prompts = 0
         self.largest_batch = 0  # tickets in one log-prob batch
-        self.chunks = 0  # units run, of any kind
+        self.chunks = 0  # units (or steps of a unit) run, of any kind
         self.rejected = 0
         self.timed_out = 0
         self.cancelled = 0
+        self.interrupted = 0  # running units stopped part-way (their tickets had ended)
+        # Called on the worker thread, under the lock, with the tickets of each step once it
+        # ended and before they are answered (instrumentation: the tests count the steps a
+        # request waited for); it must be quick.
+        self.on_step: Callable[[list[Ticket]], None] | None = None
 
     # -- admission ------------------------------------------------------------------------
 
     def submit(self, units: Sequence[Unit], size: int, *, combine: Callable[[list], Any] = list,
                timeout_s: float | None = None) -> Ticket:
-        """Admit a ticket of ``units`` (``size`` prompts' worth); QueueFull past the limit."""
+        """Admit a ticket of ``units`` (``size`` prompts' worth); QueueFull past the limit,
+        ShuttingDown once the queue drains or stops."""
         if not units:
             raise ValueError("a ticket needs at least one unit of work")
         now = time.monotonic()
         t = Ticket(list(units), max(1, int(size)), combine,
                    None if timeout_s is None else now + float(timeout_s), arrived=now)
         with self._cond:
-            if self._stop:
-                raise QueueFull("the server is shutting down")
+            if self._stop or self._draining:
+                raise ShuttingDown("the server is shutting down")
             if self._pending + t.size > self.max_pending:
                 self.rejected += 1
                 raise QueueFull(f"the queue is full ({self._pending} prompts pending, at most "
@@ -172,8 +226,8 @@ class WorkQueue:
                            timeout_s=timeout_s).future
 
     def cancel(self, ticket: Ticket, exc: BaseException) -> None:
-        """Fail ``ticket`` with ``exc`` and drop its remaining units (a running unit finishes,
-        its result is dropped)."""
+        """Fail ``ticket`` with ``exc`` and drop its remaining units (a running unit stops at
+        its next :meth:`check`; its result is dropped)."""
         with self._cond:
             if ticket.done:
                 return
@@ -182,6 +236,7 @@ class WorkQueue:
             else:
                 self.cancelled += 1
             self._fail(ticket, exc)
+            self._cond.notify_all()  # a generation's KV cache may have been freed
 
     @property
     def pending(self) -> int:
@@ -193,7 +248,43 @@ class WorkQueue:
         """Requests admitted and not yet answered."""
         return len(self._active)
 
+    @property
+    def live_steps(self) -> int:
+        """``steps`` units holding their state (generations with a KV cache)."""
+        return self._live
+
+    # -- stopping the running work --------------------------------------------------------
+
+    def should_interrupt(self) -> bool:
+        """True on the worker thread when no one waits for the running step's result: every
+        ticket of it ended (deadline passed, cancelled) or the queue is aborting / stopping.
+        False on any other thread (the same model may be used outside the server)."""
+        if threading.get_ident() != self._worker_id:
+            return False
+        if self._stop or self._aborted:
+            return True
+        cur = self._current
+        if not cur:
+            return False
+        now = time.monotonic()
+        return all(t.done or (t.deadline is not None and now >= t.deadline) for t in cur)
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` when :meth:`should_interrupt`; the worker's code calls it
+        between pieces of work (every forward of the model, every generated token)."""
+        if self.should_interrupt():
+            raise Interrupted("the request this work was for has ended")
+
     # -- bookkeeping (under the lock) -----------------------------------------------------
+
+    def _release(self, t: Ticket) -> None:
+        """Drop the state of ``t``'s started ``steps`` unit, if any."""
+        for u in t.units:
+            if u.state is not None:
+                with contextlib.suppress(Exception):
+                    u.state.close()
+                u.state = None
+                self._live -= 1
 
     def _fail(self, t: Ticket, exc: BaseException) -> None:
         t.done = True
@@ -201,12 +292,16 @@ class WorkQueue:
         if t in self._active:
             self._active.remove(t)
             self._pending -= t.size
+        if not t.running:  # a running unit's state is the worker's until its step ends
+            self._release(t)
         if not t.future.done():
             t.future.set_exception(exc)
 
     def _complete(self, t: Ticket, result: Any) -> None:
         t.running = False
         if t.done:  # cancelled while its unit ran: the result goes nowhere
+            return
+        if result is _MORE:  # a steps unit with steps left: the ticket keeps its turn order
             return
         t.results.append(result)
         if len(t.results) < len(t.units):
@@ -236,6 +331,13 @@ class WorkQueue:
                 soonest = t.deadline
         return soonest
 
+    def _why_interrupted(self, t: Ticket) -> BaseException:
+        """What a ticket whose unit was interrupted (and that no one had failed yet) gets."""
+        if self._stop or self._aborted:
+            return ShuttingDown("the server is shutting down")
+        self.timed_out += 1
+        return DeadlineExceeded("the request's deadline passed before its work was done")
+
     # -- the worker -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -245,17 +347,36 @@ class WorkQueue:
                                             daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """Finish the running step, fail the queued tickets, end the thread."""
+    def drain(self) -> None:
+        """Refuse new tickets (:class:`ShuttingDown`); the admitted ones run on."""
+        with self._cond:
+            self._draining = True
+
+    def abort(self) -> None:
+        """End every admitted ticket with :class:`ShuttingDown` now; the running unit stops at
+        its next :meth:`check`. New tickets are refused."""
+        with self._cond:
+            self._draining = self._aborted = True
+            for t in list(self._active):
+                self._fail(t, ShuttingDown("the server is shutting down; the request was not "
+                                           "finished in time"))
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the admitted tickets (:class:`ShuttingDown`), interrupt the running unit, end
+        the thread (waiting at most ``timeout`` seconds for it: it is a daemon)."""
         with self._cond:
             self._stop = True
             for t in list(self._active):
-                if not t.running:
-                    self._fail(t, QueueFull("the server is shutting down"))
+                self._fail(t, ShuttingDown("the server is shutting down"))
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
             self._thread = None
+
+    def _runnable(self, t: Ticket) -> bool:
+        u = t.next_unit
+        return not (u.kind == "steps" and u.state is None and self._live >= self.max_live_steps)
 
     def _take(self) -> list[Ticket] | None:
         """The tickets of the next step (their ``next_unit``s), moved to the back."""
@@ -263,14 +384,14 @@ class WorkQueue:
             while True:
                 if self._stop:
                     for t in list(self._active):  # the rest of a ticket that was running
-                        self._fail(t, QueueFull("the server is shutting down"))
+                        self._fail(t, ShuttingDown("the server is shutting down"))
                     return None
                 now = time.monotonic()
                 soonest = self._expire(now)
-                if not self._active:
+                head = next((t for t in self._active if self._runnable(t)), None)
+                if head is None:
                     self._cond.wait(timeout=None if soonest is None else soonest - now)
                     continue
-                head = self._active[0]
                 unit = head.next_unit
                 if unit.kind == "logprobs" and not head.results:
                     # A new request: wait a little for others to share the batch with.
@@ -284,38 +405,76 @@ class WorkQueue:
                 step = [head]
                 if unit.kind == "logprobs":
                     tokens = unit.cost
-                    for t in list(self._active)[1:]:
+                    for t in self._active:
                         u = t.next_unit
-                        if u.kind == "logprobs" and tokens + u.cost <= self.chunk_tokens:
+                        if t is not head and u.kind == "logprobs" and \
+                                tokens + u.cost <= self.chunk_tokens:
                             step.append(t)
                             tokens += u.cost
                 for t in step:
                     t.running = True
+                self._current = step
                 return step
 
     def _loop(self) -> None:
+        self._worker_id = threading.get_ident()
         while True:
             step = self._take()
             if step is None:
                 return
-            if step[0].next_unit.kind == "call":
-                results = [_outcome(step[0].next_unit.payload)]
+            unit = step[0].next_unit
+            if unit.kind == "call":
+                results = [_outcome(unit.payload)]
+            elif unit.kind == "steps":
+                results = [self._run_step(unit)]
             else:
                 results = self._run_logprobs(step)
             with self._cond:
+                self._current = []
                 self.chunks += len(step)
+                observer = self.on_step
+                if observer is not None:  # before the step's tickets are answered
+                    _outcome(lambda observer=observer, step=step: observer(step))
+                if any(not ok and isinstance(v, Interrupted) for ok, v in results):
+                    self.interrupted += 1
                 for t, (ok, value) in zip(step, results, strict=True):
                     if ok:
                         self._complete(t, value)
                     else:
                         t.running = False
+                        if isinstance(value, Interrupted) and not t.done:
+                            value = self._why_interrupted(t)
                         self._fail(t, value)
-                    if t in self._active:
+                    if t.done:
+                        self._release(t)
+                    elif t in self._active:
                         # Round robin: the served go behind every other ticket, those that
                         # arrived while they ran included.
                         self._active.remove(t)
                         self._active.append(t)
                 self._cond.notify_all()
+
+    def _run_step(self, unit: Unit) -> tuple[bool, Any]:
+        """One step of a ``steps`` unit (its state made on the first); ``(True, _MORE)`` while
+        steps are left."""
+        if unit.state is None:
+            ok, state = _outcome(unit.payload)
+            if not ok:
+                return False, state
+            with self._cond:
+                unit.state = state
+                self._live += 1
+        ok, done = _outcome(unit.state.step)
+        if ok and not done:
+            return True, _MORE
+        ok, value = (ok, done) if not ok else _outcome(unit.state.result)
+        with self._cond:
+            if unit.state is not None:
+                with contextlib.suppress(Exception):
+                    unit.state.close()
+                unit.state = None
+                self._live -= 1
+        return ok, value
 
     def _run_logprobs(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
         units = [t.next_unit for t in step]
@@ -323,8 +482,8 @@ class WorkQueue:
         top_n = max(u.payload[1] for u in units)
         ok, res = _outcome(lambda: self.run_logprobs(prompts, top_n))
         if not ok:
-            if len(units) == 1:
-                return [(False, res)]
+            if len(units) == 1 or isinstance(res, Interrupted):
+                return [(False, res)] * len(units)
             # Run each unit alone, so that one bad request fails only itself.
             return [_outcome(lambda u=u: self.run_logprobs(*u.payload)) for u in units]
         self.batches += 1
@@ -337,6 +496,10 @@ class WorkQueue:
             out.append((True, res[start: start + n]))
             start += n
         return out
+
+
+# A steps unit's result while it has steps left (never a unit's real result).
+_MORE = object()
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[bool, Any]:
@@ -356,5 +519,5 @@ def _first(results: list) -> Any:
     return results[0]
 
 
-__all__ = ["Cancelled", "DeadlineExceeded", "QueueFull", "Ticket", "Unit", "WorkQueue",
-           "chunk_prompts"]
+__all__ = ["Cancelled", "DeadlineExceeded", "Interrupted", "QueueFull", "ShuttingDown",
+           "Stepper", "Ticket", "Unit", "WorkQueue", "chunk_prompts"]

@@ -1,15 +1,28 @@
 """Starting a :class:`icqs_fast.serve.app.Server` under uvicorn: in the foreground
-(``icqs-fast serve``) or in a background thread on a free local port (tests, the load test)."""
+(``icqs-fast serve``) or in a background thread on a free local port (tests, the load test).
+
+Both run :class:`GracefulServer`: on SIGTERM / SIGINT (or :meth:`ServerThread.stop`) the server
+admits nothing new, the requests in flight have ``--shutdown-timeout`` seconds to finish and
+then get 503, and the process exits with status 0 (uvicorn itself would re-raise the signal
+after its shutdown, and the process would end by it).
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 import threading
 import time
+from types import FrameType
 from typing import Any
 
+import uvicorn
+
 LOCAL_HOST = "127.0.0.1"
+# Seconds uvicorn waits past --shutdown-timeout for the 503 answers to be written before it
+# cancels what is left.
+SHUTDOWN_MARGIN_S = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -30,15 +43,42 @@ def check_bind(host: str, api_key: str | None) -> None:
                          f"or bind {LOCAL_HOST}")
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with the icqs-fast shutdown (see the module docstring).
+
+    Args:
+        config: uvicorn's settings.
+        app_server: the :class:`icqs_fast.serve.app.Server` it serves.
+    """
+
+    def __init__(self, config: uvicorn.Config, app_server: Any) -> None:
+        super().__init__(config)
+        self.app_server = app_server
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # As uvicorn's, without recording the signal for re-raising: a graceful stop exits 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.app_server.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def _config(server: Any, **kw: Any) -> uvicorn.Config:
+    grace = server.config.shutdown_timeout + SHUTDOWN_MARGIN_S
+    return uvicorn.Config(server.app(), timeout_graceful_shutdown=grace, **kw)  # type: ignore[arg-type]
+
+
 def serve(server: Any, host: str = LOCAL_HOST, port: int = 8000, *,
           log_level: str = "info", access_log: bool = True) -> None:
-    """Run ``server`` in the foreground until interrupted (``access_log=False``: no line per
-    request)."""
-    import uvicorn
-
+    """Run ``server`` in the foreground until SIGTERM / SIGINT (``access_log=False``: no line
+    per request); returns once it has shut down."""
     check_bind(host, server.config.api_key)
-    uvicorn.run(server.app(), host=host, port=port, log_level=log_level,
-                access_log=access_log, timeout_graceful_shutdown=5)
+    GracefulServer(_config(server, host=host, port=port, log_level=log_level,
+                           access_log=access_log), server).run()
 
 
 class ServerThread:
@@ -46,15 +86,12 @@ class ServerThread:
     (``with ServerThread(srv) as t: t.base_url``) that stops it on exit."""
 
     def __init__(self, server: Any, *, log_level: str = "warning", port: int = 0) -> None:
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((LOCAL_HOST, port))
         self.port = int(self.sock.getsockname()[1])
         self.base_url = f"http://{LOCAL_HOST}:{self.port}"
-        cfg = uvicorn.Config(server.app(), log_level=log_level, timeout_graceful_shutdown=5)
-        self.uv = uvicorn.Server(cfg)
+        self.uv = GracefulServer(_config(server, log_level=log_level), server)
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]},
                                        name="icqs-serve-http", daemon=True)
 
@@ -79,4 +116,4 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["LOCAL_HOST", "ServerThread", "check_bind", "is_loopback", "serve"]
+__all__ = ["LOCAL_HOST", "GracefulServer", "ServerThread", "check_bind", "is_loopback", "serve"]

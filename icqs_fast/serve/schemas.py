@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
 from icqs_fast.features.names import ALL_FEATURES
@@ -59,13 +59,16 @@ class CompletionRequest(_Request):
                                       "(sampling is not supported)")
     top_p: float | None = Field(None, gt=0, le=1, description="accepted: greedy decoding "
                                 "keeps the argmax, which every nucleus holds")
-    stop: Text | list[Text] | None = None
+    stop: Text | list[Text] | None = Field(None, description="generation ends at the first of "
+                                           "these strings (at most --max-stop, each at most "
+                                           "--max-stop-chars characters)")
     seed: int | None = Field(None, description="accepted: greedy decoding is deterministic")
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to the logits "
         "that choose generated tokens (their log-probs are of the biased distribution); prompt "
-        "tokens are not chosen, so echoed log-probs are unbiased")
+        "tokens are not chosen, so echoed log-probs are unbiased (at most --max-logit-bias "
+        "entries)")
     n: int | None = Field(None, description="must be 1")
     best_of: int | None = Field(None, description="must be 1")
     stream: bool | None = Field(None, description="must be false")
@@ -154,26 +157,34 @@ class ScoreRequest(_Request):
     icqs_options: IcqsOptions | None = None
 
 
-class IcqsScore(BaseModel):
-    score: float | None
-    score_per_set: list[float | None]
-    loglik: list[list[float | None]]
-    ratios: list[float]
-    n_response_tokens: int
-    loglik_baseline: list[list[float | None]] | None = None
-    margin: float | None = Field(None, description="nats between the best and the second "
-                                 "mixture ratio of the mean over sets (stability diagnostic)")
-    margins: list[float | None] | None = Field(None, description="the same per set")
-    near_ties: int | None = Field(None, description="sets whose margin is below tie_epsilon")
-    slope: float | None = Field(None, description="the posterior-mean score as the implied "
-                                "log-likelihood slope, nats from all-bad to all-good contexts")
-    p_good: float | None = Field(None, description="sigmoid(slope): readable, same ranking")
+def icqs_score_model() -> type[BaseModel]:
+    """The ICQS part of a ``/v1/score`` item, derived from the declared result schema
+    (:data:`icqs_fast.io.schema.ICQS_FIELDS`, the result's own fields): the same names,
+    shapes and meanings as a ``score`` output line; floats nullable (a non-finite number is
+    null in JSON), fields present only sometimes optional."""
+    from icqs_fast.io import schema
+
+    base = {"int": int, "float": float | None, "bool": bool, "text": str}
+    fields: dict[str, Any] = {}
+    for f in schema.ICQS_FIELDS:
+        if f.source != "result":
+            continue
+        typ: Any = base[f.type]
+        for _ in f.shape:
+            typ = list[typ]
+        fields[f.name] = ((typ, Field(description=f.meaning)) if not f.when else
+                          (typ | None, Field(None, description=f"{f.meaning} ({f.when})")))
+    return create_model("IcqsScore", **fields)
+
+
+IcqsScore = icqs_score_model()
 
 
 class ScoreItem(BaseModel):
     index: int
     icqs: IcqsScore | None = None
-    features: dict[str, float | None] | None = None
+    # int | float: the token count (n_tokens) stays an integer in the JSON.
+    features: dict[str, int | float | None] | None = None
 
 
 class ScoreResponse(BaseModel):
@@ -208,6 +219,9 @@ class Health(BaseModel):
     chunks: int
     timed_out: int
     cancelled: int
+    interrupted: int = Field(0, description="running chunks stopped part-way because their "
+                             "request had ended (deadline, disconnect, shutdown)")
+    live_generations: int = Field(0, description="generations holding a KV cache now")
 
 
 class ErrorDetail(BaseModel):

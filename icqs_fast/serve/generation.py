@@ -1,0 +1,165 @@
+"""Greedy generation one token per step, for the work queue's ``steps`` units.
+
+``model.generate`` runs a whole generation in one call that nothing can stop, and its
+``stop_strings`` build a table over the whole vocabulary for every request (10,000 stop strings
+held the worker for minutes). Here a generation is a :class:`GreedyGeneration`: each
+:meth:`~GreedyGeneration.step` is one forward (the prompt first, then one new token against the
+KV cache) and the choice of one token, so the queue serves other requests between tokens and
+drops the generation between any two of them when its request ends. Stop strings
+(:class:`StopStrings`) are searched only in the text the last token added (and the characters
+before it that a stop string could span).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from icqs_fast.engine.batching import cache_kwarg
+
+# (token id, log-prob, [(token id, log-prob)] of the top-N) of one generated token.
+GenStep = tuple[int, float, list[tuple[int, float]]]
+
+
+class StopStrings:
+    """The stop strings of one request (empty ones ignored, duplicates once).
+
+    Args:
+        stops: the request's ``stop`` strings.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def first(self, text: str, new_from: int = 0) -> int | None:
+        """The start of the earliest stop string in ``text``, given that none occurs in
+        ``text[:new_from]`` (the text before the last token): only the tail from
+        ``new_from - longest + 1`` is searched. None when there is none."""
+        start = max(0, new_from - self.longest + 1)
+        tail = text[start:]
+        best = None
+        for s in self.stops:
+            k = tail.find(s)
+            if k >= 0 and (best is None or k < best):
+                best = k
+        return None if best is None else start + best
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class GreedyGeneration:
+    """The greedy continuation of one prompt, a token per :meth:`step` (a
+    :class:`icqs_fast.serve.queue.Stepper`).
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer (decodes the text the stop strings are searched in).
+        ids: the prompt's token ids.
+        max_new: most tokens to generate (>= 1).
+        top_n: alternatives (with log-probs) kept per generated token.
+        stops: the request's stop strings (the generation ends at the first one).
+        bias: token id -> logit bias added to the logits that choose each token; the log-probs
+            are of that biased distribution.
+        eos_ids: token ids that end the generation (kept as its last token).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int], max_new: int,
+                 top_n: int = 0, stops: StopStrings | None = None,
+                 bias: dict[int, float] | None = None,
+                 eos_ids: Iterable[int] = ()) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ids = [int(t) for t in ids]
+        self.max_new = int(max_new)
+        self.top_n = int(top_n)
+        self.stops = stops if stops else None
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.dev = next(model.parameters()).device
+        self.bias_vec: torch.Tensor | None = None
+        if bias:
+            vocab = int(model.get_output_embeddings().weight.shape[0])
+            self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
+            for tid, b in bias.items():
+                self.bias_vec[tid] = b
+        self.steps: list[GenStep] = []
+        self._past: Any = None
+        self._cached = True  # False once the model returned no KV cache: full forwards
+        self._text = ""
+        self.done = False
+
+    @torch.no_grad()
+    def _logits(self) -> torch.Tensor:
+        """fp32 logits ``[V]`` of the next token: the prompt's forward first, then the last
+        token's against the cache."""
+        new = [t for t, _, _ in self.steps]
+        if self._past is None or not self._cached:
+            inp = torch.tensor([self.ids + new], dtype=torch.long, device=self.dev)
+            out = self.model(input_ids=inp, attention_mask=torch.ones_like(inp),
+                             use_cache=self._cached)
+        else:
+            inp = torch.tensor([new[-1:]], dtype=torch.long, device=self.dev)
+            mask = torch.ones((1, len(self.ids) + len(new)), dtype=torch.long, device=self.dev)
+            out = self.model(input_ids=inp, attention_mask=mask, use_cache=True,
+                             **cache_kwarg(self.model, self._past))
+        # transformers >= 5.24 names the returned cache "cache", older ones "past_key_values".
+        past = getattr(out, "cache", None)
+        if past is None:
+            past = getattr(out, "past_key_values", None)
+        if past is None:
+            self._cached = False
+        self._past = past
+        return out.logits[0, -1].float()
+
+    def step(self) -> bool:
+        """One forward and one chosen token; True when the generation is done (``max_new``
+        tokens, an end-of-sequence token or a stop string)."""
+        if self.done:
+            return True
+        row = self._logits()
+        if self.bias_vec is not None:
+            row = row + self.bias_vec[: row.shape[-1]]
+        lp = torch.log_softmax(row, dim=-1)
+        tid = int(torch.argmax(row))
+        top: list[tuple[int, float]] = []
+        if self.top_n > 0:
+            tv, ti = lp.topk(min(self.top_n, lp.shape[-1]))
+            top = list(zip(ti.tolist(), tv.tolist(), strict=True))
+        self.steps.append((tid, float(lp[tid]), top))
+        if tid in self.eos_ids or len(self.steps) >= self.max_new:
+            self.done = True
+        elif self.stops is not None:
+            text = self.tokenizer.decode([t for t, _, _ in self.steps],
+                                         skip_special_tokens=False)
+            # A token may complete a character the previous text showed as a replacement
+            # character: search from where the texts first differ.
+            if self.stops.first(text, _common_prefix(self._text, text)) is not None:
+                self.done = True
+            self._text = text
+        if self.done:
+            self.close()
+        return self.done
+
+    def result(self) -> list[GenStep]:
+        """``(token id, log-prob, top-N pairs)`` of each generated token, in order (an
+        end-of-sequence token included, a stop string's tokens too: the caller cuts the
+        text)."""
+        return self.steps
+
+    def close(self) -> None:
+        """Drop the KV cache."""
+        self._past = None
+
+
+__all__ = ["GenStep", "GreedyGeneration", "StopStrings"]

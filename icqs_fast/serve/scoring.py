@@ -1,0 +1,289 @@
+"""``POST /v1/score``: ICQS scores (good / bad demonstrations given at server start or in the
+request) and glass-box features of posted records.
+
+The request is priced before it is queued (:func:`icqs_fast.serve.admission.score_price`:
+each record read once per ICQS context and calibration baseline and once for the features, the
+contexts' demonstration prefixes once) and cut into chunks of about ``--max-batch-tokens``
+token-passes (a record whose work is larger is a chunk of its own). The demonstration prefixes
+are one unit before the records'. Every forward checks whether the request has ended
+(deadline, disconnect, shutdown), so a record's work stops part-way; the server's own scorer,
+whose prefixes it keeps between requests, is then rebuilt on its next use, since its caches may
+hold work that was cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from icqs_fast.io.schema import result_row
+from icqs_fast.serve.admission import Admission, score_price
+from icqs_fast.serve.dispatch import Dispatcher
+from icqs_fast.serve.errors import APIError
+from icqs_fast.serve.queue import Unit
+from icqs_fast.serve.schemas import IcqsScore, ScoreItem, ScoreRequest, ScoreResponse
+
+# /v1/score's "icqs_options" (calibration and the score kind as strings).
+ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "calibration", "score",
+                "tie_epsilon")
+
+
+def clean(x: Any) -> Any:
+    """``x`` with every non-finite float as None (JSON has no NaN or infinity)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    return x
+
+
+def icqs_item(res: Any) -> IcqsScore:
+    """One :class:`icqs_fast.engine.scorer.ICQSResult` as the response's
+    :class:`~icqs_fast.serve.schemas.IcqsScore`: its declared result fields
+    (:func:`icqs_fast.io.schema.result_row`, as in a ``score`` line), non-finite numbers as
+    null."""
+    return IcqsScore(**clean(result_row(res)))
+
+
+def _record(i: int, r: Any) -> dict:
+    x = next((v for v in (r.x, r.instruction, r.prompt) if v is not None), None)
+    y = next((v for v in (r.y, r.response) if v is not None), None)
+    if x is None or y is None:
+        raise APIError(400, f"record {i}: needs string fields 'x' (or 'instruction', 'prompt') "
+                       "and 'y' (or 'response')", "invalid_request", param=f"records[{i}]")
+    return {"x": x, "y": y, "reference": r.reference}
+
+
+def _pool(items: list) -> list[tuple[str, str]]:
+    return [(it[0], it[1]) if isinstance(it, list) else (it.x, it.y) for it in items]
+
+
+class Scoring:
+    """The ``/v1/score`` handler of one server.
+
+    Args:
+        model, tokenizer: the served model.
+        admission: the server's limits.
+        dispatcher: puts the request's work on the queue and waits for it.
+        model_name: the served model id.
+        max_batch_tokens: the chunk (token-passes).
+        backend: the token-statistics backend.
+        good, bad: the server's demonstrations (None: none).
+        icqs_options: the server's ICQS settings (a request's ``icqs_options`` override them).
+        plain: the model has no prefix bank (every ICQS row runs its context again).
+        token_budget: tokens per forward of the ICQS engine.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
+                 model_name: str, max_batch_tokens: int, backend: str = "auto", *,
+                 good: Sequence | None = None, bad: Sequence | None = None,
+                 icqs_options: dict | None = None, plain: bool = False,
+                 token_budget: int | None = None) -> None:
+        if (good is None) != (bad is None):
+            raise ValueError("give both good and bad demonstrations, or neither")
+        self.model, self.tokenizer = model, tokenizer
+        self.admission, self.dispatcher = admission, dispatcher
+        self.model_name = model_name
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.backend = backend
+        self.good, self.bad = good, bad
+        self.icqs_options = dict(icqs_options or {})
+        self.plain = plain
+        self.engine = {"backend": backend} if token_budget is None else \
+            {"backend": backend, "token_budget": int(token_budget)}
+        self._scorer: Any = None
+        # Scorers whose work was cut part-way: their caches (calibration rows, bank entries)
+        # may hold work that never ran, so no later chunk may use them.
+        self._cut: weakref.WeakSet = weakref.WeakSet()
+        self._server_demo_tokens: float | None = None
+
+    # -- worker-thread work -----------------------------------------------------------------
+
+    def new_scorer(self, good: Sequence | None, bad: Sequence | None, options: dict) -> Any:
+        """The ICQS scorer of a request, its demonstration prefixes computed (the server's own
+        scorer is built once and kept)."""
+        from icqs_fast.engine.scorer import ICQSScorer
+
+        merged = {**self.icqs_options, **options}  # the server's settings give the defaults
+        if good is None and merged == self.icqs_options:
+            if self._scorer is None:
+                self._scorer = ICQSScorer(self.model, self.tokenizer, self.good, self.bad,
+                                          **{**self.engine, **merged})
+            scorer = self._scorer
+        else:
+            scorer = ICQSScorer(self.model, self.tokenizer, self.good if good is None else good,
+                                self.bad if bad is None else bad, **{**self.engine, **merged})
+        try:
+            _ = scorer.prefix_bank  # a property: computing it here keeps it out of the records
+        except BaseException:
+            self._forget(scorer)
+            raise
+        return scorer
+
+    def _forget(self, scorer: Any) -> None:
+        """``scorer``'s work was cut part-way: no chunk uses it again (the server's kept one is
+        rebuilt on its next use)."""
+        if scorer is not None:
+            self._cut.add(scorer)
+            if scorer is self._scorer:
+                self._scorer = None
+
+    def score_chunk(self, records: list[dict], offset: int, held: dict | None,
+                    features: list[str] | None) -> list[ScoreItem]:
+        """Scores and features of one chunk of records (``offset``: the first one's index;
+        ``held``: the request's ``scorer`` and how to ``make`` one again, None without
+        ICQS)."""
+        icqs: list[IcqsScore | None] = [None] * len(records)
+        feats: list[dict | None] = [None] * len(records)
+        scorer = None
+        if held is not None:
+            scorer = held.get("scorer")
+            if scorer is None or scorer in self._cut:  # another request's chunk cut it
+                scorer = held["scorer"] = held["make"]()
+            try:
+                icqs = [icqs_item(res) for res in scorer.score([(r["x"], r["y"])
+                                                                for r in records])]
+            except BaseException:
+                self._forget(scorer)
+                raise
+        if features:
+            from icqs_fast.features.extract import glassbox
+
+            items = [{"instruction": r["x"], "response": r["y"],
+                      **({"reference": r["reference"]} if r.get("reference") else {})}
+                     for r in records]
+            rows = glassbox(self.model, self.tokenizer, items, features=features,
+                            backend=self.backend)
+            feats = [clean(dict(row)) for row in rows]
+        out = []
+        for i, (sc, ft) in enumerate(zip(icqs, feats, strict=True)):
+            # Only what was asked for is set (the route leaves unset fields out).
+            kw: dict[str, Any] = {}
+            if scorer is not None:
+                kw["icqs"] = sc
+            if features:
+                kw["features"] = ft
+            out.append(ScoreItem(index=offset + i, **kw))
+        return out
+
+    # -- admission (event loop, tokenizing in a thread) ---------------------------------------
+
+    def _demo_tokens(self, pool: Sequence, name: str) -> tuple[int, float]:
+        """Tokens of a demonstration pool (each pair within the per-prompt limit): the total
+        and the mean per demonstration."""
+        enc = self.admission.encode([s for pair in pool for s in pair], name)
+        total = 0
+        for i in range(len(pool)):
+            n = len(enc[2 * i]) + len(enc[2 * i + 1])
+            self.admission.prompt(n, f"{name}[{i}]")
+            total += n
+        return total, total / max(1, len(pool))
+
+    def _tokens(self, records: list[dict], good: list | None, bad: list | None,
+                want_icqs: bool) -> tuple[list[int], int, float]:
+        """Tokens of each record (query, response, reference; each within the per-record
+        limit), the tokens the request holds (records and its demonstrations) and the mean
+        tokens of a demonstration of the pools it is scored with (0 without ICQS)."""
+        adm = self.admission
+        texts = [r[k] or "" for r in records for k in ("x", "y", "reference")]
+        enc = adm.encode(texts, "records")
+        rec_tokens = [sum(len(ids) for ids in enc[3 * i: 3 * i + 3])
+                      for i in range(len(records))]
+        for i, n in enumerate(rec_tokens):
+            adm.prompt(n, f"records[{i}]")
+        held = sum(rec_tokens)
+        demo_mean = 0.0
+        if good is not None and bad is not None:
+            (tg, mg), (tb, mb) = self._demo_tokens(good, "good"), self._demo_tokens(bad, "bad")
+            held += tg + tb
+            demo_mean = max(mg, mb)
+        elif want_icqs and self.good is not None and self.bad is not None:
+            if self._server_demo_tokens is None:  # the server's pools: once
+                self._server_demo_tokens = max(self._demo_tokens(self.good, "--good")[1],
+                                               self._demo_tokens(self.bad, "--bad")[1])
+            demo_mean = self._server_demo_tokens
+        return rec_tokens, held, demo_mean
+
+    # -- the route ----------------------------------------------------------------------------
+
+    async def __call__(self, req: ScoreRequest, request: Request | None = None
+                       ) -> ScoreResponse:
+        """Checks, limits and the price, then the records in chunks of work."""
+        from icqs_fast.engine.calibration import calibration_queries
+        from icqs_fast.engine.settings import ScoringSettings
+        from icqs_fast.features.names import ALL_FEATURES
+
+        adm = self.admission
+        adm.model(req.model)
+        adm.count(len(req.records), "records")
+        records = [_record(i, r) for i, r in enumerate(req.records)]
+        feats: list[str] | None
+        if req.features is True:
+            feats = list(ALL_FEATURES)
+        elif not req.features:
+            feats = None
+        else:
+            feats = list(dict.fromkeys(req.features))
+        if (req.good is None) != (req.bad is None):
+            raise APIError(400, "send both 'good' and 'bad' demonstrations, or neither",
+                           "invalid_request", param="good" if req.bad is None else "bad")
+        good = bad = None
+        if req.good is not None and req.bad is not None:
+            good, bad = _pool(req.good), _pool(req.bad)
+        want_icqs = req.icqs if req.icqs is not None else (good is not None
+                                                           or self.good is not None)
+        options = req.icqs_options.model_dump(exclude_none=True) if req.icqs_options else {}
+        try:  # the engine's own checks, before the request is queued
+            settings = ScoringSettings.build(**{**self.icqs_options, **options})
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"'icqs_options': {exc}", "invalid_request",
+                           param="icqs_options") from None
+        if not want_icqs and not feats:
+            raise APIError(400, "nothing to compute: ask for 'icqs' and/or 'features'",
+                           "invalid_request", param="icqs")
+        if want_icqs and good is None and self.good is None:
+            raise APIError(400, "no demonstrations: start the server with --good/--bad or send "
+                           "'good' and 'bad' in the request", "no_demonstrations", param="good")
+        if want_icqs:
+            adm.icqs_settings(settings)
+        rec_tokens, held, demo_mean = await asyncio.to_thread(self._tokens, records, good, bad,
+                                                              want_icqs)
+        n_contexts = settings.num_ratios * settings.sets_per_ratio if want_icqs else 0
+        rows = n_contexts * (1 + len(calibration_queries(settings)))
+        context_tokens = math.ceil(settings.demos_per_set * demo_mean) if want_icqs else 0
+        adm.request(held, score_price(rec_tokens, rows, bool(feats), context_tokens,
+                                      n_contexts, self.plain), "/v1/score")
+
+        def cost(i: int) -> int:  # one record's token-passes
+            return score_price([rec_tokens[i]], rows, bool(feats), context_tokens, 0,
+                               self.plain)
+
+        held: dict[str, Any] | None = None
+        units: list[Unit] = []
+        if want_icqs:  # the demonstration prefixes: once, before the records' chunks
+            box: dict[str, Any] = {"make": lambda: self.new_scorer(good, bad, options)}
+            units.append(Unit("call", context_tokens * n_contexts,
+                              lambda: box.update(scorer=box["make"]())))
+            held = box
+        start = 0
+        while start < len(records):
+            end, total = start + 1, cost(start)
+            while end < len(records) and total + cost(end) <= self.max_batch_tokens:
+                total += cost(end)
+                end += 1
+            units.append(Unit("call", total, lambda a=start, b=end: self.score_chunk(
+                records[a:b], a, held, feats), end - start))
+            start = end
+        parts = await self.dispatcher.run(units, len(records), request)
+        data = [o for part in parts[1 if want_icqs else 0:] for o in part]
+        return ScoreResponse(object="list", model=self.model_name, data=data)
+
+
+__all__ = ["ICQS_OPTIONS", "Scoring", "clean", "icqs_item"]
