@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ResultField", "ICQS_FIELDS", "FEATURE_FIELDS", "ERROR_FIELD", "icqs_row",
+__all__ = ["ResultField", "ICQS_FIELDS", "FEATURE_FIELDS", "ERROR_FIELD", "icqs_row", "result_row",
            "features_row", "arrow_schema", "table_row", "rows_table", "column_arrays",
            "fill_columns", "markdown_table", "text_value"]
 
@@ -200,6 +200,12 @@ def icqs_row(rec: Any, res: Any, *, with_label: bool = False) -> dict[str, Any]:
     :class:`~icqs_fast.io.records.Record`: index, line, id, label) and ``res`` (an
     ``ICQSResult``), in declaration order, absent ones left out."""
     return _row(ICQS_FIELDS, rec, res, with_label=with_label)
+
+
+def result_row(res: Any) -> dict[str, Any]:
+    """The result's own :data:`ICQS_FIELDS` (not the record's index / line / id / label), in
+    declaration order, absent ones left out: the ICQS part of a ``/v1/score`` item."""
+    return _row([f for f in ICQS_FIELDS if f.source == "result"], None, res, with_label=False)
 
 
 def features_row(rec: Any, row: dict[str, Any], features: Sequence[str]) -> dict[str, Any]:
