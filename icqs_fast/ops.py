@@ -2,7 +2,10 @@
 backend.
 
 Kernels hold no model logic and model code holds no kernel code: everything the scoring methods
-need from the softmax goes through these functions.
+need from the softmax, and the attention they run through a kernel, goes through these
+functions. Which backend can run which call (dtypes, devices, options) is the table of
+:mod:`icqs_fast.backends.support`: the ``"auto"`` choice and the errors of a backend named for
+something it lacks come from there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from icqs_fast import backends
 from icqs_fast.backends import state as _state
+from icqs_fast.backends import support
 from icqs_fast.types import TokenStats
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -122,7 +126,7 @@ def token_stats(
         raise ValueError(f"token_stats needs all inputs on one device; got logits on "
                          f"{logits.device}, targets on {targets.device}")
     bad = _check_common(t, z.shape[0], v, ignore_index, temperature)
-    name = backends.resolve(backend, logits.device)
+    name = backends.choose("token_stats", backend, logits.device, logits.dtype)
     out = backends.module(name).token_stats(z, _safe_targets(t, bad, ignore_index).long(),
                                             ignore_index, float(temperature))
     out = _settle_targets(out, t, bad, v, ignore_index)
@@ -223,19 +227,20 @@ def linear_token_stats(
     negate, temperature, tanh_scale = _epilogue(logit_scale, softcap, float(temperature))
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError("chunk_tokens and chunk_vocab must be >= 1")
-    name = backends.resolve(backend, hidden.device)
+    opts = support.requested(bias=bias, logit_scale=float(logit_scale) != 1.0, softcap=softcap)
+    name = backends.choose("linear_token_stats", backend, hidden.device, hidden.dtype, opts)
     mod = backends.module(name)
     if negate:
         # z = r * s with s < 0 is (-r) * |s|, and -r = (-hidden) @ W.T + (-bias) exactly.
         hidden = -hidden
         bias = None if bias is None else -bias
-    if name == "triton":
-        out = mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
-                                     temperature, tanh_scale=tanh_scale)
-    else:
+    if support.entry("linear_token_stats", name).chunked:
         out = _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, temperature,
                               chunk_tokens, chunk_vocab, mod.reduce_block, tanh_scale,
                               getattr(mod, "tanh_logits", None))
+    else:
+        out = mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
+                                     temperature, tanh_scale=tanh_scale)
     return _settle_targets(out, checked, bad, v, ignore_index)
 
 
@@ -360,8 +365,9 @@ def attention_entropy(
     ``c * tanh(s / c)``, Gemma 2), ``sinks`` (``[Hq]`` logits of attention sinks, gpt-oss: they
     take a share of each row's softmax mass, so the output shrinks by ``1 / (1 + e^(sink - lse))``;
     the entropy, renormalised over the key range, is unchanged). Positions are key slots:
-    queries at the last ``Tq`` slots, right padding only. These variants run on the torch
-    backend (``"auto"`` picks it for them on every device).
+    queries at the last ``Tq`` slots, right padding only. These variants (and a value head size
+    other than ``D``) run on the torch backend (``"auto"`` picks it for them on every device;
+    the table of :mod:`icqs_fast.backends.support` says so).
 
     Args:
         q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
@@ -373,13 +379,101 @@ def attention_entropy(
         causal: causal masking with queries at the last ``Tq`` positions.
         scale: score multiplier, ``1 / sqrt(D)`` if None.
         backend: ``"auto"`` (triton on CUDA, torch otherwise), ``"triton"`` (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``) or ``"torch"``.
+            ``TRITON_INTERPRET=1``) or ``"torch"``; a backend named for a variant it lacks is a
+            ValueError.
         window, chunk, softcap, sinks: the layer's attention variant (see above), or None.
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32, 0 where
         ``query_mask`` is False).
     """
+    _check_attention(q, k, v, attention_mask, causal)
+    b, hq, tq, d = q.shape
+    if key_range.shape != (b, 2) or key_range.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"key_range must be [{b}, 2] int64, got {list(key_range.shape)} "
+                         f"{key_range.dtype}")
+    if query_mask.shape != (b, tq) or query_mask.dtype != torch.bool:
+        raise ValueError(f"query_mask must be [{b}, {tq}] bool, got {list(query_mask.shape)} "
+                         f"{query_mask.dtype}")
+    for name, val in (("window", window), ("chunk", chunk)):
+        if val is not None and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {val!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [{hq}] (one logit per query head), got "
+                         f"{list(sinks.shape)}")
+    opts = support.requested(window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+                             value_dim=v.shape[3] != d)
+    name = backends.choose("attention_entropy", backend, q.device, q.dtype, opts)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    key_range = key_range.to(q.device).long()
+    query_mask = query_mask.to(q.device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(q.device)
+    # Only the options the call sets: the table said the backend has each of them.
+    variant = {opt: x for opt, x in (("window", window), ("chunk", chunk), ("softcap", softcap),
+                                     ("sinks", sinks)) if x is not None}
+    return backends.module(name).attention_entropy(q, k, v, key_range, query_mask,
+                                                   attention_mask, bool(causal), float(scale),
+                                                   **variant)
+
+
+def attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
+    partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
+    suffix parts), without building the ``[B, Hq, Tq, Tk]`` matrix on the triton backend.
+
+    For query row i, scores ``s_ij = q_i . k_j * scale`` (then ``c * tanh(s / c)`` with a
+    ``softcap`` ``c``) over its allowed keys (causal: key ``j <= Tk - Tq + i``; not padded).
+
+    Args:
+        q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
+        k, v: ``[B, Hk, Tk, D]`` and ``[B, Hk, Tk, Dv]``, q's dtype and device; ``Hq`` a multiple
+            of ``Hk`` (GQA: query head h reads key head ``h // (Hq / Hk)``).
+        scale: score multiplier, ``1 / sqrt(D)`` if None.
+        causal: causal masking with the queries at the last ``Tq`` key positions.
+        attention_mask: ``[B, Tk]`` bool (True = real key) or None.
+        softcap: score soft cap ``c > 0`` or None.
+        backend: ``"auto"`` (triton on CUDA for what the kernel takes, torch otherwise),
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; no soft cap, ``Dv = D``)
+            or ``"torch"`` (the reference, fp32 scores).
+
+    Returns:
+        ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
+        of ``exp(score)`` over the allowed keys; a row with none has ``lse = -inf`` and output 0,
+        so it drops out of a log-sum-exp merge exactly).
+    """
+    _check_attention(q, k, v, attention_mask, causal)
+    d = q.shape[3]
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
+                                    and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d)
+    name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(q.device)
+    variant = {} if softcap is None else {"softcap": float(softcap)}
+    return backends.module(name).attention_lse(
+        q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
+        else float(scale), **variant)
+
+
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attention_mask: torch.Tensor | None, causal: bool) -> None:
+    """The argument checks the attention ops share (shapes, dtypes, devices, GQA, causality,
+    the key mask); no host sync."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4D tensor [B, H, T, D], got "
@@ -397,50 +491,7 @@ def attention_entropy(
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if causal and tq > tk:
         raise ValueError(f"causal attention needs Tq <= Tk, got Tq={tq}, Tk={tk}")
-    if key_range.shape != (b, 2) or key_range.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"key_range must be [{b}, 2] int64, got {list(key_range.shape)} "
-                         f"{key_range.dtype}")
-    if query_mask.shape != (b, tq) or query_mask.dtype != torch.bool:
-        raise ValueError(f"query_mask must be [{b}, {tq}] bool, got {list(query_mask.shape)} "
-                         f"{query_mask.dtype}")
     if attention_mask is not None and (attention_mask.shape != (b, tk)
                                        or attention_mask.dtype != torch.bool):
         raise ValueError(f"attention_mask must be [{b}, {tk}] bool or None, got "
                          f"{list(attention_mask.shape)} {attention_mask.dtype}")
-    for name, val in (("window", window), ("chunk", chunk)):
-        if val is not None and (not isinstance(val, int) or val < 1):
-            raise ValueError(f"{name} must be an int >= 1 or None, got {val!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    if sinks is not None and tuple(sinks.shape) != (hq,):
-        raise ValueError(f"sinks must be [{hq}] (one logit per query head), got "
-                         f"{list(sinks.shape)}")
-    variant = (window is not None or chunk is not None or softcap is not None
-               or sinks is not None or v.shape[3] != d)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    if backend == "auto":
-        backend = "triton" if q.device.type == "cuda" and not variant else "torch"
-    if backend == "triton" and variant:
-        raise ValueError("attention_entropy: window / chunk / softcap / sinks / a value head size "
-                         "other than D run on the torch backend only")
-    key_range = key_range.to(q.device).long()
-    query_mask = query_mask.to(q.device)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(q.device)
-    if backend == "torch":
-        from icqs_fast.backends.torch_ref import attention_entropy_torch
-
-        return attention_entropy_torch(q, k, v, key_range, query_mask, attention_mask,
-                                       bool(causal), float(scale), window=window,
-                                       chunk_size=chunk,
-                                       softcap=softcap, sinks=sinks)
-    if backend == "triton":
-        if q.device.type != "cuda" and not backends.triton_interpreting():
-            raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-        from icqs_fast.kernels import attention_entropy as _k
-
-        return _k.attention_entropy(q, k, v, key_range, query_mask, attention_mask,
-                                    bool(causal), float(scale))
-    raise ValueError(f"unknown attention_entropy backend {backend!r}; use 'auto', 'triton' or "
-                     "'torch'")

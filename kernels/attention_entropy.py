@@ -32,14 +32,13 @@ a tile are int32.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, ptr
+from .launch import Launch, ptr, triton_interpreting
 
 _MASKED = tl.constexpr(-1.0e30)  # masked score (log2 units): finite, far below any real score
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -225,10 +224,6 @@ def _attn_entropy_fwd(
         ent = tl.where(ok, tl.log(l_safe) - _LN2 * t_r / l_safe, 0.0)
         ent = tl.where(flag, tl.maximum(ent, 0.0), 0.0)
         tl.store(ent_ptr + row_out, ent, mask=row_ok)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -424,7 +419,7 @@ def launch_attention(
         kr, qm = torch.zeros(2, device=dev, dtype=torch.int64), dummy_i8
     keyok = (attention_mask.to(device=dev, dtype=torch.int8).contiguous()
              if attention_mask is not None else dummy_i8)
-    cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=_interpreting(),
+    cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=triton_interpreting(),
                              has_keyok=attention_mask is not None, causal=bool(causal))
     _attn_entropy_fwd[cfg.grid](
         q, k, v, out, ent if with_entropy else dummy_f, lse if return_lse else dummy_f,

@@ -209,6 +209,85 @@ def test_triton_lse_output(causal):
     assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
 
 
+# (B, Hq, Hk, Tq, Tk, D, causal, padding): one query and one key; GQA with 3 query heads per
+# key head, an odd head size and a fully padded sequence; fewer queries than keys without
+# causality; a key count that is a multiple of the kernel's key block.
+LSE_CASES = {
+    "one_query_one_key": (1, 2, 1, 1, 1, 8, True, None),
+    "gqa3_odd_dim_leftpad_empty_row": (3, 6, 2, 7, 19, 12, True, "left"),
+    "non_causal_fewer_queries": (2, 4, 4, 3, 33, 16, False, "right"),
+    "keys_multiple_of_block": (1, 2, 1, 5, 64, 16, False, None),
+}
+
+
+def _lse_reference64(q, k, v, am, causal, scale, softcap=None):
+    """Float64 ``(out, lse)`` of softmax attention (GQA, key mask, causal, softcap)."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    b, hq, tq, _ = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    allow = torch.ones(b, 1, tq, tk, dtype=torch.bool)
+    if am is not None:
+        allow = allow & am.cpu()[:, None, None, :]
+    if causal:
+        allow = allow & (torch.arange(tk)[None, :] <= (tk - tq + torch.arange(tq))[:, None])
+    s = s.masked_fill(~allow, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p @ v, lse
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(LSE_CASES))
+def test_attention_lse_against_float64(backend, case):
+    """``ops.attention_lse`` (cascade attention's op) on every backend against float64 on
+    awkward shapes; a sequence with no real key has lse -inf and output 0 (it drops out of a
+    log-sum-exp merge)."""
+    _need(backend)
+    b, hq, hk, tq, tk, d, causal, pad = LSE_CASES[case]
+    q, k, v = _inputs(b, hq, hk, tq, tk, d)
+    am = None
+    if pad is not None:
+        am = torch.ones(b, tk, dtype=torch.bool, device=DEVICE)
+        if pad == "left":
+            am[0, :tk // 3] = False
+        else:
+            am[-1, tk - 5:] = False
+        if b > 2:
+            am[2] = False  # a sequence with no real key
+    out, lse = ops.attention_lse(q, k, v, scale=0.35, causal=causal, attention_mask=am,
+                                 backend=backend)
+    ro, rl = _lse_reference64(q, k, v, am, causal, 0.35)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, tq)
+    assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    assert torch.allclose(lse.double().cpu()[fin], rl[fin], atol=2e-5)
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+    assert bool((out.cpu()[~fin] == 0).all())
+
+
+def test_attention_lse_variants_on_the_torch_backend():
+    """Softcap and a value head size other than D: the torch backend against float64; the
+    triton backend refuses them, naming the option."""
+    q, k, _ = _inputs(2, 4, 2, 6, 17, 16)
+    v = torch.randn(2, 2, 17, 24, device=DEVICE)
+    am = torch.ones(2, 17, dtype=torch.bool, device=DEVICE)
+    am[1, 12:] = False
+    out, lse = ops.attention_lse(q, k * 4, v, scale=0.25, causal=True, attention_mask=am,
+                                 softcap=3.0, backend="torch")
+    ro, rl = _lse_reference64(q, k * 4, v, am, True, 0.25, softcap=3.0)
+    assert out.shape == (2, 4, 6, 24)
+    assert torch.allclose(lse.double().cpu(), rl, atol=2e-5)
+    assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
+    with pytest.raises(ValueError, match=r"backend 'triton' does not support .*\(softcap\)"):
+        ops.attention_lse(q, k, k, softcap=3.0, backend="triton")
+    with pytest.raises(ValueError, match=r"\(value_dim\)"):
+        ops.attention_lse(q, k, v, backend="triton")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_launches_describe_the_launch(causal):
     """``gpu_launches``: one launch from the launcher's settings function, the exact count of

@@ -122,7 +122,8 @@ def _force_fused(monkeypatch):
 
     if not backends.triton_interpreting():
         pytest.skip("the fused path needs CUDA or TRITON_INTERPRET=1")
-    monkeypatch.setattr(cascade, "_use_fused", lambda device: True)
+    # "auto" never picks the interpreter: name the triton backend of ops.attention_lse.
+    monkeypatch.setattr(cascade, "_kernel_backend", lambda *a, **k: "triton")
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -149,12 +150,17 @@ def test_fused_cascade_matches_current_path(kind, layout, monkeypatch):
 
 
 def test_fused_attn_lse_matches_attn_lse():
-    """``_fused_attn_lse`` against ``attn_lse`` (the CPU path) on the two calls cascade
-    attention makes: grouped prefix queries against padded prefixes (key mask vs additive mask,
-    different lengths per entry) and causal GQA suffix attention (vs the grouped causal mask);
-    outputs and log-sum-exps, fp32."""
-    from icqs_fast import backends
-    from icqs_fast.engine.cascade import _fused_attn_lse, attn_lse, grouped_causal_allow
+    """``ops.attention_lse`` on the triton backend (what cascade attention runs on CUDA)
+    against ``attn_lse`` (the CPU path) on the two calls cascade attention makes: grouped
+    prefix queries against padded prefixes (key mask vs additive mask, different lengths per
+    entry) and causal GQA suffix attention (vs the grouped causal mask); outputs and
+    log-sum-exps, fp32."""
+    from icqs_fast import backends, ops
+    from icqs_fast.engine.cascade import attn_lse, grouped_causal_allow
+
+    def _fused_attn_lse(q, k, v, scale, causal=False, key_ok=None):
+        return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
+                                 backend="triton")
 
     if not backends.triton_interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

@@ -4,17 +4,28 @@ Backends:
     torch  - reference implementation; always available.
     cpp    - the pybind11/OpenMP extension ``icqs_fast._C`` for CPU tensors.
     triton - Triton kernels for CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
+
+What each one supports per operation (dtypes, devices, options) is the table of
+:mod:`icqs_fast.backends.support`; :func:`choose` applies it to a call (``"auto"``, or the
+error of a backend named for something it lacks), :func:`fallback` and :func:`kernel_backend`
+answer the callers that pick a path themselves.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 
-BACKENDS = ("triton", "cpp", "torch")
+from icqs_fast.backends.support import PREFERENCE, REFERENCE, refusal
+
+# Re-exported: the one "is Triton interpreting" check lives with the kernels (the lowest layer
+# that needs it).
+from icqs_fast.kernels.launch import triton_interpreting  # noqa: F401
+
+BACKENDS = PREFERENCE
 _MODULES = {
     "torch": "icqs_fast.backends.torch_ref",
     "cpp": "icqs_fast.backends.cpp_backend",
@@ -22,23 +33,21 @@ _MODULES = {
 }
 
 
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def available(name: str) -> tuple[bool, str]:
+    """``(available, reason)`` of one backend; the reason says why it is not."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS} or 'auto'")
+    try:
+        mod = importlib.import_module(_MODULES[name])
+    except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
+        return False, f"import failed: {exc}"
+    check = getattr(mod, "available", None)
+    return check() if check is not None else (True, "ok")
 
 
 def availability() -> dict[str, tuple[bool, str]]:
     """Map each backend to (available, reason); the reason says why one is not."""
-    out: dict[str, tuple[bool, str]] = {}
-    for name in BACKENDS:
-        try:
-            mod = module(name)
-        except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
-            out[name] = (False, f"import failed: {exc}")
-            continue
-        check = getattr(mod, "available", None)
-        out[name] = check() if check is not None else (True, "ok")
-    return out
+    return {name: available(name) for name in BACKENDS}
 
 
 def module(name: str) -> ModuleType:
@@ -47,24 +56,65 @@ def module(name: str) -> ModuleType:
     return importlib.import_module(_MODULES[name])
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """Pick the backend for tensors on ``device``: triton on CUDA, cpp on CPU, else torch."""
+def resolve(backend: str, device: torch.device, op: str = "linear_token_stats") -> str:
+    """The backend that runs ``op`` on ``device`` for the name ``backend`` (``"auto"``: triton on
+    CUDA, cpp on CPU when built, else torch): :func:`choose` without a dtype or options.
+
+    Raises:
+        ValueError: an unknown name, or a backend named for a device it does not run on.
+        RuntimeError: a backend named that is not available here.
+    """
+    return choose(op, backend, device)
+
+
+def choose(op: str, backend: str, device: torch.device | str,
+           dtype: torch.dtype | None = None, options: Iterable[str] = ()) -> str:
+    """The backend that runs this ``op`` call: ``backend`` itself when it can (else the
+    :func:`refusal`'s error, or RuntimeError when it is not available here), or for ``"auto"``
+    the first of :data:`PREFERENCE` that can and is available.
+
+    Raises:
+        ValueError: an unknown backend name, or one that lacks the device / an option.
+        TypeError: a backend named for a dtype it does not take.
+        RuntimeError: a backend named that is not available here (not built, no CUDA).
+    """
+    options = frozenset(options)
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
-        ok, why = availability()[backend]
-        if not ok:
-            raise RuntimeError(f"backend {backend!r} is not available: {why}")
-        if backend == "cpp" and device.type != "cpu":
-            raise ValueError(f"backend 'cpp' needs CPU tensors, got {device.type}")
-        if backend == "triton" and device.type != "cuda" and not triton_interpreting():
-            raise ValueError(
-                "backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
-            )
+        why = refusal(op, backend, None, dtype, options)
+        if why is None:
+            ok, reason = available(backend)
+            if not ok:
+                raise RuntimeError(f"backend {backend!r} is not available: {reason}")
+            why = refusal(op, backend, device, dtype, options)
+        if why is not None:
+            raise why[0](why[1])
         return backend
-    avail = availability()
-    if device.type == "cuda" and avail["triton"][0]:
-        return "triton"
-    if device.type == "cpu" and avail["cpp"][0]:
-        return "cpp"
-    return "torch"
+    for name in PREFERENCE:
+        # The table first (no import), then whether the backend runs here at all.
+        if refusal(op, name, device, dtype, options, auto=True) is None and available(name)[0]:
+            return name
+    # Not reached for what ops accept: the reference runs every declared option and dtype.
+    raise ValueError(f"{op}: no backend runs {torch.device(device).type} {dtype} inputs with "
+                     f"{sorted(options)}")
+
+
+def fallback(op: str, backend: str, options: Iterable[str] = ()) -> str:
+    """``backend`` when it implements ``op`` with ``options``, else ``"auto"`` (for callers that
+    take one backend name for several operations, e.g. ``glassbox``'s token statistics and
+    attention entropies: a backend without the attention entropy, or without a layer's variant,
+    leaves that layer to ``"auto"``)."""
+    if backend == "auto":
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+    return backend if refusal(op, backend, options=options) is None else "auto"
+
+
+def kernel_backend(op: str, device: torch.device | str, dtype: torch.dtype,
+                   options: Iterable[str] = ()) -> str | None:
+    """The backend ``"auto"`` picks for this call when it is not the reference, else None (for a
+    caller with a torch path of its own, e.g. cascade attention's masked attention on the CPU)."""
+    name = choose(op, "auto", device, dtype, options)
+    return None if name == REFERENCE else name

@@ -237,6 +237,14 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
                         ) -> torch.Tensor:
     """fp32 softmax attention of one query block ``q [B, Hq, n, D]`` with an explicit bool mask
     ``[B, 1, n, Tk]``, score softcapping and sink logits ``[Hq]`` in the denominator."""
+    return _attention_block(q, k, v, allow, scale, softcap, sinks)[0]
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor,
+                     scale: float, softcap: float | None, sinks: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_explicit_attention`'s output (q's dtype) and the fp32 log-sum-exp ``[B, Hq, n]``
+    of the allowed scores (the sinks not included; -inf for a row with no allowed key)."""
     bsz, hq, n, d = q.shape
     hk = k.shape[1]
     group = hq // hk
@@ -246,8 +254,57 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allow, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    total = lse
     if sinks is not None:
-        lse = torch.logaddexp(lse, sinks.float().view(1, hq, 1, 1).expand_as(lse))
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0))
+        total = torch.logaddexp(lse, sinks.float().view(1, hq, 1, 1).expand_as(lse))
+    p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0))
     o = torch.matmul(p.reshape(bsz, hk, group * n, -1), v.float())
-    return o.reshape(bsz, hq, n, -1).to(q.dtype)
+    return o.reshape(bsz, hq, n, -1).to(q.dtype), lse[..., 0]
+
+
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      key_range: torch.Tensor, query_mask: torch.Tensor,
+                      attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
+                      window: int | None = None, chunk: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend of :func:`icqs_fast.ops.attention_entropy` (same arguments, already
+    validated there): :func:`attention_entropy_torch` with the default blocks."""
+    return attention_entropy_torch(q, k, v, key_range, query_mask, attention_mask, causal, scale,
+                                   window=window, chunk_size=chunk, softcap=softcap, sinks=sinks)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
+                  softcap: float | None = None, chunk: int = 512
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
+    of ``chunk`` query rows at a time (``[B, Hq, chunk, Tk]``), GQA by grouping the query heads
+    per key head, no ``repeat_kv`` copy.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``; k ``[B, Hk, Tk, D]``; v ``[B, Hk, Tk, Dv]``; attention_mask
+            ``[B, Tk]`` bool or None; causal (queries at the last ``Tq`` key positions); scale;
+            softcap ``c`` (scores ``c tanh(s / c)``) or None.
+
+    Returns:
+        ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
+        [B, Hq, Tq]`` fp32 (-inf for such a row).
+    """
+    bsz, hq, tq, _ = q.shape
+    tk = k.shape[2]
+    dev = q.device
+    kpos = torch.arange(tk, device=dev)
+    out = torch.empty(bsz, hq, tq, v.shape[-1], dtype=q.dtype, device=dev)
+    lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
+    for r0 in range(0, tq, chunk):
+        r1 = min(tq, r0 + chunk)
+        allow = torch.ones(bsz, 1, r1 - r0, tk, dtype=torch.bool, device=dev)
+        if attention_mask is not None:
+            allow = allow & attention_mask[:, None, None, :]
+        if causal:
+            qpos = tk - tq + torch.arange(r0, r1, device=dev)
+            allow = allow & (kpos[None, :] <= qpos[:, None])
+        out[:, :, r0:r1], lse[:, :, r0:r1] = _attention_block(q[:, :, r0:r1], k, v, allow, scale,
+                                                              softcap, None)
+    return out, lse

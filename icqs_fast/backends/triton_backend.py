@@ -1,5 +1,6 @@
-"""Triton backend: ``token_stats`` and ``linear_token_stats`` on the kernels in
-``icqs_fast.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``).
+"""Triton backend: ``token_stats``, ``linear_token_stats``, ``attention_entropy`` and
+``attention_lse`` on the kernels in ``icqs_fast.kernels`` (CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``).
 
 The kernels write the per-row fp32 state of :mod:`icqs_fast.backends.state`; this wrapper checks
 inputs, allocates outputs, merges partial states and calls :func:`state.finalize`.
@@ -265,3 +266,26 @@ def linear_token_stats(
 
     _fix_nonfinite_target_var(out, z_t, valid, logit_chunks)
     return out
+
+
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      key_range: torch.Tensor, query_mask: torch.Tensor,
+                      attention_mask: torch.Tensor | None, causal: bool, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused attention with entropy (:mod:`icqs_fast.kernels.attention_entropy`): key
+    padding and plain causality only (the table of :mod:`icqs_fast.backends.support` sends the
+    layer variants elsewhere). Inputs validated by :func:`icqs_fast.ops.attention_entropy`."""
+    from icqs_fast.kernels import attention_entropy as _k
+
+    return _k.attention_entropy(q, k, v, key_range, query_mask, attention_mask, causal, scale)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  attention_mask: torch.Tensor | None, causal: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused attention with its log-sum-exp output (``RETURN_LSE``, no entropy state):
+    scores stay in registers, never a ``[.., Tq, Tk]`` tensor. Inputs validated by
+    :func:`icqs_fast.ops.attention_lse`."""
+    from icqs_fast.kernels.attention_entropy import attention_lse as _lse
+
+    return _lse(q, k, v, scale=scale, causal=causal, attention_mask=attention_mask)

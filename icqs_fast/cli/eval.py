@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from icqs_fast.cli.options import add_calibration_arguments
-
-DEFAULT_FILES = {"fpb": ("fpb", "Sentences_AllAgree.txt"), "sst2": ("sst2", "dev.tsv"),
-                 "chaosnli": ("chaosnli", "chaosNLI_snli.jsonl")}
+from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of the three ``eval`` study commands (which one: ``args.subcommand``)."""
+    """Options of the ``eval`` study commands, one per ``labels`` / ``distributions`` data set
+    of the registry (which one: ``args.subcommand``)."""
+    folders = " ".join(f"{d.folder}/" for d in eval_datasets() if d.kind != "judgments")
     p.add_argument("--data", default=None,
                    help="the dataset file, or a folder holding it (directly or in a "
-                        "fpb/ sst2/ chaosnli/ subfolder); default ../shared/data/...")
+                        f"{folders} subfolder); default ../shared/data/...")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stability", default=None, metavar="CONFIG",
                    help="score the test responses (largest --demos-per-set) under this run's "
                         "--dtype/--backend and again under CONFIG, and print how every score "
-                        "kind moves (issue 29); CONFIG: float32|bfloat16|float16, "
+                        "kind moves between the two (which kinds rounding noise can flip); "
+                        "CONFIG: float32|bfloat16|float16, "
                         "torch|cpp|triton, deterministic or budget=N")
 
 
@@ -96,15 +97,14 @@ def parse_ns(text: str) -> list[int]:
     return ns
 
 
-def data_path(dataset: str, data: str | None) -> Path:
+def data_path(dataset: str | EvalDataset, data: str | None) -> Path:
     """The dataset file from ``--data`` (a file, or a folder holding the default file name
-    directly or in its dataset subfolder); default under
-    :func:`icqs_fast.io.datasets.shared_data_dir`."""
-    from icqs_fast.io.datasets import shared_data_dir
-
-    sub, name = DEFAULT_FILES[dataset]
+    directly or in its dataset subfolder); default: the registry entry's
+    (:meth:`icqs_fast.io.datasets.EvalDataset.default_path`)."""
+    ds = dataset if isinstance(dataset, EvalDataset) else eval_dataset(dataset)
+    sub, name = ds.folder, ds.file_name
     if data is None:
-        return shared_data_dir() / sub / name
+        return ds.default_path()
     p = Path(data)
     if p.is_dir():
         for cand in (p / name, p / sub / name):
@@ -134,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
         quiet_transformers()
     import torch
 
-    from icqs_fast.evals import study, study_data
+    from icqs_fast.evals import study
+    from icqs_fast.evals.study_kinds import study_of
     from icqs_fast.models import load_model
 
-    dataset = args.subcommand
+    ds, kind = study_of(args.subcommand)
     if args.pool_json:
         return _pool(args)
     _check(args)
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--demos-per-set {max(ns)} exceeds --pool {args.pool}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = data_path(dataset, args.data)
+    path = data_path(ds, args.data)
     st = study.StudySettings(
         demos_per_set=ns, num_ratios=args.num_ratios, sets_per_ratio=args.sets, seed=args.seed,
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
@@ -155,65 +156,41 @@ def run(args: argparse.Namespace) -> int:
         calibration=args.calibrate, score=args.score, compare=args.compare,
         tie_epsilon=args.tie_epsilon)
     t0 = time.perf_counter()
-    if dataset == "chaosnli":
-        if args.labels != "original" or args.stratify:
-            raise ValueError("--labels synonyms and --stratify apply to fpb and sst2 only "
-                             "(ChaosNLI's pools hold one label each)")
-        data: Any = study_data.chaosnli_data(path, pool=args.pool, limit=args.limit, seed=args.seed)
-    else:
-        load = study_data.fpb_data if dataset == "fpb" else study_data.sst2_data
-        data = load(path, pool=args.pool, limit=args.limit, seed=args.seed, labels=args.labels)
+    if not kind.label_options and (args.labels != "original" or args.stratify):
+        label_sets = ", ".join(d.name for d in eval_datasets() if d.kind == "labels")
+        raise ValueError(f"--labels synonyms and --stratify apply to {label_sets} only "
+                         f"({ds.title}'s pools hold one label each)")
+    data: Any = kind.load(ds, path, pool=args.pool, limit=args.limit, seed=args.seed,
+                          labels=args.labels)
     t_load = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
     t_load = time.perf_counter() - t_load
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     if args.stability:
-        return _stability(args, dataset, data, model, tok, st, max(ns), model_name)
+        return _stability(args, ds, kind, data, model, tok, st, max(ns), model_name)
     with torch.no_grad():
-        if dataset == "chaosnli":
-            out = study.run_chaosnli(model, tok, data, st)
-        else:
-            out = study.run_sentiment(model, tok, data, st)
+        out = kind.run(model, tok, data, st)
     seconds = time.perf_counter() - t0
-    if dataset == "chaosnli":
-        doc = study.chaosnli_json(out, model=model_name, seconds=seconds, st=st)
-    else:
-        doc = study.sentiment_json(out, dataset=dataset, model=model_name, seconds=seconds,
-                                   st=st, labels=args.labels)
+    doc = kind.document(out, ds=ds, model=model_name, seconds=seconds, st=st, labels=args.labels)
     # Load = data + model; the rest of the wall time not in a phase is bootstrap and bookkeeping.
     doc["timing"] = {"load": round(t_load, 2), **doc["timing"]}
     if args.plot:
         from icqs_fast.evals.plots import write_plots
 
-        doc["plots"] = [str(p) for p in write_plots(dataset, out, ns, args.plot)]
-    if args.json:
-        print(study.dumps(doc))
-    elif dataset == "chaosnli":
-        _print_chaosnli(doc, path)
-    else:
-        _print_sentiment(doc, path)
+        doc["plots"] = [str(p) for p in write_plots(ds.name, out, ns, args.plot)]
+    print(study.dumps(doc) if args.json else kind.report(doc, path, ds))
     return 0
 
 
-def _stability(args: argparse.Namespace, dataset: str, data: Any, model: Any, tok: Any,
-               st: Any, n: int, model_name: str) -> int:
+def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any, model: Any,
+               tok: Any, st: Any, n: int, model_name: str) -> int:
     """``--stability CONFIG``: both sides over the study's test responses and the table."""
     from icqs_fast.evals import stability, study
     from icqs_fast.evals.calibration_study import auc_ci
 
+    dataset = ds.name
     other = stability.parse_config(args.stability)
-    if dataset == "chaosnli":
-        from icqs_fast.engine.prompts import Template
-
-        template = Template(**study.NLI_ICQS_TEMPLATE)
-        good = [(it.premise, it.hypothesis) for it in data.good]
-        bad = [(it.premise, it.hypothesis) for it in data.bad]
-        responses = [(it.premise, it.hypothesis) for it in data.test]
-        groups: dict[str, list] = {}
-    else:
-        template, good, bad = None, data.good, data.bad
-        groups = {g: [(r.x, r.y) for r in rs] for g, rs in data.groups.items()}
-        responses = list(dict.fromkeys(xy for rs in groups.values() for xy in rs))
+    template, good, bad, responses, groups = kind.responses(data)
     settings = study.scoring_settings(n, st, template)
     a, ta, la = stability.score_side(model, tok, good, bad, responses, settings, quiet=args.quiet,
                                      desc="ICQS side A")
@@ -259,10 +236,11 @@ def _pool(args: argparse.Namespace) -> int:
     (runs of the same settings but the seed); ``--plot DIR``: its figure."""
     import json
 
-    from icqs_fast.evals import calibration_study as cs
     from icqs_fast.evals import study
-    from icqs_fast.evals.plots import DATASET_NAMES
+    from icqs_fast.evals.study_kinds import study_of
+    from icqs_fast.evals.study_report import fmt
 
+    ds, kind = study_of(args.subcommand)
     docs, files = [], [f.strip() for f in str(args.pool_json).split(",") if f.strip()]
     for f in files:
         with open(f, encoding="utf-8") as fh:
@@ -275,9 +253,9 @@ def _pool(args: argparse.Namespace) -> int:
                 or doc.get("dataset") != args.subcommand:
             raise ValueError(f"--pool-json {f}: not an 'eval {args.subcommand} --compare --json' "
                              "document")
-        if args.subcommand == "chaosnli" and "items" not in doc["compare"]:
+        if kind.needs_items and "items" not in doc["compare"]:
             raise ValueError(f"--pool-json {f}: no per-item predictions (written before 'eval "
-                             "chaosnli --compare' kept them); rerun it")
+                             f"{ds.name} --compare' kept them); rerun it")
         docs.append(doc)
     if not docs:
         raise ValueError("--pool-json: no file given")
@@ -289,122 +267,25 @@ def _pool(args: argparse.Namespace) -> int:
             raise ValueError(f"--pool-json {f}: settings differ from {files[0]}'s ({diff[0]}: "
                              f"{d['settings'].get(diff[0])!r} vs {same[diff[0]]!r}); pool runs "
                              "that differ only in --seed")
-    nli = args.subcommand == "chaosnli"
-    cmp = (cs.pool_nli if nli else cs.pool)(docs, n_boot=args.n_boot, seed=args.seed)
+    cmp = kind.pool(docs, n_boot=args.n_boot, seed=args.seed)
     if args.plot:
         os.makedirs(args.plot, exist_ok=True)
-        kind = "" if nli else "_stratified" if same.get("stratify") else "_unstratified"
-        path = os.path.join(args.plot, f"calibration_{args.subcommand}{kind}.png")
-        title = (f"{DATASET_NAMES[args.subcommand]}{kind.replace('_', ', ')}, "
+        suffix = kind.pooled_suffix(same)
+        path = os.path.join(args.plot, f"calibration_{ds.name}{suffix}.png")
+        title = (f"{ds.title}{suffix.replace('_', ', ')}, "
                  f"N={same['demos_per_set']}, M+1={same['num_ratios']}, "
                  f"L={same['sets_per_ratio']}, {len(docs)} runs")
-        cmp["plot"] = (cs.plot_pooled_nli if nli else cs.plot_pooled)({title: cmp}, path)
+        cmp["plot"] = kind.plot_pooled({title: cmp}, path)
     if args.json:
         print(study.dumps(study.finite(cmp)))
         return 0
     s = docs[0]["settings"]
-    print(f"{DATASET_NAMES[args.subcommand]}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
-          + (f"{cmp['n']} items" if nli else f"stratify {s.get('stratify')}")
+    print(f"{ds.title}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "
+          + kind.pooled_size(cmp, s)
           + f", N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}")
-    print(cs.nli_compare_table(cmp) if nli else cs.compare_table(cmp))
-    print(f"Epistemic {'Spearman' if nli else 'AUC'} per run: " + "; ".join(
-        f"{n} " + "/".join(_f(v) for v in vals) for n, vals in cmp["per_doc"].items()))
+    print(kind.compare_table(cmp))
+    print(f"Epistemic {kind.per_run_metric} per run: " + "; ".join(
+        f"{n} " + "/".join(fmt(v) for v in vals) for n, vals in cmp["per_doc"].items()))
     if args.plot:
         print(f"wrote {cmp['plot']}")
     return 0
-
-
-def _pct(v: float | None) -> str:
-    return "    -" if v is None else f"{100 * v:5.1f}"
-
-
-def _print_sentiment(doc: dict[str, Any], path: Path) -> None:
-    from icqs_fast.evals.plots import DATASET_NAMES
-
-    s = doc["settings"]
-    print(f"{DATASET_NAMES[doc['dataset']]} ({path}), model {doc['model']}, "
-          f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, "
-          f"seed {s['seed']}, labels {doc['labels']}")
-    methods = [m for m in ("icqs", "icqs_epistemic", "icl", "ask_llm")
-               if m in doc["groups"]["correct"]]
-    print(f"{'group':<17} {'n':>4} {'expect':>9} " + " ".join(f"{m:>22}" for m in methods))
-    for g, row in doc["groups"].items():
-        cells = []
-        for m in methods:
-            lo, hi = doc["intervals"][g][m]
-            cells.append(f"{_pct(row[m])} [{_pct(lo)},{_pct(hi)}]".rjust(22))
-        print(f"{g:<17} {doc['n'][g]:>4} {doc['expected'][g]:>9} " + " ".join(cells))
-    r = doc["ranking"]
-    means = ", ".join(f"{100 * m['accuracy']:.0f}%: {m['mean_score']:.3f}" for m in r["models"])
-    rho = "nan" if r["spearman"] is None else f"{r['spearman']:+.3f}"
-    ci = r["interval"]
-    ci = "n/a" if not ci or any(v is None for v in ci) else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
-    print(f"synthetic-LLM ranking: Spearman {rho} (95% CI {ci}); mean scores {means}")
-    sep = doc["separation"]
-    print("mean score per group: " + "; ".join(
-        f"{g}: " + ", ".join(f"{m} {v:.3f}" for m, v in row.items())
-        for g, row in sep["mean"].items()))
-    if "auc_correct_vs_incorrect" in sep:
-        print("AUC correct vs incorrect: " + ", ".join(
-            f"{m} {_f(v)}" for m, v in sep["auc_correct_vs_incorrect"].items()))
-    if len(doc["curve"]) > 1:
-        print("curve (accuracy % per N):")
-        for pt in doc["curve"]:
-            row = "; ".join(f"{g}: " + ", ".join(f"{m} {_pct(pt['groups'][g][m]).strip()}"
-                                                  for m in methods)
-                            for g in pt["groups"])
-            print(f"  N={pt['demos_per_set']}: {row}")
-    print("accuracy % [bootstrap 95% CI] = fraction judged as the expected verdict; rules: "
-          "ICQS per set score >= 0.5, Epistemic score >= 0.5, ICL predicted label == response, "
-          f"Ask LLM expected rating >= {s['ask_threshold']:g}")
-    if "compare" in doc:
-        from icqs_fast.evals.calibration_study import compare_table
-
-        print("calibration x score comparison (one run; the raw and content-free "
-              "log-likelihoods shared):")
-        print(compare_table(doc["compare"]))
-    print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
-    for p in doc.get("plots", []):
-        print(f"wrote {p}")
-
-
-def _timing(doc: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.1f} s" for k, v in doc.get("timing", {}).items()
-                     if isinstance(v, (int, float)))
-
-
-def _print_chaosnli(doc: dict[str, Any], path: Path) -> None:
-    from icqs_fast.evals.plots import DATASET_NAMES
-
-    s = doc["settings"]
-    print(f"{DATASET_NAMES['chaosnli']} ({path}), model {doc['model']}, {doc['n']} test pairs, "
-          f"N={s['demos_per_set']}, M+1={s['num_ratios']}, L={s['sets_per_ratio']}, seed "
-          f"{s['seed']}")
-    print(f"{'method':<15} " + " ".join(f"{k:>24}" for k in ("mae", "ce", "spearman")))
-    for m in ("icqs", "icqs_epistemic", "icl"):
-        if m not in doc:
-            continue
-        cells = []
-        for k in ("mae", "ce", "spearman"):
-            v, (lo, hi) = doc[m][k], doc["intervals"][m][k]
-            cells.append(("nan" if v is None else f"{v:.3f} [{_f(lo)}, {_f(hi)}]").rjust(24))
-        print(f"{m:<15} " + " ".join(cells))
-    if len(doc["curve"]) > 1:
-        print("curve (mae / ce / spearman per N):")
-        for pt in doc["curve"]:
-            row = "; ".join(f"{m}: " + "/".join(_f(pt[m][k]) for k in ("mae", "ce", "spearman"))
-                            for m in ("icqs", "icqs_epistemic", "icl") if m in pt)
-            print(f"  N={pt['demos_per_set']}: {row}")
-    if "compare" in doc:
-        from icqs_fast.evals.calibration_study import nli_compare_table
-
-        print("calibration x score comparison (one run):")
-        print(nli_compare_table(doc["compare"]))
-    print("distribution rules: " + "; ".join(f"{k}: {v}" for k, v in doc["rules"].items()))
-    print(f"time: {doc['seconds']:.1f} s ({_timing(doc)})")
-    for p in doc.get("plots", []):
-        print(f"wrote {p}")
-
-
-def _f(v: float | None) -> str:
-    return "nan" if v is None else f"{v:.3f}"

@@ -10,14 +10,16 @@ import sys
 import time
 from pathlib import Path
 
-from icqs_fast.evals.mtbench import DEFAULT_DATA, ENSEMBLE_FEATURES
-from icqs_fast.io.datasets import load_mtbench
+from icqs_fast.evals.mtbench import ENSEMBLE_FEATURES
+from icqs_fast.io.datasets import eval_dataset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.features.names import ALL_FEATURES, MODES
 
-    p.add_argument("--data", default=DEFAULT_DATA, help=f"MT-Bench folder (default {DEFAULT_DATA})")
+    ds = eval_dataset("mtbench")
+    p.add_argument("--data", default=None,
+                   help=f"MT-Bench folder (default ../shared/data/{ds.default})")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--limit", type=int, default=None,
                    help="score N judged answers spread evenly over the set (default: all)")
@@ -64,13 +66,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not Path(args.data).is_dir():
-        what = "is not a folder" if Path(args.data).exists() else "not found"
-        print(f"icqs-fast eval mtbench: data folder {args.data} {what}; nothing to do",
+    ds = eval_dataset("mtbench")
+    data = Path(args.data) if args.data is not None else ds.default_path()
+    if not data.is_dir():
+        what = "is not a folder" if data.exists() else "not found"
+        print(f"icqs-fast eval mtbench: data folder {data} {what}; nothing to do",
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    recs = load_mtbench(args.data, args.limit)
+    recs = ds.read(data, args.limit)
     model, tok = load_model(args.model, dtype=args.dtype)
     t_load = time.perf_counter() - t0
     items = [r["item"] for r in recs]

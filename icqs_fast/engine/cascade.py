@@ -25,16 +25,18 @@ per-row KV-copy path of :func:`icqs_fast.engine.batching.suffix_hidden` or a pla
 Exactness: both parts use fp32 accumulation (the CPU flash kernel, or a float32 math path), so
 results match a plain attention over ``[prefix; suffix]`` to rounding.
 
-On CUDA both parts run the fused Triton attention of :mod:`icqs_fast.kernels.attention_entropy`
-built with its log-sum-exp output (``RETURN_LSE``, no entropy state): scores live in registers
-only, never as a ``[.., rows, prefix]`` fp32 tensor; prefix padding is its key mask, the suffix's
-grouped causal mask is its causal GQA mode. Accumulation stays fp32; with 16-bit inputs the
-probabilities enter the PV product in the input dtype, as in any flash attention. PyTorch's SDPA
-ops that return a log-sum-exp were not used: the flash op takes no mask (padded prefixes would
-need one call per length), neither op takes fewer key heads than query heads (the suffix part
-would need a ``repeat_kv`` copy), and the memory-efficient op pads its LSE's query dimension
-(to a multiple of 32 in some versions). Local layers, softcapping and ``Dv != D`` take the
-torch path on every device (the fused kernel takes a key mask and plain causality only).
+Where a fused kernel takes the layer (on CUDA: :func:`icqs_fast.ops.attention_lse`'s triton
+backend, the fused attention with its log-sum-exp output, no entropy state), both parts run
+through it: scores live in registers only, never as a ``[.., rows, prefix]`` fp32 tensor; prefix
+padding is its key mask, the suffix's grouped causal mask is its causal GQA mode. Accumulation
+stays fp32; with 16-bit inputs the probabilities enter the PV product in the input dtype, as in
+any flash attention. PyTorch's SDPA ops that return a log-sum-exp were not used: the flash op
+takes no mask (padded prefixes would need one call per length), neither op takes fewer key heads
+than query heads (the suffix part would need a ``repeat_kv`` copy), and the memory-efficient op
+pads its LSE's query dimension (to a multiple of 32 in some versions). Which layers a kernel
+takes is the backends' support table (:mod:`icqs_fast.backends.support`: softcapping and
+``Dv != D`` are not); local layers need masks on each entry's own positions, which only the
+torch path here builds. This module holds no kernel code.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from typing import Any
 
 import torch
 
+from icqs_fast import backends, ops
+from icqs_fast.backends import support
 from icqs_fast.engine.layout import LayerAttention
 
 IMPL_NAME = "icqs_cascade"
@@ -222,22 +226,24 @@ def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(p, v.float()).to(q.dtype), lse
 
 
-def _use_fused(device: torch.device) -> bool:
-    """Whether cascade attention runs the fused Triton kernel (CUDA; tests force it on CPU under
-    ``TRITON_INTERPRET=1``)."""
-    return device.type == "cuda"
+def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | None,
+                    value_dim: bool) -> str | None:
+    """The backend of :func:`icqs_fast.ops.attention_lse` whose fused kernel takes a layer with
+    this score softcap and value head size (``value_dim``: ``Dv != D``) on ``device``, as
+    ``"auto"`` would pick it (the triton backend on CUDA); None: the torch path here."""
+    return backends.kernel_backend("attention_lse", device, dtype,
+                                   support.requested(softcap=softcap, value_dim=value_dim))
 
 
-def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                    causal: bool = False, key_ok: torch.Tensor | None = None
+def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention with log-sum-exp: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T, D]``
-    (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``; ``key_ok [B, T]``
-    bool, False = masked key). Returns the output in q's dtype and the fp32 natural-log LSE
-    ``[B, Hq, L]``."""
-    from icqs_fast.kernels.attention_entropy import attention_lse
-
-    return attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok)
+    """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v
+    [B, Hk, T, D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``;
+    ``key_ok [B, T]`` bool, False = masked key). Returns the output in q's dtype and the fp32
+    natural-log LSE ``[B, Hq, L]``."""
+    return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
+                             backend=backend)
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -324,8 +330,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if local:
         pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
 
-    # The fused kernel takes key padding and plain causality: other layers take the torch path.
-    fused = _use_fused(dev) and not local and softcap is None and dv == d
+    # A fused kernel takes key padding and plain causality: local layers (masks on each
+    # entry's own positions) and what the support table says it lacks take the torch path.
+    kernel = None if local else _kernel_backend(dev, dt, softcap, dv != d)
+    fused = kernel is not None
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
     if plan.uniform:
         n = plan.counts[0]
@@ -333,7 +341,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         qg = query.reshape(g_n, n, hk, group, s, d).permute(0, 2, 1, 3, 4, 5)
         qg = qg.reshape(g_n, hk, n * group * s, d)
         if fused:
-            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, key_ok=plan.prefix_key_ok(dev))
+            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, kernel,
+                                     key_ok=plan.prefix_key_ok(dev))
         else:
             allow = plan.prefix_allow(dev)
             if pre_m is not None:  # the same [S, P] mask for each row and head of the group
@@ -355,7 +364,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             qg = qg.reshape(1, hk, n * group * s, d)
             kg, vg = kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p]
             if fused:
-                og, lg = _fused_attn_lse(qg, kg, vg, scale)
+                og, lg = _fused_attn_lse(qg, kg, vg, scale, kernel)
             else:
                 allow = None
                 if pre_m is not None:
@@ -371,7 +380,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if fused:
         # Causal GQA in the kernel: query head h reads key head h // group (transformers'
         # repeat_kv order), as the grouped reshape below does.
-        o2, l2 = _fused_attn_lse(query, key, value, scale, causal=True)
+        o2, l2 = _fused_attn_lse(query, key, value, scale, kernel, causal=True)
         o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, dv)
         l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
     else:

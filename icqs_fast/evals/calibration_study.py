@@ -1,4 +1,4 @@
-"""Calibrated ICQS in the study (issue 17): every calibration x score kind from ONE scoring run.
+"""Calibrated ICQS in the study: every calibration x score kind from ONE scoring run.
 
 The raw log-likelihoods and the content-free baselines come from one engine run with
 ``calibration="content_free"`` (its results keep the raw ``loglik``); the PMI baselines depend on

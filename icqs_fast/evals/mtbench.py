@@ -1,9 +1,11 @@
 """``icqs-fast eval mtbench``: correlation of glass-box features with GPT-4 scores on MT-Bench.
 
-Data (read in place, never copied): ``question.jsonl``, ``model_answer_<model>.jsonl`` (answers
-in ``choices[0].turns``), ``judgment_gpt-4_single.jsonl`` (``question_id``, ``model``, ``turn``,
-``score``; judgments with a score below 1, i.e. GPT-4's ``-1`` = unparsable, are dropped) and,
-for the reference augmentations, ``reference_answer_gpt-4.jsonl``.
+Data (read in place, never copied; by default the registry's ``mtbench`` folder,
+:data:`icqs_fast.io.datasets.EVAL_DATASETS`): ``question.jsonl``,
+``model_answer_<model>.jsonl`` (answers in ``choices[0].turns``),
+``judgment_gpt-4_single.jsonl`` (``question_id``, ``model``, ``turn``, ``score``; judgments with
+a score below 1, i.e. GPT-4's ``-1`` = unparsable, are dropped) and, for the reference
+augmentations, ``reference_answer_gpt-4.jsonl``.
 
 Each judged (question, turn, model) answer is scored by the evaluator (default: the embedded
 SmolLM2-135M-Instruct). Turn 1 is prompted with question 1; turn 2 with question 1 and the model's
@@ -23,5 +25,4 @@ the same 7-prompt ensemble (:func:`icqs_fast.features.ensembles.prompt_ensemble`
 
 from __future__ import annotations
 
-DEFAULT_DATA = "../shared/data/mtbench"
 ENSEMBLE_FEATURES = ("unt_exp", "unt_var")

@@ -129,52 +129,64 @@ def plot_metric_curve(ns: Sequence[int], series: Mapping[str, Sequence[Sequence[
     return _save(fig, path)
 
 
-DATASET_NAMES = {"fpb": "Financial PhraseBank (all agree)", "sst2": "SST-2 dev",
-                 "chaosnli": "ChaosNLI-SNLI"}
-
-
 def triple(v: dict[str, float]) -> tuple[float, float, float]:
     """``(value, lo, hi)`` of a metric with its interval."""
     return v["value"], v["lo"], v["hi"]
 
 
 def write_plots(dataset: str, out: dict[str, Any], ns: list[int], folder: str) -> list[Path]:
-    """The study's PNGs for one run (see the module docstring); returns their paths."""
+    """The study's PNGs for one run (see the module docstring), by the data set's registry
+    kind (:data:`icqs_fast.io.datasets.EVAL_DATASETS`); returns their paths."""
+    from icqs_fast.io.datasets import eval_dataset
 
-    d = Path(folder)
+    ds = eval_dataset(dataset)
+    if ds.kind not in _WRITERS:
+        raise ValueError(f"no study figures for {ds.name} ({ds.kind} data)")
+    return _WRITERS[ds.kind](ds, out, ns, Path(folder))
+
+
+def _common(ds: Any, out: dict[str, Any], ns: list[int], d: Path, ll: dict[str, Any],
+            sc: dict[str, Any]) -> list[Path]:
+    """The log-likelihood curves and the score histograms of the largest N."""
+    return [plot_loglik_curves(ll, out["ratios"], d / f"{ds.name}_loglik.png",
+                               title=f"{ds.title}: N={max(ns)}"),
+            plot_score_histograms(sc, d / f"{ds.name}_hist.png", bins=_bins(out["ratios"]))]
+
+
+def _label_plots(ds: Any, out: dict[str, Any], ns: list[int], d: Path) -> list[Path]:
+    """``labels``: one curve per response group and one accuracy-vs-N figure per group."""
     top = out["items"][max(ns)]
-    files = []
-    if dataset == "chaosnli":
-        groups = {study_label: [] for study_label in ("e", "n", "c")}
-        for k, maj in enumerate(top["majority"]):
-            groups[maj].append(k)
-        names = {"e": "majority entailment", "n": "majority neutral",
-                 "c": "majority contradiction"}
-        ll = {names[g]: top["loglik"][idx] for g, idx in groups.items() if idx}
-        sc = {names[g]: [top["score"][k] for k in idx] for g, idx in groups.items() if idx}
-        files.append(plot_loglik_curves(ll, out["ratios"], d / f"{dataset}_loglik.png",
-                                              title=f"{DATASET_NAMES[dataset]}: N={max(ns)}"))
-        files.append(plot_score_histograms(sc, d / f"{dataset}_hist.png",
-                                                 bins=_bins(out["ratios"])))
-        for metric in ("mae", "ce", "spearman"):
-            series = {m: [triple(out["per_n"][n][m][metric]) for n in ns]
-                      for m in out["per_n"][ns[0]]}
-            files.append(plot_metric_curve(ns, series, d / f"{dataset}_curve_{metric}.png",
-                                                 ylabel=metric, title=DATASET_NAMES[dataset]))
-        return files
-    ll = {g: v["loglik"] for g, v in top.items()}
-    sc = {g: v["score"] for g, v in top.items()}
-    files.append(plot_loglik_curves(ll, out["ratios"], d / f"{dataset}_loglik.png",
-                                          title=f"{DATASET_NAMES[dataset]}: N={max(ns)}"))
-    files.append(plot_score_histograms(sc, d / f"{dataset}_hist.png",
-                                             bins=_bins(out["ratios"])))
+    files = _common(ds, out, ns, d, {g: v["loglik"] for g, v in top.items()},
+                    {g: v["score"] for g, v in top.items()})
     for g in top:
         series = {m: [triple(out["per_n"][n]["groups"][g][m]) for n in ns]
                   for m in out["per_n"][ns[0]]["groups"][g]}
-        files.append(plot_metric_curve(ns, series, d / f"{dataset}_curve_{g}.png",
-                                             ylabel=f"accuracy ({g})",
-                                             title=DATASET_NAMES[dataset]))
+        files.append(plot_metric_curve(ns, series, d / f"{ds.name}_curve_{g}.png",
+                                       ylabel=f"accuracy ({g})", title=ds.title))
     return files
+
+
+_MAJORITY = {"e": "majority entailment", "n": "majority neutral", "c": "majority contradiction"}
+
+
+def _distribution_plots(ds: Any, out: dict[str, Any], ns: list[int], d: Path) -> list[Path]:
+    """``distributions``: one curve per human majority label and one figure per metric."""
+    top = out["items"][max(ns)]
+    groups: dict[str, list[int]] = {g: [] for g in _MAJORITY}
+    for k, maj in enumerate(top["majority"]):
+        groups[maj].append(k)
+    ll = {_MAJORITY[g]: top["loglik"][idx] for g, idx in groups.items() if idx}
+    sc = {_MAJORITY[g]: [top["score"][k] for k in idx] for g, idx in groups.items() if idx}
+    files = _common(ds, out, ns, d, ll, sc)
+    for metric in ds.metrics:
+        series = {m: [triple(out["per_n"][n][m][metric]) for n in ns]
+                  for m in out["per_n"][ns[0]] if m != "compare"}
+        files.append(plot_metric_curve(ns, series, d / f"{ds.name}_curve_{metric}.png",
+                                       ylabel=metric, title=ds.title))
+    return files
+
+
+_WRITERS = {"labels": _label_plots, "distributions": _distribution_plots}
 
 
 def _bins(ratios: list[float]) -> list[float]:

@@ -1,6 +1,7 @@
 """The ICQS study's evaluations: data groups, judgment rules, metrics with bootstrap intervals.
 
-This module is the library behind ``icqs-fast eval fpb|sst2|chaosnli`` (:mod:`icqs_fast.cli.eval`).
+This module is the library behind ``icqs-fast eval fpb|sst2|chaosnli`` (:mod:`icqs_fast.cli.eval`;
+which study a data set gets is its registry kind, :mod:`icqs_fast.evals.study_kinds`).
 
 Sentiment (Financial PhraseBank, SST-2)
 ---------------------------------------
@@ -98,7 +99,7 @@ from icqs_fast.evals.study_metrics import (
     icqs_item_accuracy,
     synthetic_ranking,
 )
-from icqs_fast.io.datasets import NLIItem
+from icqs_fast.io.datasets import NLIItem, eval_dataset
 
 EXPECTED = {"correct": True, "incorrect": False, "labeled_neutral": False,
             "semantic_neutral": True}
@@ -348,8 +349,9 @@ def _first_response(groups: dict[str, list[Response]], pairs: Sequence[tuple[str
 
 
 def _ask_question(dataset: str, candidates: Sequence[str], x: str) -> str:
-    """The Ask LLM instruction for a sentiment sentence (the response is its label)."""
-    what = "financial news sentence" if dataset == "fpb" else "movie review sentence"
+    """The Ask LLM instruction for a sentiment sentence (the response is its label); what the
+    sentence is comes from the data set's registry entry."""
+    what = eval_dataset(dataset).subject or "sentence"
     opts = ", ".join(candidates[:-1]) + f" or {candidates[-1]}"
     return f"What is the sentiment of this {what}? Answer {opts}.\n\nSentence: {x}"
 
@@ -477,10 +479,11 @@ def sentiment_json(out: dict[str, Any], *, dataset: str, model: str, seconds: fl
     return _finite(doc)
 
 
-def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudySettings
-                  ) -> dict[str, Any]:
+def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudySettings,
+                  dataset: str = "chaosnli") -> dict[str, Any]:
     """The ``eval chaosnli --json`` document: ``{dataset, model, seconds, icqs, icqs_epistemic,
-    icl: {mae, ce, spearman}}`` for the largest ``N``, plus intervals, rules, settings, curve."""
+    icl: {mae, ce, spearman}}`` for the largest ``N``, plus intervals, rules, settings, curve
+    (``dataset``: the registry name of a ``distributions`` data set)."""
     ns = list(st.demos_per_set)
 
     def flat(per: dict) -> dict[str, Any]:
@@ -492,7 +495,7 @@ def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudyS
             d["compare"] = per["compare"]
         return d
 
-    doc = {"dataset": "chaosnli", "model": model, "seconds": round(seconds, 2),
+    doc = {"dataset": dataset, "model": model, "seconds": round(seconds, 2),
            **flat(out["per_n"][max(ns)]), "n": int(len(out["human"])), "rules": NLI_RULES,
            "timing": out["timing"],
            "settings": {"demos_per_set": max(ns), "num_ratios": st.num_ratios,

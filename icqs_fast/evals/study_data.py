@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from icqs_fast.io.datasets import NLI_GROUPS, NLIItem, read_chaosnli, read_sst2, shared_data_dir
+from icqs_fast.io.datasets import NLI_GROUPS, EvalDataset, NLIItem, eval_dataset
 from icqs_fast.io.records import PathLike
 
 SENTIMENT_GROUPS = ("correct", "incorrect", "labeled_neutral", "semantic_neutral")
@@ -187,27 +187,35 @@ def sentiment_groups(rest: Sequence[tuple[str, str]], *, limit: int | None, seed
     return groups, polar
 
 
+def sentiment_data(dataset: str | EvalDataset, path: PathLike | None = None, *, pool: int = 32,
+                   limit: int | None = None, seed: int = 0, labels: str = "original"
+                   ) -> SentimentData:
+    """The study data of a ``labels`` data set of the registry
+    (:data:`icqs_fast.io.datasets.EVAL_DATASETS`; default file there): pools of ``pool`` good
+    and ``pool`` bad demonstrations (:func:`polar_pools`) and the test groups
+    (:func:`sentiment_groups`; the neutral ones when the data set has a neutral class)."""
+    ds = dataset if isinstance(dataset, EvalDataset) else eval_dataset(dataset)
+    if ds.kind != "labels":
+        raise ValueError(f"{ds.name} is a {ds.kind!r} data set, not 'labels'")
+    rows = ds.read(Path(path) if path is not None else ds.default_path())
+    good, bad, rest = polar_pools(rows, n_good=pool, n_bad=pool, seed=seed)
+    groups, polar = sentiment_groups(rest, limit=limit, seed=seed, neutral=ds.neutral,
+                                     labels=labels)
+    return SentimentData(ds.name, good, bad, groups, polar)
+
+
 def fpb_data(path: PathLike | None = None, *, pool: int = 32, limit: int | None = None,
              seed: int = 0, labels: str = "original") -> SentimentData:
-    """Financial PhraseBank study data: pools of ``pool`` good and ``pool`` bad demonstrations
-    (:func:`icqs_fast.io.datasets.fpb_examples`) and the four groups (:func:`sentiment_groups`)."""
-    from icqs_fast.io.datasets import fpb_examples
-
-    good, bad, rest = fpb_examples(path, n_good=pool, n_bad=pool, seed=seed)
-    groups, polar = sentiment_groups([(r.x, r.y) for r in rest], limit=limit, seed=seed,
-                                     neutral=True, labels=labels)
-    return SentimentData("fpb", good, bad, groups, polar)
+    """Financial PhraseBank study data (:func:`sentiment_data`): the pools (the rule of
+    :func:`icqs_fast.io.datasets.fpb_examples`) and the four groups."""
+    return sentiment_data("fpb", path, pool=pool, limit=limit, seed=seed, labels=labels)
 
 
 def sst2_data(path: PathLike | None = None, *, pool: int = 32, limit: int | None = None,
               seed: int = 0, labels: str = "original") -> SentimentData:
-    """SST-2 study data (default ``../shared/data/sst2/dev.tsv``): pools and the correct /
-    incorrect groups (no neutral class)."""
-    p = Path(path) if path is not None else shared_data_dir() / "sst2" / "dev.tsv"
-    rows = [(x, y) for _, x, y in read_sst2(p)]
-    good, bad, rest = polar_pools(rows, n_good=pool, n_bad=pool, seed=seed)
-    groups, polar = sentiment_groups(rest, limit=limit, seed=seed, neutral=False, labels=labels)
-    return SentimentData("sst2", good, bad, groups, polar)
+    """SST-2 study data (:func:`sentiment_data`): pools and the correct / incorrect groups (no
+    neutral class)."""
+    return sentiment_data("sst2", path, pool=pool, limit=limit, seed=seed, labels=labels)
 
 
 @dataclass
@@ -220,13 +228,14 @@ class NLIData:
 
 
 def chaosnli_data(path: PathLike | None = None, *, pool: int = 32, limit: int | None = None,
-                  seed: int = 0) -> NLIData:
+                  seed: int = 0, dataset: str | EvalDataset = "chaosnli") -> NLIData:
     """Pools of ``pool`` majority-entailment (good) and ``pool`` majority-contradiction (bad)
     pairs, drawn with the seed; the test items are every other pair, or ``limit`` per majority
-    label (seeded) when given, in file order."""
-    p = Path(path) if path is not None else \
-        shared_data_dir() / "chaosnli" / "chaosNLI_snli.jsonl"
-    items = read_chaosnli(p)
+    label (seeded) when given, in file order. ``dataset``: the registry's ``distributions``
+    entry (its reader and default file)."""
+    ds = dataset if isinstance(dataset, EvalDataset) else eval_dataset(dataset)
+    p = Path(path) if path is not None else ds.default_path()
+    items = ds.read(p)
     rng = random.Random(seed)
     ent = [i for i, it in enumerate(items) if it.majority == "e"]
     con = [i for i, it in enumerate(items) if it.majority == "c"]

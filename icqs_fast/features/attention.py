@@ -140,7 +140,8 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     (``query [B, Hq, Tq, D]``, ``key/value [B, Hk, Tk, D]``; returns ``[B, Tq, Hq, D]``, None).
     No host sync per layer: the mask is analysed once per forward (:func:`_mask_to_padding`)
     and an all-True key mask is passed as it is rather than tested for being all True."""
-    from icqs_fast import ops
+    from icqs_fast import backends, ops
+    from icqs_fast.backends import support
 
     cap: _Capture | None = getattr(_ACTIVE, "cap", None)
     if cap is None:
@@ -169,14 +170,17 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     if key_ok is not None and key_ok.shape[0] != bsz:
         key_ok = key_ok.expand(bsz, -1)
     local = la is not None and la.local
-    variant = local or softcap is not None or sinks is not None or value.shape[-1] != key.shape[-1]
+    window = la.window if local and la.kind == "sliding" else None
+    chunk = la.chunk if local and la.kind == "chunked" else None
+    # The capture's backend runs the layers it supports; a layer variant it lacks (or a backend
+    # without attention entropy at all) goes to "auto" (the support table decides).
+    backend = backends.fallback("attention_entropy", cap.backend, support.requested(
+        window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+        value_dim=value.shape[-1] != key.shape[-1]))
     out, ent = ops.attention_entropy(
         query, key, value, key_range=cap.key_range.to(query.device),
         query_mask=cap.query_mask.to(query.device), attention_mask=key_ok,
-        causal=bool(causal), scale=scaling,
-        backend="auto" if variant and cap.backend == "triton" else cap.backend,
-        window=la.window if local and la.kind == "sliding" else None,
-        chunk=la.chunk if local and la.kind == "chunked" else None,
+        causal=bool(causal), scale=scaling, backend=backend, window=window, chunk=chunk,
         softcap=None if softcap is None else float(softcap),
         sinks=None if sinks is None else sinks.to(query.device),
     )
@@ -216,7 +220,9 @@ def capture_attention_entropy(
             :class:`~icqs_fast.engine.layout.LayerAttention` and the call's arguments).
         query_mask: ``[B, T]`` bool, rows whose entropy is wanted.
         key_range: ``[B, 2]`` int64, positions in the (padded) input sequence.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``; a layer whose variant (window,
+            chunk, softcap, sinks, value head size) the named backend lacks, and every layer
+            when it has no attention entropy at all (``"cpp"``), runs on ``"auto"``'s choice.
         check_mask: check on exit (one host sync per block) that every layer's mask was
             causal (or, for a model whose masks are not, bidirectional) + key padding + its
             own window / chunk, else ValueError. False: the caller reads ``cap.mask_bad``

@@ -330,9 +330,9 @@ def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[s
         from icqs_fast.features.attention import capture_attention_entropy
 
         qm, kr = _capture_masks(encs, idx, ids.shape, dev)
-        attn_backend = backend if backend in ("torch", "triton") else "auto"
-        # The mask check rides in the batch's one device-to-host copy (check_mask=False).
-        with capture_attention_entropy(model, qm, kr, backend=attn_backend,
+        # The mask check rides in the batch's one device-to-host copy (check_mask=False); a
+        # backend without attention entropy leaves the capture to "auto" (support table).
+        with capture_attention_entropy(model, qm, kr, backend=backend,
                                        check_mask=False) as cap:
             hidden = run()
         ent = cap.entropy
@@ -419,8 +419,7 @@ def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str
         from icqs_fast.features.attention import capture_attention_entropy
 
         qm, kr = _capture_masks(encs, idx, ids.shape, dev)
-        attn_backend = backend if backend in ("torch", "triton") else "auto"
-        with capture_attention_entropy(model, qm, kr, backend=attn_backend,
+        with capture_attention_entropy(model, qm, kr, backend=backend,
                                        check_mask=False) as cap:
             logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
         ent = cap.entropy
@@ -548,7 +547,8 @@ def glassbox(
             back in input order and do not depend on the batching).
         system_prompt: system prompt for every item without its own.
         backend: token-statistics backend (``"auto"``, ``"cpp"``, ``"torch"``, ``"triton"``);
-            the attention entropy uses ``"torch"``/``"triton"`` when named, else auto.
+            the attention entropy uses the named backend where it has it (the support table
+            of :mod:`icqs_fast.backends.support`), else auto.
         use_chat_template: None = use the tokenizer's chat template when it has one.
         reference: None; ``"illustrate"``: items with a reference get ``(instruction, reference)``
             prepended as a demonstration turn; ``"calibrate"``: every feature becomes

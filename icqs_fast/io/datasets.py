@@ -1,4 +1,7 @@
-"""Loaders of the public evaluation data sets (read from ``../shared/data`` or a given path).
+"""Loaders of the public evaluation data sets (read from ``../shared/data`` or a given path),
+and their registry: :data:`EVAL_DATASETS`, one :class:`EvalDataset` entry per ``icqs-fast eval``
+data set (its default file, task kind, metrics and reader), which ``eval``, the study and its
+plots read instead of branching on the name. Adding a data set of a known kind is one entry.
 """
 
 from __future__ import annotations
@@ -6,9 +9,9 @@ from __future__ import annotations
 import csv
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from icqs_fast.io.records import InputError, PathLike, Record
@@ -34,7 +37,8 @@ def shared_data_dir() -> Path:
 
 
 def default_fpb_path() -> Path:
-    return shared_data_dir() / "fpb" / "Sentences_AllAgree.txt"
+    """Financial PhraseBank's default file (the registry's ``fpb`` entry)."""
+    return eval_dataset("fpb").default_path()
 
 
 FPB_LABELS = ("positive", "negative", "neutral")
@@ -319,3 +323,100 @@ def load_mtbench(data: str | Path, limit: int | None = None) -> list[dict[str, A
         n = len(recs)
         recs = [recs[(i * n) // limit] for i in range(limit)]
     return recs
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def fpb_rows(path: PathLike | None = None) -> list[tuple[str, str]]:
+    """Financial PhraseBank as ``(sentence, label)`` pairs (:func:`read_fpb`)."""
+    return [(r.x, r.y) for r in read_fpb(path)]
+
+
+def sst2_rows(path: PathLike) -> list[tuple[str, str]]:
+    """SST-2 as ``(sentence, "positive"|"negative")`` pairs (:func:`read_sst2`)."""
+    return [(x, y) for _, x, y in read_sst2(path)]
+
+
+KINDS = {
+    "labels": "labelled sentences; responses correct or not by their label (accuracy per group, "
+              "AUC correct vs incorrect)",
+    "distributions": "pairs with human label distributions (MAE, CE, Spearman against them)",
+    "judgments": "answers with a judge's scores (correlation of features with the scores)",
+}
+"""The task kinds of the evaluation data sets: what a study of each compares."""
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    """One evaluation data set: the ``icqs-fast eval NAME`` subcommand.
+
+    Attributes:
+        name: the subcommand and the documents' ``"dataset"``.
+        title: its name in printed tables and figure titles.
+        help: the subcommand's one-line help.
+        default: its default file (or folder), relative to :func:`shared_data_dir`, POSIX
+            separators; the first part is the data set's own subfolder.
+        kind: one of :data:`KINDS`.
+        metrics: what the study reports per method.
+        read: its reader: a path to the records the study of its kind takes (``labels``:
+            ``(sentence, label)`` pairs; ``distributions``: :class:`NLIItem`; ``judgments``:
+            :func:`load_mtbench`'s records).
+        neutral: ``labels`` only: it has a neutral class (the labeled_neutral /
+            semantic_neutral groups, and "neutral" among ICL's candidates).
+        subject: ``labels`` only: what a sentence is, in the Ask LLM question.
+    """
+
+    name: str
+    title: str
+    help: str
+    default: str
+    kind: str
+    metrics: tuple[str, ...]
+    read: Callable[..., Any]
+    neutral: bool = False
+    subject: str = ""
+
+    def default_path(self) -> Path:
+        """The default file or folder, under :func:`shared_data_dir` (read at each call, so
+        ``$ICQS_FAST_SHARED_DATA`` set later is honoured)."""
+        return shared_data_dir().joinpath(*PurePosixPath(self.default).parts)
+
+    @property
+    def file_name(self) -> str:
+        """The default file's (or folder's) own name, looked for in a ``--data`` folder."""
+        return PurePosixPath(self.default).name
+
+    @property
+    def folder(self) -> str:
+        """The data set's subfolder of the shared data folder."""
+        return PurePosixPath(self.default).parts[0]
+
+
+EVAL_DATASETS: dict[str, EvalDataset] = {d.name: d for d in (
+    EvalDataset("mtbench", "MT-Bench", "glass-box features vs GPT-4 on MT-Bench", "mtbench",
+                "judgments", ("pearson", "spearman", "kendall"), load_mtbench),
+    EvalDataset("fpb", "Financial PhraseBank (all agree)", "ICQS study on Financial PhraseBank",
+                "fpb/Sentences_AllAgree.txt", "labels", ("accuracy", "auc"), fpb_rows,
+                neutral=True, subject="financial news sentence"),
+    EvalDataset("sst2", "SST-2 dev", "ICQS study on SST-2", "sst2/dev.tsv", "labels",
+                ("accuracy", "auc"), sst2_rows, subject="movie review sentence"),
+    EvalDataset("chaosnli", "ChaosNLI-SNLI", "ICQS study on ChaosNLI distributions",
+                "chaosnli/chaosNLI_snli.jsonl", "distributions", ("mae", "ce", "spearman"),
+                read_chaosnli),
+)}
+"""Every ``icqs-fast eval`` data set, by name (the subcommands, in this order)."""
+
+
+def eval_dataset(name: str) -> EvalDataset:
+    """The registry's entry ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return EVAL_DATASETS[name]
+    except KeyError:
+        raise ValueError(f"unknown evaluation data set {name!r}; one of "
+                         f"{', '.join(EVAL_DATASETS)}") from None
+
+
+def eval_datasets(kind: str | None = None) -> list[EvalDataset]:
+    """The registry's entries (of ``kind`` when given), in order."""
+    return [d for d in EVAL_DATASETS.values() if kind is None or d.kind == kind]
