@@ -1,4 +1,4 @@
-"""Every decoder family transformers can build is scored exactly (issue 25).
+"""Every decoder family transformers can build is scored exactly.
 
 For each model_type of transformers' causal-LM mapping that builds from a tiny random config
 (``tests/model_matrix.py``: 2 layers, hidden 64, a 16-token sliding window / chunk where the
@@ -6,7 +6,7 @@ config has one), the engine (:class:`icqs_fast.ICQSScorer`, on whatever path the
 chooses) is compared with the independent reference (``icqs_naive``: whole-text tokenization, one
 plain forward of the model itself per prompt, float64 log-softmax): log-likelihoods within 1e-4
 in fp32, identical scores, prompts longer than the window. Families with local layers are also
-run with a window longer than every prompt. The README's coverage table (between the
+run with a window longer than every prompt. The coverage table of docs/MODELS.md (between the
 ``model-coverage`` markers) is written from these results by ``python tests/test_model_coverage.py``
 and each family's row is checked here, so the table cannot drift from what the engine does.
 """
@@ -21,7 +21,7 @@ import pytest
 import torch
 from model_matrix import EXCLUDED, causal_lm_types, tiny_config, tiny_model
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+COVERAGE_DOC = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
 START, END = "<!-- model-coverage:start -->", "<!-- model-coverage:end -->"
 WINDOW = 16
 TOL = 1e-4
@@ -67,7 +67,7 @@ def tok():
     return _tokenizer()
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def score_family(model_type: str, tok, window: int = WINDOW):
@@ -107,13 +107,13 @@ def _scores_agree(a, b) -> bool:
 
 
 def coverage_row(model_type: str, plan) -> str:
-    """The README table row of one family."""
+    """The docs/MODELS.md table row of one family."""
     return (f"| `{model_type}` | {PATH_NAMES[plan.path]} | {plan.uses or '-'} | "
             f"{plan.why_not_bank or '-'} |")
 
 
 def readme_rows() -> dict[str, str]:
-    text = README.read_text(encoding="utf-8")
+    text = COVERAGE_DOC.read_text(encoding="utf-8")
     block = text[text.index(START):text.index(END)]
     rows = {}
     for line in block.splitlines():
@@ -142,7 +142,7 @@ def test_family_is_scored_exactly(model_type, tok):
     assert shortest > WINDOW  # every prompt runs past the window
     row = readme_rows().get(model_type)
     assert row == coverage_row(model_type, plan), (
-        f"README coverage row of {model_type} is {row!r}, the engine gives "
+        f"docs/MODELS.md coverage row of {model_type} is {row!r}, the engine gives "
         f"{coverage_row(model_type, plan)!r}: run `python tests/test_model_coverage.py`")
 
 
@@ -157,7 +157,7 @@ def test_local_family_with_prompts_inside_the_window(model_type, tok):
 def test_readme_lists_every_family_once_with_its_counts():
     rows = readme_rows()
     assert sorted(rows) == sorted(TYPES)
-    text = README.read_text(encoding="utf-8")
+    text = COVERAGE_DOC.read_text(encoding="utf-8")
     block = text[text.index(START):text.index(END)]
     assert summary_line(rows) in block
     assert len(LOCAL_TYPES) >= 10  # the window tests cover a real share of the families
@@ -184,7 +184,7 @@ def test_path_messages(tok):
 
 
 def write_readme() -> None:
-    """Score every family and write the README's coverage block from the results."""
+    """Score every family and write the coverage block of docs/MODELS.md from the results."""
     tok = _tokenizer()
     rows, bad = {}, []
     for t in TYPES:
@@ -199,9 +199,9 @@ def write_readme() -> None:
         START, "", summary_line(rows), "",
         "| family (model_type) | path | uses | why not the prefix bank |", "|---|---|---|---|",
         *[rows[t] for t in sorted(rows)], "", END])
-    text = README.read_text(encoding="utf-8")
+    text = COVERAGE_DOC.read_text(encoding="utf-8")
     text = text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    README.write_text(text, encoding="utf-8")
+    COVERAGE_DOC.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
