@@ -1,4 +1,4 @@
-"""Cost of the batch-invariant mode (issue 21.1): time ``deterministic=True`` against the
+"""Cost of the batch-invariant mode: time ``deterministic=True`` against the
 default mode on the same responses, interleaved in one run on one machine, and check that both
 give the same scores to rounding.
 

@@ -21,7 +21,7 @@ warpgroup): the padded product is still far below the weight's HBM read (N = 16,
 V = 151936: 0.16 ms of tensor time vs 0.42 ms to stream the weight), and the vocabulary-parallel
 grid (``chunks`` programs per row block) fills the GPU.
 
-Two loops over a program's tiles keep the rare masked fold out of the hot tile loop (issue 27):
+Two loops over a program's tiles keep the rare masked fold out of the hot tile loop:
 the inner loop runs each tile's matmul and the unmasked fold, and stops at a tile that needs
 masks (the partial last tile, a row's target column, non-finite logits: a few per program), whose
 logits stay in registers for the outer loop's masked fold. Compiled, the tile loop holds 840
@@ -252,7 +252,7 @@ def _linear_token_stats_kernel(
     # matmul and the unmasked fold of every tile that needs no masks (full, no row's target
     # column, finite: nearly all of them) and stops at the first tile that does, leaving its
     # logits in ``acc``; the outer loop folds that tile with the masks and goes on. The hot tile
-    # loop holds only the code every tile runs (issue 27).
+    # loop holds only the code every tile runs.
     while tile < TILES:
         cold = tile < 0  # False: no tile waiting for the masked fold
         while (tile < TILES) & (cold == 0):

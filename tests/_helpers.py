@@ -3,12 +3,19 @@ root - whose kernels/ folder must never be importable as top-level `kernels` - s
 
 import json
 import math
+import os
 
 import torch
 
 from icqs_fast.types import TokenStats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# `--dtype auto` / `load_model()` on the CPU pick bf16 where the CPU has native bf16 dot products
+# (icqs_fast.models.choose_dtype): the suite pins float32 for that choice (conftest imports this
+# module first; CLI subprocesses inherit it), so a test's numbers are the same on an AVX2-only
+# and an avx512_bf16 CPU. tests/test_dtype_choice.py unsets it to test the choice itself.
+os.environ.setdefault("ICQS_FAST_CPU_DTYPE", "float32")
 
 
 def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float) -> dict:
@@ -132,6 +139,41 @@ def assert_same_scores(a, b, tol: float = 1e-5) -> None:
         assert a.score_per_set == pytest.approx(b.score_per_set, abs=tol)
     else:
         assert a.score == b.score and a.score_per_set == b.score_per_set
+
+
+def assert_same_lines(got, want, *, kind: str = "mean", tol: float = 1e-5,
+                      rtol: float = 1e-6) -> None:
+    """Output lines (dicts, in order) of the same records from separate runs hold the same
+    records: the same keys; ints, strings, bools and nulls identical; every float
+    (log-likelihoods, features, margins, slopes) within ``rtol`` relative or ``tol`` absolute,
+    since another batch composition, process, resume point or CPU kind (AVX2 and AVX-512
+    kernels round differently) moves fp32 sums by a few ulps. ``score`` / ``score_per_set``
+    follow :func:`assert_same_scores`: identical for the discrete kinds (``kind`` "argmax" or
+    "tied"), within ``tol`` for the posterior mean (the default)."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want), (len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys() == w.keys(), (i, sorted(g), sorted(w))
+        for k in g:
+            exact = kind != "mean" and k in ("score", "score_per_set")
+            _assert_close_values(g[k], w[k], tol, rtol, exact, f"line {i} field {k!r}")
+
+
+def _assert_close_values(g, w, tol: float, rtol: float, exact: bool, where: str) -> None:
+    import pytest
+
+    if isinstance(w, float) and not exact and isinstance(g, (int, float)):
+        assert g == pytest.approx(w, rel=rtol, abs=tol, nan_ok=True), where
+    elif isinstance(w, list) and isinstance(g, list):
+        assert len(g) == len(w), where
+        for a, b in zip(g, w, strict=True):
+            _assert_close_values(a, b, tol, rtol, exact, where)
+    elif isinstance(w, dict) and isinstance(g, dict):
+        assert g.keys() == w.keys(), where
+        for k in w:
+            _assert_close_values(g[k], w[k], tol, rtol, exact, f"{where}.{k}")
+    else:
+        assert type(g) is type(w) and g == w, (where, g, w)
 
 
 def restore_environ(saved: dict) -> None:

@@ -46,6 +46,44 @@ def _poisoned_kernel_outputs(monkeypatch):
     yield
 
 
+def pytest_collection_modifyitems(items):
+    """A test that takes the real embedded model through a fixture named ``embedded`` is in
+    the ``embedded`` group (docs/TESTING.md) wherever it lives, so a new one cannot slip into
+    the fast tier unmarked."""
+    for item in items:
+        if "embedded" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.embedded)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """``get(layers=1, max_positions=512)``: the folder of :func:`_helpers.save_tiny_llama`'s
+    seeded tiny random Llama, saved once per session for each configuration and shared by every
+    module that asks for it. Read-only: load it, never write into it."""
+    from _helpers import save_tiny_llama
+
+    saved = {}
+
+    def get(layers: int = 1, max_positions: int = 512):
+        key = (layers, max_positions)
+        if key not in saved:
+            d = tmp_path_factory.mktemp(f"tiny-llama-{layers}l-{max_positions}p")
+            saved[key] = save_tiny_llama(d, layers=layers, max_positions=max_positions)
+        return saved[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_model():
+    """``(model, tokenizer)`` of :func:`_helpers.tiny_llama` (2 layers, hidden 64, GQA 4/2, on
+    ``DEVICE``), built once per session. Read-only: a test that changes the model (dtype,
+    weights, attention implementation, a hook left on it) builds its own."""
+    from _helpers import tiny_llama
+
+    return tiny_llama()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch CPU thread for a module (``pytestmark = pytest.mark.usefixtures(...)``): two

@@ -179,12 +179,6 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _config_class(model_type: str):
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[model_type]
-
-
 def _layer_count(d: dict) -> tuple[str | None, int | None]:
     for k in LAYER_KEYS:
         if isinstance(d.get(k), int):

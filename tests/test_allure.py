@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from _helpers import save_tiny_llama
 
 from icqs_fast import models
 from icqs_fast.allure import (
@@ -266,8 +265,8 @@ def test_embedding_model_is_offline():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, max_positions=1024)
+def tiny(tiny_llama_dir):
+    d = tiny_llama_dir(layers=2, max_positions=1024)
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 
@@ -288,6 +287,7 @@ def _entries(spec, recs):
             for i, r in enumerate(recs)]
 
 
+@pytest.mark.slow
 def test_option_scores_equal_plain_forward(tiny):
     _, (model, tok) = tiny
     spec = custom_task(options=("correct", "incorrect", "3"), positive="correct")
@@ -392,6 +392,7 @@ def test_attention_entropy_over_response(tiny):
     assert 0 < e[0] <= math.log(b - a) + 1e-6
 
 
+@pytest.mark.slow
 def test_cli_custom_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     model_dir, loaded = tiny
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
@@ -459,7 +460,7 @@ def test_icqs_evaluator_thresholds_the_icqs_score(tiny):
     want = [float(r.score) for r in ref.score([ev.xy(r) for r in recs])]
     assert [j.probs["1"] for j in js] == pytest.approx(want)
     assert [j.label for j in js] == ["1" if s >= 0.5 else "0" for s in want]
-    # Calibrated, continuous ICQS (issue 17) reaches the evaluator's scorer; a bad option is
+    # Calibrated, continuous ICQS reaches the evaluator's scorer; a bad option is
     # refused when the evaluator is built.
     cal = ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad, threshold=0.5,
                         calibration="pmi", score="mean")

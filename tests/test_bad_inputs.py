@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _helpers import save_tiny_llama, write_jsonl
+from _helpers import write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -99,8 +99,8 @@ def test_reader_whole_file_errors(name):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny(tiny_llama_dir):
+    d = tiny_llama_dir()
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 
@@ -146,6 +146,7 @@ def test_score_whole_file_errors(name, score, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["truncated.jsonl", "non_utf8.jsonl", "ragged.csv"])
+@pytest.mark.slow
 def test_resume_after_fixing_the_input_completes_the_file(name, score, tmp_path, capsys):
     src = BAD / name
     inp = tmp_path / name
@@ -232,6 +233,7 @@ def test_features_whole_file_errors(name, features, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # no output, settings or lock file
 
 
+@pytest.mark.slow
 def test_features_skip_mode_and_resume_after_fixing(features, tmp_path):
     out = tmp_path / "out.jsonl"
     assert features(BAD / "wrong_type.jsonl", out, "--on-error", "skip") == 0

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _helpers import save_tiny_llama, skip_unless_in_ci
+from _helpers import skip_unless_in_ci
 
 from icqs_fast.engine.prompts import Template
 from icqs_fast.evals.baselines import ASK_LLM_TEMPLATE, ICLResult, ask_llm, icl_label, is_correct
@@ -26,10 +26,10 @@ LABELS = ["positive", "negative", "neutral", "mixed feelings"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_llama_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), layers=2)
+    d = tiny_llama_dir(layers=2)
     model = AutoModelForCausalLM.from_pretrained(d).eval()
     tok = AutoTokenizer.from_pretrained(d)
     return model, tok
@@ -170,6 +170,7 @@ def test_is_correct_and_bad_inputs(tiny):
     assert ask_llm(model, tok, []) == [] and icl_label(model, tok, DEMOS, [], LABELS) == []
 
 
+@pytest.mark.embedded
 def test_embedded_model_matches_full_forward():
     from icqs_fast import models
 

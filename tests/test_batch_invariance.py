@@ -1,4 +1,4 @@
-"""Batch-invariant mode (``deterministic=True``; issue 21.1): a response's numbers are
+"""Batch-invariant mode (``deterministic=True``): a response's numbers are
 bit-identical (``torch.equal``) to scoring it alone, whatever else is in the input, its
 position, the order and the token budget - for the ICQS engine, ``score_continuations`` (the
 lm-eval model) and the glass-box features. And the default mode is *not* always bit-identical,
@@ -72,6 +72,7 @@ def _same(a, b) -> bool:
        order=st.permutations(range(len(POOL))).flatmap(
            lambda p: st.integers(1, len(p)).map(lambda n: p[:n])),
        repeat=st.booleans(), budget=st.sampled_from(BUDGETS), drop=st.booleans())
+@pytest.mark.slow
 def test_icqs_deterministic_equals_alone(kind, order, repeat, budget, drop):
     """Random batch compositions (a subset of the pool, in random order, possibly with a
     response twice), random token budgets, with or without dropped demonstrations: every result

@@ -96,6 +96,7 @@ def test_record_arithmetic_on_known_inputs(monkeypatch, one_thread):
     assert rec["max_abs_err"] < 1e-4
 
 
+@pytest.mark.subprocess
 def test_peak_growth_measures_known_allocations():
     """The memory reading used by every benchmark, against allocations of known size. The
     sizes are above glibc's largest mmap threshold (32 MiB), so each is fresh pages: the reading
@@ -122,6 +123,7 @@ def test_peak_growth_measures_known_allocations():
     assert got < 4
 
 
+@pytest.mark.subprocess
 def test_eager_peak_holds_its_attention_matrices(one_thread):
     """The benchmark's per-side memory measurement on a case with a known lower bound: eager with
     ``output_attentions`` returns 2 layers x [1, 4 heads, T, T] fp32 matrices (72 MiB at

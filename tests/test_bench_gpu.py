@@ -12,6 +12,7 @@ from icqs_fast.benchmarks import gpu
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
 
+@pytest.mark.subprocess
 def test_refuses_without_cuda():
     r = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "bench", "gpu", "--quick"],
                        capture_output=True, text=True, timeout=120)
@@ -78,6 +79,7 @@ def dry_report(tmp_path_factory):
     return r, json.loads(out.read_text())
 
 
+@pytest.mark.subprocess
 def test_dry_run_covers_every_cuda_path(dry_report):
     r, rep = dry_report
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
@@ -98,6 +100,7 @@ def test_dry_run_covers_every_cuda_path(dry_report):
     assert not hot, hot
 
 
+@pytest.mark.subprocess
 def test_dry_run_sync_budgets(dry_report):
     """Issue 27: every path within its host-sync budget (per batch forward, once-per-model
     setup apart), none in the ops or the per-layer code, the counts in the report."""
@@ -147,6 +150,7 @@ sys.stdout.write("@@" + json.dumps(r["paths"]["bench_gpu"]))
 @pytest.mark.parametrize("script,needle", [(_PLANTED, "cuda:0 and cpu"),
                                            (_PLANTED_KERNEL, "is a cpu tensor")],
                          ids=["cpu-index-in-cuda-op", "cpu-tensor-into-kernel"])
+@pytest.mark.subprocess
 def test_dry_run_catches_a_planted_device_mixup(script, needle):
     import json
     import os
@@ -158,3 +162,47 @@ def test_dry_run_catches_a_planted_device_mixup(script, needle):
     e = json.loads(p.stdout.rsplit("@@", 1)[1])
     assert e["status"] == "error", e
     assert needle in e["error"].lower(), e["error"]
+
+
+# --- GPU day one: make bench-gpu fits the lent machine's window and keeps what finished --------
+
+
+def test_expected_duration_fits_the_budget():
+    e = gpu.expected_duration()
+    assert e["expected_s"] == pytest.approx(sum(e["sections_s"].values()))
+    assert set(e["sections_s"]) == {"startup", "model_check", "kernels", "icqs", "attention"}
+    # The whole make target must fit ~8 minutes: the budget leaves room for the install.
+    assert e["fits"] and e["budget_s"] == gpu.DEFAULT_BUDGET_S < 8 * 60
+    assert gpu.expected_duration(quick=True)["expected_s"] < e["expected_s"]
+    assert set(gpu.expected_duration(end_to_end=False)["sections_s"]) == {"startup",
+                                                                          "model_check"}
+
+
+def test_progress_file_after_every_section(tmp_path):
+    import json
+    import time
+
+    p = gpu._Progress(tmp_path, budget_s=100.0, t0=time.perf_counter())
+    p.add("startup", "ok", 1.0)
+    doc = json.loads((tmp_path / "gpu_day_one.json").read_text())
+    assert [s["name"] for s in doc["sections"]] == ["startup"] and doc["budget_s"] == 100.0
+    assert p.fits("kernels") and not p.fits("model_check")  # 110 s expected, 100 s budget
+    p.add("kernels", "timeout", 50.0, tmp_path / "kernels_cuda.json")
+    doc = json.loads((tmp_path / "gpu_day_one.json").read_text())
+    assert doc["sections"][1] == {"name": "kernels", "status": "timeout", "seconds": 50.0,
+                                  "estimate_s": gpu.SECTION_ESTIMATE_S["kernels"],
+                                  "file": "kernels_cuda.json"}
+
+
+@pytest.mark.subprocess
+def test_dry_run_states_the_expected_duration(dry_report):
+    r, rep = dry_report
+    assert rep["gpu_run_expected"]["expected_s"] == gpu.expected_duration()["expected_s"]
+    assert "expected duration of the real run" in r.stdout
+
+
+def test_kernels_no_cpu_without_cuda_is_a_clear_error(capsys):
+    from icqs_fast.cli import main
+
+    assert main(["bench", "kernels", "--no-cpu", "--quick"]) == 2
+    assert "--no-cpu" in capsys.readouterr().err

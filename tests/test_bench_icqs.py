@@ -32,6 +32,7 @@ def record():
                             settings=SMALL)
 
 
+@pytest.mark.slow
 def test_record_fields_and_agreement(record):
     """Every field with its type and the settings echoed; the engine's log-likelihoods within
     1e-3 of the naive method's (full logits + log_softmax per context) and every score equal."""
@@ -57,9 +58,18 @@ def test_record_fields_and_agreement(record):
     # Every prefix starts with the same BOS + system text: the bank computes it once.
     assert 0 < record["prefix_forward_tokens"] < record["prefix_tokens_total"]
     assert isinstance(record["prefix_bank_mb"], float)
+    # Distance to the limit: counted FLOPs (the decoder's linears, attention, the fused head),
+    # the achieved rate and the probed matmul rate of the same shapes and dtype.
+    assert record["model_gflop"] > 0 and record["linear_gflop"] > 0
+    assert record["attention_gflop"] > 0 and record["head_gflop"] > 0
+    for key in ("achieved_gflops", "limit_gflops", "fraction_of_limit", "achieved_gflops_cpu",
+                "limit_gflops_cpu", "fraction_of_limit_cpu", "fast_cpu_s"):
+        assert isinstance(record[key], float) and record[key] > 0, key
+    assert len(record["limit_probes_gflops"]) == 2 and record["probe_rows"] >= 1
     json.dumps(record)
 
 
+@pytest.mark.slow
 def test_comparison_sees_a_known_difference(monkeypatch):
     """The naive results of the second response are shifted by +0.01 in one context and given
     another score: the record must report that difference (0.01) and 1 of 2 responses
@@ -95,6 +105,7 @@ def test_comparison_sees_a_known_difference(monkeypatch):
     assert sorted(calls) == [("fast", 2), ("naive", 2)]
 
 
+@pytest.mark.subprocess
 def test_naive_peak_holds_its_logits():
     """The benchmark's per-side memory measurement on a case with a known lower bound: the naive
     method materialises fp32 logits and their log_softmax, [T, V] each, for every prompt
@@ -138,6 +149,7 @@ def _args(*extra: str) -> argparse.Namespace:
                          "--no-memory", "--cold-repeats", "1", "--json", *extra])
 
 
+@pytest.mark.slow
 def test_default_settings_agree_and_the_command_passes(tmp_path, capsys):
     """``bench icqs`` as run, with the DEFAULT settings (M+1 = 5, L = 4, N = 8, stratify="auto",
     which stratifies the demo files' label answers): the engine and the naive reference use the

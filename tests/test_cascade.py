@@ -24,8 +24,8 @@ def _model(kind: str):
     return GPT2LMHeadModel(cfg).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("layout", ["uniform", "irregular"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["uniform", pytest.param("irregular", marks=pytest.mark.slow)])
 def test_cascade_matches_kv_copy(kind, layout):
     model = _model(kind)
     assert supports_cascade(model)
@@ -80,7 +80,7 @@ def test_bank_states_match_a_plain_forward(kind):
     _assert_bank_equals_plain_forwards(model, bank, prefixes)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_shared_tokens_are_computed_once(kind, monkeypatch):
     """Prefixes that share leading tokens (all of them, nested groups, one a prefix of another,
     two identical) are computed along their token trie: each shared token runs once, and every
@@ -126,8 +126,8 @@ def _force_fused(monkeypatch):
     monkeypatch.setattr(cascade, "_kernel_backend", lambda *a, **k: "triton")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("layout", ["uniform", "irregular"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["uniform", pytest.param("irregular", marks=pytest.mark.slow)])
 def test_fused_cascade_matches_current_path(kind, layout, monkeypatch):
     """The CUDA path (fused Triton attention with LSE, run in the interpreter) gives the same
     hidden states as the CPU path (``_attn_lse``) and the per-row KV-copy path: GQA (Llama) and

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from _helpers import save_tiny_llama, skip_unless_in_ci
+from _helpers import skip_unless_in_ci
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
@@ -19,10 +19,10 @@ TOL = 1e-4  # fp32, per request
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_llama_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny_lm_eval"), layers=2)
+    d = tiny_llama_dir(layers=2)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return d, model, AutoTokenizer.from_pretrained(d)
 
@@ -205,6 +205,7 @@ def _sst2_rows():
     return read_sst2(path)
 
 
+@pytest.mark.slow
 def test_simple_evaluate_equals_hflm(tiny, tmp_path):
     """End to end: lm_eval.simple_evaluate on a local 3-shot first_n SST-2 task (YAML over
     JSONL), ours and HFLM: the same accuracy and per-sample (loglik, is_greedy)."""
@@ -239,6 +240,7 @@ def test_simple_evaluate_equals_hflm(tiny, tmp_path):
     assert abs(samples[1][0]["resps"][1][0][0] - ref) <= TOL
 
 
+@pytest.mark.slow
 def test_bench_record(tiny, capsys):
     """``icqs-fast bench lm-eval --json`` on the tiny model: the record's fields and their
     relations (each document sends one request per choice; one-token continuations make one
@@ -264,6 +266,7 @@ def test_bench_record(tiny, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.embedded
 def test_embedded_model_equals_hflm():
     """The embedded SmolLM2-135M on a few requests, is_greedy True among them. Continuations
     of up to 4 tokens: within TOL of HFLM. A 9-token one: HFLM's own fp32 forward is ~1.4e-4

@@ -97,6 +97,7 @@ def test_errors():
         linear_logprobs_entropy(hidden, w, labels)
 
 
+@pytest.mark.slow
 def test_compiles_fullgraph():
     # Through linear_token_stats' torch.library op: traced whole (any graph break fails).
     hidden, weight, labels = _inputs((2, 3), 130, torch.float32)

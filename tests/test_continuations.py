@@ -8,6 +8,8 @@ import torch
 
 from icqs_fast.engine.continuations import _bank_chunks, score_continuations
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _tiny(kind: str, vocab: int = 97):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -52,7 +54,9 @@ def _requests(gen: torch.Generator, vocab: int = 97):
     return reqs
 
 
-@pytest.mark.parametrize("kind,cascade", [("llama", None), ("llama", False), ("gpt2", None)])
+@pytest.mark.parametrize("kind,cascade", [("llama", None),
+                                          pytest.param("llama", False, marks=pytest.mark.slow),
+                                          pytest.param("gpt2", None, marks=pytest.mark.slow)])
 def test_equals_plain_forward(kind, cascade):
     model = _tiny(kind)
     reqs = _requests(torch.Generator().manual_seed(1))
@@ -70,6 +74,7 @@ def test_equals_plain_forward(kind, cascade):
             assert res.stats.logprob.shape == (len(cont),)
 
 
+@pytest.mark.slow
 def test_greedy_continuation_is_flagged():
     """The model's own greedy tokens are flagged is_greedy; one changed token is not."""
     model = _tiny("llama")
@@ -128,6 +133,7 @@ def test_bad_requests(bad, msg):
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "mamba", "prophetnet"])
+@pytest.mark.slow
 def test_every_path_matches_a_plain_forward(kind):
     """The continuation scorer (the lm-eval model's and the server's engine) follows the
     capability check's plan: a 16-token window on every layer (Mistral) or one layer with

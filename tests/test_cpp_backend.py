@@ -12,18 +12,21 @@ pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
                                 reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
 
 
-def _isa_param(level):
+def _isa_param(name):
     from icqs_fast import _C
 
+    level = cpp_backend.ISA_LEVELS[name]
     ok = cpp_backend.available()[0] and level <= _C.best_isa()
-    return pytest.param(level, marks=pytest.mark.skipif(not ok, reason=f"CPU lacks ISA {level}"),
-                        id=f"isa{level}")
+    return pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"CPU lacks {name}"),
+                        id=name)
 
 
-@pytest.fixture(params=[_isa_param(level) for level in (0, 1, 2)])
+@pytest.fixture(params=[_isa_param(name) for name in ("sse4", "avx2", "avx512")])
 def isa(request, monkeypatch):
-    """Run the test on every kernel ISA level this CPU can execute (SSE4.2, AVX2, AVX-512)."""
-    monkeypatch.setattr(cpp_backend, "FORCE_ISA", request.param)
+    """Run the test on every kernel ISA level this CPU can execute (SSE4.2, AVX2, AVX-512),
+    forced through the ``ICQS_FAST_CPP_ISA`` setting: an AVX-512 machine runs the AVX2 path
+    an AVX2-only machine takes by default."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, request.param)
     return request.param
 
 
@@ -51,6 +54,46 @@ def check_block(z, t_local, z_t, shift, temperature=1.0, rtol=2e-6):
 def test_available_reports_isa():
     ok, why = cpp_backend.available()
     assert ok and "lanes" in why
+
+
+def test_isa_setting_forces_the_level(monkeypatch):
+    """``ICQS_FAST_CPP_ISA`` picks the kernel level (case and spaces ignored) and ``available``
+    (what ``icqs-fast info`` prints) names it; ``auto`` or unset is the CPU's best."""
+    from icqs_fast import _C
+
+    monkeypatch.delenv(cpp_backend.ISA_ENV, raising=False)
+    assert cpp_backend.isa_setting() == -1
+    monkeypatch.setenv(cpp_backend.ISA_ENV, " Auto ")
+    assert cpp_backend.isa_setting() == -1
+    monkeypatch.setenv(cpp_backend.ISA_ENV, "SSE4")
+    assert cpp_backend.isa_setting() == 0
+    ok, why = cpp_backend.available()
+    assert ok and _C.isa_name(0) in why and cpp_backend.ISA_ENV in why
+
+
+def test_isa_setting_rejects_bad_values(monkeypatch):
+    """An unknown value, or a level above the CPU's, makes the backend unavailable with the
+    reason (``auto`` then falls back to torch; asking for ``cpp`` fails naming the setting)."""
+    import types
+
+    from icqs_fast import backends
+
+    monkeypatch.setenv(cpp_backend.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="ICQS_FAST_CPP_ISA='avx1024' is not one of auto"):
+        cpp_backend.isa_setting()
+    ok, why = cpp_backend.available()
+    assert not ok and "avx1024" in why
+    assert backends.resolve("auto", torch.device("cpu")) != "cpp"
+    with pytest.raises(RuntimeError, match="ICQS_FAST_CPP_ISA"):
+        backends.resolve("cpp", torch.device("cpu"))
+    # An AVX2-only CPU asked for AVX-512 (the extension seen as on such a CPU).
+    avx2_cpu = types.SimpleNamespace(best_isa=lambda: 1, simd_level=lambda: "x86-64-v3")
+    monkeypatch.setattr(cpp_backend, "_C", avx2_cpu)
+    monkeypatch.setenv(cpp_backend.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="avx512: this CPU runs at most x86-64-v3"):
+        cpp_backend.isa_setting()
+    monkeypatch.setenv(cpp_backend.ISA_ENV, "avx2")
+    assert cpp_backend.isa_setting() == 1
 
 
 def test_bad_per_row_inputs_are_rejected():
@@ -164,6 +207,7 @@ def test_strided_rows_and_thread_count_invariance(isa):
     check_block(z, t, z_t, z_t.clone())
 
 
+@pytest.mark.slow
 def test_bench_kernels_quick_json(capsys, tmp_path):
     from icqs_fast import cli
 

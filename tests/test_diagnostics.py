@@ -1,4 +1,4 @@
-"""Per-record diagnostics in ``score`` / ``features`` output lines (issue 21.4): ``truncated``,
+"""Per-record diagnostics in ``score`` / ``features`` output lines: ``truncated``,
 ``n_dropped_demos``, ``n_prompt_tokens`` and ``join`` (the answer's first token merges with the
 context under whole-text tokenization) - present, right on constructed cases, and every output
 field named in docs/scoring_files.md."""
@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _helpers import read_jsonl, save_tiny_llama, write_jsonl
+from _helpers import read_jsonl, write_jsonl
 
 from icqs_fast.cli import main
 from icqs_fast.engine.prompt_tokens import joins_response
@@ -35,8 +35,8 @@ RESPONSES = [
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir()
 
 
 def _offsets_join(tok, before: str, after: str) -> bool:
@@ -66,6 +66,7 @@ def score_rows(tiny_dir, tmp_path_factory):
     return read_jsonl(out)
 
 
+@pytest.mark.slow
 def test_score_diagnostics(score_rows, tiny_dir):
     from transformers import AutoTokenizer
 

@@ -1,5 +1,5 @@
-"""Places where the fast path could silently diverge from what the model computes (issue 10,
-item 4): the fused-head check forward, one dtype/device policy for the token-stats ops on every
+"""Places where the fast path could silently diverge from what the model computes: the
+fused-head check forward, one dtype/device policy for the token-stats ops on every
 backend, per-item ``softmax_combo``, amortised ``PrefixBank`` growth and the KV-copy path on
 sliding-window models."""
 

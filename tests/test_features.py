@@ -437,6 +437,7 @@ def test_embedded_model_matches_reference(embedded):
     _close(got, want, atol=2e-3, rtol=2e-4, keys=ALL_FEATURES)
 
 
+@pytest.mark.slow
 def test_eval_mtbench_three_answers(capsys):
     if not (DATA / "judgment_gpt-4_single.jsonl").is_file():
         skip_unless_in_ci(f"MT-Bench data not found at {DATA}")

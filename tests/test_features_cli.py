@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from _helpers import save_tiny_llama, write_jsonl
+from _helpers import write_jsonl
 
 from icqs_fast import backends, models
 from icqs_fast.cli import main
@@ -30,8 +30,8 @@ def _rows(path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, max_positions=256)
+def tiny(tiny_llama_dir):
+    d = tiny_llama_dir(layers=2, max_positions=256)
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 
@@ -64,6 +64,7 @@ def _close(got: dict, want: dict, keys):
     ("standard", list(ALL_FEATURES)),
     ("selfeval-compat", ["softmax_combo", "sent_logprob", "softmax_var", "attn_ent_min"]),
 ])
+@pytest.mark.slow
 def test_file_equals_glassbox_called_directly(features, tiny, tmp_path, mode, feats):
     inp = write_jsonl(tmp_path / "in.jsonl", RESPONSES)
     out = tmp_path / "out.jsonl"
@@ -126,6 +127,7 @@ def test_bad_options(features, tmp_path, capsys):
     assert not out.exists() and features.calls == []  # refused before loading the model
 
 
+@pytest.mark.slow
 def test_resume_at_every_cut_is_byte_identical(features, tmp_path):
     """An output cut after any number of complete records (or inside a line) is completed by
     --resume into exactly the uninterrupted run's bytes, whichever chunk the cut falls in."""

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from icqs_fast.benchmarks import e2e, gpu_model
-from icqs_fast.benchmarks.static import CHILD_ENV, clean_env, range_errors
+from icqs_fast.benchmarks.compiler import clean_env
+from icqs_fast.benchmarks.peer_validation import range_errors
+from icqs_fast.benchmarks.static import CHILD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +107,7 @@ def test_e2e_prefix_bank_vs_naive():
         2 * res["naive"]["low"]["seconds_per_response"])
 
 
+@pytest.mark.subprocess
 def test_e2e_cli_json():
     proc = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "bench", "static", "--e2e",
                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -116,11 +119,13 @@ def test_e2e_cli_json():
 
 VALIDATE = '''
 import json
-from icqs_fast.benchmarks.static import Compiler, compute_validation_records
+from icqs_fast.benchmarks.compiler import Compiler
+from icqs_fast.benchmarks.peer_validation import compute_validation_records
 print(json.dumps(compute_validation_records(Compiler(), "sm_90", tiles=((64, 64),))))
 '''
 
 
+@pytest.mark.subprocess
 def test_compute_bound_validation_records(tmp_path):
     """The four H100 points of the tutorial's attention forward, one tile each: every record
     carries low / high and its errors, is compute-bound, and lies within 35% at the

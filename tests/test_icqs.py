@@ -9,6 +9,8 @@ from icqs_fast.engine.prompts import Template
 from icqs_fast.engine.reference import icqs_naive
 from icqs_fast.models import embedded_model_dir, load_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Demonstrations of quite different lengths, so prefixes differ in length across contexts.
 GOOD = [
     ("the movie was great", "positive"),
@@ -92,8 +94,9 @@ def _check_scores(r: ICQSResult) -> None:
 KW = dict(num_ratios=3, demos_per_set=2, sets_per_ratio=2, seed=1)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+# Llama with sdpa in the fast tier; the other three in the slow group.
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_tiny_engine_matches_naive(tokenizer, kind, attn):
     model = _tiny(kind, attn, len(tokenizer))
     # A small budget splits a response's contexts over several forwards.
@@ -108,6 +111,7 @@ def test_tiny_engine_matches_naive(tokenizer, kind, attn):
     assert got[2].n_response_tokens > min(lens)  # a response longer than some prefixes
 
 
+@pytest.mark.slow
 def test_token_stats_match_reference(tokenizer):
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, return_token_stats=True, **KW)
@@ -127,6 +131,7 @@ def test_token_stats_match_reference(tokenizer):
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_prefix_cache_not_mutated_and_batching_invariant(tokenizer):
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, token_budget=100_000, **KW)
@@ -147,6 +152,7 @@ def test_prefix_cache_not_mutated_and_batching_invariant(tokenizer):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_streaming_is_lazy(tokenizer):
     model = _tiny("llama", "sdpa", len(tokenizer))
     scorer = ICQSScorer(model, tokenizer, GOOD, BAD, token_budget=300, **KW)
@@ -166,6 +172,7 @@ def test_streaming_is_lazy(tokenizer):
     assert len(pulled) == 8
 
 
+@pytest.mark.slow
 def test_drop_oldest_demos(tokenizer):
     model = _tiny("gpt2", "sdpa", len(tokenizer))
     # Response 2 with one demonstration takes 61 whole-text tokens ("\n\n" before the query is
@@ -187,6 +194,7 @@ def test_drop_oldest_demos(tokenizer):
                         **dict(KW, max_length=30)).score(RESPONSES[2:3]))
 
 
+@pytest.mark.slow
 def test_custom_template_and_bernoulli(tokenizer):
     model = _tiny("llama", "eager", len(tokenizer))
     tpl = Template(demo="Review: {x} => {y}", query="Review: {x} =>", response=" {y}",
@@ -200,6 +208,7 @@ def test_custom_template_and_bernoulli(tokenizer):
                                            ["input_ids"])
 
 
+@pytest.mark.slow
 def test_chat_template_prompts(tokenizer):
     """Template.from_chat_template lays the prompt out exactly as the tokenizer's chat template
     renders the same conversation, and the engine matches the naive method with it."""
@@ -257,6 +266,7 @@ def test_input_errors(tokenizer):
     assert ok.score_one("a", "b").loglik.shape == (3, 1)
 
 
+@pytest.mark.slow
 def test_one_forward_per_batch_and_head_only_at_response_tokens(tokenizer, monkeypatch):
     """After the prefix bank is built, all (M+1) L contexts of a response run in one decoder
     forward (two responses in one too, within the token budget), the LM head module never runs,

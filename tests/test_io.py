@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from _faults import install_crash
 from _helpers import skip_unless_in_ci
 
 from icqs_fast.io.datasets import fpb_examples, read_fpb, shared_data_dir
@@ -191,6 +192,7 @@ def test_reading_is_lazy(tmp_path):
     assert n == 200_000
 
 
+@pytest.mark.slow
 def test_reader_memory_is_flat(tmp_path):
     import tracemalloc
 
@@ -506,12 +508,12 @@ def test_parquet_results_round_trip(tmp_path):
 def _killed_writer(out, recs, crash, part_rows):
     import os
 
-    os.environ["ICQS_FAST_TEST_CRASH"] = crash
+    install_crash(crash)  # this forked child only: it SIGKILLs itself at the chosen record
     w = ParquetResultWriter(out, part_rows=part_rows, append=True)
     for r in recs:
         w.write(r)
     w.close()
-    os._exit(0)  # not reached when the hook kills the process
+    os._exit(0)  # not reached when the crash patch kills the process
 
 
 @pytest.mark.parametrize("crash", ["before:9", "mid:9"])

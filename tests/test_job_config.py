@@ -1,4 +1,4 @@
-"""Job configs (issue 20) and the resume fingerprint / --threads edges of issue 19, through the
+"""Job configs and the edges of the resume fingerprint and --threads, through the
 ``icqs-fast`` entry point: every option that changes what a result record contains is checked
 on ``--resume`` (exit 2, naming it), and ``score`` / ``features`` take ``--threads``."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _helpers import save_tiny_llama, write_jsonl
+from _helpers import write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -26,8 +26,8 @@ FKW = ["--dtype", "float32", "--device", "cpu", "--backend", "torch", "--quiet",
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def _features(f, out, *extra):
     ([], ["--id-field", "model"], "id_field"),
     ([], ["--encoding", "latin-1"], "encoding"),
 ])
+@pytest.mark.slow
 def test_score_resume_with_another_record_option_is_refused(files, capsys, first, then, key):
     out = files["dir"] / "out.jsonl"
     assert _score(files, out, *first) == 0
@@ -83,6 +84,7 @@ def test_score_resume_with_another_record_option_is_refused(files, capsys, first
 @pytest.mark.parametrize("then, key", [(["--id-field", "model"], "id_field"),
                                       (["--encoding", "latin-1"], "encoding"),
                                       (["--x-field", "model"], "x_field")])
+@pytest.mark.slow
 def test_features_resume_with_another_record_option_is_refused(files, capsys, then, key):
     out = files["dir"] / "f.jsonl"
     assert _features(files, out) == 0
@@ -93,6 +95,7 @@ def test_features_resume_with_another_record_option_is_refused(files, capsys, th
 
 
 @pytest.mark.parametrize("command", ["score", "features"])
+@pytest.mark.slow
 def test_threads_is_set_before_the_model_loads(files, monkeypatch, command):
     calls = files["calls"]
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(("threads", n)))

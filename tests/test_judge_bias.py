@@ -196,6 +196,7 @@ def test_debiased_verdict_is_order_invariant_and_swap_is_counted():
     assert round_bias(LLMBAR_TASK, recs[6:], res2.rounds[0], n_resamples=50).swap is None
 
 
+@pytest.mark.subprocess
 def test_bias_module_imports_no_torch():
     code = ("import importlib.util, sys\n"
             "s = importlib.util.spec_from_file_location('bias', 'icqs_fast/allure/bias.py')\n"
@@ -213,15 +214,14 @@ def test_bias_module_imports_no_torch():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from _helpers import save_tiny_llama
-
+def tiny(tiny_llama_dir):
     from icqs_fast import models
 
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=1, max_positions=2048)
+    d = tiny_llama_dir(layers=1, max_positions=2048)
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 
+@pytest.mark.slow
 def test_cli_audit_llmbar_reports_judge_bias(tiny, tmp_path, monkeypatch, capsys):
     from icqs_fast import models
     from icqs_fast.allure.data import default_path

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
      "icqs_fast.serve"),
     ("icqs_fast.benchmarks", "icqs_fast.info"),
     ("icqs_fast.cli",),
-    ("icqs_fast", "icqs_fast.distributed"),  # the package facade and the deprecated alias
+    ("icqs_fast",),  # the package facade
 ]
 # Upward imports still to remove, each with its reason; the list only shrinks.
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()

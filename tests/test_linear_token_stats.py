@@ -48,6 +48,7 @@ def test_bf16_and_temperature(backend):
 
 
 @pytest.mark.parametrize("tiles,block_m", [(1, 16), (3, 16), (2, 32)])
+@pytest.mark.slow
 def test_triton_chunk_merge(tiles, block_m):
     """Several tiles per program and several chunks to merge; one row (N = 1) and N not a
     multiple of the row block; a strided hidden view."""
@@ -109,6 +110,7 @@ def documented_peak(backend, dtype, n=4096, h=512, v=4096, c=128, b=2048):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 @pytest.mark.parametrize("backend,dtype", [("cpp", torch.float32), ("cpp", torch.bfloat16),
                                            ("torch", torch.float32)])
+@pytest.mark.subprocess
 def test_peak_memory_is_bounded(backend, dtype):
     """Extra peak memory within the documented bound (1.3-6 MiB here), far below the [N, V]
     fp32 logits (64 MiB) and the [N, H] copies (8 MiB each) a full-N gather would make:
@@ -138,6 +140,7 @@ def _triton_linear(hid, w, t, b=None, temperature=1.0, **blocks):
                                              temperature=temperature, **blocks)
 
 
+@pytest.mark.slow
 def test_triton_grouped_grid_many_row_blocks_and_chunks():
     """10 row blocks (two groups of the grouped program order, the second partial) x 5 chunks
     of 2 tiles, the last tile padded; targets only in the first tile, so the other full tiles
@@ -165,6 +168,7 @@ def state_ref64(h, w, t, b=None, temperature=1.0):
     return state.finalize(st, counts, z_t, torch.ones_like(t, dtype=torch.bool), temperature)
 
 
+@pytest.mark.slow
 def test_triton_non_finite_logits():
     """Non-finite logits from the bias (-inf, +inf, NaN columns, some in tiles without targets,
     which must fall back from the unmasked path; a -inf target logit). For the -inf targets the

@@ -13,7 +13,7 @@ from model_matrix import (
     tiny_model,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("one_torch_thread")]
 
 VOCAB = 49152  # the embedded SmolLM2 tokenizer's vocabulary
 TYPES = causal_lm_types()

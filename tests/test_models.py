@@ -13,7 +13,7 @@ PROMPTS = ["The capital of France is", "Sentence: a charming film\nAnswer:"]
 def embedded():
     folder = embedded_model_dir()  # converts once if the cache is empty
     stamp = (folder / ".complete").stat().st_mtime_ns
-    model, tok = load_model(device="cpu")
+    model, tok = load_model(device="cpu", dtype="float32")  # compared with fp32 below
     return folder, stamp, model, tok
 
 

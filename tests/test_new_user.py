@@ -1,4 +1,4 @@
-"""Issue 19: what a new user meets around the score / features jobs, through the entry point
+"""What a new user meets around the score / features jobs, through the entry point
 (``main([...])``): output errors, quiet, whole-file errors, demonstration fields, checks before
 the model loads, flag names in messages, summaries."""
 
@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from _helpers import save_tiny_llama, write_jsonl
+from _helpers import write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
@@ -23,8 +23,8 @@ FKW = ["--features", "sent_logprob", "--batch-size", "2", "--chunk-size", "2", "
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny(tiny_llama_dir):
+    d = tiny_llama_dir()
     return d, models.load_model(d, dtype="float32", device="cpu")
 
 
@@ -74,6 +74,7 @@ def test_unwritable_output_is_one_line_exit_2(cmd, files, tiny, loads, capsys):
 
 
 @pytest.mark.parametrize("cmd", ["score", "features"])
+@pytest.mark.slow
 def test_missing_output_folder_is_created_and_said(cmd, files, tiny, loads, tmp_path, capsys):
     out = tmp_path / "new" / "sub" / "out.jsonl"
     assert RUN[cmd](files, out, tiny=tiny) == 0
@@ -250,8 +251,9 @@ def test_one_name_for_sets_per_ratio_and_both_feature_forms():
         assert build_config(args).features == ("sent_logprob", "softmax_ent")
 
 
+@pytest.mark.slow
 def test_summary_after_resume_covers_the_whole_output(files, tmp_path, tiny, capsys):
-    """Issue 19.10: a resumed run's summary also says what the whole output holds (before, a
+    """A resumed run's summary also says what the whole output holds (before, a
     resume of a complete output printed "scored 0 responses ... mean score n/a" only)."""
     out = tmp_path / "o.jsonl"
     rows = [dict(r, label="a" if i % 2 else "b") for i, r in enumerate(ROWS)]
@@ -269,8 +271,9 @@ def test_summary_after_resume_covers_the_whole_output(files, tmp_path, tiny, cap
     assert f"mean score by label: {want}" in err.split("whole output")[1], err
 
 
+@pytest.mark.slow
 def test_eval_prints_short_intervals_and_named_curve_columns(tiny, capsys):
-    """Issue 19.10: `eval` prints intervals with 3 decimals (not 16 digits) and curve columns
+    """`eval` prints intervals with 3 decimals (not 16 digits) and curve columns
     with the method's name."""
     from icqs_fast.io.datasets import shared_data_dir
 

@@ -50,6 +50,7 @@ def _run_from_root(**env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_kernels_are_namespaced(tmp_path):
     spec = importlib.util.find_spec("icqs_fast.kernels")
     assert spec is not None and pathlib.Path(spec.origin).parent.name == "kernels"
@@ -83,6 +84,7 @@ def test_kernels_are_namespaced(tmp_path):
     assert pathlib.Path(res["ours"][1]) == ours / "token_stats.py", res
 
 
+@pytest.mark.subprocess
 def test_falls_back_without_extension():
     """With icqs_fast._C unimportable, the package imports, cpp reports why (the import error),
     auto picks torch, and token_stats still computes the right values."""
@@ -106,6 +108,7 @@ def test_falls_back_without_extension():
     assert res["logprob"] == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.subprocess
 def test_info_json_lists_backends():
     """`icqs-fast info --json` in a subprocess reports what this process finds."""
     out = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "info", "--json"],
@@ -152,6 +155,7 @@ def test_auto_matches_float64():
     assert a.valid.all()
 
 
+@pytest.mark.subprocess
 def test_wheel_holds_every_subpackage_and_its_commands_run(tmp_path):
     """`pip wheel .` ships every sub-package of icqs_fast (and the kernels as icqs_fast.kernels);
     installed from that wheel alone (not the editable checkout), `score --help` (with the --ray

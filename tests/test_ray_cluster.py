@@ -10,7 +10,7 @@ imported, so every node takes 127.0.0.1 as its address (checked here for every n
 every socket the cluster's processes listen on). One cluster serves the whole module; its nodes
 have 1 CPU each and the worker nodes a ``slot`` resource that the actors ask for, so each actor
 gets a worker node of its own and the head keeps its CPU for Ray Data's read tasks. Nothing
-here waits on a clock: faults are placed with the hold hook of ``ray_executor`` (an actor
+here waits on a clock: faults are placed with the Ray holds of tests/_faults.py (an actor
 announces the block it holds and waits for the test)."""
 
 import json
@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from _faults import ENTRY, hold_runtime_env, worker_path_env
 from _helpers import read_jsonl, restore_environ, save_tiny_llama, wait_for_file, write_jsonl
 
 ray = pytest.importorskip("ray")
 
 from icqs_fast.cli import main  # noqa: E402
 from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
-from icqs_fast.jobs.ray_executor import HOLD_ENV, BlockOutput, run_ray  # noqa: E402
+from icqs_fast.jobs.ray_executor import BlockOutput, run_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -51,7 +52,7 @@ WAIT_S = 150  # upper bound for a hold to be reached on a loaded 2-core box; nev
 
 @dataclass
 class LocalCluster:
-    """The module's cluster: ``cluster`` (ray.cluster_utils.Cluster), the hold-hook folder,
+    """The module's cluster: ``cluster`` (ray.cluster_utils.Cluster), the holds' folder,
     and the worker nodes by name (``node-a``, ...), each with the custom resource of its name."""
 
     cluster: object
@@ -99,9 +100,10 @@ def cluster():
     os.mkdir(hold)
     os.mkdir(os.path.join(root, "ray"))
     # RAY_TMPDIR: Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster, where a
-    # plain ray.init() of another process on this machine would find and join it.
-    saved = {k: os.environ.get(k) for k in (HOLD_ENV, "RAY_TMPDIR")}
-    os.environ.update({HOLD_ENV: hold, "RAY_TMPDIR": root})  # the nodes' actors inherit it
+    # plain ray.init() of another process on this machine would find and join it. PYTHONPATH:
+    # the nodes' workers (also of nodes added later) import the hold hook from tests/.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TMPDIR")}
+    os.environ.update({**worker_path_env(), "RAY_TMPDIR": root})
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args=dict(
@@ -111,7 +113,7 @@ def cluster():
     try:
         lc.add_worker()
         lc.add_worker()
-        ray.init(address=c.address, log_to_driver=False)
+        ray.init(address=c.address, log_to_driver=False, runtime_env=hold_runtime_env(hold))
         ray.data.DataContext.get_current().enable_progress_bars = False
         yield lc
     finally:
@@ -123,7 +125,7 @@ def cluster():
 
 @pytest.fixture(autouse=True)
 def _fresh_hold(request):
-    """No hold-hook file outlives its test (a node's ``held-node-*`` / ``release-node-*``
+    """No hold file outlives its test (a node's ``held-node-*`` / ``release-node-*``
     would make a later test's hold on the same node pass at once)."""
     yield
     if "cluster" in request.fixturenames:
@@ -323,8 +325,9 @@ def test_driver_killed_then_resumed(cluster, data, tmp_path):
     hold = cluster.hold
     open(os.path.join(hold, "arm-2"), "w").close()
     try:
+        # python -m icqs_fast.cli.ray_options, its job joined with the hold runtime env
         proc = subprocess.Popen(
-            [sys.executable, "-m", "icqs_fast.cli.ray_options", "score", *argv, "--address",
+            [sys.executable, ENTRY, "ray-hold", hold, "--", "score", *argv, "--address",
              cluster.cluster.address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:

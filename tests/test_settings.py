@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from _helpers import assert_same_scores, tiny_llama
+from _helpers import assert_same_scores
 
 from icqs_fast.engine.prompts import Template, build_demo_sets
 from icqs_fast.engine.reference import icqs_naive
@@ -30,8 +30,8 @@ SMALL = dict(num_ratios=3, demos_per_set=4, sets_per_ratio=2, seed=3)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return tiny_llama()
+def tiny(tiny_llama_model):
+    return tiny_llama_model
 
 
 # --------------------------------------------------------------------------- the object

@@ -1,4 +1,4 @@
-"""Scores that survive a change of hardware (issue 29): the tie-aware score, the margin
+"""Scores that survive a change of hardware: the tie-aware score, the margin
 diagnostics, the agreement table of ``eval --stability`` and the output fields."""
 
 import json
@@ -106,16 +106,16 @@ def test_agreement_table_and_parse():
             stability.parse_config(bad)
 
 
-def test_eval_stability_end_to_end(tmp_path, capsys):
+@pytest.mark.slow
+def test_eval_stability_end_to_end(tmp_path, capsys, tiny_llama_dir):
     """``eval fpb --stability deterministic`` on a tiny model: both sides scored, the table per
     score kind (the deterministic mode agrees with the default to rounding), AUC per side."""
-    from _helpers import save_tiny_llama
     from test_study import _write_fpb
 
     from icqs_fast.cli import main
 
     _write_fpb(tmp_path)
-    model = save_tiny_llama(tmp_path / "m")
+    model = tiny_llama_dir()
     argv = ["eval", "fpb", "--data", str(tmp_path), "--model", str(model), "--limit", "2",
             "--pool", "2", "--demos-per-set", "2", "--num-ratios", "3", "--sets", "2",
             "--n-boot", "50", "--quiet", "--stability", "deterministic", "--json"]

@@ -1,4 +1,4 @@
-"""Issue 19.8: ``icqs-fast --help``, every ``<command> --help`` and argument errors import no
+"""``icqs-fast --help``, every ``<command> --help`` and argument errors import no
 torch / transformers (not timed: ``icqs-fast bench startup`` measures the wall time)."""
 
 import subprocess
@@ -27,6 +27,7 @@ def _heavy_after(argv):
     return out.rsplit("HEAVY:", 1)[1].strip()
 
 
+@pytest.mark.subprocess
 def test_import_icqs_fast_is_light_and_facade_still_works():
     code = ("import sys, icqs_fast; assert 'torch' not in sys.modules, 'torch'; "
             "from icqs_fast import ICQSScorer, TokenStats, linear_token_stats, token_stats; "
@@ -39,18 +40,20 @@ def test_import_icqs_fast_is_light_and_facade_still_works():
 
 @pytest.mark.parametrize("path", [()] + [p for p, _, _ in COMMANDS],
                          ids=lambda p: " ".join(p) or "top")
+@pytest.mark.subprocess
 def test_help_imports_no_heavy_module(path):
     assert _heavy_after([*path, "--help"]) == ""
 
 
 @pytest.mark.parametrize("argv", [["score", "in.jsonl"], ["features", "--bogus"],
                                   ["eval", "sst2", "--ns", "x"], ["nope"]])
+@pytest.mark.subprocess
 def test_argument_errors_import_no_heavy_module(argv):
     assert _heavy_after(argv) == ""
 
 
 def test_every_option_has_help():
-    """Issue 19.9: every option of every command says what it does in --help."""
+    """Every option of every command says what it does in --help."""
     import argparse
     import importlib
 

@@ -3,7 +3,7 @@ performance model of :mod:`icqs_fast.benchmarks.gpu_model`.
 
 The test suite runs with ``TRITON_INTERPRET=1`` (conftest), under which ``@triton.jit``
 functions cannot be compiled, so every compilation runs in a child process with a clean
-environment (:func:`icqs_fast.benchmarks.static.clean_env`). The shape table's launches are
+environment (:func:`icqs_fast.benchmarks.compiler.clean_env`). The shape table's launches are
 compiled once per distinct configuration (``bench static`` dedupes them) and shared by the tests
 through a module-scoped fixture.
 """
@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from icqs_fast.benchmarks import gpu_model
-from icqs_fast.benchmarks.static import CHILD_ENV, clean_env
+from icqs_fast.benchmarks.compiler import clean_env
+from icqs_fast.benchmarks.static import CHILD_ENV
+
+pytestmark = pytest.mark.static
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_KERNELS = ("linear_token_stats", "attention_entropy")
@@ -196,7 +199,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from tiny_kernel import tiny_sum_exp
 from icqs_fast.kernels.launch import Launch
-from icqs_fast.benchmarks.static import Compiler, analyze
+from icqs_fast.benchmarks.compiler import Compiler, analyze
 
 ln = Launch(kernel="tiny", fn=tiny_sum_exp,
             signature={"X": "*fp32", "OUT": "*fp32", "n": "i32", "BLOCK": "constexpr"},

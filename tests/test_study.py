@@ -236,6 +236,7 @@ def _write_fpb(d):
     (d / "fpb" / "Sentences_AllAgree.txt").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_eval_fpb_json_end_to_end(tmp_path, tiny_model, capsys):
     from icqs_fast.cli import main
     from icqs_fast.engine.scorer import ICQSScorer

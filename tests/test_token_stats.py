@@ -49,12 +49,13 @@ def dev_for(backend):
 
 
 CASES = [
-    # (N, V) - V deliberately not a multiple of any power-of-two block
+    # (N, V) - V deliberately not a multiple of any power-of-two block; the rows of several
+    # blocks in the slow group (test_cpp_backend.py and the hypothesis properties reach them too)
     (1, 1),
     (1, 50),
     (7, 1000),
-    (33, 4099),
-    (5, 8192),
+    pytest.param((33, 4099), marks=pytest.mark.slow),
+    pytest.param((5, 8192), marks=pytest.mark.slow),
 ]
 
 
@@ -125,6 +126,7 @@ def test_strided_rows(backend):
 
 
 @pytest.mark.parametrize("block_v", [16, 64])
+@pytest.mark.slow
 def test_triton_small_blocks(block_v):
     """Many vocabulary blocks per row: the max moves between blocks (rescaling), whole blocks
     are -inf, the row starts with -inf blocks, and every logit carries a +1000 offset."""

@@ -1,4 +1,4 @@
-"""Whole-text tokenization in the ICQS engine and the glass-box features (issue 11, item 2).
+"""Whole-text tokenization in the ICQS engine and the glass-box features.
 
 The engine and the features must score the token ids of the whole prompt text tokenized as one
 string, as a plain forward over the full text does. The naive reference tokenizes the whole text

@@ -61,6 +61,7 @@ def test_opcheck_linear_token_stats(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_opcheck_trl_ops(dtype):
     x = (torch.randn(6, V) * 2).to(dtype).requires_grad_(True)
     idx = torch.randint(0, V, (6, 3))
@@ -99,6 +100,7 @@ def test_errors_pass_through():
         T.linear_token_stats(h[:, :8], w, t)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_stats_ops_inductor():
     """One inductor compile (fullgraph: any graph break fails) of both statistics ops."""
 
@@ -116,6 +118,7 @@ def test_compile_fullgraph_stats_ops_inductor():
         torch.testing.assert_close(g, e, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_trl_forward_backward():
     """The TRL helpers, forward and backward, traced whole by dynamo and AOT autograd (the
     registered backward formula). ``aot_eager`` rather than inductor: the ops are opaque to

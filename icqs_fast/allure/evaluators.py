@@ -515,7 +515,7 @@ class ICQSEvaluator:
             feats = {"icqs_score": s, "loglik_best": float(ll.mean(1).max()),
                      "loglik_spread": float(ll.mean(1).max() - ll.mean(1).min()),
                      "n_response_tokens": float(res.n_response_tokens),
-                     # Stability diagnostics (issue 29): the argmax's distance from a tie.
+                     # Stability diagnostics: the argmax's distance from a tie.
                      "icqs_margin": float(res.margin), "icqs_near_ties": float(res.near_ties)}
             out.append(Judgment(label, {self.good: s, self.bad: 1.0 - s}, {}, feats))
             if progress is not None:

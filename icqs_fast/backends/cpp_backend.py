@@ -3,9 +3,15 @@
 The extension takes raw pointers (no torch headers): this wrapper checks dtypes, devices and
 layouts, allocates the outputs, and turns the per-row state into :class:`TokenStats` with
 :func:`state.finalize`. Each row of logits is read once (see ``csrc/token_stats.cpp``).
+
+The kernel runs the best ISA level the CPU has unless ``ICQS_FAST_CPP_ISA`` (:data:`ISA_ENV`)
+names a lower one: the machines this project runs on are either AVX2-only or AVX-512, so an
+AVX-512 machine can run (and test) the AVX2 path the other kind runs.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,18 +28,46 @@ else:
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-FORCE_ISA: int | None = None
-"""Kernel ISA level to use instead of the CPU's best: 0 x86-64-v2 (SSE4.2), 1 x86-64-v3 (AVX2),
-2 x86-64-v4 (AVX-512); None = best. For tests, which check every level this CPU can run."""
+ISA_ENV = "ICQS_FAST_CPP_ISA"
+"""Environment variable forcing the kernel's ISA level (read at every call)."""
+
+ISA_LEVELS = {"sse4": 0, "x86-64-v2": 0, "avx2": 1, "x86-64-v3": 1, "avx512": 2, "x86-64-v4": 2}
+"""Values of :data:`ISA_ENV` besides ``auto`` (the CPU's best), by the extension's level
+number: 0 the 4-lane SSE4.2 baseline, 1 AVX2+FMA (8 lanes), 2 AVX-512 (16 lanes)."""
+
+
+def isa_setting() -> int:
+    """The kernel ISA level :data:`ISA_ENV` asks for: -1 for ``auto`` or unset (the CPU's best),
+    else a level of :data:`ISA_LEVELS`.
+
+    Raises:
+        ValueError: an unknown value, or a level above what this CPU (or this build) can run.
+    """
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return -1
+    if raw not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={raw!r} is not one of auto, {', '.join(ISA_LEVELS)}")
+    level = ISA_LEVELS[raw]
+    if _C is not None and level > _C.best_isa():
+        raise ValueError(f"{ISA_ENV}={raw}: this CPU runs at most {_C.simd_level()}")
+    return level
 
 
 def available() -> tuple[bool, str]:
-    """(True, kernel ISA level) when ``icqs_fast._C`` is importable, else (False, why)."""
+    """(True, kernel ISA level) when ``icqs_fast._C`` is importable and :data:`ISA_ENV` is
+    valid, else (False, why)."""
     if _C is None:
         return False, (f"icqs_fast._C is not built ({_IMPORT_ERROR}); rebuild with "
                        "`pip install --no-build-isolation -e .`")
+    try:
+        level = isa_setting()
+    except ValueError as exc:
+        return False, str(exc)
     omp = "OpenMP" if _C.openmp else "no OpenMP"
-    return True, f"ok ({_C.simd_level()}, {omp})"
+    if level < 0:
+        return True, f"ok ({_C.simd_level()}, {omp})"
+    return True, f"ok ({_C.isa_name(level)}, forced by {ISA_ENV}; {omp})"
 
 
 def _rows(z: torch.Tensor) -> torch.Tensor:
@@ -45,10 +79,6 @@ def _rows(z: torch.Tensor) -> torch.Tensor:
     if z.shape[1] > 1 and z.stride(1) != 1:
         z = z.contiguous()
     return z
-
-
-def _isa() -> int:
-    return -1 if FORCE_ISA is None else int(FORCE_ISA)
 
 
 def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Tensor,
@@ -69,7 +99,7 @@ def _reduce(z: torch.Tensor, t: torch.Tensor, z_t: torch.Tensor, shift: torch.Te
     shift = shift.to(torch.float64).contiguous()
     _C.reduce_rows(z.data_ptr(), z.stride(0) if n > 1 else v, n, v, _DTYPE_CODES[z.dtype],
                    t.data_ptr(), z_t.data_ptr(), shift.data_ptr(), float(temperature),
-                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads(), _isa(),
+                   state.data_ptr(), counts.data_ptr(), torch.get_num_threads(), isa_setting(),
                    0.0 if tanh_scale is None else float(tanh_scale))
     return state, counts
 
@@ -109,7 +139,7 @@ def tanh_logits(z: torch.Tensor, tanh_scale: float) -> torch.Tensor:
     x = z.float().contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _C.tanh_rows(x.data_ptr(), out.data_ptr(), x.numel(), float(tanh_scale), _isa())
+        _C.tanh_rows(x.data_ptr(), out.data_ptr(), x.numel(), float(tanh_scale), isa_setting())
     return out
 
 

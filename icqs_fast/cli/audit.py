@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from icqs_fast.io.runs import OutputLock, check_run_paths, plan_output, start_output
+from icqs_fast.io.strict_json import finite_or_none
 
 TASKS = ("summeval", "llmbar", "custom")
 
@@ -188,17 +189,6 @@ def _progress(quiet: bool):
         return tick
 
     return make
-
-
-def _clean(x: Any) -> Any:
-    """NaN/inf -> None, so the JSON report is standard JSON."""
-    if isinstance(x, float):
-        return None if not math.isfinite(x) else x
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 def run(args: argparse.Namespace) -> int:
@@ -351,7 +341,7 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
         if report["ablation"]:
             P.plot_ablation(report["ablation"], d / "ablation.png")
     if args.json:
-        print(json.dumps(_clean(report), indent=1))
+        print(json.dumps(finite_or_none(report), indent=1))
     else:
         _print_text(report)
     if res.stopped == "awaiting audit":

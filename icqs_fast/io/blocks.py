@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from icqs_fast.io.results import json_line
 from icqs_fast.io.runs import OutputLock
 
 __all__ = ["META_NAME", "OBJECT_STORES", "BlockOutput", "block_name", "block_path", "is_uri"]
@@ -132,8 +133,7 @@ class BlockOutput:
     def write_jsonl(self, name: str, rows: list[dict]) -> None:
         """The rows as JSON lines, formatted as :class:`~icqs_fast.io.results.JsonlWriter`
         writes them (the single-process lines)."""
-        self.write_bytes(name, "".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n"
-                                       for r in rows).encode("utf-8"))
+        self.write_bytes(name, b"".join(json_line(r) for r in rows))
 
     def write_parquet(self, name: str, table: Any) -> None:
         """A ``pyarrow.Table`` as one Parquet file, written whole (:meth:`write_bytes`)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,6 @@ class JsonlWriter:
         path: output file; parent folders are created.
         append: append to an existing file instead of truncating it.
         fsync_every: seconds between ``os.fsync`` calls (0: after every record).
-
-    Test hook: ``ICQS_FAST_TEST_CRASH=MODE:N`` (read at construction) makes the process kill
-    itself with SIGKILL at the N-th record this writer writes (0-based): ``before`` writing it,
-    ``mid`` (after writing the first half of its line) or ``hold`` (after writing it, sleep until
-    killed from outside). The crash-resume tests use it to stop runs at chosen points.
     """
 
     def __init__(self, path: PathLike, *, append: bool = False, fsync_every: float = 5.0
@@ -49,21 +43,15 @@ class JsonlWriter:
         self._fsync_every = fsync_every
         self._last_sync = time.monotonic()
         self.count = 0
-        self._crash = _crash_hook()
 
     def write(self, record: dict) -> None:
-        """Append ``record`` as one JSON line (NaN/inf written as JSON5-style literals)."""
+        """Append ``record`` as one JSON line (:func:`json_line`)."""
         if self._fd is None:
             raise ValueError(f"{self.path}: writer is closed")
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n").encode("utf-8")
-        if self._crash is not None and self._crash[0] != "hold" and self._crash[1] == self.count:
-            _crash(self._crash[0], self._fd, data)
-        view = memoryview(data)
+        view = memoryview(json_line(record))
         while view:  # a regular file takes it in one call; loop only for a short write
             view = view[os.write(self._fd, view):]
         self.count += 1
-        if self._crash is not None and self._crash == ("hold", self.count - 1):
-            _crash("hold", self._fd, b"")
         now = time.monotonic()
         if now - self._last_sync >= self._fsync_every:
             os.fsync(self._fd)
@@ -84,26 +72,10 @@ class JsonlWriter:
         self.close()
 
 
-def _crash_hook() -> tuple[str, int] | None:
-    spec = os.environ.get("ICQS_FAST_TEST_CRASH")
-    if not spec:
-        return None
-    mode, _, n = spec.partition(":")
-    if mode not in ("before", "mid", "hold") or not n.isdigit():
-        raise ValueError(f"ICQS_FAST_TEST_CRASH must be before|mid|hold:N, got {spec!r}")
-    return mode, int(n)
-
-
-def _crash(mode: str, fd: int, data: bytes) -> None:
-    if mode == "mid":
-        os.write(fd, data[: len(data) // 2])
-        os.fsync(fd)
-    if mode == "hold":
-        os.fsync(fd)
-        deadline = time.monotonic() + 600  # never outlive a test that forgot to kill us
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGKILL)
+def json_line(record: dict) -> bytes:
+    """``record`` as one UTF-8 JSON line, newline included, as :class:`JsonlWriter` writes it
+    (non-ASCII text kept as is; NaN / inf as JSON5-style literals)."""
+    return (json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n").encode("utf-8")
 
 
 @dataclass
@@ -341,10 +313,6 @@ class ParquetResultWriter:
         part_rows, commit_every: when a part is committed (records, seconds).
         row_group_rows: rows per row group of the merged ``OUT``.
         schema: the table schema (``pyarrow.Schema``); None: inferred.
-
-    Test hook: ``ICQS_FAST_TEST_CRASH=MODE:N`` as for :class:`JsonlWriter`: ``before`` kills the
-    process before record N is buffered, ``mid`` while the part holding record N is being
-    committed (its temporary file half written), ``hold`` after that part is committed.
     """
 
     def __init__(self, path: PathLike, *, append: bool = False,
@@ -372,7 +340,11 @@ class ParquetResultWriter:
         self._last_commit = time.monotonic()
         self._closed = False
         self.count = 0
-        self._crash = _crash_hook()
+
+    @property
+    def pending(self) -> int:
+        """Records written but not committed yet (the last ``pending`` of ``count``)."""
+        return len(self._buf)
 
     def write(self, record: dict) -> None:
         """Buffer ``record``; commit a part when it is due."""
@@ -382,8 +354,6 @@ class ParquetResultWriter:
         if not isinstance(idx, int) or (self._last_index is not None and idx <= self._last_index):
             raise ValueError(f"{self.path}: results need increasing integer indices, got {idx!r} "
                              f"after {self._last_index!r}")
-        if self._crash is not None and self._crash == ("before", self.count):
-            _crash("before", -1, b"")
         self._buf.append(record)
         self._last_index = idx
         self.count += 1
@@ -394,8 +364,6 @@ class ParquetResultWriter:
     def commit(self) -> None:
         """Write the buffered records as one part (temporary name, fsync, rename, fsync the
         folder): once this returns they survive a crash."""
-        import pyarrow.parquet as pq
-
         self._last_commit = time.monotonic()
         if not self._buf:
             return
@@ -410,22 +378,20 @@ class ParquetResultWriter:
                 _unify([self._schema, table.schema], os.fspath(self.path))
         name = f"{_PART_PREFIX}{self._buf[0]['index']:012d}.parquet"
         tmp = self.parts / f".{name}.tmp"
-        crash = self._crash is not None and self._crash[0] in ("mid", "hold") and \
-            self.count - len(self._buf) <= self._crash[1] < self.count
-        with pq.ParquetWriter(tmp, table.schema) as w:
-            w.write_table(table)
-            if crash and self._crash[0] == "mid":
-                _crash("before", -1, b"")  # the temporary part has no footer yet
+        self.write_part(tmp, table)
         fsync_path(tmp)
         os.replace(tmp, self.parts / name)
         fsync_path(self.parts)
         self._schema = schema
         self._buf.clear()
-        if crash and self._crash[0] == "hold":
-            deadline = time.monotonic() + 600  # never outlive a test that forgot to kill us
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_part(self, path: Path, table: Any) -> None:
+        """Write ``table`` (a ``pyarrow.Table``) as one Parquet file at ``path``: a part under
+        its temporary name, which :meth:`commit` then fsyncs and renames into place."""
+        import pyarrow.parquet as pq
+
+        with pq.ParquetWriter(path, table.schema) as w:
+            w.write_table(table)
 
     def close(self) -> None:
         """Commit what is buffered, then merge ``OUT`` and the parts into ``OUT``."""
