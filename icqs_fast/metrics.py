@@ -191,3 +191,91 @@ def bootstrap_ci(statistic: Callable[..., float], *arrays: Sequence[Any],
     tail = (1.0 - level) / 2.0
     lo, hi = np.quantile(finite, [tail, 1.0 - tail])
     return float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------- probabilities
+
+
+def _binary_probs(y_true: Sequence[Any], p: Sequence[float], name: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    y = np.asarray(list(y_true) if not isinstance(y_true, np.ndarray) else y_true,
+                   dtype=np.float64).reshape(-1)
+    q = np.asarray(list(p) if not isinstance(p, np.ndarray) else p,
+                   dtype=np.float64).reshape(-1)
+    if y.shape != q.shape:
+        raise ValueError(f"{name}: inputs have different lengths ({y.size} and {q.size})")
+    if not np.all((y == 0) | (y == 1)):
+        raise ValueError(f"{name}: y_true must be 0/1 (or bool)")
+    ok = np.isfinite(q)
+    return y[ok], q[ok]
+
+
+def brier(y_true: Sequence[Any], p: Sequence[float]) -> float:
+    """Brier score ``mean((p - y)^2)`` of probabilities ``p`` for 0/1 outcomes ``y_true``
+    (items with a non-finite ``p`` dropped; NaN with a warning when none is left). A constant
+    0.5 scores 0.25 on any data."""
+    y, q = _binary_probs(y_true, p, "brier")
+    if y.size == 0:
+        return _warn_nan("brier", "no items with a finite probability")
+    return float(np.mean((q - y) ** 2))
+
+
+def reliability_bins(y_true: Sequence[Any], p: Sequence[float], n_bins: int = 10
+                     ) -> list[dict[str, float]]:
+    """The equal-width bins of a reliability diagram: ``n_bins`` bins over [0, 1] (bin b holds
+    ``b / n_bins <= p < (b + 1) / n_bins``, the last one closed at 1), each ``{"lo", "hi",
+    "count", "mean_p", "frac_pos"}`` (the means NaN for an empty bin)."""
+    if not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"reliability_bins: n_bins must be an int >= 1, got {n_bins!r}")
+    y, q = _binary_probs(y_true, p, "reliability_bins")
+    idx = np.clip(np.floor(np.clip(q, 0.0, 1.0) * n_bins).astype(np.int64), 0, n_bins - 1)
+    out = []
+    for b in range(n_bins):
+        m = idx == b
+        c = int(m.sum())
+        out.append({"lo": b / n_bins, "hi": (b + 1) / n_bins, "count": c,
+                    "mean_p": float(q[m].mean()) if c else math.nan,
+                    "frac_pos": float(y[m].mean()) if c else math.nan})
+    return out
+
+
+def ece(y_true: Sequence[Any], p: Sequence[float], n_bins: int = 10) -> float:
+    """Expected calibration error: ``sum_b (n_b / n) |frac_pos_b - mean_p_b|`` over the
+    equal-width bins of :func:`reliability_bins` (``n_bins`` over [0, 1], empty bins add
+    nothing). NaN with a warning when no item has a finite ``p``."""
+    bins = reliability_bins(y_true, p, n_bins)
+    n = sum(b["count"] for b in bins)
+    if n == 0:
+        return _warn_nan("ece", "no items with a finite probability")
+    return float(sum(b["count"] / n * abs(b["frac_pos"] - b["mean_p"])
+                     for b in bins if b["count"]))
+
+
+def auc_stratified_ci(y_true: Sequence[Any], scores: Sequence[float], *,
+                      n_resamples: int = 1000, level: float = 0.95, seed: int = 0
+                      ) -> tuple[float, float, float]:
+    """``(auc, lo, hi)``: ROC AUC of ``scores`` for 0/1 ``y_true`` (ties count half) with a
+    percentile bootstrap interval that resamples each class on its own (so every resample has
+    both classes and the class sizes of the data). ``numpy.random.default_rng(seed)``: the
+    same seed gives the same interval. NaN (with a warning) when a class is empty."""
+    y, s = _binary_probs(y_true, scores, "auc_stratified_ci")
+    pos, neg = s[y == 1], s[y == 0]
+    if pos.size == 0 or neg.size == 0:
+        v = _warn_nan("auc_stratified_ci", "only one class among items with a finite score")
+        return v, v, v
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"auc_stratified_ci: level must be in (0, 1), got {level}")
+
+    def value(a: np.ndarray, b: np.ndarray) -> float:
+        # Mann-Whitney U through the ranks of the pooled sample: ties count half.
+        r = stats.rankdata(np.concatenate([a, b]))
+        return float((r[: a.size].sum() - a.size * (a.size + 1) / 2) / (a.size * b.size))
+
+    rng = np.random.default_rng(seed)
+    vals = np.empty(n_resamples, dtype=np.float64)
+    for i in range(n_resamples):
+        vals[i] = value(pos[rng.integers(0, pos.size, pos.size)],
+                        neg[rng.integers(0, neg.size, neg.size)])
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.quantile(vals, [tail, 1.0 - tail])
+    return value(pos, neg), float(lo), float(hi)

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+from _faults import ENTRY, hold_runtime_env, worker_path_env
 from _helpers import (
     assert_same_lines,
     read_jsonl,
@@ -29,7 +30,7 @@ from icqs_fast.cli import main  # noqa: E402
 from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.io.records import InputError  # noqa: E402
 from icqs_fast.jobs.ray_actors import ICQSBatchScorer  # noqa: E402
-from icqs_fast.jobs.ray_executor import HOLD_ENV, block_path, run_ray  # noqa: E402
+from icqs_fast.jobs.ray_executor import block_path, run_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -56,12 +57,14 @@ def hold_dir():
 
 @pytest.fixture(scope="module")
 def cluster(hold_dir):
-    """A local 2-CPU Ray cluster for this module; the actors inherit the hold-hook folder."""
-    saved = {k: os.environ.get(k) for k in (HOLD_ENV, "RAY_USAGE_STATS_ENABLED")}
-    os.environ[HOLD_ENV] = hold_dir
+    """A local 2-CPU Ray cluster for this module, whose job's actors hold blocks as the files
+    in ``hold_dir`` say (tests/_faults.py; its workers find it on their PYTHONPATH)."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(worker_path_env())  # before the node starts: its workers inherit it
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no network
     tmp = tempfile.mkdtemp(prefix="rayt-")  # short: Ray's socket paths have a length limit
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
+             runtime_env=hold_runtime_env(hold_dir))
     ray.data.DataContext.get_current().enable_progress_bars = False
     # Loopback only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set in tests/conftest.py).
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
@@ -210,7 +213,9 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
             "--block-size", "3", "--output-format", "jsonl", "--on-error", "skip", "--resume"]
     open(os.path.join(hold_dir, "arm-2"), "w").close()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "icqs_fast.cli.ray_options", "score",
+        # The driver's own job holds too: python -m icqs_fast.cli.ray_options, joined to the
+        # cluster with the hold runtime env.
+        proc = subprocess.Popen([sys.executable, ENTRY, "ray-hold", hold_dir, "--", "score",
                                  *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             wait_for_file(os.path.join(hold_dir, "held-2"), 150, proc)
@@ -276,6 +281,35 @@ def test_local_and_ray_parquet_read_as_one_dataset(cluster, data, tmp_path):
     assert 0 < n_local < 11 and table.num_rows == n_local + 11  # shard 0 of 2 + all on Ray
     rows = table.to_pylist()
     assert {r["id"] for r in rows if r["error"] is None} >= {"0", "r1", "r2", "3"}
+
+
+def test_self_check_reaches_the_blocks(cluster, data, tmp_path):
+    """With pools large enough for an estimate, the driver runs the self-check once (a Ray
+    task with one worker's resources), stores it in run.meta.json and every block row carries
+    ``p_good_calibrated`` from that map; a resumed run reuses it."""
+    from icqs_fast.engine.selfcheck import SelfCheck
+
+    good = [{"x": f"sales rose {i}%", "y": "positive"} for i in range(12)] + [
+        {"x": f"losses grew by {i}", "y": "negative"} for i in range(12)]
+    bad = [dict(r, y="negative" if r["y"] == "positive" else "positive") for r in good]
+    g, b = write_jsonl(tmp_path / "g.jsonl", good), write_jsonl(tmp_path / "b.jsonl", bad)
+    out = tmp_path / "out"
+    argv = [str(data["input"]), "-o", str(out), "--good", str(g), "--bad", str(b),
+            "--model", str(data["tiny"]), *KW, "--ray", "--quiet", "--block-size", "4",
+            "--on-error", "skip", "--self-check-max", "48"]
+    assert run_ray(build_config("score", build_parser("score").parse_args(argv))) == 0
+    check = SelfCheck.from_dict(json.loads((out / "run.meta.json").read_text())["self_check"])
+    assert check.ok
+    rows = [r for r in _parquet_rows(out) if r["error"] is None]
+    assert len(rows) == 10
+    for r in rows:
+        assert r["p_good_calibrated"] == pytest.approx(check.record_value(r["score"]), abs=1e-12)
+    os.remove(block_path(out, 1, "parquet"))
+    meta = (out / "run.meta.json").read_text()
+    assert run_ray(build_config("score", build_parser("score").parse_args(
+        [*argv, "--resume", "--self-check-seed", "5"]))) == 0
+    assert json.loads((out / "run.meta.json").read_text())["self_check"] == \
+        json.loads(meta)["self_check"]
 
 
 def test_score_calibrated_parquet_equals_single_process(cluster, data, tmp_path):
@@ -349,7 +383,7 @@ def test_batch_scorer_matches_single_process_lines(data):
     assert res["error"][:10].tolist() == [None] * 10
     assert res["error"][10] == "y: empty response (nothing to score)"
     assert np.isnan(res["score"][10])
-    assert "loglik_baseline" not in res  # uncalibrated: no baseline column
+    assert np.isnan(res["loglik_baseline"]).all()  # declared: NaN when uncalibrated
 
 
 def test_batch_scorer_settings_object_calibrated(data):

@@ -15,6 +15,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("info",), "icqs_fast.cli.info", "versions, device and available backends"),
     (("demo",), "icqs_fast.cli.demo", "score a small built-in set with the embedded model"),
     (("score",), "icqs_fast.cli.score", "score responses from a JSONL/CSV/TSV file with ICQS"),
+    (("check",), "icqs_fast.cli.check",
+     "self-check from the demonstration pools: expected AUC, calibration, threshold"),
     (("features",), "icqs_fast.cli.features", "glass-box features of a file's responses"),
     (("rank",), "icqs_fast.cli.rank", "rank models by mean score, with bootstrap intervals"),
     (("audit",), "icqs_fast.cli.audit", "ALLURE: audit an LLM evaluator, round by round"),
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     mod = importlib.import_module(args._module)
     try:
         return int(mod.run(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+    # Bad input (a file, a field, an option value) is a ValueError or a missing file: one line,
+    # exit 2. Anything else (TypeError included) is a bug and keeps its traceback.
+    except (ValueError, FileNotFoundError) as exc:
         print(f"icqs-fast: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file that cannot be read or written: one line, no traceback

@@ -2,13 +2,17 @@
 
 The built-in files (``icqs_fast/data``) were written for this project:
 
-* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 12 headlines each, with the right sentiment
+* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 24 headlines each, with the right sentiment
   (good demonstrations) or the opposite one (bad demonstrations);
 * ``demo_financial.jsonl``: 16 other headlines with an answer to score, 8 right and 8 wrong
   (field ``quality``: ``"good"`` / ``"bad"``).
 
 A good answer should score high (it is most likely after mostly-good demonstrations), a wrong
-one low. ``--fpb`` draws the demonstrations from the Financial PhraseBank in
+one low. Before scoring, the self-check (:mod:`icqs_fast.engine.selfcheck`) scores held-out
+members of the demonstration pools, each without the demonstration sets that hold it: it gives
+the expected AUC and accuracy on this task and the map from score to the calibrated probability
+``p_good_calibrated`` printed beside each score (or says plainly that the pools are too small).
+``--fpb`` draws the demonstrations from the Financial PhraseBank in
 ``../shared/data/fpb`` instead (real data, never copied into the package).
 """
 
@@ -37,9 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--fpb", action="store_true",
                    help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
-    from icqs_fast.cli.options import add_calibration_arguments
+    from icqs_fast.cli.options import add_calibration_arguments, add_self_check_arguments
 
     add_calibration_arguments(p)
+    add_self_check_arguments(p)
 
 
 def _trunc(s: str, n: int) -> str:
@@ -47,7 +52,9 @@ def _trunc(s: str, n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from icqs_fast.cli.options import self_check_kwargs
     from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.engine.selfcheck import FIELD, SelfCheck, run_self_check
     from icqs_fast.jobs.score import score_records
     from icqs_fast.models import load_model
 
@@ -59,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         bad = read_examples(data_file("demo_bad.jsonl"))
         demo_source = "built-in"
     n = min(args.demos_per_set, len(good), len(bad))
+    check_kw = self_check_kwargs(args)
     responses = data_file("demo_financial.jsonl")
 
     t0 = time.perf_counter()
@@ -69,11 +77,17 @@ def run(args: argparse.Namespace) -> int:
                         backend=args.backend, calibration=args.calibrate, score=args.score,
                         tie_epsilon=args.tie_epsilon)
     t1 = time.perf_counter()
+    # The self-check first, as a run does: its map gives each score's calibrated probability.
+    check = (run_self_check(scorer, good, bad, **check_kw) if check_kw["max_heldout"]
+             else SelfCheck.off())
+    t_check = time.perf_counter() - t1
+    t1 = time.perf_counter()
     rows = []
     records = read_records(responses, label_field="quality")
     for rec, res in score_records(scorer, records, path=responses):
         rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
-                     "score": res.score, "score_per_set": list(res.score_per_set),
+                     "score": res.score, FIELD: check.record_value(res.score),
+                     "score_per_set": list(res.score_per_set),
                      "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens,
                      **({"loglik_baseline": res.loglik_baseline.tolist()}
                         if res.loglik_baseline is not None else {})})
@@ -90,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "difference": means["good"] - means["bad"],
         "load_seconds": round(t_load, 3),
         "score_seconds": round(t_score, 3),
+        "self_check_seconds": round(t_check, 3),
         "responses_per_second": round(len(rows) / t_score, 3) if t_score > 0 else None,
     }
     settings = {"model": args.model or "embedded SmolLM2-135M-Instruct",
@@ -99,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
                 "calibration": args.calibrate, "score": args.score,
                 "ratios": list(scorer.ratios)}
     if args.json:
-        json.dump({"settings": settings, "results": rows, "summary": summary}, sys.stdout,
-                  indent=1)
+        json.dump({"settings": settings, "results": rows, "summary": summary,
+                   "self_check": check.to_dict()}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
 
@@ -110,13 +125,24 @@ def run(args: argparse.Namespace) -> int:
           f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set"
           + ("" if args.calibrate == "none" else f"; calibration {args.calibrate}")
           + ("" if args.score == "argmax" else f"; {args.score} score") + "\n")
+    for line in check.lines():
+        print(line)
+    print()
     xw = 46
-    print(f"{'#':>2}  {'headline':<{xw}}  {'answer':<8}  {'meant':<5}  {'score':>5}  per-set")
+    pg = "  P(good)" if check.ok else ""
+    print(f"{'#':>2}  {'headline':<{xw}}  {'answer':<8}  {'meant':<5}  {'score':>5}{pg}  per-set")
     for i, r in enumerate(rows, start=1):
         per = " ".join(f"{s:.2f}" for s in r["score_per_set"])
+        p = f"  {r[FIELD]:>7.2f}" if check.ok else ""
         print(f"{i:>2}  {_trunc(r['x'], xw):<{xw}}  {r['y']:<8}  {r['quality']:<5}  "
-              f"{r['score']:>5.2f}  {per}")
+              f"{r['score']:>5.2f}{p}  {per}")
     print(f"\nmean score: meant good {means['good']:.3f}, meant bad {means['bad']:.3f} "
           f"(difference {summary['difference']:+.3f}); scored {len(rows)} responses in "
           f"{t_score:.1f} s (model loaded in {t_load:.1f} s)")
+    if check.ok:
+        hits = sum((r["score"] >= check.threshold) == (r["quality"] == "good") for r in rows)
+        print(f"P(good) is {FIELD}: the score through the self-check's {check.calibration.method}"
+              f" map; expected accuracy {check.expected_accuracy:.2f} at score >= "
+              f"{check.threshold:.4f}, here {hits}/{len(rows)} right; self-check took "
+              f"{t_check:.1f} s")
     return 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from icqs_fast.cli.options import add_calibration_arguments
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
+from icqs_fast.io.strict_json import finite_or_none
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,7 +219,7 @@ def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any, 
                     [sc[idx[xy]] for xy in groups["incorrect"]], n_boot=args.n_boot,
                     seed=args.seed)
     if args.json:
-        print(study.dumps(study.finite(doc)))
+        print(study.dumps(finite_or_none(doc)))
         return 0
     print(f"{dataset}: {len(responses)} responses, N={n}, M+1={st.num_ratios}, "
           f"L={st.sets_per_ratio}, seed {st.seed}; side A {la} ({ta:.0f} s), side B {lb} "
@@ -277,7 +278,7 @@ def _pool(args: argparse.Namespace) -> int:
                  f"L={same['sets_per_ratio']}, {len(docs)} runs")
         cmp["plot"] = kind.plot_pooled({title: cmp}, path)
     if args.json:
-        print(study.dumps(study.finite(cmp)))
+        print(study.dumps(finite_or_none(cmp)))
         return 0
     s = docs[0]["settings"]
     print(f"{ds.title}: {len(docs)} runs pooled (seeds {cmp['seeds']}), "

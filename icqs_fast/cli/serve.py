@@ -35,9 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demos-per-set", type=int, default=8, help="/v1/score: N (default 8)")
     p.add_argument("--sets-per-ratio", type=int, default=4, help="/v1/score: L (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
-    from icqs_fast.cli.options import add_calibration_arguments
+    from icqs_fast.cli.options import add_calibration_arguments, add_self_check_arguments
 
     add_calibration_arguments(p)  # /v1/score's default; a request's icqs_options may change it
+    add_self_check_arguments(p)  # with --good / --bad: run once before serving
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body; larger: 413 (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
@@ -149,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
                                   "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
                                   "calibration": args.calibrate, "score": args.score,
                                   "tie_epsilon": args.tie_epsilon})
+    if good is not None:  # before serving: the calibrated probability of the server's pools
+        from icqs_fast.cli.options import self_check_kwargs
+
+        check = server.scoring.run_self_check(**self_check_kwargs(args))
+        if not args.quiet:
+            for line in check.lines():
+                print(f"icqs-fast serve: {line}", file=sys.stderr)
     if not args.quiet:
         print(f"icqs-fast serve: model {cfg.model_name!r} on http://{args.host}:{args.port}/v1 "
               f"({'API key required' if args.api_key else 'no API key'}; schema at /openapi.json,"

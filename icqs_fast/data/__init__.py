@@ -2,7 +2,7 @@
 
 The files (written for this project, shipped with the package):
 
-* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 12 headlines each, with the right sentiment
+* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 24 headlines each, with the right sentiment
   (good demonstrations) or the opposite one (bad demonstrations);
 * ``demo_financial.jsonl``: 16 other headlines with an answer to score, 8 right and 8 wrong
   (field ``quality``: ``"good"`` / ``"bad"``).

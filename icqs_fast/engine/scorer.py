@@ -87,6 +87,9 @@ class ICQSResult:
             ratio of ``mean_l loglik_calibrated`` (what ICQS-Epistemic's argmax decides on).
         margins: ``L`` floats, the same gap per set.
         tie_epsilon: the noise level (nats) of :attr:`near_ties` and of the "tied" score.
+        p_good_calibrated: P(good) of :attr:`score` through the map the self-check fitted on
+            the demonstration pools (:mod:`icqs_fast.engine.selfcheck`), when the scorer has
+            one (:attr:`ICQSScorer.self_check`); None otherwise.
     """
 
     score: float
@@ -112,6 +115,7 @@ class ICQSResult:
     margin: float = float("nan")
     margins: list[float] | None = None
     tie_epsilon: float = 0.1
+    p_good_calibrated: float | None = None
 
     @property
     def slope(self) -> float:
@@ -233,6 +237,9 @@ class ICQSScorer:
         **options: Any,
     ) -> None:
         st = ScoringSettings.build(settings, **options)
+        # A fitted self-check (engine.selfcheck.SelfCheck) whose map gives each result its
+        # p_good_calibrated; set by the job, the Ray actors or the server once it has run.
+        self.self_check: Any = None
         # The capability check: the path (prefix bank with cascade attention or KV copies, or a
         # plain forward per prompt), the decoder body and the head's epilogue.
         self.plan = model_plan(model)
@@ -558,6 +565,9 @@ class ICQSScorer:
         base = None
         if rec["cal"]:
             base = torch.stack([ch["loglik"] for ch in rec["cal"]]).mean(dim=0).reshape(m1, ls)
-        return summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
-                         stats, join=rec["join"], baseline=base, calibration=self.calibration,
-                         score_kind=self.score_kind, tie_epsilon=self.settings.tie_epsilon)
+        res = summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
+                        stats, join=rec["join"], baseline=base, calibration=self.calibration,
+                        score_kind=self.score_kind, tie_epsilon=self.settings.tie_epsilon)
+        if self.self_check is not None:
+            res.p_good_calibrated = self.self_check.record_value(res.score)
+        return res

@@ -74,7 +74,6 @@ Every accuracy and metric gets a 95 % percentile bootstrap interval over items
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -100,6 +99,7 @@ from icqs_fast.evals.study_metrics import (
     synthetic_ranking,
 )
 from icqs_fast.io.datasets import NLIItem, eval_dataset
+from icqs_fast.io.strict_json import finite_or_none
 
 EXPECTED = {"correct": True, "incorrect": False, "labeled_neutral": False,
             "semantic_neutral": True}
@@ -476,7 +476,7 @@ def sentiment_json(out: dict[str, Any], *, dataset: str, model: str, seconds: fl
                         "stratify": st.stratify, "calibration": st.calibration,
                         "score": st.score},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
-    return _finite(doc)
+    return finite_or_none(doc)
 
 
 def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudySettings,
@@ -503,23 +503,7 @@ def chaosnli_json(out: dict[str, Any], *, model: str, seconds: float, st: StudyS
                         "n_boot": st.n_boot, "stratify": st.stratify,
                         "calibration": st.calibration, "score": st.score},
            "curve": [{"demos_per_set": n, **flat(out["per_n"][n])} for n in ns]}
-    return _finite(doc)
-
-
-def _finite(obj: Any) -> Any:
-    """NaN / inf -> None, so the document is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def finite(obj: Any) -> Any:
-    """NaN / inf -> None, recursively (strict JSON)."""
-    return _finite(obj)
+    return finite_or_none(doc)
 
 
 def dumps(doc: dict[str, Any]) -> str:

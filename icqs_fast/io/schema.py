@@ -112,6 +112,10 @@ ICQS_FIELDS: tuple[ResultField, ...] = (
        "slope: nats from all-bad to all-good demonstrations (same ranking)"),
     _R("p_good", "float", meaning="sigmoid(slope): a readable scale, same ranking; not "
        "calibrated"),
+    _R("p_good_calibrated", "float", meaning="P(good) of `score` through the monotone map the "
+       "self-check fitted on held-out demonstrations of the pools (an even mix of good and "
+       "bad answers); same ranking as `score`", when="the self-check gave an estimate",
+       omit="none"),
 )
 
 FEATURE_FIELDS: tuple[ResultField, ...] = (

@@ -171,6 +171,10 @@ class ScoreJobConfig(JobConfig):
     # The fields of the demonstration files (None: x_field / y_field).
     demo_x_field: str | None = None
     demo_y_field: str | None = None
+    # The self-check from the pools (engine.selfcheck.run_self_check keywords: max_heldout,
+    # seed, method, leak, target_precision; {"max_heldout": 0}: off). Not in the fingerprint:
+    # a resumed run reuses the self-check its meta file holds.
+    self_check: dict[str, Any] = field(default_factory=dict)
 
     kind = "score"
 

@@ -166,7 +166,7 @@ def feature_records(
         raise fatal
 
 
-# Per-record diagnostics after the features (issue 21.4): prompt tokens before the response, the
+# Per-record diagnostics after the features: prompt tokens before the response, the
 # prompt cut (never, in ``features``), the first response token merged with the prompt.
 DIAGNOSTICS = ("n_prompt_tokens", "truncated", "join")
 

@@ -116,6 +116,8 @@ class ICQSBatchScorer:
         dtype, device, load_in_8bit, load_in_4bit: as :func:`icqs_fast.models.load_model`.
         x_field, y_field: the batch columns with the prompt and the response (and the fields
             of the demonstration files, read with ``encoding``).
+        self_check: a fitted :class:`~icqs_fast.engine.selfcheck.SelfCheck` as its ``to_dict()``
+            (what a driver sends): its map gives each record ``p_good_calibrated``.
         **options: ScoringSettings fields replacing those of ``settings`` (``num_ratios``,
             ``demos_per_set``, ``stratify`` as ``jobs.score.resolve_stratify`` gives it,
             ``calibration``, ``score``, ``backend``, ...; ``template`` may be a dict of its
@@ -139,7 +141,7 @@ class ICQSBatchScorer:
                  settings: Any = None, *, model: str | None = None, dtype: str = "auto",
                  device: str = "auto", load_in_8bit: bool = False, load_in_4bit: bool = False,
                  x_field: str = "x", y_field: str = "y", encoding: str = "utf-8",
-                 **options: Any) -> None:
+                 self_check: Mapping | None = None, **options: Any) -> None:
         from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.engine.settings import ScoringSettings
@@ -154,14 +156,27 @@ class ICQSBatchScorer:
         # Validated before the model loads (TypeError naming an unknown option).
         self.settings = ScoringSettings.build(settings, **options)
         self.x_field, self.y_field = x_field, y_field
-        g = _load_demos(good, x_field, y_field, encoding)
-        b = _load_demos(bad, x_field, y_field, encoding)
+        g, b = self.pools(dict(good=good, bad=bad, x_field=x_field, y_field=y_field,
+                               encoding=encoding))
         self.model, self.tokenizer = load_model(
             None if model in (None, "embedded") else model, dtype=dtype, device=device,
             load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+        self.good, self.bad = g, b
         self.scorer = ICQSScorer(self.model, self.tokenizer, g, b, self.settings)
+        if self_check is not None:  # the run's self-check: p_good_calibrated on every record
+            from icqs_fast.engine.selfcheck import SelfCheck
+
+            check = SelfCheck.from_dict(dict(self_check))
+            self.scorer.self_check = check if check.ok else None
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
         self.runtime = runtime_settings(self.model, self.settings.backend)
+
+    @staticmethod
+    def pools(kw: Mapping) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """The good and bad demonstrations the constructor's keywords ``kw`` name (files read,
+        sequences as pairs)."""
+        fields = (kw.get("x_field", "x"), kw.get("y_field", "y"), kw.get("encoding", "utf-8"))
+        return _load_demos(kw["good"], *fields), _load_demos(kw["bad"], *fields)
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",
                 on_error: Any = None):

@@ -87,7 +87,6 @@ from icqs_fast.jobs.ray_actors import (
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "OBJECT_STORES", "run_ray", "block_path",
            "block_name", "is_uri", "BlockOutput"]
-HOLD_ENV = "ICQS_FAST_TEST_RAY_HOLD"
 
 
 # --------------------------------------------------------------------------- actors
@@ -101,40 +100,6 @@ def _node_id() -> str:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     except Exception:  # noqa: BLE001 - a summary field only; never fail a block for it
         return ""
-
-
-def _hold_for_test(block: int, node: str) -> None:
-    """Test hook, with ``$ICQS_FAST_TEST_RAY_HOLD=DIR``:
-
-    * ``DIR/arm-K`` present: the first actor to take block K writes ``PID NODE`` to
-      ``DIR/held-K`` and waits (to be killed from outside, its node removed, or let go by
-      ``DIR/release-K``); a later attempt at block K goes on.
-    * ``DIR/arm-node-NODE`` present: every block an actor on Ray node NODE takes creates
-      ``DIR/held-node-NODE`` and waits until ``DIR/release-node-NODE`` exists (so a test knows
-      that this node's actor has work, or keeps the node busy while it changes the cluster).
-    """
-    d = os.environ.get(HOLD_ENV)
-    if not d:
-        return
-    if node and os.path.exists(os.path.join(d, f"arm-node-{node}")):
-        open(os.path.join(d, f"held-node-{node}"), "a").close()
-        _wait_for_file(os.path.join(d, f"release-node-{node}"))
-    if not os.path.exists(os.path.join(d, f"arm-{block}")):
-        return
-    held = os.path.join(d, f"held-{block}")
-    try:
-        fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return
-    os.write(fd, f"{os.getpid()} {node}\n".encode())
-    os.close(fd)
-    _wait_for_file(os.path.join(d, f"release-{block}"))
-
-
-def _wait_for_file(path: str) -> None:
-    deadline = time.monotonic() + 120  # never outlive a test that forgot to let us go
-    while time.monotonic() < deadline and not os.path.exists(path):
-        time.sleep(0.05)
 
 
 class _BlockMixin:
@@ -177,7 +142,6 @@ class _BlockMixin:
         if self.runtime_error is not None:
             summary["error"] = json.dumps({"settings": self.runtime_error})
             return {k: np.array([v]) for k, v in summary.items()}
-        _hold_for_test(block, self.node)
         items = items_of_block(cols, self.path_name)
         try:
             rows, skipped = self._lines(items)
@@ -441,6 +405,13 @@ def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats,
         import ray
         from ray.data import ActorPoolStrategy, DataContext
 
+        if config.kind == "score":  # once per run, before the blocks: p_good_calibrated
+            check = _self_check(config, old, actor_kw, remote, log)
+            if old is None:
+                settings["self_check"] = check
+                out.write_meta(settings)
+            actor_kw = {**actor_kw, "self_check": check}
+
         DataContext.get_current().enable_progress_bars = False  # ours counts blocks
         t0 = time.perf_counter()
         ds = ray.data.read_datasource(RecordBlocks.datasource(specs),
@@ -458,6 +429,40 @@ def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats,
             import ray
 
             ray.shutdown()
+
+
+def _self_check_task(actor_kw: dict, kw: dict) -> dict:
+    """The self-check on one worker (its resources, its model and prefix bank), as a dict."""
+    from icqs_fast.engine.selfcheck import run_self_check
+
+    b = ICQSBatchScorer(**actor_kw)
+    return run_self_check(b.scorer, b.good, b.bad, **kw).to_dict()
+
+
+def _self_check(config: ScoreJobConfig, old: dict | None, actor_kw: dict, remote: dict,
+                log: Callable[..., None]) -> dict:
+    """The run's self-check (``SelfCheck.to_dict()``): a resumed output's, else computed in a
+    Ray task with one worker's resources (nothing scored when the pools are too small or it is
+    off)."""
+    import ray
+
+    from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, SelfCheck, run_self_check
+    from icqs_fast.engine.selfcheck import too_small_without_scoring as too_small
+
+    if old is not None:
+        return old.get("self_check") or \
+            SelfCheck.off("not run (resuming an output written without one)").to_dict()
+    kw = dict(config.self_check)
+    good, bad = ICQSBatchScorer.pools(actor_kw)
+    n = kw.get("max_heldout", DEFAULT_MAX_HELDOUT)
+    if n == 0 or too_small(len(good), len(bad), n):
+        check = run_self_check(None, good, bad, **kw)  # scores nothing
+    else:
+        task = ray.remote(**{k: v for k, v in remote.items() if k in ("num_gpus", "num_cpus")})
+        check = SelfCheck.from_dict(ray.get(task(_self_check_task).remote(actor_kw, kw)))
+    for line in check.lines():
+        log(f"icqs-fast: {line}")
+    return check.to_dict()
 
 
 def _drive(ds, track, config, out, settings, old, n_pending, n_blocks, t0, log, stats) -> int:

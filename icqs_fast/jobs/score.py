@@ -154,8 +154,9 @@ def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
 class Summary:
     """Running count, mean score (overall and per label) and throughput."""
 
-    def __init__(self, with_label: bool = False) -> None:
+    def __init__(self, with_label: bool = False, notes: Iterable[str] = ()) -> None:
         self.with_label = with_label
+        self.notes = list(notes)  # lines said after the counts (the self-check's verdict)
         self.n = 0
         self.total = 0.0
         self.by_label: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -183,7 +184,7 @@ class Summary:
         if self.by_label:
             line += "\n  mean score by label: " + ", ".join(
                 f"{k}: {v[1] / v[0]:.4f} (n={v[0]})" for k, v in sorted(self.by_label.items()))
-        return line
+        return "\n  ".join([line, *self.notes])
 
 
 def load_template(path: str | None):
@@ -290,6 +291,32 @@ class ScoreStrategy:
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
             f"demonstrations, {s['num_ratios']} ratios x {s['sets_per_ratio']} sets of "
             f"{s['demos_per_set']}")
+        self.check = self._self_check(plan, log)
+        settings["self_check"] = self.check.to_dict()
+        self.scorer.self_check = self.check if self.check.ok else None
+
+    def _self_check(self, plan: Any, log: Callable[..., None]) -> Any:
+        """The self-check from the pools (:mod:`icqs_fast.engine.selfcheck`): the one a resumed
+        output's meta file holds, else run now with the run's scorer (its prefix bank)."""
+        from icqs_fast.engine.selfcheck import SelfCheck, run_self_check
+        from icqs_fast.progress import track
+
+        old = getattr(plan, "old", None) if getattr(plan, "append", False) else None
+        if old is not None:
+            if "self_check" not in old:
+                return SelfCheck.off("not run (resuming an output written without one)")
+            check = SelfCheck.from_dict(old["self_check"])
+            log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
+            return check
+        c = self.config
+
+        def bar(it: Iterable, total: int) -> Iterable:
+            return track(it, total=total, desc="self-check", unit="item", quiet=c.quiet)
+
+        check = run_self_check(self.scorer, self.good, self.bad, progress=bar, **c.self_check)
+        for line in check.lines():
+            log(f"icqs-fast: {line}")
+        return check
 
     def results(self, records: Iterable[Record | RecordError], *, write_from: int,
                 on_error: Callable[[RecordError], None] | None
@@ -305,4 +332,6 @@ class ScoreStrategy:
         return arrow_schema("icqs")
 
     def summary(self) -> Summary:
-        return Summary(with_label=self.config.label_field is not None)
+        check = getattr(self, "check", None)
+        return Summary(with_label=self.config.label_field is not None,
+                       notes=check.lines() if check is not None and check.ok else ())

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.requests import Request
 
 from icqs_fast.io.schema import result_row
+from icqs_fast.io.strict_json import finite_or_none
 from icqs_fast.serve.admission import Admission, score_price
 from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
@@ -33,23 +34,12 @@ ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "calibr
                 "tie_epsilon")
 
 
-def clean(x: Any) -> Any:
-    """``x`` with every non-finite float as None (JSON has no NaN or infinity)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [clean(v) for v in x]
-    return x
-
-
 def icqs_item(res: Any) -> IcqsScore:
     """One :class:`icqs_fast.engine.scorer.ICQSResult` as the response's
     :class:`~icqs_fast.serve.schemas.IcqsScore`: its declared result fields
     (:func:`icqs_fast.io.schema.result_row`, as in a ``score`` line), non-finite numbers as
     null."""
-    return IcqsScore(**clean(result_row(res)))
+    return IcqsScore(**finite_or_none(result_row(res)))
 
 
 def _record(i: int, r: Any) -> dict:
@@ -103,6 +93,9 @@ class Scoring:
         # may hold work that never ran, so no later chunk may use them.
         self._cut: weakref.WeakSet = weakref.WeakSet()
         self._server_demo_tokens: float | None = None
+        # The self-check of the server's own pools and settings (run_self_check), whose map
+        # gives p_good_calibrated to what the server's kept scorer scores; None: not run.
+        self.check: Any = None
 
     # -- worker-thread work -----------------------------------------------------------------
 
@@ -116,6 +109,8 @@ class Scoring:
             if self._scorer is None:
                 self._scorer = ICQSScorer(self.model, self.tokenizer, self.good, self.bad,
                                           **{**self.engine, **merged})
+                if self.check is not None and self.check.ok:
+                    self._scorer.self_check = self.check
             scorer = self._scorer
         else:
             scorer = ICQSScorer(self.model, self.tokenizer, self.good if good is None else good,
@@ -126,6 +121,21 @@ class Scoring:
             self._forget(scorer)
             raise
         return scorer
+
+    def run_self_check(self, **kw: Any) -> Any:
+        """The self-check from the server's pools under its own settings
+        (:func:`icqs_fast.engine.selfcheck.run_self_check` keywords), run once before serving;
+        records scored with the server's pools and settings then carry ``p_good_calibrated``
+        (a request's own pools or options: null, a self-check per request costs too much)."""
+        from icqs_fast.engine.selfcheck import run_self_check
+
+        if self.good is None or self.bad is None:
+            raise ValueError("the self-check needs the server's --good and --bad")
+        scorer = self.new_scorer(None, None, {})
+        self.check = run_self_check(scorer, self.good, self.bad, **kw)
+        if self.check.ok:
+            scorer.self_check = self.check
+        return self.check
 
     def _forget(self, scorer: Any) -> None:
         """``scorer``'s work was cut part-way: no chunk uses it again (the server's kept one is
@@ -161,7 +171,7 @@ class Scoring:
                      for r in records]
             rows = glassbox(self.model, self.tokenizer, items, features=features,
                             backend=self.backend)
-            feats = [clean(dict(row)) for row in rows]
+            feats = [finite_or_none(dict(row)) for row in rows]
         out = []
         for i, (sc, ft) in enumerate(zip(icqs, feats, strict=True)):
             # Only what was asked for is set (the route leaves unset fields out).
@@ -286,4 +296,4 @@ class Scoring:
         return ScoreResponse(object="list", model=self.model_name, data=data)
 
 
-__all__ = ["ICQS_OPTIONS", "Scoring", "clean", "icqs_item"]
+__all__ = ["ICQS_OPTIONS", "Scoring", "icqs_item"]

@@ -1,0 +1,112 @@
+"""``icqs-fast check``: how well the scorer tells the good demonstrations from the bad ones, before
+a run, and the calibrated P(good) map (:mod:`icqs_fast.engine.selfcheck`).
+
+    icqs-fast check --good G --bad B [the scoring options of score] [--plot DIR] [--json]
+
+Held-out members of the pools are scored as responses with the same settings, demonstration
+sets and model as ``score`` would use, each one only from the demonstration sets that do not
+hold it; prints the expected AUC with its bootstrap interval, the Brier score and ECE of the
+calibrated probability, the equal-error threshold and the expected accuracy there. ``--plot
+DIR`` writes ``DIR/reliability.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from icqs_fast.cli.options import add_scoring_arguments, add_self_check_arguments
+    from icqs_fast.cli.ray_options import add_job_arguments
+
+    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    add_scoring_arguments(p)
+    add_self_check_arguments(p, switch=False)
+    p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--quiet", action="store_true", help="no progress bar / status lines")
+    add_job_arguments(p)
+
+
+def _f(v: float | None, spec: str = ".3f") -> str:
+    return "n/a" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.cli.options import scoring_options, self_check_kwargs
+    from icqs_fast.engine.selfcheck import FIELD
+    from icqs_fast.jobs.config import ScoreJobConfig, flag_names
+    from icqs_fast.jobs.runner import set_threads
+    from icqs_fast.jobs.score import ScoreStrategy, load_template
+
+    kw = self_check_kwargs(args)
+    if kw["max_heldout"] == 0:
+        raise ValueError("--self-check-max must be >= 1 for check")
+    _, spec = load_template(args.template)
+    try:
+        # The score job's own configuration and strategy read the pools and build the scorer,
+        # so the check runs under exactly the settings a score run would.
+        config = ScoreJobConfig(
+            input="-", output=os.devnull, good=args.good, bad=args.bad,
+            scoring=scoring_options(args, spec), token_budget=args.token_budget,
+            deterministic=args.deterministic, demo_x_field=args.demo_x_field,
+            demo_y_field=args.demo_y_field, encoding=args.encoding, model=args.model,
+            dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads,
+            quiet=args.quiet or args.json, self_check=kw)
+        config.check()
+    except ValueError as exc:
+        raise ValueError(flag_names(str(exc))) from None
+    quiet = args.quiet or args.json
+    set_threads(args.threads)
+
+    def log(*a: object) -> None:
+        if not quiet:
+            print(*a, file=sys.stderr)
+
+    strategy = ScoreStrategy(config)
+    strategy.prepare(log)
+    strategy.load(None, {}, log)  # the model, the scorer and the self-check, as score runs them
+    check = strategy.check
+    plot = None
+    if args.plot and check.ok:
+        from icqs_fast.evals.reliability import plot_reliability
+
+        plot = str(plot_reliability(check, Path(args.plot) / "reliability.png"))
+    if args.json:
+        json.dump({**check.to_dict(), "plot": plot}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    if not check.ok:
+        print(check.message)
+        if args.plot:
+            print("no reliability diagram without an estimate")
+        return 0
+    cal = check.calibration
+    how = (f"sigmoid({cal.a:.4g} * score + {cal.b:.4g})" if cal.method == "platt"
+           else f"isotonic, {len(cal.x)} knots")
+    skipped = (f", {check.n_skipped} skipped (some ratio had no set without them)"
+               if check.n_skipped else "")
+    rows = [
+        ("held out", f"{check.n_good} good + {check.n_bad} bad demonstrations{skipped}"),
+        ("AUC", f"{_f(check.auc)} [{_f(check.auc_lo)}, {_f(check.auc_hi)}] "
+                f"({check.level:.0%} bootstrap interval)"),
+        ("Brier", f"{_f(check.brier)} (a constant 0.5: 0.250; out of fold)"),
+        ("ECE", f"{_f(check.ece)} ({check.ece_bins} equal-width bins; out of fold)"),
+        ("threshold", f"score >= {_f(check.threshold, '.4f')} (equal error rate; "
+                      f"{FIELD} {_f(check.p_at_threshold, '.2f')} there)"),
+        ("expected accuracy", f"{_f(check.expected_accuracy, '.2f')} at that threshold"),
+        ("calibration map", how),
+    ]
+    if check.target_precision is not None:
+        rows.append(("precision target", check.lines()[1].split(": ", 1)[1]))
+    if plot:
+        rows.append(("reliability diagram", plot))
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    return 0

@@ -1,0 +1,635 @@
+"""Self-check from the demonstration pools: how well the scorer separates good from bad answers
+on the user's own task, and a calibrated probability of "good" for every score.
+
+The good and bad pools are labelled data. :func:`crossfit_heldout` scores up to
+``max_heldout`` of their members (class-balanced, seeded) as responses with the run's own
+:class:`~icqs_fast.engine.scorer.ICQSScorer` (same settings, same demonstration sets, the prefix
+bank it already holds), then, per held-out item, keeps only the contexts ``(j, l)`` whose
+demonstration set holds no demonstration with the item's input (:func:`clean_contexts`) and
+recomputes the item's score from them with the engine's own score function
+(:func:`crossfit_score`): no item is judged by demonstrations that contain it. An item with a
+ratio left without a clean set has no score; it is skipped and counted.
+
+:func:`fit_self_check` turns the cross-fitted scores into a :class:`SelfCheck`: the AUC with a
+stratified bootstrap interval, a monotone :class:`CalibrationMap` from score to P(good), the
+Brier score and the ECE of that map's probabilities (out of fold: each fold's probabilities come
+from a map fitted on the other folds), an equal-error threshold with its expected accuracy, and a
+plain "too small" verdict when either class has fewer than :data:`MIN_PER_CLASS` items.
+
+The held-out items are drawn class-balanced, so the calibrated probability is P(good) for a
+response drawn from an even mix of good and bad answers; the equal-error threshold's accuracy
+does not depend on the mix (both error rates are equal there).
+
+A :class:`SelfCheck` is JSON-able (:meth:`SelfCheck.to_dict` / :meth:`SelfCheck.from_dict`): the
+map is stored as its knots (isotonic) or its two coefficients (Platt), and applied with numpy
+alone, so a run's meta file can hold it and a resumed run, a Ray worker or the server can apply
+it without scikit-learn.
+
+numpy, torch and scikit-learn are imported where used: the command line reads this module's
+defaults while building its parser, which must not load them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from icqs_fast.engine.prompts import DemoSet, Example, check_pool
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+# The per-record field of the calibrated probability, beside the raw score. Named like
+# ICQSResult.p_good / loglik_calibrated: the same quantity, passed through the fitted map.
+FIELD = "p_good_calibrated"
+# Below this many usable held-out items in either class, no estimate is given (the AUC interval
+# is wider than +-0.15 at AUC 0.75, and a calibration map from fewer points is mostly noise).
+MIN_PER_CLASS = 20
+# Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
+# one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
+# measured); 256 cost 2.4 % of a 10,000-record job (docs/RESULTS.md, "Self-check from the
+# pools", bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
+DEFAULT_MAX_HELDOUT = 256
+# Platt scaling below this many items per class, isotonic regression from it on: isotonic
+# regression overfits small samples (Niculescu-Mizil & Caruana 2005 found it worse than Platt
+# below roughly a thousand points in all; its steps follow each point's noise).
+ISOTONIC_MIN_PER_CLASS = 100
+ECE_BINS = 10
+N_BOOT = 1000
+LEVEL = 0.95
+CV_FOLDS = 5
+METHODS = ("auto", "platt", "isotonic")
+LEAKS = ("input", "pair")
+VERSION = 1
+
+
+# --------------------------------------------------------------------------- cross-fitting
+
+
+def clean_contexts(sets: Sequence[Sequence[DemoSet]], item: Example, leak: str = "input"
+                   ) -> torch.Tensor:
+    """``[M+1, L]`` bool: True where demonstration set ``sets[j][l]`` does not hold ``item``.
+
+    ``leak="input"`` (default) counts any demonstration with the item's input ``x`` as holding
+    it (the same question answered either way, e.g. good and bad answers to one prompt, would
+    tell the model the item's answer); ``"pair"`` only the same ``(x, y)`` (for data whose
+    pools share inputs by design, e.g. one fixed instruction).
+    """
+    import torch
+
+    if leak not in LEAKS:
+        raise ValueError(f"leak must be one of {LEAKS}, got {leak!r}")
+    x, y = item
+    if leak == "input":
+        def holds(s: DemoSet) -> bool:
+            return any(ex[0] == x for ex in s.examples)
+    else:
+        def holds(s: DemoSet) -> bool:
+            return any(ex == (x, y) for ex in s.examples)
+    return torch.tensor([[not holds(s) for s in row] for row in sets], dtype=torch.bool)
+
+
+def crossfit_score(res: Any, clean: torch.Tensor) -> float:
+    """The score of ``res`` (an :class:`~icqs_fast.engine.scorer.ICQSResult`) from its clean
+    contexts only: per ratio ``j`` the mean over the clean sets ``l`` of the (calibrated)
+    log-likelihood, then the engine's ICQS-Epistemic score of that column
+    (:func:`~icqs_fast.engine.calibration.icqs_scores`, the result's score kind). Equal to
+    ``res.score`` when every context is clean; NaN when a ratio has no clean set.
+
+    Args:
+        res: the item's result (``loglik`` and ``loglik_baseline`` ``[M+1, L]``).
+        clean: ``[M+1, L]`` bool, from :func:`clean_contexts`.
+    """
+    import torch
+
+    from icqs_fast.engine.calibration import icqs_scores
+
+    ll = res.loglik.double()
+    if res.loglik_baseline is not None:
+        ll = ll - res.loglik_baseline.double()
+    if clean.shape != ll.shape:
+        raise ValueError(f"clean has shape {tuple(clean.shape)}, the result {tuple(ll.shape)}")
+    count = clean.sum(dim=1)
+    if bool((count == 0).any()):
+        return math.nan
+    col = torch.where(clean, ll, torch.zeros_like(ll)).sum(dim=1) / count
+    score, _ = icqs_scores(col[:, None], res.ratios, res.score_kind, res.tie_epsilon)
+    return score
+
+
+def select_heldout(n_good: int, n_bad: int, max_heldout: int, seed: int
+                   ) -> tuple[list[int], list[int]]:
+    """Pool indices of the held-out items: ``k = min(max_heldout // 2, n_good, n_bad)`` of each
+    pool (the same count of each, so the calibrated probability is for an even mix), drawn with
+    ``random.Random(seed)``, in pool order."""
+    if not isinstance(max_heldout, int) or max_heldout < 0:
+        raise ValueError(f"max_heldout must be an int >= 0, got {max_heldout!r}")
+    k = min(max_heldout // 2, n_good, n_bad)
+    rng = random.Random(seed)
+    return sorted(rng.sample(range(n_good), k)), sorted(rng.sample(range(n_bad), k))
+
+
+@dataclass
+class CrossFit:
+    """Cross-fitted scores of the held-out pool members.
+
+    Attributes:
+        items: the held-out (x, y) pairs, good ones first.
+        labels: ``[n]`` int64, 1 for a good-pool item, 0 for a bad one.
+        scores: ``[n]`` float64, each item's score from its clean contexts (NaN: skipped).
+        full_scores: ``[n]`` float64, the item's score from every context (leaky; kept to
+            show what the cross-fitting changes).
+        clean: ``[n, M+1, L]`` bool, the contexts each score used.
+    """
+
+    items: list[Example]
+    labels: np.ndarray
+    scores: np.ndarray
+    full_scores: np.ndarray
+    clean: np.ndarray
+
+    @property
+    def n_skipped(self) -> int:
+        import numpy as np
+
+        return int((~np.isfinite(self.scores)).sum())
+
+
+def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
+                     max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
+                     leak: str = "input",
+                     progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
+    """Score the held-out pool members with ``scorer`` and cross-fit their scores.
+
+    Args:
+        scorer: the run's :class:`~icqs_fast.engine.scorer.ICQSScorer`, built from ``good`` and
+            ``bad`` (its demonstration sets and prefix bank are used as they are).
+        good, bad: the pools the scorer was built from ((x, y) pairs or dicts).
+        max_heldout: at most this many items in all (:func:`select_heldout`).
+        seed: the draw of the held-out items.
+        leak: see :func:`clean_contexts`.
+        progress: wraps the result stream (e.g. a progress bar): ``progress(iterable, total)``.
+    """
+    import numpy as np
+    import torch
+
+    g, b = check_pool(good, "good"), check_pool(bad, "bad")
+    ig, ib = select_heldout(len(g), len(b), max_heldout, seed)
+    items = [g[i] for i in ig] + [b[i] for i in ib]
+    labels = np.array([1] * len(ig) + [0] * len(ib), dtype=np.int64)
+    masks = [clean_contexts(scorer.sets, it, leak) for it in items]
+    stream: Iterable = scorer.score(items)
+    if progress is not None:
+        stream = progress(stream, len(items))
+    scores, full = [], []
+    for res, mask in zip(stream, masks, strict=True):
+        scores.append(crossfit_score(res, mask))
+        full.append(float(res.score))
+    m1, ls = len(scorer.sets), len(scorer.sets[0])
+    clean = (torch.stack(masks).numpy() if masks else np.zeros((0, m1, ls), dtype=bool))
+    return CrossFit(items, labels, np.asarray(scores, dtype=np.float64),
+                    np.asarray(full, dtype=np.float64), clean)
+
+
+# --------------------------------------------------------------------------- the map
+
+
+def _platt_targets(y: np.ndarray) -> np.ndarray:
+    """Platt's (1999) smoothed targets: ``(n+ + 1) / (n+ + 2)`` for a positive,
+    ``1 / (n- + 2)`` for a negative, so that a separable sample does not give a step."""
+    import numpy as np
+
+    n_pos, n_neg = int((y == 1).sum()), int((y == 0).sum())
+    return np.where(y == 1, (n_pos + 1) / (n_pos + 2), 1.0 / (n_neg + 2))
+
+
+@dataclass(frozen=True)
+class CalibrationMap:
+    """A non-decreasing map from a score to P(good).
+
+    ``method="platt"``: ``sigmoid(a * score + b)`` (``a >= 0``; a fit that came out decreasing
+    is replaced by the constant base rate: the score then says nothing usable). ``"isotonic"``:
+    the piecewise-linear interpolation of the knots ``(x, y)``, clipped to the end values outside
+    them (scikit-learn's ``IsotonicRegression(out_of_bounds="clip")`` prediction).
+    """
+
+    method: str
+    a: float = 0.0
+    b: float = 0.0
+    x: tuple[float, ...] = ()
+    y: tuple[float, ...] = ()
+
+    @classmethod
+    def fit(cls, scores: Sequence[float], labels: Sequence[int], method: str = "platt"
+            ) -> CalibrationMap:
+        """Fit on finite ``scores`` ``[n]`` with 0/1 ``labels`` ``[n]`` (both classes needed),
+        against Platt's smoothed targets (:func:`_platt_targets`; for the isotonic fit too, so
+        that its end steps are not exactly 0 or 1)."""
+        import numpy as np
+
+        s = np.asarray(scores, dtype=np.float64).reshape(-1)
+        y = np.asarray(labels, dtype=np.int64).reshape(-1)
+        if s.shape != y.shape or not np.all(np.isfinite(s)):
+            raise ValueError("CalibrationMap.fit: scores must be finite and as many as labels")
+        if not (y == 1).any() or not (y == 0).any():
+            raise ValueError("CalibrationMap.fit: both classes are needed")
+        t = _platt_targets(y)
+        if method == "isotonic":
+            from sklearn.isotonic import IsotonicRegression
+
+            iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True,
+                                     out_of_bounds="clip").fit(s, t)
+            return cls("isotonic", x=tuple(float(v) for v in iso.X_thresholds_),
+                       y=tuple(float(v) for v in iso.y_thresholds_))
+        if method != "platt":
+            raise ValueError(f"method must be 'platt' or 'isotonic', got {method!r}")
+        from sklearn.linear_model import LogisticRegression
+
+        mu, sd = float(s.mean()), float(s.std())
+        if sd == 0.0:  # a constant score: only the base rate can be said
+            return cls("platt", a=0.0, b=float(np.log(t.mean() / (1.0 - t.mean()))))
+        z = (s - mu) / sd
+        # Soft targets as two weighted copies of each point: the exact likelihood of Platt's
+        # fit; C large = (nearly) no regularisation, as Platt's method has none.
+        lr = LogisticRegression(C=1e6, max_iter=1000).fit(
+            np.concatenate([z, z])[:, None], np.concatenate([np.ones_like(z), np.zeros_like(z)]),
+            sample_weight=np.concatenate([t, 1.0 - t]))
+        coef, icpt = float(lr.coef_[0, 0]), float(lr.intercept_[0])
+        if coef <= 0.0:
+            return cls("platt", a=0.0, b=float(np.log(t.mean() / (1.0 - t.mean()))))
+        return cls("platt", a=coef / sd, b=icpt - coef * mu / sd)
+
+    def apply(self, score: Any) -> Any:
+        """P(good) of ``score``: a float for a scalar, a float64 array for an array-like (NaN
+        where the score is NaN)."""
+        import numpy as np
+
+        s = np.asarray(score, dtype=np.float64)
+        if self.method == "platt":
+            with np.errstate(over="ignore"):
+                p = 1.0 / (1.0 + np.exp(-(self.a * s + self.b)))
+        else:
+            p = np.interp(s, np.asarray(self.x), np.asarray(self.y))
+            p = np.where(np.isnan(s), np.nan, p)
+        return float(p) if p.ndim == 0 else p
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.method == "platt":
+            return {"method": "platt", "a": self.a, "b": self.b}
+        return {"method": "isotonic", "x": list(self.x), "y": list(self.y)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CalibrationMap:
+        import numpy as np
+
+        if d.get("method") == "platt":
+            return cls("platt", a=float(d["a"]), b=float(d["b"]))
+        if d.get("method") == "isotonic":
+            x, y = tuple(float(v) for v in d["x"]), tuple(float(v) for v in d["y"])
+            if not x or len(x) != len(y) or np.any(np.diff(x) < 0) or np.any(np.diff(y) < 0):
+                raise ValueError("calibration map: the isotonic knots must be non-empty, as "
+                                 "many x as y, both non-decreasing")
+            return cls("isotonic", x=x, y=y)
+        raise ValueError(f"calibration map: unknown method {d.get('method')!r}")
+
+
+def choose_method(method: str, n_per_class: int) -> str:
+    """``"auto"`` -> Platt below :data:`ISOTONIC_MIN_PER_CLASS` items per class, else isotonic."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "isotonic" if n_per_class >= ISOTONIC_MIN_PER_CLASS else "platt"
+
+
+# --------------------------------------------------------------------------- thresholds
+
+
+def _rates(scores: np.ndarray, labels: np.ndarray, t: float) -> tuple[float, float]:
+    """``(fnr, fpr)`` of "good when score >= t"."""
+
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    return float((pos < t).mean()), float((neg >= t).mean())
+
+
+def _candidates(scores: np.ndarray) -> np.ndarray:
+    """Thresholds worth trying: midway between consecutive distinct scores, and the lowest."""
+    import numpy as np
+
+    u = np.unique(scores)
+    return np.concatenate([u[:1], (u[1:] + u[:-1]) / 2])
+
+
+def equal_error_threshold(scores: Sequence[float], labels: Sequence[int]) -> float:
+    """The threshold ``t`` ("good when score >= t") whose false-negative and false-positive
+    rates are closest (ties: the lowest total error, then the lowest ``t``), midway between
+    two observed scores."""
+    import numpy as np
+
+    s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels)
+    best, key = math.nan, (math.inf, math.inf)
+    for t in _candidates(s):
+        fnr, fpr = _rates(s, y, float(t))
+        k = (abs(fnr - fpr), fnr + fpr)
+        if k < key:
+            best, key = float(t), k
+    return best
+
+
+def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: float
+                        ) -> tuple[float, float, float]:
+    """``(t, precision, recall)``: among the thresholds whose precision (good among those with
+    score >= t, at the sample's class mix) reaches ``target``, the one with the highest recall
+    (ties: the lowest t); NaNs when none does."""
+    import numpy as np
+
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target precision must be in (0, 1], got {target!r}")
+    s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels)
+    best = (math.nan, math.nan, math.nan)
+    for t in _candidates(s):
+        sel = s >= t
+        if not sel.any():
+            continue
+        prec = float(y[sel].mean())
+        rec = float((sel & (y == 1)).sum() / max(1, (y == 1).sum()))
+        if prec >= target and (math.isnan(best[2]) or rec > best[2]):
+            best = (float(t), prec, rec)
+    return best
+
+
+# --------------------------------------------------------------------------- the result
+
+
+@dataclass
+class SelfCheck:
+    """What the pools say about the scorer on this task (see the module docstring).
+
+    Attributes:
+        status: "ok" (estimates below), "too_small" (fewer than :data:`MIN_PER_CLASS` usable
+            items in a class: no estimate) or "off" (not run).
+        message: one plain line for the log / summary.
+        n_good, n_bad: held-out items used (with a score); n_skipped: held out but skipped (a
+            ratio had no set without the item).
+        needed_per_class: the usable items per class an estimate needs (``MIN_PER_CLASS``).
+        auc, auc_lo, auc_hi: ROC AUC of the cross-fitted scores and its bootstrap interval
+            (``level``, ``n_boot`` stratified resamples, ``seed``).
+        brier, ece: of the calibrated probabilities, out of fold (``folds`` stratified folds,
+            each fold's probabilities from a map fitted on the others); ECE over ``ece_bins``
+            equal-width bins of [0, 1], weighted by count. A constant 0.5 has Brier 0.25.
+        calibration: the map fitted on every usable item (None unless "ok").
+        threshold: the equal-error threshold on the raw score; p_at_threshold its calibrated
+            probability; expected_accuracy: the accuracy of "good when score >= threshold",
+            out of fold (the threshold fitted on the other folds).
+        target_precision, precision_threshold, precision, recall: the threshold for a target
+            precision when one was asked (at an even class mix), with what it reached.
+        reliability: the out-of-fold probabilities' reliability bins
+            (:func:`icqs_fast.metrics.reliability_bins`), for the diagram; score_range: the
+            lowest and highest cross-fitted score.
+        config: the self-check's own options (max_heldout, seed, method, leak, n_boot, level,
+            folds), for a resumed run to check it would compute the same.
+    """
+
+    status: str
+    message: str
+    n_good: int = 0
+    n_bad: int = 0
+    n_skipped: int = 0
+    needed_per_class: int = MIN_PER_CLASS
+    auc: float = math.nan
+    auc_lo: float = math.nan
+    auc_hi: float = math.nan
+    level: float = LEVEL
+    brier: float = math.nan
+    brier_constant: float = 0.25
+    ece: float = math.nan
+    ece_bins: int = ECE_BINS
+    calibration: CalibrationMap | None = None
+    threshold: float = math.nan
+    p_at_threshold: float = math.nan
+    expected_accuracy: float = math.nan
+    target_precision: float | None = None
+    precision_threshold: float = math.nan
+    precision: float = math.nan
+    recall: float = math.nan
+    reliability: list[dict[str, float]] = field(default_factory=list)
+    score_range: tuple[float, float] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def apply(self, score: Any) -> Any:
+        """P(good) of a score (float) or of an array of scores (float64 array); NaN without an
+        estimate."""
+        import numpy as np
+
+        if self.calibration is None:
+            s = np.asarray(score, dtype=np.float64)
+            out = np.full(s.shape, np.nan)
+            return float(out) if out.ndim == 0 else out
+        return self.calibration.apply(score)
+
+    def record_value(self, score: float) -> float | None:
+        """The per-record :data:`FIELD` value: the calibrated probability, None (JSON null)
+        when there is no estimate or the score is NaN."""
+        p = self.apply(float(score))
+        return None if not math.isfinite(p) else p
+
+    @classmethod
+    def off(cls, reason: str = "turned off (--no-self-check)") -> SelfCheck:
+        """A self-check that did not run."""
+        return cls(status="off", message=f"self-check: {reason}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (NaN as None)."""
+        def num(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        d = {k: num(getattr(self, k)) for k in (
+            "status", "message", "n_good", "n_bad", "n_skipped", "needed_per_class", "auc",
+            "auc_lo", "auc_hi", "level", "brier", "brier_constant", "ece", "ece_bins",
+            "threshold", "p_at_threshold", "expected_accuracy", "target_precision",
+            "precision_threshold", "precision", "recall")}
+        d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
+        d["reliability"] = [{k: num(v) for k, v in b.items()} for b in self.reliability]
+        d["score_range"] = None if self.score_range is None else list(self.score_range)
+        d["config"] = dict(self.config)
+        d["version"] = VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SelfCheck:
+        """Inverse of :meth:`to_dict` (ValueError naming what is wrong)."""
+        if not isinstance(d, dict) or d.get("version") != VERSION:
+            raise ValueError(f"self-check: expected a dict with version {VERSION}")
+        if d.get("status") not in ("ok", "too_small", "off"):
+            raise ValueError(f"self-check: unknown status {d.get('status')!r}")
+        kw: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            if f.name in d and f.name not in ("calibration", "config", "reliability",
+                                               "score_range"):
+                v = d[f.name]
+                kw[f.name] = math.nan if v is None and f.type == "float" else v
+        cal = d.get("calibration")
+        rng = d.get("score_range")
+        bins = [{k: math.nan if v is None else v for k, v in b.items()}
+                for b in d.get("reliability") or []]
+        return cls(**kw, calibration=None if cal is None else CalibrationMap.from_dict(cal),
+                   reliability=bins, score_range=None if rng is None else (rng[0], rng[1]),
+                   config=dict(d.get("config") or {}))
+
+    def lines(self) -> list[str]:
+        """The summary: one line, two with a precision target."""
+        if not self.ok:
+            return [self.message]
+        out = [self.message]
+        if self.target_precision is not None:
+            if math.isnan(self.precision_threshold):
+                out.append(f"self-check: no threshold reaches precision {self.target_precision:g}"
+                           " on the held-out items")
+            else:
+                out.append(f"self-check: precision >= {self.target_precision:g}: score >= "
+                           f"{self.precision_threshold:.4f} (held-out precision "
+                           f"{self.precision:.2f}, recall {self.recall:.2f})")
+        return out
+
+
+def auc_sample_size(auc: float = 0.75, half_width: float = 0.1, level: float = LEVEL) -> int:
+    """Items per class for an AUC interval of about ``+-half_width`` at ``auc`` (Hanley &
+    McNeil 1982 variance, equal class sizes, normal approximation)."""
+    import numpy as np
+
+    a = min(max(auc, 0.5), 0.99)
+    q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
+    z = float(np.sqrt(2) * _erfinv(level))
+    for n in range(2, 100000):
+        var = (a * (1 - a) + (n - 1) * (q1 - a * a) + (n - 1) * (q2 - a * a)) / (n * n)
+        if z * math.sqrt(var) <= half_width:
+            return n
+    return 100000
+
+
+def _erfinv(level: float) -> float:
+    from scipy.special import erfinv
+
+    return float(erfinv(level))
+
+
+def _out_of_fold(scores: np.ndarray, labels: np.ndarray, method: str, folds: int, seed: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Out-of-fold ``(p, correct)``: each fold's calibrated probabilities and its "score >=
+    equal-error threshold" verdicts' correctness, from a map and a threshold fitted on the other
+    folds."""
+    import numpy as np
+    from sklearn.model_selection import StratifiedKFold
+
+    p = np.full(scores.shape, np.nan)
+    correct = np.zeros(scores.shape, dtype=bool)
+    k = min(folds, int((labels == 1).sum()), int((labels == 0).sum()))
+    for tr, te in StratifiedKFold(n_splits=k, shuffle=True, random_state=seed).split(
+            scores, labels):
+        cmap = CalibrationMap.fit(scores[tr], labels[tr], method)
+        p[te] = cmap.apply(scores[te])
+        t = equal_error_threshold(scores[tr], labels[tr])
+        correct[te] = (scores[te] >= t) == (labels[te] == 1)
+    return p, correct
+
+
+def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped: int = 0,
+                   method: str = "auto", seed: int = 0, n_boot: int = N_BOOT,
+                   level: float = LEVEL, folds: int = CV_FOLDS, n_bins: int = ECE_BINS,
+                   target_precision: float | None = None,
+                   config: dict[str, Any] | None = None) -> SelfCheck:
+    """The :class:`SelfCheck` of cross-fitted ``scores`` ``[n]`` (NaN: a skipped item, counted
+    with ``n_skipped``) and their 0/1 ``labels`` ``[n]`` (1 = good pool).
+
+    Everything is seeded by ``seed`` (bootstrap, folds), so the same input gives the same
+    result. Fewer than :data:`MIN_PER_CLASS` usable items in a class gives ``status
+    "too_small"`` and no estimate.
+    """
+    import numpy as np
+
+    from icqs_fast import metrics
+
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels, dtype=np.int64).reshape(-1)
+    if s.shape != y.shape:
+        raise ValueError(f"fit_self_check: {s.size} scores for {y.size} labels")
+    ok = np.isfinite(s)
+    n_skipped += int((~ok).sum())
+    s, y = s[ok], y[ok]
+    n_good, n_bad = int((y == 1).sum()), int((y == 0).sum())
+    cfg = {"method": method, "seed": seed, "n_boot": n_boot, "level": level, "folds": folds,
+           **(config or {})}
+    common = dict(n_good=n_good, n_bad=n_bad, n_skipped=n_skipped, level=level,
+                  ece_bins=n_bins, target_precision=target_precision, config=cfg)
+    skipped = (f"; {n_skipped} skipped: every set of some ratio held them" if n_skipped
+               else "")
+    if min(n_good, n_bad) < MIN_PER_CLASS:
+        return SelfCheck(
+            status="too_small", message=(
+                f"self-check: pools too small for an estimate: {n_good} good and {n_bad} bad "
+                f"held-out demonstrations{skipped}; it needs at least {MIN_PER_CLASS} of each "
+                f"(about {auc_sample_size()} of each for an AUC interval of +-0.1)"),
+            **common)
+    used = choose_method(method, min(n_good, n_bad))
+    auc, lo, hi = metrics.auc_stratified_ci(y, s, n_resamples=n_boot, level=level, seed=seed)
+    p_oof, correct = _out_of_fold(s, y, used, folds, seed)
+    cmap = CalibrationMap.fit(s, y, used)
+    t = equal_error_threshold(s, y)
+    br, ec = metrics.brier(y, p_oof), metrics.ece(y, p_oof, n_bins)
+    acc = float(correct.mean())
+    pt, prec, rec = (precision_threshold(s, y, target_precision) if target_precision
+                     else (math.nan, math.nan, math.nan))
+    msg = (f"self-check ({n_good} good + {n_bad} bad held-out demonstrations{skipped}): AUC "
+           f"{auc:.3f} [{lo:.3f}, {hi:.3f}], Brier {br:.3f} (constant 0.5: 0.250), ECE "
+           f"{ec:.3f}; threshold score >= {t:.4f} (equal error, P(good) "
+           f"{cmap.apply(t):.2f}), expected accuracy {acc:.2f}; {FIELD} by {used} map")
+    return SelfCheck(status="ok", message=msg, auc=auc, auc_lo=lo, auc_hi=hi, brier=br,
+                     ece=ec, calibration=cmap, threshold=t, p_at_threshold=cmap.apply(t),
+                     expected_accuracy=acc, precision_threshold=pt, precision=prec,
+                     recall=rec, reliability=metrics.reliability_bins(y, p_oof, n_bins),
+                     score_range=(float(s.min()), float(s.max())),
+                     **{**common, "config": {**cfg, "method_used": used}})
+
+
+def too_small_without_scoring(n_good: int, n_bad: int, max_heldout: int) -> bool:
+    """Whether the pools cannot give :data:`MIN_PER_CLASS` held-out items per class whatever
+    the scores (the self-check is then skipped before scoring anything)."""
+    return min(max_heldout // 2, n_good, n_bad) < MIN_PER_CLASS
+
+
+def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
+                   max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
+                   method: str = "auto", leak: str = "input",
+                   target_precision: float | None = None, n_boot: int = N_BOOT,
+                   progress: Callable[[Iterable, int], Iterable] | None = None) -> SelfCheck:
+    """Cross-fit the held-out pool members (:func:`crossfit_heldout`) and fit the
+    :class:`SelfCheck` (:func:`fit_self_check`). Pools that cannot give :data:`MIN_PER_CLASS`
+    items per class are not scored at all ("too_small" at no cost); ``max_heldout=0`` gives
+    "off"."""
+    if max_heldout == 0:
+        return SelfCheck.off("turned off (--self-check-max 0)")
+    choose_method(method, 0)  # a bad method fails before any scoring
+    n_good, n_bad = len(check_pool(good, "good")), len(check_pool(bad, "bad"))
+    cfg = {"max_heldout": max_heldout, "leak": leak}
+    if too_small_without_scoring(n_good, n_bad, max_heldout):
+        why = (f"--self-check-max {max_heldout} allows {max_heldout // 2} per class"
+               if max_heldout // 2 < min(n_good, n_bad) else
+               f"the pools hold {n_good} good and {n_bad} bad demonstrations")
+        return SelfCheck(
+            status="too_small", config={"method": method, "seed": seed, **cfg},
+            target_precision=target_precision,
+            message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
+                     f"held-out demonstrations of each class (about {auc_sample_size()} of "
+                     "each for an AUC interval of +-0.1)"))
+    cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak,
+                          progress=progress)
+    return fit_self_check(cf.scores, cf.labels, method=method, seed=seed, n_boot=n_boot,
+                          target_precision=target_precision, config=cfg)
