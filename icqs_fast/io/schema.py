@@ -72,15 +72,18 @@ class ResultField:
 
 
 _R = ResultField
-_ID = _R("id", "text", meaning="the input's id field (`--id-field`; default `id` when present)",
-         when="the input has ids", source="record", omit="none")
-
-ICQS_FIELDS: tuple[ResultField, ...] = (
+# What every record line starts with: where it is in the input, and its id.
+_RECORD = (
     _R("index", "int", meaning="0-based record number in the input (bad records count too)",
        source="record"),
     _R("line", "int", meaning="1-based line of the record in its file (Parquet / datasets "
        "inputs: the row number, index + 1)", source="record"),
-    _ID,
+    _R("id", "text", meaning="the input's id field (`--id-field`; default `id` when present)",
+       when="the input has ids", source="record", omit="none"),
+)
+
+ICQS_FIELDS: tuple[ResultField, ...] = (
+    *_RECORD,
     _R("label", "text", meaning="the input's `--label-field` value, copied",
        when="`--label-field` given", source="record"),
     _R("score", "float", meaning="ICQS-Epistemic: the argmax ratio (`argmax`), the mean ratio "
@@ -119,11 +122,7 @@ ICQS_FIELDS: tuple[ResultField, ...] = (
 )
 
 FEATURE_FIELDS: tuple[ResultField, ...] = (
-    _R("index", "int", meaning="0-based record number in the input (bad records count too)",
-       source="record"),
-    _R("line", "int", meaning="1-based line of the record in its file (Parquet / datasets "
-       "inputs: the row number, index + 1)", source="record"),
-    _ID,
+    *_RECORD,
     _R("n_tokens", "int", meaning="response tokens"),
     _R("<feature>", "float", meaning="each glass-box feature asked for (`--features`), in that "
        "order", source="features"),
