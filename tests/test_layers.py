@@ -97,6 +97,18 @@ def _edges() -> dict[str, set[str]]:
     return edges
 
 
+# A module that grows past this holds more than one thing: split it into files named for them.
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_a_grab_bag():
+    files = [*sorted((ROOT / "icqs_fast").rglob("*.py")), *sorted((ROOT / "kernels").glob("*.py"))]
+    assert len(files) > 50
+    big = {str(p.relative_to(ROOT)): n for p in files
+           if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
 def test_every_module_is_in_a_layer():
     for m in MODULES:
         _room(m)
