@@ -1,8 +1,10 @@
-"""``icqs-fast info``: versions, device and which backends are available (and why not)."""
+"""``icqs-fast info``: versions, device, which backends are available (and why not), and the dtype
+``--dtype auto`` picks here (and why)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -37,4 +39,19 @@ def collect() -> dict:
         "backends": {k: {"available": ok, "reason": why}
                      for k, (ok, why) in backends.availability().items()},
         "auto_backend_cpu": backends.resolve("auto", torch.device("cpu")),
+        **_auto_dtypes(),
     }
+
+
+def _auto_dtypes() -> dict:
+    """What ``--dtype auto`` loads a model in here (CPU, and CUDA when present), and why."""
+    from icqs_fast.models import CPU_DTYPE_ENV, choose_dtype, cpu_bf16_support
+
+    cpu = choose_dtype("auto", "cpu")
+    out = {"auto_dtype_cpu": cpu.name, "auto_dtype_cpu_reason": cpu.reason,
+           "cpu_native_bf16": cpu_bf16_support()[0],
+           "dtype_override": f"${CPU_DTYPE_ENV}={os.environ.get(CPU_DTYPE_ENV) or '(unset)'}"}
+    if torch.cuda.is_available():
+        cuda = choose_dtype("auto", "cuda")
+        out.update(auto_dtype_cuda=cuda.name, auto_dtype_cuda_reason=cuda.reason)
+    return out

@@ -4,11 +4,15 @@ local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
 import threading
+import warnings
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +99,176 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# ``dtype="auto"`` on the CPU: when set, this variable names the dtype instead of the detection
+# (e.g. ``float32`` to keep exact fp32 numbers on a CPU with native bf16; the test suite does).
+CPU_DTYPE_ENV = "ICQS_FAST_CPU_DTYPE"
+
+# How much slower than float32 the embedded model scored in a 16-bit dtype on a CPU without a
+# native dot product for it. Measured on one machine each (so named, and used only in the
+# warning's text, never to decide): an AVX2-only CPU, 32 answers x 20 contexts, 2 threads, bf16
+# 284.2 s vs fp32 51.9 s; fp16 from its matmul rate on the model's shapes against fp32's on an
+# AVX-512 CPU without avx512_fp16 / AMX-FP16 (docs/RESULTS.md, "Precision on the CPU").
+SLOWDOWN_WITHOUT_NATIVE = {torch.bfloat16: 5.5, torch.float16: 5.0}
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model is loaded in, and why (:func:`choose_dtype`).
+
+    Attributes:
+        dtype: the torch dtype.
+        requested: what was asked for (``"auto"``, a name such as ``"bf16"``, or a dtype's name).
+        reason: one sentence of evidence, shown by ``icqs-fast info`` and in a run's meta file.
+    """
+
+    dtype: torch.dtype
+    requested: str
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def as_dict(self) -> dict[str, str]:
+        return {"dtype": self.name, "dtype_requested": self.requested,
+                "dtype_reason": self.reason}
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The ``flags`` / ``Features`` of the first CPU in ``/proc/cpuinfo`` (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _probe(fn_name: str, owner: Any) -> bool | None:
+    fn = getattr(owner, fn_name, None)
+    if fn is None:
+        return None
+    try:
+        return bool(fn())
+    except Exception:  # noqa: BLE001 - a capability torch cannot answer counts as unknown
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_support() -> tuple[bool, str]:
+    """Whether this CPU runs bf16 matmuls natively (faster than fp32), and the evidence.
+
+    Native means bf16 dot-product instructions (x86: ``avx512_bf16`` or AMX; ARM: the ``bf16``
+    extension), as torch sees them (``torch.cpu._is_avx512_bf16_supported``,
+    ``_is_amx_tile_supported``; ``/proc/cpuinfo`` when torch does not say), *and* torch's
+    oneDNN path on (its bf16 matmuls go there; without it they run a slow generic loop).
+    AVX-512 alone is not enough: oneDNN then emulates bf16 (torch's own
+    ``_is_mkldnn_bf16_supported`` answers yes there). Decided once per process.
+    """
+    import platform
+
+    flags = _cpu_flags()
+    mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
+    if not mkldnn:
+        return False, "torch's oneDNN (mkldnn) path is off, so bf16 matmuls have no fast path"
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        found = []
+        avx = _probe("_is_avx512_bf16_supported", torch.cpu)
+        amx = _probe("_is_amx_tile_supported", torch.cpu)
+        if avx or (avx is None and "avx512_bf16" in flags):
+            found.append("avx512_bf16")
+        if amx or (amx is None and "amx_bf16" in flags):
+            found.append("AMX")
+        if found:
+            return True, f"native bf16 dot products ({' and '.join(found)})"
+        return False, "no native bf16 dot product (neither avx512_bf16 nor AMX)"
+    arm = _probe("_is_mkldnn_bf16_supported", torch.ops.mkldnn)
+    if arm or (arm is None and "bf16" in flags):
+        return True, f"native bf16 dot products ({machine} bf16 extension)"
+    return False, f"no native bf16 dot product ({machine})"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_fp16_support() -> bool:
+    """Whether this CPU has native fp16 matmuls (``avx512_fp16`` or AMX-FP16 on x86; ARM
+    ``fphp``/``asimdhp``); without them torch's fp16 matmuls run a generic loop."""
+    amx = _probe("_is_amx_fp16_supported", torch.cpu)
+    flags = _cpu_flags()
+    return bool(amx) or "avx512_fp16" in flags or "amx_fp16" in flags or "asimdhp" in flags
+
+
+def _named(dtype: str | torch.dtype, where: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)} or 'auto'")
-    return names[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}{where}; use one of {sorted(DTYPE_NAMES)} "
+                         "or 'auto'")
+    return DTYPE_NAMES[dtype]
+
+
+def choose_dtype(dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto") -> DtypeChoice:
+    """The dtype :func:`load_model` loads a model in on ``device``, with the reason.
+
+    ``"auto"``: bf16 on CUDA; on the CPU bf16 where it has native bf16 dot products
+    (:func:`cpu_bf16_support`: 1.5-1.7x faster than fp32 there, the default score within 0.01),
+    fp32 elsewhere (bf16 runs ~5.5x slower than fp32 without them), unless
+    ``$ICQS_FAST_CPU_DTYPE`` (:data:`CPU_DTYPE_ENV`) names the dtype. An explicit dtype is
+    kept; on the CPU one without a native dot product (bf16 or fp16) warns once per process,
+    naming the expected cost and ``--dtype``.
+
+    Raises:
+        ValueError: an unknown dtype name (in ``dtype`` or in the variable).
+    """
+    dev = _resolve_device(device)
+    if isinstance(dtype, torch.dtype) or dtype != "auto":
+        dt = _named(dtype, "")
+        requested = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        choice = DtypeChoice(dt, requested, f"requested ({requested})")
+    elif dev.type != "cpu":
+        choice = DtypeChoice(torch.bfloat16, "auto", f"auto: bf16 on {dev.type}")
+    elif os.environ.get(CPU_DTYPE_ENV, "").strip():
+        name = os.environ[CPU_DTYPE_ENV].strip()
+        dt = _named(name, f" in ${CPU_DTYPE_ENV}")
+        choice = DtypeChoice(dt, "auto", f"auto: set by {CPU_DTYPE_ENV}={name}")
+    else:
+        native, why = cpu_bf16_support()
+        choice = (DtypeChoice(torch.bfloat16, "auto", f"auto: this CPU has {why}") if native
+                  else DtypeChoice(torch.float32, "auto", f"auto: this CPU has {why}"))
+    if dev.type == "cpu":
+        _warn_if_slow(choice)
+    return choice
+
+
+_WARNED: set[torch.dtype] = set()
+
+
+def _warn_if_slow(choice: DtypeChoice) -> None:
+    """Once per process and dtype: a 16-bit dtype this CPU has no native dot product for."""
+    dt = choice.dtype
+    if dt not in SLOWDOWN_WITHOUT_NATIVE or dt in _WARNED:
+        return
+    native = cpu_bf16_support()[0] if dt == torch.bfloat16 else cpu_fp16_support()
+    if native:
+        return
+    _WARNED.add(dt)
+    name = str(dt).removeprefix("torch.")
+    warnings.warn(
+        f"{name} on this CPU ({choice.reason}): it has no native {name} dot product, so "
+        f"expect the model to run about {SLOWDOWN_WITHOUT_NATIVE[dt]:g}x slower than float32; "
+        "pass --dtype float32 (or --dtype auto, which picks the fastest exact-enough dtype "
+        "here)", RuntimeWarning, stacklevel=3)
+
+
+# What load_model chose for each model it returned (read by runtime_settings).
+_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def load_model(
@@ -121,7 +285,8 @@ def load_model(
     Args:
         name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct; a local Hugging Face
             folder; or a hub id already in the local cache (no network is used).
-        dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU), a name such as ``"bf16"``, or a torch dtype.
+        dtype: ``"auto"`` (:func:`choose_dtype`: bf16 on CUDA; on the CPU bf16 where it has
+            native bf16 dot products, else fp32), a name such as ``"bf16"``, or a torch dtype.
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ...
         load_in_8bit, load_in_4bit: quantise the linear layers with bitsandbytes.
         attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the model default if None.
@@ -134,7 +299,8 @@ def load_model(
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose at most one of load_in_8bit and load_in_4bit")
     dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
+    choice = choose_dtype(dtype, dev)
+    dt = choice.dtype
     if name_or_path is None:
         path: str = str(embedded_model_dir())
         local_only = True
@@ -176,7 +342,16 @@ def load_model(
     model.eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    _CHOICES[model] = choice
     return model, tok
+
+
+def dtype_choice_of(model: Any) -> DtypeChoice | None:
+    """What :func:`load_model` chose for ``model`` (None for a model it did not load)."""
+    try:
+        return _CHOICES.get(model)
+    except TypeError:  # not weak-referenceable: not one of ours
+        return None
 
 
 def _in_hf_cache(name: str) -> bool:
@@ -191,11 +366,18 @@ def _in_hf_cache(name: str) -> bool:
 def runtime_settings(model: Any, backend: str) -> dict:
     """The model-side part of the resume fingerprint: the weights' dtype, the device type and
     the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
-    read from the loaded model's parameters."""
+    read from the loaded model's parameters; and ``dtype_reason``, why that dtype
+    (:class:`DtypeChoice`), for the run's meta file."""
     from icqs_fast import backends
 
     p = next(model.parameters())
-    return {"dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+    dtype = str(p.dtype).removeprefix("torch.")
+    choice = dtype_choice_of(model)
+    # Why this dtype (shown in the meta file; not compared on resume: only io.runs.RUNTIME_KEYS
+    # are). A model changed after loading keeps its own dtype, said as such.
+    reason = choice.reason if choice is not None and choice.name == dtype else (
+        "the model's own dtype (not chosen by icqs_fast.load_model)")
+    return {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
             "backend": backends.resolve(backend, p.device)}
 
 

@@ -62,7 +62,8 @@ def test_kernels_exits_nonzero_naming_the_field(monkeypatch, tmp_path, capsys):
     """One quick CPU record against an impossible tolerance: written, then exit 1 naming
     ``max_abs_err`` with the record's op; with the default tolerance it passes."""
     monkeypatch.setattr(bench_kernels, "plan",
-                        lambda quick, cuda: [("token_stats", "torch", "cpu", "fp32", (8, 64))])
+                        lambda quick, cuda, cpu=True: [("token_stats", "torch", "cpu", "fp32",
+                                                         (8, 64))])
     out = tmp_path / "k.json"
     argv = ["--quick", "--no-cuda", "--repeat", "1", "--json", "--out", str(out)]
     assert bench_kernels.run(_parse(bench_kernels, [*argv, "--tolerance", "-1"])) == 1

@@ -195,6 +195,7 @@ def test_progress_file_after_every_section(tmp_path):
 
 
 @pytest.mark.subprocess
+@pytest.mark.subprocess
 def test_dry_run_states_the_expected_duration(dry_report):
     r, rep = dry_report
     assert rep["gpu_run_expected"]["expected_s"] == gpu.expected_duration()["expected_s"]

@@ -89,7 +89,7 @@ def test_comparison_sees_a_known_difference(monkeypatch):
             out[0] = dataclasses.replace(r, loglik=ll, score=r.score + 1.0)
         return out
 
-    def fake_peak(side, n, device, random_weights, config):
+    def fake_peak(side, n, device, random_weights, config, dtype=None):
         calls.append((side, n))
         return {"fast": 10.0, "naive": 25.0}[side]
 
@@ -189,3 +189,30 @@ def test_failing_correctness_field_exits_nonzero_naming_it(monkeypatch, tmp_path
     assert "max_abs_loglik_diff_per_token = 1e-06 (want <= 1e-09)" in err
     assert "score_agreement" not in err
     assert bench_icqs.run(_args()) == 0
+
+
+def test_a_16bit_record_is_checked_at_its_own_precision(monkeypatch, capsys):
+    """A bf16 record (bf16 on CUDA, --dtype auto on a bf16 CPU) passes with the 16-bit
+    tolerances; the same differences fail a float32 record."""
+    rec = {"score_agreement": 1.0, "max_abs_loglik_diff_per_token": 0.05, "device": "cpu",
+           "dtype": "bfloat16"}
+    monkeypatch.setattr(bench_icqs, "bench", lambda *a, **k: dict(rec))
+    assert bench_icqs.run(_args()) == 0
+    rec["dtype"] = "float32"
+    assert bench_icqs.run(_args()) == 1
+    assert "max_abs_loglik_diff_per_token = 0.05 (want <= 0.0001)" in capsys.readouterr().err
+
+
+def test_scores_agree_tolerance():
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(score=0.50, score_per_set=[0.4, 0.6], score_kind="mean")
+    b = SimpleNamespace(score=0.505, score_per_set=[0.405, 0.6], score_kind="mean")
+    assert not bench_icqs.scores_agree(a, b)
+    assert bench_icqs.scores_agree(a, b, bench_icqs.SCORE_TOL_16BIT)
+    b.score_per_set = [0.43, 0.6]  # a per-set score 0.03 away: only the Epistemic one counts
+    assert not bench_icqs.scores_agree(a, b, bench_icqs.SCORE_TOL_16BIT)
+    assert bench_icqs.scores_agree(a, b, bench_icqs.SCORE_TOL_16BIT, per_set=False)
+    # The discrete kinds must be equal whatever the tolerance.
+    a.score_kind = "argmax"
+    assert not bench_icqs.scores_agree(a, b, bench_icqs.SCORE_TOL_16BIT)

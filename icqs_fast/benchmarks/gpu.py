@@ -14,9 +14,17 @@ Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case
   is still judged fairly).
 
 It writes ``gpu_model_check_<arch>.json`` (one record per kernel launch and per op, with
-``measured_ms``, ``predicted_ms`` and ``rel_error = predicted / measured - 1``) to ``--out-dir``
-and then runs ``bench kernels``, ``bench attention`` and ``bench icqs`` in child processes, each
-writing its own ``*_cuda.json`` there, so one that fails (e.g. out of memory) loses nothing else.
+``measured_ms``, ``predicted_ms`` and ``rel_error = predicted / measured - 1``) to ``--out-dir``,
+rewritten after every case, and then runs ``bench kernels`` (its CUDA records), ``bench icqs``
+and ``bench attention`` in child processes, each writing its own ``*_cuda.json`` there, so one
+that fails (e.g. out of memory) loses nothing else.
+
+The device window of a lent GPU machine is short (about 8 minutes for ``make bench-gpu``, the
+install included), so the run has a time budget (``--budget-s``, :data:`DEFAULT_BUDGET_S`): a
+section whose expected duration (:data:`SECTION_ESTIMATE_S`, reasoned from the code for a fresh
+H100, see :func:`expected_duration`) no longer fits is skipped, a child is stopped when the
+budget ends, and ``gpu_day_one.json`` (each section's status, seconds and file) is rewritten after
+every section: a run cut anywhere still leaves every finished section's data.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +43,29 @@ import torch
 from icqs_fast.benchmarks import environment
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+# Seconds `bench gpu` may take: the GPU machine's device window is about 8 minutes for the whole
+# `make bench-gpu` (a fresh machine: imports, the in-place install without the C++ extension,
+# about 30 s, then this command), so 7 minutes here with room to spare. Tuned for that window
+# only; --budget-s overrides it.
+DEFAULT_BUDGET_S = 420.0
+# Expected seconds of each section on a fresh H100 machine (empty Triton and CUDA caches, 16 CPU
+# cores), reasoned from the code, not measured (no GPU has been lent to measure them):
+# - startup: importing torch, triton and transformers, the CUDA context (~10-15 s);
+# - model_check: measure_device (1 GiB copy and a bf16 8192^3 matmul under do_bench, ~3 s),
+#   then 13 cases: about 20 distinct kernel configurations, each JIT-compiled by Triton when
+#   first run and compiled again through ASTSource for the static model with cuobjdump /
+#   nvdisasm (~2 s + ~2 s), ~20 do_bench timings of ~0.3 s and 10 profiled calls per op
+#   (~1 s each), inputs of up to 5 GB built on the device;
+# - kernels: a child (startup ~15 s) timing 7 CUDA records x 5 repeats against the torch
+#   baseline and a float64 reference of [8192, 151936] logits (~2 s each), CPU records off;
+# - icqs: a child (startup ~15 s, a 1.1B random Llama initialised on the CPU ~15 s) scoring
+#   64 responses x 20 contexts: the naive side 1280 forwards of ~400 tokens (~10 ms each, launch
+#   bound), the engine a few seconds, its FLOP-counting pass and matmul probes (~10 s);
+# - attention: a child (startup and model ~30 s), eager attention with output_attentions at 4096
+#   tokens x 22 layers (3 repeats each side) and the Triton-vs-sdpa comparison (~20 s).
+SECTION_ESTIMATE_S = {"startup": 15.0, "model_check": 110.0, "kernels": 50.0, "icqs": 90.0,
+                      "attention": 55.0}
 
 # (op, dtype, shape): shape is [N, V] for token_stats, [N, H, V] for linear_token_stats and
 # [B, Hq, Hk, T, D] for attention (causal, every query row flagged, key range = all keys).
@@ -146,7 +178,7 @@ def check_case(op: str, dtype_name: str, shape: tuple[int, ...], device: torch.d
     """Records for one case: one per Triton launch and one for the whole op (per variant)."""
     from triton.testing import do_bench
 
-    from icqs_fast.benchmarks.static import analyze
+    from icqs_fast.benchmarks.compiler import analyze
 
     dtype = _DTYPES[dtype_name]
     out: list[dict] = []
@@ -197,33 +229,101 @@ def _attention_ratios(records: list[dict]) -> None:
             r["ratio_vs_sdpa"] = r["measured_ms"] / sd["measured_ms"]
 
 
-def _run_child(argv: list[str], log: Path) -> int:
+def expected_duration(quick: bool = False, end_to_end: bool = True) -> dict[str, Any]:
+    """What ``bench gpu`` is expected to take on a fresh H100 (:data:`SECTION_ESTIMATE_S`;
+    ``--quick`` runs small shapes: a quarter of the case time, the children's fixed costs),
+    against the default budget; ``bench gpu --dry-run`` states it."""
+    est = dict(SECTION_ESTIMATE_S)
+    if quick:
+        est.update(model_check=est["model_check"] / 4, kernels=30.0, icqs=35.0, attention=30.0)
+    if not end_to_end:
+        est = {k: v for k, v in est.items() if k in ("startup", "model_check")}
+    total = sum(est.values())
+    return {"sections_s": est, "expected_s": total, "budget_s": DEFAULT_BUDGET_S,
+            "fits": total <= DEFAULT_BUDGET_S,
+            "basis": "reasoned from the code for a fresh H100 (empty Triton cache), not "
+                     "measured; the budget stops the run before the machine's ~8-minute window"}
+
+
+class _Progress:
+    """``gpu_day_one.json``: each section's status, seconds and file, rewritten after every
+    section (a cut run keeps what finished)."""
+
+    def __init__(self, out_dir: Path, budget_s: float, t0: float):
+        self.path = out_dir / "gpu_day_one.json"
+        self.t0, self.budget_s = t0, budget_s
+        self.doc: dict[str, Any] = {"budget_s": budget_s, "expected": expected_duration(),
+                                    "sections": []}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def fits(self, name: str) -> bool:
+        return self.left() >= SECTION_ESTIMATE_S.get(name, 0.0)
+
+    def add(self, name: str, status: str, seconds: float, file: Path | None = None,
+            **extra: Any) -> None:
+        self.doc["sections"].append({"name": name, "status": status,
+                                     "seconds": round(seconds, 1),
+                                     "estimate_s": SECTION_ESTIMATE_S.get(name),
+                                     "file": None if file is None else file.name, **extra})
+        self.doc["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.path.write_text(json.dumps(self.doc, indent=1) + "\n")
+
+
+def _run_child(argv: list[str], log: Path, timeout: float) -> int | None:
+    """Run ``icqs-fast ARGV`` with its output in ``log``; None when ``timeout`` stopped it."""
     cmd = [sys.executable, "-m", "icqs_fast.cli", *argv]
     print("bench gpu: running", " ".join(argv), flush=True)
     with log.open("w") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False,
+                                  timeout=max(timeout, 1.0)).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _write_model_check(path: Path, head: dict, records: list[dict]) -> None:
+    path.write_text(json.dumps({**head, "records": records}, indent=1) + "\n")
 
 
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     if not torch.cuda.is_available():
         print("icqs-fast bench gpu: no CUDA device here; this command measures GPU times "
               "(use `icqs-fast bench static` for the predictions alone)", file=sys.stderr)
         return 2
     from icqs_fast.benchmarks import gpu_model
-    from icqs_fast.benchmarks.static import Compiler
+    from icqs_fast.benchmarks.compiler import Compiler
 
+    budget = DEFAULT_BUDGET_S if getattr(args, "budget_s", None) is None else args.budget_s
+    if budget <= 0:
+        raise ValueError(f"--budget-s must be > 0, got {budget}")
     device = torch.device("cuda")
     out_dir = Path(args.out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
+    progress = _Progress(out_dir, budget, t0)
+    progress.add("startup", "ok", time.perf_counter() - t0)
     arch = arch_of(device)
+    path = out_dir / f"gpu_model_check_{arch.replace('_', '')}.json"
+    t1 = time.perf_counter()
     props = torch.cuda.get_device_properties(device)
     dev_figs = measure_device(device)
     hw_table = gpu_model.hardware(arch)
     hw_measured = gpu_model.hardware(arch, sms=props.multi_processor_count, **dev_figs)
     compiler = Compiler()
+    import triton
+
+    head = {**environment(device), "triton": triton.__version__, "arch": arch,
+            "device_measured": dev_figs, "model_table": hw_table.name}
     records: list[dict] = []
     failed = 0
-    for op, dt, shape in (QUICK_CASES if args.quick else CASES):
+    cases = QUICK_CASES if args.quick else CASES
+    for i, (op, dt, shape) in enumerate(cases):
+        if progress.left() <= 0:
+            records.append({"op": op, "dtype": dt, "shape": list(shape), "kind": "op",
+                            "error": "skipped: the time budget ran out"})
+            continue
         try:
             records += check_case(op, dt, shape, device, compiler, hw_table, hw_measured, arch)
         except (RuntimeError, ValueError, MemoryError) as exc:
@@ -232,14 +332,11 @@ def run(args: argparse.Namespace) -> int:
             records.append({"op": op, "dtype": dt, "shape": list(shape), "kind": "op",
                             "error": str(exc)[:500]})
         torch.cuda.empty_cache()
-    _attention_ratios(records)
-    env = environment(device)
-    import triton
-
-    doc = {**env, "triton": triton.__version__, "arch": arch, "device_measured": dev_figs,
-           "model_table": hw_table.name, "records": records}
-    path = out_dir / f"gpu_model_check_{arch.replace('_', '')}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+        _attention_ratios(records)
+        # After every case: a run cut here keeps the cases done.
+        _write_model_check(path, {**head, "cases_done": i + 1, "cases": len(cases)}, records)
+    progress.add("model_check", "ok" if not failed else "failed", time.perf_counter() - t1,
+                 path)
     print(f"bench gpu: wrote {path}")
     for r in records:
         if r.get("kind") == "op" and "predicted_ms" in r:
@@ -248,24 +345,38 @@ def run(args: argparse.Namespace) -> int:
                   f"(kernels {r['kernels_ms']:.3f}) predicted {r['predicted_ms']:.3f} ms")
     if not args.no_end_to_end:
         q = ["--quick"] if args.quick else []
-        # GPU-only runs: no CPU memory subprocesses; llama-1b shapes with random weights (no hub).
+        # GPU-only runs: no CPU records or memory subprocesses (measured on the CPU machines);
+        # llama-1b shapes with random weights (no hub). Most valuable first.
         children = [
-            (["bench", "kernels", "--json", *q, "--out", str(out_dir / "kernels_cuda.json")],
-             "kernels"),
-            (["bench", "attention", "--device", "cuda", "--random-weights", "--config",
-              "tiny" if args.quick else "llama-1b", "--json", "--no-memory",
-              *(["--quick"] if args.quick else ["--seq-len", "4096"]),
-              "--out", str(out_dir / "attention_cuda.json")], "attention"),
+            (["bench", "kernels", "--json", "--no-cpu", *q, "--out",
+              str(out_dir / "kernels_cuda.json")], "kernels"),
             (["bench", "icqs", "--device", "cuda", "--random-weights", "--config",
               "tiny" if args.quick else "llama-1b", "--json", "--no-memory",
               *(["--responses", "8"] if args.quick else []),
               "--out", str(out_dir / "icqs_cuda.json")], "icqs"),
+            (["bench", "attention", "--device", "cuda", "--random-weights", "--config",
+              "tiny" if args.quick else "llama-1b", "--json", "--no-memory",
+              *(["--quick"] if args.quick else ["--seq-len", "4096"]),
+              "--out", str(out_dir / "attention_cuda.json")], "attention"),
         ]
         for argv, name in children:
-            rc = _run_child(argv, out_dir / f"{name}_cuda.log")
-            if rc:
+            out = out_dir / f"{name}_cuda.json"
+            if not progress.fits(name):
+                print(f"bench gpu: skipping bench {name}: {progress.left():.0f} s of the "
+                      f"{budget:.0f} s budget left, it is expected to take "
+                      f"{SECTION_ESTIMATE_S[name]:.0f} s", file=sys.stderr)
+                progress.add(name, "skipped", 0.0, None, left_s=round(progress.left(), 1))
+                continue
+            t1, wall1 = time.perf_counter(), time.time()
+            rc = _run_child(argv, out_dir / f"{name}_cuda.log", progress.left())
+            status = {None: "timeout", 0: "ok"}.get(rc, "failed")
+            if rc != 0:
                 failed += 1
-                print(f"bench gpu: bench {name} exited {rc} (see {name}_cuda.log)",
-                      file=sys.stderr)
+                why = "ran out of time" if rc is None else f"exited {rc}"
+                print(f"bench gpu: bench {name} {why} (see {name}_cuda.log)", file=sys.stderr)
+            fresh = out.exists() and out.stat().st_mtime >= wall1  # not an older run's file
+            progress.add(name, status, time.perf_counter() - t1, out if fresh else None,
+                         log=f"{name}_cuda.log")
+    print(f"bench gpu: {time.perf_counter() - t0:.0f} s of the {budget:.0f} s budget; "
+          f"sections in {progress.path}")
     return 1 if failed else 0
-

@@ -180,10 +180,11 @@ def bench_linear(backend: str, device: torch.device, dtype: str, n: int, h: int,
                             "reference where fp32 matmul rounding reorders near-ties"})
 
 
-def plan(quick: bool, cuda: bool) -> list[tuple]:
-    """The list of (kind, backend, device, dtype, shape) records to run."""
+def plan(quick: bool, cuda: bool, cpu: bool = True) -> list[tuple]:
+    """The list of (kind, backend, device, dtype, shape) records to run (``cpu=False``: the
+    CUDA ones only)."""
     avail = backends.availability()
-    cpu_backends = [b for b in ("cpp", "torch") if avail[b][0]]
+    cpu_backends = [b for b in ("cpp", "torch") if avail[b][0] and cpu]
     jobs: list[tuple] = []
     ts = (64, 4096) if quick else (2048, 49152)
     lin = (64, 64, 4096) if quick else (2048, 576, 49152)  # SmolLM2-135M's head
@@ -222,13 +223,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and not args.no_cuda
     copy_bytes = (64 << 20) if args.quick else (1 << 30)
-    copy = {"cpu": copy_bandwidth(torch.device("cpu"), copy_bytes // 4, args.repeat)}
+    cpu = not getattr(args, "no_cpu", False)
+    if not (cpu or cuda):
+        raise ValueError("--no-cpu without a CUDA device (or with --no-cuda) leaves no record")
+    copy = {}
+    if cpu:
+        copy["cpu"] = copy_bandwidth(torch.device("cpu"), copy_bytes // 4, args.repeat)
     if cuda:
         copy["cuda"] = copy_bandwidth(torch.device("cuda"), copy_bytes, args.repeat)
     records = []
     failed = 0
     envs = {dev: environment(dev) for dev in copy}
-    for kind, backend, dev, dtype, shape in plan(args.quick, cuda):
+    for kind, backend, dev, dtype, shape in plan(args.quick, cuda, cpu):
         device = torch.device(dev)
         extra = {"copy_gbps": round(copy[dev], 3), "repeat": args.repeat,
                  "threads": torch.get_num_threads() if dev == "cpu" else None}
@@ -250,9 +256,14 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 _print_row(rec)
         records.append({**rec, **{k: v for k, v in envs[dev].items() if k not in rec}})
+        # Valid JSON, one record per line; written after every record (a run stopped by a
+        # time limit keeps the records done).
+        text = "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]"
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
         if cuda:
             torch.cuda.empty_cache()
-    # Valid JSON, one record per line.
     text = "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]"
     if args.json:
         print(text)

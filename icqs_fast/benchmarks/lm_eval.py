@@ -26,6 +26,10 @@ Fields:
   suffix forwards (rows x padded length: each request's last context token and continuation);
   ``ours_tokens = ours_prefix_tokens + ours_suffix_tokens``; ``token_ratio = hf_tokens_padded /
   ours_tokens``.
+* ``model_gflop``, ``achieved_gflops``, ``limit_gflops``, ``fraction_of_limit`` (and per CPU
+  second, ``*_cpu``): our side's matmul FLOPs (its requests run again, counted, untimed)
+  against ``ours_s``, and this machine's matmul rate on the model's linear shapes, dtype and
+  threads (:mod:`icqs_fast.benchmarks.roofline`).
 * ``max_abs_diff``: largest ``|loglik_ours - loglik_hf|`` over every request (per-sample
   ``resps`` of both runs); ``is_greedy_agreement``: fraction of requests with the same
   is_greedy; ``acc_hf`` / ``acc_ours`` and ``same_predictions`` (every document's argmax
@@ -171,11 +175,15 @@ def _count_ours(counts: dict[str, int]) -> Iterator[None]:
         cm.PrefixBank, cm.suffix_hidden, cm.score_plain = bank_cls, suffix, plain
 
 
-def _timed_loglikelihood(lm: Any, acc: dict[str, float], key: str) -> None:
-    """Make ``lm.loglikelihood`` add its wall time and request count to ``acc``."""
+def _timed_loglikelihood(lm: Any, acc: dict[str, float], key: str,
+                         seen: list | None = None) -> None:
+    """Make ``lm.loglikelihood`` add its wall time and request count to ``acc`` (and each call's
+    requests to ``seen``, when given)."""
     inner = lm.loglikelihood
 
     def loglikelihood(requests, *a, **k):
+        if seen is not None:
+            seen.append(list(requests))
         t0, c0 = time.perf_counter(), time.process_time()
         out = inner(requests, *a, **k)
         acc[key + "_s"] += time.perf_counter() - t0
@@ -249,9 +257,11 @@ def bench(limit: int = 60, shots: int = 5, model: str = "embedded", *, data: str
         _timed_loglikelihood(hf, times, "hf")
         with _count_hf(hf, counts):
             out_hf, hf_eval_s = _evaluate(hf, task, folder, limit)
-        _timed_loglikelihood(ours, times, "ours")
+        ours_calls: list = []
+        _timed_loglikelihood(ours, times, "ours", ours_calls)
         with _count_ours(counts):
             out_ours, ours_eval_s = _evaluate(ours, task, folder, limit)
+        limit_rec = _distance_to_limit(ours, ours_calls, times, m, device)
     a, picks_a = _per_request(out_hf, task)
     b, picks_b = _per_request(out_ours, task)
     if len(a) != len(b):
@@ -288,7 +298,31 @@ def bench(limit: int = 60, shots: int = 5, model: str = "embedded", *, data: str
         "acc_ours": out_ours["results"][task]["acc,none"],
         "same_predictions": picks_a == picks_b,
         "torch_threads": torch.get_num_threads(),
+        **limit_rec,
     }
+
+
+def _distance_to_limit(ours: Any, calls: list, times: dict[str, float], model: Any,
+                       device: str) -> dict[str, Any]:
+    """The FLOPs of our side's ``loglikelihood`` work (the same requests again, counted, untimed)
+    against ``ours_s``, and this machine's matmul rate on the model's linear shapes
+    (:mod:`icqs_fast.benchmarks.roofline`; probes before and after the counting pass)."""
+    import torch
+
+    from icqs_fast.benchmarks import roofline
+
+    inner = type(ours).loglikelihood
+
+    def work():
+        for reqs in calls:
+            inner(ours, reqs, disable_tqdm=True)
+
+    flops, _ = roofline.count_flops(work)
+    dtype = next(model.parameters()).dtype
+    dev = torch.device(device)
+    probes = [roofline.matmul_probe(flops, dtype, dev), roofline.matmul_probe(flops, dtype, dev)]
+    return roofline.limit_fields(flops, times["ours_s"],
+                                 times["ours_cpu_s"] if dev.type == "cpu" else None, probes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,11 @@ def _gpu_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     p.add_argument("--no-end-to-end", action="store_true",
                    help="only the model check, not bench kernels/attention/icqs")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds the whole run may take (default 420: make bench-gpu must fit "
+                        "a GPU machine's ~8-minute window); a section that no longer fits is "
+                        "skipped, a child is stopped at the end, and every finished section's "
+                        "file stays (gpu_day_one.json lists them)")
 
 
 def _dry_run_arguments(p: argparse.ArgumentParser) -> None:

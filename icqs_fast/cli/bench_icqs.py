@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.cli.options import DTYPE_NAMES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("icqs-fast bench icqs: the ICQS engine (ICQSScorer) against the naive method "
@@ -33,9 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the responses' answers: labels (positive / negative; default) or "
                         "free-text (a distinct one-sentence answer per headline: no shared "
                         "calibration baselines)")
+    p.add_argument("--dtype", default=None,
+                   choices=DTYPE_NAMES,
+                   help="the model's dtype (default: float32 on the CPU, where the engine's "
+                        "exactness is checked, bf16 on CUDA; auto: what --dtype auto picks "
+                        "here). A 16-bit model is checked against the naive method at its own "
+                        "precision (scores within 0.01, log-likelihoods within 0.1 per token)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |loglik engine - naive| per response token that passes "
-                        "(default 1e-4); "
+                        "(default 1e-4, 0.1 for a 16-bit model); "
                         "the command exits 1, naming the field, when a check fails")
 
 

@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (torch.set_num_threads; the cpp backend follows it)")
     p.add_argument("--no-cuda", action="store_true", help="CPU records only")
+    p.add_argument("--no-cpu", action="store_true",
+                   help="CUDA records only (bench gpu: the CPU ones are measured elsewhere)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest max_abs_err that passes, every op (default: per op, "
                         "token_stats 1e-3, linear_token_stats 5e-3); the command exits 1, "

@@ -1,4 +1,4 @@
-"""``icqs-fast info``: versions, device and available backends.
+"""``icqs-fast info``: versions, device, available backends and the dtype ``--dtype auto`` picks.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "versions, device and available backends"
+    p.description = "versions, device, available backends and the dtype --dtype auto picks"
     p.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -1,0 +1,87 @@
+"""Where the ICQS engine's time goes on this CPU: ``bench icqs``'s workload (its headlines and
+settings, the embedded model) with its FLOPs counted, a plain timed run, a run with a timer on
+every module and on the fused LM-head statistics
+(:func:`icqs_fast.benchmarks.roofline.module_times`), and this machine's matmul rate on the
+model's linear shapes. ``python -m icqs_fast.benchmarks.engine_profile --dtypes
+float32,bfloat16 --out FILE``; docs/RESULTS.md ("The engine against the machine's limit")
+reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from icqs_fast.benchmarks.roofline import count_flops, limit_fields, matmul_probe, module_times
+
+
+def profile_engine(dtype: str = "float32", n_responses: int = 16,
+                   threads: int | None = None) -> dict[str, Any]:
+    """Where the ICQS engine's time goes on this machine: ``bench icqs``'s workload (its
+    headlines and settings, the embedded model in ``dtype``) counted (:func:`count_flops`),
+    then a plain timed run, a run under :func:`module_times` and two matmul probes. Returns the
+    distance-to-limit fields, the profile rows in seconds and as shares of the timed run, and
+    the time the linear FLOPs would take at the probed rate (``linear_at_limit_s``)."""
+    from icqs_fast.benchmarks import environment
+    from icqs_fast.benchmarks.icqs import demos, responses, scoring_settings
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.models import load_model
+
+    def _scorer(model, tok, good, bad, settings=None):
+        return ICQSScorer(model, tok, good, bad, scoring_settings(settings))
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, tok = load_model(None, dtype=dtype, device="cpu", attn_implementation="sdpa")
+    good, bad = demos()
+    resp = responses(n_responses)
+    list(_scorer(model, tok, good, bad, dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1,
+                                             seed=0)).score(resp[:1]))  # warm-up
+    count, _ = count_flops(lambda: list(_scorer(model, tok, good, bad).score(resp)))
+    dt = next(model.parameters()).dtype
+    probes = [matmul_probe(count, dt)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    list(_scorer(model, tok, good, bad).score(resp))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rows, _ = module_times(lambda: list(_scorer(model, tok, good, bad).score(resp)), model)
+    probes.append(matmul_probe(count, dt))
+    fields = limit_fields(count, wall, cpu, probes)
+    total = rows["total (wall)"]
+    limit = fields["limit_gflops"]
+    return {"bench": "engine-profile", "dtype": str(dt).removeprefix("torch."),
+            "responses": n_responses, "fast_s": round(wall, 3), "fast_cpu_s": round(cpu, 3),
+            **fields,
+            "linear_at_limit_s": round(count.linear / (limit * 1e9), 3) if limit else None,
+            "profile_s": {k: round(v, 3) for k, v in sorted(rows.items(), key=lambda x: -x[1])},
+            "profile_share": {k: round(v / total, 3) for k, v in rows.items()
+                              if k != "total (wall)"},
+            **environment("cpu")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m icqs_fast.benchmarks.engine_profile``: :func:`profile_engine` per dtype."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m icqs_fast.benchmarks.engine_profile",
+                                description="where the ICQS engine's time goes on this CPU")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--responses", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="write the JSON records here")
+    a = p.parse_args(argv)
+    recs = [profile_engine(d, a.responses, a.threads) for d in a.dtypes.split(",")]
+    text = json.dumps(recs, indent=1)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

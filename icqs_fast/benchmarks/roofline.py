@@ -1,0 +1,284 @@
+"""The engine's distance to the machine's limit: the model FLOPs a piece of work actually computed,
+and this machine's matmul rate on the same linear shapes, dtype and thread count.
+
+:func:`count_flops` runs a function under a ``TorchDispatchMode`` that counts every matmul the
+work dispatches (untimed: counting costs Python per op, so the timed run is a separate one of the
+same work, which computes the same FLOPs):
+
+* ``linear``: ``mm`` / ``addmm`` inside a module's forward (the decoder's projections, the MLP),
+  ``2 M K N`` each, by weight shape ``(K, N)`` with the rows ``M`` of each call;
+* ``attention``: ``bmm`` / ``baddbmm`` and CPU / CUDA scaled-dot-product attention (``4 B H Tq Tk
+  D``: scores and values, the full rectangle: a causal kernel may skip up to half of it);
+* ``head``: ``mm`` / ``addmm`` outside any module (the engine's fused LM-head statistics,
+  ``linear_token_stats``, which reads the head weight directly).
+
+:func:`matmul_probe` times ``torch.nn.functional.linear`` on ``[M, K] x [N, K]`` for each counted
+weight shape at the FLOP-weighted median ``M`` the work used, and :func:`limit_fields` gives the
+record's fields: ``model_gflop``, ``achieved_gflops`` (all model FLOPs / wall seconds),
+``limit_gflops`` (the probe's FLOP-weighted rate over the linear shapes, i.e. the time the
+linear FLOPs alone would take at the probed rate), ``fraction_of_limit`` and the same per CPU
+second (steadier on a shared machine).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Seconds each weight shape is timed for by the probe (after one warm-up call): long enough for
+# a stable median of a few hundred calls on a 2-core CPU, short enough for a benchmark's side.
+PROBE_SECONDS = 0.25
+
+_A = torch.ops.aten
+_MM = {_A.mm.default, _A.addmm.default}
+_BMM = {_A.bmm.default, _A.baddbmm.default}
+_SDPA = {getattr(_A, n).default for n in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(_A, n)}
+
+
+@dataclass
+class FlopCount:
+    """Matmul FLOPs of a piece of work, by kind (see the module docstring)."""
+
+    linear: int = 0
+    attention: int = 0
+    head: int = 0
+    # (K, N) of a linear weight -> the rows M of each call.
+    linear_rows: dict[tuple[int, int], list[int]] = field(
+        default_factory=lambda: defaultdict(list))
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention + self.head
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_gflop": round(self.total / 1e9, 3),
+                "linear_gflop": round(self.linear / 1e9, 3),
+                "attention_gflop": round(self.attention / 1e9, 3),
+                "head_gflop": round(self.head / 1e9, 3),
+                "linear_calls": sum(len(v) for v in self.linear_rows.values())}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: FlopCount, depth: list[int]):
+        super().__init__()
+        self.count, self.depth = count, depth
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _MM:
+            a, b = (args[0], args[1]) if func is _A.mm.default else (args[1], args[2])
+            m, k = a.shape
+            n = b.shape[1]
+            flops = 2 * m * k * n
+            if self.depth[0] > 0:
+                self.count.linear += flops
+                self.count.linear_rows[(int(k), int(n))].append(int(m))
+            else:
+                self.count.head += flops
+        elif func in _BMM:
+            a, b = (args[0], args[1]) if func is _A.bmm.default else (args[1], args[2])
+            bs, m, k = a.shape
+            self.count.attention += 2 * bs * m * k * b.shape[2]
+        elif func in _SDPA:
+            q, k = args[0], args[1]
+            b, h, tq, d = q.shape
+            self.count.attention += 4 * b * h * tq * k.shape[-2] * d
+        return out
+
+
+def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
+    """Run ``fn()`` counting its matmul FLOPs; returns ``(FlopCount, fn's result)``."""
+    from torch.nn.modules import module as nn_module
+
+    count, depth = FlopCount(), [0]
+
+    def pre(mod, args):
+        depth[0] += 1
+
+    def post(mod, args, out):
+        depth[0] -= 1
+
+    hooks = [nn_module.register_module_forward_pre_hook(pre),
+             nn_module.register_module_forward_hook(post, always_call=True)]
+    try:
+        with _Counter(count, depth):
+            out = fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return count, out
+
+
+def weighted_median_rows(rows: dict[tuple[int, int], list[int]]) -> int:
+    """The FLOP-weighted median of the rows per linear call (what most linear FLOPs ran at)."""
+    pairs = sorted((m, m * k * n) for (k, n), ms in rows.items() for m in ms)
+    if not pairs:
+        return 0
+    half, acc = sum(w for _, w in pairs) / 2, 0
+    for m, w in pairs:
+        acc += w
+        if acc >= half:
+            return m
+    return pairs[-1][0]
+
+
+def matmul_probe(count: FlopCount, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 rows: int | None = None, seconds: float = PROBE_SECONDS) -> dict[str, Any]:
+    """This machine's ``F.linear`` rate on ``count``'s weight shapes, in ``dtype`` on ``device``
+    with the current thread count, at ``rows`` rows (the FLOP-weighted median of the counted
+    calls if None). Returns ``{"limit_gflops", "limit_gflops_cpu", "probe_rows",
+    "probe_shapes": [{"k", "n", "share", "gflops"}]}``: the rates are the FLOP-weighted harmonic
+    mean over the shapes (the time the counted linear FLOPs would take at the probed rates), by
+    wall and by process CPU time."""
+    dev = torch.device(device)
+    m = rows or weighted_median_rows(count.linear_rows)
+    if not count.linear_rows or m < 1:
+        return {"limit_gflops": None, "limit_gflops_cpu": None, "probe_rows": m,
+                "probe_shapes": []}
+    shares = {kn: sum(ms) * kn[0] * kn[1] for kn, ms in count.linear_rows.items()}
+    total = sum(shares.values())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    wall_t = cpu_t = 0.0
+    shapes = []
+    for (k, n), w in sorted(shares.items()):
+        x = torch.randn(m, k, generator=gen).to(dev, dtype)
+        wt = torch.randn(n, k, generator=gen).to(dev, dtype) / k ** 0.5
+        with torch.inference_mode():
+            torch.nn.functional.linear(x, wt)  # warm-up: allocation, kernel selection
+            walls, cpus = [], []
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop or len(walls) < 3:
+                _sync(dev)
+                t0, c0 = time.perf_counter(), time.process_time()
+                torch.nn.functional.linear(x, wt)
+                _sync(dev)
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+        flops = 2 * m * k * n
+        wall, cpu = statistics.median(walls), statistics.median(cpus)
+        wall_t += (w / total) / (flops / wall)
+        cpu_t += (w / total) / (flops / max(cpu, 1e-9))
+        shapes.append({"k": k, "n": n, "share": round(w / total, 3),
+                       "gflops": round(flops / wall / 1e9, 1)})
+    return {"limit_gflops": round(1 / wall_t / 1e9, 1),
+            "limit_gflops_cpu": round(1 / cpu_t / 1e9, 1), "probe_rows": m,
+            "probe_shapes": shapes}
+
+
+def limit_fields(count: FlopCount, wall_s: float, cpu_s: float | None,
+                 probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record's fields: the FLOP counts, ``achieved_gflops`` (model FLOPs / ``wall_s``),
+    ``achieved_linear_gflops``, the limit (the best of ``probes``, each a
+    :func:`matmul_probe` result: the machine can do at least that), ``fraction_of_limit`` =
+    achieved / limit, and per CPU second (``cpu_s``: the work's process CPU time, which on one
+    thread leaves out the time other processes held the core)."""
+    out = count.as_dict()
+    out["achieved_gflops"] = round(count.total / wall_s / 1e9, 2) if wall_s > 0 else None
+    out["achieved_linear_gflops"] = round(count.linear / wall_s / 1e9, 2) if wall_s > 0 else None
+    ok = [p for p in probes if p.get("limit_gflops")]
+    best = max(ok, key=lambda p: p["limit_gflops"]) if ok else None
+    out["limit_gflops"] = best["limit_gflops"] if best else None
+    out["limit_probes_gflops"] = [p.get("limit_gflops") for p in probes]
+    out["fraction_of_limit"] = (round(out["achieved_gflops"] / best["limit_gflops"], 3)
+                                if best and out["achieved_gflops"] else None)
+    if cpu_s:
+        out["achieved_gflops_cpu"] = round(count.total / cpu_s / 1e9, 2)
+        cpu_best = max((p["limit_gflops_cpu"] for p in ok), default=None)
+        out["limit_gflops_cpu"] = cpu_best
+        out["fraction_of_limit_cpu"] = (round(out["achieved_gflops_cpu"] / cpu_best, 3)
+                                        if cpu_best else None)
+    if best:
+        out["probe_rows"] = best["probe_rows"]
+        out["probe_shapes"] = best["probe_shapes"]
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- where time goes
+
+
+def _category(mod: torch.nn.Module) -> str:
+    """The profile row of a module's own time (its children's excluded)."""
+    name = type(mod).__name__
+    if isinstance(mod, torch.nn.Linear):
+        return "linear layers (matmuls)"
+    if name.endswith("RMSNorm") or isinstance(mod, torch.nn.LayerNorm):
+        return "norms"
+    if name.endswith("Attention"):
+        return "attention (rotary, cascade / sdpa attention, reshapes; not its projections)"
+    if name.endswith("MLP"):
+        return "MLP activation and gating"
+    if name.endswith("RotaryEmbedding"):
+        return "rotary cos / sin"
+    if name.endswith("DecoderLayer"):
+        return "decoder-layer glue (residual adds)"
+    if isinstance(mod, torch.nn.Embedding):
+        return "embeddings"
+    return "model glue (masks, position ids, cache objects)"
+
+
+def module_times(fn: Callable[[], Any], model: torch.nn.Module) -> tuple[dict[str, float], Any]:
+    """Run ``fn()`` with wall-clock timers around every forward of ``model``'s modules and
+    around :func:`icqs_fast.ops.linear_token_stats`; returns ``({row: seconds}, fn's result)``:
+    each module's own time (children excluded) by :func:`_category`, ``"LM-head statistics"``,
+    and ``"outside the model"`` (the rest of the wall time: the engine's Python, prompt and
+    batch building, the prefix bank's bookkeeping, result assembly). On a CPU each op runs to
+    completion before the next, so host timers measure the work (on CUDA they would not)."""
+    from torch.nn.modules import module as nn_module
+
+    from icqs_fast import ops
+
+    ours = {id(m) for m in model.modules()}
+    stack: list[list[float]] = []  # [start, children's inclusive time]
+    rows: dict[str, float] = defaultdict(float)
+
+    def pre(mod, args):
+        if id(mod) in ours:
+            stack.append([time.perf_counter(), 0.0])
+
+    def post(mod, args, out):
+        if id(mod) not in ours or not stack:
+            return
+        t0, children = stack.pop()
+        inclusive = time.perf_counter() - t0
+        rows[_category(mod)] += inclusive - children
+        if stack:
+            stack[-1][1] += inclusive
+
+    real = ops.linear_token_stats
+
+    def timed_head(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            rows["LM-head statistics (linear_token_stats)"] += time.perf_counter() - t0
+
+    hooks = [nn_module.register_module_forward_pre_hook(pre),
+             nn_module.register_module_forward_hook(post, always_call=True)]
+    ops.linear_token_stats = timed_head
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        wall = time.perf_counter() - t0
+        ops.linear_token_stats = real
+        for h in hooks:
+            h.remove()
+    rows["outside the model"] = wall - sum(rows.values())
+    rows["total (wall)"] = wall
+    return dict(rows), out

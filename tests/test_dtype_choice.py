@@ -1,0 +1,194 @@
+"""``--dtype auto`` on the CPU (icqs_fast.models.choose_dtype): bf16 where the CPU has native bf16
+dot products, float32 where it has not, both branches with the capability patched; the
+override variable; the once-per-process warning for an explicit slow dtype; and the same choice,
+with its reason, reaching load_model, runtime_settings (the run's meta file), the CLI, the
+lm-eval model and ``info``.
+
+The suite pins the choice to float32 (tests/_helpers.py sets ``$ICQS_FAST_CPU_DTYPE``); these
+tests unset it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from _helpers import write_jsonl
+
+from icqs_fast import models
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NATIVE = (True, "native bf16 dot products (avx512_bf16)")
+NOT_NATIVE = (False, "no native bf16 dot product (neither avx512_bf16 nor AMX)")
+
+
+@pytest.fixture
+def detect(monkeypatch):
+    """Unset the suite's pin and the warned-once memory; returns a setter for the capability."""
+    monkeypatch.delenv(models.CPU_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "_WARNED", set())
+
+    def set_native(native: bool, fp16: bool = False) -> None:
+        monkeypatch.setattr(models, "cpu_bf16_support", lambda: NATIVE if native else NOT_NATIVE)
+        monkeypatch.setattr(models, "cpu_fp16_support", lambda: fp16)
+
+    return set_native
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir()
+
+
+def test_auto_picks_bf16_with_native_bf16(detect):
+    detect(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the automatic bf16 must not warn
+        c = models.choose_dtype("auto", "cpu")
+    assert c.dtype == torch.bfloat16 and c.requested == "auto"
+    assert "native bf16" in c.reason and "avx512_bf16" in c.reason
+    assert c.as_dict() == {"dtype": "bfloat16", "dtype_requested": "auto",
+                           "dtype_reason": c.reason}
+
+
+def test_auto_picks_float32_without_native_bf16(detect):
+    detect(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = models.choose_dtype("auto", "cpu")
+    assert c.dtype == torch.float32 and "no native bf16" in c.reason
+
+
+def test_auto_on_cuda_is_bf16_whatever_the_cpu(detect):
+    detect(False)
+    assert models.choose_dtype("auto", "cuda").dtype == torch.bfloat16
+
+
+def test_override_variable(detect, monkeypatch):
+    detect(True)
+    monkeypatch.setenv(models.CPU_DTYPE_ENV, "float32")
+    c = models.choose_dtype("auto", "cpu")
+    assert c.dtype == torch.float32 and models.CPU_DTYPE_ENV in c.reason
+    # An explicit dtype wins over the variable.
+    assert models.choose_dtype("bf16", "cpu").dtype == torch.bfloat16
+    monkeypatch.setenv(models.CPU_DTYPE_ENV, "int3")
+    with pytest.raises(ValueError, match=r"unknown dtype 'int3' in \$ICQS_FAST_CPU_DTYPE"):
+        models.choose_dtype("auto", "cpu")
+
+
+def test_explicit_slow_dtype_warns_once(detect):
+    detect(False)
+    with pytest.warns(RuntimeWarning, match=r"bfloat16 on this CPU.*5\.5x slower than float32"
+                                            r".*--dtype float32"):
+        c = models.choose_dtype("bfloat16", "cpu")
+    assert c.dtype == torch.bfloat16 and c.reason == "requested (bfloat16)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.choose_dtype("bf16", "cpu")  # once per process: no second warning
+        models.choose_dtype("float32", "cpu")
+        models.choose_dtype("bf16", "cuda")  # not a CPU
+    with pytest.warns(RuntimeWarning, match="float16 on this CPU"):
+        models.choose_dtype("fp16", "cpu")
+
+
+def test_explicit_bf16_with_native_support_does_not_warn(detect):
+    detect(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert models.choose_dtype("bfloat16", "cpu").dtype == torch.bfloat16
+
+
+def test_unknown_dtype_name():
+    with pytest.raises(ValueError, match="unknown dtype 'float7'"):
+        models.choose_dtype("float7", "cpu")
+
+
+def test_detection_reads_torch_and_needs_onednn(monkeypatch):
+    """cpu_bf16_support itself (uncached) with torch's answers patched: an x86 CPU with
+    avx512_bf16 or AMX is native; AVX-512 alone is not; oneDNN switched off is not."""
+    import platform
+
+    detect = models.cpu_bf16_support.__wrapped__
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for avx, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        native, why = detect()
+        assert native is want, (avx, amx, why)
+        assert ("avx512_bf16" in why) is avx or not want
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    native, why = detect()
+    assert not native and "oneDNN" in why
+
+
+def test_cli_dtype_names_match_models():
+    from icqs_fast.cli.options import DTYPE_NAMES
+
+    assert set(DTYPE_NAMES) == {"auto"} | set(models.DTYPE_NAMES)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_load_model_and_runtime_settings_take_the_choice(detect, tiny_dir, native):
+    detect(native)
+    model, _ = models.load_model(tiny_dir, device="cpu")
+    want = torch.bfloat16 if native else torch.float32
+    assert next(model.parameters()).dtype == want
+    rt = models.runtime_settings(model, "auto")
+    assert rt["dtype"] == str(want).removeprefix("torch.")
+    assert rt["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
+    assert models.dtype_choice_of(model).dtype == want
+    # A model changed after loading reports its own dtype, said as such.
+    model.to(torch.float32 if native else torch.bfloat16)
+    assert "not chosen" in models.runtime_settings(model, "auto")["dtype_reason"]
+
+
+def test_score_meta_and_lm_eval_model_take_the_same_choice(detect, tiny_dir, tmp_path):
+    """`score` with the default dtype writes the chosen dtype and its reason to the meta file;
+    the lm-eval model built by name loads the same dtype."""
+    from icqs_fast.cli import main
+    from icqs_fast.compat.lm_eval import ICQSFastLM
+
+    detect(True)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"x": f"g{i}", "y": "positive"} for i in range(3)])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"x": f"b{i}", "y": "negative"} for i in range(3)])
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": "How was it?", "y": "Fine."}])
+    out = tmp_path / "out.jsonl"
+    argv = ["score", str(inp), "-o", str(out), "--good", str(good), "--bad", str(bad),
+            "--model", str(tiny_dir), "--num-ratios", "2",
+            "--demos-per-set", "1", "--sets-per-ratio", "1", "--quiet"]
+    assert main(argv) == 0
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    assert meta["dtype"] == "bfloat16"
+    assert meta["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
+    lm = ICQSFastLM(pretrained=str(tiny_dir), device="cpu")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+
+
+def test_info_shows_the_choice(detect):
+    from icqs_fast.info import collect
+
+    detect(False)
+    info = collect()
+    assert info["auto_dtype_cpu"] == "float32"
+    assert "no native bf16" in info["auto_dtype_cpu_reason"]
+    assert info["cpu_native_bf16"] is False
+
+
+def test_precision_bench_answers_are_held_out_and_balanced():
+    """The side-by-side precision benchmark's answers: SST-2 sentences outside the
+    demonstration pools, correct and incorrect labels alternating."""
+    from icqs_fast.benchmarks import precision
+    from icqs_fast.io.datasets import shared_data_dir
+
+    if not (shared_data_dir() / "sst2" / "dev.tsv").is_file():
+        pytest.skip("SST-2 data not found under ../shared/data/sst2")
+    good, bad, resp = precision.answers(6)
+    assert len(good) == len(bad) == 32 and len(resp) == 6
+    pools = {x for x, _ in good + bad}
+    assert not pools & {x for x, _ in resp}
+    for (x1, y1), (x2, y2) in zip(resp[::2], resp[1::2], strict=True):
+        assert x1 == x2 and {y1, y2} == {"positive", "negative"}
