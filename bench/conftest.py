@@ -30,6 +30,6 @@ def embedded():
     from icqs_fast.models import load_model
 
     try:
-        return load_model(device=DEVICE, attn_implementation="sdpa")
+        return load_model(device=DEVICE, dtype="float32", attn_implementation="sdpa")
     except FileNotFoundError as exc:
         pytest.skip(f"embedded model unavailable: {exc}")

@@ -192,3 +192,31 @@ def test_precision_bench_answers_are_held_out_and_balanced():
     assert not pools & {x for x, _ in resp}
     for (x1, y1), (x2, y2) in zip(resp[::2], resp[1::2], strict=True):
         assert x1 == x2 and {y1, y2} == {"positive", "negative"}
+
+
+def test_auto_resumes_in_the_outputs_own_dtype(detect, tiny_dir, tmp_path):
+    """An output written in float32 (before `auto` chose bf16 here, or on another CPU kind)
+    resumes with the default dtype in float32, instead of being refused for its dtype; an
+    explicit other dtype is still refused."""
+    from icqs_fast.cli import main
+    from icqs_fast.io.runs import OutputPlan, resumed_dtype
+
+    good = write_jsonl(tmp_path / "good.jsonl", [{"x": f"g{i}", "y": "positive"} for i in range(3)])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"x": f"b{i}", "y": "negative"} for i in range(3)])
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": f"q{i}", "y": "Fine."} for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    argv = ["score", str(inp), "-o", str(out), "--good", str(good), "--bad", str(bad),
+            "--model", str(tiny_dir), "--num-ratios", "2", "--demos-per-set", "1",
+            "--sets-per-ratio", "1", "--quiet"]
+    detect(False)  # written where auto is float32
+    assert main(argv) == 0
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    detect(True)  # resumed where auto is bf16
+    assert main([*argv, "--resume"]) == 0
+    assert len(out.read_text().splitlines()) == 3
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["dtype"] == "float32"
+    assert main([*argv, "--resume", "--dtype", "bfloat16"]) == 2  # asked for: refused
+    # The rule itself: only "auto" follows the output; a new run decides for itself.
+    old = OutputPlan(out, append=True, old={"dtype": "float32"})
+    assert resumed_dtype(old, "auto") == "float32" and resumed_dtype(old, "bf16") == "bf16"
+    assert resumed_dtype(OutputPlan(out, old={"dtype": "float32"}), "auto") == "auto"

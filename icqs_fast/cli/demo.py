@@ -23,6 +23,7 @@ import json
 import sys
 import time
 
+from icqs_fast.cli.options import add_dtype_argument
 from icqs_fast.data import TEMPLATE, data_file
 from icqs_fast.io.datasets import fpb_examples
 from icqs_fast.io.readers import read_examples, read_records
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_dtype_argument(p)
     p.add_argument("--fpb", action="store_true",
                    help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
     from icqs_fast.cli.options import add_calibration_arguments, add_self_check_arguments

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.cli.options import add_calibration_arguments
+from icqs_fast.cli.options import add_calibration_arguments, add_dtype_argument
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
 
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
     p.add_argument("--stability", default=None, metavar="CONFIG",

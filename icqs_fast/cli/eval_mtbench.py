@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from icqs_fast.cli.options import add_dtype_argument
 from icqs_fast.evals.mtbench import ENSEMBLE_FEATURES
 from icqs_fast.io.datasets import eval_dataset
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answers per padded forward for the glass-box features (default 4); "
                         "the prompt ensemble puts one answer's members in each forward")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_dtype_argument(p)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines on stderr")
     p.add_argument("--threads", type=int, default=None,

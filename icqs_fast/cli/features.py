@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.cli.options import add_dtype_argument
 from icqs_fast.io.records import FORMATS
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="local Hugging Face model folder, or 'embedded' (default: the embedded "
                    "SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_dtype_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     p.add_argument("--features", nargs="+", default=[",".join(DEFAULT_FEATURES)],

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from icqs_fast.cli.options import add_dtype_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.serve.config import ServeConfig
@@ -19,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
     p.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_dtype_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--backend", default="auto", help="token-statistics backend of /v1/score")
     p.add_argument("--host", default="127.0.0.1",

@@ -209,6 +209,17 @@ def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool)
     return OutputPlan(out)
 
 
+def resumed_dtype(plan: OutputPlan | None, dtype: str) -> str:
+    """The dtype a run loads its model in: ``dtype``, except that ``"auto"`` resuming an output
+    takes the dtype that output was written with (an output started before ``auto`` chose
+    bf16 on this CPU, or on a CPU of another kind, resumes in its own dtype instead of being
+    refused)."""
+    old = plan.old if plan is not None and plan.append else None
+    if dtype == "auto" and old and isinstance(old.get("dtype"), str):
+        return old["dtype"]
+    return dtype
+
+
 def check_runtime(plan: OutputPlan, settings: dict) -> None:
     """After the model is loaded: a resumed output must have been written with the same
     :data:`RUNTIME_KEYS` (dtype, device, backend) as ``settings`` (ValueError otherwise)."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.runs import resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.models import runtime_settings
@@ -257,7 +258,8 @@ class FeatureStrategy:
         c = self.config
         t_load = time.perf_counter()
         self.model, self.tokenizer = load_model(
-            None if c.model == "embedded" else c.model, dtype=c.dtype, device=c.device,
+            None if c.model == "embedded" else c.model, dtype=resumed_dtype(plan, c.dtype),
+            device=c.device,
             load_in_8bit=c.load_in_8bit, load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
         self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None

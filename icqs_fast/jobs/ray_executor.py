@@ -363,8 +363,25 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
                     block_size=ro.block_size, output_format=ro.output_format)
     with out.lock():
         old = _prepare_output(out, settings, config, log)
+        actor_kw["dtype"] = _actor_dtype(config, old)
         return _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log,
                            stats if stats is not None else {}, actor_options or {})
+
+
+def _actor_dtype(config: JobConfig, old: dict | None) -> str:
+    """The dtype every actor loads its model in, decided once by the driver: ``--dtype`` as
+    given, a resumed output's own dtype for ``auto``, else ``auto`` resolved here for CPU
+    actors (on a cluster of mixed CPU kinds each actor choosing for itself would disagree, and
+    the blocks must share one dtype); GPU actors all choose bf16 and keep ``auto``."""
+    if config.dtype != "auto":
+        return config.dtype
+    if old is not None and isinstance(old.get("dtype"), str):
+        return old["dtype"]
+    if config.ray.gpus_per_worker or config.device not in ("auto", "cpu"):
+        return "auto"
+    from icqs_fast.models import choose_dtype
+
+    return str(choose_dtype("auto", "cpu").dtype).removeprefix("torch.")
 
 
 def _run_locked(config, out, settings, old, actor_kw, fmt_in, n, log, stats,

@@ -40,6 +40,7 @@ from typing import Any
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
+from icqs_fast.io.runs import resumed_dtype
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
@@ -281,7 +282,8 @@ class ScoreStrategy:
             self.prepare(log)
         good, bad = self.good, self.bad
         t_load = time.perf_counter()
-        model, tok = load_model(None if c.model == "embedded" else c.model, dtype=c.dtype,
+        model, tok = load_model(None if c.model == "embedded" else c.model,
+                                dtype=resumed_dtype(plan, c.dtype),
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
