@@ -214,9 +214,14 @@ def test_demo_json_on_embedded_model(capsys):
     s = doc["summary"]
     assert s["n_responses"] == 16 and s["score_seconds"] > 0
     assert -1 <= s["difference"] <= 1
-    # Calibrated, continuous scores: the same raw loglik, a baseline beside it.
+    # The self-check on the built-in pools (24 + 24: enough for an estimate) calibrates each.
+    assert doc["self_check"]["status"] == "ok" and 0 <= doc["self_check"]["auc"] <= 1
+    assert all(0.0 <= r["p_good_calibrated"] <= 1.0 for r in res)
+    # Calibrated, continuous scores: the same raw loglik, a baseline beside it (the self-check
+    # is checked above: not run again).
     assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
-                 "--demos-per-set", "2", "--calibrate", "content_free", "--score", "mean"]) == 0
+                 "--demos-per-set", "2", "--calibrate", "content_free", "--score", "mean",
+                 "--no-self-check"]) == 0
     cal = json.loads(capsys.readouterr().out)
     assert (cal["settings"]["calibration"], cal["settings"]["score"]) == ("content_free", "mean")
     for r, c in zip(res, cal["results"], strict=True):
@@ -225,7 +230,7 @@ def test_demo_json_on_embedded_model(capsys):
     assert any(c["score"] not in (0.0, 0.5, 1.0) for c in cal["results"])
     # The default score is the posterior mean (stable across dtypes): continuous, in [0, 1].
     assert main(["demo", "--json", "--num-ratios", "3", "--sets-per-ratio", "1",
-                 "--demos-per-set", "2"]) == 0
+                 "--demos-per-set", "2", "--no-self-check"]) == 0
     dflt = json.loads(capsys.readouterr().out)
     assert dflt["settings"]["score"] == "mean"
     for r, d in zip(res, dflt["results"], strict=True):

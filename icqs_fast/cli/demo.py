@@ -82,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     check = (run_self_check(scorer, good, bad, **check_kw) if check_kw["max_heldout"]
              else SelfCheck.off())
     t_check = time.perf_counter() - t1
+    scorer.self_check = check if check.ok else None  # each result's p_good_calibrated
     t1 = time.perf_counter()
     rows = []
     records = read_records(responses, label_field="quality")
     for rec, res in score_records(scorer, records, path=responses):
         rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
-                     "score": res.score, FIELD: check.record_value(res.score),
+                     "score": res.score, FIELD: res.p_good_calibrated,
                      "score_per_set": list(res.score_per_set),
                      "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens,
                      **({"loglik_baseline": res.loglik_baseline.tolist()}
