@@ -209,12 +209,18 @@ def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool)
     return OutputPlan(out)
 
 
+def resumed_settings(plan: OutputPlan | None) -> dict | None:
+    """The settings of the output a run resumes (its ``OUT.meta.json``); None for a new run
+    (``plan`` None: no output, as ``icqs-fast check`` runs)."""
+    return plan.old if plan is not None and plan.append else None
+
+
 def resumed_dtype(plan: OutputPlan | None, dtype: str) -> str:
     """The dtype a run loads its model in: ``dtype``, except that ``"auto"`` resuming an output
     takes the dtype that output was written with (an output started before ``auto`` chose
     bf16 on this CPU, or on a CPU of another kind, resumes in its own dtype instead of being
     refused)."""
-    old = plan.old if plan is not None and plan.append else None
+    old = resumed_settings(plan)
     if dtype == "auto" and old and isinstance(old.get("dtype"), str):
         return old["dtype"]
     return dtype

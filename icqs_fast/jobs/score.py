@@ -40,7 +40,7 @@ from typing import Any
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.io.readers import read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.runs import resumed_dtype
+from icqs_fast.io.runs import resumed_dtype, resumed_settings
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
@@ -303,7 +303,7 @@ class ScoreStrategy:
         from icqs_fast.engine.selfcheck import SelfCheck, run_self_check
         from icqs_fast.progress import track
 
-        old = getattr(plan, "old", None) if getattr(plan, "append", False) else None
+        old = resumed_settings(plan)
         if old is not None:
             if "self_check" not in old:
                 return SelfCheck.off("not run (resuming an output written without one)")
