@@ -306,6 +306,7 @@ def test_resume_fingerprint_has_dtype_device_backend(files, tiny_dir, loaded, ca
 def test_score_records_errors_are_typed_not_parsed(loaded):
     """Bad records reach ``on_error`` as RecordErrors built for that record (index, line,
     field), in input order; an error the scorer raises is never reinterpreted from its text."""
+    from icqs_fast.io.readers import RecordFields, row_record
     from icqs_fast.io.records import InputError, Record, RecordError
     from icqs_fast.jobs.score import score_records
 
@@ -313,10 +314,13 @@ def test_score_records_errors_are_typed_not_parsed(loaded):
     scorer = ICQSScorer(model, tok, [(d["x"], d["y"]) for d in GOOD],
                         [(d["x"], d["y"]) for d in BAD], num_ratios=3, demos_per_set=2,
                         sets_per_ratio=2, max_length=60)
+    with pytest.raises(RecordError) as blank:  # the reader's one record check: no Record
+        row_record({"x": "sales down", "answer": " "}, 3, 4, "in.jsonl",
+                   RecordFields(y_field="answer"))
     items = [Record(index=0, line=1, x="sales up", y="positive"),
              RecordError("in.jsonl", 2, "y", "missing", index=1),  # from the reader
              Record(index=2, line=3, x="long text " * 40, y="positive"),  # too long
-             Record(index=3, line=4, x="sales down", y=" "),
+             blank.value,
              Record(index=4, line=5, x="sales flat", y="negative")]
     events = []
     for rec, _res in score_records(scorer, items, path="in.jsonl", y_field="answer",

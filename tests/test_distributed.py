@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 from icqs_fast.cli import main  # noqa: E402
 from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.io.records import InputError  # noqa: E402
-from icqs_fast.jobs.ray_actors import ICQSBatchScorer  # noqa: E402
+from icqs_fast.jobs.ray_actors import ICQSBatchScorer, ModelSpec  # noqa: E402
 from icqs_fast.jobs.ray_executor import block_path, run_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -337,21 +337,26 @@ def test_score_calibrated_parquet_equals_single_process(cluster, data, tmp_path)
 
 
 def test_actor_gets_the_jobs_one_settings_object(data, tmp_path):
-    """The driver sends the job's ScoringSettings whole (asdict), whatever the options - also
-    with other demonstration fields, where the keyword path once dropped ``deterministic``."""
-    from icqs_fast.engine.settings import ScoringSettings
-    from icqs_fast.jobs.ray_executor import _actor_kw
-    from icqs_fast.jobs.score import scoring_settings
+    """The actors get the job's config whole (pickled, as Ray sends it) and build the job's own
+    strategy from it: the single-process run's ScoringSettings, whatever the options - also
+    with other demonstration fields, where a keyword path once dropped ``deterministic``."""
+    import pickle
+
+    from icqs_fast.jobs.ray_executor import ActorSetup
+    from icqs_fast.jobs.runner import strategy_for
 
     for extra in ([], ["--demo-x-field", "x", "--demo-y-field", "y", "--x-field", "x2"]):
         cfg = _args("score", data, tmp_path / "o", "--deterministic", "--calibrate", "pmi",
                     "--score", "mean", "--stratify-field", "none", *extra)
-        kw = _actor_kw(cfg)
-        st = ScoringSettings.from_dict(json.loads(json.dumps(kw["settings"])))
-        assert st == scoring_settings(cfg)
+        sent = pickle.loads(pickle.dumps(ActorSetup(cfg, None, None, "o", None)))
+        remote, local = strategy_for(sent.config), strategy_for(cfg)
+        for s in (remote, local):
+            s.prepare(lambda *a: None)
+        st = remote.settings
+        assert st == local.settings
         assert (st.deterministic, st.calibration, st.score, st.stratify) == (
             True, "pmi", "mean", None)
-        assert not set(kw) & set(st.asdict())  # no option travels twice
+        assert remote.good == local.good and remote.sets == local.sets
 
 
 def test_resume_with_other_settings_is_refused(data, tmp_path):
@@ -368,7 +373,7 @@ def test_batch_scorer_matches_single_process_lines(data):
     """The map_batches class on a plain numpy batch (no Ray): the CLI's numbers; a record the
     scorer rejects gets an error and NaN."""
     sc = ICQSBatchScorer(str(data["dir"] / "good.jsonl"), str(data["dir"] / "bad.jsonl"),
-                         model=str(data["tiny"]), dtype="float32", device="cpu",
+                         model=ModelSpec(str(data["tiny"]), dtype="float32", device="cpu"),
                          backend="torch", num_ratios=3, demos_per_set=2, sets_per_ratio=2,
                          seed=1)
     good = [r for r in RESPONSES if "y" in r]
@@ -381,7 +386,7 @@ def test_batch_scorer_matches_single_process_lines(data):
     assert _close(res["loglik"][:10], [r["loglik"] for r in want])
     assert res["score"][:10].tolist() == pytest.approx([r["score"] for r in want], abs=1e-5)
     assert res["error"][:10].tolist() == [None] * 10
-    assert res["error"][10] == "y: empty response (nothing to score)"
+    assert res["error"][10] == "y: whitespace-only response (nothing to score)"  # the reader's
     assert np.isnan(res["score"][10])
     assert np.isnan(res["loglik_baseline"]).all()  # declared: NaN when uncalibrated
 
@@ -397,7 +402,8 @@ def test_batch_scorer_settings_object_calibrated(data):
                          backend="torch", calibration="content_free", content_free=("N/A",),
                          score="mean")
     sc = ICQSBatchScorer(str(data["dir"] / "good.jsonl"), str(data["dir"] / "bad.jsonl"),
-                         st.asdict(), model=str(data["tiny"]), dtype="float32", device="cpu")
+                         st.asdict(), model=ModelSpec(str(data["tiny"]), dtype="float32",
+                                                      device="cpu"))
     assert sc.settings == st
     pairs = [(r["x"], r["y"]) for r in RESPONSES[:3]]
     res = sc({"x": np.array([x for x, _ in pairs], dtype=object),

@@ -10,7 +10,13 @@ from _faults import install_crash
 from _helpers import skip_unless_in_ci
 
 from icqs_fast.io.datasets import fpb_examples, read_fpb, shared_data_dir
-from icqs_fast.io.readers import count_records, read_examples, read_json_objects, read_records
+from icqs_fast.io.readers import (
+    RecordFields,
+    count_records,
+    read_examples,
+    read_json_objects,
+    read_records,
+)
 from icqs_fast.io.records import InputError, RecordError, detect_format, field_of
 from icqs_fast.io.results import (
     JsonlWriter,
@@ -44,7 +50,7 @@ def test_jsonl_records_ids_labels_and_blank_lines(tmp_path):
     p = _write(tmp_path / "a.jsonl",
                '{"x": "a", "y": "b", "id": 7, "gold": 1}\n\n   \n'
                '{"x": "", "y": "d", "gold": "neg"}\n')
-    recs = list(read_records(p, label_field="gold"))
+    recs = list(read_records(p, RecordFields(label_field="gold")))
     assert [(r.index, r.line, r.x, r.y, r.id, r.label) for r in recs] == [
         (0, 1, "a", "b", 7, 1), (1, 4, "", "d", None, "neg")]
 
@@ -56,7 +62,7 @@ def test_csv_quoting_multiline_and_mapping(tmp_path):
                '2,"two\nlines",neg\n'
                '\n'
                '3,plain,"quoted, answer"\n')
-    recs = list(read_records(p, x_field="question", y_field="answer", id_field="uid"))
+    recs = list(read_records(p, RecordFields("question", "answer", "uid")))
     assert [(r.index, r.line, r.x, r.y, r.id) for r in recs] == [
         (0, 2, 'hello, "world"', "pos", "1"),
         (1, 3, "two\nlines", "neg", "2"),
@@ -69,8 +75,8 @@ def test_tsv_is_plain_and_explicit_format(tmp_path):
     p = _write(tmp_path / "dev.txt", 'sentence\tlabel\n"it \'s great\t1\nbad film\t0\n')
     with pytest.raises(ValueError, match="cannot tell the format"):
         read_records(p)
-    recs = list(read_records(p, format="tsv", x_field="sentence", y_field="label",
-                             label_field="label"))
+    recs = list(read_records(p, RecordFields("sentence", "label", label_field="label"),
+                             format="tsv"))
     assert [(r.x, r.y, r.label, r.line) for r in recs] == [
         ('"it \'s great', "1", "1", 2), ("bad film", "0", "0", 3)]
 
@@ -80,7 +86,7 @@ def test_gzip_and_dotted_fields(tmp_path):
     with gzip.open(p, "wt", encoding="utf-8") as f:
         f.write(json.dumps({"q": {"turns": ["first", "second"]}, "a": {"text": "ans"}}) + "\n")
     assert detect_format(p) == "jsonl"
-    (r,) = read_records(p, x_field="q.turns.1", y_field="a.text")
+    (r,) = read_records(p, RecordFields("q.turns.1", "a.text"))
     assert (r.x, r.y) == ("second", "ans")
 
 
@@ -141,13 +147,13 @@ def test_csv_errors(tmp_path):
     assert msgs[2].endswith("in.csv:5: field 'y': empty response (nothing to score)")
     with pytest.raises(InputError, match=r"in\.csv:1: field 'answer': no such column in the "
                                          r"header \(columns: x, y\)"):
-        list(read_records(p, y_field="answer"))
+        list(read_records(p, RecordFields(y_field="answer")))
 
 
 def test_label_field_required(tmp_path):
     p = _jsonl(tmp_path / "in.jsonl", [{"x": "a", "y": "b"}])
     with pytest.raises(InputError, match=r"in\.jsonl:1: field 'gold': missing"):
-        list(read_records(p, label_field="gold"))
+        list(read_records(p, RecordFields(label_field="gold")))
 
 
 def test_on_error_goes_on_and_indices_count_bad_rows(tmp_path):
@@ -176,7 +182,7 @@ def test_reading_is_lazy(tmp_path):
         for i in range(200_000):
             f.write(f'{{"x": "q{i}", "y": "a{i}"}}\n')
         f.write("{ broken\n")
-    it = read_records(p, id_field=None)
+    it = read_records(p, RecordFields(id_field=None))
     p.rename(tmp_path / "moved.jsonl")  # not opened yet, so the generator fails on first use
     with pytest.raises(FileNotFoundError):
         next(it)
@@ -329,10 +335,10 @@ def test_parquet_input_matches_jsonl(tmp_path):
     pq_path = _parquet(tmp_path / "d.parquet", ROWS)
     js_path = _jsonl(tmp_path / "d.jsonl", ROWS)
     assert detect_format(pq_path) == "parquet" and detect_format("a.PQ") == "parquet"
-    kw = dict(label_field="gold")
+    kw = dict(fields=RecordFields(label_field="gold"))
     # Same records as the JSONL file (JSONL line numbers = Parquet row numbers here).
     assert list(read_records(pq_path, **kw)) == list(read_records(js_path, **kw))
-    assert [r.x for r in read_records(pq_path, x_field="meta.turns.1")] == \
+    assert [r.x for r in read_records(pq_path, RecordFields("meta.turns.1"))] == \
         [f"u{i}" for i in range(7)]
     # skip crosses row-group boundaries (groups of 3: rows 0-2, 3-5, 6), stop ends early.
     assert [r.index for r in read_records(pq_path, skip=4)] == [4, 5, 6]
@@ -359,7 +365,7 @@ def test_parquet_bad_rows_name_row_and_field(tmp_path):
     with pytest.raises(RecordError, match=r"row 1: field 'y': must be a string, got int 5"):
         list(read_records(wrong))
     with pytest.raises(InputError, match=r"field 'answer': no such column \(columns: id, x, "):
-        list(read_records(p, y_field="answer"))
+        list(read_records(p, RecordFields(y_field="answer")))
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(InputError, match=r"junk\.parquet: not a readable Parquet file"):
         list(read_records(tmp_path / "junk.parquet"))
@@ -377,8 +383,8 @@ def test_datasets_folder_input(tmp_path):
     assert len(list((tmp_path / "ds").glob("*.arrow"))) > 1
     assert detect_format(tmp_path / "ds") == "datasets"
     js = _jsonl(tmp_path / "d.jsonl", [{k: r[k] for k in cols} for r in ROWS])
-    assert list(read_records(tmp_path / "ds", label_field="gold")) == \
-        list(read_records(js, label_field="gold"))
+    assert list(read_records(tmp_path / "ds", RecordFields(label_field="gold"))) == \
+        list(read_records(js, RecordFields(label_field="gold")))
     assert [r.index for r in read_records(tmp_path / "ds", skip=3, stop=6)] == [3, 4, 5]
     assert count_records(tmp_path / "ds") == 7
     # A selection is saved flattened: rows in the selected order.

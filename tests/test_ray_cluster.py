@@ -424,7 +424,8 @@ def test_object_store_output_writes_in_place(tmp_path):
     out.make()
     assert out.kind() == "dir"
     out.write_meta({"a": 1})
-    out.write_jsonl("part-000000.jsonl", [{"index": 0, "x": "é", "v": float("nan")}])
+    with out.open_block(0, "jsonl") as w:  # the block writer: the local JSONL lines
+        w.write({"index": 0, "x": "é", "v": float("nan")})
     assert out.names() == ["part-000000.jsonl", "run.meta.json"]
     assert out.read_text("part-000000.jsonl") == '{"index": 0, "x": "é", "v": NaN}\n'
     assert json.loads(out.read_text("run.meta.json")) == {"a": 1}

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     strategy = ScoreStrategy(config)
     strategy.prepare(log)
-    strategy.load(None, {}, log)  # the model, the scorer and the self-check, as score runs them
+    strategy.load(None, {}, log)  # the model and the scorer, as score runs them
+    strategy.self_check(None, log)  # and its self-check step
     check = strategy.check
     plot = None
     if args.plot and check.ok:

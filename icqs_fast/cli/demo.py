@@ -26,7 +26,7 @@ import time
 from icqs_fast.cli.options import add_dtype_argument
 from icqs_fast.data import TEMPLATE, data_file
 from icqs_fast.io.datasets import fpb_examples
-from icqs_fast.io.readers import read_examples, read_records
+from icqs_fast.io.readers import RecordFields, read_examples, read_records
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     scorer.self_check = check if check.ok else None  # each result's p_good_calibrated
     t1 = time.perf_counter()
     rows = []
-    records = read_records(responses, label_field="quality")
+    records = read_records(responses, RecordFields(label_field="quality"))
     for rec, res in score_records(scorer, records, path=responses):
         rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
                      "score": res.score, FIELD: res.p_good_calibrated,

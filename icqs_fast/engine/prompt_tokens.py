@@ -28,6 +28,16 @@ class PromptTooLong(ValueError):
         self.reason = reason
 
 
+class EmptyPart(ValueError):
+    """A response whose query part (``part="x"``) or response part (``"y"``) gives no tokens;
+    ``reason`` is the message without the leading ``"response i: "`` (and the field)."""
+
+    def __init__(self, index: int, part: str, reason: str) -> None:
+        super().__init__(f"response {index}: " + (f"field 'y' {reason}" if part == "y"
+                                                   else reason))
+        self.index, self.part, self.reason = index, part, reason
+
+
 @dataclass(frozen=True)
 class PromptLayout:
     """Token ids of one (response, context) prompt, tokenized as one string.
@@ -124,6 +134,7 @@ class PromptTokens:
         # The layouts of the last few responses: a caller that checks a record with
         # layouts() before the engine scores it (the score CLI) tokenizes it once.
         self._layouts: OrderedDict[tuple, list[PromptLayout]] = OrderedDict()
+        self._parts: OrderedDict[tuple, tuple[list[int], list[int]]] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` alone (no special tokens added)."""
@@ -166,16 +177,24 @@ class PromptTokens:
         return self._entry[key]
 
     def response_parts(self, i: int, x: str, y: str) -> tuple[list[int], list[int]]:
-        """The query and response texts tokenized alone; raises ValueError when either has no
-        tokens (the check the engine runs on each response; the scored ids come from
-        :meth:`layouts`)."""
+        """The query and response texts tokenized alone; raises :class:`EmptyPart` (a
+        ValueError) when either has no tokens (the check the engine runs on each response; the
+        scored ids come from :meth:`layouts`). Cached like :meth:`layouts`: a caller that checks
+        a record before the engine scores it (the score job) tokenizes it once."""
+        key = (x, y)
+        if key in self._parts:
+            self._parts.move_to_end(key)
+            return self._parts[key]
         q = self.encode(self.template.format_query(x))
         r = self.encode(self.template.format_response(y))
         if not q:
-            raise ValueError(f"response {i}: the query part {self.template.format_query(x)!r} "
-                             "has no tokens; the template's query must produce at least one")
+            raise EmptyPart(i, "x", f"the query part {self.template.format_query(x)!r} has no "
+                            "tokens; the template's query must produce at least one")
         if not r:
-            raise ValueError(f"response {i}: field 'y' gives no response tokens")
+            raise EmptyPart(i, "y", "gives no response tokens")
+        self._parts[key] = (q, r)
+        if len(self._parts) > self.LAYOUT_CACHE:
+            self._parts.popitem(last=False)
         return q, r
 
     def layouts(self, i: int, x: str, y: str, max_len: int | None, drop_oldest: bool

@@ -234,6 +234,7 @@ class ICQSScorer:
         settings: ScoringSettings | None = None,
         *,
         return_token_stats: bool = False,
+        sets: list | None = None,
         **options: Any,
     ) -> None:
         st = ScoringSettings.build(settings, **options)
@@ -250,7 +251,10 @@ class ICQSScorer:
         self.model = model
         self.tokenizer = tokenizer
         self.template = st.template
-        self.sets = build_demo_sets(good, bad, **st.demo_set_options())
+        # ``sets``: what build_demo_sets gives for these pools and settings, from a caller that
+        # built them already (the score job, before the model loads); built here otherwise.
+        self.sets = sets if sets is not None else build_demo_sets(good, bad,
+                                                                  **st.demo_set_options())
         self.ratios = [row[0].ratio for row in self.sets]
         self.num_ratios, self.sets_per_ratio = st.num_ratios, st.sets_per_ratio
         self.n_contexts = st.num_ratios * st.sets_per_ratio

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from icqs_fast.io.readers import read_examples, read_records
+    from icqs_fast.io.readers import RecordFields, read_examples, read_records
     from icqs_fast.models import load_model
 
     p = argparse.ArgumentParser(prog="python -m icqs_fast.evals.baselines",
@@ -486,9 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         # icl reads only x: x stands in as the record's y, which read_records requires.
-        recs = list(read_records(args.input, x_field=args.x_field,
-                                 y_field=args.y_field if args.baseline == "ask-llm" else
-                                 args.x_field))
+        recs = list(read_records(args.input, RecordFields(
+            args.x_field, args.y_field if args.baseline == "ask-llm" else args.x_field)))
         model, tok = load_model(args.model, dtype=args.dtype)
         if args.baseline == "ask-llm":
             rows = [{"index": r.index, "rating_expected": r.rating_expected,

@@ -1,7 +1,10 @@
 """The output folder of a ``--ray`` run (``OUT/part-KKKKKK.<fmt>`` block files and
 ``OUT/run.meta.json``) on the filesystem the driver and every worker reach: a local or mounted
 folder, or a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``abfs://``). Plain I/O:
-each block file is written whole or not at all.
+each block file is written whole or not at all, by the writer of :mod:`icqs_fast.io.results`
+(:class:`~icqs_fast.io.results.BlockWriter`: the local writers' lines / table). As a
+:class:`~icqs_fast.io.runs.RunTarget` it is planned, locked, resumed and given its metadata
+by :mod:`icqs_fast.io.runs`, as a local results file is.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.io.results import json_line
+from icqs_fast.io.results import BlockWriter, ResumeState
 from icqs_fast.io.runs import OutputLock
 
-__all__ = ["META_NAME", "OBJECT_STORES", "BlockOutput", "block_name", "block_path", "is_uri"]
+__all__ = ["META_FILE", "META_NAME", "OBJECT_STORES", "BlockOutput", "block_name", "block_path",
+           "is_uri"]
 
 META_NAME = "run"  # OUT/run.meta.json (io.runs.write_meta adds .meta.json)
+META_FILE = f"{META_NAME}.meta.json"
 
 
 def block_path(out_dir: str | os.PathLike, block: int, out_format: str) -> str:
@@ -130,24 +135,64 @@ class BlockOutput:
             f.write(data)
         self.fs.move(tmp, final)
 
-    def write_jsonl(self, name: str, rows: list[dict]) -> None:
-        """The rows as JSON lines, formatted as :class:`~icqs_fast.io.results.JsonlWriter`
-        writes them (the single-process lines)."""
-        self.write_bytes(name, b"".join(json_line(r) for r in rows))
+    def open_block(self, block: int, fmt: str, *, schema: Any = None) -> BlockWriter:
+        """The writer of block ``block`` (:class:`~icqs_fast.io.results.BlockWriter`; its file
+        ``part-KKKKKK.<fmt>`` is written whole when the writer closes)."""
+        name = block_name(block, fmt)
+        return BlockWriter(lambda data: self.write_bytes(name, data), fmt, schema=schema)
 
-    def write_parquet(self, name: str, table: Any) -> None:
-        """A ``pyarrow.Table`` as one Parquet file, written whole (:meth:`write_bytes`)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    # ------------------------------------------------------------ io.runs.RunTarget
 
-        buf = pa.BufferOutputStream()
-        pq.write_table(table, buf)
-        self.write_bytes(name, buf.getvalue().to_pybytes())
+    held = "holds block files"
+    runtime_later = True  # the driver writes run.meta.json before any worker has loaded
+
+    @property
+    def name(self) -> str:
+        return self.output
+
+    def parts(self) -> list[str]:
+        """The names of the block files and unfinished block files in the output."""
+        return [p for p in self.names() if p.startswith("part-")]
+
+    def holds_results(self) -> bool:
+        return self._kind() == "dir" and bool(self.parts())
+
+    def present(self) -> bool:
+        return self._kind() == "dir" and (bool(self.parts()) or self.exists(META_FILE))
+
+    def _kind(self) -> str:
+        kind = self.kind()
+        if kind == "file":
+            raise ValueError(f"{self.output} exists and is not a folder; a --ray output is a "
+                             "folder of block files")
+        return kind
+
+    def resume_state(self) -> ResumeState:
+        """The complete block files (``ResumeState.blocks``); block files without a
+        ``run.meta.json`` cannot be resumed (ValueError)."""
+        done = tuple(p for p in self.parts() if ".tmp." not in p)
+        if done and not self.exists(META_FILE):
+            raise ValueError(f"cannot --resume {self.output}: it has block files but no "
+                             f"{META_FILE}; use --overwrite")
+        return ResumeState(last=None, count=len(done), end=0, format="blocks", blocks=done)
+
+    def read_meta(self) -> dict | None:
+        return json.loads(self.read_text(META_FILE)) if self.exists(META_FILE) else None
 
     def write_meta(self, settings: dict) -> None:
         """``run.meta.json``, formatted as :func:`~icqs_fast.io.runs.write_meta` writes it."""
-        self.write_bytes(f"{META_NAME}.meta.json",
-                         (json.dumps(settings, indent=1) + "\n").encode("utf-8"))
+        self.write_bytes(META_FILE, (json.dumps(settings, indent=1) + "\n").encode("utf-8"))
+
+    def clear(self) -> None:
+        """Create the folder and remove the blocks of an earlier run (``--overwrite``)."""
+        self.make()
+        for p in self.parts():
+            self.remove(p)
+
+    def reopen(self, plan: Any, log: Any) -> None:
+        """Remove the blocks being written when a driver or worker died (``*.tmp.PID``)."""
+        for stale in (p for p in self.parts() if ".tmp." in p):
+            self.remove(stale)
 
     def lock(self):
         """``OUT.lock`` (:class:`~icqs_fast.io.runs.OutputLock`) on a local or mounted

@@ -3,9 +3,12 @@
 * :func:`read_records` streams :class:`Record` s from JSONL, CSV or TSV (optionally gzipped),
   Parquet files and Hugging Face ``datasets`` folders (``Dataset.save_to_disk``): one row (or
   one record batch of :data:`ARROW_BATCH_ROWS` rows) at a time, so a file of millions of rows
-  is never held in memory. Field names are mapped (``x_field``, ``y_field``, ``id_field``,
-  ``label_field``). :func:`count_records` counts records the same way; :func:`shard_range`
-  and :func:`parse_shard` split an input into contiguous ranges for ``--shard i/n``.
+  is never held in memory. Field names are mapped (:class:`RecordFields`: ``x_field``,
+  ``y_field``, ``id_field``, ``label_field``), and every record is checked here, once, by
+  :func:`row_record` (x and y strings, y not blank, ...): the jobs, the Ray actors and the
+  engine's callers take its records as they are. :func:`count_records` counts records the
+  same way; :func:`shard_range` and :func:`parse_shard` split an input into contiguous
+  ranges for ``--shard i/n``.
 * :func:`read_json_objects` / :func:`field_of` read JSONL files with their own schema (MT-Bench)
   with the same errors; :func:`read_rows` reads any supported format that way (``rank``).
 * :func:`read_examples` reads a (small) good or bad demonstration file into ``(x, y)`` pairs.
@@ -33,6 +36,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 from icqs_fast.io.arrow import arrow_count, arrow_rows, dataset_files
@@ -214,20 +218,30 @@ def _table_rows(f: IO[bytes], name: str, delimiter: str, fields: list[str], skip
                 yield index - 1, start, dict(zip(header, row, strict=False))
 
 
+@dataclass(frozen=True)
+class RecordFields:
+    """Which fields of a row make a :class:`Record`: the prompt (``x_field``), the response
+    (``y_field``; both may be dotted paths into nested values of JSONL, Parquet and datasets,
+    such as ``"turns.0"``), the id (``id_field``; None uses ``"id"`` when a row has it) and a
+    field carried along (``label_field``, e.g. a gold label; required in every row when
+    set)."""
+
+    x_field: str = "x"
+    y_field: str = "y"
+    id_field: str | None = None
+    label_field: str | None = None
+
+
 def read_records(
     path: PathLike,
+    fields: RecordFields | None = None,
     *,
     format: str | None = None,
-    x_field: str = "x",
-    y_field: str = "y",
-    id_field: str | None = None,
-    label_field: str | None = None,
     encoding: str = "utf-8",
     skip: int = 0,
-    on_error: Callable[[RecordError], None] | str | None = None,
-    max_line_bytes: int = MAX_LINE_BYTES,
-    allow_empty: bool = True,
     stop: int | None = None,
+    on_error: Callable[[RecordError], None] | str | None = None,
+    allow_empty: bool = True,
 ) -> Iterator[Record]:
     """Stream the records of a JSONL, CSV, TSV or Parquet file or a Hugging Face dataset folder
     (``"-"``: JSONL on standard input).
@@ -240,13 +254,10 @@ def read_records(
         path: the file; ``.gz`` files are decompressed on the fly. A folder is a dataset saved
             with ``datasets.Dataset.save_to_disk`` (one split; its Arrow files are read batch by
             batch, memory-mapped, without importing ``datasets``).
+        fields: the record's fields (:class:`RecordFields`; default ``x`` / ``y``). CSV/TSV
+            files need a header row.
         format: ``"jsonl"``, ``"csv"``, ``"tsv"``, ``"parquet"`` or ``"datasets"``; from the
             extension (or a folder) if None.
-        x_field, y_field: the fields holding the prompt and the response (JSONL, Parquet and
-            datasets also take a dotted path into nested values such as ``"turns.0"``).
-            CSV/TSV files need a header row.
-        id_field: the field with the record's id; ``None`` uses ``"id"`` when a record has it.
-        label_field: a field to carry along (e.g. a gold label); required in every record.
         encoding: text encoding (an ASCII-compatible one: lines are split on ``\\n`` bytes).
         skip: records before this index are counted but neither parsed nor checked (resume);
             Parquet skips whole row groups without reading them.
@@ -255,10 +266,11 @@ def read_records(
             callable is called with it and reading goes on; ``"yield"`` yields it in place of
             the record (so the caller sees good and bad records in file order). Errors about
             the whole file (bad header, unreadable file, empty file) are always raised.
-        max_line_bytes: a JSONL line longer than this is a bad record (see ``MAX_LINE_BYTES``).
-            CSV/TSV cells are limited by Python's ``csv`` module (131072 characters).
         allow_empty: if False, a file without a single record (empty, blank lines only, a
             header only) raises :class:`InputError`.
+
+    A JSONL line longer than :data:`MAX_LINE_BYTES` is a bad record; CSV/TSV cells are
+    limited by Python's ``csv`` module (131072 characters).
 
     Yields:
         :class:`Record` s in file order (and :class:`RecordError` s with ``on_error="yield"``).
@@ -274,8 +286,16 @@ def read_records(
     _check_source(path, fmt, name)
     if isinstance(on_error, str) and on_error != "yield":
         raise ValueError(f"on_error must be None, a callable or 'yield', got {on_error!r}")
-    return _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip,
-                    on_error, max_line_bytes, allow_empty, stop)
+    return _records(_Source(path, fmt, name, encoding), fields or RecordFields(),
+                    (skip, stop), on_error, allow_empty)
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: PathLike
+    fmt: str
+    name: str
+    encoding: str
 
 
 def _check_source(path: PathLike, fmt: str, name: str) -> None:
@@ -293,14 +313,18 @@ def _check_source(path: PathLike, fmt: str, name: str) -> None:
         raise InputError(name, None, None, "is a folder, not an input file")
 
 
-def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding, skip, on_error,
-             max_line_bytes, allow_empty, stop=None):
-    required = [x_field, y_field] + ([label_field] if label_field else [])
+def _records(src: _Source, fields: RecordFields, span: tuple[int, int | None], on_error,
+             allow_empty: bool):
+    path, fmt, name, encoding = src.path, src.fmt, src.name, src.encoding
+    skip, stop = span
+    id_field = fields.id_field
+    required = [fields.x_field, fields.y_field] + ([fields.label_field]
+                                                  if fields.label_field else [])
     n_rows = 0
     f = None if fmt in ("parquet", "datasets") else open_binary(path)
     try:
         if fmt == "jsonl":
-            rows = _jsonl_rows(f, name, skip, encoding, max_line_bytes)
+            rows = _jsonl_rows(f, name, skip, encoding, MAX_LINE_BYTES)
         elif fmt in ("parquet", "datasets"):
             cols = required + ([id_field] if id_field else [])
             rows = arrow_rows(path, fmt, name, cols, ("id",) if id_field is None else (), skip,
@@ -318,8 +342,7 @@ def _records(path, fmt, name, x_field, y_field, id_field, label_field, encoding,
             try:
                 if isinstance(row, RecordError):
                     raise row
-                rec = _record(row, index, line, name, fmt, x_field, y_field, id_field,
-                              label_field)
+                rec = row_record(row, index, line, name, fields, fmt)
             except RecordError as exc:
                 if on_error is None:
                     raise
@@ -366,8 +389,18 @@ def count_records(path: PathLike, *, format: str | None = None, encoding: str = 
         return n
 
 
-def _record(row: dict, index: int, line: int, name: str, fmt: str, x_field: str, y_field: str,
-            id_field: str | None, label_field: str | None) -> Record:
+def row_record(row: dict, index: int, line: int, name: str,
+               fields: RecordFields = RecordFields(), fmt: str = "jsonl") -> Record:
+    """The :class:`Record` of one row (a dict) read from ``name`` in format ``fmt``: THE record
+    check (x and y strings, y not blank, an id that is a string or a number, the label there),
+    used by every reader of records and by the Ray batch scorers for their batches' rows.
+
+    Raises:
+        RecordError: what is wrong, naming the field.
+    """
+    x_field, y_field = fields.x_field, fields.y_field
+    id_field, label_field = fields.id_field, fields.label_field
+
     def err(field: str | None, reason: str) -> RecordError:
         return RecordError(name, line, field, reason, index=index)
 
@@ -497,8 +530,8 @@ def read_examples(
     Raises:
         InputError: a bad record, or a file with no examples.
     """
-    out = [(r.x, r.y) for r in read_records(path, format=format, x_field=x_field,
-                                            y_field=y_field, encoding=encoding)]
+    out = [(r.x, r.y) for r in read_records(path, RecordFields(x_field, y_field), format=format,
+                                            encoding=encoding)]
     if not out:
         raise InputError(display_name(path), None, None, "no examples in the file")
     return out

@@ -1,5 +1,6 @@
-"""Result writers: JSONL (one ``write`` per line) and Parquet (committed part files merged on
-close), and reading back what an output already holds (for ``--resume``).
+"""Result writers: JSONL (one ``write`` per line), Parquet (committed part files merged on
+close) and a block (:class:`BlockWriter`: one ``--ray`` block file, the same lines or the same
+table written whole), and reading back what an output already holds (for ``--resume``).
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,14 +82,17 @@ def json_line(record: dict) -> bytes:
 
 @dataclass
 class ResumeState:
-    """What an existing results file holds: ``last`` is the last complete record (None if none),
-    ``count`` the number of complete records, ``end`` the byte offset just after it (JSONL;
-    0 for Parquet), ``format`` the output's format (``"jsonl"`` or ``"parquet"``)."""
+    """What an existing output holds: ``last`` is the last complete record (None if none),
+    ``count`` the number of complete records (blocks for a block folder), ``end`` the byte
+    offset just after it (JSONL; 0 otherwise), ``format`` the output's format (``"jsonl"``,
+    ``"parquet"`` or ``"blocks"``), ``blocks`` the names of a block folder's complete block
+    files."""
 
     last: dict | None
     count: int
     end: int
     format: str = "jsonl"
+    blocks: tuple[str, ...] = ()
 
 
 def read_resume_state(path: PathLike) -> ResumeState:
@@ -274,6 +279,26 @@ def records_table(records: list[dict]) -> Any:
     return pa.table(cols)
 
 
+def results_table(records: list[dict], schema: Any = None) -> Any:
+    """The ``pyarrow.Table`` of result records as every Parquet writer writes it: in the job's
+    declared ``schema`` (:func:`icqs_fast.io.schema.rows_table`) when given, else with the
+    types inferred from the records (:func:`records_table`)."""
+    if schema is None:
+        return records_table(records)
+    from icqs_fast.io.schema import rows_table
+
+    return rows_table(records, schema)
+
+
+def write_parquet_table(sink: Any, table: Any) -> None:
+    """``table`` as one Parquet file at ``sink`` (a path or a ``pyarrow`` output stream): how a
+    part of :class:`ParquetResultWriter` and a Parquet :class:`BlockWriter` block are written."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(sink, table.schema) as w:
+        w.write_table(table)
+
+
 def _conform(table: Any, schema: Any) -> Any:
     """``table`` with ``schema``'s columns, in its order (absent ones null), cast to its types."""
     import pyarrow as pa
@@ -367,15 +392,10 @@ class ParquetResultWriter:
         self._last_commit = time.monotonic()
         if not self._buf:
             return
-        if self._declared is not None:
-            from icqs_fast.io.schema import rows_table
-
-            table = rows_table(self._buf, self._declared)
-            schema = self._declared
-        else:
-            table = records_table(self._buf)
-            schema = table.schema if self._schema is None else \
-                _unify([self._schema, table.schema], os.fspath(self.path))
+        table = results_table(self._buf, self._declared)
+        schema = self._declared if self._declared is not None else \
+            table.schema if self._schema is None else \
+            _unify([self._schema, table.schema], os.fspath(self.path))
         name = f"{_PART_PREFIX}{self._buf[0]['index']:012d}.parquet"
         tmp = self.parts / f".{name}.tmp"
         self.write_part(tmp, table)
@@ -388,10 +408,7 @@ class ParquetResultWriter:
     def write_part(self, path: Path, table: Any) -> None:
         """Write ``table`` (a ``pyarrow.Table``) as one Parquet file at ``path``: a part under
         its temporary name, which :meth:`commit` then fsyncs and renames into place."""
-        import pyarrow.parquet as pq
-
-        with pq.ParquetWriter(path, table.schema) as w:
-            w.write_table(table)
+        write_parquet_table(path, table)
 
     def close(self) -> None:
         """Commit what is buffered, then merge ``OUT`` and the parts into ``OUT``."""
@@ -407,6 +424,58 @@ class ParquetResultWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class BlockWriter:
+    """The writer of one ``--ray`` block (``OUT/part-KKKKKK.<fmt>``): the rows the local
+    writers write, in the same form - JSONL lines of :func:`json_line` (so ``cat
+    OUT/part-*.jsonl`` is the single-process file), or one Parquet table built by
+    :func:`results_table` (the declared ``schema``: a block reads as a part of a local ``-o
+    X.parquet``) - buffered and handed whole to ``sink`` on :meth:`close` (a block file exists
+    only once complete: :meth:`icqs_fast.io.blocks.BlockOutput.write_bytes`).
+
+    Args:
+        sink: called once with the encoded block (bytes).
+        fmt: ``"jsonl"`` or ``"parquet"``.
+        schema: the Parquet table schema (``pyarrow.Schema``); None: inferred.
+    """
+
+    def __init__(self, sink: Callable[[bytes], None], fmt: str, *, schema: Any = None) -> None:
+        if fmt not in ("jsonl", "parquet"):
+            raise ValueError(f"a block is jsonl or parquet, got {fmt!r}")
+        self._sink, self.format, self._schema = sink, fmt, schema
+        self._rows: list[dict] = []
+        self._closed = False
+        self.count = 0
+
+    def write(self, record: dict) -> None:
+        """Add ``record`` to the block."""
+        if self._closed:
+            raise ValueError("block writer is closed")
+        self._rows.append(record)
+        self.count += 1
+
+    def close(self) -> None:
+        """Encode the block and hand it to the sink (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.format == "jsonl":
+            self._sink(b"".join(json_line(r) for r in self._rows))
+            return
+        import pyarrow as pa
+
+        buf = pa.BufferOutputStream()
+        write_parquet_table(buf, results_table(self._rows, self._schema))
+        self._sink(buf.getvalue().to_pybytes())
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:  # a block that failed is not written at all
+            self.close()
+        self._closed = True
 
 
 def remove_parquet_output(out: Path) -> None:

@@ -1,5 +1,13 @@
 """One output's run: the advisory lock, the output plan (new, resume or overwrite), the run
 metadata and its settings check, and the input range a resumed or sharded run reads.
+
+The same plan serves both kinds of output (:class:`RunTarget`): a results file
+(:class:`FileTarget`: ``OUT`` + ``OUT.meta.json``, written by the local run) and a folder of
+block files (:class:`icqs_fast.io.blocks.BlockOutput`: ``OUT/part-*`` + ``OUT/run.meta.json``,
+written by ``--ray`` workers). What differs - where the metadata lives, what "already holds
+results" means, what a resume cleans up - is the target's; the rules (refuse other settings,
+refuse to replace without ``--overwrite``, write the metadata before the first result, check
+dtype / device / backend once known) are here, once.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from icqs_fast.io.arrow import dataset_files
 from icqs_fast.io.readers import count_records
@@ -148,65 +156,179 @@ def check_run_paths(input: str, resume: bool, overwrite: bool, format: str | Non
         raise ValueError("choose at most one of --resume and --overwrite")
 
 
+@runtime_checkable
+class RunTarget(Protocol):
+    """An output a run writes (see the module docstring).
+
+    Attributes:
+        name: the output as messages name it.
+        held: what a new run without ``--overwrite`` is refused for (``"exists"``).
+        runtime_later: the metadata is written before the runtime (dtype, device, backend) is
+            known, so a resumed output may lack it (checked only where recorded).
+    """
+
+    name: str
+    held: str
+    runtime_later: bool
+
+    def holds_results(self) -> bool:
+        """Whether a new run would replace results there."""
+
+    def present(self) -> bool:
+        """Whether there is anything to resume."""
+
+    def resume_state(self) -> ResumeState:
+        """What is there (resuming)."""
+
+    def read_meta(self) -> dict | None:
+        """The metadata written by the run that started the output (None without one)."""
+
+    def write_meta(self, settings: dict) -> None:
+        """Write the metadata whole."""
+
+    def clear(self) -> None:
+        """Empty the output for a new run (before its metadata is written)."""
+
+    def reopen(self, plan: OutputPlan, log: Callable[..., None]) -> None:
+        """Make a resumed output ready to be continued (drop what a crash left unfinished)."""
+
+    def lock(self) -> Any:
+        """A context manager holding the output for this process."""
+
+
+class FileTarget:
+    """A results file (JSONL or Parquet, :func:`open_results`) and its ``OUT.meta.json``."""
+
+    held = "exists"
+    runtime_later = False
+
+    def __init__(self, out: PathLike) -> None:
+        self.out = Path(out)
+        self.name = os.fspath(out)
+
+    def holds_results(self) -> bool:
+        return output_exists(self.out)
+
+    def present(self) -> bool:
+        return self.out.exists() or output_exists(self.out)
+
+    def resume_state(self) -> ResumeState:
+        return read_output_state(self.out)
+
+    def read_meta(self) -> dict | None:
+        mp = meta_path(self.out)
+        return json.loads(mp.read_text(encoding="utf-8")) if mp.is_file() else None
+
+    def write_meta(self, settings: dict) -> None:
+        write_meta(self.out, settings)
+
+    def clear(self) -> None:
+        if output_format(self.out) == "parquet":
+            remove_parquet_output(self.out)
+        else:
+            with open(self.out, "wb"):
+                pass
+
+    def reopen(self, plan: OutputPlan, log: Callable[..., None]) -> None:
+        out, state = self.out, plan.state
+        assert state is not None
+        if state.format == "parquet":
+            st = parquet_output(out)
+            for p in st.stale:  # merged into OUT by a run that crashed before removing them
+                p.unlink()
+            tmps = [p for p in (parts_dir(out).iterdir() if parts_dir(out).is_dir() else [])
+                    if p.name.endswith(".tmp")] + [p for p in [Path(f"{out}.tmp")] if p.exists()]
+            for p in tmps:
+                p.unlink()
+            if st.stale or tmps:
+                log(f"icqs-fast: removed {len(st.stale)} already merged and {len(tmps)} "
+                    f"unfinished part file(s) of {out}")
+        elif out.stat().st_size != state.end:
+            with open(out, "r+b") as f:  # drop a record cut off mid-write
+                f.truncate(state.end)
+            log(f"icqs-fast: removed an incomplete last line from {out}")
+        log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
+            f"record {plan.start}")
+
+    def lock(self) -> OutputLock:
+        return OutputLock(self.out)
+
+
+def as_target(out: PathLike | RunTarget) -> RunTarget:
+    """``out`` as a :class:`RunTarget` (a path: its :class:`FileTarget`)."""
+    return out if isinstance(out, RunTarget) else FileTarget(out)
+
+
 @dataclass
 class OutputPlan:
     """How a run treats its output (from :func:`plan_output`).
 
     Attributes:
-        out: the results file.
+        out: the output, as messages name it (the results file, or the block folder).
         append: resuming an existing output (else it is emptied by :func:`start_output`).
         start: the first input record index to write (0 unless resuming).
         last: the last complete record already there (None if none).
-        state: what the existing file holds (resuming only).
-        old: the settings in its ``OUT.meta.json`` (None without one).
+        state: what the existing output holds (resuming only).
+        old: the settings in its metadata (None without one).
+        target: the output (:class:`RunTarget`; default: the file ``out``).
     """
 
-    out: Path
+    out: Path | str
     append: bool = False
     start: int = 0
     last: dict | None = None
     state: ResumeState | None = None
     old: dict | None = None
+    target: Any = None
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = FileTarget(self.out)
 
 
-def resume_refusal(out: Path, old: dict, new: dict, keys: Iterable[str]) -> ValueError | None:
+def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str]
+                   ) -> ValueError | None:
+    """The refusal of a resume whose ``keys`` differ between the output's settings ``old``
+    and this run's ``new`` (None when they match)."""
     diff = sorted(k for k in keys if old.get(k) != new[k])
     if not diff:
         return None
     what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
                      f"{k}: not recorded there" for k in diff)
-    return ValueError(f"cannot --resume {out}: it was written with other settings ({what}); "
-                      "use another output or --overwrite")
+    return ValueError(f"cannot --resume {os.fspath(out)}: it was written with other settings "
+                      f"({what}); use another output or --overwrite")
 
 
-def plan_output(out: PathLike, settings: dict, *, resume: bool, overwrite: bool) -> OutputPlan:
-    """Decide, before the model is loaded (to fail fast), what to do with ``out``.
+def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, overwrite: bool
+                ) -> OutputPlan:
+    """Decide, before the model is loaded (to fail fast), what to do with ``out`` (a results
+    file's path, or a :class:`RunTarget`).
 
     With ``resume`` and an existing output: where to continue, after checking that every key of
-    ``settings`` matches its ``OUT.meta.json``. Without: an existing non-empty output is only
-    replaced with ``overwrite``.
+    ``settings`` matches its metadata. Without: an existing non-empty output is only replaced
+    with ``overwrite``.
 
     Raises:
         ValueError: other settings there, or an existing output without ``--resume`` /
             ``--overwrite``.
         InputError: an output that is not a results file.
     """
-    out = Path(out)
-    if resume and (out.exists() or output_exists(out)):
-        state = read_output_state(out)
-        old = None
-        mp = meta_path(out)
-        if mp.is_file():
-            old = json.loads(mp.read_text(encoding="utf-8"))
-            err = resume_refusal(out, old, settings, settings)
+    target = as_target(out)
+    name = target.out if isinstance(target, FileTarget) else target.name
+    if resume and target.present():
+        state = target.resume_state()
+        old = target.read_meta()
+        if old is not None:
+            err = resume_refusal(target.name, old, settings, settings)
             if err is not None:
                 raise err
         last = state.last
-        return OutputPlan(out, append=True, start=last["index"] + 1 if last is not None else 0,
-                          last=last, state=state, old=old)
-    if output_exists(out) and not overwrite and not resume:
-        raise ValueError(f"{out} exists; pass --resume to continue it or --overwrite to replace it")
-    return OutputPlan(out)
+        return OutputPlan(name, append=True, start=last["index"] + 1 if last is not None else 0,
+                          last=last, state=state, old=old, target=target)
+    if target.holds_results() and not overwrite and not resume:
+        raise ValueError(f"{target.name} {target.held}; pass --resume to continue it or "
+                         "--overwrite to replace it")
+    return OutputPlan(name, target=target)
 
 
 def resumed_settings(plan: OutputPlan | None) -> dict | None:
@@ -226,48 +348,29 @@ def resumed_dtype(plan: OutputPlan | None, dtype: str) -> str:
     return dtype
 
 
-def check_runtime(plan: OutputPlan, settings: dict) -> None:
+def check_runtime(plan: OutputPlan, settings: dict, *, keys: Iterable[str] = RUNTIME_KEYS
+                  ) -> None:
     """After the model is loaded: a resumed output must have been written with the same
-    :data:`RUNTIME_KEYS` (dtype, device, backend) as ``settings`` (ValueError otherwise)."""
+    ``keys`` (default :data:`RUNTIME_KEYS`: dtype, device, backend) as ``settings``
+    (ValueError otherwise). An output whose metadata is written before the runtime is known
+    (a block folder) is checked on the keys it records."""
     if plan.old is not None:
-        err = resume_refusal(plan.out, plan.old, settings, RUNTIME_KEYS)
+        keys = [k for k in keys if k in plan.old or not plan.target.runtime_later]
+        err = resume_refusal(plan.out, plan.old, settings, keys)
         if err is not None:
             raise err
 
 
 def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> None:
-    """Make the output ready for writing: when resuming, truncate a record cut off mid-write;
-    else empty it, then write ``OUT.meta.json`` (a crash in between leaves an empty output,
-    never old records under new settings)."""
-    out = plan.out
-    if plan.append and plan.state is not None and plan.state.format == "parquet":
-        st = parquet_output(out)
-        for p in st.stale:  # merged into OUT by a run that crashed before removing them
-            p.unlink()
-        tmps = [p for p in (parts_dir(out).iterdir() if parts_dir(out).is_dir() else [])
-                if p.name.endswith(".tmp")] + [p for p in [Path(f"{out}.tmp")] if p.exists()]
-        for p in tmps:
-            p.unlink()
-        if st.stale or tmps:
-            log(f"icqs-fast: removed {len(st.stale)} already merged and {len(tmps)} unfinished "
-                f"part file(s) of {out}")
-        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
-            f"record {plan.start}")
-    elif plan.append:
-        assert plan.state is not None
-        if out.stat().st_size != plan.state.end:
-            with open(out, "r+b") as f:  # drop a record cut off mid-write
-                f.truncate(plan.state.end)
-            log(f"icqs-fast: removed an incomplete last line from {out}")
-        log(f"icqs-fast: resuming {out}: {plan.state.count} records there, continuing at input "
-            f"record {plan.start}")
-    elif output_format(out) == "parquet":
-        remove_parquet_output(out)
-        write_meta(out, settings)
+    """Make the output ready for writing: when resuming, drop what a crash left unfinished
+    (a JSONL record cut off mid-write, unfinished Parquet parts or blocks); else empty it,
+    then write its metadata (a crash in between leaves an empty output, never old records
+    under new settings)."""
+    if plan.append:
+        plan.target.reopen(plan, log)
     else:
-        with open(out, "wb"):
-            pass
-        write_meta(out, settings)
+        plan.target.clear()
+        plan.target.write_meta(settings)
 
 
 def resume_check_needed(plan: OutputPlan) -> bool:

@@ -34,15 +34,16 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.runs import resumed_dtype
+from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.models import runtime_settings
 
-__all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary",
+__all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
            "parse_features"]
 
@@ -50,30 +51,36 @@ __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary",
 # --------------------------------------------------------------------------- library part
 
 
+@dataclass(frozen=True)
+class RecordNames:
+    """How a record error names its place: the input (``path``) and its x / y fields."""
+
+    path: str = "<input>"
+    x_field: str = "x"
+    y_field: str = "y"
+
+
 def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
-                         system_prompt: str | None = None, path: str = "<input>",
-                         x_field: str = "x", y_field: str = "y") -> RecordError | None:
+                         system_prompt: str | None = None,
+                         names: RecordNames = RecordNames()) -> RecordError | None:
     """What :func:`~icqs_fast.features.glassbox` would reject or compute wrongly for ``rec``, or
-    None: x and y strings, y non-blank, a prompt the template can build, at least one response
-    token, and prompt + response within ``max_length`` tokens (a longer row would run past the
-    model's position table). Checked before the record reaches ``glassbox``, so the error names
-    this record's index, line and field by construction."""
+    None: a prompt the template can build, at least one response token, and prompt + response
+    within ``max_length`` tokens (a longer row would run past the model's position table).
+    ``rec`` is a record of the reader (:func:`~icqs_fast.io.readers.read_records`), which has
+    checked its fields already (x and y strings, y not blank). Checked before the record
+    reaches ``glassbox``, so the error names this record's index, line and field by
+    construction."""
     from icqs_fast.features.extract import GlassboxItem, encode
 
     def err(field: str | None, reason: str) -> RecordError:
-        return RecordError(path, rec.line, field, reason, index=rec.index)
+        return RecordError(names.path, rec.line, field, reason, index=rec.index)
 
-    for field, v in ((x_field, rec.x), (y_field, rec.y)):
-        if not isinstance(v, str):
-            return err(field, f"must be a string, got {type(v).__name__}")
-    if not rec.y.strip():
-        return err(y_field, "empty response (nothing to score)")
     try:
         enc = encode(tokenizer, GlassboxItem(rec.x, rec.y), system_prompt)
     except ValueError as exc:
-        return err(x_field, str(exc))
+        return err(names.x_field, str(exc))
     if len(enc.ids) == enc.prompt_len:
-        return err(y_field, "gives no response tokens")
+        return err(names.y_field, "gives no response tokens")
     if max_length is not None and len(enc.ids) > max_length:
         return err(None, f"prompt and response of {len(enc.ids)} tokens (prompt "
                    f"{enc.prompt_len}) exceed the model's max length {max_length}")
@@ -87,9 +94,7 @@ def feature_records(
     *,
     chunk_size: int = 128,
     write_from: int = 0,
-    path: str = "<input>",
-    x_field: str = "x",
-    y_field: str = "y",
+    names: RecordNames = RecordNames(),
     on_error: Callable[[RecordError], None] | None = None,
     **glassbox_kw: Any,
 ) -> Iterator[tuple[Record, dict[str, float]]]:
@@ -104,10 +109,11 @@ def feature_records(
     (a resumed run's records already on disk).
 
     ``records`` may hold :class:`RecordError` s in place of bad records; a record
-    :func:`check_feature_record` rejects becomes one too. With ``on_error`` each is passed there
-    in input order, interleaved with the yielded rows, and the run goes on. Without, the records
-    before the first bad one (or before an :class:`InputError` the iterator raises) are computed
-    and yielded, then the error is raised.
+    :func:`check_feature_record` rejects becomes one too (named as ``names`` says). With
+    ``on_error`` each is passed there in input order, interleaved with the yielded rows, and
+    the run goes on. Without, the records before the first bad one (or before an
+    :class:`InputError` the iterator raises) are computed and yielded, then the error is
+    raised.
     """
     from icqs_fast.engine.checks import model_max_length
     from icqs_fast.features.extract import GlassboxItem, encode, glassbox
@@ -150,7 +156,7 @@ def feature_records(
             break
         if isinstance(item, Record):
             bad = check_feature_record(tokenizer, item, max_length=max_len, system_prompt=sp,
-                                       path=path, x_field=x_field, y_field=y_field)
+                                       names=names)
             item = item if bad is None else bad
         if isinstance(item, RecordError) and item.index < write_from:
             continue  # already on disk as a skipped line; not part of any batch
@@ -251,6 +257,14 @@ class FeatureStrategy:
         self.tokenizer: Any = None
         self.scale: Any = None
 
+    def prepare(self, log: Callable[..., None]) -> None:
+        """Nothing to read before the model (the job runner's first step)."""
+
+    def self_check(self, plan: Any, log: Callable[..., None],
+                   run: Callable[[], dict] | None = None) -> None:
+        """No self-check for features."""
+        return None
+
     def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.models import load_model
@@ -266,12 +280,8 @@ class FeatureStrategy:
                       else ComboScale.intrinsic(vocab_size(self.model)))
         settings["combo_scale"] = self.scale.as_dict()
         settings.update(runtime_settings(self.model, c.backend))
-        if plan.old is not None and plan.old.get("combo_scale") != settings["combo_scale"]:
-            # check_runtime covers dtype/device/backend; the combo constants are known only now.
-            raise ValueError(f"cannot --resume {plan.out}: it was written with other settings "
-                             f"(combo_scale: {plan.old.get('combo_scale')!r} there, "
-                             f"{settings['combo_scale']!r} now); use another output or "
-                             "--overwrite")
+        if plan is not None:  # the runner checks dtype/device/backend; these are known now
+            check_runtime(plan, settings, keys=("combo_scale",))
         log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(c.features)} "
             f"({c.mode} mode)")
 
@@ -281,7 +291,7 @@ class FeatureStrategy:
         c = self.config
         return feature_records(
             self.model, self.tokenizer, records, chunk_size=c.chunk_size, write_from=write_from,
-            path=c.input_name, x_field=c.x_field, y_field=c.y_field, on_error=on_error,
+            names=RecordNames(c.input_name, c.x_field, c.y_field), on_error=on_error,
             features=list(c.features), mode=c.mode, batch_size=c.batch_size, backend=c.backend,
             system_prompt=c.system_prompt, combo_scale=self.scale,
             deterministic=c.deterministic)

@@ -2,11 +2,12 @@
 
     import ray
     from ray.data import ActorPoolStrategy
-    from icqs_fast.jobs.ray_actors import ICQSBatchScorer
+    from icqs_fast.jobs.ray_actors import ICQSBatchScorer, ModelSpec
 
     ds = ray.data.read_parquet("responses.parquet")          # columns x, y (, id)
     scored = ds.map_batches(
-        ICQSBatchScorer, fn_constructor_kwargs={"good": "good.jsonl", "bad": "bad.jsonl"},
+        ICQSBatchScorer, fn_constructor_kwargs={"good": "good.jsonl", "bad": "bad.jsonl",
+                                                "model": ModelSpec(dtype="bf16")},
         batch_size=256,                                      # responses per call
         compute=ActorPoolStrategy(size=4), num_gpus=1,       # one actor = one model = one GPU
     )
@@ -29,28 +30,55 @@ Choosing the pool (see docs/SCALEOUT.md): on GPUs one actor per GPU (``num_gpus=
 actor's ``OMP_NUM_THREADS`` to its ``num_cpus``). ``batch_size`` only needs to be large enough to
 fill the engine's token budget (a few hundred responses); larger batches only add latency.
 
+A batch's rows become records by the reader's own rule (:func:`icqs_fast.io.readers.
+row_record`: x and y strings, y not blank), so a bad row gets the message the file reader gives.
+
 The ``--ray`` run of ``icqs-fast score`` / ``features`` (:mod:`icqs_fast.jobs.ray_executor`)
-uses the same classes on deterministic input blocks read by :class:`RecordBlocks`.
+runs the job's own strategy on each actor instead, over deterministic input blocks
+(:class:`BlockSpec`) that the actor reads itself (:func:`block_items`): records never travel
+as columns.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from icqs_fast.io.readers import read_examples, read_records
+from icqs_fast.io.readers import RecordFields, read_examples, read_records, row_record
 from icqs_fast.io.records import PathLike, Record, RecordError
 from icqs_fast.io.schema import column_arrays, features_row, fill_columns, icqs_row
 from icqs_fast.models import runtime_settings
 
-__all__ = ["ICQSBatchScorer", "GlassboxBatchScorer", "RecordBlocks", "BlockSpec",
-           "block_items", "items_of_block"]
+__all__ = ["ICQSBatchScorer", "GlassboxBatchScorer", "ModelSpec", "BlockSpec", "block_items"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model an actor loads, and how (:func:`icqs_fast.models.load_model`'s arguments):
+    ``model`` a local Hugging Face folder, None (or ``"embedded"``) for the embedded
+    SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+
+    def load(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)``."""
+        from icqs_fast.models import load_model
+
+        return load_model(None if self.model in (None, "embedded") else self.model,
+                          dtype=self.dtype, device=self.device, load_in_8bit=self.load_in_8bit,
+                          load_in_4bit=self.load_in_4bit)
+
+
+def _model_spec(model: ModelSpec | str | None) -> ModelSpec:
+    return model if isinstance(model, ModelSpec) else ModelSpec(model)
 
 
 # --------------------------------------------------------------------------- batches
@@ -71,22 +99,22 @@ def batch_columns(batch: Any) -> dict[str, np.ndarray]:
 
 def _batch_records(cols: dict[str, np.ndarray], x_field: str, y_field: str
                    ) -> list[Record | RecordError]:
-    """Records of a plain batch (``x``/``y`` columns; ``index`` defaults to the row number)."""
+    """Records of a plain batch (``x``/``y`` columns; ``index`` defaults to the row number),
+    checked by the reader's rule (:func:`~icqs_fast.io.readers.row_record`)."""
     for f in (x_field, y_field):
         if f not in cols:
             raise ValueError(f"batch has no column {f!r} (columns: {', '.join(cols)})")
     n = len(cols[x_field])
     index = cols.get("index")
+    fields = RecordFields(x_field, y_field)
     out: list[Record | RecordError] = []
     for i in range(n):
         idx = int(index[i]) if index is not None else i
-        x, y = cols[x_field][i], cols[y_field][i]
-        if not isinstance(x, str) or not isinstance(y, str):
-            field, v = (x_field, x) if not isinstance(x, str) else (y_field, y)
-            out.append(RecordError("<batch>", idx + 1, field,
-                                   f"must be a string, got {type(v).__name__}", index=idx))
-            continue
-        out.append(Record(index=idx, line=idx + 1, x=x, y=y))
+        row = {x_field: cols[x_field][i], y_field: cols[y_field][i]}
+        try:
+            out.append(row_record(row, idx, idx + 1, "<batch>", fields))
+        except RecordError as exc:
+            out.append(exc)
     return out
 
 
@@ -105,19 +133,17 @@ class ICQSBatchScorer:
     """ICQS scorer for ``Dataset.map_batches`` (a callable class: one instance per actor).
 
     Args:
-        good, bad: demonstration files (JSONL/CSV/TSV with ``x_field``/``y_field``) or
+        good, bad: demonstration files (JSONL/CSV/TSV with the ``columns`` fields) or
             sequences of ``(x, y)`` pairs.
-        settings: the :class:`~icqs_fast.engine.settings.ScoringSettings` of the run, or its
-            :meth:`~icqs_fast.engine.settings.ScoringSettings.asdict` (what a driver sends to
-            its actors: JSON-able, so one object carries every option to every actor); None:
-            the defaults.
-        model: a local Hugging Face folder; None (or ``"embedded"``) for the embedded
-            SmolLM2-135M-Instruct.
-        dtype, device, load_in_8bit, load_in_4bit: as :func:`icqs_fast.models.load_model`.
-        x_field, y_field: the batch columns with the prompt and the response (and the fields
-            of the demonstration files, read with ``encoding``).
-        self_check: a fitted :class:`~icqs_fast.engine.selfcheck.SelfCheck` as its ``to_dict()``
-            (what a driver sends): its map gives each record ``p_good_calibrated``.
+        settings: the :class:`~icqs_fast.engine.settings.ScoringSettings` of the run (or its
+            :meth:`~icqs_fast.engine.settings.ScoringSettings.asdict`); None: the defaults.
+        model: a :class:`ModelSpec` (model, dtype, device, 8/4-bit), or only the model (a
+            local Hugging Face folder; None or ``"embedded"``: the embedded
+            SmolLM2-135M-Instruct).
+        columns: the batch columns with the prompt and the response (and the fields of the
+            demonstration files, read with ``encoding``).
+        self_check: a fitted :class:`~icqs_fast.engine.selfcheck.SelfCheck` or its
+            ``to_dict()``: its map gives each record ``p_good_calibrated``.
         **options: ScoringSettings fields replacing those of ``settings`` (``num_ratios``,
             ``demos_per_set``, ``stratify`` as ``jobs.score.resolve_stratify`` gives it,
             ``calibration``, ``score``, ``backend``, ...; ``template`` may be a dict of its
@@ -138,14 +164,12 @@ class ICQSBatchScorer:
     """
 
     def __init__(self, good: PathLike | Sequence, bad: PathLike | Sequence,
-                 settings: Any = None, *, model: str | None = None, dtype: str = "auto",
-                 device: str = "auto", load_in_8bit: bool = False, load_in_4bit: bool = False,
-                 x_field: str = "x", y_field: str = "y", encoding: str = "utf-8",
-                 self_check: Mapping | None = None, **options: Any) -> None:
+                 settings: Any = None, *, model: ModelSpec | str | None = None,
+                 columns: tuple[str, str] = ("x", "y"), encoding: str = "utf-8",
+                 self_check: Any = None, **options: Any) -> None:
         from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.engine.settings import ScoringSettings
-        from icqs_fast.models import load_model
 
         if isinstance(settings, Mapping):
             settings = ScoringSettings.from_dict(settings)
@@ -155,18 +179,17 @@ class ICQSBatchScorer:
             del options["token_budget"]  # None: the engine's default
         # Validated before the model loads (TypeError naming an unknown option).
         self.settings = ScoringSettings.build(settings, **options)
-        self.x_field, self.y_field = x_field, y_field
-        g, b = self.pools(dict(good=good, bad=bad, x_field=x_field, y_field=y_field,
+        self.x_field, self.y_field = columns
+        g, b = self.pools(dict(good=good, bad=bad, x_field=columns[0], y_field=columns[1],
                                encoding=encoding))
-        self.model, self.tokenizer = load_model(
-            None if model in (None, "embedded") else model, dtype=dtype, device=device,
-            load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+        self.model, self.tokenizer = _model_spec(model).load()
         self.good, self.bad = g, b
         self.scorer = ICQSScorer(self.model, self.tokenizer, g, b, self.settings)
         if self_check is not None:  # the run's self-check: p_good_calibrated on every record
             from icqs_fast.engine.selfcheck import SelfCheck
 
-            check = SelfCheck.from_dict(dict(self_check))
+            check = self_check if isinstance(self_check, SelfCheck) else \
+                SelfCheck.from_dict(dict(self_check))
             self.scorer.self_check = check if check.ok else None
         _ = self.scorer.prefix_bank  # once per actor, before the first batch
         self.runtime = runtime_settings(self.model, self.settings.backend)
@@ -204,47 +227,40 @@ class GlassboxBatchScorer:
     """Glass-box feature scorer for ``Dataset.map_batches`` (one instance per actor).
 
     Args:
-        model, dtype, device, load_in_8bit, load_in_4bit: as :class:`ICQSBatchScorer`.
+        model: as :class:`ICQSBatchScorer`.
         features: feature names (default: ``jobs.config.DEFAULT_FEATURES``).
-        mode, batch_size, backend, system_prompt, deterministic: as
-            :func:`icqs_fast.features.glassbox`.
         chunk_size: records per ``glassbox`` call (records with the same ``index //
             chunk_size``; as ``icqs-fast features --chunk-size``).
         combo_scale: ``softmax_combo`` constants (a dict); default from the vocabulary size.
-        x_field, y_field: the batch columns with the instruction and the response.
+        columns: the batch columns with the instruction and the response.
+        **glassbox_kw: :func:`icqs_fast.features.glassbox`'s options (``mode``,
+            ``batch_size``, ``backend``, ``system_prompt``, ``deterministic``).
     """
 
-    def __init__(self, *, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 load_in_8bit: bool = False, load_in_4bit: bool = False,
-                 features: Sequence[str] | None = None, mode: str = "standard",
-                 batch_size: int = 8, chunk_size: int = 128, backend: str = "auto",
-                 system_prompt: str | None = None, combo_scale: dict | None = None,
-                 x_field: str = "x", y_field: str = "y", deterministic: bool = False) -> None:
+    def __init__(self, *, model: ModelSpec | str | None = None,
+                 features: Sequence[str] | None = None, chunk_size: int = 128,
+                 combo_scale: dict | None = None, columns: tuple[str, str] = ("x", "y"),
+                 **glassbox_kw: Any) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.jobs.config import DEFAULT_FEATURES
-        from icqs_fast.models import load_model
 
-        self.x_field, self.y_field = x_field, y_field
-        self.model, self.tokenizer = load_model(
-            None if model in (None, "embedded") else model, dtype=dtype, device=device,
-            load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+        self.x_field, self.y_field = columns
+        self.model, self.tokenizer = _model_spec(model).load()
         self.features = list(features or DEFAULT_FEATURES)
         self.scale = (ComboScale.from_dict(combo_scale) if combo_scale is not None
                       else ComboScale.intrinsic(vocab_size(self.model)))
         self.chunk_size = chunk_size
-        self.kw = dict(features=self.features, mode=mode, batch_size=batch_size,
-                       backend=backend, system_prompt=system_prompt, combo_scale=self.scale,
-                       deterministic=deterministic)
-        self.runtime = runtime_settings(self.model, backend)
+        self.kw = dict(glassbox_kw, features=self.features, combo_scale=self.scale)
+        self.runtime = runtime_settings(self.model, glassbox_kw.get("backend", "auto"))
 
     def results(self, items: Sequence[Record | RecordError], *, path: str = "<batch>",
                 on_error: Any = None):
         """``(record, row)`` for the good items, in order (``jobs.features.feature_records``
         rules)."""
-        from icqs_fast.jobs.features import feature_records
+        from icqs_fast.jobs.features import RecordNames, feature_records
 
         return feature_records(self.model, self.tokenizer, items, chunk_size=self.chunk_size,
-                               path=path, x_field=self.x_field, y_field=self.y_field,
+                               names=RecordNames(path, self.x_field, self.y_field),
                                on_error=on_error, **self.kw)
 
     def __call__(self, batch: Any) -> dict[str, np.ndarray]:
@@ -272,130 +288,34 @@ def _error_column(n: int, row: dict[int, int], errors: list[RecordError]) -> np.
 @dataclass(frozen=True)
 class BlockSpec:
     """Where block ``block`` of an input is: records ``[start, end)`` of ``path`` (``fmt`` as
-    :func:`~icqs_fast.io.records.detect_format` names it)."""
+    :func:`~icqs_fast.io.records.detect_format` names it), read with ``fields`` and
+    ``encoding``; ``name`` is the input as its errors name it (default: ``path``)."""
 
     path: str
     fmt: str
     block: int
     start: int
     end: int
-    x_field: str = "x"
-    y_field: str = "y"
-    id_field: str | None = None
-    label_field: str | None = None
+    fields: RecordFields = RecordFields()
     encoding: str = "utf-8"
+    name: str | None = None
+
+    def at(self, block: int, start: int, end: int) -> BlockSpec:
+        """The same input's block ``block``: records ``[start, end)``."""
+        return replace(self, block=block, start=start, end=end)
 
 
 def block_items(spec: BlockSpec) -> list[Record | RecordError]:
     """The records of one block as the single-process reader gives them
     (:func:`~icqs_fast.io.readers.read_records`, any input format it reads; bad records as
-    :class:`RecordError` s in their place), skipping to the block's start without parsing
-    (Parquet: whole row groups skipped from the footer)."""
-    out = []
-    for rec in read_records(spec.path, format=spec.fmt, x_field=spec.x_field,
-                            y_field=spec.y_field, id_field=spec.id_field,
-                            label_field=spec.label_field, encoding=spec.encoding,
+    :class:`RecordError` s in their place, named by ``spec.name``), skipping to the block's
+    start without parsing (Parquet: whole row groups skipped from the footer)."""
+    out: list[Record | RecordError] = []
+    for rec in read_records(spec.path, spec.fields, format=spec.fmt, encoding=spec.encoding,
                             skip=spec.start, on_error="yield"):
         if rec.index >= spec.end:
             break
+        if isinstance(rec, RecordError) and spec.name is not None:
+            rec = RecordError(spec.name, rec.line, rec.field, rec.reason, index=rec.index)
         out.append(rec)
     return out
-
-
-BLOCK_SCHEMA_FIELDS = ("block", "index", "line", "x", "y", "id_json", "label_json",
-                       "error_field", "error_reason")
-
-
-def _block_table(spec: BlockSpec):
-    """One block's records as a pyarrow Table (ids and labels as JSON text, so any JSON value
-    survives the trip; a bad record has its error and empty x/y)."""
-    import pyarrow as pa
-
-    items = block_items(spec)
-    cols: dict[str, list] = {k: [] for k in BLOCK_SCHEMA_FIELDS}
-    for it in items:
-        bad = isinstance(it, RecordError)
-        cols["block"].append(spec.block)
-        cols["index"].append(it.index)
-        cols["line"].append(it.line)
-        cols["x"].append("" if bad else it.x)
-        cols["y"].append("" if bad else it.y)
-        cols["id_json"].append(None if bad or it.id is None else json.dumps(it.id))
-        cols["label_json"].append(None if bad or spec.label_field is None
-                                  else json.dumps(it.label, ensure_ascii=False))
-        cols["error_field"].append(it.field if bad else None)
-        cols["error_reason"].append(it.reason if bad else None)
-    types = {"block": pa.int64(), "index": pa.int64(), "line": pa.int64()}
-    return pa.table({k: pa.array(v, type=types.get(k, pa.string())) for k, v in cols.items()})
-
-
-def items_of_block(cols: dict[str, np.ndarray], path: str) -> list[Record | RecordError]:
-    """Rebuild the records (and :class:`RecordError` s) of a block table's columns."""
-    out: list[Record | RecordError] = []
-    for i in range(len(cols["index"])):
-        idx, line = int(cols["index"][i]), int(cols["line"][i])
-        reason = cols["error_reason"][i]
-        if reason is not None and not (isinstance(reason, float) and np.isnan(reason)):
-            field = cols["error_field"][i]
-            field = None if field is None or (isinstance(field, float) and np.isnan(field)) \
-                else str(field)
-            out.append(RecordError(path, line, field, str(reason), index=idx))
-            continue
-        idj, labj = cols["id_json"][i], cols["label_json"][i]
-        out.append(Record(index=idx, line=line, x=str(cols["x"][i]), y=str(cols["y"][i]),
-                          id=json.loads(idj) if isinstance(idj, str) else None,
-                          label=json.loads(labj) if isinstance(labj, str) else None))
-    return out
-
-
-def _read_block(spec: BlockSpec):
-    t0 = time.perf_counter()
-    table = _block_table(spec)
-    # The read time travels with the block, so the worker summary can separate it out.
-    import pyarrow as pa
-
-    return [table.append_column("read_s", pa.array([time.perf_counter() - t0] * len(table),
-                                                   type=pa.float64()))]
-
-
-def _ray_datasource_base():
-    from ray.data import Datasource
-
-    return Datasource
-
-
-class RecordBlocks:
-    """A Ray Data datasource reading an input's records in deterministic blocks (build it with
-    :meth:`datasource`, read it with ``ray.data.read_datasource(..., override_num_blocks=
-    len(specs))``): one read task and one Ray block per :class:`BlockSpec`, with the columns
-    ``BLOCK_SCHEMA_FIELDS`` + ``read_s``, so a block's records stay together and the block
-    number names its output file."""
-
-    @staticmethod
-    def datasource(specs: Sequence[BlockSpec]):
-        from ray.data import ReadTask
-        from ray.data.block import BlockMetadata
-
-        base = _ray_datasource_base()
-
-        class _Source(base):  # type: ignore[misc, valid-type]
-            def __init__(self, specs: Sequence[BlockSpec]) -> None:
-                super().__init__()
-                self.specs = list(specs)
-
-            def estimate_inmemory_data_size(self) -> int | None:
-                return None
-
-            def get_name(self) -> str:
-                return "ICQSRecordBlocks"
-
-            def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                               data_context: Any = None) -> list:
-                import functools
-
-                return [ReadTask(functools.partial(_read_block, s),
-                                 BlockMetadata(num_rows=s.end - s.start, size_bytes=None,
-                                               exec_stats=None, input_files=[s.path]))
-                        for s in self.specs]
-
-        return _Source(specs)

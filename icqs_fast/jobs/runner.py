@@ -1,34 +1,42 @@
-"""ONE job runner for ``score`` and ``features``: read -> batch -> score -> write, with resume,
-skip/stop on bad records, progress and a summary.
+"""ONE job runner for ``score`` and ``features``, whatever runs the forward: read -> batch ->
+score -> write, with the output plan, lock, resume, metadata, self-check, bad-record rules,
+progress and a summary.
 
     from icqs_fast.jobs.config import ScoreJobConfig
     from icqs_fast.jobs.runner import run_job
 
     run_job(ScoreJobConfig(input="in.jsonl", output="out.jsonl", good="g.jsonl", bad="b.jsonl"))
 
-What differs between the two commands is a small strategy object (:class:`JobStrategy`;
-``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the engine, compute the
-results of a record stream, turn one result into an output line, count it in the summary. The
-executor is chosen by a string, ``"local"`` (this process) or ``"ray"`` (Ray Data,
-:mod:`icqs_fast.jobs.ray_executor`; Ray is imported only there), by default from the config
-(``config.ray`` set: ``"ray"``).
+A job kind is a strategy object (:class:`JobStrategy`, found by the config's ``kind`` in
+:data:`STRATEGIES`: ``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the
+engine, the self-check step, compute the results of a record stream, turn one result into an
+output line, count it in the summary. An executor (:class:`Executor`) decides only where the
+forward runs and so what the output is: :class:`LocalExecutor` (this process, a results file)
+or ``jobs.ray_executor.RayExecutor`` (Ray Data actors, a folder of block files; Ray is imported
+only there). Both go through :func:`run_with` - the same plan (:func:`icqs_fast.io.runs.
+plan_output`), lock, metadata and resume rules - and both write results with
+:func:`stream_results` into the writers of :mod:`icqs_fast.io.results`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from icqs_fast.io.readers import read_records, read_rows
+from icqs_fast.io.readers import RecordFields, read_records, read_rows
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.results import output_format, remove_parquet_output, skipped_record
 from icqs_fast.io.runs import (
-    OutputLock,
+    FileTarget,
+    OutputPlan,
+    RunTarget,
     check_run_paths,
     check_runtime,
     checked_resume,
@@ -39,7 +47,7 @@ from icqs_fast.io.runs import (
     resume_check_needed,
     start_output,
 )
-from icqs_fast.jobs.config import EXECUTORS, FeatureJobConfig, JobConfig, ScoreJobConfig
+from icqs_fast.jobs.config import EXECUTORS, JobConfig
 from icqs_fast.progress import quiet_transformers
 
 Log = Callable[..., None]
@@ -55,16 +63,24 @@ class JobSummary(Protocol):
 
 
 class JobStrategy(Protocol):
-    """What a job kind adds to the runner."""
+    """What a job kind adds to the runner (built from its config: ``Strategy(config)``)."""
 
     desc: str  # progress bar label
     done_prefix: str  # the final summary line's prefix
     align: int  # shard boundaries and resume restarts are multiples of this (chunked jobs)
-    read_labels: bool  # read the label field into the records
+    read_labels: bool  # read the label field into the records (and summarise by label)
 
-    def load(self, plan: Any, settings: dict, log: Log) -> None:
+    def prepare(self, log: Log) -> None:
+        """What needs no model (score: the demonstration sets), before the output is touched."""
+
+    def load(self, plan: OutputPlan | None, settings: dict, log: Log) -> None:
         """Load the model and build the engine; add what is known only now (dtype, device,
-        backend, ...) to ``settings`` and check it against a resumed output (``plan``)."""
+        backend, ...) to ``settings`` (the runner checks it against a resumed output)."""
+
+    def self_check(self, plan: OutputPlan | None, log: Log,
+                   run: Callable[[], dict] | None = None) -> dict | None:
+        """The run's self-check (a dict for the metadata; None for a kind without one): a
+        resumed output's, else computed - by ``run`` when given (elsewhere), else here."""
 
     def results(self, records: Iterable[Record | RecordError], *, write_from: int,
                 on_error: Callable[[RecordError], None] | None
@@ -81,16 +97,85 @@ class JobStrategy(Protocol):
     def summary(self) -> JobSummary: ...
 
 
+# The strategy of each job kind (``JobConfig.kind``), imported when a job of that kind runs.
+STRATEGIES = {"score": "icqs_fast.jobs.score:ScoreStrategy",
+              "features": "icqs_fast.jobs.features:FeatureStrategy"}
+
+
 def strategy_for(config: JobConfig) -> JobStrategy:
-    if isinstance(config, ScoreJobConfig):
-        from icqs_fast.jobs.score import ScoreStrategy
+    """The strategy of ``config``'s job kind (:data:`STRATEGIES`)."""
+    spec = STRATEGIES.get(config.kind)
+    if spec is None:
+        raise TypeError(f"no job for {type(config).__name__} (kind {config.kind!r})")
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)(config)
 
-        return ScoreStrategy(config)
-    if isinstance(config, FeatureJobConfig):
-        from icqs_fast.jobs.features import FeatureStrategy
 
-        return FeatureStrategy(config)
-    raise TypeError(f"no job for {type(config).__name__}")
+@dataclass
+class JobRun:
+    """One job as the runner hands it to its executor: planned, its output locked."""
+
+    config: JobConfig
+    strategy: JobStrategy
+    plan: OutputPlan
+    settings: dict  # the metadata: the fingerprint, then what the run adds
+    log: Log
+    stats: dict  # the executor's run figures (filled by the Ray executor)
+
+
+class Executor(Protocol):
+    """Where a job's forward runs (see the module docstring)."""
+
+    def check(self, config: JobConfig) -> None:
+        """Refuse options this executor cannot run, before anything is read."""
+
+    def target(self, config: JobConfig, log: Log) -> RunTarget:
+        """The output (an :class:`~icqs_fast.io.runs.RunTarget`)."""
+
+    def fingerprint(self, config: JobConfig) -> dict:
+        """Keys this executor adds to the job's fingerprint (its output layout)."""
+
+    def run(self, job: JobRun) -> int:
+        """Compute and write the results; the exit code."""
+
+
+@dataclass
+class ResultSink:
+    """Where :func:`stream_results` puts a result stream: a writer of :mod:`icqs_fast.io.results`
+    (a results file, or one block), the summary it counts into, and whether bad records are
+    written as skipped lines (``--on-error skip``) rather than raised."""
+
+    writer: Any
+    summary: JobSummary
+    skip: bool
+    log: Log
+
+
+def stream_results(strategy: JobStrategy, records: Iterable[Record | RecordError],
+                   sink: ResultSink, *, write_from: int = 0,
+                   progress: Callable[[Iterable], Iterable] = iter) -> None:
+    """Compute ``records`` with ``strategy`` and write each result line (and, skipping, each
+    bad record's line in its place) to ``sink`` in input order - the one loop of the local run
+    and of every ``--ray`` block.
+
+    Raises:
+        InputError: a bad record (not skipping) or a bad input, after the lines before it.
+    """
+    def skip(err: RecordError) -> None:
+        sink.writer.write(skipped_record(err))
+        sink.summary.skipped += 1
+        sink.log(f"icqs-fast: skipping bad record: {err}")
+
+    results = strategy.results(records, write_from=write_from,
+                               on_error=skip if sink.skip else None)
+    for rec, res in progress(results):
+        sink.writer.write(strategy.line(rec, res))
+        sink.summary.add(rec, res)
+
+
+# The entry points of the executors other than the local one, imported when a job asks for
+# one (so that Ray is imported only for a Ray run; the executor's module builds on this one).
+RUNNERS = {"ray": "icqs_fast.jobs.ray_executor:run_ray"}
 
 
 def stderr_log(quiet: bool) -> Log:
@@ -111,24 +196,35 @@ def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None =
     executor = executor or config.executor
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    if executor == "ray":
-        from icqs_fast.jobs.ray_executor import run_ray
+    if executor == "local":
+        return run_with(config, LocalExecutor(), log=log, stats=stats)
+    module, name = RUNNERS[executor].split(":")
+    return getattr(importlib.import_module(module), name)(config, stats=stats)
 
-        return run_ray(config, stats=stats)  # checks the config itself
-    config.check()
+
+def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
+             stats: dict | None = None) -> int:
+    """Run ``config``'s job with ``executor``: the checks, the strategy's preparation, the
+    output's lock and plan (new, resumed or replaced: :func:`~icqs_fast.io.runs.plan_output`),
+    then :meth:`Executor.run`. An OS error on the output is an :class:`OutputError`."""
+    executor.check(config)
     log = log or stderr_log(config.quiet)
     check_run_paths(config.input, config.resume, config.overwrite, config.format)
     peek_input(config)  # whole-file errors before anything is written or loaded
     strategy = strategy_for(config)
-    prepare = getattr(strategy, "prepare", None)
-    if prepare is not None:
-        prepare(log)  # what needs no model (score: the demonstration sets)
+    strategy.prepare(log)  # what needs no model (score: the demonstration sets)
     try:
-        make_output_folder(config.output, log)
+        target = executor.target(config, log)
         # Held until this process ends (or crashes: the OS drops it), before the output is
         # touched.
-        with OutputLock(Path(config.output)):
-            return run_local_locked(config, strategy, log)
+        with target.lock():
+            settings = {**config.fingerprint(), **executor.fingerprint(config)}
+            # Fail fast on other settings, before the model is loaded; the rest is checked
+            # once it is.
+            plan = plan_output(target, settings, resume=config.resume,
+                               overwrite=config.overwrite)
+            return executor.run(JobRun(config, strategy, plan, settings, log,
+                                       stats if stats is not None else {}))
     except OSError as exc:
         if not is_output_error(exc, config.output):
             raise
@@ -165,16 +261,20 @@ def peek_input(config: JobConfig) -> None:
     An error in the record itself is left to the run (its earlier records are kept)."""
     if config.input == "-" or config.resume or config.shard is not None:
         return  # resuming / sharded: the input range is checked by the run
-    it = read_records(config.input, format=config.format, x_field=config.x_field,
-                      y_field=config.y_field, id_field=config.id_field,
-                      label_field=config.label_field, encoding=config.encoding,
-                      on_error="yield", allow_empty=False)
+    it = read_records(config.input, record_fields(config), format=config.format,
+                      encoding=config.encoding, on_error="yield", allow_empty=False)
     try:
         next(iter(it), None)
     finally:
         close = getattr(it, "close", None)
         if close is not None:
             close()
+
+
+def record_fields(config: JobConfig, *, labels: bool = True) -> RecordFields:
+    """The record fields of ``config`` (its label field only with ``labels``)."""
+    return RecordFields(config.x_field, config.y_field, config.id_field,
+                        config.label_field if labels else None)
 
 
 def set_threads(threads: int | None) -> None:
@@ -185,47 +285,58 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def run_local_locked(config: JobConfig, strategy: JobStrategy, log: Log) -> int:
-    """The job in this process, its output lock held."""
+class LocalExecutor:
+    """The forward in this process; the output is a results file (JSONL or Parquet)."""
 
-    out = Path(config.output)
-    settings = config.fingerprint()
-    # Fail fast on other settings, before the model is loaded; the rest is checked after.
-    plan = plan_output(out, settings, resume=config.resume, overwrite=config.overwrite)
-    start, stop, total = input_range(config.input, config.format, config.encoding,
-                                     config.shard, plan, align=strategy.align)
-    set_threads(config.threads)
-    if config.quiet:
-        quiet_transformers()
-    strategy.load(plan, settings, log)
-    check_runtime(plan, settings)
-    start_output(plan, settings, log)
+    def check(self, config: JobConfig) -> None:
+        config.check()
 
-    # Resuming: read again from the first record of the chunk the run stopped in (a chunked
-    # job recomputes its records in the same batches, writing only those after the last one on
-    # disk), and check that the output's last record still has its id.
-    first = (start // strategy.align) * strategy.align
-    check = resume_check_needed(plan)
-    records: Iterable[Record | RecordError] = read_records(
-        config.input, format=config.format, x_field=config.x_field, y_field=config.y_field,
-        id_field=config.id_field,
-        label_field=config.label_field if strategy.read_labels else None,
-        encoding=config.encoding, skip=min(first, start - 1) if check else first,
-        on_error="yield",  # strategy.results stops on an error if asked
-        allow_empty=start > 0 or stop is not None, stop=stop,
-    )
-    if check:
-        records = checked_resume(records, plan.last, config.input_name, keep=True)
-        records = (r for r in records if r.index >= first)  # the last record may precede it
+    def target(self, config: JobConfig, log: Log) -> RunTarget:
+        make_output_folder(config.output, log)
+        return FileTarget(config.output)
 
-    summary = strategy.summary()
-    try:
-        return _write_results(config, strategy, plan, records, summary, start, total, log)
-    except InputError as exc:
-        if not isinstance(exc, RecordError) and not plan.append and summary.n == 0 \
-                and summary.skipped == 0:
-            remove_output(out)  # nothing was written: leave nothing behind
-        raise
+    def fingerprint(self, config: JobConfig) -> dict:
+        return {}
+
+    def run(self, job: JobRun) -> int:
+        """The job in this process, its output lock held."""
+        config, strategy, plan, settings = job.config, job.strategy, job.plan, job.settings
+        start, stop, total = input_range(config.input, config.format, config.encoding,
+                                         config.shard, plan, align=strategy.align)
+        set_threads(config.threads)
+        if config.quiet:
+            quiet_transformers()
+        strategy.load(plan, settings, job.log)
+        check_runtime(plan, settings)
+        check = strategy.self_check(plan, job.log)
+        if check is not None:
+            settings["self_check"] = check
+        start_output(plan, settings, job.log)
+
+        # Resuming: read again from the first record of the chunk the run stopped in (a
+        # chunked job recomputes its records in the same batches, writing only those after
+        # the last one on disk), and check that the output's last record still has its id.
+        first = (start // strategy.align) * strategy.align
+        resume_check = resume_check_needed(plan)
+        records: Iterable[Record | RecordError] = read_records(
+            config.input, record_fields(config, labels=strategy.read_labels),
+            format=config.format, encoding=config.encoding,
+            skip=min(first, start - 1) if resume_check else first, stop=stop,
+            on_error="yield",  # strategy.results stops on an error if asked
+            allow_empty=start > 0 or stop is not None,
+        )
+        if resume_check:
+            records = checked_resume(records, plan.last, config.input_name, keep=True)
+            records = (r for r in records if r.index >= first)  # the last may precede it
+
+        summary = strategy.summary()
+        try:
+            return _write_results(job, records, summary, start, total)
+        except InputError as exc:
+            if not isinstance(exc, RecordError) and not plan.append and summary.n == 0 \
+                    and summary.skipped == 0:
+                remove_output(Path(config.output))  # nothing was written: leave nothing
+            raise
 
 
 def remove_output(out: Path) -> None:
@@ -237,25 +348,21 @@ def remove_output(out: Path) -> None:
         remove_parquet_output(out)
 
 
-def _write_results(config: JobConfig, strategy: JobStrategy, plan: Any,
-                   records: Iterable[Record | RecordError], summary: JobSummary, start: int,
-                   total: int, log: Log) -> int:
+def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary: JobSummary,
+                   start: int, total: int) -> int:
     from icqs_fast.progress import track
 
-    out = plan.out
-    with open_results(plan, schema=strategy.table_schema()) as writer:
-        def skip(err: RecordError) -> None:
-            writer.write(skipped_record(err))
-            summary.skipped += 1
-            log(f"icqs-fast: skipping bad record: {err}")
+    config, strategy, log = job.config, job.strategy, job.log
+    out = job.plan.out
 
-        results = strategy.results(records, write_from=start,
-                                   on_error=skip if config.on_error == "skip" else None)
+    def bar(results: Iterable) -> Iterable:
+        return track(results, total=total if total >= 0 else None, desc=strategy.desc,
+                     unit="record", quiet=config.quiet)
+
+    with open_results(job.plan, schema=strategy.table_schema()) as writer:
+        sink = ResultSink(writer, summary, skip=config.on_error == "skip", log=log)
         try:
-            for rec, res in track(results, total=total if total >= 0 else None,
-                                  desc=strategy.desc, unit="record", quiet=config.quiet):
-                writer.write(strategy.line(rec, res))
-                summary.add(rec, res)
+            stream_results(strategy, records, sink, write_from=start, progress=bar)
         except InputError as exc:
             if not isinstance(exc, RecordError):  # the whole input (e.g. empty standard input)
                 raise
@@ -269,9 +376,9 @@ def _write_results(config: JobConfig, strategy: JobStrategy, plan: Any,
             log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
             return 130
     log(summary.text(strategy.done_prefix))
-    if plan.append:  # the lines above cover this run only: say what the whole output holds
+    if job.plan.append:  # the lines above cover this run only: say what the whole output holds
         log(output_summary(out, label=config.label_field is not None
-                           and isinstance(config, ScoreJobConfig)))
+                           and strategy.read_labels))
     return 0
 
 

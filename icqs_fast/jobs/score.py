@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
-from icqs_fast.io.readers import read_examples, read_records
+from icqs_fast.io.readers import RecordFields, read_examples, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_settings
 from icqs_fast.io.schema import arrow_schema, icqs_row
@@ -56,32 +56,25 @@ def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: st
                  y_field: str = "y") -> RecordError | None:
     """What the scorer would reject in ``rec`` (before it is sent to the scorer), or None.
 
-    The same checks as the scorer's own (through its public ``tokens``, ``template``,
-    ``max_length``, ``drop_oldest_demos`` and ``n_contexts``): x and y strings, y non-empty,
-    query and response giving tokens, every context's prompt within the max length. Checking
-    here means the error is built for this record by construction, with its index, line and
-    field, instead of being recovered from the scorer's message text.
+    ``rec`` is a record of the reader (:func:`~icqs_fast.io.readers.read_records`), which has
+    already checked its fields (x and y strings, y not blank): here only what needs the
+    scorer's tokenizer and template - query and response giving tokens, every context's prompt
+    within the max length - through its ``tokens`` (cached there, so the engine does not
+    tokenize the record again), ``max_length`` and ``drop_oldest_demos``. Checking here means
+    the error is built for this record by construction, with its index, line and field,
+    instead of being recovered from the scorer's message text.
     """
+    from icqs_fast.engine.prompt_tokens import EmptyPart, PromptTooLong
+
     def err(field: str | None, reason: str) -> RecordError:
         return RecordError(path, rec.line, field, reason, index=rec.index)
 
-    for field, v in ((x_field, rec.x), (y_field, rec.y)):
-        if not isinstance(v, str):
-            return err(field, f"must be a string, got {type(v).__name__}")
-    if not rec.y.strip():
-        return err(y_field, "empty response (nothing to score)")
     tokens = scorer.tokens
-    q = tokens.encode(scorer.template.format_query(rec.x))
-    r = tokens.encode(scorer.template.format_response(rec.y))
-    if not q:
-        return err(x_field, f"the query part {scorer.template.format_query(rec.x)!r} has no "
-                   "tokens; the template's query must produce at least one")
-    if not r:
-        return err(y_field, "gives no response tokens")
-    from icqs_fast.engine.prompt_tokens import PromptTooLong
-
-    try:  # the exact whole-text lengths; cached, so the engine does not tokenize them again
+    try:
+        tokens.response_parts(rec.index, rec.x, rec.y)
         tokens.layouts(rec.index, rec.x, rec.y, scorer.max_length, scorer.drop_oldest_demos)
+    except EmptyPart as exc:
+        return err(x_field if exc.part == "x" else y_field, exc.reason)
     except PromptTooLong as exc:
         return err(None, exc.reason.replace("drop_oldest_demos=True",
                                             "drop_oldest_demos=True (--drop-oldest-demos)")
@@ -217,8 +210,8 @@ def resolve_stratify(config: ScoreJobConfig) -> Any:
         return "y"
     if spec in (None, "y", "auto"):
         return spec
-    kw = dict(x_field=config.demo_x_field, y_field=config.demo_y_field, encoding=config.encoding)
-    return tuple([str(r.label) for r in read_records(path, label_field=spec, **kw)]
+    fields = RecordFields(config.demo_x_field, config.demo_y_field, label_field=spec)
+    return tuple([str(r.label) for r in read_records(path, fields, encoding=config.encoding)]
                  for path in (config.good, config.bad))
 
 
@@ -251,7 +244,8 @@ class ScoreStrategy:
 
     def prepare(self, log: Callable[..., None]) -> None:
         """What needs no model: read the demonstration files, build the settings and the
-        demonstration sets (pool sizes, strata), and say which stratification was used."""
+        demonstration sets (pool sizes, strata: errors before the model loads; the scorer
+        takes these sets), and say which stratification was used."""
         from icqs_fast.engine.prompts import build_demo_sets
 
         c = self.config
@@ -259,8 +253,8 @@ class ScoreStrategy:
         self.good = read_examples(c.good, **ex_kw)
         self.bad = read_examples(c.bad, **ex_kw)
         self.settings = scoring_settings(c)
-        sets = build_demo_sets(self.good, self.bad, **self.settings.demo_set_options())
-        strata = sets[0][0].strata
+        self.sets = build_demo_sets(self.good, self.bad, **self.settings.demo_set_options())
+        strata = self.sets[0][0].strata
         spec = c.scoring["stratify"]
         if strata is None:
             how = "unstratified"
@@ -274,6 +268,8 @@ class ScoreStrategy:
         log(f"icqs-fast: demonstration sets {self.stratification}")
 
     def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
+        """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
+        (dtype, device, backend) added to ``settings``."""
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.models import load_model
 
@@ -288,37 +284,61 @@ class ScoreStrategy:
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
         settings.update(runtime_settings(model, c.backend))  # checked by the runner
-        self.scorer = ICQSScorer(model, tok, good, bad, self.settings)
+        self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
         s = c.scoring
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
             f"demonstrations, {s['num_ratios']} ratios x {s['sets_per_ratio']} sets of "
             f"{s['demos_per_set']}")
-        self.check = self._self_check(plan, log)
-        settings["self_check"] = self.check.to_dict()
-        self.scorer.self_check = self.check if self.check.ok else None
 
-    def _self_check(self, plan: Any, log: Callable[..., None]) -> Any:
-        """The self-check from the pools (:mod:`icqs_fast.engine.selfcheck`): the one a resumed
-        output's meta file holds, else run now with the run's scorer (its prefix bank)."""
-        from icqs_fast.engine.selfcheck import SelfCheck, run_self_check
+    def self_check(self, plan: Any, log: Callable[..., None],
+                   run: Callable[[], dict] | None = None) -> dict:
+        """The run's self-check from the pools (:mod:`icqs_fast.engine.selfcheck`), as a dict
+        for the metadata: the one a resumed output's metadata holds; else, when it needs no
+        scoring (off, or pools too small), computed at once; else by ``run`` when given (the
+        ``--ray`` driver: a task on a worker) or with this strategy's scorer (:meth:`load`).
+        Its map then gives each result ``p_good_calibrated``."""
+        from icqs_fast.engine.selfcheck import (
+            DEFAULT_MAX_HELDOUT,
+            SelfCheck,
+            run_self_check,
+        )
+        from icqs_fast.engine.selfcheck import too_small_without_scoring as too_small
         from icqs_fast.progress import track
 
+        c = self.config
         old = resumed_settings(plan)
         if old is not None:
             if "self_check" not in old:
-                return SelfCheck.off("not run (resuming an output written without one)")
-            check = SelfCheck.from_dict(old["self_check"])
-            log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
-            return check
-        c = self.config
+                check = SelfCheck.off("not run (resuming an output written without one)")
+            else:
+                check = SelfCheck.from_dict(old["self_check"])
+                log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
+        else:
+            kw = dict(c.self_check)
+            n = kw.get("max_heldout", DEFAULT_MAX_HELDOUT)
+            if n == 0 or too_small(len(self.good), len(self.bad), n):
+                check = run_self_check(None, self.good, self.bad, **kw)  # scores nothing
+            elif run is not None:
+                check = SelfCheck.from_dict(run())
+            else:
+                def bar(it: Iterable, total: int) -> Iterable:
+                    return track(it, total=total, desc="self-check", unit="item",
+                                 quiet=c.quiet)
 
-        def bar(it: Iterable, total: int) -> Iterable:
-            return track(it, total=total, desc="self-check", unit="item", quiet=c.quiet)
+                check = run_self_check(self.scorer, self.good, self.bad, progress=bar, **kw)
+            for line in check.lines():
+                log(f"icqs-fast: {line}")
+        self.use_self_check(check)
+        return check.to_dict()
 
-        check = run_self_check(self.scorer, self.good, self.bad, progress=bar, **c.self_check)
-        for line in check.lines():
-            log(f"icqs-fast: {line}")
-        return check
+    def use_self_check(self, check: Any) -> None:
+        """Give the results the map of ``check`` (a fitted SelfCheck or its dict) when it has
+        one; its verdict goes into the summary."""
+        from icqs_fast.engine.selfcheck import SelfCheck
+
+        self.check = check if isinstance(check, SelfCheck) else SelfCheck.from_dict(check)
+        if self.scorer is not None:
+            self.scorer.self_check = self.check if self.check.ok else None
 
     def results(self, records: Iterable[Record | RecordError], *, write_from: int,
                 on_error: Callable[[RecordError], None] | None
