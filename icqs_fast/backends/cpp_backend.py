@@ -170,3 +170,57 @@ def token_stats(
     shift = torch.where(ok, z_t / temperature, torch.zeros_like(z_t))
     st, counts = _reduce(z, safe_t, z_t, shift, temperature)
     return _state.finalize(st, counts, z_t, valid, temperature)
+
+
+# ------------------------------------------------------------------ attention with LSE (C++)
+
+
+def _attention_operand(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit last-dim stride (the kernel takes element strides of dims 0..2)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
+                  softcap: float | None = None, window: int | None = None,
+                  chunk: int | None = None,
+                  positions: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
+    backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
+
+    Args:
+        q: ``[B, Hq, Tq, D]`` fp32/fp16/bf16; k ``[B, Hk, Tk, D]``; v ``[B, Hk, Tk, Dv]`` (any
+            strides; a strided last dim is copied); attention_mask ``[B, Tk]`` bool or None.
+        causal, scale, softcap, window, chunk: as in ``ops.attention_lse``.
+        positions: ``(q_pos [B, Tq], k_pos [B, Tk])`` integer token positions (negative key
+            position = masked key) that causal / window / chunk compare; None: queries at the
+            last ``Tq`` key slots.
+
+    Returns:
+        ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation) and ``lse [B, Hq, Tq]`` fp32
+        (-inf and output 0 for a row with no allowed key).
+    """
+    if _C is None or not hasattr(_C, "attention_lse"):
+        raise RuntimeError("icqs_fast._C has no attention_lse: rebuild the extension")
+    bsz, hq, tq, d = q.shape
+    hk, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    q, k, v = _attention_operand(q), _attention_operand(k), _attention_operand(v)
+    out = torch.empty(bsz, hq, tq, dv, dtype=torch.float32)
+    lse = torch.empty(bsz, hq, tq, dtype=torch.float32)
+    q_pos = k_pos = None
+    if positions is not None:
+        q_pos = positions[0].to(torch.int64).contiguous()
+        k_pos = positions[1].to(torch.int64)
+    if attention_mask is not None:
+        base = k_pos if k_pos is not None else torch.arange(tk).expand(bsz, tk)
+        k_pos = torch.where(attention_mask, base, -1)
+    if k_pos is not None:
+        k_pos = k_pos.contiguous()
+    _C.attention_lse(q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3], v.data_ptr(),
+                     v.stride()[:3], out.data_ptr(), lse.data_ptr(),
+                     0 if q_pos is None else q_pos.data_ptr(),
+                     0 if k_pos is None else k_pos.data_ptr(), bsz, hq, hk, tq, tk, d, dv,
+                     _DTYPE_CODES[q.dtype], bool(causal), int(window or 0), int(chunk or 0),
+                     float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting())
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

@@ -1,0 +1,795 @@
+// Flash-style softmax attention with log-sum-exp output for the cpp backend of
+// ops.attention_lse (icqs_fast._C.attention_lse), the CPU path of cascade attention.
+//
+// out[b, h, i, :] = sum_j p_ij v[b, h // group, j, :],  p_ij = e^{s_ij - lse_i},
+// s_ij = scale * q_i . k_j (then c tanh(s / c) with a soft cap c), lse_i = log sum_j e^{s_ij}
+// over the allowed keys j: key position kpos_j >= 0 (a negative position is a masked / padded
+// key), and with `causal` kpos_j <= qpos_i, with `window` w qpos_i - kpos_j < w, with `chunk`
+// c floor(kpos_j / c) == floor(qpos_i / c). Positions default to qpos_i = Tk - Tq + i (queries
+// at the last Tq key slots) and kpos_j = j. A row with no allowed key gets lse = -inf and
+// output 0 (it then drops out of an LSE merge exactly).
+//
+// No torch headers: Python passes raw pointers and element strides and allocates the fp32
+// outputs. Work items are (batch, key head, a range of the key head's `group * Tq` query rows):
+// each thread packs its item's keys (transposed, fp32, zero-padded to whole key blocks) and
+// values (fp32, value rows padded to whole vectors; masked keys zeroed, so a NaN in a padded
+// slot never reaches the output) into thread-local buffers, reused while consecutive items
+// share the key head. Per block of kBQ query rows it walks the key blocks of kBK = 4W keys with
+// an online softmax: S = Q K^T (register tile of R rows x 4 vectors, broadcast q, FMA along the
+// key block), scale / soft cap / mask, running max and sum in fp32, O += P V (register tile of
+// R rows x up to 4 vectors of value columns). Key blocks a query block cannot see (causal,
+// window, chunk, all padded) are skipped, blocks it sees entirely need no mask.
+//
+// bf16 inputs on CPUs with AVX512_BF16: keys and values are packed as bf16 pairs and both
+// products run on _mm512_dpbf16_ps (fp32 accumulation; the probabilities enter the PV product
+// as bf16, as in any flash attention with 16-bit inputs). Elsewhere 16-bit inputs are widened
+// to fp32 at packing time and run the fp32 kernel.
+//
+// ISA levels as in token_stats.cpp: a template on the vector width W with per-function target
+// attributes (x86-64-v4 W = 16, x86-64-v3 W = 8, the build's x86-64-v2 W = 4), picked at run
+// time or forced by the isa argument (ICQS_FAST_CPP_ISA on the Python side).
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
+#include <immintrin.h>
+#define ICQS_ATTN_X86 1
+#endif
+
+namespace py = pybind11;
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace {
+
+#define ATTN_INLINE inline __attribute__((always_inline))
+
+enum ADType : int { kAF32 = 0, kAF16 = 1, kABF16 = 2 };
+
+template <int W>
+struct AV {
+    typedef float f __attribute__((vector_size(4 * W)));
+    typedef int32_t i __attribute__((vector_size(4 * W)));
+};
+
+template <int W>
+ATTN_INLINE typename AV<W>::f asplat(float a) {
+    return typename AV<W>::f{} + a;
+}
+
+template <int W>
+ATTN_INLINE typename AV<W>::f aload(const float* p) {
+    typename AV<W>::f x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+template <int W>
+ATTN_INLINE void astore(float* p, typename AV<W>::f x) {
+    std::memcpy(p, &x, sizeof(x));
+}
+
+template <int W>
+ATTN_INLINE float hmax(typename AV<W>::f x) {
+    float m = x[0];
+    for (int k = 1; k < W; ++k) m = x[k] > m ? x[k] : m;
+    return m;
+}
+
+template <int W>
+ATTN_INLINE float hsum(typename AV<W>::f x) {
+    float s = 0.f;
+    for (int k = 0; k < W; ++k) s += x[k];
+    return s;
+}
+
+// e^d for d <= 0 (Cephes expf, as token_stats.cpp); d < -87 (and -inf) gives exactly 0.
+template <int W>
+ATTN_INLINE typename AV<W>::f aexp_neg(typename AV<W>::f d) {
+    using F = typename AV<W>::f;
+    using I = typename AV<W>::i;
+    const F magic = asplat<W>(12582912.0f);
+    const F dd = d < asplat<W>(-87.0f) ? asplat<W>(-87.0f) : d;
+    const F t = dd * asplat<W>(1.44269504088896341f) + magic;
+    const F nf = t - magic;
+    const I n = (I)t - (I)magic;
+    F r = dd - nf * asplat<W>(0.693359375f);
+    r = r - nf * asplat<W>(-2.12194440e-4f);
+    F p = asplat<W>(1.9875691500e-4f);
+    p = p * r + asplat<W>(1.3981999507e-3f);
+    p = p * r + asplat<W>(8.3334519073e-3f);
+    p = p * r + asplat<W>(4.1665795894e-2f);
+    p = p * r + asplat<W>(1.6666665459e-1f);
+    p = p * r + asplat<W>(5.0000001201e-1f);
+    p = p * (r * r) + r + asplat<W>(1.0f);
+    const I n_safe = n < -126 ? I{} - 126 : n;
+    const F e = p * (F)((n_safe + 127) << 23);
+    return d < asplat<W>(-87.0f) ? F{} : e;
+}
+
+// c tanh(s / c) (the score soft cap), ~2 ulp: Cephes' odd polynomial for |u| < 0.625, else
+// (1 - e) / (1 + e) with e = e^{-2|u|}.
+template <int W>
+ATTN_INLINE typename AV<W>::f asoftcap(typename AV<W>::f s, float inv_c, float c) {
+    using F = typename AV<W>::f;
+    using I = typename AV<W>::i;
+    const F u = s * asplat<W>(inv_c);
+    const I sign = (I)u & (I{} + INT32_MIN);
+    const F au = (F)((I)u & 0x7fffffff);
+    const F u2 = u * u;
+    F p = asplat<W>(-5.70498872745e-3f);
+    p = p * u2 + asplat<W>(2.06390887954e-2f);
+    p = p * u2 + asplat<W>(-5.37397155531e-2f);
+    p = p * u2 + asplat<W>(1.33314422036e-1f);
+    p = p * u2 + asplat<W>(-3.33332819422e-1f);
+    const F small = p * u2 * u + u;
+    const F e = aexp_neg<W>(asplat<W>(-2.0f) * au);
+    const F big = (F)((I)((asplat<W>(1.0f) - e) / (asplat<W>(1.0f) + e)) | sign);
+    const F w = au < asplat<W>(0.625f) ? small : big;
+    return w * asplat<W>(c);
+}
+
+ATTN_INLINE float to_f32(const void* base, int64_t idx, int dt) {
+    if (dt == kAF32) return static_cast<const float*>(base)[idx];
+    const uint32_t h = static_cast<const uint16_t*>(base)[idx];
+    uint32_t out;
+    if (dt == kABF16) {
+        out = h << 16;
+    } else {  // IEEE half
+        const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
+        if (expo == 0x7c00u) {
+            out = (mag << 13) | 0x7f800000u;
+        } else if (expo == 0u) {
+            const float sub = static_cast<float>(mag) * 5.9604644775390625e-8f;
+            std::memcpy(&out, &sub, sizeof(out));
+        } else {
+            out = (mag << 13) + ((127u - 15u) << 23);
+        }
+        out |= (h & 0x8000u) << 16;
+    }
+    float f;
+    std::memcpy(&f, &out, sizeof(f));
+    return f;
+}
+
+// fp32 -> bf16, round to nearest even (NaN kept quiet).
+ATTN_INLINE uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+ATTN_INLINE int64_t floor_div(int64_t a, int64_t b) {
+    const int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+struct Args {
+    const void *q, *k, *v;
+    int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2 (the last dim is contiguous)
+    float* out;                   // [B, Hq, Tq, Dv] fp32, contiguous
+    float* lse;                   // [B, Hq, Tq] fp32, contiguous
+    const int64_t* qpos;          // [B, Tq] or null (Tk - Tq + i)
+    const int64_t* kpos;          // [B, Tk] or null (j); negative = masked key
+    int64_t B, Hq, Hk, Tq, Tk, D, Dv;
+    int dt;
+    bool causal;
+    int64_t window, chunk;  // 0 = none
+    float scale, softcap;   // softcap 0 = none
+    uint64_t call;          // id of this call (thread-local packed buffers are per call)
+};
+
+// Per-thread packed keys/values of one (batch, key head), and the query-block scratch.
+struct Scratch {
+    std::vector<float> kt, vp, qb, sb, ob;
+    std::vector<uint32_t> kt2, vp2, qb2, pb2;  // bf16-pair layouts
+    std::vector<int32_t> kp;                   // key positions (-1 = masked), per key slot
+    std::vector<int32_t> binfo;                // per key block: n valid, kmin, kmax, all valid
+    uint64_t call = ~uint64_t(0);
+    int64_t b = -1, hk = -1;
+};
+
+Scratch& scratch() {
+    static thread_local Scratch s;
+    return s;
+}
+
+constexpr int kBQ = 32;  // query rows per block (a multiple of every register tile's rows)
+
+// Key positions and per-block facts of (b, hk) (shared by both kernels).
+ATTN_INLINE void pack_positions(const Args& a, Scratch& s, int64_t b, int BK, int64_t nkb) {
+    s.kp.assign(static_cast<size_t>(nkb * BK), -1);
+    s.binfo.assign(static_cast<size_t>(nkb * 4), 0);
+    for (int64_t j = 0; j < a.Tk; ++j) {
+        const int64_t p = a.kpos ? a.kpos[b * a.Tk + j] : j;
+        s.kp[j] = p < 0 ? -1 : static_cast<int32_t>(std::min<int64_t>(p, INT32_MAX));
+    }
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+        int32_t n = 0, lo = INT32_MAX, hi = INT32_MIN;
+        for (int jj = 0; jj < BK; ++jj) {
+            const int32_t p = s.kp[kb * BK + jj];
+            if (p < 0) continue;
+            ++n;
+            lo = std::min(lo, p);
+            hi = std::max(hi, p);
+        }
+        int32_t* bi = &s.binfo[kb * 4];
+        bi[0] = n;
+        bi[1] = lo;
+        bi[2] = hi;
+        bi[3] = n == BK;
+    }
+}
+
+// 0: the query block sees none of the key block, 1: part of it (mask each score), 2: all of it.
+ATTN_INLINE int classify(const Args& a, const int32_t* bi, int64_t qmin, int64_t qmax) {
+    if (bi[0] == 0) return 0;
+    const int64_t kmin = bi[1], kmax = bi[2];
+    if (a.causal && kmin > qmax) return 0;
+    if (a.window && kmax <= qmin - a.window) return 0;
+    if (a.chunk && (floor_div(kmax, a.chunk) < floor_div(qmin, a.chunk) ||
+                    floor_div(kmin, a.chunk) > floor_div(qmax, a.chunk)))
+        return 0;
+    bool full = bi[3] != 0;
+    if (a.causal && kmax > qmin) full = false;
+    if (a.window && kmin <= qmax - a.window) full = false;
+    if (a.chunk) {
+        const int64_t c = floor_div(kmin, a.chunk);
+        if (floor_div(kmax, a.chunk) != c || floor_div(qmin, a.chunk) != c ||
+            floor_div(qmax, a.chunk) != c)
+            full = false;
+    }
+    return full ? 2 : 1;
+}
+
+ATTN_INLINE bool allowed(const Args& a, int64_t qp, int32_t kp) {
+    if (kp < 0) return false;
+    if (a.causal && kp > qp) return false;
+    if (a.window && qp - kp >= a.window) return false;
+    if (a.chunk && floor_div(kp, a.chunk) != floor_div(qp, a.chunk)) return false;
+    return true;
+}
+
+// Query rows of one block: row r of the key head's grouped rows is query head hk * group +
+// r / Tq, position r % Tq.
+struct QRows {
+    int64_t head[kBQ], i[kBQ], pos[kBQ];
+    int n;
+    int64_t qmin, qmax;
+};
+
+ATTN_INLINE void query_rows(const Args& a, int64_t b, int64_t hk, int64_t r, int n, QRows& q) {
+    const int64_t group = a.Hq / a.Hk;
+    q.n = n;
+    q.qmin = INT64_MAX;
+    q.qmax = INT64_MIN;
+    for (int rr = 0; rr < n; ++rr) {
+        const int64_t g = (r + rr) / a.Tq, i = (r + rr) % a.Tq;
+        q.head[rr] = hk * group + g;
+        q.i[rr] = i;
+        q.pos[rr] = a.qpos ? a.qpos[b * a.Tq + i] : a.Tk - a.Tq + i;
+        q.qmin = std::min(q.qmin, q.pos[rr]);
+        q.qmax = std::max(q.qmax, q.pos[rr]);
+    }
+}
+
+// Online-softmax update of one row's scores srow[0..BK) in place -> probabilities; returns the
+// factor the row's output accumulator must be multiplied by (1: unchanged).
+template <int W, int BK>
+ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int64_t qp,
+                              int mode, float& m, float& l) {
+    using F = typename AV<W>::f;
+    const F ninf = asplat<W>(-std::numeric_limits<float>::infinity());
+    F mx = ninf;
+    for (int c = 0; c < BK; c += W) {
+        F s = aload<W>(srow + c) * asplat<W>(a.scale);
+        if (a.softcap != 0.f) s = asoftcap<W>(s, 1.0f / a.softcap, a.softcap);
+        if (mode == 1) {
+            for (int k = 0; k < W; ++k)
+                if (!allowed(a, qp, kp[c + k])) s[k] = -std::numeric_limits<float>::infinity();
+        }
+        astore<W>(srow + c, s);
+        mx = mx > s ? mx : s;
+    }
+    const float bm = hmax<W>(mx);
+    const float mnew = bm > m ? bm : m;
+    if (mnew == -std::numeric_limits<float>::infinity()) {  // nothing allowed yet
+        for (int c = 0; c < BK; c += W) astore<W>(srow + c, F{});
+        return 1.f;
+    }
+    const F vm = asplat<W>(mnew);
+    F sum = F{};
+    for (int c = 0; c < BK; c += W) {
+        const F p = aexp_neg<W>(aload<W>(srow + c) - vm);
+        astore<W>(srow + c, p);
+        sum += p;
+    }
+    const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f
+                        : (mnew == m ? 1.f : std::exp(m - mnew));
+    l = l * alpha + hsum<W>(sum);
+    m = mnew;
+    return alpha;
+}
+
+// ------------------------------------------------------------------------------ fp32 kernel
+
+template <int W>
+struct Tile {
+    static constexpr int BK = 4 * W;           // keys per block: 4 vectors
+    static constexpr int RS = W == 16 ? 4 : 2;  // query rows of the S register tile
+    static constexpr int RP = W == 16 ? 4 : 2;  // query rows of the PV register tile
+};
+
+template <int W>
+ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
+                          int64_t dvp) {
+    constexpr int BK = Tile<W>::BK;
+    const int64_t D = a.D, Dv = a.Dv;
+    pack_positions(a, s, b, BK, nkb);
+    s.kt.assign(static_cast<size_t>(nkb * D * BK), 0.f);
+    s.vp.assign(static_cast<size_t>(nkb * BK * dvp), 0.f);
+    const int64_t kbase = b * a.ks[0] + hk * a.ks[1], vbase = b * a.vs[0] + hk * a.vs[1];
+    for (int64_t j = 0; j < a.Tk; ++j) {
+        if (s.kp[j] < 0) continue;  // masked: zero key and value
+        const int64_t kb = j / BK, jj = j % BK;
+        float* kt = s.kt.data() + kb * D * BK + jj;
+        const int64_t ko = kbase + j * a.ks[2];
+        for (int64_t d = 0; d < D; ++d) kt[d * BK] = to_f32(a.k, ko + d, a.dt);
+        float* vr = s.vp.data() + j * dvp;
+        const int64_t vo = vbase + j * a.vs[2];
+        for (int64_t c = 0; c < Dv; ++c) vr[c] = to_f32(a.v, vo + c, a.dt);
+    }
+}
+
+// S[R rows][BK] = Q[R rows] . Kt (D x BK), register tile.
+template <int W, int R>
+ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow) {
+    using F = typename AV<W>::f;
+    constexpr int BK = Tile<W>::BK;
+    F acc[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = F{};
+    for (int64_t d = 0; d < D; ++d) {
+        const float* kr = kt + d * BK;
+        const F k0 = aload<W>(kr), k1 = aload<W>(kr + W), k2 = aload<W>(kr + 2 * W),
+                k3 = aload<W>(kr + 3 * W);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const F qv = asplat<W>(q[r * D + d]);
+            acc[r][0] += qv * k0;
+            acc[r][1] += qv * k1;
+            acc[r][2] += qv * k2;
+            acc[r][3] += qv * k3;
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) astore<W>(srow + r * BK + c * W, acc[r][c]);
+}
+
+// O[R rows][NC vectors at column c0] += P[R rows][BK] . V[BK][c0..], register tile.
+template <int W, int R, int NC>
+ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, float* o) {
+    using F = typename AV<W>::f;
+    constexpr int BK = Tile<W>::BK;
+    F acc[R][NC];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = aload<W>(o + r * dvp + c * W);
+    for (int j = 0; j < BK; ++j) {
+        F vv[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) vv[c] = aload<W>(v + j * dvp + c * W);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const F pr = asplat<W>(p[r * BK + j]);
+            for (int c = 0; c < NC; ++c) acc[r][c] += pr * vv[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) astore<W>(o + r * dvp + c * W, acc[r][c]);
+}
+
+template <int W>
+ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, float* o) {
+    constexpr int RP = Tile<W>::RP, BK = Tile<W>::BK;
+    const int64_t nv = dvp / W;
+    for (int r = 0; r < kBQ; r += RP) {
+        int64_t c = 0;
+        for (; c + 4 <= nv; c += 4)
+            pv_tile<W, RP, 4>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W);
+        switch (nv - c) {
+            case 3: pv_tile<W, RP, 3>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
+            case 2: pv_tile<W, RP, 2>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
+            case 1: pv_tile<W, RP, 1>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
+            default: break;
+        }
+    }
+}
+
+// Rows [r0, r1) of key head hk of batch b.
+template <int W>
+ATTN_INLINE void item_f32(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    constexpr int BK = Tile<W>::BK, RS = Tile<W>::RS;
+    Scratch& s = scratch();
+    const int64_t nkb = (a.Tk + BK - 1) / BK, D = a.D, Dv = a.Dv;
+    const int64_t dvp = (Dv + W - 1) / W * W;
+    if (s.call != a.call || s.b != b || s.hk != hk) {
+        pack_f32<W>(a, s, b, hk, nkb, dvp);
+        s.call = a.call;
+        s.b = b;
+        s.hk = hk;
+    }
+    s.qb.resize(static_cast<size_t>(kBQ * D));
+    s.sb.resize(static_cast<size_t>(kBQ * BK));
+    s.ob.resize(static_cast<size_t>(kBQ * dvp));
+    float *qb = s.qb.data(), *sb = s.sb.data(), *ob = s.ob.data();
+    float m[kBQ], l[kBQ];
+    QRows qr;
+    for (int64_t r = r0; r < r1; r += kBQ) {
+        const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
+        query_rows(a, b, hk, r, n, qr);
+        for (int rr = 0; rr < kBQ; ++rr) {
+            float* qd = qb + rr * D;
+            if (rr < n) {
+                const int64_t qo = b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
+                for (int64_t d = 0; d < D; ++d) qd[d] = to_f32(a.q, qo + d, a.dt);
+            } else {
+                std::fill(qd, qd + D, 0.f);
+            }
+            m[rr] = -std::numeric_limits<float>::infinity();
+            l[rr] = 0.f;
+        }
+        std::fill(ob, ob + kBQ * dvp, 0.f);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+            const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
+            if (mode == 0) continue;
+            const float* kt = s.kt.data() + kb * D * BK;
+            for (int rr = 0; rr < kBQ; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
+            const int32_t* kp = s.kp.data() + kb * BK;
+            for (int rr = 0; rr < kBQ; ++rr) {
+                float* srow = sb + rr * BK;
+                if (rr >= n) {
+                    std::fill(srow, srow + BK, 0.f);
+                    continue;
+                }
+                const float alpha = softmax_row<W, BK>(a, srow, kp, qr.pos[rr], mode, m[rr], l[rr]);
+                if (alpha != 1.f) {
+                    float* orow = ob + rr * dvp;
+                    for (int64_t c = 0; c < dvp; ++c) orow[c] *= alpha;
+                }
+            }
+            pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, ob);
+        }
+        for (int rr = 0; rr < n; ++rr) {
+            const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
+            float* dst = a.out + row * Dv;
+            if (l[rr] > 0.f) {
+                const float inv = 1.0f / l[rr];
+                for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
+                a.lse[row] = m[rr] + std::log(l[rr]);
+            } else {
+                std::fill(dst, dst + Dv, 0.f);
+                a.lse[row] = -std::numeric_limits<float>::infinity();
+            }
+        }
+    }
+}
+
+using ItemFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
+
+void item_v2(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    item_f32<4>(a, b, hk, r0, r1);
+}
+
+#ifdef ICQS_ATTN_X86
+__attribute__((target("arch=x86-64-v3"))) void item_v3(const Args& a, int64_t b, int64_t hk,
+                                                        int64_t r0, int64_t r1) {
+    item_f32<8>(a, b, hk, r0, r1);
+}
+__attribute__((target("arch=x86-64-v4"))) void item_v4(const Args& a, int64_t b, int64_t hk,
+                                                        int64_t r0, int64_t r1) {
+    item_f32<16>(a, b, hk, r0, r1);
+}
+#endif
+
+// ------------------------------------------------------------- bf16 kernel (AVX512_BF16)
+
+#ifdef ICQS_ATTN_X86
+#define ICQS_BF16_TARGET __attribute__((target("arch=x86-64-v4,avx512bf16")))
+
+constexpr int kBK2 = 64;  // keys per block of the bf16 kernel (4 vectors of 16 scores)
+
+ICQS_BF16_TARGET ATTN_INLINE __m512 dpbf16(__m512 acc, uint32_t pair, const uint32_t* b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
+                            (__m512bh)_mm512_loadu_si512(b));
+}
+
+// Keys as [block][D/2 pairs][64 keys] of (k[2p], k[2p+1]) and values as [block][32 key
+// pairs][dvp] of (v[2t][c], v[2t+1][c]): the operand layouts of dpbf16 (masked keys zero).
+ATTN_INLINE void pack_bf16(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
+                           int64_t d2, int64_t dvp) {
+    pack_positions(a, s, b, kBK2, nkb);
+    s.kt2.assign(static_cast<size_t>(nkb * d2 * kBK2), 0u);
+    s.vp2.assign(static_cast<size_t>(nkb * (kBK2 / 2) * dvp), 0u);
+    const uint16_t* K = static_cast<const uint16_t*>(a.k);
+    const uint16_t* Vv = static_cast<const uint16_t*>(a.v);
+    const int64_t kbase = b * a.ks[0] + hk * a.ks[1], vbase = b * a.vs[0] + hk * a.vs[1];
+    for (int64_t j = 0; j < a.Tk; ++j) {
+        if (s.kp[j] < 0) continue;
+        const int64_t kb = j / kBK2, jj = j % kBK2;
+        const uint16_t* kr = K + kbase + j * a.ks[2];
+        uint32_t* kt = s.kt2.data() + kb * d2 * kBK2 + jj;
+        for (int64_t p = 0; p < d2; ++p) {
+            const uint32_t hi = 2 * p + 1 < a.D ? kr[2 * p + 1] : 0u;
+            kt[p * kBK2] = kr[2 * p] | (hi << 16);
+        }
+        const uint16_t* vr = Vv + vbase + j * a.vs[2];
+        uint32_t* vp = s.vp2.data() + (kb * (kBK2 / 2) + jj / 2) * dvp;
+        const int sh = static_cast<int>(jj % 2) * 16;
+        for (int64_t c = 0; c < a.Dv; ++c) vp[c] |= static_cast<uint32_t>(vr[c]) << sh;
+    }
+}
+
+template <int R>
+ICQS_BF16_TARGET ATTN_INLINE void qk_tile_bf16(const uint32_t* q2, int64_t d2, const uint32_t* kt, float* srow) {
+    __m512 acc[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d2; ++p) {
+        const uint32_t* kr = kt + p * kBK2;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const uint32_t qp = q2[r * d2 + p];
+            acc[r][0] = dpbf16(acc[r][0], qp, kr);
+            acc[r][1] = dpbf16(acc[r][1], qp, kr + 16);
+            acc[r][2] = dpbf16(acc[r][2], qp, kr + 32);
+            acc[r][3] = dpbf16(acc[r][3], qp, kr + 48);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(srow + r * kBK2 + c * 16, acc[r][c]);
+}
+
+template <int R, int NC>
+ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_t* v2, int64_t dvp, float* o) {
+    __m512 acc[R][NC];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(o + r * dvp + c * 16);
+    for (int t = 0; t < kBK2 / 2; ++t) {
+        const uint32_t* vr = v2 + t * dvp;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const uint32_t pp = p2[r * (kBK2 / 2) + t];
+            for (int c = 0; c < NC; ++c) acc[r][c] = dpbf16(acc[r][c], pp, vr + c * 16);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * dvp + c * 16, acc[r][c]);
+}
+
+ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    constexpr int R = 4;
+    Scratch& s = scratch();
+    const int64_t nkb = (a.Tk + kBK2 - 1) / kBK2, d2 = (a.D + 1) / 2, Dv = a.Dv;
+    const int64_t dvp = (Dv + 15) / 16 * 16, nv = dvp / 16;
+    if (s.call != a.call || s.b != b || s.hk != hk) {
+        pack_bf16(a, s, b, hk, nkb, d2, dvp);
+        s.call = a.call;
+        s.b = b;
+        s.hk = hk;
+    }
+    s.qb2.resize(static_cast<size_t>(kBQ * d2));
+    s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2));
+    s.sb.resize(static_cast<size_t>(kBQ * kBK2));
+    s.ob.resize(static_cast<size_t>(kBQ * dvp));
+    uint32_t *qb = s.qb2.data(), *pb = s.pb2.data();
+    float *sb = s.sb.data(), *ob = s.ob.data();
+    const uint16_t* Q = static_cast<const uint16_t*>(a.q);
+    float m[kBQ], l[kBQ];
+    QRows qr;
+    for (int64_t r = r0; r < r1; r += kBQ) {
+        const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
+        query_rows(a, b, hk, r, n, qr);
+        for (int rr = 0; rr < kBQ; ++rr) {
+            uint32_t* qd = qb + rr * d2;
+            if (rr < n) {
+                const uint16_t* qrow =
+                    Q + b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
+                for (int64_t p = 0; p < d2; ++p) {
+                    const uint32_t hi = 2 * p + 1 < a.D ? qrow[2 * p + 1] : 0u;
+                    qd[p] = qrow[2 * p] | (hi << 16);
+                }
+            } else {
+                std::fill(qd, qd + d2, 0u);
+            }
+            m[rr] = -std::numeric_limits<float>::infinity();
+            l[rr] = 0.f;
+        }
+        std::fill(ob, ob + kBQ * dvp, 0.f);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+            const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
+            if (mode == 0) continue;
+            const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
+            for (int rr = 0; rr < kBQ; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
+            const int32_t* kp = s.kp.data() + kb * kBK2;
+            for (int rr = 0; rr < kBQ; ++rr) {
+                float* srow = sb + rr * kBK2;
+                uint32_t* prow = pb + rr * (kBK2 / 2);
+                if (rr >= n) {
+                    std::fill(prow, prow + kBK2 / 2, 0u);
+                    continue;
+                }
+                const float alpha =
+                    softmax_row<16, kBK2>(a, srow, kp, qr.pos[rr], mode, m[rr], l[rr]);
+                if (alpha != 1.f) {
+                    float* orow = ob + rr * dvp;
+                    const __m512 va = _mm512_set1_ps(alpha);
+                    for (int64_t c = 0; c < dvp; c += 16)
+                        _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), va));
+                }
+                // Probabilities as bf16 in key order: consecutive pairs are dpbf16's pairs.
+                for (int c = 0; c < kBK2; c += 16) {
+                    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(srow + c));
+                    std::memcpy(prow + c / 2, &h, sizeof(h));
+                }
+            }
+            const uint32_t* vp = s.vp2.data() + kb * (kBK2 / 2) * dvp;
+            for (int rr = 0; rr < kBQ; rr += R) {
+                int64_t c = 0;
+                for (; c + 4 <= nv; c += 4)
+                    pv_tile_bf16<R, 4>(pb + rr * (kBK2 / 2), vp + c * 16, dvp, ob + rr * dvp + c * 16);
+                const uint32_t* p2 = pb + rr * (kBK2 / 2);
+                float* o = ob + rr * dvp + c * 16;
+                switch (nv - c) {
+                    case 3: pv_tile_bf16<R, 3>(p2, vp + c * 16, dvp, o); break;
+                    case 2: pv_tile_bf16<R, 2>(p2, vp + c * 16, dvp, o); break;
+                    case 1: pv_tile_bf16<R, 1>(p2, vp + c * 16, dvp, o); break;
+                    default: break;
+                }
+            }
+        }
+        for (int rr = 0; rr < n; ++rr) {
+            const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
+            float* dst = a.out + row * Dv;
+            if (l[rr] > 0.f) {
+                const float inv = 1.0f / l[rr];
+                for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
+                a.lse[row] = m[rr] + std::log(l[rr]);
+            } else {
+                std::fill(dst, dst + Dv, 0.f);
+                a.lse[row] = -std::numeric_limits<float>::infinity();
+            }
+        }
+    }
+}
+
+bool has_bf16_dot() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+#endif
+
+int attn_best_isa() {
+#ifdef ICQS_ATTN_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 2;
+    if (__builtin_cpu_supports("x86-64-v3")) return 1;
+#endif
+    return 0;
+}
+
+std::atomic<uint64_t> g_call{0};
+
+void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_strides,
+                   uintptr_t v, py::tuple v_strides, uintptr_t out, uintptr_t lse,
+                   uintptr_t qpos, uintptr_t kpos, int64_t B, int64_t Hq, int64_t Hk,
+                   int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
+                   int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
+                   int isa, bool bf16_dot) {
+    if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
+        throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
+    if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
+    if (Tk >= INT32_MAX / 2) throw std::invalid_argument("attention_lse: Tk must be < 2^30");
+    if (dtype != kAF32 && dtype != kAF16 && dtype != kABF16)
+        throw std::invalid_argument("attention_lse: dtype code must be 0, 1 or 2");
+    if (window < 0 || chunk < 0) throw std::invalid_argument("attention_lse: window, chunk >= 0");
+    if (!std::isfinite(scale) || !std::isfinite(softcap) || softcap < 0)
+        throw std::invalid_argument("attention_lse: scale finite, softcap finite and >= 0");
+    if (q_strides.size() != 3 || k_strides.size() != 3 || v_strides.size() != 3)
+        throw std::invalid_argument("attention_lse: strides are 3-tuples (dims 0..2)");
+    const int best = attn_best_isa();
+    if (isa < 0) isa = best;
+    if (isa > best)
+        throw std::invalid_argument("attention_lse: isa " + std::to_string(isa) +
+                                    " is not supported by this CPU (best: " +
+                                    std::to_string(best) + ")");
+    Args a{};
+    a.q = reinterpret_cast<const void*>(q);
+    a.k = reinterpret_cast<const void*>(k);
+    a.v = reinterpret_cast<const void*>(v);
+    for (int i = 0; i < 3; ++i) {
+        a.qs[i] = q_strides[i].cast<int64_t>();
+        a.ks[i] = k_strides[i].cast<int64_t>();
+        a.vs[i] = v_strides[i].cast<int64_t>();
+    }
+    a.out = reinterpret_cast<float*>(out);
+    a.lse = reinterpret_cast<float*>(lse);
+    a.qpos = reinterpret_cast<const int64_t*>(qpos);
+    a.kpos = reinterpret_cast<const int64_t*>(kpos);
+    a.B = B, a.Hq = Hq, a.Hk = Hk, a.Tq = Tq, a.Tk = Tk, a.D = D, a.Dv = Dv;
+    a.dt = dtype;
+    a.causal = causal;
+    a.window = window;
+    a.chunk = chunk;
+    a.scale = static_cast<float>(scale);
+    a.softcap = static_cast<float>(softcap);
+    a.call = ++g_call;
+    if (B == 0 || Tq == 0) return;
+    ItemFn fn = item_v2;
+#ifdef ICQS_ATTN_X86
+    bf16_dot = bf16_dot && has_bf16_dot();
+    if (isa == 2) fn = dtype == kABF16 && bf16_dot ? item_bf16 : item_v4;
+    else if (isa == 1) fn = item_v3;
+#endif
+    if (nthreads < 1) nthreads = 1;
+    // Items: (b, hk, a range of the group * Tq rows); enough of them for a balanced dynamic
+    // schedule, each at least one query block; consecutive items share a key head, so a thread
+    // usually reuses its packed keys.
+    const int64_t rows = (Hq / Hk) * Tq, heads = B * Hk;
+    const int64_t want = std::max<int64_t>(1, (4 * int64_t(nthreads) + heads - 1) / heads);
+    int64_t per = (rows + want - 1) / want;
+    per = std::max<int64_t>(kBQ, (per + kBQ - 1) / kBQ * kBQ);
+    const int64_t nper = (rows + per - 1) / per, nitems = heads * nper;
+    py::gil_scoped_release nogil;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nitems > 1 && nthreads > 1)
+    for (int64_t it = 0; it < nitems; ++it) {
+        const int64_t h = it / nper, c = it % nper;
+        const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
+        fn(a, h / Hk, h % Hk, r0, r1);
+    }
+}
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+    m.def("attention_lse", &attention_lse, py::arg("q"), py::arg("q_strides"), py::arg("k"),
+          py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("out"),
+          py::arg("lse"), py::arg("qpos"), py::arg("kpos"), py::arg("B"), py::arg("Hq"),
+          py::arg("Hk"), py::arg("Tq"), py::arg("Tk"), py::arg("D"), py::arg("Dv"),
+          py::arg("dtype"), py::arg("causal"), py::arg("window"), py::arg("chunk"),
+          py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
+          py::arg("bf16_dot") = true,
+          "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
+          "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
+          "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 and lse [B,Hq,Tq] fp32 (contiguous). "
+          "qpos [B,Tq] / kpos [B,Tk] int64 positions (0 = defaults Tk-Tq+i / j; negative key "
+          "position = masked key); causal, window, chunk (0 = none) on positions; softcap 0 = "
+          "none. isa: -1 best, 0/1/2 as best_isa(). bf16_dot: bf16 inputs at isa 2 use the "
+          "AVX512_BF16 dot products where the CPU has them (False: widen to fp32).");
+    m.def("attention_bf16_dot", []() {
+#ifdef ICQS_ATTN_X86
+        return has_bf16_dot();
+#else
+        return false;
+#endif
+    }, "whether attention_lse runs bf16 inputs on AVX512_BF16 dot products here");
+}
