@@ -429,42 +429,71 @@ def attention_lse(
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
     partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
-    suffix parts), without building the ``[B, Hq, Tq, Tk]`` matrix on the triton backend.
+    suffix parts), without building the ``[B, Hq, Tq, Tk]`` matrix on the triton and cpp
+    backends.
 
     For query row i, scores ``s_ij = q_i . k_j * scale`` (then ``c * tanh(s / c)`` with a
-    ``softcap`` ``c``) over its allowed keys (causal: key ``j <= Tk - Tq + i``; not padded).
+    ``softcap`` ``c``) over its allowed keys: not padded; with ``causal`` key position <= query
+    position; with ``window`` ``w`` query position - key position < ``w`` (sliding window);
+    with ``chunk`` ``c`` both in the same chunk ``position // c``. Positions are the key slots
+    (query i at ``Tk - Tq + i``, key j at ``j``) unless ``positions`` gives them.
 
     Args:
         q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
         k, v: ``[B, Hk, Tk, D]`` and ``[B, Hk, Tk, Dv]``, q's dtype and device; ``Hq`` a multiple
             of ``Hk`` (GQA: query head h reads key head ``h // (Hq / Hk)``).
         scale: score multiplier, ``1 / sqrt(D)`` if None.
-        causal: causal masking with the queries at the last ``Tq`` key positions.
+        causal: causal masking (on the positions).
         attention_mask: ``[B, Tk]`` bool (True = real key) or None.
         softcap: score soft cap ``c > 0`` or None.
-        backend: ``"auto"`` (triton on CUDA for what the kernel takes, torch otherwise),
-            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; no soft cap, ``Dv = D``)
-            or ``"torch"`` (the reference, fp32 scores).
+        window, chunk: an int >= 1 (sliding window / chunked attention, a local layer's mask)
+            or None.
+        positions: ``(q_pos [B, Tq], k_pos [B, Tk])`` integer token positions, a negative key
+            position marking a masked key (e.g. a bank's padding inside sequences), or None.
+        backend: ``"auto"`` (triton on CUDA and cpp on the CPU for what their kernels take,
+            torch otherwise), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+            ``"cpp"`` (the C++ extension, CPU tensors) or ``"torch"`` (the reference, fp32
+            scores); the table of :mod:`icqs_fast.backends.support` says which variants each
+            takes.
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
         of ``exp(score)`` over the allowed keys; a row with none has ``lse = -inf`` and output 0,
         so it drops out of a log-sum-exp merge exactly).
     """
-    _check_attention(q, k, v, attention_mask, causal)
-    d = q.shape[3]
+    # With positions, causality compares them, not slots: more queries than keys is fine.
+    _check_attention(q, k, v, attention_mask, causal and positions is None)
+    b, _, tq, d = q.shape
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
                                     and softcap > 0):
         raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d)
+    for name, val in (("window", window), ("chunk", chunk)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {val!r}")
+    if positions is not None:
+        ok = isinstance(positions, (tuple, list)) and len(positions) == 2 and all(
+            isinstance(p, torch.Tensor) and not p.is_floating_point() and not p.is_complex()
+            and p.dtype != torch.bool for p in positions)
+        if not ok or positions[0].shape != (b, tq) or positions[1].shape != (b, k.shape[2]):
+            raise ValueError(f"positions must be (q_pos [{b}, {tq}], k_pos [{b}, {k.shape[2]}]) "
+                             "integer tensors or None")
+        positions = (positions[0].to(q.device), positions[1].to(q.device))
+    opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d, window=window,
+                             chunk=chunk, positions=positions is not None)
     name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
-    variant = {} if softcap is None else {"softcap": float(softcap)}
+    # Only the options the call sets: the table said the backend has each of them.
+    variant = {opt: x for opt, x in (("softcap", None if softcap is None else float(softcap)),
+                                     ("window", window), ("chunk", chunk),
+                                     ("positions", positions)) if x is not None}
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)

@@ -270,11 +270,22 @@ def _entropy_call(backend, dtype, opts):
 
 def _lse_call(backend, dtype, opts):
     q, k, v, am, var = _attn_inputs(dtype, opts, 4)
+    local = {"window": var["window"], "chunk": var["chunk"]}
+    positions, ref_am = None, am
+    if "positions" in opts:  # the default slots shifted per row (same masks), one key masked
+        b, tq, tk = q.shape[0], q.shape[2], k.shape[2]
+        off = torch.arange(b)[:, None] * 3
+        k_pos = torch.arange(tk).expand(b, tk) + off
+        k_pos[0, 2] = -1
+        positions = ((tk - tq + torch.arange(tq)).expand(b, tq) + off, k_pos)
+        ref_am = am.clone()
+        ref_am[0, 2] = False
     out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=0.3,
                                  causal=True, attention_mask=am.to(DEVICE),
-                                 softcap=var["softcap"], backend=backend)
-    ro, rl, _ = dense_attention64(q, k, v, causal=True, attention_mask=am, scale=0.3,
-                                  softcap=var["softcap"])
+                                 softcap=var["softcap"], backend=backend, positions=positions,
+                                 **local)
+    ro, rl, _ = dense_attention64(q, k, v, causal=True, attention_mask=ref_am, scale=0.3,
+                                  softcap=var["softcap"], **local)
     return (out, lse), (ro, rl)
 
 
@@ -323,12 +334,12 @@ def test_support_table_walk(op, backend):
 
 def test_auto_follows_the_table():
     """"auto" picks by the table: the fused kernels on CUDA, the C++ extension on the CPU for
-    the token ops (torch for attention, which it lacks), never Triton's interpreter; a named
-    backend on a device it lacks is an error saying so."""
+    the token ops and attention_lse (torch for the attention entropy, which it lacks), never
+    Triton's interpreter; a named backend on a device it lacks is an error saying so."""
     cpu_token = "cpp" if backends.available("cpp")[0] else "torch"
     for op in support.TABLE:
         name = backends.choose(op, "auto", "cpu", torch.float32)
-        assert name == (cpu_token if op.endswith("token_stats") else "torch")
+        assert name == (cpu_token if op != "attention_entropy" else "torch")
     if DEVICE == "cuda" and backends.available("triton")[0]:
         for op in support.TABLE:
             assert backends.choose(op, "auto", "cuda", torch.float32) == "triton"
@@ -349,7 +360,9 @@ def test_cascade_kernel_choice_follows_the_table():
     """Cascade attention takes the fused kernel exactly where the table's "auto" has one."""
     from icqs_fast.engine import cascade
 
-    assert cascade._kernel_backend(torch.device("cpu"), torch.float32, None, False) is None
+    cpu = "cpp" if backends.available("cpp")[0] else None
+    assert cascade._kernel_backend(torch.device("cpu"), torch.float32, None, False) == cpu
+    assert cascade._kernel_backend(torch.device("cpu"), torch.bfloat16, 50.0, True) == cpu
     if DEVICE == "cuda" and backends.available("triton")[0]:
         dev = torch.device("cuda")
         assert cascade._kernel_backend(dev, torch.bfloat16, None, False) == "triton"

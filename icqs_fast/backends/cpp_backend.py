@@ -175,6 +175,11 @@ def token_stats(
 # ------------------------------------------------------------------ attention with LSE (C++)
 
 
+BF16_DOT = True
+"""bf16 attention inputs on AVX-512 CPUs with AVX512_BF16 run on its dot products (False: they
+are widened to fp32 and run the fp32 kernel, as on CPUs without it; tests cover both)."""
+
+
 def _attention_operand(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a unit last-dim stride (the kernel takes element strides of dims 0..2)."""
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
@@ -222,5 +227,6 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      0 if q_pos is None else q_pos.data_ptr(),
                      0 if k_pos is None else k_pos.data_ptr(), bsz, hq, hk, tq, tk, d, dv,
                      _DTYPE_CODES[q.dtype], bool(causal), int(window or 0), int(chunk or 0),
-                     float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting())
+                     float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
+                     BF16_DOT)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

@@ -71,6 +71,9 @@ OPTIONS: dict[str, dict[str, str]] = {
     "attention_lse": {
         "softcap": "a score soft cap",
         "value_dim": "a value head size other than the query/key head size",
+        "window": "a sliding window",
+        "chunk": "chunked attention",
+        "positions": "explicit query/key token positions",
     },
 }
 """Each operation's optional features, with what each means (for the error messages)."""
@@ -98,8 +101,11 @@ TABLE: dict[str, dict[str, Support]] = {
         "triton": Support(FLOAT16_32, ("cuda",), interpreted=("cpu",)),
         "torch": Support(FLOAT16_32, None, _ATTENTION_VARIANTS),
     },
+    # The C++ kernel (csrc/attention.cpp) takes every variant the cascade passes it (sinks are
+    # added at the cascade's merge, not in the kernel).
     "attention_lse": {
         "triton": Support(FLOAT16_32, ("cuda",), interpreted=("cpu",)),
+        "cpp": Support(FLOAT16_32, ("cpu",), _LSE_VARIANTS),
         "torch": Support(FLOAT16_32, None, _LSE_VARIANTS),
     },
 }

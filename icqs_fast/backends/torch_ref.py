@@ -276,16 +276,20 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
-                  softcap: float | None = None, chunk: int = 512
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None = None, window: int | None = None,
+                  chunk: int | None = None,
+                  positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
-    of ``chunk`` query rows at a time (``[B, Hq, chunk, Tk]``), GQA by grouping the query heads
+    of ``rows`` query rows at a time (``[B, Hq, rows, Tk]``), GQA by grouping the query heads
     per key head, no ``repeat_kv`` copy.
 
     Args:
         q: ``[B, Hq, Tq, D]``; k ``[B, Hk, Tk, D]``; v ``[B, Hk, Tk, Dv]``; attention_mask
-            ``[B, Tk]`` bool or None; causal (queries at the last ``Tq`` key positions); scale;
-            softcap ``c`` (scores ``c tanh(s / c)``) or None.
+            ``[B, Tk]`` bool or None; causal; scale; softcap ``c`` (scores ``c tanh(s / c)``)
+            or None; window / chunk (a local layer's mask on the positions) or None; positions
+            ``(q_pos [B, Tq], k_pos [B, Tk])`` (negative key position = masked key) or None
+            (query i at ``Tk - Tq + i``, key j at ``j``).
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
@@ -294,17 +298,27 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bsz, hq, tq, _ = q.shape
     tk = k.shape[2]
     dev = q.device
-    kpos = torch.arange(tk, device=dev)
+    if positions is None:
+        q_all = (tk - tq + torch.arange(tq, device=dev)).expand(bsz, tq)
+        k_all = torch.arange(tk, device=dev).expand(bsz, tk)
+    else:
+        q_all, k_all = positions[0].long(), positions[1].long()
     out = torch.empty(bsz, hq, tq, v.shape[-1], dtype=q.dtype, device=dev)
     lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
-    for r0 in range(0, tq, chunk):
-        r1 = min(tq, r0 + chunk)
-        allow = torch.ones(bsz, 1, r1 - r0, tk, dtype=torch.bool, device=dev)
+    for r0 in range(0, tq, rows):
+        r1 = min(tq, r0 + rows)
+        qp, kp = q_all[:, r0:r1, None], k_all[:, None, :]  # [B, n, 1], [B, 1, Tk]
+        allow = (kp >= 0).expand(bsz, r1 - r0, tk)
         if attention_mask is not None:
-            allow = allow & attention_mask[:, None, None, :]
+            allow = allow & attention_mask[:, None, :]
         if causal:
-            qpos = tk - tq + torch.arange(r0, r1, device=dev)
-            allow = allow & (kpos[None, :] <= qpos[:, None])
-        out[:, :, r0:r1], lse[:, :, r0:r1] = _attention_block(q[:, :, r0:r1], k, v, allow, scale,
-                                                              softcap, None)
+            allow = allow & (kp <= qp)
+        if window is not None:
+            allow = allow & (qp - kp < window)
+        if chunk is not None:
+            allow = allow & (torch.div(kp, chunk, rounding_mode="floor")
+                             == torch.div(qp, chunk, rounding_mode="floor"))
+        out[:, :, r0:r1], lse[:, :, r0:r1] = _attention_block(q[:, :, r0:r1], k, v,
+                                                              allow[:, None], scale, softcap,
+                                                              None)
     return out, lse

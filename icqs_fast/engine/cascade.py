@@ -22,26 +22,29 @@ share of the softmax denominator added at the merge) and value heads of another 
 query/key heads (multi-head latent attention) are handled here too. Other models keep the
 per-row KV-copy path of :func:`icqs_fast.engine.batching.suffix_hidden` or a plain forward.
 
-Exactness: both parts use fp32 accumulation (the CPU flash kernel, or a float32 math path), so
-results match a plain attention over ``[prefix; suffix]`` to rounding.
+Exactness: both parts use fp32 accumulation (the fused kernels, the CPU flash kernel, or a
+float32 math path), so results match a plain attention over ``[prefix; suffix]`` to rounding.
 
-Where a fused kernel takes the layer (on CUDA: :func:`icqs_fast.ops.attention_lse`'s triton
-backend, the fused attention with its log-sum-exp output, no entropy state), both parts run
-through it: scores live in registers only, never as a ``[.., rows, prefix]`` fp32 tensor; prefix
-padding is its key mask, the suffix's grouped causal mask is its causal GQA mode. Accumulation
-stays fp32; with 16-bit inputs the probabilities enter the PV product in the input dtype, as in
-any flash attention. PyTorch's SDPA ops that return a log-sum-exp were not used: the flash op
-takes no mask (padded prefixes would need one call per length), neither op takes fewer key heads
-than query heads (the suffix part would need a ``repeat_kv`` copy), and the memory-efficient op
-pads its LSE's query dimension (to a multiple of 32 in some versions). Which layers a kernel
-takes is the backends' support table (:mod:`icqs_fast.backends.support`: softcapping and
-``Dv != D`` are not); local layers need masks on each entry's own positions, which only the
-torch path here builds. This module holds no kernel code.
+Where a fused kernel takes the layer (:func:`icqs_fast.ops.attention_lse`'s ``"auto"`` choice: the
+triton backend on CUDA, the cpp backend, ``csrc/attention.cpp``, on the CPU; the fused attention
+with its log-sum-exp output, no entropy state), both parts run through it: scores live in registers
+/ cache-sized tiles only, never as a ``[.., rows, prefix]`` fp32 tensor; prefix padding is its key
+mask, the suffix's grouped causal mask is its causal GQA mode, and a local layer's window / chunk
+comes from token positions (:meth:`CascadePlan.kernel_positions`) where the backend takes them.
+:data:`ATTENTION_ENV` forces the path (e.g. ``torch`` to time PyTorch's kernel against ours).
+Accumulation stays fp32; with 16-bit inputs the probabilities enter the PV product in the input
+dtype, as in any flash attention. PyTorch's SDPA ops that return a log-sum-exp were not used: the
+flash op takes no mask (padded prefixes would need one call per length), neither op takes fewer key
+heads than query heads (the suffix part would need a ``repeat_kv`` copy), and the memory-efficient
+op pads its LSE's query dimension (to a multiple of 32 in some versions). Which layers a kernel
+takes is the backends' support table (:mod:`icqs_fast.backends.support`). This module holds no
+kernel code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -99,6 +102,7 @@ class CascadePlan:
         self._key_ok: torch.Tensor | None = None
         self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._expanded: dict[tuple, Mask] = {}
+        self._positions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description (full causal when none was given)."""
@@ -143,6 +147,34 @@ class CascadePlan:
         if m is None:
             m = self._expanded[key] = Mask(build())
         return m
+
+    def kernel_positions(self, part: str, s: int, rows: int, device: torch.device,
+                         gi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token positions ``(q_pos, k_pos)`` for a fused kernel's local-layer masks (the rows
+        of :meth:`local_masks`, as positions instead of masks), built once per forward:
+
+        * ``part="pre"``: the prefix part's ``rows = n * group * s`` stacked queries of each
+          group (query row ``r`` is suffix token ``r % s``, at ``lengths[g] + r % s``) against
+          its entry's ``P_max`` slots (``-1`` on padded ones); ``gi``: only group ``gi``,
+          against its own ``lengths[gi]`` slots.
+        * ``part="suf"``: each row's ``s`` suffix tokens, queries and keys alike.
+        """
+        key = (part, s, rows, gi, str(device))
+        got = self._positions.get(key)
+        if got is None:
+            lens = torch.tensor(self.lengths if gi is None else [self.lengths[gi]],
+                                device=device)
+            t = torch.arange(s, device=device)
+            if part == "pre":
+                q_pos = lens[:, None] + torch.arange(rows, device=device)[None, :] % s
+                j = torch.arange(self.p_max if gi is None else self.lengths[gi], device=device)
+                k_pos = torch.where(j[None, :] < lens[:, None], j[None, :], -1)
+            else:
+                rows_g = torch.repeat_interleave(torch.arange(len(self.counts), device=device),
+                                                 torch.tensor(self.counts, device=device))
+                q_pos = k_pos = lens[rows_g][:, None] + t[None, :]
+            got = self._positions[key] = (q_pos, k_pos)
+        return got
 
     def local_masks(self, la: LayerAttention, s: int, device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,24 +258,55 @@ def attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(p, v.float()).to(q.dtype), lse
 
 
+ATTENTION_ENV = "ICQS_FAST_CASCADE_ATTENTION"
+"""Environment variable (read at every layer call) forcing cascade attention's path:
+``auto`` or unset (the fused kernel :func:`icqs_fast.ops.attention_lse`'s ``"auto"`` picks for
+the layer: cpp on the CPU, triton on CUDA; else the torch path), ``torch`` (the torch path of
+this module: PyTorch's CPU flash kernel, or the fp32 math path; for side-by-side timings), or
+a backend of ``ops.attention_lse`` (``cpp``, ``triton``) named for every layer (an error where
+it lacks a layer's variant or the device)."""
+
+
 def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | None,
-                    value_dim: bool) -> str | None:
+                    value_dim: bool, local: LayerAttention | None = None) -> str | None:
     """The backend of :func:`icqs_fast.ops.attention_lse` whose fused kernel takes a layer with
-    this score softcap and value head size (``value_dim``: ``Dv != D``) on ``device``, as
-    ``"auto"`` would pick it (the triton backend on CUDA); None: the torch path here."""
-    return backends.kernel_backend("attention_lse", device, dtype,
-                                   support.requested(softcap=softcap, value_dim=value_dim))
+    this score softcap, value head size (``value_dim``: ``Dv != D``) and local mask (``local``:
+    a sliding / chunked layer, whose masks need token positions) on ``device``, as ``"auto"``
+    would pick it (the triton backend on CUDA, cpp on the CPU) or as :data:`ATTENTION_ENV`
+    forces it; None: the torch path here."""
+    opts = set(support.requested(softcap=softcap, value_dim=value_dim))
+    if local is not None:
+        opts |= support.requested(window=local.kind == "sliding" and local.window is not None,
+                                  chunk=local.kind == "chunked" and local.chunk is not None,
+                                  positions=True)
+    forced = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
+    if forced == "torch":
+        return None
+    if forced == "auto":
+        return backends.kernel_backend("attention_lse", device, dtype, opts)
+    try:
+        return backends.choose("attention_lse", forced, device, dtype, opts)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"{ATTENTION_ENV}={forced}: {exc}") from exc
 
 
 def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None
+                    backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None,
+                    la: LayerAttention | None = None,
+                    positions: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v
-    [B, Hk, T, D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``;
-    ``key_ok [B, T]`` bool, False = masked key). Returns the output in q's dtype and the fp32
-    natural-log LSE ``[B, Hq, L]``."""
+    [B, Hk, T, D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or
+    at ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window
+    / chunk on ``positions``). Returns the output in q's dtype and the fp32 natural-log LSE
+    ``[B, Hq, L]``."""
+    local = {}
+    if la is not None and la.kind == "sliding" and la.window is not None:
+        local["window"] = int(la.window)
+    if la is not None and la.kind == "chunked" and la.chunk is not None:
+        local["chunk"] = int(la.chunk)
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
-                             backend=backend)
+                             positions=positions, backend=backend, **local)
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -327,13 +390,14 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         kp, vp = kp.to(dt), vp.to(dt)
     local = la.local
     pre_m = suf_m = None
-    if local:
-        pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
-
-    # A fused kernel takes key padding and plain causality: local layers (masks on each
-    # entry's own positions) and what the support table says it lacks take the torch path.
-    kernel = None if local else _kernel_backend(dev, dt, softcap, dv != d)
+    # A fused kernel takes key padding and causality, and local layers (masks on each entry's
+    # own positions) through token positions where its backend has them; what the support
+    # table says it lacks takes the torch path.
+    kernel = _kernel_backend(dev, dt, softcap, dv != d, la if local else None)
     fused = kernel is not None
+    lay = la if local and fused else None
+    if local and not fused:
+        pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
     if plan.uniform:
         n = plan.counts[0]
@@ -341,8 +405,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         qg = query.reshape(g_n, n, hk, group, s, d).permute(0, 2, 1, 3, 4, 5)
         qg = qg.reshape(g_n, hk, n * group * s, d)
         if fused:
-            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, kernel,
-                                     key_ok=plan.prefix_key_ok(dev))
+            pos = None if lay is None else plan.kernel_positions("pre", s, n * group * s, dev)
+            o1, l1 = _fused_attn_lse(qg, kp, vp, scale, kernel, causal=lay is not None,
+                                     key_ok=None if lay else plan.prefix_key_ok(dev), la=lay,
+                                     positions=pos)
         else:
             allow = plan.prefix_allow(dev)
             if pre_m is not None:  # the same [S, P] mask for each row and head of the group
@@ -364,7 +430,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             qg = qg.reshape(1, hk, n * group * s, d)
             kg, vg = kp[gi:gi + 1, :, :p], vp[gi:gi + 1, :, :p]
             if fused:
-                og, lg = _fused_attn_lse(qg, kg, vg, scale, kernel)
+                pos = (None if lay is None else
+                       plan.kernel_positions("pre", s, n * group * s, dev, gi=gi))
+                og, lg = _fused_attn_lse(qg, kg, vg, scale, kernel, causal=lay is not None,
+                                         la=lay, positions=pos)
             else:
                 allow = None
                 if pre_m is not None:
@@ -380,7 +449,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if fused:
         # Causal GQA in the kernel: query head h reads key head h // group (transformers'
         # repeat_kv order), as the grouped reshape below does.
-        o2, l2 = _fused_attn_lse(query, key, value, scale, kernel, causal=True)
+        pos = None if lay is None else plan.kernel_positions("suf", s, s, dev)
+        o2, l2 = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
+                                 positions=pos)
         o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, dv)
         l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
     else:

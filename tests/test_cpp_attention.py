@@ -1,0 +1,243 @@
+"""The cpp backend of ``ops.attention_lse`` (``csrc/attention.cpp``) against a float64 dense
+reference: awkward shapes (one key, all-masked rows, odd head sizes, another value head size,
+GQA), the variants the cascade passes it (soft cap, sliding window, chunks, token positions with
+padded keys), every ISA level this CPU runs (forced through ``ICQS_FAST_CPP_ISA``), fp32 and
+bf16 (AVX512_BF16 dot products and the widened fp32 path), thread-count invariance, and the
+cascade's forced-path switch."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from icqs_fast import ops
+from icqs_fast.backends import cpp_backend
+
+pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
+                                reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
+
+ISAS = ("sse4", "avx2", "avx512")
+# bf16 inputs: bf16 probabilities in the PV product (and on the dot-product path bf16 products
+# summed in fp32), against a float64 reference of the same bf16 inputs.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def _isa_runs(name):
+    from icqs_fast import _C
+
+    return cpp_backend.ISA_LEVELS[name] <= _C.best_isa()
+
+
+def _isa(name):
+    return pytest.param(name, id=name, marks=pytest.mark.skipif(
+        not (cpp_backend.available()[0] and _isa_runs(name)), reason=f"CPU lacks {name}"))
+
+
+def dense64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None, window=None,
+            chunk=None, positions=None):
+    """Float64 attention with LSE of the ops' contract, every score materialised."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, hq, tq, _ = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if positions is None:
+        qp = (tk - tq + torch.arange(tq)).expand(b, tq)
+        kp = torch.arange(tk).expand(b, tk)
+    else:
+        qp, kp = positions
+    qp, kp = qp[:, :, None], kp[:, None, :]
+    allow = (kp >= 0).expand(b, tq, tk)
+    if attention_mask is not None:
+        allow = allow & attention_mask[:, None, :]
+    if causal:
+        allow = allow & (kp <= qp)
+    if window is not None:
+        allow = allow & (qp - kp < window)
+    if chunk is not None:
+        allow = allow & (torch.div(kp, chunk, rounding_mode="floor")
+                         == torch.div(qp, chunk, rounding_mode="floor"))
+    s = s.masked_fill(~allow[:, None], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p @ v, lse
+
+
+def _inputs(b, hq, hk, tq, tk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=g).to(dtype)
+    k = (torch.randn(b, hk, tk, d, generator=g) * 1.5).to(dtype)
+    v = torch.randn(b, hk, tk, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def _check(q, k, v, dtype, ref_kv=None, **kw):
+    out, lse = ops.attention_lse(q, k, v, backend="cpp", **kw)
+    ro, rl = dense64(q, *(ref_kv or (k, v)), **kw)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
+    dead = ~torch.isfinite(rl)
+    assert torch.equal(dead, lse == -math.inf), "rows with no allowed key: lse -inf exactly"
+    assert torch.all(out[dead] == 0), "rows with no allowed key: output 0"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ro, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double()[~dead], rl[~dead], atol=atol * 10, rtol=rtol)
+    return out, lse
+
+
+# (b, hq, hk, tq, tk, d, dv), options
+CASES = {
+    "one_key": ((1, 2, 1, 1, 1, 16, 16), {"causal": True}),
+    "one_key_many_queries": ((2, 2, 2, 5, 1, 8, 8), {}),
+    "odd_d80_gqa": ((2, 6, 2, 9, 70, 80, 80), {"causal": True}),
+    "d96_value_dim": ((1, 4, 1, 33, 129, 96, 40), {"causal": True}),
+    "d100_softcap": ((2, 2, 1, 17, 65, 100, 100), {"softcap": 5.0}),
+    "d3_dv5": ((1, 1, 1, 4, 7, 3, 5), {"causal": True}),
+    "padded_keys": ((3, 4, 2, 6, 90, 64, 64), {"mask": True}),
+    "window": ((2, 4, 2, 40, 150, 32, 32), {"causal": True, "window": 13}),
+    "chunk": ((2, 2, 1, 50, 120, 24, 24), {"causal": True, "chunk": 16}),
+    "positions_gqa_window": ((2, 4, 2, 20, 100, 64, 48),
+                             {"causal": True, "window": 30, "positions": True}),
+}
+
+
+def _options(b, tq, tk, opts, seed=1):
+    kw = {k: x for k, x in opts.items() if k not in ("mask", "positions")}
+    g = torch.Generator().manual_seed(seed)
+    if opts.get("mask"):
+        am = torch.rand(b, tk, generator=g) > 0.4
+        am[0] = False  # a row of all-masked keys: every query of it has none
+        kw["attention_mask"] = am
+    if opts.get("positions"):  # a bank's layout: prefixes of different lengths, padded slots
+        lens = torch.tensor([tk - 7 * i for i in range(b)])
+        j = torch.arange(tk)
+        kp = torch.where(j[None] < lens[:, None], j[None] + 2, -1)
+        qp = lens[:, None] + 2 + torch.arange(tq)[None] - tq
+        kw["positions"] = (qp, kp)
+    return kw
+
+
+@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case, dtype, isa, monkeypatch):
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    (b, hq, hk, tq, tk, d, dv), opts = CASES[case]
+    q, k, v = _inputs(b, hq, hk, tq, tk, d, dv, dtype)
+    _check(q, k, v, dtype, scale=d ** -0.5, **_options(b, tq, tk, opts))
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_bf16_paths_and_fp16(bf16_dot, monkeypatch):
+    """bf16 on the AVX512_BF16 dot products and widened to fp32 (as on CPUs without them); fp16
+    inputs are widened."""
+    monkeypatch.setattr(cpp_backend, "BF16_DOT", bf16_dot)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = _inputs(2, 4, 2, 37, 200, 72, 72, dtype, seed=5)
+        _check(q, k, v, dtype, scale=0.1, causal=True, softcap=20.0)
+
+
+def test_all_masked_rows_and_nan_in_padded_slots():
+    """Queries whose keys are all masked get lse -inf and output 0 exactly; a NaN in a masked
+    key or value slot (an unused bank slot) never reaches the output."""
+    q, k, v = _inputs(2, 2, 1, 4, 10, 16, 16, torch.float32)
+    am = torch.ones(2, 10, dtype=torch.bool)
+    am[0] = False
+    am[1, 6:] = False
+    k[1, :, 6:] = float("nan")
+    v[1, :, 7] = float("nan")
+    clean = (k.nan_to_num(), v.nan_to_num())  # the reference's matmul would spread the NaN
+    out, lse = _check(q, k, v, torch.float32, ref_kv=clean, scale=0.25, attention_mask=am)
+    assert torch.all(lse[0] == -math.inf) and torch.isfinite(lse[1]).all()
+    assert torch.isfinite(out).all()
+    # causal with Tq > visible keys: the first queries of a causal row see only padded slots
+    am2 = torch.zeros(1, 10, dtype=torch.bool)
+    am2[0, 3:] = True
+    q1, k1, v1 = _inputs(1, 1, 1, 10, 10, 8, 8, torch.float32)
+    out, lse = _check(q1, k1, v1, torch.float32, scale=0.3, causal=True, attention_mask=am2)
+    assert torch.all(lse[0, 0, :3] == -math.inf) and torch.all(out[0, 0, :3] == 0)
+
+
+def test_strided_inputs_and_thread_invariance():
+    """Non-contiguous q/k/v (a transposed layout, as transformers' projections give) read in
+    place; 1 and 2 threads give bit-identical results (each row's arithmetic does not depend on
+    how rows are split over threads)."""
+    q, k, v = _inputs(2, 4, 2, 45, 130, 40, 40, torch.float32)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qs.is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        o1, l1 = ops.attention_lse(qs, ks, vs, scale=0.2, causal=True, backend="cpp")
+        torch.set_num_threads(2)
+        o2, l2 = ops.attention_lse(qs, ks, vs, scale=0.2, causal=True, backend="cpp")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    _check(qs, ks, vs, torch.float32, scale=0.2, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_keys(dtype):
+    """Thousands of keys (a long demonstration prefix), padded, GQA, causal (0.1 s)."""
+    q, k, v = _inputs(2, 4, 2, 70, 3000, 64, 64, dtype, seed=7)
+    am = torch.ones(2, 3000, dtype=torch.bool)
+    am[1, 2500:] = False
+    _check(q, k, v, dtype, scale=0.125, causal=True, attention_mask=am)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_random_layouts(data):
+    """Random shapes and variants (fp32, the CPU's best ISA) match the float64 reference."""
+    hk = data.draw(st.integers(1, 2))
+    hq = hk * data.draw(st.integers(1, 3))
+    tk = data.draw(st.integers(1, 150))
+    causal = data.draw(st.booleans())
+    tq = data.draw(st.integers(1, tk if causal else 80))
+    d = data.draw(st.integers(1, 70))
+    dv = data.draw(st.sampled_from([d, data.draw(st.integers(1, 40))]))
+    b = data.draw(st.integers(1, 2))
+    q, k, v = _inputs(b, hq, hk, tq, tk, d, dv, torch.float32,
+                      seed=data.draw(st.integers(0, 99)))
+    kw = {"scale": data.draw(st.floats(0.05, 1.0)), "causal": causal}
+    if data.draw(st.booleans()):
+        kw["attention_mask"] = torch.rand(b, tk) > data.draw(st.floats(0.0, 0.9))
+    variant = data.draw(st.sampled_from(["none", "softcap", "window", "chunk"]))
+    if variant == "softcap":
+        kw["softcap"] = data.draw(st.floats(0.5, 30.0))
+    elif variant != "none":
+        kw[variant] = data.draw(st.integers(1, 40))
+    _check(q, k, v, torch.float32, **kw)
+
+
+def test_argument_errors():
+    q, k, v = _inputs(1, 2, 1, 3, 5, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        ops.attention_lse(q, k, v, window=0, backend="cpp")
+    with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+        ops.attention_lse(q, k, v, chunk=2.5, backend="cpp")
+    with pytest.raises(ValueError, match=r"positions must be \(q_pos \[1, 3\], k_pos \[1, 5\]\)"):
+        ops.attention_lse(q, k, v, positions=(torch.zeros(1, 3), torch.zeros(1, 5)),
+                          backend="cpp")
+    with pytest.raises(ValueError, match="needs cpu tensors|does not"):
+        ops.attention_lse(q.to("meta"), k.to("meta"), v.to("meta"), backend="cpp")
+
+
+def test_cascade_attention_switch(monkeypatch):
+    """ICQS_FAST_CASCADE_ATTENTION picks cascade attention's path: auto (cpp on the CPU), torch
+    (the torch path, for side-by-side timings), a backend named; a bad value is an error that
+    names the variable."""
+    from icqs_fast.engine import cascade
+
+    cpu = torch.device("cpu")
+    for value, want in (("", "cpp"), ("auto", "cpp"), ("torch", None), ("cpp", "cpp")):
+        monkeypatch.setenv(cascade.ATTENTION_ENV, value)
+        assert cascade._kernel_backend(cpu, torch.bfloat16, None, False) == want
+    monkeypatch.setenv(cascade.ATTENTION_ENV, "magic")
+    with pytest.raises(ValueError, match="ICQS_FAST_CASCADE_ATTENTION=magic: unknown backend"):
+        cascade._kernel_backend(cpu, torch.float32, None, False)
