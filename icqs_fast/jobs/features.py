@@ -248,6 +248,7 @@ class FeatureStrategy:
 
     desc = "features"
     done_prefix = "icqs-fast: features of "
+    done_what = "features of"
     read_labels = False
 
     def __init__(self, config: FeatureJobConfig) -> None:

@@ -432,7 +432,7 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
     for w, (nb, nr, sec, rd, _node) in sorted(p.per_worker.items()):
         log(f"icqs-fast:   worker {w}: {nb} blocks, {nr} records in {sec:.1f} s busy "
             f"({nr / sec if sec > 0 else 0.0:.2f} records/s; reading its blocks {rd:.2f} s)")
-    log(f"{job.strategy.done_prefix}{p.records} responses in {dt:.1f} s "
+    log(f"icqs-fast: {job.strategy.done_what} {p.records} responses in {dt:.1f} s "
         f"({p.records / dt if dt > 0 else 0.0:.2f} responses/s) on "
         f"{len(p.per_worker)} workers ({len(nodes)} nodes), {p.n_pending} blocks"
         + (f", {p.skipped} bad records skipped" if p.skipped else "")

@@ -67,6 +67,7 @@ class JobStrategy(Protocol):
 
     desc: str  # progress bar label
     done_prefix: str  # the final summary line's prefix
+    done_what: str  # what the run did to its responses, in a summary line ("scored")
     align: int  # shard boundaries and resume restarts are multiples of this (chunked jobs)
     read_labels: bool  # read the label field into the records (and summarise by label)
 

@@ -235,6 +235,7 @@ class ScoreStrategy:
 
     desc = "score"
     done_prefix = "icqs-fast: "
+    done_what = "scored"
     align = 1
     read_labels = True
 
