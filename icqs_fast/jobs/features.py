@@ -266,6 +266,9 @@ class FeatureStrategy:
         """No self-check for features."""
         return None
 
+    def use_self_check(self, check: dict) -> None:
+        """No self-check for features."""
+
     def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.models import load_model

@@ -83,6 +83,9 @@ class JobStrategy(Protocol):
         """The run's self-check (a dict for the metadata; None for a kind without one): a
         resumed output's, else computed - by ``run`` when given (elsewhere), else here."""
 
+    def use_self_check(self, check: dict) -> None:
+        """Apply a self-check computed elsewhere (a ``--ray`` actor gets the driver's)."""
+
     def results(self, records: Iterable[Record | RecordError], *, write_from: int,
                 on_error: Callable[[RecordError], None] | None
                 ) -> Iterator[tuple[Record, Any]]:
