@@ -19,6 +19,16 @@ measured forward (CPU; the peak is reset through ``/proc/self/clear_refs``), or 
 float64 entropies of the eager attention matrices. On CUDA the record also times one attention
 call of the Triton forward-with-entropy against plain SDPA (``triton_vs_sdpa``).
 
+``--lse`` adds ``attention_lse``: the cascade's CPU attention with log-sum-exp on its prefix-part
+shape (``[entries, kv heads, rows, D]`` queries against each entry's padded keys, llama-1b's
+4 KV heads x 64, 512 grouped query rows), the cpp backend of :func:`icqs_fast.ops.attention_lse`
+(``csrc/attention.cpp``) against the torch path cascade attention otherwise takes (PyTorch's CPU
+flash kernel with the additive padding mask, :func:`icqs_fast.engine.cascade.attn_lse`), per
+key count of ``--lse-keys``, fp32 and bf16, at each thread count of ``--lse-threads``: medians of
+alternated repeats, GFLOP/s (4 x rows x keys x D per head), the speedup and the largest
+output / LSE difference between the two (checked: the same attention within the dtype's
+rounding).
+
 ``--random-weights --config tiny`` runs the same comparison on a tiny random-weight Llama (2
 layers; for tests), ``--config llama-1b`` on a ~1.1B-parameter one (the shapes of
 ``icqs-fast bench icqs``); ``model`` then reads ``random-<config>``.
@@ -170,6 +180,76 @@ def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> di
             "sdpa_ms": round(s_ms, 4), "ratio": round(t_ms / s_ms, 3)}
 
 
+# Largest |cpp - torch path| of attention_lse outputs (values ~N(0, 1)) per input dtype: fp32
+# accumulation on both sides; bf16 rounds the probabilities (and, on AVX512_BF16, the products
+# are summed in a different order).
+LSE_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+def lse_case(keys: int, dtype: torch.dtype, threads: int, repeat: int, *, entries: int = 2,
+             kv_heads: int = 4, rows: int = 512, d: int = 64, seed: int = 0) -> dict:
+    """One side-by-side timing of the cascade's prefix-part attention (see the module
+    docstring): ``entries`` prefixes of ``keys`` slots (the second padded to 90 %)."""
+    from icqs_fast import ops
+    from icqs_fast.engine.cascade import attn_lse
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(entries, kv_heads, rows, d, generator=g).to(dtype)
+    k = torch.randn(entries, kv_heads, keys, d, generator=g).to(dtype)
+    v = torch.randn(entries, kv_heads, keys, d, generator=g).to(dtype)
+    lens = torch.tensor([keys] + [max(1, keys * 9 // 10)] * (entries - 1))
+    key_ok = torch.arange(keys)[None, :] < lens[:, None]
+    allow = key_ok[:, None, None, :]
+    scale = d ** -0.5
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = lambda: ops.attention_lse(q, k, v, scale=scale, attention_mask=key_ok,  # noqa: E731
+                                         backend="cpp")
+        theirs = lambda: attn_lse(q, k, v, allow, scale)  # noqa: E731
+        c_ms, t_ms = side_by_side(ours, theirs, repeat, torch.device("cpu"))
+        (o1, l1), (o2, l2) = ours(), theirs()
+    finally:
+        torch.set_num_threads(prev)
+    flop = 4.0 * entries * kv_heads * rows * d * float(lens.sum()) / entries
+    name = str(dtype).removeprefix("torch.")
+    return {"keys": keys, "dtype": name, "threads": threads,
+            "shape": [entries, kv_heads, rows, keys, d], "cpp_ms": round(c_ms, 3),
+            "torch_ms": round(t_ms, 3), "speedup": round(t_ms / c_ms, 3),
+            "cpp_gflops": round(flop / c_ms / 1e6, 1),
+            "torch_gflops": round(flop / t_ms / 1e6, 1),
+            "max_out_diff": float((o1.float() - o2.float()).abs().max()),
+            "max_lse_diff": float((l1 - l2).abs().max())}
+
+
+def lse_section(keys: list[int], threads: list[int], repeat: int) -> dict:
+    """The ``attention_lse`` record section: :func:`lse_case` for every key count, dtype and
+    thread count, and what the kernel ran on."""
+    from icqs_fast.backends import cpp_backend
+
+    ok, why = cpp_backend.available()
+    if not ok:
+        raise RuntimeError(f"--lse needs the cpp backend: {why}")
+    cases = [lse_case(n, dt, t, repeat) for t in threads for dt in (torch.float32, torch.bfloat16)
+             for n in keys]
+    from icqs_fast import _C
+
+    return {"kernel": why, "bf16_dot_products": bool(_C.attention_bf16_dot()),
+            "baseline": "icqs_fast.engine.cascade.attn_lse (torch's CPU flash kernel, additive "
+                        "padding mask)", "cases": cases}
+
+
+def lse_failures(section: dict) -> list[str]:
+    """The failed correctness fields of the ``attention_lse`` section's cases (the two sides
+    agree within :data:`LSE_TOL` of the dtype), one message each."""
+    failed = []
+    for i, c in enumerate(section["cases"]):
+        tol = at_most(LSE_TOL[c["dtype"]])
+        failed += check_fields(c, {"max_out_diff": tol, "max_lse_diff": tol},
+                               prefix=f"attention_lse.cases[{i}].")
+    return failed
+
+
 def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool = True,
           random_weights: bool = False, config: str = "tiny") -> dict:
     """The benchmark record (see the module docstring for the fields)."""
@@ -224,6 +304,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory,
                 random_weights=args.random_weights, config=args.config)
+    lse_failed: list[str] = []
+    if getattr(args, "lse", False):
+        keys = [128] if args.quick else _int_list(args.lse_keys, "--lse-keys")
+        threads = _int_list(args.lse_threads, "--lse-threads")
+        rec["attention_lse"] = lse_section(keys, threads, repeat)
+        lse_failed = lse_failures(rec["attention_lse"])
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(device))
     text = json.dumps(rec, indent=2)
@@ -235,4 +321,15 @@ def run(args: argparse.Namespace) -> int:
         for key, val in rec.items():
             print(f"{key:>20}: {val}")
     return report_failures("attention", check_fields(
-        rec, checks(rec["dtype"], getattr(args, "tolerance", None))))
+        rec, checks(rec["dtype"], getattr(args, "tolerance", None))) + lse_failed)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    """``"512,2048"`` -> ``[512, 2048]`` (each >= 1), or a ValueError naming ``flag``."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{flag} must be a comma-separated list of ints >= 1, got {text!r}")
+    return vals

@@ -20,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a random-weight Llama of --config instead of the embedded model")
     p.add_argument("--config", default="tiny", choices=("tiny", "llama-1b"),
                    help="model shape with --random-weights (tiny: 2 layers, for tests)")
+    p.add_argument("--lse", action="store_true",
+                   help="also time attention_lse's cpp kernel against the torch path of cascade "
+                        "attention (CPU; fp32 and bf16) on its prefix-part shape")
+    p.add_argument("--lse-keys", default="512,2048,4096,5120",
+                   help="key counts of --lse (comma-separated; --quick: 128)")
+    p.add_argument("--lse-threads", default="1,2",
+                   help="thread counts of --lse (comma-separated)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest max_abs_err that passes (default 1e-3 for fp32 models, 5e-2 "
                         "for half precision); the command exits 1, naming the field, on a "
