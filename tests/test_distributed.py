@@ -337,9 +337,10 @@ def test_score_calibrated_parquet_equals_single_process(cluster, data, tmp_path)
 
 
 def test_actor_gets_the_jobs_one_settings_object(data, tmp_path):
-    """The actors get the job's config whole (pickled, as Ray sends it) and build the job's own
-    strategy from it: the single-process run's ScoringSettings, whatever the options - also
-    with other demonstration fields, where a keyword path once dropped ``deterministic``."""
+    """The actors get the job's strategy as the driver prepared it (pickled, as Ray sends it):
+    the single-process run's ScoringSettings, demonstrations and sets, unchanged, whatever the
+    options - also with other demonstration fields, where a keyword path once dropped
+    ``deterministic``."""
     import pickle
 
     from icqs_fast.jobs.ray_executor import ActorSetup
@@ -348,15 +349,14 @@ def test_actor_gets_the_jobs_one_settings_object(data, tmp_path):
     for extra in ([], ["--demo-x-field", "x", "--demo-y-field", "y", "--x-field", "x2"]):
         cfg = _args("score", data, tmp_path / "o", "--deterministic", "--calibrate", "pmi",
                     "--score", "mean", "--stratify-field", "none", *extra)
-        sent = pickle.loads(pickle.dumps(ActorSetup(cfg, None, None, "o", None)))
-        remote, local = strategy_for(sent.config), strategy_for(cfg)
-        for s in (remote, local):
-            s.prepare(lambda *a: None)
+        local = strategy_for(cfg)
+        local.prepare(lambda *a: None)
+        remote = pickle.loads(pickle.dumps(ActorSetup(local, None, None, "o", None))).strategy
         st = remote.settings
         assert st == local.settings
         assert (st.deterministic, st.calibration, st.score, st.stratify) == (
             True, "pmi", "mean", None)
-        assert remote.good == local.good and remote.sets == local.sets
+        assert (remote.good, remote.bad, remote.sets) == (local.good, local.bad, local.sets)
 
 
 def test_resume_with_other_settings_is_refused(data, tmp_path):

@@ -53,6 +53,7 @@ single-process JSONL output, and the Parquet blocks have exactly the schema of a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -76,7 +77,6 @@ from icqs_fast.jobs.runner import (
     ResultSink,
     record_fields,
     run_with,
-    strategy_for,
     stream_results,
 )
 
@@ -111,11 +111,12 @@ def items_of_block(cols: dict[str, np.ndarray], spec: BlockSpec) -> list:
 @dataclass
 class ActorSetup:
     """What every :class:`BlockActor` is built from (one object, pickled once per actor):
-    the job (its config, with the dtype the driver chose), the output plan (what a resumed
-    output was written with), the run's self-check (None: a kind without one), the output as
-    the actors open it, and the input's block template."""
+    the job's strategy as the driver prepared it (its config, with the dtype the driver chose;
+    for ``score`` the one ScoringSettings, the demonstrations and their sets, sent unchanged),
+    the output plan (what a resumed output was written with), the run's self-check (None: a
+    kind without one), the output as the actors open it, and the input's block template."""
 
-    config: JobConfig
+    strategy: Any
     plan: OutputPlan
     self_check: dict | None
     output: str
@@ -132,12 +133,10 @@ class BlockActor:
 
     def __init__(self, setup: ActorSetup) -> None:
         self.setup = setup
-        c = setup.config
         self.output = BlockOutput(setup.output)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.node = _node_id()
-        self.strategy = strategy_for(c)
-        self.strategy.prepare(_quiet)
+        self.strategy = setup.strategy  # prepared by the driver: only the model loads here
         self.added: dict = {}  # what the loaded model adds to the settings (dtype, ...)
         self.setup_error = ""
         try:
@@ -164,7 +163,8 @@ class BlockActor:
             return {k: np.array([v]) for k, v in summary.items()}
         items = items_of_block(cols, self.setup.spec)
         summary["read_s"] = time.perf_counter() - t0
-        strategy, c = self.strategy, self.setup.config
+        strategy = self.strategy
+        c = strategy.config
         counts = strategy.summary()
         writer = self.output.open_block(block, _block_format(c), schema=strategy.table_schema())
         try:
@@ -245,14 +245,16 @@ class RayExecutor:
         if not pending:
             log(f"icqs-fast: {out.output}: all {n_blocks} blocks complete; nothing to do")
             return 0
-        # Every actor loads its model in the one dtype the driver decides.
-        actor_config = dataclasses.replace(config, dtype=_actor_dtype(config, plan))
+        # Every actor loads its model in the one dtype the driver decides: the prepared
+        # strategy goes to the workers with that dtype in its config.
+        prepared = copy.copy(job.strategy)
+        prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, plan))
         remote = {"num_gpus": ro.gpus_per_worker or None, "num_cpus": ro.cpus_per_worker,
                   **self.actor_options}
         started = _init_ray(ro.address)
         try:
             check = job.strategy.self_check(
-                plan, log, run=lambda: _remote_self_check(actor_config, plan, remote))
+                plan, log, run=lambda: _remote_self_check(prepared, plan, remote))
             if check is not None and not plan.append:
                 job.settings["self_check"] = check
                 out.write_meta(job.settings)
@@ -262,7 +264,7 @@ class RayExecutor:
                              detect_format(config.input, config.format), 0, 0, 0,
                              fields=record_fields(config, labels=job.strategy.read_labels),
                              encoding=config.encoding, name=config.input)
-            setup = ActorSetup(actor_config, plan, check,
+            setup = ActorSetup(prepared, plan, check,
                                config.output if is_uri(config.output) else out.root, spec)
             blocks = [{"block": k, "start": k * B, "end": min(n, (k + 1) * B)}
                       for k in pending]
@@ -346,20 +348,19 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
-def _self_check_task(config: JobConfig, plan: OutputPlan) -> dict | None:
-    """The job's self-check step on one worker (its resources, its model and engine)."""
-    strategy = strategy_for(config)
-    strategy.prepare(_quiet)
+def _self_check_task(strategy: Any, plan: OutputPlan) -> dict | None:
+    """The job's self-check step on one worker (its resources; the prepared strategy's model
+    and engine)."""
     strategy.load(plan, {}, _quiet)
     return strategy.self_check(plan, _quiet)
 
 
-def _remote_self_check(config: JobConfig, plan: OutputPlan, remote: dict) -> dict | None:
+def _remote_self_check(strategy: Any, plan: OutputPlan, remote: dict) -> dict | None:
     """:func:`_self_check_task` in a Ray task with one worker's resources."""
     import ray
 
     task = ray.remote(**{k: v for k, v in remote.items() if k in ("num_gpus", "num_cpus")})
-    return ray.get(task(_self_check_task).remote(config, plan))
+    return ray.get(task(_self_check_task).remote(strategy, plan))
 
 
 @dataclass
