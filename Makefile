@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_INDEX ?=
 
-.PHONY: setup test test-fast demo bench bench-gpu lint clean
+.PHONY: setup browser-deps test test-fast demo bench bench-gpu lint clean
 
 $(VENV)/.setup-done: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,23 @@ $(VENV)/.setup-done: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
-setup: $(VENV)/.setup-done
+# Headless chromium for the report page's browser test (tests/test_report_browser.py, marker
+# `browser`): Debian's package, installed when missing and running as root (CI); otherwise a
+# note (install it yourself, or leave the group out: -m "not browser"). Nothing to do when present.
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else \
+	    echo "make setup: chromium is missing; the browser tests need it (Debian, as root:" \
+	      "apt-get install -y chromium)" >&2; \
+	  fi; }
+
+setup: $(VENV)/.setup-done browser-deps
 
 # The whole suite (CI). `make test-fast` leaves out the heavy groups, each a pytest marker
 # (pyproject.toml; docs/TESTING.md lists what each covers and how long it takes).
-FAST_DESELECT := not (slow or embedded or matrix or ray or server or static or subprocess)
+FAST_DESELECT := not (slow or embedded or matrix or ray or server or static or subprocess or browser)
 # More pytest options for either target, e.g. `make test-fast PYTEST_ARGS="-x -k cpp"`.
 PYTEST_ARGS ?=
 

@@ -19,6 +19,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "self-check from the demonstration pools: expected AUC, calibration, threshold"),
     (("features",), "icqs_fast.cli.features", "glass-box features of a file's responses"),
     (("rank",), "icqs_fast.cli.rank", "rank models by mean score, with bootstrap intervals"),
+    (("report",), "icqs_fast.cli.report",
+     "one HTML page of a run's output; --baseline: drift between two runs"),
     (("audit",), "icqs_fast.cli.audit", "ALLURE: audit an LLM evaluator, round by round"),
     (("serve",), "icqs_fast.cli.serve",
      "OpenAI-compatible scoring server (/v1/completions echo+logprobs, /v1/score)"),
