@@ -23,7 +23,10 @@
 // bf16 inputs on CPUs with AVX512_BF16: keys and values are packed as bf16 pairs and both
 // products run on _mm512_dpbf16_ps (fp32 accumulation; the probabilities enter the PV product
 // as bf16, as in any flash attention with 16-bit inputs). Elsewhere 16-bit inputs are widened
-// to fp32 at packing time and run the fp32 kernel.
+// to fp32 at packing time and run the fp32 kernel. With round_bf16 (ops.attention_lse's
+// dot_dtype=bfloat16: mixed precision, fp32 activations with bf16 products) inputs of any dtype
+// are rounded to bf16 at packing time and take the same bf16 path (or, widened back, the fp32
+// one).
 //
 // ISA levels as in token_stats.cpp: a template on the vector width W with per-function target
 // attributes (x86-64-v4 W = 16, x86-64-v3 W = 8, the build's x86-64-v2 W = 4), picked at run
@@ -171,6 +174,23 @@ ATTN_INLINE uint16_t to_bf16(float f) {
     return static_cast<uint16_t>(u >> 16);
 }
 
+// Element idx as bf16 bits: bf16 inputs as they are, others rounded (the bf16 dot products of
+// fp32 inputs with round_bf16).
+ATTN_INLINE uint32_t bf16_bits(const void* base, int64_t idx, int dt) {
+    if (dt == kABF16) return static_cast<const uint16_t*>(base)[idx];
+    return to_bf16(to_f32(base, idx, dt));
+}
+
+// Element idx as fp32, rounded through bf16 first with `round` (the widened path of round_bf16).
+ATTN_INLINE float load_f32(const void* base, int64_t idx, int dt, bool round) {
+    const float x = to_f32(base, idx, dt);
+    if (!round || dt == kABF16) return x;
+    const uint32_t u = static_cast<uint32_t>(to_bf16(x)) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
 ATTN_INLINE int64_t floor_div(int64_t a, int64_t b) {
     const int64_t q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
@@ -188,6 +208,7 @@ struct Args {
     bool causal;
     int64_t window, chunk;  // 0 = none
     float scale, softcap;   // softcap 0 = none
+    bool round_bf16;        // q, k, v rounded to bf16 for the products (accumulation fp32)
     uint64_t call;          // id of this call (thread-local packed buffers are per call)
 };
 
@@ -346,10 +367,10 @@ ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int6
         const int64_t kb = j / BK, jj = j % BK;
         float* kt = s.kt.data() + kb * D * BK + jj;
         const int64_t ko = kbase + j * a.ks[2];
-        for (int64_t d = 0; d < D; ++d) kt[d * BK] = to_f32(a.k, ko + d, a.dt);
+        for (int64_t d = 0; d < D; ++d) kt[d * BK] = load_f32(a.k, ko + d, a.dt, a.round_bf16);
         float* vr = s.vp.data() + j * dvp;
         const int64_t vo = vbase + j * a.vs[2];
-        for (int64_t c = 0; c < Dv; ++c) vr[c] = to_f32(a.v, vo + c, a.dt);
+        for (int64_t c = 0; c < Dv; ++c) vr[c] = load_f32(a.v, vo + c, a.dt, a.round_bf16);
     }
 }
 
@@ -447,7 +468,7 @@ ATTN_INLINE void item_f32(const Args& a, int64_t b, int64_t hk, int64_t r0, int6
             float* qd = qb + rr * D;
             if (rr < n) {
                 const int64_t qo = b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
-                for (int64_t d = 0; d < D; ++d) qd[d] = to_f32(a.q, qo + d, a.dt);
+                for (int64_t d = 0; d < D; ++d) qd[d] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
             } else {
                 std::fill(qd, qd + D, 0.f);
             }
@@ -526,22 +547,20 @@ ATTN_INLINE void pack_bf16(const Args& a, Scratch& s, int64_t b, int64_t hk, int
     pack_positions(a, s, b, kBK2, nkb);
     s.kt2.assign(static_cast<size_t>(nkb * d2 * kBK2), 0u);
     s.vp2.assign(static_cast<size_t>(nkb * (kBK2 / 2) * dvp), 0u);
-    const uint16_t* K = static_cast<const uint16_t*>(a.k);
-    const uint16_t* Vv = static_cast<const uint16_t*>(a.v);
     const int64_t kbase = b * a.ks[0] + hk * a.ks[1], vbase = b * a.vs[0] + hk * a.vs[1];
     for (int64_t j = 0; j < a.Tk; ++j) {
         if (s.kp[j] < 0) continue;
         const int64_t kb = j / kBK2, jj = j % kBK2;
-        const uint16_t* kr = K + kbase + j * a.ks[2];
+        const int64_t ko = kbase + j * a.ks[2];
         uint32_t* kt = s.kt2.data() + kb * d2 * kBK2 + jj;
         for (int64_t p = 0; p < d2; ++p) {
-            const uint32_t hi = 2 * p + 1 < a.D ? kr[2 * p + 1] : 0u;
-            kt[p * kBK2] = kr[2 * p] | (hi << 16);
+            const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.k, ko + 2 * p + 1, a.dt) : 0u;
+            kt[p * kBK2] = bf16_bits(a.k, ko + 2 * p, a.dt) | (hi << 16);
         }
-        const uint16_t* vr = Vv + vbase + j * a.vs[2];
+        const int64_t vo = vbase + j * a.vs[2];
         uint32_t* vp = s.vp2.data() + (kb * (kBK2 / 2) + jj / 2) * dvp;
         const int sh = static_cast<int>(jj % 2) * 16;
-        for (int64_t c = 0; c < a.Dv; ++c) vp[c] |= static_cast<uint32_t>(vr[c]) << sh;
+        for (int64_t c = 0; c < a.Dv; ++c) vp[c] |= bf16_bits(a.v, vo + c, a.dt) << sh;
     }
 }
 
@@ -603,7 +622,6 @@ ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0
     s.ob.resize(static_cast<size_t>(kBQ * dvp));
     uint32_t *qb = s.qb2.data(), *pb = s.pb2.data();
     float *sb = s.sb.data(), *ob = s.ob.data();
-    const uint16_t* Q = static_cast<const uint16_t*>(a.q);
     float m[kBQ], l[kBQ];
     QRows qr;
     for (int64_t r = r0; r < r1; r += kBQ) {
@@ -612,11 +630,10 @@ ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0
         for (int rr = 0; rr < kBQ; ++rr) {
             uint32_t* qd = qb + rr * d2;
             if (rr < n) {
-                const uint16_t* qrow =
-                    Q + b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
+                const int64_t qo = b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
                 for (int64_t p = 0; p < d2; ++p) {
-                    const uint32_t hi = 2 * p + 1 < a.D ? qrow[2 * p + 1] : 0u;
-                    qd[p] = qrow[2 * p] | (hi << 16);
+                    const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.q, qo + 2 * p + 1, a.dt) : 0u;
+                    qd[p] = bf16_bits(a.q, qo + 2 * p, a.dt) | (hi << 16);
                 }
             } else {
                 std::fill(qd, qd + d2, 0u);
@@ -704,7 +721,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
                    uintptr_t qpos, uintptr_t kpos, int64_t B, int64_t Hq, int64_t Hk,
                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
                    int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
-                   int isa, bool bf16_dot) {
+                   int isa, bool bf16_dot, bool round_bf16) {
     if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
         throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
     if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
@@ -742,12 +759,13 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.chunk = chunk;
     a.scale = static_cast<float>(scale);
     a.softcap = static_cast<float>(softcap);
+    a.round_bf16 = round_bf16;
     a.call = ++g_call;
     if (B == 0 || Tq == 0) return;
     ItemFn fn = item_v2;
 #ifdef ICQS_ATTN_X86
     bf16_dot = bf16_dot && has_bf16_dot();
-    if (isa == 2) fn = dtype == kABF16 && bf16_dot ? item_bf16 : item_v4;
+    if (isa == 2) fn = (dtype == kABF16 || round_bf16) && bf16_dot ? item_bf16 : item_v4;
     else if (isa == 1) fn = item_v3;
 #endif
     if (nthreads < 1) nthreads = 1;
@@ -777,14 +795,16 @@ void register_attention(py::module_& m) {
           py::arg("Hk"), py::arg("Tq"), py::arg("Tk"), py::arg("D"), py::arg("Dv"),
           py::arg("dtype"), py::arg("causal"), py::arg("window"), py::arg("chunk"),
           py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
-          py::arg("bf16_dot") = true,
+          py::arg("bf16_dot") = true, py::arg("round_bf16") = false,
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
           "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 and lse [B,Hq,Tq] fp32 (contiguous). "
           "qpos [B,Tq] / kpos [B,Tk] int64 positions (0 = defaults Tk-Tq+i / j; negative key "
           "position = masked key); causal, window, chunk (0 = none) on positions; softcap 0 = "
           "none. isa: -1 best, 0/1/2 as best_isa(). bf16_dot: bf16 inputs at isa 2 use the "
-          "AVX512_BF16 dot products where the CPU has them (False: widen to fp32).");
+          "AVX512_BF16 dot products where the CPU has them (False: widen to fp32). round_bf16: "
+          "q, k, v (any dtype) rounded to bf16 for the two products, fp32 accumulation (the "
+          "bf16 dot products where bf16 inputs take them, else widened back to fp32).");
     m.def("attention_bf16_dot", []() {
 #ifdef ICQS_ATTN_X86
         return has_bf16_dot();

@@ -432,6 +432,7 @@ def attention_lse(
     window: int | None = None,
     chunk: int | None = None,
     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dot_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
@@ -457,6 +458,8 @@ def attention_lse(
             or None.
         positions: ``(q_pos [B, Tq], k_pos [B, Tk])`` integer token positions, a negative key
             position marking a masked key (e.g. a bank's padding inside sequences), or None.
+        dot_dtype: ``torch.bfloat16``: q, k and v enter both products rounded to bf16, with
+            fp32 accumulation (mixed precision: fp32 activations, bf16 products), or None.
         backend: ``"auto"`` (triton on CUDA and cpp on the CPU for what their kernels take,
             torch otherwise), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"cpp"`` (the C++ extension, CPU tensors) or ``"torch"`` (the reference, fp32
@@ -485,15 +488,20 @@ def attention_lse(
             raise ValueError(f"positions must be (q_pos [{b}, {tq}], k_pos [{b}, {k.shape[2]}]) "
                              "integer tensors or None")
         positions = (positions[0].to(q.device), positions[1].to(q.device))
+    if dot_dtype not in (None, torch.bfloat16):
+        raise ValueError(f"dot_dtype must be torch.bfloat16 or None, got {dot_dtype!r}")
     opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d, window=window,
-                             chunk=chunk, positions=positions is not None)
+                             chunk=chunk, positions=positions is not None,
+                             dot_dtype=dot_dtype is not None and dot_dtype != q.dtype)
     name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
     # Only the options the call sets: the table said the backend has each of them.
     variant = {opt: x for opt, x in (("softcap", None if softcap is None else float(softcap)),
                                      ("window", window), ("chunk", chunk),
-                                     ("positions", positions)) if x is not None}
+                                     ("positions", positions),
+                                     ("dot_dtype", dot_dtype if "dot_dtype" in opts else None))
+               if x is not None}
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)

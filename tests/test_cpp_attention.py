@@ -141,6 +141,33 @@ def test_bf16_paths_and_fp16(bf16_dot, monkeypatch):
         _check(q, k, v, dtype, scale=0.1, causal=True, softcap=20.0)
 
 
+@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_bf16_products_of_fp32_inputs(isa, bf16_dot, monkeypatch):
+    """``dot_dtype=bfloat16`` (mixed precision): fp32 q/k/v enter both products rounded to
+    bf16, on every ISA level and with or without the AVX512_BF16 dot products; the output stays
+    fp32 and matches the float64 attention of the rounded inputs; a row's result does not
+    depend on the other rows of the call (thread split, batch neighbours)."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    monkeypatch.setattr(cpp_backend, "BF16_DOT", bf16_dot)
+    q, k, v = _inputs(2, 4, 2, 21, 150, 80, 48, torch.float32, seed=9)
+    am = torch.ones(2, 150, dtype=torch.bool)
+    am[1, 120:] = False
+    kw = {"scale": 0.1, "causal": True, "attention_mask": am}
+    out, lse = ops.attention_lse(q, k, v, dot_dtype=torch.bfloat16, backend="cpp", **kw)
+    assert out.dtype == torch.float32
+    rq, rk, rv = (x.to(torch.bfloat16).float() for x in (q, k, v))
+    ro, rl = dense64(rq, rk, rv, **kw)
+    torch.testing.assert_close(out.double(), ro, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), rl, atol=1e-4, rtol=1e-4)
+    plain, _ = ops.attention_lse(q, k, v, backend="cpp", **kw)
+    assert not torch.equal(out, plain), "the products were not rounded"
+    alone, lse1 = ops.attention_lse(q[1:], k[1:], v[1:], dot_dtype=torch.bfloat16,
+                                    backend="cpp", scale=0.1, causal=True,
+                                    attention_mask=am[1:])
+    assert torch.equal(alone, out[1:]) and torch.equal(lse1, lse[1:])
+
+
 def test_all_masked_rows_and_nan_in_padded_slots():
     """Queries whose keys are all masked get lse -inf and output 0 exactly; a NaN in a masked
     key or value slot (an unused bank slot) never reaches the output."""
@@ -224,6 +251,8 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=r"positions must be \(q_pos \[1, 3\], k_pos \[1, 5\]\)"):
         ops.attention_lse(q, k, v, positions=(torch.zeros(1, 3), torch.zeros(1, 5)),
                           backend="cpp")
+    with pytest.raises(ValueError, match="dot_dtype must be torch.bfloat16 or None"):
+        ops.attention_lse(q, k, v, dot_dtype=torch.float16, backend="cpp")
     with pytest.raises(ValueError, match="needs cpu tensors|does not"):
         ops.attention_lse(q.to("meta"), k.to("meta"), v.to("meta"), backend="cpp")
 
@@ -238,6 +267,9 @@ def test_cascade_attention_switch(monkeypatch):
     for value, want in (("", "cpp"), ("auto", "cpp"), ("torch", None), ("cpp", "cpp")):
         monkeypatch.setenv(cascade.ATTENTION_ENV, value)
         assert cascade._kernel_backend(cpu, torch.bfloat16, None, False) == want
+    monkeypatch.setenv(cascade.ATTENTION_ENV, "auto")
+    # bf16 products of fp32 activations (a bf16 bank): the cpp kernel has them.
+    assert cascade._kernel_backend(cpu, torch.float32, None, False, None, True) == "cpp"
     monkeypatch.setenv(cascade.ATTENTION_ENV, "magic")
     with pytest.raises(ValueError, match="ICQS_FAST_CASCADE_ATTENTION=magic: unknown backend"):
         cascade._kernel_backend(cpu, torch.float32, None, False)

@@ -280,10 +280,13 @@ def _lse_call(backend, dtype, opts):
         positions = ((tk - tq + torch.arange(tq)).expand(b, tq) + off, k_pos)
         ref_am = am.clone()
         ref_am[0, 2] = False
+    dot = torch.bfloat16 if "dot_dtype" in opts else None
     out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=0.3,
                                  causal=True, attention_mask=am.to(DEVICE),
                                  softcap=var["softcap"], backend=backend, positions=positions,
-                                 **local)
+                                 dot_dtype=dot, **local)
+    if dot is not None:  # the reference of bf16 products: the inputs rounded to bf16
+        q, k, v = (x.to(dot).float() for x in (q, k, v))
     ro, rl, _ = dense_attention64(q, k, v, causal=True, attention_mask=ref_am, scale=0.3,
                                   softcap=var["softcap"], **local)
     return (out, lse), (ro, rl)
@@ -318,15 +321,17 @@ def test_support_table_walk(op, backend):
         check(*call(backend, dtype, frozenset()), dtype, f"{op}/{backend}/{dtype}")
     for opt in support.OPTIONS[op]:
         if opt in s.options:
-            check(*call(backend, torch.float32, frozenset({opt})), torch.float32,
+            # bf16 products (dot_dtype) round the probabilities too: bf16's tolerance.
+            tol_dtype = torch.bfloat16 if opt == "dot_dtype" else torch.float32
+            check(*call(backend, torch.float32, frozenset({opt})), tol_dtype,
                   f"{op}/{backend}/{opt}")
             continue
         with pytest.raises(ValueError, match=rf"backend '{backend}' does not support .*\({opt}\)"):
             call(backend, torch.float32, frozenset({opt}))
         assert backends.choose(op, "auto", DEVICE, torch.float32, {opt}) in \
             support.implementing(op, opt)
-        check(*call("auto", torch.float32, frozenset({opt})), torch.float32,
-              f"{op}/auto/{opt}")
+        check(*call("auto", torch.float32, frozenset({opt})),
+              torch.bfloat16 if opt == "dot_dtype" else torch.float32, f"{op}/auto/{opt}")
     for dtype in set(support.FLOATS) - set(s.dtypes):
         with pytest.raises(TypeError, match="float64|dtype"):
             call(backend, dtype, frozenset())

@@ -189,8 +189,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
                   softcap: float | None = None, window: int | None = None,
                   chunk: int | None = None,
-                  positions: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  dot_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
     backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
 
@@ -201,6 +201,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         positions: ``(q_pos [B, Tq], k_pos [B, Tk])`` integer token positions (negative key
             position = masked key) that causal / window / chunk compare; None: queries at the
             last ``Tq`` key slots.
+        dot_dtype: ``torch.bfloat16``: q, k, v rounded to bf16 for both products (fp32
+            accumulation; the AVX512_BF16 dot products where the CPU has them), or None.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation) and ``lse [B, Hq, Tq]`` fp32
@@ -228,5 +230,5 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      0 if k_pos is None else k_pos.data_ptr(), bsz, hq, hk, tq, tk, d, dv,
                      _DTYPE_CODES[q.dtype], bool(causal), int(window or 0), int(chunk or 0),
                      float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
-                     BF16_DOT)
+                     BF16_DOT, dot_dtype == torch.bfloat16)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

@@ -74,6 +74,7 @@ OPTIONS: dict[str, dict[str, str]] = {
         "window": "a sliding window",
         "chunk": "chunked attention",
         "positions": "explicit query/key token positions",
+        "dot_dtype": "bf16 products of fp32 inputs (mixed precision)",
     },
 }
 """Each operation's optional features, with what each means (for the error messages)."""

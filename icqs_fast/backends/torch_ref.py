@@ -279,7 +279,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float | None = None, window: int | None = None,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                  dot_dtype: torch.dtype | None = None, rows: int = 512
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
     of ``rows`` query rows at a time (``[B, Hq, rows, Tk]``), GQA by grouping the query heads
     per key head, no ``repeat_kv`` copy.
@@ -289,12 +290,15 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``[B, Tk]`` bool or None; causal; scale; softcap ``c`` (scores ``c tanh(s / c)``)
             or None; window / chunk (a local layer's mask on the positions) or None; positions
             ``(q_pos [B, Tq], k_pos [B, Tk])`` (negative key position = masked key) or None
-            (query i at ``Tk - Tq + i``, key j at ``j``).
+            (query i at ``Tk - Tq + i``, key j at ``j``); dot_dtype (q, k, v rounded to it
+            first, the products still in fp32) or None.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
         [B, Hq, Tq]`` fp32 (-inf for such a row).
     """
+    if dot_dtype is not None:
+        q, k, v = (x.to(dot_dtype).to(x.dtype) for x in (q, k, v))
     bsz, hq, tq, _ = q.shape
     tk = k.shape[2]
     dev = q.device

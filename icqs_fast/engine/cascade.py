@@ -268,13 +268,15 @@ it lacks a layer's variant or the device)."""
 
 
 def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | None,
-                    value_dim: bool, local: LayerAttention | None = None) -> str | None:
+                    value_dim: bool, local: LayerAttention | None = None,
+                    bf16_dots: bool = False) -> str | None:
     """The backend of :func:`icqs_fast.ops.attention_lse` whose fused kernel takes a layer with
     this score softcap, value head size (``value_dim``: ``Dv != D``) and local mask (``local``:
-    a sliding / chunked layer, whose masks need token positions) on ``device``, as ``"auto"``
+    a sliding / chunked layer, whose masks need token positions) and ``bf16_dots`` (bf16
+    products of fp32 inputs: ``dot_dtype``) on ``device``, as ``"auto"``
     would pick it (the triton backend on CUDA, cpp on the CPU) or as :data:`ATTENTION_ENV`
     forces it; None: the torch path here."""
-    opts = set(support.requested(softcap=softcap, value_dim=value_dim))
+    opts = set(support.requested(softcap=softcap, value_dim=value_dim, dot_dtype=bf16_dots))
     if local is not None:
         opts |= support.requested(window=local.kind == "sliding" and local.window is not None,
                                   chunk=local.kind == "chunked" and local.chunk is not None,
@@ -293,20 +295,20 @@ def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | N
 def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None,
                     la: LayerAttention | None = None,
-                    positions: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v
-    [B, Hk, T, D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or
-    at ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window
-    / chunk on ``positions``). Returns the output in q's dtype and the fp32 natural-log LSE
-    ``[B, Hq, L]``."""
+                    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    dot: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T,
+    D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or at
+    ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window /
+    chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``). Returns the
+    output in q's dtype and the fp32 natural-log LSE ``[B, Hq, L]``."""
     local = {}
     if la is not None and la.kind == "sliding" and la.window is not None:
         local["window"] = int(la.window)
     if la is not None and la.kind == "chunked" and la.chunk is not None:
         local["chunk"] = int(la.chunk)
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
-                             positions=positions, backend=backend, **local)
+                             positions=positions, dot_dtype=dot, backend=backend, **local)
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -386,6 +388,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"{list(vp.shape[1::2])} (heads, dim) but layer {layer} attends with "
                          f"keys ({hk}, {d}) / values ({hk}, {dv}): the model caches something "
                          "other than its attention keys/values")
+    # Mixed precision (fp32 activations, a bf16 bank): the products take bf16 inputs with fp32
+    # accumulation where a kernel does that (the bank's keys/values are bf16 values already).
+    dot = torch.bfloat16 if dt == torch.float32 and kp.dtype == torch.bfloat16 else None
     if kp.dtype != dt:
         kp, vp = kp.to(dt), vp.to(dt)
     local = la.local
@@ -393,7 +398,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     # A fused kernel takes key padding and causality, and local layers (masks on each entry's
     # own positions) through token positions where its backend has them; what the support
     # table says it lacks takes the torch path.
-    kernel = _kernel_backend(dev, dt, softcap, dv != d, la if local else None)
+    kernel = _kernel_backend(dev, dt, softcap, dv != d, la if local else None, dot is not None)
+    if kernel is None and dot is not None:  # no bf16-product kernel here: fp32 products
+        dot = None
+        kernel = _kernel_backend(dev, dt, softcap, dv != d, la if local else None)
     fused = kernel is not None
     lay = la if local and fused else None
     if local and not fused:
@@ -408,7 +416,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             pos = None if lay is None else plan.kernel_positions("pre", s, n * group * s, dev)
             o1, l1 = _fused_attn_lse(qg, kp, vp, scale, kernel, causal=lay is not None,
                                      key_ok=None if lay else plan.prefix_key_ok(dev), la=lay,
-                                     positions=pos)
+                                     positions=pos, dot=dot)
         else:
             allow = plan.prefix_allow(dev)
             if pre_m is not None:  # the same [S, P] mask for each row and head of the group
@@ -433,7 +441,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 pos = (None if lay is None else
                        plan.kernel_positions("pre", s, n * group * s, dev, gi=gi))
                 og, lg = _fused_attn_lse(qg, kg, vg, scale, kernel, causal=lay is not None,
-                                         la=lay, positions=pos)
+                                         la=lay, positions=pos, dot=dot)
             else:
                 allow = None
                 if pre_m is not None:
@@ -451,7 +459,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # repeat_kv order), as the grouped reshape below does.
         pos = None if lay is None else plan.kernel_positions("suf", s, s, dev)
         o2, l2 = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
-                                 positions=pos)
+                                 positions=pos, dot=dot)
         o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, dv)
         l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
     else:
