@@ -392,3 +392,37 @@ def test_100k_record_page_is_small(tmp_path):
           f"kB in {alone:.1f} s; with a 100k baseline {res2.bytes / 1e3:.0f} kB in {both:.1f} s")
     assert res.n == 100_000 and res.bytes < 5_000_000 and res2.bytes < 5_000_000
     assert res2.drift is not None and res2.drift.verdict == NO_CHANGE
+
+
+@pytest.mark.slow
+@pytest.mark.embedded
+def test_real_runs_dtype_is_noise_and_swapped_pools_drift(tmp_path, capsys):
+    """Three real runs of the embedded model on the built-in financial answers: float32, the
+    same job in bfloat16 (no change beyond noise), and the pools swapped (good <-> bad: a
+    changed demonstration pool, named as drift); --fail-on-drift gives 0 and 1."""
+    from icqs_fast.data import __file__ as data_init
+
+    data = Path(data_init).parent
+    good, bad = str(data / "demo_good.jsonl"), str(data / "demo_bad.jsonl")
+    inp = str(data / "demo_financial.jsonl")
+
+    def score(out: Path, dtype: str, g: str, b: str) -> Path:
+        assert main(["score", inp, "-o", str(out), "--good", g, "--bad", b, "--label-field",
+                     "quality", "--num-ratios", "3", "--sets-per-ratio", "2",
+                     "--demos-per-set", "2", "--self-check-max", "40", "--dtype", dtype,
+                     "--threads", "1", "--quiet"]) == 0
+        return out
+
+    fp32 = score(tmp_path / "fp32.jsonl", "float32", good, bad)
+    bf16 = score(tmp_path / "bf16.parquet", "bfloat16", good, bad)
+    swapped = score(tmp_path / "swapped.jsonl", "float32", bad, good)
+    capsys.readouterr()
+    page = str(tmp_path / "r.html")
+    assert main(["report", str(bf16), "-o", page, "--baseline", str(fp32), "--input", inp,
+                 "--fail-on-drift"]) == 0
+    assert capsys.readouterr().out.startswith(NO_CHANGE)
+    assert "fin-01" in Path(page).read_text(encoding="utf-8")
+    assert main(["report", str(swapped), "-o", page, "--baseline", str(fp32),
+                 "--fail-on-drift"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("drift: ") and "per-record score change" in out, out

@@ -118,7 +118,10 @@ def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def psi(base: Any, new: Any, bins: int = 10) -> float:
+PSI_BINS = 10
+
+
+def psi(base: Any, new: Any, bins: int = PSI_BINS) -> float:
     """Population stability index of ``new`` against ``base`` (1-D float arrays): over the
     baseline's quantile bins (``bins`` of them, merged where quantiles tie), sum of
     ``(q - p) ln(q / p)``, empty bins counted as 0.5 records (so a bin that empties does not
@@ -187,11 +190,18 @@ def _distribution(name: str, what: str, a: RunSummary, b: RunSummary, rules: Dri
     moved = ks.pvalue < rules.alpha and (ks.statistic >= rules.ks_min
                                         or p_i >= rules.psi_moderate)
     ma, mb = float(np.mean(x)), float(np.mean(y))
+    # PSI is a symmetric KL divergence: two samples of ONE distribution give about
+    # (bins - 1)(1/n1 + 1/n2) on average (its chi-square approximation). Where that is not small
+    # the band alone means little, and the text says so.
+    null = (PSI_BINS - 1) * (1 / x.size + 1 / y.size)
+    noise = f"; sampling alone gives ~{null:.2f} on average at these sizes" if null >= 0.05 \
+        else ""
     text = (f"{name} distribution: mean {ma:.3f} -> {mb:.3f} ({mb - ma:+.3f}), KS D "
-            f"{ks.statistic:.3f} (p {ks.pvalue:.2g}), PSI {p_i:.3f} ({band})")
+            f"{ks.statistic:.3f} (p {ks.pvalue:.2g}), PSI {p_i:.3f} ({band}{noise})")
     return DriftItem(f"{name}_distribution", bool(moved), text,
                      {"ks_statistic": float(ks.statistic), "ks_pvalue": float(ks.pvalue),
-                      "psi": p_i, "psi_band": band, "mean_baseline": ma, "mean_new": mb,
+                      "psi": p_i, "psi_band": band, "psi_sampling": null,
+                      "mean_baseline": ma, "mean_new": mb,
                       "n_baseline": a.samples[what].n, "n_new": b.samples[what].n})
 
 
