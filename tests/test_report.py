@@ -426,3 +426,18 @@ def test_real_runs_dtype_is_noise_and_swapped_pools_drift(tmp_path, capsys):
                  "--fail-on-drift"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("drift: ") and "per-record score change" in out, out
+
+
+def test_histogram_zooms_into_the_occupied_range():
+    from icqs_fast.evals.run_output import HIST_BINS
+    from icqs_fast.evals.run_report import DISPLAY_BINS, _zoom
+
+    fine = [0] * HIST_BINS
+    for v in (0.45, 0.47, 0.5, 0.52, 0.55):
+        fine[int(v * HIST_BINS)] += 2
+    out, (lo, hi) = _zoom({"a": fine, "b": fine[::-1]})
+    assert 0.4 < lo < 0.45 and 0.55 < hi < 0.6, (lo, hi)
+    assert sum(out["a"]) == 10 and sum(out["b"]) == 10 and len(out["a"]) <= DISPLAY_BINS + 2
+    spread = [1] * HIST_BINS  # records everywhere: the whole of [0, 1]
+    out, xr = _zoom({"a": spread})
+    assert xr == (0.0, 1.0) and sum(out["a"]) == HIST_BINS and len(out["a"]) <= DISPLAY_BINS

@@ -42,7 +42,9 @@ __all__ = ["RunOutput", "RunSummary", "Scored", "open_run", "summarise", "label_
 # The fields a summary reads (io/schema.py ICQS_FIELDS; ``verdict`` when a run has one).
 READ_FIELDS = ("index", "id", "label", "score", "p_good_calibrated", "margin", "near_ties",
                "score_per_set", "verdict", "error")
-HIST_BINS = 20  # equal-width bins over [0, 1] (score and p_good_calibrated both lie there)
+# Equal-width bins over [0, 1] (score and p_good_calibrated both lie there), fine enough that
+# the page can zoom into the occupied range (ICQS scores often sit within 0.4-0.6).
+HIST_BINS = 400
 TOP_K = 10  # records per "least certain" / "confident mistakes" table
 RESERVOIR = 20000  # per distribution: the KS test and the PSI read these samples
 MAX_LABELS = 20  # distinct labels kept apart; more are pooled as "(other)"

@@ -126,8 +126,8 @@ def _throughput(run: RunOutput, summary: RunSummary) -> tuple[str, str]:
             t0 = t1 = None
         if t0 is not None and t1 is not None and t1 > t0 and summary.n:
             return (f"~{summary.n / (t1 - t0):,.1f}",
-                    "estimated from the files' times (meta file written at the start, the "
-                    "output at the end; includes the self-check before the first record)")
+                    "estimated from the files' times: the meta file is written just before "
+                    "the first record, the output's last file after the last one")
     return "n/a", "not recorded"
 
 
@@ -167,7 +167,7 @@ def _settings(run: RunOutput) -> str:
             f"({len(rows)})</summary>" + _table(["setting", "value"], rows) + "</details>")
 
 
-ADVICE = ("try a larger --model, more or cleaner pool items (--good / --bad), or more "
+ADVICE = ("Try a larger --model, more or cleaner pool items (--good / --bad), or more "
           "demonstrations per set (--demos-per-set)")
 
 
@@ -215,6 +215,29 @@ def _label_name(label: Any) -> str:
     return "(no label)" if label is None else str(label)
 
 
+DISPLAY_BINS = 25
+
+
+def _zoom(series: dict[str, list[int]]) -> tuple[dict[str, list[int]], tuple[float, float]]:
+    """The fine histograms (:data:`~icqs_fast.evals.run_output.HIST_BINS` over [0, 1]) cut to
+    the range the records occupy (the whole of [0, 1] when they spread over most of it) and
+    merged into at most :data:`DISPLAY_BINS` bins: ``(series, (lo, hi))``."""
+    n = len(next(iter(series.values())))
+    used = [i for i in range(n) if any(c[i] for c in series.values())]
+    if not used:
+        return series, (0.0, 1.0)
+    first, last = used[0], used[-1] + 1
+    width = max(1, math.ceil((last - first) / DISPLAY_BINS))
+    # whole display bins of `width` fine bins, on multiples of `width`, one spare each side
+    first = max(0, (first // width - 1) * width)
+    last = min(n, (math.ceil(last / width) + 1) * width)
+    if (last - first) > 0.6 * n:
+        first, last, width = 0, n, max(1, math.ceil(n / DISPLAY_BINS))
+    out = {k: [sum(c[j:min(j + width, last)]) for j in range(first, last, width)]
+           for k, c in series.items()}
+    return out, (first / n, min(last, first + width * len(next(iter(out.values())))) / n)
+
+
 def _distributions(s: RunSummary, check: Any) -> str:
     out = ["<h2>Distributions</h2>"]
     # Good labels first, then bad, then the rest, each by count (so colours keep their
@@ -229,8 +252,9 @@ def _distributions(s: RunSummary, check: Any) -> str:
         series = {_label_name(k): s.hist[what][k] for k in order if k in s.hist[what]}
         if not series:
             continue
+        series, xr = _zoom(series)
         figs.append("<figure>" + svg.histogram(series, xlabel=name, title=f"{name} by label",
-                                               marker=marker, marker_label=mlabel)
+                                               marker=marker, marker_label=mlabel, xr=xr)
                     + f"<figcaption>{escape(name)} per label (each label's share of its "
                     "records per bin)</figcaption></figure>")
     if not figs:

@@ -15,7 +15,7 @@ __all__ = ["histogram", "reliability", "PALETTE"]
 # Colour-blind-safe (Okabe-Ito) series colours.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#555555")
 W, H = 520, 230
-ML, MR, MT, MB = 56, 12, 14, 40  # margins: left, right, top, bottom
+ML, MR, MT, MB = 56, 12, 26, 40  # margins: left, right, top, bottom
 
 
 def _fmt(v: float) -> str:
@@ -31,15 +31,18 @@ def _nice(v: float) -> float:
     return next(m * e for m in (1, 2, 4, 6, 8, 10) if m * e >= v * (1 - 1e-9))
 
 
-def _axes(xlabel: str, ylabel: str, ymax: float, ylabels: Sequence[str] | None = None
-          ) -> list[str]:
+def _axes(xlabel: str, ylabel: str, ymax: float, ylabels: Sequence[str] | None = None,
+          xr: tuple[float, float] = (0.0, 1.0)) -> list[str]:
     pw, ph = W - ML - MR, H - MT - MB
     out = [f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="#fff" stroke="#bbb"/>']
-    for i in range(6):  # x ticks: 0, 0.2, ... 1
+    lo, hi = xr
+    dec = 1 if hi - lo >= 0.5 else 2 if hi - lo >= 0.05 else 3
+    for i in range(6):  # x ticks: five equal steps over the range
         x = ML + pw * i / 5
         out.append(f'<line x1="{x:.1f}" y1="{MT + ph}" x2="{x:.1f}" y2="{MT + ph + 4}" '
                    'stroke="#888"/>')
-        out.append(f'<text x="{x:.1f}" y="{MT + ph + 16}" text-anchor="middle">{i / 5:.1f}</text>')
+        out.append(f'<text x="{x:.1f}" y="{MT + ph + 16}" text-anchor="middle">'
+                   f'{lo + (hi - lo) * i / 5:.{dec}f}</text>')
     for i in range(5):  # y ticks
         y = MT + ph - ph * i / 4
         lab = ylabels[i] if ylabels else _fmt(ymax * i / 4) if ymax > 1 else \
@@ -65,19 +68,20 @@ def _legend(names: Sequence[str]) -> list[str]:
     x = ML + 8
     for i, name in enumerate(names):
         c = PALETTE[i % len(PALETTE)]
-        out.append(f'<rect x="{x}" y="{MT + 6}" width="10" height="10" fill="{c}" '
-                   'fill-opacity="0.6"/>')
-        out.append(f'<text x="{x + 14}" y="{MT + 15}">{escape(name)}</text>')
+        out.append(f'<rect x="{x}" y="{MT - 19}" width="10" height="10" fill="{c}" '
+                   'fill-opacity="0.6"/>')  # above the plot: never over a bar
+        out.append(f'<text x="{x + 14}" y="{MT - 10}">{escape(name)}</text>')
         x += 24 + 7 * len(name)
     return out
 
 
 def histogram(series: dict[str, Sequence[int]], *, xlabel: str, title: str,
-              marker: float | None = None, marker_label: str = "", density: bool = True
-              ) -> str:
-    """Step histograms over [0, 1] of equal-width bin counts, one per series (``{name:
-    counts}``, all the same number of bins), each as a share of its own total when
-    ``density`` (series of different sizes compare); a dashed vertical line at ``marker``."""
+              marker: float | None = None, marker_label: str = "", density: bool = True,
+              xr: tuple[float, float] = (0.0, 1.0)) -> str:
+    """Step histograms over ``xr`` (default [0, 1]) of equal-width bin counts, one per series
+    (``{name: counts}``, all the same number of bins), each as a share of its own total when
+    ``density`` (series of different sizes compare); a dashed vertical line at ``marker``
+    (when inside ``xr``)."""
     names = list(series)
     nb = len(next(iter(series.values()))) if series else 1
     rows = []
@@ -87,7 +91,7 @@ def histogram(series: dict[str, Sequence[int]], *, xlabel: str, title: str,
         rows.append([v / tot for v in c] if density else [float(v) for v in c])
     ymax = _nice(max([max(r) for r in rows if r] + [1e-9]) * 1.05)
     pw, ph = W - ML - MR, H - MT - MB
-    body = _axes(xlabel, "share of records" if density else "records", ymax)
+    body = _axes(xlabel, "share of records" if density else "records", ymax, xr=xr)
     for i, r in enumerate(rows):
         c = PALETTE[i % len(PALETTE)]
         pts = [f"{ML:.1f},{MT + ph:.1f}"]
@@ -98,13 +102,15 @@ def histogram(series: dict[str, Sequence[int]], *, xlabel: str, title: str,
         pts.append(f"{ML + pw:.1f},{MT + ph:.1f}")
         body.append(f'<polygon points="{" ".join(pts)}" fill="{c}" fill-opacity="0.18" '
                     f'stroke="{c}" stroke-width="1.5"/>')
-    if marker is not None and math.isfinite(marker) and 0 <= marker <= 1:
+    lo, hi = xr
+    if marker is not None and math.isfinite(marker) and lo <= marker <= hi:
+        marker = (marker - lo) / (hi - lo)  # as a share of the axis from here on
         x = ML + pw * marker
         body.append(f'<line x1="{x:.1f}" y1="{MT}" x2="{x:.1f}" y2="{MT + ph}" stroke="#c00" '
                     'stroke-dasharray="4 3"/>')
-        if marker_label:  # at the top, clear of the bars; below the legend near the left
+        if marker_label:  # at the top of the plot
             anchor, dx = ("end", -4) if marker > 0.75 else ("start", 4)
-            y = MT + (30 if marker < 0.3 else 12)
+            y = MT + 12
             body.append(f'<text x="{x + dx:.1f}" y="{y}" text-anchor="{anchor}" '
                         f'fill="#c00">{escape(marker_label)}</text>')
     body += _legend(names)
