@@ -279,6 +279,17 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
     assert "not a --ray output" in capsys.readouterr().err
 
 
+def test_input_that_is_not_the_scored_one_is_refused(tmp_path, capsys):
+    out = write_output(tmp_path / "o.jsonl", make_records(30), meta_for(None))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"x-{i}", "x": "q", "y": "a"}) + "\n"
+                             for i in range(30)))
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html"), "--input",
+                 str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "other.jsonl" in err and "not the scored input" in err, err
+
+
 def test_incomplete_last_line_left_out(tmp_path):
     out = write_output(tmp_path / "o.jsonl", make_records(5), meta_for(None))
     with open(out, "a") as f:
@@ -340,7 +351,7 @@ def test_matched_by_index_without_ids(tmp_path):
                      meta_for(check))
     b = write_output(tmp_path / "b", make_records(50, check=check, ids=False),
                      meta_for(check), "blocks")
-    d = compare_runs(a, b)
+    d = compare_runs(a, b.resolve().as_uri())  # a --ray folder named by a pyarrow URI
     assert d.verdict == NO_CHANGE
     assert any("matched by index" in n and n.startswith("50 records") for n in d.notes)
 

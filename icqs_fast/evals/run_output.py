@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.io.blocks import META_FILE, BlockOutput
+from icqs_fast.io.blocks import META_FILE, BlockOutput, is_uri
 from icqs_fast.io.records import InputError
 from icqs_fast.io.results import output_format, parquet_output
 from icqs_fast.io.runs import FileTarget
@@ -146,15 +146,15 @@ def _parquet_rows(path: str, blocks: BlockOutput | None) -> Iterator[tuple[str, 
 
 
 def open_run(path: str | os.PathLike) -> RunOutput:
-    """The output at ``path`` (a JSONL or Parquet results file, or a ``--ray`` folder) and its
-    metadata.
+    """The output at ``path`` (a JSONL or Parquet results file, or a ``--ray`` folder: a path or
+    a pyarrow filesystem URI such as ``s3://bucket/out``) and its metadata.
 
     Raises:
         FileNotFoundError: nothing there.
         InputError: a folder that is not a ``--ray`` output, an unreadable meta file.
     """
     p = os.fspath(path)
-    if os.path.isdir(p):
+    if os.path.isdir(p) or is_uri(p):  # a --ray folder, mounted or on a pyarrow filesystem
         bo = BlockOutput(p)
         blocks = sorted(n for n in bo.parts() if ".tmp." not in n
                         and n.endswith((".jsonl", ".parquet")))
@@ -438,11 +438,17 @@ def summarise(run: RunOutput, *, threshold: float = math.nan, columns: bool = Fa
 _BIDI = set("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
-def record_texts(input_path: str, meta: dict, indices: set[int], *, limit: int = 400
+def record_texts(input_path: str, meta: dict, ids: dict[int, Any], *, limit: int = 400
                  ) -> dict[int, tuple[str, str]]:
-    """``{index: (x, y)}`` of the input records at ``indices`` (one streamed pass of the
-    scored input, read with the run's own fields and encoding from ``meta``), each text cut to
-    ``limit`` characters (an ellipsis marks a cut)."""
+    """``{index: (x, y)}`` of the input records at the indices of ``ids`` (``{index: the
+    output's id or None}``; one streamed pass of the scored input, read with the run's own
+    fields and encoding from ``meta``), each text cut to ``limit`` characters (an ellipsis
+    marks a cut).
+
+    Raises:
+        InputError: a record whose id is not the output's at that index (not the scored
+            input), naming the input's file and line.
+    """
     from icqs_fast.io.readers import RecordFields, read_records
 
     def cut(t: str) -> str:
@@ -451,14 +457,20 @@ def record_texts(input_path: str, meta: dict, indices: set[int], *, limit: int =
         t = "".join(f"<U+{ord(c):04X}>" if c in _BIDI else c for c in " ".join(str(t).split()))
         return t if len(t) <= limit else t[:limit - 1] + "\u2026"
 
-    if not indices:
+    if not ids:
         return {}
     fields = RecordFields(meta.get("x_field") or "x", meta.get("y_field") or "y",
                           meta.get("id_field"))
     out: dict[int, tuple[str, str]] = {}
-    last = max(indices)
+    last = max(ids)
     for rec in read_records(Path(input_path), fields, encoding=meta.get("encoding") or "utf-8",
                             on_error="yield", stop=last + 1):
-        if rec.index in indices and hasattr(rec, "x"):
-            out[rec.index] = (cut(rec.x), cut(rec.y))
+        if rec.index not in ids or not hasattr(rec, "x"):
+            continue
+        want = ids[rec.index]
+        if want is not None and text_value(rec.id) != text_value(want):
+            raise InputError(input_path, rec.line, meta.get("id_field") or "id",
+                             f"record {rec.index} has id {rec.id!r} but the output's record "
+                             f"{rec.index} has id {want!r}: not the scored input (--input)")
+        out[rec.index] = (cut(rec.x), cut(rec.y))
     return out

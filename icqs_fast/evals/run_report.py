@@ -117,8 +117,7 @@ def _throughput(run: RunOutput, summary: RunSummary) -> tuple[str, str]:
             return f"{m[key]:,.1f}", "from the meta file"
     if isinstance(m.get("elapsed_s"), (int, float)) and m["elapsed_s"] > 0:
         return f"{summary.n / m['elapsed_s']:,.1f}", "from the meta file's elapsed_s"
-    if run.meta_file and run.kind != "blocks" or (run.kind == "blocks" and os.path.isdir(
-            run.path)):
+    if run.meta_file and (run.kind != "blocks" or os.path.isdir(run.path)):  # local files
         try:
             t0 = os.stat(run.meta_file).st_mtime if run.meta_file else None
             t1 = max(os.stat(f).st_mtime for f in run.files) if run.files else None
@@ -414,8 +413,8 @@ def write_report(output: str | os.PathLike, page: str | os.PathLike, *,
                                   names=(base.path, run.path))
     texts: dict = {}
     if input is not None:
-        shown = {r.index for lst in (s.least_margin, s.most_ties, s.widest_spread, s.closest,
-                                     s.mistakes) for r in lst}
+        shown = {r.index: r.id for lst in (s.least_margin, s.most_ties, s.widest_spread,
+                                           s.closest, s.mistakes) for r in lst}
         texts = record_texts(os.fspath(input), run.meta, shown, limit=TEXT_LIMIT)
     html = render_page(run, s, check, texts=texts, have_input=input is not None, drift=drift)
     p = Path(page)
