@@ -11,7 +11,7 @@ those columns). :func:`summarise` walks them once into a :class:`RunSummary`: fi
 histograms per label, reservoir samples, top-k heaps of the least certain records and of the
 most confident mistakes, the confusion at the threshold, and (for the drift check, when asked)
 compact per-record columns. A million-record output is summarised in a few tens of MB at most
-(the columns: 29 bytes a record, only with ``columns=True``), the rest is bounded.
+(the columns: 41 bytes a record, only with ``columns=True``), the rest is bounded.
 
 No torch (a report is read where no model is loaded).
 """
