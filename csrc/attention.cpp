@@ -275,14 +275,6 @@ ATTN_INLINE int classify(const Args& a, const int32_t* bi, int64_t qmin, int64_t
     return full ? 2 : 1;
 }
 
-ATTN_INLINE bool allowed(const Args& a, int64_t qp, int32_t kp) {
-    if (kp < 0) return false;
-    if (a.causal && kp > qp) return false;
-    if (a.window && qp - kp >= a.window) return false;
-    if (a.chunk && floor_div(kp, a.chunk) != floor_div(qp, a.chunk)) return false;
-    return true;
-}
-
 // Query rows of one block: row r of the key head's grouped rows is query head hk * group +
 // r / Tq, position r % Tq.
 struct QRows {
@@ -312,14 +304,30 @@ template <int W, int BK>
 ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int64_t qp,
                               int mode, float& m, float& l) {
     using F = typename AV<W>::f;
+    using I = typename AV<W>::i;
     const F ninf = asplat<W>(-std::numeric_limits<float>::infinity());
+    // The mask as one allowed key-position range [lo, hi] of this query (key positions are
+    // int32, >= 0 when real): causal hi = qp; window lo = qp - window + 1; chunk its bounds.
+    int64_t lo = 0, hi = INT32_MAX;
+    if (a.causal) hi = std::min<int64_t>(hi, qp);
+    if (a.window) lo = std::max<int64_t>(lo, qp - a.window + 1);
+    if (a.chunk) {
+        const int64_t c0 = floor_div(qp, a.chunk) * a.chunk;
+        lo = std::max<int64_t>(lo, c0);
+        hi = std::min<int64_t>(hi, c0 + a.chunk - 1);
+    }
+    if (lo > hi) lo = 1, hi = 0;  // no key position: an empty range
+    const I vlo = I{} + static_cast<int32_t>(std::min<int64_t>(lo, INT32_MAX));
+    const I vhi = I{} + static_cast<int32_t>(std::max<int64_t>(hi, -1));
     F mx = ninf;
     for (int c = 0; c < BK; c += W) {
         F s = aload<W>(srow + c) * asplat<W>(a.scale);
         if (a.softcap != 0.f) s = asoftcap<W>(s, 1.0f / a.softcap, a.softcap);
         if (mode == 1) {
-            for (int k = 0; k < W; ++k)
-                if (!allowed(a, qp, kp[c + k])) s[k] = -std::numeric_limits<float>::infinity();
+            I kv;
+            std::memcpy(&kv, kp + c, sizeof(kv));
+            const I ok = (kv >= vlo) & (kv <= vhi);
+            s = ok ? s : ninf;
         }
         astore<W>(srow + c, s);
         mx = mx > s ? mx : s;

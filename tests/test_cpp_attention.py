@@ -273,3 +273,21 @@ def test_cascade_attention_switch(monkeypatch):
     monkeypatch.setenv(cascade.ATTENTION_ENV, "magic")
     with pytest.raises(ValueError, match="ICQS_FAST_CASCADE_ATTENTION=magic: unknown backend"):
         cascade._kernel_backend(cpu, torch.float32, None, False)
+
+
+def test_bank_forwards_take_the_kernel(monkeypatch):
+    """Prefix-bank and KV-copy forwards of a model that can switch its attention run through the
+    kernel (positions, no masks) unless the switch says torch; the model's implementation is
+    left as it was."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from icqs_fast.engine import cascade
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    model = LlamaForCausalLM(cfg)
+    before = model.config._attn_implementation
+    assert cascade.positional_kernel(model, "cpu")
+    assert model.config._attn_implementation == before
+    monkeypatch.setenv(cascade.ATTENTION_ENV, "torch")
+    assert not cascade.positional_kernel(model, "cpu")

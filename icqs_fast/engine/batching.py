@@ -94,8 +94,13 @@ class PrefixBank:
         # With local (sliding-window / chunked) layers the trie forwards take their masks from
         # token positions (:func:`~icqs_fast.engine.cascade.positional_attention`): the pasts
         # are padded, and transformers' window masks count cache slots.
+        # So do every model's where a fused kernel takes positions (the cpp attention on the CPU):
+        # no [rows, keys] mask tensors, and the kernel's speed for the bank's long prefixes.
+        from icqs_fast.engine.cascade import positional_kernel
+
         self.layers = tuple(layers) if layers is not None else None
-        self.positional = bool(self.layers) and any(la.local for la in self.layers)
+        self.positional = bool(self.layers) and (any(la.local for la in self.layers)
+                                                 or positional_kernel(model, model_device(model)))
         self.pad_id = int(pad_id)
         self.token_budget = int(token_budget)
         self.keys: list[torch.Tensor] = []

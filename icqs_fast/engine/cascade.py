@@ -269,14 +269,16 @@ it lacks a layer's variant or the device)."""
 
 def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | None,
                     value_dim: bool, local: LayerAttention | None = None,
-                    bf16_dots: bool = False) -> str | None:
+                    bf16_dots: bool = False, positions: bool = False) -> str | None:
     """The backend of :func:`icqs_fast.ops.attention_lse` whose fused kernel takes a layer with
     this score softcap, value head size (``value_dim``: ``Dv != D``) and local mask (``local``:
     a sliding / chunked layer, whose masks need token positions) and ``bf16_dots`` (bf16
-    products of fp32 inputs: ``dot_dtype``) on ``device``, as ``"auto"``
+    products of fp32 inputs: ``dot_dtype``; ``positions``: masks from token positions) on
+    ``device``, as ``"auto"``
     would pick it (the triton backend on CUDA, cpp on the CPU) or as :data:`ATTENTION_ENV`
     forces it; None: the torch path here."""
-    opts = set(support.requested(softcap=softcap, value_dim=value_dim, dot_dtype=bf16_dots))
+    opts = set(support.requested(softcap=softcap, value_dim=value_dim, dot_dtype=bf16_dots,
+                                 positions=positions))
     if local is not None:
         opts |= support.requested(window=local.kind == "sliding" and local.window is not None,
                                   chunk=local.kind == "chunked" and local.chunk is not None,
@@ -296,19 +298,22 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None,
                     la: LayerAttention | None = None,
                     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    dot: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    dot: torch.dtype | None = None, softcap: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T,
     D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or at
     ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window /
-    chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``). Returns the
-    output in q's dtype and the fp32 natural-log LSE ``[B, Hq, L]``."""
+    chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``; the layer's
+    score ``softcap``). Returns the output in q's dtype and the fp32 natural-log LSE ``[B, Hq,
+    L]``."""
     local = {}
     if la is not None and la.kind == "sliding" and la.window is not None:
         local["window"] = int(la.window)
     if la is not None and la.kind == "chunked" and la.chunk is not None:
         local["chunk"] = int(la.chunk)
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
-                             positions=positions, dot_dtype=dot, backend=backend, **local)
+                             positions=positions, dot_dtype=dot, softcap=softcap,
+                             backend=backend, **local)
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -416,7 +421,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             pos = None if lay is None else plan.kernel_positions("pre", s, n * group * s, dev)
             o1, l1 = _fused_attn_lse(qg, kp, vp, scale, kernel, causal=lay is not None,
                                      key_ok=None if lay else plan.prefix_key_ok(dev), la=lay,
-                                     positions=pos, dot=dot)
+                                     positions=pos, dot=dot, softcap=softcap)
         else:
             allow = plan.prefix_allow(dev)
             if pre_m is not None:  # the same [S, P] mask for each row and head of the group
@@ -441,7 +446,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 pos = (None if lay is None else
                        plan.kernel_positions("pre", s, n * group * s, dev, gi=gi))
                 og, lg = _fused_attn_lse(qg, kg, vg, scale, kernel, causal=lay is not None,
-                                         la=lay, positions=pos, dot=dot)
+                                         la=lay, positions=pos, dot=dot, softcap=softcap)
             else:
                 allow = None
                 if pre_m is not None:
@@ -459,7 +464,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # repeat_kv order), as the grouped reshape below does.
         pos = None if lay is None else plan.kernel_positions("suf", s, s, dev)
         o2, l2 = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
-                                 positions=pos, dot=dot)
+                                 positions=pos, dot=dot, softcap=softcap)
         o2 = o2.permute(0, 2, 1, 3).reshape(r, s, hk, group, dv)
         l2 = l2.permute(0, 2, 1).reshape(r, s, hk, group)
     else:
@@ -528,21 +533,51 @@ class PositionPlan:
         return m
 
 
+def positional_kernel(model: Any, device: torch.device | str) -> bool:
+    """Whether :func:`positional_attention` runs ``model``'s full layers through a fused kernel
+    on ``device`` (token positions in the kernel, no mask tensors): then the prefix bank's trie
+    forwards and the KV-copy suffix forwards of every such model take it, not only of models
+    with local layers (the cpp backend on the CPU, unless :data:`ATTENTION_ENV` says ``torch``).
+    False as well for a model that cannot switch its attention implementation (it keeps its
+    own attention, e.g. ALiBi in Bloom's)."""
+    if _kernel_backend(torch.device(device), torch.float32, None, False, positions=True) is None:
+        return False
+    _register()
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(POSITIONAL_IMPL)
+        ok = model.config._attn_implementation == POSITIONAL_IMPL
+    except Exception:  # noqa: BLE001 - any refusal means: keep the model's own attention
+        ok = False
+    finally:  # always: a composite model sets its sub-models' configs too
+        model.set_attn_implementation(previous)
+    return ok
+
+
 def positional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          **kwargs):
     """``AttentionInterface`` function for forwards with padding inside the sequence (prefix-bank
-    builds, KV-copy suffix forwards) of models with local layers: the mask comes from the active
-    :class:`PositionPlan` and the layer's description (window, chunk, softcap) rather than from
-    transformers' slot-based masks; sinks (``s_aux``) take their share of the denominator."""
+    builds, KV-copy suffix forwards) of models with local layers (and of every model where
+    :func:`positional_kernel` says so): the mask comes from the active :class:`PositionPlan` and
+    the layer's description (window, chunk, softcap) rather than from transformers' slot-based
+    masks, as token positions in a fused kernel where one takes the layer; sinks (``s_aux``)
+    take their share of the denominator."""
     plan, _, la, softcap, sinks = _active_layer("positions", POSITIONAL_IMPL, "position_plan",
                                                 module, kwargs)
     b, hq, lq, d = query.shape
     hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hk
     scale = float(scaling) if scaling is not None else d ** -0.5
-    allow = plan.allow(la, tk, group)
-    out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
-                        value.contiguous(), allow, scale, softcap)
+    kernel = _kernel_backend(query.device, query.dtype, softcap, dv != d,
+                             la if la.local else None, positions=True)
+    if kernel is not None and plan.k_pos.shape[1] == tk:
+        out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True,
+                                   la=la if la.local else None, softcap=softcap,
+                                   positions=(plan.q_pos, plan.k_pos))
+    else:
+        allow = plan.allow(la, tk, group)
+        out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
+                            value.contiguous(), allow, scale, softcap)
     out = out.view(b, hq, lq, dv)
     if sinks is not None:
         lse = lse.view(b, hq, lq)
