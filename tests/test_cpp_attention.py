@@ -291,3 +291,44 @@ def test_bank_forwards_take_the_kernel(monkeypatch):
     assert model.config._attn_implementation == before
     monkeypatch.setenv(cascade.ATTENTION_ENV, "torch")
     assert not cascade.positional_kernel(model, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["softcap", "window"])
+def test_cascade_kernel_equals_torch_path(kind, monkeypatch):
+    """Suffix hidden states through the kernel (bank forwards and cascade attention) equal those
+    of the torch path (ICQS_FAST_CASCADE_ATTENTION=torch) on a Gemma 2-shaped model with a strong
+    score soft cap (1.0, so a dropped cap would show) or a short sliding window, GQA, prefixes
+    of different lengths."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from icqs_fast.engine import cascade
+    from icqs_fast.engine.batching import PrefixBank, suffix_hidden
+    from icqs_fast.engine.layout import layer_attention
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       vocab_size=300, sliding_window=6 if kind == "window" else 4096,
+                       attn_logit_softcapping=1.0 if kind == "softcap" else None,
+                       final_logit_softcapping=None)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # scores of a few units (random init gives ~1e-3: no cap would bite)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
+    entries = [2, 0, 1, 0, 1, 2]
+    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    out = {}
+    for mode in ("torch", "auto"):
+        monkeypatch.setenv(cascade.ATTENTION_ENV, mode)
+        bank = PrefixBank(model, 0, 10_000, layers=layer_attention(cfg))
+        ids = bank.add(prefixes)
+        with torch.no_grad():
+            out[mode] = suffix_hidden(model, bank, [ids[e] for e in entries], suffixes, 0,
+                                      cascade=True)
+    (h_t, m_t), (h_k, m_k) = out["torch"], out["auto"]
+    assert torch.equal(m_t, m_k)
+    torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
