@@ -150,3 +150,27 @@ def test_arguments_and_bad_settings():
     with pytest.raises(ValueError, match="repeat"):
         bench_attention.bench(8, 0, torch.device("cpu"), measure_memory=False,
                               random_weights=True)
+
+
+def test_lse_section(one_thread):
+    """``--lse``: the cpp attention_lse against the cascade's torch path, per key count, dtype and
+    thread count, with the two sides' differences checked; a failing difference is reported, a
+    bad list is an error naming its flag."""
+    from icqs_fast.backends import cpp_backend
+
+    if not cpp_backend.available()[0]:
+        pytest.skip("cpp backend unavailable")
+    sec = bench_attention.lse_section([70], [1], 1)
+    assert [(c["dtype"], c["keys"], c["threads"]) for c in sec["cases"]] == \
+        [("float32", 70, 1), ("bfloat16", 70, 1)]
+    for c in sec["cases"]:
+        assert c["shape"] == [2, 4, 512, 70, 64]
+        assert c["cpp_ms"] > 0 and c["torch_ms"] > 0
+        assert c["speedup"] == round(c["torch_ms"] / c["cpp_ms"], 3)
+        assert c["max_out_diff"] <= bench_attention.LSE_TOL[c["dtype"]]
+    assert bench_attention.lse_failures(sec) == []
+    bad = {"cases": [dict(sec["cases"][0], max_out_diff=0.5)]}
+    assert bench_attention.lse_failures(bad) == \
+        ["attention_lse.cases[0].max_out_diff = 0.5 (want <= 0.0001)"]
+    with pytest.raises(ValueError, match="--lse-keys must be a comma-separated list"):
+        bench_attention._int_list("12,x", "--lse-keys")
