@@ -290,6 +290,15 @@ def test_input_that_is_not_the_scored_one_is_refused(tmp_path, capsys):
     assert "other.jsonl" in err and "not the scored input" in err, err
 
 
+def test_features_output_is_refused(tmp_path, capsys):
+    out = tmp_path / "f.jsonl"
+    with JsonlWriter(out) as w:
+        for i in range(3):
+            w.write({"index": i, "line": i + 1, "n_tokens": 4, "sent_logprob": -1.0})
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 2
+    assert "not the output of icqs-fast score" in capsys.readouterr().err
+
+
 def test_incomplete_last_line_left_out(tmp_path):
     out = write_output(tmp_path / "o.jsonl", make_records(5), meta_for(None))
     with open(out, "a") as f:

@@ -354,10 +354,16 @@ def summarise(run: RunOutput, *, threshold: float = math.nan, columns: bool = Fa
     cols = {"key": array("q"), "index": array("q"), "score": array("d"), "p": array("d"),
             "verdict": array("b"), "label": array("q")} if columns else None
     all_ids = True
+    no_score, first = 0, ("", 0)
     sources = set()
     for where, line, r in run.rows():
         if "error" in r:
             s.n_skipped += 1
+            continue
+        if "score" not in r:
+            no_score += 1
+            if s.n == 0 and s.n_nan == 0 and no_score == 1:
+                first = (where, line)
             continue
         score = _float(r.get("score"))
         if score is None:
@@ -424,6 +430,12 @@ def summarise(run: RunOutput, *, threshold: float = math.nan, columns: bool = Fa
             cols["p"].append(math.nan if p is None else p)
             cols["verdict"].append(VERDICT_CODE.get(verdict, -1) if verdict else -1)
             cols["label"].append(0 if label is None else _hash64(label))
+    if no_score and not (s.n or s.n_nan):
+        raise InputError(first[0], first[1], "score", "no record has a score: not the output "
+                         "of icqs-fast score (a features output?)")
+    if no_score:
+        raise InputError(first[0], first[1], "score", f"{no_score} records have no score "
+                         "(and others do): not one score output")
     for name, t in tops.items():
         setattr(s, name, t.items())
     s.verdict_source = "+".join(sorted(sources)) or "none"
