@@ -42,61 +42,151 @@ from .launch import Launch, ptr, triton_interpreting
 
 _MASKED = tl.constexpr(-1.0e30)  # masked score (log2 units): finite, far below any real score
 _LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _capped(x, cap_out):
+    """``cap_out * tanh(x)`` (the score soft cap ``c tanh(s / c)`` in log2 units: the caller
+    folds ``1 / c`` into ``x``, ``c log2 e`` into ``cap_out``), to ~2 ulp: Cephes' odd polynomial
+    for ``|x| < 0.625`` (``(1 - e) / (1 + e)`` loses the relative precision of small scores),
+    else ``(1 - e) / (1 + e)``, ``e = 2^(-2|x| log2 e)``, sign restored."""
+    ax = tl.abs(x)
+    x2 = x * x
+    p = x2 * -5.70498872745e-3 + 2.06390887954e-2
+    p = p * x2 - 5.37397155531e-2
+    p = p * x2 + 1.33314422036e-1
+    p = p * x2 - 3.33332819422e-1
+    small = p * x2 * x + x
+    e = tl.math.exp2(ax * -2.8853900817779268)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0, -big, big)
+    return cap_out * tl.where(ax < 0.625, small, big)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32: the products of
+    the rounded values are exact in fp32, as a bf16 MMA's. For the interpreter, whose fp32 ->
+    bf16 cast truncates (on a GPU the cast itself rounds to nearest)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _attn_block(
-    acc, m_i, l_i, l_r, t_r,
-    q, k_base, v_base, keyok_ptr,
-    qpos0, k0, width, Tk,
-    n_start, n_stop,
-    stride_kn, stride_vn, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYOK: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    D_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    l_r,
+    t_r,
+    q,
+    k_base,
+    v_base,
+    keyok_ptr,
+    kpos_ptr,
+    qpos,
+    k0,
+    width,
+    Tk,
+    n_start,
+    n_stop,
+    stride_kn,
+    stride_vn,
+    qk_scale,
+    cap_out,
+    window,
+    chunk,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KEYOK: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Key blocks ``[n_start, n_stop)`` (scalar ``k_base`` / ``v_base`` point at key 0 of this
-    batch and key head). MASKED=False: every key of every block is allowed for every row (no
-    mask work); True: causal / padding / ``Tk`` masks. The pointer tiles are built here, not
-    passed in: live across the first loop they cost registers (spills on sm_80)."""
+    batch and key head; ``qpos [BLOCK_M]`` the rows' positions; key positions are read from
+    ``kpos_ptr`` with HAS_POS, else the key index). MASKED=False: every key of every block is
+    allowed for every row (no mask work); True: causal / window / chunk / padding / ``Tk``
+    masks. The pointer tiles are built here, not passed in: live across the
+    first loop they cost registers (spills on sm_80)."""
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    DV_MASK: tl.constexpr = BLOCK_DV != HEAD_DV
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DV
     # 64-bit scalar step to the first key; the per-element offsets within a tile stay int32.
     k_ptrs = (k_base + n_start.to(tl.int64) * stride_kn
               + (offs_n0[None, :] * stride_kn + offs_d[:, None]))
     v_ptrs = (v_base + n_start.to(tl.int64) * stride_vn
-              + (offs_n0[:, None] * stride_vn + offs_d[None, :]))
+              + (offs_n0[:, None] * stride_vn + offs_dv[None, :]))
     for n0 in range(n_start, n_stop, BLOCK_N):
         offs_n = n0 + offs_n0
         if MASKED:
             n_ok = offs_n < Tk
             if D_MASK:
                 kt = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-                vb = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             else:
                 kt = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+            if DV_MASK:
+                vb = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            else:
                 vb = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             if D_MASK:
                 kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                vb = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
             else:
                 kt = tl.load(k_ptrs)
+            if DV_MASK:
+                vb = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+            else:
                 vb = tl.load(v_ptrs)
         if FP32_DOT:
             kt = kt.to(tl.float32)
             vb = vb.to(tl.float32)
+            if DOT_BF16:  # mixed precision: bf16 products, fp32 accumulation
+                kt = _bf16_rne(kt)
+                vb = _bf16_rne(vb)
+        elif DOT_BF16:
+            kt = kt.to(tl.bfloat16)
+            vb = vb.to(tl.bfloat16)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = _capped(s, cap_out)
         if MASKED:
             allowed = n_ok[None, :]
             if HAS_KEYOK:
                 kok = tl.load(keyok_ptr + offs_n, mask=n_ok, other=0) != 0
                 allowed = allowed & kok[None, :]
+            if HAS_POS:  # a negative key position marks a padded slot
+                kpos = tl.load(kpos_ptr + offs_n, mask=n_ok, other=-1)
+                allowed = allowed & (kpos[None, :] >= 0)
+            else:
+                kpos = offs_n
             if CAUSAL:
-                qpos = qpos0 + tl.arange(0, BLOCK_M)
-                allowed = allowed & (offs_n[None, :] <= qpos[:, None])
+                allowed = allowed & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                # q - k < window: the key is one of the last `window` positions up to q.
+                allowed = allowed & (qpos[:, None] - kpos[None, :] < window)
+            if HAS_CHUNK:
+                # Same chunk: k in [q - q % c, q - q % c + c). Only q >= 0 (no key k >= 0
+                # shares a negative q's chunk), where % means the same in every lowering.
+                c0 = qpos - qpos % chunk
+                allowed = allowed & ((qpos >= 0)[:, None] & (kpos[None, :] >= c0[:, None])
+                                     & (kpos[None, :] < (c0 + chunk)[:, None]))
             s = tl.where(allowed, s, _MASKED)
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -123,16 +213,57 @@ def _attn_block(
 
 @triton.jit
 def _attn_entropy_fwd(
-    q_ptr, k_ptr, v_ptr, out_ptr, ent_ptr, lse_ptr, keyok_ptr, qmask_ptr, krange_ptr,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    Tq, Tk, HQ, GROUP, qk_scale,
-    CAUSAL: tl.constexpr, HAS_KEYOK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    RETURN_LSE: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    ent_ptr,
+    lse_ptr,
+    keyok_ptr,
+    qmask_ptr,
+    krange_ptr,
+    qpos_ptr,
+    kpos_ptr,
+    sinks_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    Tq,
+    Tk,
+    HQ,
+    GROUP,
+    window,
+    chunk,
+    qk_scale,
+    cap_out,
+    CAUSAL: tl.constexpr,
+    HAS_KEYOK: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys; launch them first (less tail).
     n_mblocks = tl.num_programs(0)
@@ -142,12 +273,15 @@ def _attn_entropy_fwd(
     h = (pid_bh % HQ).to(tl.int64)
     hk = h // GROUP
     D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    DV_MASK: tl.constexpr = BLOCK_DV != HEAD_DV
 
     m_start = pid_m * BLOCK_M
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Tq
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DV
 
     q_rows = q_ptr + b * stride_qb + h * stride_qh + m_start.to(tl.int64) * stride_qm
     q_ptrs = q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
@@ -157,6 +291,10 @@ def _attn_entropy_fwd(
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
+        if DOT_BF16:
+            q = _bf16_rne(q)
+    elif DOT_BF16:
+        q = q.to(tl.bfloat16)
 
     if WITH_ENTROPY:
         # Clip the range to [0, Tk] (int32 from here on: positions are < Tk).
@@ -168,71 +306,117 @@ def _attn_entropy_fwd(
         k0 = 0
         width = 0
 
-    # Absolute position of query i is Tk - Tq + i (queries are the last Tq positions).
-    qpos0 = Tk - Tq + m_start
-    if CAUSAL:
-        n_stop = tl.minimum(Tk, Tk - Tq + m_start + BLOCK_M)
+    # Positions: given (the cascade's parts: each entry's own offsets, padded slots at -1), or
+    # query i at Tk - Tq + i and key j at j. The loop bounds come from the query block's lowest
+    # / highest position, on the device (no host round trip); with given positions every key
+    # block is visited, masked (key positions need not grow with the slot).
+    MASK_ALL: tl.constexpr = HAS_KEYOK or HAS_POS or HAS_CHUNK
+    if HAS_POS:
+        qpos = tl.load(qpos_ptr + b * Tq + offs_m, mask=row_ok, other=0)
+    else:
+        qpos = Tk - Tq + offs_m
+    q_lo = Tk - Tq + m_start
+    q_hi = q_lo + BLOCK_M - 1
+    if HAS_POS:
+        n_stop = Tk
+        n_full = n_stop * 0
+    elif CAUSAL:
+        n_stop = tl.minimum(Tk, tl.maximum(q_hi + 1, 0))
         # Key blocks every row of this query block fully sees: no mask work there.
-        n_full = ((Tk - Tq + m_start + 1) // BLOCK_N) * BLOCK_N
+        n_full = tl.minimum((tl.maximum(q_lo + 1, 0) // BLOCK_N) * BLOCK_N, n_stop)
     else:
         n_stop = Tk
         n_full = (Tk // BLOCK_N) * BLOCK_N
-    if HAS_KEYOK:  # padding masks every block
-        n_full = n_stop * 0
+    # [n_lo, n_in): masked blocks at the lower edge of a window or chunk; below n_lo no row
+    # sees a key, from n_in on every row sees every key a window allows.
+    n_lo = n_stop * 0
+    n_in = n_lo
+    if HAS_WINDOW and not HAS_POS:
+        n_lo = tl.minimum((tl.maximum(q_lo - window + 1, 0) // BLOCK_N) * BLOCK_N, n_stop)
+        n_in = tl.maximum(tl.minimum(
+            tl.cdiv(tl.maximum(q_hi - window + 1, 0), BLOCK_N) * BLOCK_N, n_stop), n_lo)
+    if HAS_CHUNK and not HAS_POS:
+        c_lo = tl.maximum(q_lo, 0)
+        n_lo = tl.maximum(n_lo, tl.minimum(((c_lo - c_lo % chunk) // BLOCK_N) * BLOCK_N, n_stop))
+        n_in = tl.maximum(n_in, n_lo)
+        if not CAUSAL:  # nothing past the end of the last row's chunk
+            n_stop = tl.where(q_hi >= 0, tl.minimum(n_stop, q_hi - q_hi % chunk + chunk),
+                              n_stop)
+    if MASK_ALL:
+        n_mid = n_in
+    else:
+        n_mid = tl.maximum(n_full, n_in)
 
     m_i = tl.full([BLOCK_M], _MASKED, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     l_r = tl.zeros([BLOCK_M], tl.float32)
     t_r = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     keyok_row = keyok_ptr + b * Tk
-    if not HAS_KEYOK:  # with a padding mask every block is masked: no unmasked loop at all
+    kpos_row = kpos_ptr + b * Tk
+    if HAS_WINDOW or HAS_CHUNK:
         acc, m_i, l_i, l_r, t_r = _attn_block(
-            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
-            n_full * 0, n_full, stride_kn, stride_vn, qk_scale,
-            False, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
-            BLOCK_M, BLOCK_N, BLOCK_D)
-    if not EVEN_N:  # EVEN_N: not causal, no padding mask, Tk % BLOCK_N == 0: no masked tail
+            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, kpos_row, qpos, k0, width, Tk,
+            n_lo, n_in, stride_kn, stride_vn, qk_scale, cap_out, window, chunk,
+            True, CAUSAL, HAS_KEYOK, HAS_POS, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+            WITH_ENTROPY, FP32_DOT, DOT_BF16, PRECISION,
+            HEAD_DIM, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV)
+    if not MASK_ALL:  # padding, positions, chunks: every block masked, no unmasked loop
         acc, m_i, l_i, l_r, t_r = _attn_block(
-            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, qpos0, k0, width, Tk,
-            n_full, n_stop, stride_kn, stride_vn, qk_scale,
-            True, CAUSAL, HAS_KEYOK, WITH_ENTROPY, FP32_DOT, PRECISION, D_MASK, HEAD_DIM,
-            BLOCK_M, BLOCK_N, BLOCK_D)
+            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, kpos_row, qpos, k0, width, Tk,
+            n_in, n_mid, stride_kn, stride_vn, qk_scale, cap_out, window, chunk,
+            False, CAUSAL, HAS_KEYOK, HAS_POS, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+            WITH_ENTROPY, FP32_DOT, DOT_BF16,
+            PRECISION, HEAD_DIM, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV)
+    if not EVEN_N:  # EVEN_N: not causal, no mask at all, Tk % BLOCK_N == 0: no masked tail
+        acc, m_i, l_i, l_r, t_r = _attn_block(
+            acc, m_i, l_i, l_r, t_r, q, k_base, v_base, keyok_row, kpos_row, qpos, k0, width, Tk,
+            n_mid, n_stop, stride_kn, stride_vn, qk_scale, cap_out, window, chunk,
+            True, CAUSAL, HAS_KEYOK, HAS_POS, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+            WITH_ENTROPY, FP32_DOT, DOT_BF16, PRECISION,
+            HEAD_DIM, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     # A row with no allowed key keeps m_i at _MASKED (its l_i counts masked junk): output 0.
     has_key = m_i > 0.5 * _MASKED
-    out = tl.where(has_key[:, None], acc / tl.where(has_key, l_i, 1.0)[:, None], 0.0)
+    l_safe = tl.where(has_key, l_i, 1.0)
+    denom = l_safe
+    if HAS_SINKS:
+        # The sink's share of the denominator, 2^(sink log2 e - m), on the same running max:
+        # the output shrinks by it, the log-sum-exp below stays that of the keys alone.
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E
+        denom = l_safe + tl.math.exp2(tl.where(has_key, sink - m_i, 0.0))
+    out = tl.where(has_key[:, None], acc / denom[:, None], 0.0)
     o_rows = out_ptr + b * stride_ob + h * stride_oh + m_start.to(tl.int64) * stride_om
-    o_ptrs = o_rows + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
-    if D_MASK:
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_ptrs = o_rows + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_dv[None, :]
+    if DV_MASK:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     row_out = pid_bh.to(tl.int64) * Tq + offs_m
     if RETURN_LSE:
         # natural-log log-sum-exp of the scaled scores: (m + log2 l) * ln 2
-        lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * _LN2,
-                       float("-inf"))
+        lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
         tl.store(lse_ptr + row_out, lse, mask=row_ok)
     if WITH_ENTROPY:
         flag = tl.load(qmask_ptr + b * Tq + offs_m, mask=row_ok, other=0) != 0
         ok = has_key & (l_r > 0)
-        l_safe = tl.where(ok, l_r, 1.0)
-        ent = tl.where(ok, tl.log(l_safe) - _LN2 * t_r / l_safe, 0.0)
+        l_rs = tl.where(ok, l_r, 1.0)
+        ent = tl.where(ok, tl.log(l_rs) - _LN2 * t_r / l_rs, 0.0)
         ent = tl.where(flag, tl.maximum(ent, 0.0), 0.0)
         tl.store(ent_ptr + row_out, ent, mask=row_ok)
 
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """Launch settings of :func:`attention_entropy` for one shape (chosen in one place)."""
+    """Launch settings of :func:`launch_attention` for one shape (chosen in one place)."""
 
     block_m: int
     block_n: int
     block_d: int
+    block_dv: int
     num_warps: int
     num_stages: int
     fp32_dot: bool
@@ -242,45 +426,53 @@ class AttentionSettings:
 
     @property
     def label(self) -> str:
-        return (f"bm{self.block_m}_bn{self.block_n}_bd{self.block_d}_w{self.num_warps}"
+        dv = "" if self.block_dv == self.block_d else f"_bdv{self.block_dv}"
+        return (f"bm{self.block_m}_bn{self.block_n}_bd{self.block_d}{dv}_w{self.num_warps}"
                 f"_s{self.num_stages}")
 
 
 def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.dtype,
                        interpret: bool = False, has_keyok: bool = False,
-                       causal: bool = True) -> AttentionSettings:
-    """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``.
+                       causal: bool = True, dv: int | None = None,
+                       local: bool = False, dot_bf16: bool = False) -> AttentionSettings:
+    """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``
+    (values of head size ``dv``, ``d`` if None).
 
-    16-bit inputs, head dim <= 128: 128 x 64 tiles, 8 warps, 3 stages: each warpgroup (4 warps)
+    16-bit inputs, head dims <= 128: 128 x 64 tiles, 8 warps, 3 stages: each warpgroup (4 warps)
     owns 64 query rows, so sm_90 issues wgmma (HGMMA); the fp32 accumulator takes 64 (d=128) or
     32 (d=64) registers a thread; no spills on sm_90 or sm_80 (4 warps spill at d=64). fp32
     inputs run full-precision ("ieee") FMA dots, not Triton's default TF32 (10-bit mantissa on
     Ampere/Hopper), as in kernels/linear_token_stats.py: small tiles (32 x 32 at d <= 64, 16 x 16
-    above; larger ones spill).
-    ``has_keyok``: a padding mask is given (every key block is masked); ``causal``: with
-    ``not causal``, no padding mask and ``tk % block_n == 0`` (``even_n``) the kernel compiles no
-    masked key loop.
+    above; larger ones spill). The tiles follow the larger of the two head sizes (q and the
+    accumulator are both live across the key loop).
+    ``has_keyok``: every key block is masked (a padding mask, given positions, chunks);
+    ``local``: a window or chunk (masked blocks at its edge); ``causal``: with ``not causal``,
+    none of these and ``tk % block_n == 0`` (``even_n``) the kernel compiles no masked key
+    loop.
+    ``dot_bf16``: bf16 products of fp32 inputs (the 16-bit tiles; the loads stay fp32).
     ``interpret``: the CPU interpreter's settings (small tiles, fp32 dots: it has no bf16/fp16
     ``tl.dot``); :func:`gpu_launches` always describes the CUDA path (``interpret=False``).
     """
     block_d = max(16, triton.next_power_of_2(d))
-    fp32_dot = interpret or dtype == torch.float32
+    block_dv = max(16, triton.next_power_of_2(d if dv is None else dv))
+    wide = max(block_d, block_dv)
+    fp32_dot = interpret or (dtype == torch.float32 and not dot_bf16)
     if interpret:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif fp32_dot:
-        block_m, block_n, warps, stages = (32, 32, 4, 2) if block_d <= 64 else (16, 16, 4, 2)
-    elif block_d <= 128:
+        block_m, block_n, warps, stages = (32, 32, 4, 2) if wide <= 64 else (16, 16, 4, 2)
+    elif wide <= 128:
         # At d=128 with 64-key blocks, a masked loop without the causal split (padding mask;
         # not causal with a ragged last block) spills 16-24 B on sm_80: 32-key blocks there.
         ragged = not causal and tk % 64 != 0
-        block_n = 32 if block_d > 64 and (has_keyok or ragged) else 64
+        block_n = 32 if wide > 64 and (has_keyok or ragged) else 64
         block_m, warps, stages = 128, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    even_n = not causal and not has_keyok and tk % block_n == 0
+    even_n = not causal and not has_keyok and not local and tk % block_n == 0
     return AttentionSettings(block_m=block_m, block_n=block_n, block_d=block_d,
-                             num_warps=warps, num_stages=stages, fp32_dot=fp32_dot,
-                             even_n=even_n,
+                             block_dv=block_dv, num_warps=warps, num_stages=stages,
+                             fp32_dot=fp32_dot, even_n=even_n,
                              precision="ieee" if fp32_dot else "tf32",
                              grid=(triton.cdiv(tq, block_m), b * hq, 1))
 
@@ -290,82 +482,144 @@ def _int_type(v: int) -> str:
     return "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
 
 
+_CONSTEXPRS = ("CAUSAL", "HAS_KEYOK", "HAS_POS", "HAS_WINDOW", "HAS_CHUNK", "HAS_SOFTCAP",
+               "HAS_SINKS", "WITH_ENTROPY", "RETURN_LSE", "FP32_DOT", "DOT_BF16", "PRECISION",
+               "EVEN_N", "HEAD_DIM", "HEAD_DV", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV")
+
+
 def _signature(dtype: torch.dtype, strides: dict[str, int], scalars: dict[str, int]
                ) -> dict[str, str]:
     sig = {"q_ptr": ptr(dtype), "k_ptr": ptr(dtype), "v_ptr": ptr(dtype), "out_ptr": ptr(dtype),
            "ent_ptr": "*fp32", "lse_ptr": "*fp32", "keyok_ptr": "*i8", "qmask_ptr": "*i8",
-           "krange_ptr": "*i64"}
+           "krange_ptr": "*i64", "qpos_ptr": "*i32", "kpos_ptr": "*i32", "sinks_ptr": "*fp32"}
     sig.update({name: _int_type(v) for name, v in strides.items()})
     # The Triton runtime specialises an int argument equal to 1 into a constexpr (GROUP = 1
     # when Hq == Hk), as the launch on a GPU compiles it.
     sig.update({name: "constexpr" if v == 1 else _int_type(v) for name, v in scalars.items()})
     sig["qk_scale"] = "fp32"
-    for c in ("CAUSAL", "HAS_KEYOK", "WITH_ENTROPY", "RETURN_LSE", "FP32_DOT", "PRECISION",
-              "EVEN_N", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D"):
+    sig["cap_out"] = "fp32"
+    for c in _CONSTEXPRS:
         sig[c] = "constexpr"
     return sig
 
 
-def _allowed_pairs(tq: int, tk: int, causal: bool) -> int:
-    """(query, key) pairs a causal / full attention allows (queries at the last tq positions)."""
-    if not causal:
-        return tq * tk
-    # query i sees keys 0 .. tk - tq + i: sum over i of (tk - tq + i + 1)
-    return tq * (tk - tq) + tq * (tq + 1) // 2
+def _positions(tq: int, tk: int) -> range:
+    """Absolute positions of the queries by default: the last ``tq`` of ``tk``."""
+    return range(tk - tq, tk)
 
 
-def _key_blocks(cfg: AttentionSettings, tq: int, tk: int, causal: bool) -> list[int]:
-    """Key blocks each query block visits (the kernel's loop bounds)."""
+def _allowed_pairs(tq: int, tk: int, causal: bool, window: int | None = None,
+                   chunk: int | None = None) -> int:
+    """(query, key) pairs a causal / full / sliding-window / chunked attention allows (queries
+    at the last tq positions, keys at 0 .. tk - 1)."""
+    if window is None and chunk is None:
+        # causal: query i sees keys 0 .. tk - tq + i: sum over i of (tk - tq + i + 1)
+        return tq * (tk - tq) + tq * (tq + 1) // 2 if causal else tq * tk
+    total = 0
+    for p in _positions(tq, tk):
+        lo, hi = 0, (min(p, tk - 1) if causal else tk - 1)
+        if window is not None:
+            lo = max(lo, p - window + 1)
+        if chunk is not None:
+            if p < 0:
+                continue
+            lo, hi = max(lo, p - p % chunk), min(hi, p - p % chunk + chunk - 1)
+        total += max(hi - lo + 1, 0)
+    return total
+
+
+def _key_blocks(cfg: AttentionSettings, tq: int, tk: int, causal: bool,
+                window: int | None = None, chunk: int | None = None) -> list[int]:
+    """Key blocks each query block visits (the kernel's loop bounds, positions not given)."""
     out = []
+    bn = cfg.block_n
     for i in range(cfg.grid[0]):
-        stop = min(tk, tk - tq + (i + 1) * cfg.block_m) if causal else tk
-        out.append(triton.cdiv(max(stop, 0), cfg.block_n))
+        q_lo = tk - tq + i * cfg.block_m
+        q_hi = q_lo + cfg.block_m - 1
+        stop = max(min(tk, q_hi + 1), 0) if causal else tk
+        lo = 0
+        if window is not None:
+            lo = min(max(q_lo - window + 1, 0) // bn * bn, stop)
+        if chunk is not None:
+            c_lo = max(q_lo, 0)
+            lo = max(lo, min((c_lo - c_lo % chunk) // bn * bn, stop))
+            if not causal and q_hi >= 0:
+                stop = min(stop, q_hi - q_hi % chunk + chunk)
+        out.append(max(triton.cdiv(stop, bn) - lo // bn, 0))
     return out
 
 
 def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torch.dtype,
-                 causal: bool, entropy: bool = True) -> list[Launch]:
-    """The launch :func:`attention_entropy` issues on a CUDA device for contiguous
-    ``q [b, hq, tq, d]``, ``k/v [b, hk, tk, d]`` of ``dtype``, no padding mask, as
+                 causal: bool, entropy: bool = True, *, lse: bool = False,
+                 window: int | None = None, softcap: float | None = None, sinks: bool = False,
+                 dv: int | None = None, keyok: bool = False, positions: bool = False,
+                 chunk: int | None = None, dot_bf16: bool = False) -> list[Launch]:
+    """The launch :func:`launch_attention` issues on a CUDA device for contiguous
+    ``q [b, hq, tq, d]``, ``k [b, hk, tk, d]``, ``v [b, hk, tk, dv]`` of ``dtype``, as
     :class:`~.launch.Launch` data.
 
     ``entropy=False`` describes the same kernel built without the entropy state
-    (``WITH_ENTROPY=False``), the baseline the entropy build is judged against.
-    ``tensor_flops`` = 4 d x the allowed (query, key) pairs (QK^T and PV, exact for causal);
-    the kernel's MMAs also run the masked halves of diagonal blocks, which this does not count.
-    ``hbm_bytes`` reads q, k, v once and writes out (and the entropy, the query mask and the key
-    range) once: k/v are re-read by every query block of a head and by the ``hq / hk`` heads of
-    a group, served by L2, not counted.
+    (``WITH_ENTROPY=False``), the baseline the entropy build is judged against; ``lse``: with
+    the log-sum-exp output (:func:`attention_lse`, cascade attention's op). The variants:
+    ``window`` (tokens a query sees), ``chunk`` (chunk size), ``softcap`` (the cap ``c``),
+    ``sinks`` (one sink logit per query head), ``dv`` (value head size), ``keyok`` (a key
+    padding mask), ``positions`` (given query / key positions: the cascade's parts of local
+    layers; then every key block is visited, masked); the FLOP counts take the queries at the
+    last ``tq`` positions either way. ``dot_bf16``: bf16 products of fp32 inputs.
+    ``tensor_flops`` = 2 (d + dv) x the allowed (query, key) pairs (QK^T and PV, exact for
+    causal and windows); the kernel's MMAs also run the masked parts of edge blocks, which this
+    does not count. ``hbm_bytes`` reads q, k, v once and writes out (and the entropy, lse and
+    the small per-row / per-key inputs) once: k/v are re-read by every query block of a head
+    and by the ``hq / hk`` heads of a group, served by L2, not counted.
     """
-    cfg = attention_settings(b, hq, tq, tk, d, dtype, causal=causal)
+    dv = d if dv is None else dv
+    every = keyok or positions or chunk is not None
+    cfg = attention_settings(b, hq, tq, tk, d, dtype, causal=causal, has_keyok=every, dv=dv,
+                             local=window is not None or chunk is not None,
+                             dot_bf16=dot_bf16)
     el = torch.empty((), dtype=dtype).element_size()
-    pairs = _allowed_pairs(tq, tk, causal)
-    hbm = (2 * b * hq * tq * d + 2 * b * hk * tk * d) * el
+    pairs = _allowed_pairs(tq, tk, causal, window, chunk)
+    hbm = (b * hq * tq * (d + dv) + b * hk * tk * (d + dv)) * el
     if entropy:
         hbm += b * hq * tq * 4 + b * tq + b * 16
-    blocks = _key_blocks(cfg, tq, tk, causal)
-    sq, sk = (hq * tq * d, tq * d, d), (hk * tk * d, tk * d, d)
+    hbm += ((b * hq * tq * 4 if lse else 0) + (b * tk if keyok else 0)
+            + (b * (tq + tk) * 4 if positions else 0))
+    hbm += hq * 4 if sinks else 0
+    blocks = ([triton.cdiv(tk, cfg.block_n)] * cfg.grid[0] if positions
+              else _key_blocks(cfg, tq, tk, causal, window, chunk))
+    sq, sk, sv, so = ((hq * tq * d, tq * d, d), (hk * tk * d, tk * d, d),
+                      (hk * tk * dv, tk * dv, dv), (hq * tq * dv, tq * dv, dv))
     strides = dict(zip(("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
                         "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob",
-                        "stride_oh", "stride_om"), sq + sk + sk + sq, strict=True))
+                        "stride_oh", "stride_om"), sq + sk + sv + so, strict=True))
     div16 = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "ent_ptr", "lse_ptr", "keyok_ptr",
-             "qmask_ptr", "krange_ptr"]
-    scalars = {"Tq": tq, "Tk": tk, "HQ": hq, "GROUP": hq // hk}
+             "qmask_ptr", "krange_ptr", "qpos_ptr", "kpos_ptr", "sinks_ptr"]
+    scalars = {"Tq": tq, "Tk": tk, "HQ": hq, "GROUP": hq // hk,
+               "window": 0 if window is None else window, "chunk": 0 if chunk is None else chunk}
     # ... and marks the int arguments divisible by 16 (strides and sizes alike).
     div16 += [n for n, v in (strides | scalars).items() if v % 16 == 0]
     ones = {n: 1 for n, v in scalars.items() if v == 1}
+    variant = ("entropy" if entropy else "lse" if lse else "no_entropy")
+    extras = [name for name, on in (("window", window is not None), ("chunk", chunk is not None),
+                                    ("softcap", softcap is not None), ("sinks", sinks),
+                                    ("value_dim", dv != d), ("keyok", keyok),
+                                    ("positions", positions), ("dot_bf16", dot_bf16)) if on]
     return [Launch(
         kernel="attention_entropy", fn=_attn_entropy_fwd,
         signature=_signature(dtype, strides, scalars),
-        constexprs={**ones, "CAUSAL": bool(causal), "HAS_KEYOK": False,
-                    "WITH_ENTROPY": bool(entropy),
-                    "RETURN_LSE": False, "FP32_DOT": cfg.fp32_dot, "PRECISION": cfg.precision,
-                    "EVEN_N": cfg.even_n, "HEAD_DIM": d, "BLOCK_M": cfg.block_m,
-                    "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d},
+        constexprs={**ones, "CAUSAL": bool(causal), "HAS_KEYOK": bool(keyok),
+                    "HAS_POS": bool(positions), "HAS_WINDOW": window is not None,
+                    "HAS_CHUNK": chunk is not None,
+                    "HAS_SOFTCAP": softcap is not None, "HAS_SINKS": bool(sinks),
+                    "WITH_ENTROPY": bool(entropy), "RETURN_LSE": bool(lse),
+                    "FP32_DOT": cfg.fp32_dot, "DOT_BF16": bool(dot_bf16),
+                    "PRECISION": cfg.precision,
+                    "EVEN_N": cfg.even_n, "HEAD_DIM": d, "HEAD_DV": dv, "BLOCK_M": cfg.block_m,
+                    "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d, "BLOCK_DV": cfg.block_dv},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=cfg.grid, hbm_bytes=hbm,
-        tensor_flops=4 * d * b * hq * pairs, elements=b * hq * pairs,
+        tensor_flops=2 * (d + dv) * b * hq * pairs, elements=b * hq * pairs,
         loop_iters=sum(blocks) / len(blocks), loop_elements=cfg.block_m * cfg.block_n,
-        label=cfg.label, extra={"variant": "entropy" if entropy else "no_entropy",
+        label=cfg.label, extra={"variant": "+".join([variant, *extras]),
                                 "divisible_by_16": div16},
     )]
 
@@ -381,30 +635,50 @@ def launch_attention(
     key_range: torch.Tensor | None = None,
     query_mask: torch.Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dot_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the fused forward once (inputs already validated by the caller).
+    """Run the fused forward once (inputs already validated by the caller; nothing here reads
+    a device value on the host).
 
     Args:
-        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hk, Tk, D]`` (any strides; a last dim that is not
-            contiguous is copied), same float dtype and device, ``Hq`` a multiple of ``Hk``.
-        causal: query i sits at absolute position ``Tk - Tq + i``; scale: score multiplier.
+        q: ``[B, Hq, Tq, D]``; k: ``[B, Hk, Tk, D]``; v: ``[B, Hk, Tk, Dv]`` (any strides; a
+            last dim that is not contiguous is copied), same float dtype and device, ``Hq`` a
+            multiple of ``Hk``.
+        causal: key j is allowed for query i when ``kpos_j <= qpos_i``; scale: score
+            multiplier.
         attention_mask: ``[B, Tk]`` bool (True = real key) or None.
         key_range, query_mask: ``[B, 2]`` int ``(start, end)`` and ``[B, Tq]`` bool, both given
             to compute the entropy (the kernel is built with the entropy state only then).
         return_lse: also return the natural-log log-sum-exp of each row's scaled, masked scores.
+        window: a sliding window ``w``: key j also needs ``qpos_i - kpos_j < w``.
+        chunk: chunked attention ``c``: key j also needs ``kpos_j // c == qpos_i // c``.
+        softcap: scores ``c tanh(s / c)`` with ``c = softcap``.
+        sinks: ``[Hq]`` sink logits: each adds ``exp(sink_h)`` to its head's softmax
+            denominator (the output shrinks; the log-sum-exp stays that of the keys alone).
+        positions: ``(q_pos [B, Tq], k_pos [B, Tk])`` int token positions (< 2^31; a
+            negative key position masks the key), or None: ``qpos_i = Tk - Tq + i``,
+            ``kpos_j = j``.
+        dot_bf16: q, k, v enter both products as bf16 (fp32 accumulation; with 16-bit inputs
+            the probabilities enter the PV product in that dtype), e.g. fp32 activations
+            against a bf16 bank.
 
     Returns:
-        ``out [B, Hq, Tq, D]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32 or None,
+        ``out [B, Hq, Tq, Dv]`` in q's dtype, ``entropy [B, Hq, Tq]`` fp32 or None,
         ``lse [B, Hq, Tq]`` fp32 (-inf for a row with no allowed key) or None.
     """
     bsz, hq, tq, d = q.shape
-    hk, tk = k.shape[1], k.shape[2]
+    hk, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     with_entropy = key_range is not None
     if with_entropy != (query_mask is not None):
         raise ValueError("key_range and query_mask go together")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dev = q.device
-    out = torch.empty(bsz, hq, tq, d, device=dev, dtype=q.dtype)
+    out = torch.empty(bsz, hq, tq, dv, device=dev, dtype=q.dtype)
     ent = torch.empty(bsz, hq, tq, device=dev, dtype=torch.float32) if with_entropy else None
     lse = torch.empty(bsz, hq, tq, device=dev, dtype=torch.float32) if return_lse else None
     if bsz * hq * tq == 0:
@@ -419,18 +693,36 @@ def launch_attention(
         kr, qm = torch.zeros(2, device=dev, dtype=torch.int64), dummy_i8
     keyok = (attention_mask.to(device=dev, dtype=torch.int8).contiguous()
              if attention_mask is not None else dummy_i8)
+    if positions is not None:
+        qpos, kpos = (p.to(device=dev, dtype=torch.int32).contiguous() for p in positions)
+    else:
+        qpos = kpos = torch.zeros(1, device=dev, dtype=torch.int32)
+    sk = (sinks.to(device=dev, dtype=torch.float32).contiguous() if sinks is not None
+          else dummy_f)
     cfg = attention_settings(bsz, hq, tq, tk, d, q.dtype, interpret=triton_interpreting(),
-                             has_keyok=attention_mask is not None, causal=bool(causal))
+                             has_keyok=(attention_mask is not None or positions is not None
+                                        or chunk is not None),
+                             causal=bool(causal), dv=dv,
+                             local=window is not None or chunk is not None,
+                             dot_bf16=dot_bf16)
+    # Scores in log2 units; with a cap, s = (c log2 e) tanh(q.k scale / c).
+    qk_scale = float(scale) * (math.log2(math.e) if softcap is None else 1.0 / float(softcap))
+    cap_out = 1.0 if softcap is None else float(softcap) * math.log2(math.e)
     _attn_entropy_fwd[cfg.grid](
         q, k, v, out, ent if with_entropy else dummy_f, lse if return_lse else dummy_f,
-        keyok, qm, kr,
+        keyok, qm, kr, qpos, kpos, sk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        tq, tk, hq, hq // hk, float(scale) * math.log2(math.e),
-        CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None, WITH_ENTROPY=with_entropy,
-        RETURN_LSE=bool(return_lse), FP32_DOT=cfg.fp32_dot, PRECISION=cfg.precision,
-        EVEN_N=cfg.even_n, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=cfg.block_d,
+        tq, tk, hq, hq // hk, 0 if window is None else int(window),
+        0 if chunk is None else int(chunk), qk_scale, cap_out,
+        CAUSAL=bool(causal), HAS_KEYOK=attention_mask is not None,
+        HAS_POS=positions is not None, HAS_WINDOW=window is not None,
+        HAS_CHUNK=chunk is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, WITH_ENTROPY=with_entropy,
+        RETURN_LSE=bool(return_lse), FP32_DOT=cfg.fp32_dot, DOT_BF16=bool(dot_bf16),
+        PRECISION=cfg.precision,
+        EVEN_N=cfg.even_n, HEAD_DIM=d, HEAD_DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, ent, lse
@@ -471,18 +763,30 @@ def attention_lse(
     scale: float,
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dot_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning the output and the log-sum-exp (no entropy state).
 
     Args:
-        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hk, Tk, D]``, same float dtype and device.
-        scale: score multiplier; causal: query i at absolute position ``Tk - Tq + i``.
+        q: ``[B, Hq, Tq, D]``; k: ``[B, Hk, Tk, D]``; v: ``[B, Hk, Tk, Dv]``, same float dtype
+            and device.
+        scale: score multiplier; causal: key j allowed for query i when ``kpos_j <= qpos_i``.
         attention_mask: ``[B, Tk]`` bool (True = real key) or None.
+        window, chunk, softcap, sinks, positions, dot_bf16: the layer variants of
+            :func:`launch_attention`.
 
     Returns:
-        ``out [B, Hq, Tq, D]`` in q's dtype and ``lse [B, Hq, Tq]`` fp32 (natural log of the sum
-        of ``exp(q.k * scale)`` over allowed keys; -inf for a row with none).
+        ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]`` fp32 (natural log of the
+        sum of ``exp(score)`` over allowed keys, the sinks not included; -inf for a row with
+        none, whose output is 0).
     """
     out, _, lse = launch_attention(q, k, v, causal=causal, scale=scale,
-                                   attention_mask=attention_mask, return_lse=True)
+                                   attention_mask=attention_mask, return_lse=True,
+                                   window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+                                   positions=positions, dot_bf16=dot_bf16)
     return out, lse

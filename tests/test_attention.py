@@ -270,8 +270,9 @@ def test_attention_lse_against_float64(backend, case):
 
 
 def test_attention_lse_variants_on_the_torch_backend():
-    """Softcap and a value head size other than D: the torch backend against float64; the
-    triton backend refuses them, naming the option."""
+    """Softcap and a value head size other than D: the torch backend against float64 (the
+    triton backend's variants: tests/test_triton_attention_variants.py); an unknown option is
+    refused, naming it."""
     q, k, _ = _inputs(2, 4, 2, 6, 17, 16)
     v = torch.randn(2, 2, 17, 24, device=DEVICE)
     am = torch.ones(2, 17, dtype=torch.bool, device=DEVICE)
@@ -282,10 +283,8 @@ def test_attention_lse_variants_on_the_torch_backend():
     assert out.shape == (2, 4, 6, 24)
     assert torch.allclose(lse.double().cpu(), rl, atol=2e-5)
     assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
-    with pytest.raises(ValueError, match=r"backend 'triton' does not support .*\(softcap\)"):
-        ops.attention_lse(q, k, k, softcap=3.0, backend="triton")
-    with pytest.raises(ValueError, match=r"\(value_dim\)"):
-        ops.attention_lse(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match=r"unknown option 'sinks'"):
+        backends.choose("attention_lse", "triton", DEVICE, torch.float32, {"sinks"})
 
 
 @pytest.mark.parametrize("causal", [True, False])

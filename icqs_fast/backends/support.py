@@ -102,10 +102,11 @@ TABLE: dict[str, dict[str, Support]] = {
         "triton": Support(FLOAT16_32, ("cuda",), interpreted=("cpu",)),
         "torch": Support(FLOAT16_32, None, _ATTENTION_VARIANTS),
     },
-    # The C++ kernel (csrc/attention.cpp) takes every variant the cascade passes it (sinks are
-    # added at the cascade's merge, not in the kernel).
+    # The C++ kernel (csrc/attention.cpp) and the Triton one (kernels/attention_entropy.py,
+    # constexpr variants) take every variant the cascade passes them (sinks are added at the
+    # cascade's merge, not in the kernel).
     "attention_lse": {
-        "triton": Support(FLOAT16_32, ("cuda",), interpreted=("cpu",)),
+        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS, interpreted=("cpu",)),
         "cpp": Support(FLOAT16_32, ("cpu",), _LSE_VARIANTS),
         "torch": Support(FLOAT16_32, None, _LSE_VARIANTS),
     },

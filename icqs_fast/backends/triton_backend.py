@@ -281,11 +281,20 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  attention_mask: torch.Tensor | None, causal: bool, scale: float
+                  attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
+                  softcap: float | None = None, window: int | None = None,
+                  chunk: int | None = None,
+                  positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  dot_dtype: torch.dtype | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused attention with its log-sum-exp output (``RETURN_LSE``, no entropy state):
-    scores stay in registers, never a ``[.., Tq, Tk]`` tensor. Inputs validated by
-    :func:`icqs_fast.ops.attention_lse`."""
+    scores stay in registers, never a ``[.., Tq, Tk]`` tensor. The layer variants (score
+    softcap, sliding window, chunks, token positions with padded slots, ``Dv != D``,
+    ``dot_dtype=torch.bfloat16``: bf16 products) are constexpr switches of the one kernel;
+    nothing here reads a device value on the host.
+    Inputs validated by :func:`icqs_fast.ops.attention_lse`."""
     from icqs_fast.kernels.attention_entropy import attention_lse as _lse
 
-    return _lse(q, k, v, scale=scale, causal=causal, attention_mask=attention_mask)
+    return _lse(q, k, v, scale=scale, causal=causal, attention_mask=attention_mask,
+                window=window, chunk=chunk, softcap=softcap, positions=positions,
+                dot_bf16=dot_dtype == torch.bfloat16)
