@@ -332,3 +332,16 @@ def test_cascade_kernel_equals_torch_path(kind, monkeypatch):
     (h_t, m_t), (h_k, m_k) = out["torch"], out["auto"]
     assert torch.equal(m_t, m_k)
     torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_products_rule():
+    """Cascade attention asks for bf16 products exactly in mixed precision: fp32 activations
+    with the layer's weights, or the bank, in bf16."""
+    from icqs_fast.engine.cascade import bf16_products
+
+    bf, f32 = torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 4)
+    assert bf16_products(bf, torch.float32) == torch.bfloat16
+    assert bf16_products(f32, torch.float32) is None
+    assert bf16_products(f32, torch.float32, torch.bfloat16) == torch.bfloat16
+    assert bf16_products(bf, torch.bfloat16) is None
+    assert bf16_products(torch.nn.Identity(), torch.float32) is None

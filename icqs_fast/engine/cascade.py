@@ -294,6 +294,20 @@ def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | N
         raise ValueError(f"{ATTENTION_ENV}={forced}: {exc}") from exc
 
 
+def bf16_products(module: Any, dtype: torch.dtype,
+                  bank_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """``torch.bfloat16`` when a layer's attention products should take bf16 inputs (fp32
+    accumulation): mixed precision, i.e. fp32 activations (``dtype``) with the layer's weights
+    (or the prefix bank, ``bank_dtype``) in bf16, as its linear layers' products do; else None
+    (fp32 models stay exact, bf16 ones are bf16 already)."""
+    if dtype != torch.float32:
+        return None
+    if bank_dtype == torch.bfloat16:
+        return torch.bfloat16
+    weight = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
+    return torch.bfloat16 if weight is not None and weight.dtype == torch.bfloat16 else None
+
+
 def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None,
                     la: LayerAttention | None = None,
@@ -393,9 +407,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"{list(vp.shape[1::2])} (heads, dim) but layer {layer} attends with "
                          f"keys ({hk}, {d}) / values ({hk}, {dv}): the model caches something "
                          "other than its attention keys/values")
-    # Mixed precision (fp32 activations, a bf16 bank): the products take bf16 inputs with fp32
-    # accumulation where a kernel does that (the bank's keys/values are bf16 values already).
-    dot = torch.bfloat16 if dt == torch.float32 and kp.dtype == torch.bfloat16 else None
+    dot = bf16_products(module, dt, kp.dtype)
     if kp.dtype != dt:
         kp, vp = kp.to(dt), vp.to(dt)
     local = la.local
@@ -568,12 +580,17 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
     hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hk
     scale = float(scaling) if scaling is not None else d ** -0.5
-    kernel = _kernel_backend(query.device, query.dtype, softcap, dv != d,
-                             la if la.local else None, positions=True)
+    dot = bf16_products(module, query.dtype)
+    lay = la if la.local else None
+    kernel = _kernel_backend(query.device, query.dtype, softcap, dv != d, lay, dot is not None,
+                             positions=True)
+    if kernel is None and dot is not None:  # no bf16-product kernel here: fp32 products
+        dot = None
+        kernel = _kernel_backend(query.device, query.dtype, softcap, dv != d, lay,
+                                 positions=True)
     if kernel is not None and plan.k_pos.shape[1] == tk:
-        out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True,
-                                   la=la if la.local else None, softcap=softcap,
-                                   positions=(plan.q_pos, plan.k_pos))
+        out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
+                                   softcap=softcap, positions=(plan.q_pos, plan.k_pos), dot=dot)
     else:
         allow = plan.allow(la, tk, group)
         out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
