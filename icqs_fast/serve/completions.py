@@ -17,6 +17,7 @@ import math
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -212,10 +213,10 @@ class Completions:
                 gens = list(parts[n_lp_units:])
         choices = []
         n_prompt = n_gen = 0
+        shape = ChoiceShape(req.echo, max_tokens, n_lp, stops)
         for i, ((ids, text), res, gen) in enumerate(zip(prompts, results, gens, strict=True)):
             n_prompt += len(ids)
-            choices.append(self.choice(i, ids, text, res, req.echo, gen, max_tokens, n_lp,
-                                       stops))
+            choices.append(self.choice(i, (ids, text), res, gen, shape))
             n_gen += len(gen)
         return CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
@@ -233,11 +234,13 @@ class Completions:
         d.setdefault(self.token_text(chosen), finite(chosen_lp))  # as vLLM: the chosen token too
         return d
 
-    def choice(self, i: int, ids: list[int], text: str | None, res: Any, echo: bool,
-               gen: list[GenStep], max_tokens: int, n_lp: int | None,
-               stops: StopStrings) -> CompletionChoice:
-        """One prompt's choice: the echoed prompt (with its log-probs) and the generated text,
-        cut before the first stop string."""
+    def choice(self, i: int, prompt: tuple[list[int], str | None], res: Any,
+               gen: list[GenStep], shape: ChoiceShape) -> CompletionChoice:
+        """One prompt's choice (``prompt``: its ids and text, None for a prompt given as ids):
+        the echoed prompt (with its log-probs) and the generated text, cut before the first
+        stop string."""
+        ids, text = prompt
+        echo, max_tokens, n_lp, stops = shape.echo, shape.max_tokens, shape.n_lp, shape.stops
         toks: list[str] = []
         lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -285,6 +288,17 @@ class Completions:
                                           text_offset=offsets)
         return CompletionChoice(index=i, text=out_text, logprobs=logprobs,
                                 finish_reason=finish)
+
+
+@dataclass(frozen=True)
+class ChoiceShape:
+    """What a request asks of each of its choices: echo the prompt, at most ``max_tokens``
+    new tokens, ``n_lp`` top log-probs per token (None: no log-probs), the stop strings."""
+
+    echo: bool
+    max_tokens: int
+    n_lp: int | None
+    stops: StopStrings
 
 
 __all__ = ["NEG_INF_LOGPROB", "Completions", "eos_ids", "finite", "text_offsets"]
