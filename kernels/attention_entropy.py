@@ -434,7 +434,8 @@ class AttentionSettings:
 def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.dtype,
                        interpret: bool = False, has_keyok: bool = False,
                        causal: bool = True, dv: int | None = None,
-                       local: bool = False, dot_bf16: bool = False) -> AttentionSettings:
+                       local: bool = False, dot_bf16: bool = False,
+                       softcap: bool = False) -> AttentionSettings:
     """Tiles, warps, stages and grid for ``q [b, hq, tq, d]`` against ``tk`` keys of ``dtype``
     (values of head size ``dv``, ``d`` if None).
 
@@ -446,7 +447,8 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
     above; larger ones spill). The tiles follow the larger of the two head sizes (q and the
     accumulator are both live across the key loop).
     ``has_keyok``: every key block is masked (a padding mask, given positions, chunks);
-    ``local``: a window or chunk (masked blocks at its edge); ``causal``: with ``not causal``,
+    ``local``: a window or chunk (masked blocks at its edge); ``softcap``: the tanh of every
+    score (more live registers in the score tile); ``causal``: with ``not causal``,
     none of these and ``tk % block_n == 0`` (``even_n``) the kernel compiles no masked key
     loop.
     ``dot_bf16``: bf16 products of fp32 inputs (the 16-bit tiles; the loads stay fp32).
@@ -463,10 +465,16 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
         block_m, block_n, warps, stages = (32, 32, 4, 2) if wide <= 64 else (16, 16, 4, 2)
     elif wide <= 128:
         # At d=128 with 64-key blocks, a masked loop without the causal split (padding mask;
-        # not causal with a ragged last block) spills 16-24 B on sm_80: 32-key blocks there.
+        # not causal with a ragged last block) spills 16-24 B on sm_80, a window's edge loop
+        # 48 B, the soft cap 32 B, fp32 loads for bf16 products 8 B on sm_90: 32-key blocks.
         ragged = not causal and tk % 64 != 0
-        block_n = 32 if wide > 64 and (has_keyok or ragged) else 64
+        heavy = has_keyok or ragged or local or softcap or dot_bf16
+        block_n = 32 if wide > 64 and heavy else 64
         block_m, warps, stages = 128, 8, 3
+    elif local or softcap:
+        # d = 256 with a window or soft cap (Gemma 2): 64 x 32 tiles spill 8 B on sm_80;
+        # 64 x 16 do not and keep wgmma on sm_90 (32 x 32 would fall back to mma there).
+        block_m, block_n, warps, stages = 64, 16, 4, 2
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     even_n = not causal and not has_keyok and not local and tk % block_n == 0
@@ -576,7 +584,7 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
     every = keyok or positions or chunk is not None
     cfg = attention_settings(b, hq, tq, tk, d, dtype, causal=causal, has_keyok=every, dv=dv,
                              local=window is not None or chunk is not None,
-                             dot_bf16=dot_bf16)
+                             dot_bf16=dot_bf16, softcap=softcap is not None)
     el = torch.empty((), dtype=dtype).element_size()
     pairs = _allowed_pairs(tq, tk, causal, window, chunk)
     hbm = (b * hq * tq * (d + dv) + b * hk * tk * (d + dv)) * el
@@ -704,7 +712,7 @@ def launch_attention(
                                         or chunk is not None),
                              causal=bool(causal), dv=dv,
                              local=window is not None or chunk is not None,
-                             dot_bf16=dot_bf16)
+                             dot_bf16=dot_bf16, softcap=softcap is not None)
     # Scores in log2 units; with a cap, s = (c log2 e) tanh(q.k scale / c).
     qk_scale = float(scale) * (math.log2(math.e) if softcap is None else 1.0 / float(softcap))
     cap_out = 1.0 if softcap is None else float(softcap) * math.log2(math.e)

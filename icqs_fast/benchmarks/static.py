@@ -47,6 +47,28 @@ LINEAR_N = (16, 512, 8192)
 # The soft-cap epilogue (HAS_SOFTCAP) next to the default variant: bf16 at one table shape and at
 # a Gemma-2-9B head (final_logit_softcapping 30, H = 3584, V = 256000).
 SOFTCAP_HV = ((4096, 151936), (3584, 256000))
+# attention_lse (cascade attention's kernel) with each layer variant, bf16, causal unless said,
+# beside the plain build of the same shape (``base``): (name, shape, variant options).
+_LLAMA = {"b": 1, "hq": 32, "hk": 8, "tq": 4096, "tk": 4096, "d": 128}
+_PREFIX = {"b": 1, "hq": 32, "hk": 8, "tq": 2048, "tk": 4096, "d": 128}  # stacked suffix rows
+LSE_VARIANTS = (
+    ("base", _LLAMA, {}),
+    ("window", _LLAMA, {"window": 1024}),  # Mistral / Gemma-style sliding layers
+    ("softcap", _LLAMA, {"softcap": 50.0}),  # Gemma 2
+    ("chunk", _LLAMA, {"chunk": 1024}),  # Llama 4 chunked layers
+    ("bf16_products", {**_LLAMA, "dtype": "float32"}, {"dot_bf16": True}),
+    ("base", {**_PREFIX, "causal": False}, {}),
+    ("prefix_padded", {**_PREFIX, "causal": False}, {"keyok": True}),
+    ("prefix_positions_window", _PREFIX, {"positions": True, "window": 1024}),
+    ("base", {"b": 1, "hq": 64, "hk": 8, "tq": 4096, "tk": 4096, "d": 64}, {}),
+    ("gpt_oss_window_sinks", {"b": 1, "hq": 64, "hk": 8, "tq": 4096, "tk": 4096, "d": 64},
+     {"window": 128, "sinks": True}),
+    ("mla_value_dim", {"b": 1, "hq": 16, "hk": 16, "tq": 4096, "tk": 4096, "d": 192},
+     {"dv": 128}),
+    ("base", {"b": 1, "hq": 16, "hk": 8, "tq": 8192, "tk": 8192, "d": 256}, {}),
+    ("gemma2_window_softcap", {"b": 1, "hq": 16, "hk": 8, "tq": 8192, "tk": 8192, "d": 256},
+     {"window": 4096, "softcap": 50.0}),
+)
 
 
 def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
@@ -58,7 +80,8 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
     in bf16 at (H, V) of :data:`SOFTCAP_HV` x the same N, with the default variant beside it
     where the table above lacks that shape; attention entropy: bf16/fp16, head dim 64/128,
     hq/hk 32/8 (GQA) and 32/32, causal and not, T = 1024 / 4096, with and without the entropy
-    state. ``quick`` keeps one shape per op and dtype (for tests of the command).
+    state; attention_lse: the layer variants of :data:`LSE_VARIANTS` beside the plain build.
+    ``quick`` keeps one shape per op and dtype (for tests of the command).
     """
     import torch
 
@@ -92,6 +115,11 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
                                          "icqs_fast.kernels.attention_entropy",
                                          {"b": 1, "hq": hq, "hk": hk, "tq": t, "tk": t, "d": d,
                                           "dtype": dt, "causal": causal, "entropy": ent}))
+    for _name, shape, opts in (LSE_VARIANTS[:2] if quick else LSE_VARIANTS):
+        shape = {"causal": True, **shape}
+        dt = torch.float32 if shape.pop("dtype", None) == "float32" else torch.bfloat16
+        rows.append(("attention_lse", "icqs_fast.kernels.attention_entropy",
+                     {**shape, "dtype": dt, "entropy": False, "lse": True, **opts}))
     return rows
 
 
@@ -128,7 +156,29 @@ def table_records(archs: tuple[str, ...], quick: bool, compiler: Compiler) -> li
             records.extend(recs)
     _entropy_ratios(records)
     _softcap_costs(records)
+    _variant_costs(records)
     return records
+
+
+_VARIANT_KEYS = ("window", "softcap", "chunk", "sinks", "dv", "keyok", "positions", "dot_bf16")
+
+
+def _variant_costs(records: list[dict]) -> None:
+    """On the attention_lse records with a layer variant, ``predicted_ratio_vs_base`` (low
+    end) and ``predicted_ratio_vs_base_high``: against the plain build of the same shape (bf16,
+    no variant), where the table has one."""
+    def key(r):
+        s = {k: v for k, v in r["shape"].items() if k not in _VARIANT_KEYS and k != "dtype"}
+        return (r["arch"], json.dumps(s, sort_keys=True))
+
+    lse = [r for r in records if r.get("op") == "attention_lse" and "predicted_ms" in r]
+    base = {key(r): r for r in lse
+            if not any(k in r["shape"] for k in _VARIANT_KEYS) and r["dtype"] == "bfloat16"}
+    for r in lse:
+        b = base.get(key(r))
+        if b is not None and b is not r:
+            r["predicted_ratio_vs_base"] = r["predicted_ms"] / b["predicted_ms"]
+            r["predicted_ratio_vs_base_high"] = r["predicted_high_ms"] / b["predicted_high_ms"]
 
 
 def _entropy_ratios(records: list[dict]) -> None:
