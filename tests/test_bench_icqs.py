@@ -216,3 +216,39 @@ def test_scores_agree_tolerance():
     # The discrete kinds must be equal whatever the tolerance.
     a.score_kind = "argmax"
     assert not bench_icqs.scores_agree(a, b, bench_icqs.SCORE_TOL_16BIT)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_default_run_measures_memory_in_child_processes():
+    """``bench icqs`` with its memory step (no ``--no-memory``): both memory children start, load
+    the model and report a reading, and the record carries them. (Before, the child's code was
+    built with ``dtype={dtype!r}`` from a ``torch.float32`` and died with ``NameError: name
+    'torch' is not defined`` after the whole timed run.)"""
+    rec = bench_icqs.bench(1, "cpu", random_weights=True, config="tiny", measure_memory=True,
+                           mem_responses=1, settings=SMALL, cold_repeats=1)
+    assert rec["mem_responses"] == {"fast": 1, "naive": 1}
+    for key in ("peak_mem_fast_mb", "peak_mem_naive_mb"):
+        assert isinstance(rec[key], float) and rec[key] >= 0, key
+    # The naive side builds [T, V] fp32 logits (T ~ 200 prompt tokens, V = 49152: ~38 MiB)
+    # that the engine never builds.
+    assert rec["peak_mem_naive_mb"] > 32
+
+
+def test_memory_child_gets_its_parameters_as_json(monkeypatch):
+    """The child's parameters travel as one JSON argument, a torch dtype by its name, and come
+    back into :func:`measure_peak_child` unchanged (no code built from a repr)."""
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        code, arg = cmd[2], cmd[3]
+        assert "torch" not in code.replace("icqs_fast", "")
+        seen.update(json.loads(arg))
+        return argparse.Namespace(returncode=0, stdout='{"peak_mb": 12.5}\n', stderr="")
+
+    monkeypatch.setattr(bench_icqs.subprocess, "run", fake_run)
+    got = bench_icqs._peak_in_subprocess("fast", 3, "cpu", True, "tiny", torch.bfloat16)
+    assert got == 12.5
+    assert seen == {"side": "fast", "n": 3, "device": "cpu", "random_weights": True,
+                    "config": "tiny", "dtype": "bfloat16"}
+    assert bench_icqs._dtype_name(None) is None and bench_icqs._dtype_name("auto") == "auto"

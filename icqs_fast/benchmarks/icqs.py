@@ -328,13 +328,28 @@ def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
     return {"peak_mb": peak}
 
 
+def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    """``dtype`` as the name :func:`load` takes (``torch.float32`` -> ``"float32"``; a name or
+    None unchanged): what a child process can be told without importing anything."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype
+
+
+# The child reads its parameters as one JSON argument: never code built from a repr (a
+# ``torch.float32`` repr'd into the code named ``torch``, which the child had not imported).
+_CHILD_CODE = ("import json, sys; from icqs_fast.benchmarks.icqs import measure_peak_child; "
+               "print(json.dumps(measure_peak_child(**json.loads(sys.argv[1]))))")
+
+
 def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
-                        config: str, dtype: str | None = None) -> float:
-    code = ("import json; from icqs_fast.benchmarks.icqs import measure_peak_child; "
-            f"print(json.dumps(measure_peak_child({side!r}, {n}, {device!r}, "
-            f"{random_weights!r}, {config!r}, dtype={dtype!r})))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False, timeout=3600)
+                        config: str, dtype: str | torch.dtype | None = None) -> float:
+    """:func:`measure_peak_child` in a fresh interpreter (its own peak RSS); the peak in MiB."""
+    params = {"side": side, "n": int(n), "device": str(device),
+              "random_weights": bool(random_weights), "config": config,
+              "dtype": _dtype_name(dtype)}
+    res = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(params)],
+                         capture_output=True, text=True, check=False, timeout=3600)
     if res.returncode != 0:
         raise RuntimeError(f"memory measurement of {side!r} failed:\n{res.stderr[-2000:]}")
     return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"])
@@ -405,8 +420,9 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
 
     flops, _ = roofline.count_flops(lambda: list(_scorer(model, tok, good, bad,
                                                          settings).score(resp)))
-    dtype = next(model.parameters()).dtype
-    probes = [roofline.matmul_probe(flops, dtype, dev)]
+    # The model's dtype (``dtype``, the argument, stays what the memory children load).
+    model_dtype = next(model.parameters()).dtype
+    probes = [roofline.matmul_probe(flops, model_dtype, dev)]
 
     # Engine over all responses, from a fresh scorer (prefix caches included).
     _sync(dev)
@@ -418,11 +434,11 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     got = list(scorer.score(resp))
     _sync(dev)
     fast_s, fast_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    probes.append(roofline.matmul_probe(flops, dtype, dev))
+    probes.append(roofline.matmul_probe(flops, model_dtype, dev))
 
     diffs = [float((a.loglik.double() - b.loglik.double()).abs().max())
              for a, b in zip(got, ref, strict=True)]
-    exact = dtype == torch.float32
+    exact = model_dtype == torch.float32
     score_tol = SCORE_TOL if exact else SCORE_TOL_16BIT
     agree = sum(scores_agree(a, b, score_tol, per_set=exact)
                 for a, b in zip(got, ref, strict=True)) / len(got)
