@@ -25,6 +25,10 @@ key's rescale ``2^(-1e30 - m)`` = 0 wipes out; a row with no allowed key at all 
 -1e30) gets output 0, log-sum-exp -inf and entropy 0. A row with no allowed key in the range
 gets entropy 0.
 
+Layer variants are constexpr switches (soft cap, window, chunks, given positions, ``Dv != D``,
+sinks, bf16 products; docs/BACKENDS.md); loop bounds come from the query block's positions on
+the device: no key block below every row's window, masked edge blocks in a loop of their own.
+
 Offsets: batch / head / row offsets are int64 (``B * H * T * D`` may pass 2^31); offsets within
 a tile are int32.
 """
@@ -511,11 +515,6 @@ def _signature(dtype: torch.dtype, strides: dict[str, int], scalars: dict[str, i
     return sig
 
 
-def _positions(tq: int, tk: int) -> range:
-    """Absolute positions of the queries by default: the last ``tq`` of ``tk``."""
-    return range(tk - tq, tk)
-
-
 def _allowed_pairs(tq: int, tk: int, causal: bool, window: int | None = None,
                    chunk: int | None = None) -> int:
     """(query, key) pairs a causal / full / sliding-window / chunked attention allows (queries
@@ -524,7 +523,7 @@ def _allowed_pairs(tq: int, tk: int, causal: bool, window: int | None = None,
         # causal: query i sees keys 0 .. tk - tq + i: sum over i of (tk - tq + i + 1)
         return tq * (tk - tq) + tq * (tq + 1) // 2 if causal else tq * tk
     total = 0
-    for p in _positions(tq, tk):
+    for p in range(tk - tq, tk):  # the queries' default positions
         lo, hi = 0, (min(p, tk - 1) if causal else tk - 1)
         if window is not None:
             lo = max(lo, p - window + 1)

@@ -266,3 +266,66 @@ def test_bf16_products_of_fp32_inputs():
     _check(out, lse, ro, rl, atol=2e-5 if backends.triton_interpreting() else 1e-2)
     exact, _ = reference64(q, k, v, scale=0.3, causal=True, window=11)
     assert float((out.double().cpu() - exact).abs().max()) > 1e-4  # the rounding is real
+
+
+def _variant_model(kind):
+    """A tiny model whose layers need the kernel's variants, with scores of a few units (random
+    init gives ~1e-3: no cap or window would bite): Gemma 2 with a 1.0 soft cap or a 6-token
+    window, gpt-oss with a 4-token window on one of two layers and sinks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64, head_dim=16)
+    extra = {
+        "softcap": ("gemma2", dict(sliding_window=4096, attn_logit_softcapping=1.0,
+                                   final_logit_softcapping=None)),
+        "window": ("gemma2", dict(sliding_window=6, final_logit_softcapping=None)),
+        "sinks": ("gpt_oss", dict(sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
+                                  layer_types=["sliding_attention", "full_attention"])),
+    }[kind]
+    cfg = AutoConfig.for_model(extra[0], **small, **extra[1])
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+            if kind == "sinks":
+                torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return model, cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks"])
+def test_cascade_takes_the_triton_kernel(kind, monkeypatch):
+    """Cascade attention with the Triton kernel forced (``ICQS_FAST_CASCADE_ATTENTION=triton``:
+    the bank forwards and both cascade parts, local layers through token positions) equals the
+    torch path: sliding windows, a strong soft cap, sinks (added at the merge), GQA, prefixes of
+    different lengths; on CUDA ``"auto"`` picks the same kernel (the support table)."""
+    from icqs_fast.engine import cascade
+    from icqs_fast.engine.batching import PrefixBank, suffix_hidden
+    from icqs_fast.engine.layout import layer_attention
+
+    model, cfg = _variant_model(kind)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
+    entries = [2, 0, 1, 0, 1, 2]
+    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    calls = []
+    real = ops.attention_lse
+    monkeypatch.setattr(ops, "attention_lse", lambda *a, **k: calls.append(k) or real(*a, **k))
+    out = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv(cascade.ATTENTION_ENV, mode)
+        bank = PrefixBank(model, 0, 10_000, layers=layer_attention(cfg))
+        ids = bank.add(prefixes)
+        with torch.no_grad():
+            out[mode] = suffix_hidden(model, bank, [ids[e] for e in entries], suffixes, 0,
+                                      cascade=True)
+    (h_t, m_t), (h_k, m_k) = out["torch"], out["triton"]
+    assert torch.equal(m_t, m_k)
+    torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
+    assert calls and all(c.get("backend") == "triton" for c in calls)
+    if kind != "softcap":
+        assert any(c.get("window") for c in calls)
