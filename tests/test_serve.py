@@ -194,7 +194,7 @@ def test_bad_requests_get_4xx(server):
         (json.dumps({"prompt": "", "max_tokens": 0, "echo": True}).encode(), 400),
         (json.dumps({"prompt": [[1, 10**9]], "max_tokens": 0, "echo": True}).encode(), 400),
         (json.dumps({"prompt": {"a": 1}, "max_tokens": 0}).encode(), 400),
-        (json.dumps({"prompt": "x", "max_tokens": 0, "stream": True}).encode(), 400),
+        (json.dumps({"prompt": "x", "max_tokens": 0, "stream_options": {}}).encode(), 400),
         (json.dumps({"prompt": "x", "max_tokens": 0, "model": "nope"}).encode(), 404),
         (json.dumps({"prompt": "word " * 600, "max_tokens": 0, "echo": True}).encode(), 400),
         (json.dumps({"records": [{"x": "a"}]}).encode(), 400),

@@ -194,7 +194,8 @@ def test_unknown_and_unsupported_fields_are_refused_by_name(small_server):
     st, _ = small_server
     cases = [
         ({"prompt": "a", "max_tokens": 0, "logit_biass": {}}, "logit_biass", "unsupported_field"),
-        ({"prompt": "a", "max_tokens": 0, "stream": True}, "stream", "unsupported"),
+        ({"prompt": "a", "max_tokens": 0, "stream_options": {"include_usage": True}},
+         "stream_options", "unsupported"),
         ({"prompt": "a", "max_tokens": 0, "n": 2}, "n", "unsupported"),
         ({"prompt": "a", "max_tokens": 1, "presence_penalty": 0.5}, "presence_penalty",
          "unsupported"),

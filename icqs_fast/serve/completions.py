@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from icqs_fast.serve.admission import Admission, completion_price
 from icqs_fast.serve.dispatch import Dispatcher
@@ -34,6 +35,7 @@ from icqs_fast.serve.schemas import (
     CompletionResponse,
     Usage,
 )
+from icqs_fast.serve.streaming import TextDelta, TokenFeed, stream_events
 
 # What a -inf log-prob is sent as (JSON has no infinity; vLLM sends the same).
 NEG_INF_LOGPROB = -9999.0
@@ -107,9 +109,8 @@ class Completions:
     @staticmethod
     def refuse_unsupported(req: CompletionRequest, max_tokens: int) -> None:
         """OpenAI fields we accept only at their neutral value: 400 naming the field."""
-        refusals = (("stream", bool(req.stream), "streaming is not supported"),
-                    ("stream_options", req.stream_options is not None,
-                     "streaming is not supported"),
+        refusals = (("stream_options", req.stream_options is not None and not req.stream,
+                     "'stream_options' is allowed only with stream=true"),
                     ("suffix", bool(req.suffix), "'suffix' is not supported"),
                     ("n", req.n not in (None, 1), "'n' must be 1 (one choice per prompt)"),
                     ("best_of", req.best_of not in (None, 1), "'best_of' must be 1"),
@@ -158,8 +159,10 @@ class Completions:
     # -- the route --------------------------------------------------------------------------
 
     async def __call__(self, req: CompletionRequest, request: Request | None = None
-                       ) -> CompletionResponse:
-        """Checks and limits, then the queued work, then the answer."""
+                       ) -> CompletionResponse | StreamingResponse:
+        """Checks and limits, then the queued work, then the answer (with ``stream``: the
+        server-sent events of :mod:`icqs_fast.serve.streaming`, once the request is
+        admitted)."""
         adm = self.admission
         adm.model(req.model)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -195,16 +198,32 @@ class Completions:
                       for ch in chunk_prompts(ids_list, self.max_batch_tokens)]
         n_lp_units = len(units)
         stops = StopStrings(stop)
+        # Streamed token by token: a generation without log-probs (the rest comes whole).
+        feed = TokenFeed(asyncio.get_running_loop()) if (req.stream and generate
+                                                         and n_lp is None) else None
         if generate:
             units += [Unit("steps", len(ids) + max_tokens,
-                           lambda ids=ids: GreedyGeneration(self.model, self.tokenizer, ids,
-                                                            max_tokens, top_n, stops, bias,
-                                                            self.eos_ids))
-                      for ids in ids_list]
+                           lambda ids=ids, i=i: GreedyGeneration(
+                               self.model, self.tokenizer, ids, max_tokens, top_n, stops, bias,
+                               self.eos_ids, on_step=feed.hook(i) if feed else None))
+                      for i, ids in enumerate(ids_list)]
+        shape = ChoiceShape(req.echo, max_tokens, n_lp, stops)
+        if req.stream:
+            return self.stream(req, prompts, units, (n_lp_units, batched_next, generate),
+                               shape, feed)
+        parts = await self.dispatcher.run(units, len(prompts), request) if units else []
+        return self.response(prompts, parts, (n_lp_units, batched_next, generate), shape)
+
+    def _choices(self, prompts: list[tuple[list[int], str | None]], parts: list,
+                 kinds: tuple[int, bool, bool], shape: ChoiceShape
+                 ) -> tuple[list[CompletionChoice], Usage]:
+        """The choices and usage from the queue's results ``parts`` (``kinds``: the number of
+        log-prob units, whether the next token came from the batched pass, whether the request
+        generates)."""
+        n_lp_units, batched_next, generate = kinds
         results: list = [None] * len(prompts)
         gens: list[list[GenStep]] = [[] for _ in prompts]
-        if units:
-            parts = await self.dispatcher.run(units, len(prompts), request)
+        if parts:
             if n_lp_units:
                 results = [r for part in parts[:n_lp_units] for r in part]
             if batched_next:
@@ -213,16 +232,57 @@ class Completions:
                 gens = list(parts[n_lp_units:])
         choices = []
         n_prompt = n_gen = 0
-        shape = ChoiceShape(req.echo, max_tokens, n_lp, stops)
         for i, ((ids, text), res, gen) in enumerate(zip(prompts, results, gens, strict=True)):
             n_prompt += len(ids)
             choices.append(self.choice(i, (ids, text), res, gen, shape))
             n_gen += len(gen)
+        return choices, Usage(prompt_tokens=n_prompt, completion_tokens=n_gen,
+                              total_tokens=n_prompt + n_gen)
+
+    def response(self, prompts: list[tuple[list[int], str | None]], parts: list,
+                 kinds: tuple[int, bool, bool], shape: ChoiceShape) -> CompletionResponse:
+        """The non-streamed answer."""
+        choices, usage = self._choices(prompts, parts, kinds, shape)
         return CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
-            model=self.model_name, choices=choices,
-            usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                        total_tokens=n_prompt + n_gen))
+            model=self.model_name, choices=choices, usage=usage)
+
+    def stream(self, req: CompletionRequest, prompts: list[tuple[list[int], str | None]],
+               units: list[Unit], kinds: tuple[int, bool, bool], shape: ChoiceShape,
+               feed: TokenFeed | None) -> StreamingResponse:
+        """The streamed answer: the ticket is submitted now (a full queue or a shutdown is
+        still a plain 429 / 503), the events follow as its work runs."""
+        ticket = self.dispatcher.submit(units, len(prompts)) if units else None
+        waiter = asyncio.ensure_future(self.dispatcher.wait(ticket, None) if ticket is not None
+                                       else _nothing())
+        # The echoed prompt is the choice's text before its tokens: sent first.
+        deltas: list[TextDelta | None] = [
+            TextDelta(self.tokenizer, self.eos_ids, shape.stops,
+                      echo=(text if text is not None else
+                            "".join(self.token_text(t) for t in ids)) if req.echo else "")
+            if feed is not None else None for ids, text in prompts]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def finish(parts: list) -> tuple[list[dict], dict | None]:
+            choices, usage = self._choices(prompts, parts, kinds, shape)
+            pieces = []
+            for c, delta in zip(choices, deltas, strict=True):
+                d = c.model_dump()
+                if delta is not None:
+                    d["text"] = delta.rest(c.text[len(delta.echo):])
+                pieces.append(d)
+            return pieces, (usage.model_dump() if include_usage else None)
+
+        def cancel(exc: BaseException) -> None:
+            if ticket is not None:
+                self.dispatcher.queue.cancel(ticket, exc)
+
+        return StreamingResponse(stream_events(ticket, waiter, feed, deltas, head, finish,
+                                               cancel),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     # -- the answer -------------------------------------------------------------------------
 
@@ -288,6 +348,11 @@ class Completions:
                                           text_offset=offsets)
         return CompletionChoice(index=i, text=out_text, logprobs=logprobs,
                                 finish_reason=finish)
+
+
+async def _nothing() -> list:
+    """The result of a request with no queued work."""
+    return []
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ before it that a stop string could span).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -73,12 +73,15 @@ class GreedyGeneration:
         bias: token id -> logit bias added to the logits that choose each token; the log-probs
             are of that biased distribution.
         eos_ids: token ids that end the generation (kept as its last token).
+        on_step: called on the worker thread with each generated token's :data:`GenStep`
+            right after it is chosen (streaming; it must not block).
     """
 
     def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int], max_new: int,
                  top_n: int = 0, stops: StopStrings | None = None,
                  bias: dict[int, float] | None = None,
-                 eos_ids: Iterable[int] = ()) -> None:
+                 eos_ids: Iterable[int] = (),
+                 on_step: Callable[[GenStep], None] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in ids]
@@ -93,6 +96,7 @@ class GreedyGeneration:
             self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
             for tid, b in bias.items():
                 self.bias_vec[tid] = b
+        self.on_step = on_step
         self.steps: list[GenStep] = []
         self._past: Any = None
         self._cached = True  # False once the model returned no KV cache: full forwards
@@ -137,6 +141,8 @@ class GreedyGeneration:
             tv, ti = lp.topk(min(self.top_n, lp.shape[-1]))
             top = list(zip(ti.tolist(), tv.tolist(), strict=True))
         self.steps.append((tid, float(lp[tid]), top))
+        if self.on_step is not None:
+            self.on_step(self.steps[-1])
         if tid in self.eos_ids or len(self.steps) >= self.max_new:
             self.done = True
         elif self.stops is not None:

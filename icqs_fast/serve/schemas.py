@@ -4,7 +4,7 @@
 Field names are OpenAI's (legacy ``/v1/completions``) where the route is OpenAI's. Every request
 model forbids unknown fields and runs in strict mode (no ``"1"`` for ``1``, no ``true`` for
 ``1``), so a field we do not implement is a 400 naming it instead of being silently ignored.
-Fields OpenAI defines that we accept only at their neutral value (``stream``, ``n``, ...) are
+Fields OpenAI defines that we accept only at their neutral value (``n``, ``suffix``, ...) are
 typed here and refused by the route with a 400 naming them when set otherwise. Text fields
 refuse strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``: JSON allows
 the escape, UTF-8 and the tokenizer do not).
@@ -41,6 +41,13 @@ class _Request(BaseModel):
 # --------------------------------------------------------------------------- completions
 
 
+class StreamOptions(_Request):
+    """``stream_options`` of a streamed completion."""
+
+    include_usage: bool | None = Field(None, description="true: a last chunk (no choices) "
+                                       "carries the request's usage")
+
+
 class CompletionRequest(_Request):
     """``POST /v1/completions`` (OpenAI legacy completions, greedy only)."""
 
@@ -71,8 +78,9 @@ class CompletionRequest(_Request):
         "entries)")
     n: int | None = Field(None, description="must be 1")
     best_of: int | None = Field(None, description="must be 1")
-    stream: bool | None = Field(None, description="must be false")
-    stream_options: dict[str, Any] | None = Field(None, description="must be null")
+    stream: bool | None = Field(None, description="true: server-sent events, one "
+                                "CompletionChunk per piece of text, then 'data: [DONE]'")
+    stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     suffix: str | None = Field(None, description="must be null or empty")
     presence_penalty: float | None = Field(None, description="must be 0")
     frequency_penalty: float | None = Field(None, description="must be 0")
@@ -96,6 +104,27 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class CompletionStreamChoice(BaseModel):
+    """One piece of a streamed choice: ``text`` continues the choice's text; the choice's last
+    piece has its ``finish_reason``."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed ``/v1/completions`` (``data: {chunk}``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -237,7 +266,8 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-__all__ = ["CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse",
+__all__ = ["CompletionChoice", "CompletionChunk", "CompletionLogprobs", "CompletionRequest",
+           "CompletionResponse", "CompletionStreamChoice",
            "Demonstration", "ErrorDetail", "ErrorResponse", "Health", "IcqsOptions",
            "IcqsScore", "ModelCard", "ModelList", "ScoreItem", "ScoreRecord", "ScoreRequest",
-           "ScoreResponse", "Text", "Usage"]
+           "ScoreResponse", "StreamOptions", "Text", "Usage"]
