@@ -29,6 +29,9 @@ server's chunking buys: small requests no longer wait for whole large ones), and
 ``prompt_tokens_per_s`` counts both classes. ``--compare-unchunked`` runs the same load again
 with chunking off (``--max-batch-tokens`` 10^9: a request is one unit) and reports it under
 ``unchunked`` with ``chunk_throughput_cost_pct``, the throughput the chunk size costs.
+
+``--soak SECONDS``: a mixed soak instead (echo, streamed generation and ``/v1/score`` clients;
+:mod:`icqs_fast.benchmarks.serve_soak`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-from icqs_fast.benchmarks import emit_record, environment
+from icqs_fast.benchmarks import emit_record, environment, serve_soak
 
 TOL = 1e-4
 QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
@@ -266,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the load again without chunking: the chunk's throughput cost")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    serve_soak.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,6 +277,18 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
+    if args.soak is not None:
+        try:
+            rec = serve_soak.run_soak(args)
+        except ValueError as exc:
+            print(f"icqs-fast bench serve: {exc}", file=sys.stderr)
+            return 2
+        rec.update(environment(args.device))
+        emit_record(rec, out=args.out, as_json=args.json)
+        if not rec["passed"]:
+            print(f"icqs-fast bench serve --soak: FAILED: {rec['checks']}", file=sys.stderr)
+            return 1
+        return 0
     rec = bench(args.model, clients=args.clients, requests=args.requests,
                 max_seconds=args.max_seconds, shots=args.shots, logprobs=args.logprobs,
                 batch_wait_ms=args.batch_wait_ms, device=args.device, large=args.large,

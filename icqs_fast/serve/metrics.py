@@ -3,15 +3,27 @@
 
 Request metrics are labelled by route; any path that is not a route of the server counts as
 ``other``, so a client (or a fuzzer) sending random paths cannot grow the label set. Queue
-metrics are read from the :class:`icqs_fast.serve.queue.WorkQueue` at scrape time.
+metrics are read from the :class:`icqs_fast.serve.queue.WorkQueue` at scrape time. The process's
+memory is prometheus-client's process collector (``process_resident_memory_bytes``, CPU seconds,
+open files; Linux) and ``icqs_serve_resident_memory_peak_bytes``, the high-water mark of the
+resident set since the process started (the kernel's ``VmHWM``), so that a scrape every few
+seconds still sees a peak between scrapes.
 """
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
@@ -19,6 +31,32 @@ PREFIX = "icqs_serve"
 # Request latency buckets (seconds): a cached /health answer to a long /v1/score request.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
+
+
+def peak_rss_bytes() -> int:
+    """The process's resident-set high-water mark in bytes (``VmHWM`` of /proc/self/status;
+    elsewhere ``ru_maxrss``, which Linux gives in KiB and macOS in bytes)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class _MemoryCollector:
+    """The resident-set high-water mark, read when scraped."""
+
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(f"{PREFIX}_resident_memory_peak_bytes",
+                                "the most resident memory the process has held (bytes)",
+                                peak_rss_bytes())
+
+    def describe(self) -> Iterable[Any]:
+        return []
 
 
 class _QueueCollector:
@@ -68,6 +106,8 @@ class ServeMetrics:
         self.rejected = Counter(f"{PREFIX}_rejected_requests", "requests refused or dropped, "
                                 "by reason (the error code)", ["reason"], registry=self.registry)
         self.registry.register(_QueueCollector(queue))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, ...
+        self.registry.register(_MemoryCollector())
 
     def route(self, path: str) -> str:
         """The ``route`` label of ``path``."""
@@ -88,4 +128,4 @@ class ServeMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["LATENCY_BUCKETS", "ServeMetrics"]
+__all__ = ["LATENCY_BUCKETS", "ServeMetrics", "peak_rss_bytes"]

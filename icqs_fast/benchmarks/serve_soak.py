@@ -1,0 +1,328 @@
+"""``icqs-fast bench serve --soak SECONDS``: ``icqs-fast serve`` under a steady mixed load.
+
+The server runs in this process (a background thread on 127.0.0.1 and a free port, as in
+``bench serve``); three kinds of clients (asyncio + httpx, real HTTP) send requests back to
+back for ``SECONDS`` seconds, then stop sending and wait for their last answers:
+
+* ``--echo-clients`` (default 8): ``echo=true, max_tokens=0, logprobs=1`` of a prompt of 5-300
+  random words (seeded);
+* ``--gen-clients`` (default 2): ``--gen-tokens`` (default 32) greedy tokens, streamed
+  (``stream=true``), so that the time to the first token and between tokens is measured as a
+  client sees it;
+* ``--score-clients`` (default 2): small ``/v1/score`` requests (one record, ICQS with 2
+  ratios x 2 sets of one demonstration each).
+
+The record has, per kind (``echo`` / ``generate`` / ``score``): ``sent``, ``ok``,
+``requests_per_s``, ``latency_s_p50`` / ``p99`` and ``errors`` by status (``"timeout"`` and
+``"transport"`` for answers that never came); for ``generate`` also ``ttft_s_p50`` / ``p99`` and
+``itl_s_p50`` / ``p99`` (inter-token: between consecutive streamed pieces). ``rss_mb``: the
+server's ``process_resident_memory_bytes`` scraped from ``/metrics`` every ``--rss-every``
+seconds (``[seconds, MiB]``; the server shares the process with the clients, whose share is
+small), ``rss_peak_mb`` (``icqs_serve_resident_memory_peak_bytes``) and
+``rss_growth_pct_after_1min`` (last sample vs the first one after 60 s, when the run is longer).
+``server_tokens_per_s``: prompt tokens of ``/v1/completions`` plus generated tokens, per second
+of the run; ``engine_tokens_per_s``: the same echo prompts' log-probs computed in-process right
+after the load (batches of the server's ``--max-batch-tokens``, nothing else running), and
+``server_vs_engine`` their ratio.
+
+Correctness: ``passed`` is true when no answer was a 5xx, every request sent was answered
+(no timeout, no transport error), every echo returned its prompt and every stream ended with
+``data: [DONE]``; the command exits 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from typing import Any
+
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from "
+         "at which but have an they you were her she there one all we their").split()
+SCORE_ICQS = {"num_ratios": 2, "demos_per_set": 1, "sets_per_ratio": 2, "seed": 0}
+GOOD = [["Review: fine", "positive"], ["Review: awful", "negative"]]
+BAD = [["Review: fine", "negative"], ["Review: awful", "positive"]]
+STREAM_ERROR_STATUS = {"deadline_exceeded": 504, "shutting_down": 503}
+MAX_REQUESTS = 100_000  # a bound on the requests of one soak, whatever its length
+CLIENT_TIMEOUT_S = 120.0  # the issue's client timeout: an answer later than this is lost
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``xs`` (nearest rank; None when empty)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def echo_prompt(rng: random.Random) -> str:
+    """A prompt of 5-300 random words."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 300)))
+
+
+class Kind:
+    """What the clients of one request kind saw."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.ok = 0
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.bad_answers = 0
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        return {"sent": self.sent, "ok": self.ok,
+                "requests_per_s": _r(self.ok / wall if wall > 0 else None),
+                "latency_s_p50": _r(percentile(self.latencies, 50)),
+                "latency_s_p99": _r(percentile(self.latencies, 99)),
+                "errors": dict(self.errors), "bad_answers": self.bad_answers}
+
+
+async def _load(base_url: str, seconds: float, clients: dict[str, int], gen_tokens: int,
+                max_requests: int, rss_every: float, seed: int) -> dict[str, Any]:
+    import httpx
+
+    kinds = {k: Kind() for k in ("echo", "generate", "score")}
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = {"prompt": 0, "generated": 0}
+    echo_prompts: list[str] = []
+    rss: list[list[float]] = []
+    peak = [0.0]
+    t_start = time.monotonic()
+    stop_at = t_start + seconds
+    budget = [max_requests]
+
+    def more() -> bool:
+        if time.monotonic() >= stop_at or budget[0] <= 0:
+            return False
+        budget[0] -= 1
+        return True
+
+    async def send(c: httpx.AsyncClient, kind: Kind, fn: Any) -> None:
+        kind.sent += 1
+        t0 = time.perf_counter()
+        try:
+            status = await fn()
+        except httpx.TimeoutException:
+            kind.errors["timeout"] += 1
+            return
+        except httpx.HTTPError as exc:
+            kind.errors[f"transport:{type(exc).__name__}"] += 1
+            return
+        if status == 200:
+            kind.ok += 1
+            kind.latencies.append(time.perf_counter() - t0)
+        else:
+            kind.errors[str(status)] += 1
+
+    async def echo_client(c: httpx.AsyncClient, rng: random.Random) -> None:
+        while more():
+            prompt = echo_prompt(rng)
+
+            async def one(prompt: str = prompt) -> int:
+                r = await c.post("/v1/completions", json={"prompt": prompt, "echo": True,
+                                                          "max_tokens": 0, "logprobs": 1})
+                if r.status_code == 200:
+                    body = r.json()
+                    if body["choices"][0]["text"] != prompt:
+                        kinds["echo"].bad_answers += 1
+                    tokens["prompt"] += body["usage"]["prompt_tokens"]
+                    if len(echo_prompts) < 64:
+                        echo_prompts.append(prompt)
+                return r.status_code
+
+            await send(c, kinds["echo"], one)
+
+    async def gen_client(c: httpx.AsyncClient, rng: random.Random) -> None:
+        while more():
+            prompt = "Write a short story about " + " ".join(rng.choice(WORDS) for _ in range(6))
+
+            async def one(prompt: str = prompt) -> int:
+                body = {"prompt": prompt, "max_tokens": gen_tokens, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                t0 = time.perf_counter()
+                last = None
+                done = False
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        return r.status_code
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            done = True
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:  # after the stream started: its status
+                            return STREAM_ERROR_STATUS.get(chunk["error"].get("code"), 500)
+                        if chunk.get("usage"):
+                            tokens["prompt"] += chunk["usage"]["prompt_tokens"]
+                            tokens["generated"] += chunk["usage"]["completion_tokens"]
+                        if any(ch["text"] for ch in chunk["choices"]):
+                            now = time.perf_counter()
+                            if last is None:
+                                ttft.append(now - t0)
+                            else:
+                                itl.append(now - last)
+                            last = now
+                if not done:
+                    kinds["generate"].bad_answers += 1
+                return 200
+
+            await send(c, kinds["generate"], one)
+
+    async def score_client(c: httpx.AsyncClient, rng: random.Random) -> None:
+        while more():
+            rec = {"x": "Review: " + " ".join(rng.choice(WORDS) for _ in range(8)),
+                   "y": rng.choice(["positive", "negative"])}
+
+            async def one(rec: dict = rec) -> int:
+                r = await c.post("/v1/score", json={"records": [rec], "good": GOOD, "bad": BAD,
+                                                    "icqs_options": SCORE_ICQS})
+                if r.status_code == 200 and len(r.json()["data"]) != 1:
+                    kinds["score"].bad_answers += 1
+                return r.status_code
+
+            await send(c, kinds["score"], one)
+
+    async def sampler(c: httpx.AsyncClient) -> None:
+        while time.monotonic() < stop_at or any_alive():
+            try:
+                text = (await c.get("/metrics")).text
+            except httpx.HTTPError:
+                text = ""
+            for line in text.splitlines():
+                if line.startswith("process_resident_memory_bytes "):
+                    rss.append([round(time.monotonic() - t_start, 1),
+                                round(float(line.split()[1]) / 2**20, 1)])
+                elif line.startswith("icqs_serve_resident_memory_peak_bytes "):
+                    peak[0] = max(peak[0], float(line.split()[1]) / 2**20)
+            await asyncio.sleep(rss_every)
+
+    tasks: list[asyncio.Task] = []
+
+    def any_alive() -> bool:
+        return any(not t.done() for t in tasks)
+
+    limits = httpx.Limits(max_connections=sum(clients.values()) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S,
+                                 limits=limits) as c:
+        for n, (name, fn) in enumerate((("echo", echo_client), ("generate", gen_client),
+                                        ("score", score_client))):
+            tasks += [asyncio.ensure_future(fn(c, random.Random(seed * 1000 + 100 * n + i)))
+                      for i in range(clients[name])]
+        samp = asyncio.ensure_future(sampler(c))
+        await asyncio.gather(*tasks)
+        wall = time.monotonic() - t_start
+        await samp
+    return {"kinds": kinds, "wall_s": wall, "ttft": ttft, "itl": itl, "tokens": tokens,
+            "rss": rss, "rss_peak_mb": peak[0], "echo_prompts": echo_prompts}
+
+
+def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad_id: int,
+                min_seconds: float = 5.0) -> float:
+    """Prompt tokens per second of the server's log-prob engine on ``prompts`` alone, in
+    batches of about ``chunk_tokens`` tokens (what the server's worker runs), repeated for at
+    least ``min_seconds``."""
+    from icqs_fast.serve.logprobs import prompt_logprobs
+    from icqs_fast.serve.queue import chunk_prompts
+
+    ids = [list(tok(p)["input_ids"]) for p in prompts]
+    batches = chunk_prompts(ids, chunk_tokens)
+    prompt_logprobs(model, batches[0], top_n=1, pad_id=pad_id)  # warm-up
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        for b in batches:
+            prompt_logprobs(model, b, top_n=1, pad_id=pad_id)
+            n += sum(len(p) for p in b)
+        if time.perf_counter() - t0 >= min_seconds:
+            return n / (time.perf_counter() - t0)
+
+
+def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
+         gen_clients: int = 2, score_clients: int = 2, gen_tokens: int = 32,
+         max_requests: int = MAX_REQUESTS, rss_every: float = 5.0, device: str = "cpu",
+         engine_seconds: float = 5.0, seed: int = 0) -> dict[str, Any]:
+    """The soak record (fields: the module docstring)."""
+    from icqs_fast.models import load_model
+    from icqs_fast.serve.app import ServeConfig, Server
+    from icqs_fast.serve.runner import ServerThread
+
+    if seconds <= 0 or min(echo_clients, gen_clients, score_clients) < 0 or gen_tokens < 1:
+        raise ValueError("--soak must be > 0 seconds, client counts >= 0, --gen-tokens >= 1")
+    model, tok = load_model(None if model_name in (None, "embedded") else model_name,
+                            dtype="float32", device=device)
+    clients = {"echo": echo_clients, "generate": gen_clients, "score": score_clients}
+    cfg = ServeConfig(model_name="bench", max_queue=max(256, 4 * sum(clients.values())))
+    srv = Server(model, tok, cfg)
+    with ServerThread(srv) as st:
+        res = asyncio.run(_load(st.base_url, seconds, clients, gen_tokens, max_requests,
+                                rss_every, seed))
+    wall = res["wall_s"]
+    kinds: dict[str, Kind] = res["kinds"]
+    rec: dict[str, Any] = {"model": model_name or "embedded", "soak_s": seconds,
+                           "clients": clients, "gen_tokens": gen_tokens,
+                           "wall_s": round(wall, 1)}
+    for name, kind in kinds.items():
+        rec[name] = kind.summary(wall)
+    rec["generate"].update({"ttft_s_p50": _r(percentile(res["ttft"], 50)),
+                            "ttft_s_p99": _r(percentile(res["ttft"], 99)),
+                            "itl_s_p50": _r(percentile(res["itl"], 50)),
+                            "itl_s_p99": _r(percentile(res["itl"], 99))})
+    rss = res["rss"]
+    rec["rss_mb"] = rss
+    rec["rss_peak_mb"] = round(res["rss_peak_mb"], 1)
+    after = [mb for t, mb in rss if t >= 60]
+    rec["rss_growth_pct_after_1min"] = (round(100 * (after[-1] / after[0] - 1), 1)
+                                        if len(after) >= 2 else None)
+    toks = res["tokens"]
+    server_tps = (toks["prompt"] + toks["generated"]) / wall if wall > 0 else 0.0
+    rec["server_tokens"] = toks
+    rec["server_tokens_per_s"] = round(server_tps, 1)
+    prompts = res["echo_prompts"] or [echo_prompt(random.Random(seed))]
+    eng = engine_rate(model, tok, prompts, cfg.max_batch_tokens, srv.pad_id, engine_seconds)
+    rec["engine_tokens_per_s"] = round(eng, 1)
+    rec["server_vs_engine"] = round(server_tps / eng, 3) if eng > 0 else None
+    five_xx = sum(n for k in kinds.values() for s, n in k.errors.items()
+                  if s.isdigit() and int(s) >= 500)
+    unanswered = sum(n for k in kinds.values() for s, n in k.errors.items()
+                     if not s.isdigit())
+    bad = sum(k.bad_answers for k in kinds.values())
+    rec["checks"] = {"five_xx": five_xx, "unanswered": unanswered, "bad_answers": bad}
+    rec["passed"] = five_xx == 0 and unanswered == 0 and bad == 0
+    return rec
+
+
+def add_arguments(p: Any) -> None:
+    """The soak's flags (on ``bench serve``)."""
+    p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                   help="mixed soak instead of the load test: echo, streamed generation and "
+                   "/v1/score clients for SECONDS, then per-kind latency, TTFT / inter-token "
+                   "latency, RSS over time and throughput vs the engine")
+    p.add_argument("--echo-clients", type=int, default=8, help="soak: echo-logprob clients")
+    p.add_argument("--gen-clients", type=int, default=2, help="soak: generation clients")
+    p.add_argument("--score-clients", type=int, default=2, help="soak: /v1/score clients")
+    p.add_argument("--gen-tokens", type=int, default=32,
+                   help="soak: tokens per generation (default 32)")
+    p.add_argument("--rss-every", type=float, default=5.0,
+                   help="soak: seconds between RSS samples (default 5)")
+
+
+def run_soak(args: Any) -> dict[str, Any]:
+    """The soak record of ``bench serve --soak`` (``args``: its parsed flags)."""
+    return soak(args.model, args.soak, echo_clients=args.echo_clients,
+                gen_clients=args.gen_clients, score_clients=args.score_clients,
+                gen_tokens=args.gen_tokens,
+                rss_every=args.rss_every, device=args.device)
+
+
+__all__ = ["add_arguments", "echo_prompt", "engine_rate", "percentile", "run_soak", "soak"]
