@@ -134,7 +134,7 @@ def test_responses_and_arguments():
                       "--device", "cpu", "--out", "x.json"])
     assert (a.random_weights, a.config, a.responses, a.json, a.device, a.out) == \
         (True, "llama-1b", 4, True, "cpu", "x.json")
-    assert a.cold_repeats == 3
+    assert a.cold_repeats is None and a.inputs == "short"  # 3 (short) or 1 (long) when run
     with pytest.raises(ValueError, match="responses"):
         bench_icqs.bench(0, "cpu", random_weights=True, config="tiny", measure_memory=False)
     with pytest.raises(ValueError, match="cold-repeats"):

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("icqs_fast.backends",),
     ("icqs_fast.ops",),
     ("icqs_fast.torch_ops", "icqs_fast.metrics", "icqs_fast.progress", "icqs_fast.models",
-     "icqs_fast.io"),
+     "icqs_fast.threads", "icqs_fast.io"),
     ("icqs_fast.engine",),
     ("icqs_fast.features", "icqs_fast.data"),
     ("icqs_fast.jobs", "icqs_fast.evals", "icqs_fast.allure", "icqs_fast.compat",

@@ -567,10 +567,13 @@ def calibration_timing(model, tok, good, bad, resp, settings: dict, calibrate: s
 
 
 def run(args: argparse.Namespace) -> int:
+    from icqs_fast.threads import apply_threads
+
+    apply_threads(getattr(args, "threads", None))
     t0 = time.perf_counter()
-    rec = bench(args.responses, args.device, args.random_weights, args.config,
+    rec = bench(_or(args.responses, 64), args.device, args.random_weights, args.config,
                 measure_memory=not args.no_memory, mem_responses=args.mem_responses,
-                cold_repeats=args.cold_repeats, calibrate=getattr(args, "calibrate", None),
+                cold_repeats=_or(args.cold_repeats, 3), calibrate=getattr(args, "calibrate", None),
                 answers=getattr(args, "answers", "labels"), dtype=getattr(args, "dtype", None))
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
@@ -589,3 +592,8 @@ def checks(tolerance: float = LOGLIK_TOL, calibrated: bool = False) -> dict:
         out.update(calibrated_score_agreement=equals(1.0),
                    max_abs_baseline_diff_per_token=at_most(tolerance))
     return out
+
+
+def _or(value, default):
+    """``value`` unless it is None (a flag left at its default, which depends on --inputs)."""
+    return default if value is None else value

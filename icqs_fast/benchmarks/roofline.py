@@ -10,7 +10,11 @@ same work, which computes the same FLOPs):
 * ``attention``: ``bmm`` / ``baddbmm`` and CPU / CUDA scaled-dot-product attention (``4 B H Tq Tk
   D``: scores and values, the full rectangle: a causal kernel may skip up to half of it);
 * ``head``: ``mm`` / ``addmm`` outside any module (the engine's fused LM-head statistics,
-  ``linear_token_stats``, which reads the head weight directly).
+  ``linear_token_stats``, which reads the head weight directly);
+* ``attention`` also: every :func:`icqs_fast.ops.attention_lse` call (the cascade's fused
+  kernel, whose C++ / Triton work the dispatcher never sees), ``2 B Hq Tq Tk (D + Dv)``, the
+  full rectangle like SDPA's; the ops it dispatches itself (its torch backend) are not
+  counted again.
 
 :func:`matmul_probe` times ``torch.nn.functional.linear`` on ``[M, K] x [N, K]`` for each counted
 weight shape at the FLOP-weighted median ``M`` the work used, and :func:`limit_fields` gives the
@@ -75,6 +79,8 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.depth[1] > 0:  # inside an attention_lse call, already counted whole
+            return out
         if func in _MM:
             a, b = (args[0], args[1]) if func is _A.mm.default else (args[1], args[2])
             m, k = a.shape
@@ -100,7 +106,9 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
     """Run ``fn()`` counting its matmul FLOPs; returns ``(FlopCount, fn's result)``."""
     from torch.nn.modules import module as nn_module
 
-    count, depth = FlopCount(), [0]
+    from icqs_fast import ops
+
+    count, depth = FlopCount(), [0, 0]  # module depth, attention_lse depth
 
     def pre(mod, args):
         depth[0] += 1
@@ -108,12 +116,26 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
     def post(mod, args, out):
         depth[0] -= 1
 
+    real = ops.attention_lse
+
+    def counted_attention_lse(q, k, v, *a, **kw):
+        b, hq, tq, d = q.shape
+        if depth[1] == 0:
+            count.attention += 2 * b * hq * tq * k.shape[-2] * (d + v.shape[-1])
+        depth[1] += 1
+        try:
+            return real(q, k, v, *a, **kw)
+        finally:
+            depth[1] -= 1
+
     hooks = [nn_module.register_module_forward_pre_hook(pre),
              nn_module.register_module_forward_hook(post, always_call=True)]
+    ops.attention_lse = counted_attention_lse
     try:
         with _Counter(count, depth):
             out = fn()
     finally:
+        ops.attention_lse = real
         for h in hooks:
             h.remove()
     return count, out

@@ -90,8 +90,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
+    # OpenMP's wait policy is read once, when torch loads: set it before any command imports it.
+    from icqs_fast import threads
+
+    threads.prepare_openmp()
+    if argv is None:  # the process entry point (not a caller's or a test's in-process call)
         argv = sys.argv[1:]
+        threads.enable_governor()
     args = build_parser(argv).parse_args(argv)
     err = getattr(args, "_import_error", None)
     if err:

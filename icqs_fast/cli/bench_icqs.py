@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("icqs-fast bench icqs: the ICQS engine (ICQSScorer) against the naive method "
                      "(one full forward per response and demonstration set), side by side")
     p.add_argument("--json", action="store_true", help="print the record as one JSON object")
-    p.add_argument("--responses", type=int, default=64, help="responses to score (default 64)")
+    p.add_argument("--responses", type=int, default=None,
+                   help="responses to score (default 64; 2 with --inputs long)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--random-weights", action="store_true",
                    help="a random-weight model of --config instead of the embedded model")
@@ -22,10 +23,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model shape with --random-weights (llama-1b: ~1.1B params; mistral-*: "
                         "the same with a sliding window shorter than the prompts; mistral-smol: "
                         "the embedded weights as a Mistral with a 64-token window)")
+    p.add_argument("--inputs", default="short", choices=("short", "long"),
+                   help="short: financial-news headlines against the naive method (default); "
+                        "long: SummEval articles from ../shared/data/summeval (prompts of "
+                        "2-5k tokens), the engine with torch's attention (torch_attention_s) "
+                        "against the fused kernel (fast_s), scores compared")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores other processes leave free; "
+                        "OMP_NUM_THREADS when set)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--cold-repeats", type=int, default=3,
-                   help="runs of each side of the cold single-response comparison (median)")
+    p.add_argument("--cold-repeats", type=int, default=None,
+                   help="runs of each side of the cold single-response comparison (median; "
+                        "default 3); with --inputs long, runs of each attention path "
+                        "(default 1)")
     p.add_argument("--mem-responses", type=int, default=16,
                    help="responses scored in the engine's memory subprocess (default 16)")
     p.add_argument("--calibrate", default=None, choices=["none", "content_free", "pmi"],
@@ -48,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.inputs == "long":
+        from icqs_fast.benchmarks import icqs_long
+
+        return icqs_long.run(args)
     from icqs_fast.benchmarks import icqs
 
     return icqs.run(args)

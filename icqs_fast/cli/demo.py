@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     add_dtype_argument(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores other processes leave free; "
+                        "OMP_NUM_THREADS when set)")
     p.add_argument("--fpb", action="store_true",
                    help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
     from icqs_fast.cli.options import add_calibration_arguments, add_self_check_arguments
@@ -70,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     check_kw = self_check_kwargs(args)
     responses = data_file("demo_financial.jsonl")
 
+    from icqs_fast.threads import apply_threads
+
+    apply_threads(args.threads)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
     t_load = time.perf_counter() - t0

@@ -45,8 +45,8 @@ def ray_options(args: argparse.Namespace) -> RayOptions | None:
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Options every job has besides its own (after the command's options)."""
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, all cores); on a busy machine "
-                   "one thread can be several times faster")
+                   help="torch CPU threads (default: the cores other processes leave free, "
+                   "re-fitted while the job runs; OMP_NUM_THREADS when set)")
 
 
 def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM / SIGINT, seconds the requests in flight have to finish "
                    "before they get 503 and the server exits (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; 1 is often faster on a busy box)")
+                   help="torch CPU threads (default: the cores other processes leave free; "
+                   "OMP_NUM_THREADS when set)")
     p.add_argument("--log-level", default=None,
                    help="uvicorn log level (default info; warning with --quiet)")
     p.add_argument("--quiet", action="store_true",
@@ -106,10 +107,9 @@ def run(args: argparse.Namespace) -> int:
         from icqs_fast.progress import quiet_transformers
 
         quiet_transformers()
-    if args.threads is not None:
-        import torch
+    from icqs_fast.threads import apply_threads
 
-        torch.set_num_threads(max(1, args.threads))
+    apply_threads(args.threads)  # None: the cores actually free
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",

@@ -282,11 +282,11 @@ def record_fields(config: JobConfig, *, labels: bool = True) -> RecordFields:
 
 
 def set_threads(threads: int | None) -> None:
-    """``torch.set_num_threads`` (before the model loads); None leaves torch's default."""
-    if threads is not None:
-        import torch
+    """Torch's threads before the model loads: ``threads``, or None: the cores actually free
+    (:func:`icqs_fast.threads.apply_threads`)."""
+    from icqs_fast.threads import apply_threads
 
-        torch.set_num_threads(threads)
+    apply_threads(threads)
 
 
 class LocalExecutor:

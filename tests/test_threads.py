@@ -1,0 +1,171 @@
+"""The thread policy (icqs_fast/threads.py) on mocked /proc/stat readings, affinities and
+environments: the default is the cores other processes leave free, an explicit count or
+OMP_NUM_THREADS is kept, and the OpenMP wait settings never override the user's."""
+
+import pytest
+import torch
+
+from icqs_fast import threads
+
+
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _stat(tmp_path, busy: int, idle: int, name: str = "stat") -> str:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    p = tmp_path / name
+    p.write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 50 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    return str(p)
+
+
+def test_cpu_times_reads_the_all_cores_line(tmp_path):
+    assert threads._cpu_times(_stat(tmp_path, 300, 700)) == (300.0, 1000.0)  # guest not added
+    assert threads._cpu_times(str(tmp_path / "missing")) is None
+    bad = tmp_path / "bad"
+    bad.write_text("intr 1 2 3\n")
+    assert threads._cpu_times(str(bad)) is None
+
+
+def _sampler(readings, own=(0.0, 0.0)):
+    it, cpu = iter(readings), iter(own)
+    return dict(read=lambda: next(it), own_cpu=lambda: next(cpu), sleep=lambda s: None)
+
+
+def test_busy_cores_of_others_leave_out_our_own_time(monkeypatch):
+    monkeypatch.setattr(threads, "_clock_ticks", lambda: 100.0)
+    # 2 cores, 1 s sample = 200 jiffies; 100 busy: one core's worth, none of it ours.
+    got = threads.busy_cpus_of_others(ncpu=2, **_sampler([(0, 0), (100, 200)]))
+    assert got == pytest.approx(1.0)
+    # The same, but this process used 0.6 s of CPU itself: 0.4 cores were others'.
+    got = threads.busy_cpus_of_others(ncpu=2, **_sampler([(0, 0), (100, 200)], (1.0, 1.6)))
+    assert got == pytest.approx(0.4)
+    # Unreadable /proc/stat, or a clock that did not move: unknown.
+    assert threads.busy_cpus_of_others(ncpu=2, **_sampler([None, None])) is None
+    assert threads.busy_cpus_of_others(ncpu=2, **_sampler([(5, 9), (5, 9)])) is None
+
+
+@pytest.mark.parametrize(("allowed", "busy", "want"), [
+    (2, 0.0, 2),    # alone: every core, torch's old default
+    (2, 0.3, 2),    # a little background work does not cost a core
+    (2, 0.9, 1),    # another job on one core
+    (2, 2.0, 1),    # machine full: still one thread
+    (16, 3.4, 13),
+    (1, 0.0, 1),
+])
+def test_free_cpus(allowed, busy, want):
+    assert threads.free_cpus(allowed, busy) == want
+
+
+def test_free_cpus_samples_when_not_told(monkeypatch):
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "busy_cpus_of_others", lambda: 2.2)
+    assert threads.free_cpus() == 2
+    monkeypatch.setattr(threads, "busy_cpus_of_others", lambda: None)  # unknown: no load
+    assert threads.free_cpus() == 4
+
+
+def test_apply_threads(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "free_cpus", lambda: 1)
+    assert threads.apply_threads(None) == 1 and torch.get_num_threads() == 1
+    assert threads.apply_threads(2) == 2 and torch.get_num_threads() == 2  # explicit: kept
+    # OMP_NUM_THREADS set: torch already follows it; the policy leaves it alone.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(threads, "free_cpus", lambda: pytest.fail("sampled"))
+    assert threads.apply_threads(None) == 2
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="--threads must be >= 1"):
+            threads.apply_threads(bad)
+
+
+def test_prepare_openmp_keeps_the_users_settings():
+    env: dict[str, str] = {}
+    assert threads.prepare_openmp(env) == {"GOMP_SPINCOUNT": threads.SPIN_COUNT,
+                                           "KMP_BLOCKTIME": threads.KMP_BLOCKTIME}
+    assert env == {"GOMP_SPINCOUNT": threads.SPIN_COUNT, "KMP_BLOCKTIME": threads.KMP_BLOCKTIME}
+    env = {"GOMP_SPINCOUNT": "5"}
+    threads.prepare_openmp(env)
+    assert env == {"GOMP_SPINCOUNT": "5", "KMP_BLOCKTIME": threads.KMP_BLOCKTIME}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert threads.prepare_openmp(env) == {} and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_allowed_cpus_follows_the_affinity(monkeypatch):
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    assert threads.allowed_cpus() == 3
+
+    def no_affinity(pid):
+        raise OSError("not here")
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", no_affinity)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 6)
+    assert threads.allowed_cpus() == 6
+
+
+def test_governor_follows_the_free_cores_between_forwards(restore_threads):
+    """The sampler's readings set ``desired``; the forward pre-hook applies it on the
+    forward's thread, and stops for good once someone else has set the count."""
+    torch.set_num_threads(2)
+    gov = threads.ThreadGovernor(allowed=2, current=2)
+    gov.update(1.0)  # another job took a core
+    assert gov.desired == 1 and torch.get_num_threads() == 2  # nothing until a forward
+    gov.before_forward(None, ())
+    assert torch.get_num_threads() == 1 and gov.last_set == 1
+    gov.update(None)  # an unreadable sample changes nothing
+    gov.update(0.1)  # the other job ended
+    gov.before_forward(None, ())
+    assert torch.get_num_threads() == 2
+    # A caller sets its own count: the governor leaves it and stops.
+    torch.set_num_threads(1)
+    gov.update(1.0)
+    gov.before_forward(None, ())
+    assert gov.stopped.is_set()
+    gov.update(0.0)  # even when cores free up later
+    gov.before_forward(None, ())
+    assert torch.get_num_threads() == 1
+
+
+def test_governor_runs_as_a_hook_and_a_thread(restore_threads):
+    """Started for real (a sampler that reports a busy machine at once): the next module
+    forward drops the count; stop() removes the hook and ends the thread."""
+    torch.set_num_threads(2)
+    seen = []
+
+    def sample(seconds):
+        seen.append(seconds)
+        gov.stopped.wait(0.01)
+        return 1.6
+
+    gov = threads.ThreadGovernor(allowed=2, current=2, interval=0.01, sample=sample)
+    gov.start()
+    try:
+        for _ in range(500):
+            if gov.desired == 1:
+                break
+            gov.stopped.wait(0.01)
+        torch.nn.Identity()(torch.zeros(1))
+        assert torch.get_num_threads() == 1
+    finally:
+        gov.stop()
+    assert gov._hook is None and seen[0] == 0.01
+
+
+def test_only_the_entry_point_governs(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "free_cpus", lambda: 1)
+    monkeypatch.setitem(threads._GOVERN, "enabled", False)
+    monkeypatch.setitem(threads._GOVERN, "governor", None)
+    threads.apply_threads(None)
+    assert threads._GOVERN["governor"] is None  # a library call: no governor
+    started = []
+    monkeypatch.setattr(threads.ThreadGovernor, "start", lambda self: started.append(self))
+    threads.enable_governor()
+    threads.apply_threads(None)
+    threads.apply_threads(None)
+    assert len(started) == 1 and threads._GOVERN["governor"] is started[0]
+    threads.apply_threads(1)  # an explicit count never starts one
+    assert len(started) == 1
