@@ -179,3 +179,29 @@ def test_disconnect_mid_stream_frees_the_generation(tiny):
             assert r.status_code == 200
     finally:
         hook.remove()
+
+
+def test_deadline_mid_stream_is_an_error_event(tiny):
+    """A generation that outlives --request-timeout after its stream started: the pieces so
+    far, then one error event (deadline_exceeded) and no [DONE]; its work is stopped."""
+    d, model, tok = tiny
+    srv = Server(model, tok, ServeConfig(model_name="tiny", max_gen_tokens=400,
+                                         request_timeout=0.6))
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda _m, _a: time.sleep(0.05))
+    try:
+        with ServerThread(srv) as st:
+            with httpx.stream("POST", st.base_url + "/v1/completions", timeout=60,
+                              json={"prompt": "a b c", "max_tokens": 400, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = [ln for ln in r.iter_lines() if ln]
+            t0 = time.monotonic()  # the running step ends at its next forward
+            while srv.queue.live_steps and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            assert srv.queue.timed_out == 1 and srv.queue.live_steps == 0
+    finally:
+        hook.remove()
+    assert "data: [DONE]" not in lines and len(lines) >= 2
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "deadline_exceeded"
+    assert all("choices" in json.loads(ln.removeprefix("data: ")) for ln in lines[:-1])
