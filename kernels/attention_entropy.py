@@ -50,12 +50,21 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _capped(x, cap_out):
-    """``cap_out * tanh(x)`` (the score soft cap ``c tanh(s / c)`` in log2 units: the caller
-    folds ``1 / c`` into ``x``, ``c log2 e`` into ``cap_out``) as ``1 - 2 / (1 + e^(2x))``: one
-    exp2 and one division per score (a polynomial branch for small ``|x|`` doubled the issue
-    count). Absolute error a few fp32 ulps of 1 (relative error grows only for scores far below
-    the cap, whose absolute error is what the softmax sees); +-inf gives +-1."""
+def _capped(x, cap_out, PRECISE: tl.constexpr):
+    """``cap_out * tanh(x)`` (``c tanh(s / c)`` in log2 units: ``1 / c`` folded into ``x``).
+    16-bit builds: ``1 - 2 / (1 + e^(2x))``, abs. error ~2e-7 (below the inputs' rounding); PRECISE
+    (fp32): ~2 ulp, Cephes' polynomial for ``|x| < 0.625`` (else fp32 scores move ~1e-5 c)."""
+    if PRECISE:
+        ax = tl.abs(x)
+        x2 = x * x
+        p = x2 * -5.70498872745e-3 + 2.06390887954e-2
+        p = p * x2 - 5.37397155531e-2
+        p = p * x2 + 1.33314422036e-1
+        p = p * x2 - 3.33332819422e-1
+        e = tl.math.exp2(ax * -2.8853900817779268)  # e^(-2|x|)
+        big = tl.fdiv(1.0 - e, 1.0 + e)
+        big = tl.where(x < 0, -big, big)
+        return cap_out * tl.where(ax < 0.625, p * x2 * x + x, big)
     e = tl.math.exp2(x * 2.8853900817779268)  # e^(2x)
     return cap_out - tl.fdiv(2.0 * cap_out, 1.0 + e)
 
@@ -161,7 +170,7 @@ def _attn_block(
             vb = vb.to(tl.bfloat16)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if HAS_SOFTCAP:
-            s = _capped(s, cap_out)
+            s = _capped(s, cap_out, FP32_DOT and not DOT_BF16)
         if MASKED:
             allowed = n_ok[None, :]
             if HAS_KEYOK:
