@@ -20,7 +20,6 @@ LIMIT = 8
 KNOWN: set[tuple[str, str]] = {
     ("icqs_fast/cli/eval.py", "_stability"),
     ("icqs_fast/serve/scoring.py", "__init__"),
-    ("icqs_fast/serve/generation.py", "__init__"),  # GreedyGeneration: on_step for streaming
 }
 
 

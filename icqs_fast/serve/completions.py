@@ -202,10 +202,14 @@ class Completions:
         feed = TokenFeed(asyncio.get_running_loop()) if (req.stream and generate
                                                          and n_lp is None) else None
         if generate:
+            def generation(ids: list[int], i: int) -> GreedyGeneration:
+                gen = GreedyGeneration(self.model, self.tokenizer, ids, max_tokens, top_n,
+                                       stops, bias, self.eos_ids)
+                gen.on_step = feed.hook(i) if feed is not None else None
+                return gen
+
             units += [Unit("steps", len(ids) + max_tokens,
-                           lambda ids=ids, i=i: GreedyGeneration(
-                               self.model, self.tokenizer, ids, max_tokens, top_n, stops, bias,
-                               self.eos_ids, on_step=feed.hook(i) if feed else None))
+                           lambda ids=ids, i=i: generation(ids, i))
                       for i, ids in enumerate(ids_list)]
         shape = ChoiceShape(req.echo, max_tokens, n_lp, stops)
         if req.stream:

@@ -73,15 +73,16 @@ class GreedyGeneration:
         bias: token id -> logit bias added to the logits that choose each token; the log-probs
             are of that biased distribution.
         eos_ids: token ids that end the generation (kept as its last token).
-        on_step: called on the worker thread with each generated token's :data:`GenStep`
-            right after it is chosen (streaming; it must not block).
+
+    Attributes:
+        on_step: None, or called on the worker thread with each generated token's
+            :data:`GenStep` right after it is chosen (streaming; it must not block).
     """
 
     def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int], max_new: int,
                  top_n: int = 0, stops: StopStrings | None = None,
                  bias: dict[int, float] | None = None,
-                 eos_ids: Iterable[int] = (),
-                 on_step: Callable[[GenStep], None] | None = None) -> None:
+                 eos_ids: Iterable[int] = ()) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in ids]
@@ -96,7 +97,7 @@ class GreedyGeneration:
             self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
             for tid, b in bias.items():
                 self.bias_vec[tid] = b
-        self.on_step = on_step
+        self.on_step: Callable[[GenStep], None] | None = None
         self.steps: list[GenStep] = []
         self._past: Any = None
         self._cached = True  # False once the model returned no KV cache: full forwards
