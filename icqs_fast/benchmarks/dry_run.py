@@ -230,10 +230,10 @@ def dry_run(paths=PATHS, *, arch: str = "sm_90", compile: bool = True) -> dict:
     return report
 
 
-# Host syncs allowed per path (issue 27), outside the once-per-model setup, per batch forward
-# (a top-level forward of the model or of the decoder body the engine calls; the bench_gpu
-# path runs op calls only, no forward, and may not sync at all). At most one per batch where a
-# result must reach the host; none in the ops or the per-layer code (HOT_FILES).
+# Host syncs allowed per path (a sync stalls the GPU pipeline), outside the once-per-model setup,
+# per batch forward (a top-level forward of the model or of the decoder body the engine calls; the
+# bench_gpu path runs op calls only, no forward, and may not sync at all). At most one per batch
+# where a result must reach the host; none in the ops or the per-layer code (HOT_FILES).
 SYNC_BUDGETS = {
     "bench_gpu": 0.0,
     # 1 per batch (1 prefix-bank + 1 suffix forward here): engine/scorer.py reads the batch's

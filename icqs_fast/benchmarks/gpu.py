@@ -1,8 +1,8 @@
 """``icqs-fast bench gpu``: measured GPU times beside the static model's predictions.
 
-Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case of issue 9
-(``token_stats`` bf16 ``[8192, 151936]`` and smaller N, ``linear_token_stats`` bf16 N x 4096 x
-151936, attention entropy bf16 at head dims 64/128 with and without the entropy state) it
+Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case of the static
+model (``token_stats`` bf16 ``[8192, 151936]`` and smaller N, ``linear_token_stats`` bf16 N x
+4096 x 151936, attention entropy bf16 at head dims 64/128 with and without the entropy state) it
 
 * times the public op end to end with ``triton.testing.do_bench`` (L2 flushed between runs),
 * times each Triton kernel of the op alone from the CUDA profiler (kernel names of the op's

@@ -125,7 +125,7 @@ _GUIDE = ("CUDA C++ Programming Guide, 'Technical Specifications per Compute Cap
 _THROUGHPUT = ("CUDA C++ Programming Guide, 'Arithmetic Instructions' throughput table "
                "(results per clock per SM, cc 8.0 / 9.0): 32-bit exp2/log2/reciprocal 16, "
                "warp shuffle 32")
-MEASURED_H100 = ("this workplace's H100 SXM (issue 9 brief): torch device-to-device copy "
+MEASURED_H100 = ("this workplace's H100 SXM: torch device-to-device copy "
                  "~3.0 TB/s counting read + write bytes; bf16 torch.matmul ~798 TFLOP/s")
 
 # Measured/spec ratios on the H100, applied to the A100 spec where nothing was measured there.

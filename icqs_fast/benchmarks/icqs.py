@@ -45,7 +45,7 @@ model's dtype and at the run's thread count (a short probe before and after the 
 better kept), ``fraction_of_limit = achieved_gflops / limit_gflops``; on the CPU the same per
 process CPU second (``*_cpu``), steadier on a shared machine.
 
-``--calibrate content_free|pmi`` (issue 17) adds ``calibrated_fast_s`` and
+``--calibrate content_free|pmi`` adds ``calibrated_fast_s`` and
 ``uncalibrated_fast_s`` (fresh engines, prefix caches included, the two interleaved
 ``cold_repeats`` times, medians) and ``calibration_overhead`` = their ratio (the target is
 <= 1.3), plus ``calibration_rows`` (baseline rows scored; each (query, answer) pair once per

@@ -72,7 +72,8 @@ LSE_VARIANTS = (
 
 
 def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(op, module, kwargs of its gpu_launches)`` for every shape of issue 9 item 1.
+    """``(op, module, kwargs of its gpu_launches)`` for every headline shape: the
+    sizes of the models users score with (vocabularies of 32k-152k, head dims 64/128).
 
     token_stats: fp32/fp16/bf16 x V in {32000, 49152, 128256, 151936} x N in
     {1, 64, 1024, 8192, 65536}; linear_token_stats: bf16/fp16, H in {2048, 4096, 8192} x

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="responses scored in the engine's memory subprocess (default 16)")
     p.add_argument("--calibrate", default=None, choices=["none", "content_free", "pmi"],
                    help="also time the engine with this calibration against without it "
-                        "(calibration_overhead; issue 17)")
+                        "(calibration_overhead)")
     p.add_argument("--answers", default="labels", choices=("labels", "free-text"),
                    help="the responses' answers: labels (positive / negative; default) or "
                         "free-text (a distinct one-sentence answer per headline: no shared "

@@ -143,10 +143,6 @@ class HeadEpilogue:
     softcap: float | None = None
     source: str = ""
 
-    @property
-    def identity(self) -> bool:
-        return self.logit_scale == 1.0 and self.softcap is None
-
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """The epilogue on logits ``z`` (any shape), in z's dtype."""
         if self.logit_scale != 1.0:

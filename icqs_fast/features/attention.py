@@ -11,7 +11,6 @@ downstream features finite); a row with no allowed key at all has output 0.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -287,7 +286,3 @@ def eager_range_entropy(attn: torch.Tensor, key_range: torch.Tensor,
         out[b][:, rows] = e.float()
     return out
 
-
-def default_scale(d: int) -> float:
-    """The usual ``1 / sqrt(D)`` score scale."""
-    return 1.0 / math.sqrt(d)
