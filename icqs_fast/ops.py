@@ -168,13 +168,13 @@ def linear_token_stats(
 
         72 N                          per-token states and outputs
       + [4 c H]                       fp32 copy of the token chunk's hidden rows
-      + max(4 c b + max([4 b H], R),  logits block + fp32 weight rows or the block reduction
-            c H (s + [4]))            target-logit step
+      + max(4 c b + [4 b H] + R,      logits block + the vocabulary block's fp32 weight rows
+            c H (s + [4]))            (converted once per call) + block reduction; target step
 
     where ``R`` is 72 c on cpp and 18 c b on torch (float64 temporaries), plus the BLAS
     library's GEMM workspace. It grows with N only through ``72 N``: never ``N x V`` nor
     ``N x H``. With the default chunks and fp32 inputs that is 16 MiB (cpp) or 88 MiB (torch)
-    + 72 bytes per token; a bf16 weight makes the middle term ``4 b H`` (256 MiB at H = 4096
+    + 72 bytes per token; a bf16 weight adds ``4 b H`` (256 MiB at H = 4096
     with the default ``chunk_vocab``: pass a smaller one to lower it). The triton backend fuses
     the product and the reduction: ``[C, N]`` partial states, ``C = cdiv(V, block_n * tiles)``,
     about 140 bytes per chunk and token at the peak (see
@@ -303,9 +303,12 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
     n, v = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
-    parts = []
-    for r0 in range(0, n, ct):
-        r1 = min(n, r0 + ct)
+    spans = [(r0, min(n, r0 + ct)) for r0 in range(0, n, ct)]
+    if not spans:
+        z_t = torch.zeros(0, dtype=torch.float64, device=hidden.device)
+        return _state.finalize(*_state.empty(0, hidden.device), z_t, valid, temperature)
+    heads = []  # per token chunk: (targets, z_t, capped z_t, shift); O(c) each, never N x H
+    for r0, r1 in spans:
         h = hidden[r0:r1].float()
         t = safe_t[r0:r1]
         # This chunk's target logits, from the same fp32 operands as its blocks (row-wise dot
@@ -317,21 +320,29 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
         # ones (by the same epilogue code as the target's here, zc_t).
         zc_t = z_t if tanh_scale is None else tanh_logits(z_t, tanh_scale).double()
         shift = torch.where(torch.isfinite(zc_t), zc_t / temperature, torch.zeros_like(zc_t))
-        acc = _state.empty(r1 - r0, hidden.device)
-        for c0 in range(0, v, cv):
-            c1 = min(v, c0 + cv)
-            z = h @ weight[c0:c1].float().t()
-            if bias is not None:
-                z += bias[c0:c1].float()
+        heads.append((t, z_t, zc_t, shift))
+        del h
+    accs = [_state.empty(r1 - r0, hidden.device) for r0, r1 in spans]
+    # Vocabulary blocks outside, token chunks inside: a 16-bit weight block is converted to
+    # fp32 once per call, not once per token chunk (the same c x b products and the same merge
+    # order per chunk, so the same numbers bit for bit).
+    for c0 in range(0, v, cv):
+        c1 = min(v, c0 + cv)
+        w = weight[c0:c1].float().t()
+        b = None if bias is None else bias[c0:c1].float()
+        for i, ((r0, r1), (t, z_t, _zc, shift)) in enumerate(zip(spans, heads, strict=True)):
+            # The hidden rows are converted per block (c x H, a no-op at fp32): keeping them all
+            # in fp32 would hold N x H.
+            z = hidden[r0:r1].float() @ w
+            if b is not None:
+                z += b
             blk = (reduce_block(z, t - c0, z_t, shift, temperature) if tanh_scale is None
                    else reduce_block(z, t - c0, z_t, shift, temperature, tanh_scale))
-            acc = _state.merge(acc, blk)
+            accs[i] = _state.merge(accs[i], blk)
             del z, blk
-        parts.append(_state.finalize(*acc, zc_t, valid[r0:r1], temperature))
-        del h, acc
-    if not parts:
-        z_t = torch.zeros(0, dtype=torch.float64, device=hidden.device)
-        return _state.finalize(*_state.empty(0, hidden.device), z_t, valid, temperature)
+        del w, b
+    parts = [_state.finalize(*acc, zc_t, valid[r0:r1], temperature)
+             for acc, (_t, _z, zc_t, _s), (r0, r1) in zip(accs, heads, spans, strict=True)]
     return TokenStats.cat(parts)
 
 
