@@ -372,7 +372,7 @@ class ICQSScorer:
         exhausted = False
         while True:
             # Fill the row queue until one forward's budget is reached (or the input ends).
-            while not exhausted and self._queued_tokens(rows) < self._budget:
+            while not exhausted and self._row_cost(rows) < self._budget:
                 try:
                     i, item = next(it)
                 except StopIteration:
@@ -481,9 +481,6 @@ class ICQSScorer:
         p = 0 if self.cascade or self.plain else max(rec["plen"][c] for rec, c in rows)
         s = max(len(rec["suffix"][c]) for rec, c in rows)
         return len(rows) * (p + s)
-
-    def _queued_tokens(self, rows: list[tuple[dict, int]]) -> int:
-        return self._row_cost(rows)
 
     def _take(self, rows: list[tuple[dict, int]]) -> int:
         """Largest leading run of rows within the token budget (at least one); with cascade
