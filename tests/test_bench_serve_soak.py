@@ -51,7 +51,10 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
         assert rec[kind]["errors"] == {}
         assert rec[kind]["latency_s_p50"] <= rec[kind]["latency_s_p99"]
     gen = rec["generate"]
-    assert 0 < gen["ttft_s_p50"] and 0 < gen["itl_s_p50"] <= gen["itl_s_p99"]
+    # Two streamed pieces can arrive in one read, so a gap may be ~0; that gaps were timed
+    # (several pieces per generation) is what shows the generation streamed.
+    assert 0 < gen["ttft_s_p50"] and 0 <= gen["itl_s_p50"] <= gen["itl_s_p99"]
+    assert gen["itl_samples"] >= 1
     assert rec["server_tokens"]["generated"] == 8 * gen["ok"]
     assert len(rec["rss_mb"]) >= 3 and all(mb > 10 for _, mb in rec["rss_mb"])
     assert rec["rss_peak_mb"] >= max(mb for _, mb in rec["rss_mb"])

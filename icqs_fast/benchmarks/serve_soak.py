@@ -277,10 +277,12 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
                            "wall_s": round(wall, 1)}
     for name, kind in kinds.items():
         rec[name] = kind.summary(wall)
-    rec["generate"].update({"ttft_s_p50": _r(percentile(res["ttft"], 50)),
-                            "ttft_s_p99": _r(percentile(res["ttft"], 99)),
-                            "itl_s_p50": _r(percentile(res["itl"], 50)),
-                            "itl_s_p99": _r(percentile(res["itl"], 99))})
+    # Microseconds: a small model's inter-token gaps are well under a millisecond.
+    rec["generate"].update({"ttft_s_p50": _r(percentile(res["ttft"], 50), 6),
+                            "ttft_s_p99": _r(percentile(res["ttft"], 99), 6),
+                            "itl_s_p50": _r(percentile(res["itl"], 50), 6),
+                            "itl_s_p99": _r(percentile(res["itl"], 99), 6),
+                            "itl_samples": len(res["itl"])})
     rss = res["rss"]
     rec["rss_mb"] = rss
     rec["rss_peak_mb"] = round(res["rss_peak_mb"], 1)
