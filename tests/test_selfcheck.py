@@ -185,6 +185,34 @@ def test_equal_error_and_precision_thresholds():
     assert t == pytest.approx(0.675) and prec == 1.0 and rec == 0.75
 
 
+def test_equal_error_threshold_matches_an_exact_scan():
+    """The ROC-based threshold against a scan of every candidate in exact fractions (ties on
+    tied scores included; one class only gives NaN)."""
+    from fractions import Fraction
+
+    def scan(s, y):
+        n_pos, n_neg = int((y == 1).sum()), int((y == 0).sum())
+        if not (n_pos and n_neg):
+            return math.nan
+        u = np.unique(s)
+        best, key = math.nan, None
+        for t in np.concatenate([u[:1], (u[1:] + u[:-1]) / 2]):
+            fnr = Fraction(int(((s < t) & (y == 1)).sum()), n_pos)
+            fpr = Fraction(int(((s >= t) & (y == 0)).sum()), n_neg)
+            k = (abs(fnr - fpr), fnr + fpr)
+            if key is None or k < key:
+                best, key = float(t), k
+        return best
+
+    rng = np.random.default_rng(7)
+    for i in range(400):
+        n = int(rng.integers(1, 30))
+        s = (rng.integers(0, 5, n) / 4.0) if i % 2 else rng.normal(size=n)
+        y = rng.integers(0, 2, n)
+        want, got = scan(s, y), equal_error_threshold(s, y)
+        assert got == want or (math.isnan(got) and math.isnan(want)), (s, y, got, want)
+
+
 # --------------------------------------------------------------------------- the result
 
 

@@ -309,13 +309,6 @@ def choose_method(method: str, n_per_class: int) -> str:
 # --------------------------------------------------------------------------- thresholds
 
 
-def _rates(scores: np.ndarray, labels: np.ndarray, t: float) -> tuple[float, float]:
-    """``(fnr, fpr)`` of "good when score >= t"."""
-
-    pos, neg = scores[labels == 1], scores[labels == 0]
-    return float((pos < t).mean()), float((neg >= t).mean())
-
-
 def _candidates(scores: np.ndarray) -> np.ndarray:
     """Thresholds worth trying: midway between consecutive distinct scores, and the lowest."""
     import numpy as np
@@ -329,15 +322,23 @@ def equal_error_threshold(scores: Sequence[float], labels: Sequence[int]) -> flo
     rates are closest (ties: the lowest total error, then the lowest ``t``), midway between
     two observed scores."""
     import numpy as np
+    from sklearn.metrics import roc_curve
 
     s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels)
-    best, key = math.nan, (math.inf, math.inf)
-    for t in _candidates(s):
-        fnr, fpr = _rates(s, y, float(t))
-        k = (abs(fnr - fpr), fnr + fpr)
-        if k < key:
-            best, key = float(t), k
-    return best
+    if not ((y == 1).any() and (y == 0).any()):
+        return math.nan  # one class only: no rates to balance
+    # roc_curve's thresholds are the distinct scores (descending, after a leading +inf): "score
+    # >= u_i" is "score >= the midpoint below u_i", so each rate pair belongs to one candidate.
+    fpr, tpr, thr = roc_curve(y == 1, s, drop_intermediate=False)
+    n_pos, n_neg = int((y == 1).sum()), int((y == 0).sum())
+    # As whole counts scaled to a common denominator (P N), so equal rates tie exactly.
+    fp = np.rint(fpr[1:][::-1] * n_neg).astype(np.int64) * n_pos  # ascending scores
+    fn = np.rint((1.0 - tpr[1:][::-1]) * n_pos).astype(np.int64) * n_neg
+    u = thr[1:][::-1]
+    cand = np.concatenate([u[:1], (u[1:] + u[:-1]) / 2])
+    # Closest rates, then the lowest total error, then the lowest t.
+    best = np.lexsort((cand, fn + fp, np.abs(fn - fp)))[0]
+    return float(cand[best])
 
 
 def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: float
