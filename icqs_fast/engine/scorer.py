@@ -90,6 +90,8 @@ class ICQSResult:
         p_good_calibrated: P(good) of :attr:`score` through the map the self-check fitted on
             the demonstration pools (:mod:`icqs_fast.engine.selfcheck`), when the scorer has
             one (:attr:`ICQSScorer.self_check`); None otherwise.
+        verdict: "good", "bad" or "abstain" from that self-check's threshold or abstain band
+            (:meth:`~icqs_fast.engine.selfcheck.SelfCheck.verdict`); None without one.
     """
 
     score: float
@@ -116,6 +118,7 @@ class ICQSResult:
     margins: list[float] | None = None
     tie_epsilon: float = 0.1
     p_good_calibrated: float | None = None
+    verdict: str | None = None
 
     @property
     def slope(self) -> float:
@@ -571,4 +574,5 @@ class ICQSScorer:
                         score_kind=self.score_kind, tie_epsilon=self.settings.tie_epsilon)
         if self.self_check is not None:
             res.p_good_calibrated = self.self_check.record_value(res.score)
+            res.verdict = self.self_check.verdict(res.score)
         return res

@@ -436,6 +436,13 @@ class SelfCheck:
             return float(out) if out.ndim == 0 else out
         return self.calibration.apply(score)
 
+    def verdict(self, score: float) -> str | None:
+        """The per-record verdict of ``score``: "good" at or above the equal-error threshold,
+        else "bad"; None without an estimate or for a NaN score."""
+        if not self.ok or not math.isfinite(score) or not math.isfinite(self.threshold):
+            return None
+        return "good" if score >= self.threshold else "bad"
+
     def record_value(self, score: float) -> float | None:
         """The per-record :data:`FIELD` value: the calibrated probability, None (JSON null)
         when there is no estimate or the score is NaN."""
