@@ -45,6 +45,7 @@ REC = Record(index=7, line=8, x="q", y="a", id=12, label="good")
 def test_json_row_holds_every_declared_field_in_order():
     res = _result(calibrated=True, dropped=True)
     res.p_good_calibrated = 0.7  # what a scorer with a fitted self-check sets
+    res.verdict = "good"
     row = icqs_row(REC, res, with_label=True)
     assert list(row) == [f.name for f in ICQS_FIELDS]
     assert row["id"] == 12 and row["label"] == "good"  # JSON keeps the input's types
@@ -53,7 +54,8 @@ def test_json_row_holds_every_declared_field_in_order():
     # Fields present only sometimes are left out otherwise.
     plain = icqs_row(Record(0, 1, "q", "a"), _result(calibrated=False, dropped=False))
     absent = {f.name for f in ICQS_FIELDS} - set(plain)
-    assert absent == {"id", "label", "loglik_baseline", "n_dropped_demos", "p_good_calibrated"}
+    assert absent == {"id", "label", "loglik_baseline", "n_dropped_demos", "p_good_calibrated",
+                      "verdict"}
     assert all(f.when for f in ICQS_FIELDS if f.name in absent)
 
 

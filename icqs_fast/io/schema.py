@@ -119,6 +119,11 @@ ICQS_FIELDS: tuple[ResultField, ...] = (
        "self-check fitted on held-out demonstrations of the pools (an even mix of good and "
        "bad answers); same ranking as `score`", when="the self-check gave an estimate",
        omit="none"),
+    _R("verdict", "text", meaning="`good`, `bad` or `abstain`: with `--target-accuracy A`, "
+       "`abstain` inside the self-check's abstain band (scores sent to a person so that the "
+       "rest reaches accuracy A), `good` above it, `bad` below it; without, `good` at or above "
+       "the self-check's equal-error threshold, else `bad`",
+       when="the self-check gave an estimate", omit="none"),
 )
 
 FEATURE_FIELDS: tuple[ResultField, ...] = (
