@@ -3,8 +3,59 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
+from typing import Any
 
 from icqs_fast.engine.settings import CALIBRATIONS, DEFAULT_SCORE, SCORE_KINDS, TIE_EPSILON
+
+
+def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
+                 names: Collection[str] | None = None, exclude: Collection[str] = (),
+                 defaults: dict[str, Any] | None = None) -> None:
+    """Add the declared options of the dataclass ``cls`` (:mod:`icqs_fast.options`) that have
+    a flag to ``p`` (a parser or an argument group): ``dest`` is the field name, the type,
+    choices, default and help come from the declaration. ``names``: only these fields;
+    ``exclude``: not these; ``defaults``: other defaults for this command. A bool option is a
+    switch that turns it on; a ``strs`` option is repeated (unset: the declared default)."""
+    from icqs_fast.options import declared, default_text, metavar
+
+    for d in declared(cls):
+        if d.flag is None or d.name in exclude or (names is not None and d.name not in names):
+            continue
+        default = (defaults or {}).get(d.name, d.default)
+        opt = d.option
+        shown = default_text(d) if default == d.default else str(default)
+        text = opt.help.replace("%", "%%") + (f" (default {shown})" if shown else "")
+        kw: dict[str, Any] = dict(dest=d.name, help=text)
+        if opt.kind == "bool":
+            kw.update(action="store_true", default=bool(default))
+        elif opt.kind == "strs":
+            kw.update(action="append", default=None, metavar=metavar(d))
+        else:
+            kw.update(type={"int": int, "float": float}.get(opt.kind, str), default=default)
+            if opt.choices is not None:
+                kw["choices"] = list(opt.choices)
+            else:
+                kw["metavar"] = metavar(d)
+        p.add_argument(d.flag, **kw)
+
+
+def declared_values(args: argparse.Namespace, cls: Any, *,
+                    names: Collection[str] | None = None) -> dict[str, Any]:
+    """The parsed values of the options :func:`add_declared` added for ``cls`` (by field
+    name; a repeated option given no time is left out, so the declared default holds)."""
+    from icqs_fast.options import declared
+
+    out = {}
+    for d in declared(cls):
+        if d.flag is None or (names is not None and d.name not in names) \
+                or not hasattr(args, d.name):
+            continue
+        v = getattr(args, d.name)
+        if d.option.kind == "strs" and v is None:
+            continue
+        out[d.name] = v
+    return out
 
 
 def add_calibration_arguments(p: argparse.ArgumentParser, default_score: str = DEFAULT_SCORE
