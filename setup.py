@@ -51,6 +51,8 @@ if Pybind11Extension is not None and sources and os.environ.get("ICQS_FAST_NO_EX
         Pybind11Extension(
             "icqs_fast._C",
             sources,
+            # The shared header: a change rebuilds both files, and the sdist ships it.
+            depends=sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h")),
             cxx_std=17,
             # -Wno-psabi: the kernel's 64-byte vectors never cross a call (always-inlined helpers).
             extra_compile_args=[

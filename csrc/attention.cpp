@@ -44,6 +44,8 @@
 #include <string>
 #include <vector>
 
+#include "simd_math.h"
+
 #if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
 #include <immintrin.h>
 #define ICQS_ATTN_X86 1
@@ -60,106 +62,36 @@ namespace {
 enum ADType : int { kAF32 = 0, kAF16 = 1, kABF16 = 2 };
 
 template <int W>
-struct AV {
-    typedef float f __attribute__((vector_size(4 * W)));
-    typedef int32_t i __attribute__((vector_size(4 * W)));
-};
-
-template <int W>
-ATTN_INLINE typename AV<W>::f asplat(float a) {
-    return typename AV<W>::f{} + a;
-}
-
-template <int W>
-ATTN_INLINE typename AV<W>::f aload(const float* p) {
-    typename AV<W>::f x;
+ATTN_INLINE typename V<W>::f aload(const float* p) {
+    typename V<W>::f x;
     std::memcpy(&x, p, sizeof(x));
     return x;
 }
 
 template <int W>
-ATTN_INLINE void astore(float* p, typename AV<W>::f x) {
+ATTN_INLINE void astore(float* p, typename V<W>::f x) {
     std::memcpy(p, &x, sizeof(x));
 }
 
 template <int W>
-ATTN_INLINE float hmax(typename AV<W>::f x) {
+ATTN_INLINE float hmax(typename V<W>::f x) {
     float m = x[0];
     for (int k = 1; k < W; ++k) m = x[k] > m ? x[k] : m;
     return m;
 }
 
 template <int W>
-ATTN_INLINE float hsum(typename AV<W>::f x) {
+ATTN_INLINE float hsum(typename V<W>::f x) {
     float s = 0.f;
     for (int k = 0; k < W; ++k) s += x[k];
     return s;
 }
 
-// e^d for d <= 0 (Cephes expf, as token_stats.cpp); d < -87 (and -inf) gives exactly 0.
-template <int W>
-ATTN_INLINE typename AV<W>::f aexp_neg(typename AV<W>::f d) {
-    using F = typename AV<W>::f;
-    using I = typename AV<W>::i;
-    const F magic = asplat<W>(12582912.0f);
-    const F dd = d < asplat<W>(-87.0f) ? asplat<W>(-87.0f) : d;
-    const F t = dd * asplat<W>(1.44269504088896341f) + magic;
-    const F nf = t - magic;
-    const I n = (I)t - (I)magic;
-    F r = dd - nf * asplat<W>(0.693359375f);
-    r = r - nf * asplat<W>(-2.12194440e-4f);
-    F p = asplat<W>(1.9875691500e-4f);
-    p = p * r + asplat<W>(1.3981999507e-3f);
-    p = p * r + asplat<W>(8.3334519073e-3f);
-    p = p * r + asplat<W>(4.1665795894e-2f);
-    p = p * r + asplat<W>(1.6666665459e-1f);
-    p = p * r + asplat<W>(5.0000001201e-1f);
-    p = p * (r * r) + r + asplat<W>(1.0f);
-    const I n_safe = n < -126 ? I{} - 126 : n;
-    const F e = p * (F)((n_safe + 127) << 23);
-    return d < asplat<W>(-87.0f) ? F{} : e;
-}
-
-// c tanh(s / c) (the score soft cap), ~2 ulp: Cephes' odd polynomial for |u| < 0.625, else
-// (1 - e) / (1 + e) with e = e^{-2|u|}.
-template <int W>
-ATTN_INLINE typename AV<W>::f asoftcap(typename AV<W>::f s, float inv_c, float c) {
-    using F = typename AV<W>::f;
-    using I = typename AV<W>::i;
-    const F u = s * asplat<W>(inv_c);
-    const I sign = (I)u & (I{} + INT32_MIN);
-    const F au = (F)((I)u & 0x7fffffff);
-    const F u2 = u * u;
-    F p = asplat<W>(-5.70498872745e-3f);
-    p = p * u2 + asplat<W>(2.06390887954e-2f);
-    p = p * u2 + asplat<W>(-5.37397155531e-2f);
-    p = p * u2 + asplat<W>(1.33314422036e-1f);
-    p = p * u2 + asplat<W>(-3.33332819422e-1f);
-    const F small = p * u2 * u + u;
-    const F e = aexp_neg<W>(asplat<W>(-2.0f) * au);
-    const F big = (F)((I)((asplat<W>(1.0f) - e) / (asplat<W>(1.0f) + e)) | sign);
-    const F w = au < asplat<W>(0.625f) ? small : big;
-    return w * asplat<W>(c);
-}
-
 ATTN_INLINE float to_f32(const void* base, int64_t idx, int dt) {
     if (dt == kAF32) return static_cast<const float*>(base)[idx];
     const uint32_t h = static_cast<const uint16_t*>(base)[idx];
-    uint32_t out;
-    if (dt == kABF16) {
-        out = h << 16;
-    } else {  // IEEE half
-        const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
-        if (expo == 0x7c00u) {
-            out = (mag << 13) | 0x7f800000u;
-        } else if (expo == 0u) {
-            const float sub = static_cast<float>(mag) * 5.9604644775390625e-8f;
-            std::memcpy(&out, &sub, sizeof(out));
-        } else {
-            out = (mag << 13) + ((127u - 15u) << 23);
-        }
-        out |= (h & 0x8000u) << 16;
-    }
+    if (dt == kAF16) return half_bits_to_float(h);
+    const uint32_t out = h << 16;
     float f;
     std::memcpy(&f, &out, sizeof(f));
     return f;
@@ -303,9 +235,9 @@ ATTN_INLINE void query_rows(const Args& a, int64_t b, int64_t hk, int64_t r, int
 template <int W, int BK>
 ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int64_t qp,
                               int mode, float& m, float& l) {
-    using F = typename AV<W>::f;
-    using I = typename AV<W>::i;
-    const F ninf = asplat<W>(-std::numeric_limits<float>::infinity());
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    const F ninf = splat<W>(-std::numeric_limits<float>::infinity());
     // The mask as one allowed key-position range [lo, hi] of this query (key positions are
     // int32, >= 0 when real): causal hi = qp; window lo = qp - window + 1; chunk its bounds.
     int64_t lo = 0, hi = INT32_MAX;
@@ -321,8 +253,8 @@ ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int
     const I vhi = I{} + static_cast<int32_t>(std::max<int64_t>(hi, -1));
     F mx = ninf;
     for (int c = 0; c < BK; c += W) {
-        F s = aload<W>(srow + c) * asplat<W>(a.scale);
-        if (a.softcap != 0.f) s = asoftcap<W>(s, 1.0f / a.softcap, a.softcap);
+        F s = aload<W>(srow + c) * splat<W>(a.scale);
+        if (a.softcap != 0.f) s = tanh_scaled<W>(s, splat<W>(1.0f / a.softcap)) * splat<W>(a.softcap);
         if (mode == 1) {
             I kv;
             std::memcpy(&kv, kp + c, sizeof(kv));
@@ -338,10 +270,10 @@ ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int
         for (int c = 0; c < BK; c += W) astore<W>(srow + c, F{});
         return 1.f;
     }
-    const F vm = asplat<W>(mnew);
+    const F vm = splat<W>(mnew);
     F sum = F{};
     for (int c = 0; c < BK; c += W) {
-        const F p = aexp_neg<W>(aload<W>(srow + c) - vm);
+        const F p = exp_neg<W>(aload<W>(srow + c) - vm);
         astore<W>(srow + c, p);
         sum += p;
     }
@@ -385,7 +317,7 @@ ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int6
 // S[R rows][BK] = Q[R rows] . Kt (D x BK), register tile.
 template <int W, int R>
 ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow) {
-    using F = typename AV<W>::f;
+    using F = typename V<W>::f;
     constexpr int BK = Tile<W>::BK;
     F acc[R][4];
 #pragma GCC unroll 16
@@ -397,7 +329,7 @@ ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow
                 k3 = aload<W>(kr + 3 * W);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            const F qv = asplat<W>(q[r * D + d]);
+            const F qv = splat<W>(q[r * D + d]);
             acc[r][0] += qv * k0;
             acc[r][1] += qv * k1;
             acc[r][2] += qv * k2;
@@ -412,7 +344,7 @@ ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow
 // O[R rows][NC vectors at column c0] += P[R rows][BK] . V[BK][c0..], register tile.
 template <int W, int R, int NC>
 ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, float* o) {
-    using F = typename AV<W>::f;
+    using F = typename V<W>::f;
     constexpr int BK = Tile<W>::BK;
     F acc[R][NC];
 #pragma GCC unroll 16
@@ -424,7 +356,7 @@ ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, float* o) 
         for (int c = 0; c < NC; ++c) vv[c] = aload<W>(v + j * dvp + c * W);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            const F pr = asplat<W>(p[r * BK + j]);
+            const F pr = splat<W>(p[r * BK + j]);
             for (int c = 0; c < NC; ++c) acc[r][c] += pr * vv[c];
         }
     }
@@ -450,36 +382,42 @@ ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, float* o) 
     }
 }
 
-// Rows [r0, r1) of key head hk of batch b.
-template <int W>
-ATTN_INLINE void item_f32(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    constexpr int BK = Tile<W>::BK, RS = Tile<W>::RS;
+// ------------------------------------------------------------------ one loop, both kernels
+
+// Rows [r0, r1) of key head hk of batch b, for a kernel K (KF32<W>, KBf16): K packs the keys
+// and values of (b, hk) and one query row, computes a query block's scores against a key block
+// (S, kBQ x BK fp32), turns the block's probabilities into its PV operand and accumulates
+// O += P V; this loop does the rest (blocks to skip or mask, the online softmax, the output).
+template <class K>
+ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    constexpr int W = K::W, BK = K::BK;
     Scratch& s = scratch();
-    const int64_t nkb = (a.Tk + BK - 1) / BK, D = a.D, Dv = a.Dv;
+    const int64_t nkb = (a.Tk + BK - 1) / BK, dq = K::q_len(a.D), Dv = a.Dv;
     const int64_t dvp = (Dv + W - 1) / W * W;
     if (s.call != a.call || s.b != b || s.hk != hk) {
-        pack_f32<W>(a, s, b, hk, nkb, dvp);
+        K::pack(a, s, b, hk, nkb, dvp);
         s.call = a.call;
         s.b = b;
         s.hk = hk;
     }
-    s.qb.resize(static_cast<size_t>(kBQ * D));
+    auto& qbuf = K::q_buf(s);
+    qbuf.resize(static_cast<size_t>(kBQ * dq));
     s.sb.resize(static_cast<size_t>(kBQ * BK));
     s.ob.resize(static_cast<size_t>(kBQ * dvp));
-    float *qb = s.qb.data(), *sb = s.sb.data(), *ob = s.ob.data();
+    K::prepare(s);
+    auto* qb = qbuf.data();
+    float *sb = s.sb.data(), *ob = s.ob.data();
     float m[kBQ], l[kBQ];
     QRows qr;
     for (int64_t r = r0; r < r1; r += kBQ) {
         const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
         query_rows(a, b, hk, r, n, qr);
         for (int rr = 0; rr < kBQ; ++rr) {
-            float* qd = qb + rr * D;
-            if (rr < n) {
-                const int64_t qo = b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
-                for (int64_t d = 0; d < D; ++d) qd[d] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
-            } else {
-                std::fill(qd, qd + D, 0.f);
-            }
+            auto* qd = qb + rr * dq;
+            if (rr < n)
+                K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qd);
+            else
+                std::fill(qd, qd + dq, 0);
             m[rr] = -std::numeric_limits<float>::infinity();
             l[rr] = 0.f;
         }
@@ -487,22 +425,18 @@ ATTN_INLINE void item_f32(const Args& a, int64_t b, int64_t hk, int64_t r0, int6
         for (int64_t kb = 0; kb < nkb; ++kb) {
             const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
             if (mode == 0) continue;
-            const float* kt = s.kt.data() + kb * D * BK;
-            for (int rr = 0; rr < kBQ; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
+            K::scores(s, qb, dq, kb, sb);
             const int32_t* kp = s.kp.data() + kb * BK;
-            for (int rr = 0; rr < kBQ; ++rr) {
-                float* srow = sb + rr * BK;
-                if (rr >= n) {
-                    std::fill(srow, srow + BK, 0.f);
-                    continue;
-                }
-                const float alpha = softmax_row<W, BK>(a, srow, kp, qr.pos[rr], mode, m[rr], l[rr]);
+            for (int rr = 0; rr < n; ++rr) {
+                const float alpha =
+                    softmax_row<W, BK>(a, sb + rr * BK, kp, qr.pos[rr], mode, m[rr], l[rr]);
                 if (alpha != 1.f) {
                     float* orow = ob + rr * dvp;
-                    for (int64_t c = 0; c < dvp; ++c) orow[c] *= alpha;
+                    for (int64_t c = 0; c < dvp; c += W)
+                        astore<W>(orow + c, aload<W>(orow + c) * splat<W>(alpha));
                 }
             }
-            pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, ob);
+            K::pv(s, sb, n, kb, dvp, ob);
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
@@ -519,22 +453,50 @@ ATTN_INLINE void item_f32(const Args& a, int64_t b, int64_t hk, int64_t r0, int6
     }
 }
 
-using ItemFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
+// The fp32 kernel's parts for item_impl (generic vector code: compiled for each ISA level).
+template <int W_>
+struct KF32 {
+    static constexpr int W = W_, BK = Tile<W>::BK;
+    static int64_t q_len(int64_t D) { return D; }
+    static std::vector<float>& q_buf(Scratch& s) { return s.qb; }
+    static void prepare(Scratch&) {}
+    ATTN_INLINE static void pack(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
+                                 int64_t dvp) {
+        pack_f32<W>(a, s, b, hk, nkb, dvp);
+    }
+    ATTN_INLINE static void load_q(const Args& a, int64_t qo, float* qd) {
+        for (int64_t d = 0; d < a.D; ++d) qd[d] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
+    }
+    ATTN_INLINE static void scores(const Scratch& s, const float* qb, int64_t D, int64_t kb,
+                                   float* sb) {
+        constexpr int RS = Tile<W>::RS;
+        const float* kt = s.kt.data() + kb * D * BK;
+        for (int rr = 0; rr < kBQ; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
+    }
+    // Rows past n (no query) get probability 0, so they add nothing.
+    ATTN_INLINE static void pv(const Scratch& s, float* sb, int n, int64_t kb, int64_t dvp,
+                               float* ob) {
+        std::fill(sb + n * BK, sb + kBQ * BK, 0.f);
+        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, ob);
+    }
+};
 
 void item_v2(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    item_f32<4>(a, b, hk, r0, r1);
+    item_impl<KF32<4>>(a, b, hk, r0, r1);
 }
 
 #ifdef ICQS_ATTN_X86
 __attribute__((target("arch=x86-64-v3"))) void item_v3(const Args& a, int64_t b, int64_t hk,
                                                         int64_t r0, int64_t r1) {
-    item_f32<8>(a, b, hk, r0, r1);
+    item_impl<KF32<8>>(a, b, hk, r0, r1);
 }
 __attribute__((target("arch=x86-64-v4"))) void item_v4(const Args& a, int64_t b, int64_t hk,
                                                         int64_t r0, int64_t r1) {
-    item_f32<16>(a, b, hk, r0, r1);
+    item_impl<KF32<16>>(a, b, hk, r0, r1);
 }
 #endif
+
+using ItemFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
 
 // ------------------------------------------------------------- bf16 kernel (AVX512_BF16)
 
@@ -613,98 +575,65 @@ ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * dvp + c * 16, acc[r][c]);
 }
 
-ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    constexpr int R = 4;
-    Scratch& s = scratch();
-    const int64_t nkb = (a.Tk + kBK2 - 1) / kBK2, d2 = (a.D + 1) / 2, Dv = a.Dv;
-    const int64_t dvp = (Dv + 15) / 16 * 16, nv = dvp / 16;
-    if (s.call != a.call || s.b != b || s.hk != hk) {
-        pack_bf16(a, s, b, hk, nkb, d2, dvp);
-        s.call = a.call;
-        s.b = b;
-        s.hk = hk;
+// The bf16 kernel's parts for item_impl. Those with AVX512_BF16 intrinsics are out-of-line
+// functions of that target (called once per key block, not inlined into the generic loop,
+// which is inlined into item_bf16 and so compiled for the same target).
+struct KBf16 {
+    static constexpr int W = 16, BK = kBK2, R = 4;
+    static int64_t q_len(int64_t D) { return (D + 1) / 2; }
+    static std::vector<uint32_t>& q_buf(Scratch& s) { return s.qb2; }
+    static void prepare(Scratch& s) { s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2)); }
+    ATTN_INLINE static void pack(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
+                                 int64_t dvp) {
+        pack_bf16(a, s, b, hk, nkb, q_len(a.D), dvp);
     }
-    s.qb2.resize(static_cast<size_t>(kBQ * d2));
-    s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2));
-    s.sb.resize(static_cast<size_t>(kBQ * kBK2));
-    s.ob.resize(static_cast<size_t>(kBQ * dvp));
-    uint32_t *qb = s.qb2.data(), *pb = s.pb2.data();
-    float *sb = s.sb.data(), *ob = s.ob.data();
-    float m[kBQ], l[kBQ];
-    QRows qr;
-    for (int64_t r = r0; r < r1; r += kBQ) {
-        const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
-        query_rows(a, b, hk, r, n, qr);
+    ATTN_INLINE static void load_q(const Args& a, int64_t qo, uint32_t* qd) {
+        for (int64_t p = 0; p < q_len(a.D); ++p) {
+            const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.q, qo + 2 * p + 1, a.dt) : 0u;
+            qd[p] = bf16_bits(a.q, qo + 2 * p, a.dt) | (hi << 16);
+        }
+    }
+    ICQS_BF16_TARGET __attribute__((noinline)) static void scores(
+        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb) {
+        const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
+        for (int rr = 0; rr < kBQ; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
+    }
+    // Probabilities as bf16 in key order (consecutive pairs are dpbf16's pairs); rows past n
+    // (no query) 0, so they add nothing.
+    ICQS_BF16_TARGET __attribute__((noinline)) static void pv(
+        Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, float* ob) {
+        uint32_t* pb = s.pb2.data();
         for (int rr = 0; rr < kBQ; ++rr) {
-            uint32_t* qd = qb + rr * d2;
-            if (rr < n) {
-                const int64_t qo = b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2];
-                for (int64_t p = 0; p < d2; ++p) {
-                    const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.q, qo + 2 * p + 1, a.dt) : 0u;
-                    qd[p] = bf16_bits(a.q, qo + 2 * p, a.dt) | (hi << 16);
-                }
-            } else {
-                std::fill(qd, qd + d2, 0u);
+            uint32_t* prow = pb + rr * (kBK2 / 2);
+            if (rr >= n) {
+                std::fill(prow, prow + kBK2 / 2, 0u);
+                continue;
             }
-            m[rr] = -std::numeric_limits<float>::infinity();
-            l[rr] = 0.f;
-        }
-        std::fill(ob, ob + kBQ * dvp, 0.f);
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-            const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
-            if (mode == 0) continue;
-            const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
-            for (int rr = 0; rr < kBQ; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
-            const int32_t* kp = s.kp.data() + kb * kBK2;
-            for (int rr = 0; rr < kBQ; ++rr) {
-                float* srow = sb + rr * kBK2;
-                uint32_t* prow = pb + rr * (kBK2 / 2);
-                if (rr >= n) {
-                    std::fill(prow, prow + kBK2 / 2, 0u);
-                    continue;
-                }
-                const float alpha =
-                    softmax_row<16, kBK2>(a, srow, kp, qr.pos[rr], mode, m[rr], l[rr]);
-                if (alpha != 1.f) {
-                    float* orow = ob + rr * dvp;
-                    const __m512 va = _mm512_set1_ps(alpha);
-                    for (int64_t c = 0; c < dvp; c += 16)
-                        _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), va));
-                }
-                // Probabilities as bf16 in key order: consecutive pairs are dpbf16's pairs.
-                for (int c = 0; c < kBK2; c += 16) {
-                    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(srow + c));
-                    std::memcpy(prow + c / 2, &h, sizeof(h));
-                }
-            }
-            const uint32_t* vp = s.vp2.data() + kb * (kBK2 / 2) * dvp;
-            for (int rr = 0; rr < kBQ; rr += R) {
-                int64_t c = 0;
-                for (; c + 4 <= nv; c += 4)
-                    pv_tile_bf16<R, 4>(pb + rr * (kBK2 / 2), vp + c * 16, dvp, ob + rr * dvp + c * 16);
-                const uint32_t* p2 = pb + rr * (kBK2 / 2);
-                float* o = ob + rr * dvp + c * 16;
-                switch (nv - c) {
-                    case 3: pv_tile_bf16<R, 3>(p2, vp + c * 16, dvp, o); break;
-                    case 2: pv_tile_bf16<R, 2>(p2, vp + c * 16, dvp, o); break;
-                    case 1: pv_tile_bf16<R, 1>(p2, vp + c * 16, dvp, o); break;
-                    default: break;
-                }
+            for (int c = 0; c < kBK2; c += 16) {
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(sb + rr * kBK2 + c));
+                std::memcpy(prow + c / 2, &h, sizeof(h));
             }
         }
-        for (int rr = 0; rr < n; ++rr) {
-            const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
-            float* dst = a.out + row * Dv;
-            if (l[rr] > 0.f) {
-                const float inv = 1.0f / l[rr];
-                for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
-                a.lse[row] = m[rr] + std::log(l[rr]);
-            } else {
-                std::fill(dst, dst + Dv, 0.f);
-                a.lse[row] = -std::numeric_limits<float>::infinity();
+        const uint32_t* vp = s.vp2.data() + kb * (kBK2 / 2) * dvp;
+        const int64_t nv = dvp / 16;
+        for (int rr = 0; rr < kBQ; rr += R) {
+            const uint32_t* p2 = pb + rr * (kBK2 / 2);
+            int64_t c = 0;
+            for (; c + 4 <= nv; c += 4)
+                pv_tile_bf16<R, 4>(p2, vp + c * 16, dvp, ob + rr * dvp + c * 16);
+            float* o = ob + rr * dvp + c * 16;
+            switch (nv - c) {
+                case 3: pv_tile_bf16<R, 3>(p2, vp + c * 16, dvp, o); break;
+                case 2: pv_tile_bf16<R, 2>(p2, vp + c * 16, dvp, o); break;
+                case 1: pv_tile_bf16<R, 1>(p2, vp + c * 16, dvp, o); break;
+                default: break;
             }
         }
     }
+};
+
+ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    item_impl<KBf16>(a, b, hk, r0, r1);
 }
 
 bool has_bf16_dot() {
@@ -712,15 +641,6 @@ bool has_bf16_dot() {
     return __builtin_cpu_supports("avx512bf16");
 }
 #endif
-
-int attn_best_isa() {
-#ifdef ICQS_ATTN_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return 2;
-    if (__builtin_cpu_supports("x86-64-v3")) return 1;
-#endif
-    return 0;
-}
 
 std::atomic<uint64_t> g_call{0};
 
@@ -741,7 +661,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
         throw std::invalid_argument("attention_lse: scale finite, softcap finite and >= 0");
     if (q_strides.size() != 3 || k_strides.size() != 3 || v_strides.size() != 3)
         throw std::invalid_argument("attention_lse: strides are 3-tuples (dims 0..2)");
-    const int best = attn_best_isa();
+    const int best = cpu_isa_level();
     if (isa < 0) isa = best;
     if (isa > best)
         throw std::invalid_argument("attention_lse: isa " + std::to_string(isa) +

@@ -35,6 +35,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "simd_math.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -52,22 +54,6 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum Isa : int { kIsaV2 = 0, kIsaV3 = 1, kIsaV4 = 2 };
 
 #define ICQS_INLINE inline __attribute__((always_inline))
-
-// Vector types of W lanes (W floats = 4W bytes).
-template <int W>
-struct V {
-    typedef float f __attribute__((vector_size(4 * W)));
-    typedef int32_t i __attribute__((vector_size(4 * W)));
-    typedef uint32_t u __attribute__((vector_size(4 * W)));
-    typedef uint16_t h __attribute__((vector_size(2 * W)));
-    typedef float fh __attribute__((vector_size(2 * W)));   // half a vector of floats
-    typedef double dh __attribute__((vector_size(4 * W)));  // ... as doubles
-};
-
-template <int W>
-ICQS_INLINE typename V<W>::f splat(float a) {
-    return typename V<W>::f{} + a;
-}
 
 template <int W>
 ICQS_INLINE typename V<W>::f vmax(typename V<W>::f a, typename V<W>::f b) {
@@ -132,69 +118,7 @@ ICQS_INLINE float load1(const void* row, int64_t j) {
         std::memcpy(&f, &b, sizeof(f));
         return f;
     }
-    // Same steps as half_to_float, one value.
-    const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
-    uint32_t out;
-    if (expo == 0x7c00u) {
-        out = (mag << 13) | 0x7f800000u;
-    } else if (expo == 0u) {
-        const float sub = static_cast<float>(mag) * 5.9604644775390625e-8f;
-        std::memcpy(&out, &sub, sizeof(out));
-    } else {
-        out = (mag << 13) + ((127u - 15u) << 23);
-    }
-    out |= (h & 0x8000u) << 16;
-    float f;
-    std::memcpy(&f, &out, sizeof(f));
-    return f;
-}
-
-// e^d for d <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp);
-// d < -87 (including the -100 that stands for -inf) gives exactly 0.
-template <int W>
-ICQS_INLINE typename V<W>::f exp_neg(typename V<W>::f d) {
-    using F = typename V<W>::f;
-    using I = typename V<W>::i;
-    const F magic = splat<W>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    const F t = d * splat<W>(1.44269504088896341f) + magic;
-    const F nf = t - magic;
-    const I n = (I)t - (I)magic;
-    F r = d - nf * splat<W>(0.693359375f);
-    r = r - nf * splat<W>(-2.12194440e-4f);
-    F p = splat<W>(1.9875691500e-4f);
-    p = p * r + splat<W>(1.3981999507e-3f);
-    p = p * r + splat<W>(8.3334519073e-3f);
-    p = p * r + splat<W>(4.1665795894e-2f);
-    p = p * r + splat<W>(1.6666665459e-1f);
-    p = p * r + splat<W>(5.0000001201e-1f);
-    p = p * (r * r) + r + splat<W>(1.0f);
-    const I n_safe = n < -126 ? I{} - 126 : n;
-    const F e = p * (F)((n_safe + 127) << 23);
-    return d < splat<W>(-87.0f) ? F{} : e;
-}
-
-// tanh(a z), the soft-cap epilogue, to ~2 ulp: Cephes' odd polynomial for |u| < 0.625, else
-// (1 - e) / (1 + e) with e = e^{-2|u|} (exp_neg's domain), sign restored. +-inf gives +-1 (so a
-// -inf bias entry becomes the finite -cap, as a model computing c tanh(z / c) gets); NaN stays
-// NaN (padding and masked entries stay out). kernels/linear_token_stats.py uses the same formula.
-template <int W>
-ICQS_INLINE typename V<W>::f tanh_scaled(typename V<W>::f z, typename V<W>::f a) {
-    using F = typename V<W>::f;
-    using I = typename V<W>::i;
-    const F u = z * a;
-    const I sign = (I)u & (I{} + INT32_MIN);
-    const F au = (F)((I)u & 0x7fffffff);
-    const F u2 = u * u;
-    F p = splat<W>(-5.70498872745e-3f);
-    p = p * u2 + splat<W>(2.06390887954e-2f);
-    p = p * u2 + splat<W>(-5.37397155531e-2f);
-    p = p * u2 + splat<W>(1.33314422036e-1f);
-    p = p * u2 + splat<W>(-3.33332819422e-1f);
-    const F small = p * u2 * u + u;
-    const F e = exp_neg<W>(splat<W>(-2.0f) * au);
-    const F big = (F)((I)((splat<W>(1.0f) - e) / (splat<W>(1.0f) + e)) | sign);
-    const F w = au < splat<W>(0.625f) ? small : big;
-    return u == u ? w : u;
+    return half_bits_to_float(h);  // same steps as half_to_float, one value
 }
 
 template <int W>
@@ -421,12 +345,7 @@ const RowFn kRowFns[3][2][3] = {
 };
 const TanhFn kTanhFns[3] = {row_v2_tanh, row_v3_tanh, row_v4_tanh};
 
-int best_isa() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return kIsaV4;
-    if (__builtin_cpu_supports("x86-64-v3")) return kIsaV3;
-    return kIsaV2;
-}
+int best_isa() { return cpu_isa_level(); }
 #else
 // Other architectures (e.g. aarch64 NEON): the portable 4-lane kernel only
 // (-DICQS_FAST_GENERIC_ONLY builds this variant on x86-64, to test it).

@@ -1,0 +1,115 @@
+// Vector math shared by the CPU kernels (token_stats.cpp, attention.cpp): GCC vector-extension
+// types of W float lanes, e^d for d <= 0, tanh for the soft caps, the scalar IEEE half ->
+// float conversion, and the ISA level the CPU runs.
+//
+// Everything is always inlined: each kernel instantiates these inside its per-ISA functions
+// (target attributes x86-64-v2/v3/v4), so the same code compiles for every vector width, and
+// no vector crosses a call boundary. The anonymous namespace keeps each translation unit's
+// copies its own (they are compiled for that file's targets).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#define ICQS_SIMD_INLINE inline __attribute__((always_inline))
+
+// Vector types of W lanes (W floats = 4W bytes).
+template <int W>
+struct V {
+    typedef float f __attribute__((vector_size(4 * W)));
+    typedef int32_t i __attribute__((vector_size(4 * W)));
+    typedef uint32_t u __attribute__((vector_size(4 * W)));
+    typedef uint16_t h __attribute__((vector_size(2 * W)));
+    typedef float fh __attribute__((vector_size(2 * W)));   // half a vector of floats
+    typedef double dh __attribute__((vector_size(4 * W)));  // ... as doubles
+};
+
+template <int W>
+ICQS_SIMD_INLINE typename V<W>::f splat(float a) {
+    return typename V<W>::f{} + a;
+}
+
+// e^d for d <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp);
+// d < -87 (and -inf) gives exactly 0. The input is clamped at -87 first so that -inf never
+// enters the range reduction (the clamped lanes are replaced by 0 at the end anyway).
+template <int W>
+ICQS_SIMD_INLINE typename V<W>::f exp_neg(typename V<W>::f d) {
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    const F magic = splat<W>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    const F dd = d < splat<W>(-87.0f) ? splat<W>(-87.0f) : d;
+    const F t = dd * splat<W>(1.44269504088896341f) + magic;
+    const F nf = t - magic;
+    const I n = (I)t - (I)magic;
+    F r = dd - nf * splat<W>(0.693359375f);
+    r = r - nf * splat<W>(-2.12194440e-4f);
+    F p = splat<W>(1.9875691500e-4f);
+    p = p * r + splat<W>(1.3981999507e-3f);
+    p = p * r + splat<W>(8.3334519073e-3f);
+    p = p * r + splat<W>(4.1665795894e-2f);
+    p = p * r + splat<W>(1.6666665459e-1f);
+    p = p * r + splat<W>(5.0000001201e-1f);
+    p = p * (r * r) + r + splat<W>(1.0f);
+    const I n_safe = n < -126 ? I{} - 126 : n;
+    const F e = p * (F)((n_safe + 127) << 23);
+    return d < splat<W>(-87.0f) ? F{} : e;
+}
+
+// tanh(a z) to ~2 ulp: Cephes' odd polynomial for |u| < 0.625, else (1 - e) / (1 + e) with
+// e = e^{-2|u|} (exp_neg's domain), sign restored. +-inf gives +-1; NaN stays NaN. The soft
+// caps c tanh(s / c) (attention scores, the head's logits) are this with a = 1 / c, times c;
+// kernels/linear_token_stats.py uses the same formula.
+template <int W>
+ICQS_SIMD_INLINE typename V<W>::f tanh_scaled(typename V<W>::f z, typename V<W>::f a) {
+    using F = typename V<W>::f;
+    using I = typename V<W>::i;
+    const F u = z * a;
+    const I sign = (I)u & (I{} + INT32_MIN);
+    const F au = (F)((I)u & 0x7fffffff);
+    const F u2 = u * u;
+    F p = splat<W>(-5.70498872745e-3f);
+    p = p * u2 + splat<W>(2.06390887954e-2f);
+    p = p * u2 + splat<W>(-5.37397155531e-2f);
+    p = p * u2 + splat<W>(1.33314422036e-1f);
+    p = p * u2 + splat<W>(-3.33332819422e-1f);
+    const F small = p * u2 * u + u;
+    const F e = exp_neg<W>(splat<W>(-2.0f) * au);
+    const F big = (F)((I)((splat<W>(1.0f) - e) / (splat<W>(1.0f) + e)) | sign);
+    const F w = au < splat<W>(0.625f) ? small : big;
+    return u == u ? w : u;
+}
+
+// One IEEE half (bits h) as float: normal, subnormal, zero, inf, NaN (payload kept).
+ICQS_SIMD_INLINE float half_bits_to_float(uint32_t h) {
+    const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
+    uint32_t out;
+    if (expo == 0x7c00u) {
+        out = (mag << 13) | 0x7f800000u;
+    } else if (expo == 0u) {
+        const float sub = static_cast<float>(mag) * 5.9604644775390625e-8f;  // 2^-24
+        std::memcpy(&out, &sub, sizeof(out));
+    } else {
+        out = (mag << 13) + ((127u - 15u) << 23);
+    }
+    out |= (h & 0x8000u) << 16;
+    float f;
+    std::memcpy(&f, &out, sizeof(f));
+    return f;
+}
+
+// The ISA level of the per-ISA kernels this CPU runs: 2 x86-64-v4 (AVX-512, W = 16),
+// 1 x86-64-v3 (AVX2 + FMA, W = 8), 0 the build's x86-64-v2 (W = 4; also every non-x86 build
+// and -DICQS_FAST_GENERIC_ONLY).
+inline int cpu_isa_level() {
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 2;
+    if (__builtin_cpu_supports("x86-64-v3")) return 1;
+#endif
+    return 0;
+}
+
+}  // namespace
