@@ -50,20 +50,23 @@ def test_defaults_frozen_and_hashable():
     hash(t)
 
 
+# The message names the option's command-line flag (its declaration, icqs_fast/options.py);
+# an option without a flag by its field name.
 @pytest.mark.parametrize("field, value, match", [
-    ("num_ratios", 1, "num_ratios must be an int >= 2"),
-    ("demos_per_set", 0, "demos_per_set"),
-    ("sets_per_ratio", 2.0, "sets_per_ratio"),
-    ("seed", "0", "seed"),
-    ("mixing", "random", "mixing"),
-    ("replacement", 1, "replacement must be a bool"),
+    ("num_ratios", 1, "--num-ratios must be an int >= 2, got 1"),
+    ("demos_per_set", 0, "--demos-per-set"),
+    ("sets_per_ratio", 2.0, "--sets-per-ratio"),
+    ("seed", "0", "--seed"),
+    ("mixing", "random", "--mixing"),
+    ("replacement", 1, "--replacement must be a bool"),
     ("stratify", "label", "stratify"),
     ("stratify", 3, "stratify"),
-    ("strata_order", "random", "strata_order"),
-    ("max_length", 0, "max_length"),
-    ("drop_oldest_demos", "yes", "drop_oldest_demos"),
-    ("token_budget", 0, "token_budget"),
+    ("strata_order", "random", "--strata-order"),
+    ("max_length", 0, "--max-length"),
+    ("drop_oldest_demos", "yes", "--drop-oldest-demos"),
+    ("token_budget", 0, "--token-budget"),
     ("cascade", "no", "cascade"),
+    ("tie_epsilon", float("inf"), "--tie-epsilon must be a finite number >= 0"),
 ])
 def test_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

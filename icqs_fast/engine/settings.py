@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from icqs_fast.engine.prompts import Template
+from icqs_fast.options import check_declared, declared, option
 
 DEFAULT_TOKEN_BUDGET = 16384
 
-# Options that change an ICQS result (demonstration sets, prompt text, truncation).
-RESULT_FIELDS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "mixing", "replacement",
-                 "stratify", "strata_order", "template", "max_length", "drop_oldest_demos",
-                 "calibration", "content_free", "pmi_premise", "score", "tie_epsilon")
-# Engine-only options: how the engine computes, not what (the reference ignores them).
-ENGINE_FIELDS = ("backend", "token_budget", "cascade", "deterministic")
 TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
 CALIBRATIONS = ("none", "content_free", "pmi")
 SCORE_KINDS = ("argmax", "tied", "mean")
+MIXINGS = ("exact", "bernoulli")
+STRATA_ORDERS = ("fixed", "shuffled")
 # Ratios whose log-likelihood lies within this many nats of the best count as tied in the
 # "tied" score (tie-aware argmax), and the noise level of the near_ties diagnostic. From the
 # measured rounding noise (docs/RESULTS.md, "Scores across dtypes and backends"): the p99 of the
@@ -39,11 +36,6 @@ DEFAULT_SCORE = "mean"
 # Content-free inputs of contextual calibration (Zhao et al. 2021 average "N/A", "" and
 # "[MASK]"); each is put in the template's query in place of x.
 DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
-
-
-def _int_at_least(name: str, v: Any, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
 def _strata_tuple(v: Any) -> Any:
@@ -63,8 +55,9 @@ def _strata_tuple(v: Any) -> Any:
 
 @dataclass(frozen=True)
 class ScoringSettings:
-    """Every option of an ICQS run. Frozen and validated on construction (ValueError / TypeError
-    naming the field).
+    """Every option of an ICQS run, each declared once (:func:`icqs_fast.options.option`: its
+    flag, default, help, bounds, and whether it changes a result). Frozen and validated on
+    construction (ValueError / TypeError naming the option's flag, else its field).
 
     Result options (see :func:`icqs_fast.engine.prompts.build_demo_sets` and
     :class:`icqs_fast.engine.scorer.ICQSScorer`): ``num_ratios`` (``M+1 >= 2``),
@@ -91,72 +84,66 @@ class ScoringSettings:
     whatever else is scored with it; see :class:`icqs_fast.engine.scorer.ICQSScorer`).
     """
 
-    num_ratios: int = 5
-    demos_per_set: int = 8
-    sets_per_ratio: int = 4
-    seed: int = 0
-    mixing: str = "exact"
-    replacement: bool = False
-    stratify: Any = "auto"
-    strata_order: str = "fixed"
-    template: Template = field(default_factory=Template)
-    max_length: int | None = None
-    drop_oldest_demos: bool = False
-    calibration: str = "none"
-    content_free: tuple[str, ...] = DEFAULT_CONTENT_FREE
-    pmi_premise: str | None = None
-    score: str = DEFAULT_SCORE
-    tie_epsilon: float = TIE_EPSILON
+    num_ratios: int = option(5, ge=2, request=True, help="M+1: the ratios j/M of good "
+                             "demonstrations, j = 0..M")
+    demos_per_set: int = option(8, ge=1, request=True, help="N: demonstrations per set")
+    sets_per_ratio: int = option(4, ge=1, request=True, help="L: demonstration sets per ratio")
+    seed: int = option(0, request=True, help="seed of the demonstration sets")
+    mixing: str = option("exact", choices=MIXINGS, help="good demonstrations per set: exact "
+                         "(round(r N)) or bernoulli (each one good with probability r)")
+    replacement: bool = option(False, help="draw demonstrations with replacement (small pools)")
+    # The engine's value ("auto", "y", None or explicit strata); a job gives --stratify-field,
+    # a field of the demonstration files, which the command resolves into this.
+    stratify: Any = option("auto", kind="any", flag=False, help="label-balanced demonstration "
+                           "sets: 'auto', 'y', None or explicit strata")
+    strata_order: str = option("fixed", choices=STRATA_ORDERS, help="with --stratify-field: "
+                               "fixed puts the same stratum at each position of every set (the "
+                               "last demonstration's label included); shuffled does not")
+    template: Template = option(kind="any", flag=False, default_factory=Template,
+                                help="the prompt template (None: the default one)")
+    max_length: int | None = option(None, kind="int", ge=1, help="prompt length limit in "
+                                    "tokens (none: the model's)")
+    drop_oldest_demos: bool = option(False, help="drop a set's oldest demonstrations when a "
+                                     "prompt is too long")
+    calibration: str = option("none", choices=CALIBRATIONS, flag="--calibrate", request=True,
+                              help="calibrate the ICQS log-likelihoods: content_free = minus "
+                              "log P(y | demos, content-free input) (Zhao et al. 2021), pmi = "
+                              "minus log P(y | demos, domain premise) (Holtzman et al. 2021)")
+    content_free: tuple[str, ...] = option(
+        DEFAULT_CONTENT_FREE, metavar="TEXT", help="a content-free input of --calibrate "
+        "content_free, put in the template's query in place of x; repeat for several "
+        "(averaged). For free-text answers each input adds one row per context and response")
+    pmi_premise: str | None = option(None, kind="str", metavar="TEXT", help="the domain "
+                                     "premise of --calibrate pmi, replacing the whole query "
+                                     "(none: the template's query text after {x}, e.g. "
+                                     "'Answer:')")
+    score: str = option(DEFAULT_SCORE, choices=SCORE_KINDS, request=True, help="ICQS score: "
+                        "the posterior mean of the ratio (mean: stable across dtypes and "
+                        "backends), the ratio of the most likely context (argmax, the paper's), "
+                        "or the mean ratio of the contexts within --tie-epsilon nats of it "
+                        "(tied)")
+    tie_epsilon: float = option(TIE_EPSILON, ge=0, unit="nats", metavar="NATS", request=True,
+                                help="--score tied: contexts within this many nats of the most "
+                                "likely one count as tied (from the measured fp32/bf16 noise); "
+                                "also the noise level of the near_ties diagnostic")
     # -- engine-only
-    backend: str = "auto"
-    token_budget: int = DEFAULT_TOKEN_BUDGET
-    cascade: bool | None = None
-    deterministic: bool = False
+    backend: str = option("auto", result=False, flag=False, help="the engine's backend: auto, "
+                          "torch, cpp, triton")
+    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, result=False,
+                               help="max rows x tokens per forward")
+    cascade: bool | None = option(None, kind="bool", result=False, flag=False,
+                                  help="cascade attention (None: the model's plan decides)")
+    deterministic: bool = option(False, result=False, help="batch-invariant mode (one "
+                                 "response per forward; slower)")
 
     def __post_init__(self) -> None:
-        _int_at_least("num_ratios", self.num_ratios, 2)
-        _int_at_least("demos_per_set", self.demos_per_set, 1)
-        _int_at_least("sets_per_ratio", self.sets_per_ratio, 1)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if self.mixing not in ("exact", "bernoulli"):
-            raise ValueError(f"mixing must be 'exact' or 'bernoulli', got {self.mixing!r}")
-        for name in ("replacement", "drop_oldest_demos", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        object.__setattr__(self, "stratify", _strata_tuple(self.stratify))
-        if self.strata_order not in ("fixed", "shuffled"):
-            raise ValueError(f"strata_order must be 'fixed' or 'shuffled', got "
-                             f"{self.strata_order!r}")
         if self.template is None:
             object.__setattr__(self, "template", Template())
-        elif not isinstance(self.template, Template):
+        check_declared(self)
+        object.__setattr__(self, "stratify", _strata_tuple(self.stratify))
+        if not isinstance(self.template, Template):
             raise TypeError(f"template must be a Template or None, got "
                             f"{type(self.template).__name__}")
-        if self.max_length is not None:
-            _int_at_least("max_length", self.max_length, 1)
-        if self.calibration not in CALIBRATIONS:
-            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got "
-                             f"{self.calibration!r}")
-        if self.score not in SCORE_KINDS:
-            raise ValueError(f"score must be one of {SCORE_KINDS}, got {self.score!r}")
-        te = self.tie_epsilon
-        if isinstance(te, bool) or not isinstance(te, (int, float)) or not te >= 0 \
-                or te == float("inf"):
-            raise ValueError(f"tie_epsilon must be a finite float >= 0 (nats), got {te!r}")
-        object.__setattr__(self, "tie_epsilon", float(te))
-        cf = self.content_free
-        if isinstance(cf, str) or not isinstance(cf, Sequence) or not cf \
-                or not all(isinstance(t, str) for t in cf):
-            raise ValueError(f"content_free must be a non-empty sequence of str, got {cf!r}")
-        object.__setattr__(self, "content_free", tuple(cf))
-        if self.pmi_premise is not None and not isinstance(self.pmi_premise, str):
-            raise ValueError(f"pmi_premise must be None or a str, got {self.pmi_premise!r}")
-        if not isinstance(self.backend, str):
-            raise ValueError(f"backend must be a str, got {self.backend!r}")
-        _int_at_least("token_budget", self.token_budget, 1)
-        if self.cascade is not None and not isinstance(self.cascade, bool):
-            raise ValueError(f"cascade must be None or a bool, got {self.cascade!r}")
 
     # -- building ----------------------------------------------------------------------------
     @classmethod
@@ -206,17 +193,18 @@ class ScoringSettings:
         return v
 
     def fingerprint(self) -> dict[str, Any]:
-        """Every option that changes a result, as a JSON-able dict (the template as a dict of
-        its fields, explicit strata as lists), in a fixed key order: two settings give the same
-        fingerprint exactly when they give the same results. ``tie_epsilon`` is in it only for
-        ``score="tied"`` (the only score it changes; outputs of other scores written before it
-        existed still resume)."""
-        return {k: self._json_value(k) for k in RESULT_FIELDS
-                if k != "tie_epsilon" or self.score == "tied"}
+        """Every option that changes a result (declared ``result=True``), as a JSON-able dict
+        (the template as a dict of its fields, explicit strata as lists), in field order: two
+        settings give the same fingerprint exactly when they give the same results. This is
+        the resume fingerprint of a ``score`` job (with the record fields, see
+        :meth:`icqs_fast.jobs.config.ScoreJobConfig.resume_key`). ``tie_epsilon`` is in it
+        only for ``score="tied"``, the only score it changes."""
+        return {d.name: self._json_value(d.name) for d in declared(self)
+                if d.option.result and (d.name != "tie_epsilon" or self.score == "tied")}
 
     def engine_options(self) -> dict[str, Any]:
-        """The engine-only options (JSON-able)."""
-        return {k: getattr(self, k) for k in ENGINE_FIELDS}
+        """The engine-only options (declared ``result=False``), JSON-able."""
+        return {d.name: getattr(self, d.name) for d in declared(self) if not d.option.result}
 
     def premise(self) -> str:
         """The domain premise of ``calibration="pmi"``: ``pmi_premise``, or the template's
@@ -229,3 +217,8 @@ class ScoringSettings:
     def asdict(self) -> dict[str, Any]:
         """Every field as a JSON-able dict: :meth:`fingerprint` then :meth:`engine_options`."""
         return {**self.fingerprint(), **self.engine_options()}
+
+
+# The result options (in the fingerprint) and the engine-only ones, read from the declarations.
+RESULT_FIELDS = tuple(d.name for d in declared(ScoringSettings) if d.option.result)
+ENGINE_FIELDS = tuple(d.name for d in declared(ScoringSettings) if not d.option.result)
