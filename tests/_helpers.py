@@ -201,3 +201,98 @@ def wait_for_file(path, timeout: float, proc=None) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear in {timeout} s")
         time.sleep(0.05)
+
+
+def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None,
+                    window=None, chunk=None, sinks=None, positions=None):
+    """Float64 ``(out, lse)`` of ``ops.attention_lse``'s contract, every score materialised (on
+    the CPU, whatever the inputs' device): scores ``q.k scale`` (capped ``c tanh(s / c)``),
+    allowed when the key is real (``attention_mask [B, Tk]``, key position >= 0), ``kpos <=
+    qpos`` (causal), ``qpos - kpos < window``, ``kpos // chunk == qpos // chunk``; positions
+    ``(q_pos [B, Tq], k_pos [B, Tk])`` default to ``Tk - Tq + i`` and ``j``; sinks ``[Hq]`` add
+    ``exp(sink_h)`` to the output's denominator only. A row with no allowed key: output 0, lse
+    -inf. (torch_ref.attention_lse computes in fp32: this is the independent float64 one.)"""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    b, hq, tq, _ = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if positions is None:
+        qp = (tk - tq + torch.arange(tq)).expand(b, tq)
+        kp = torch.arange(tk).expand(b, tk)
+    else:
+        qp, kp = positions[0].cpu().long(), positions[1].cpu().long()
+    qp, kp = qp[:, :, None], kp[:, None, :]
+    allow = (kp >= 0).expand(b, tq, tk)
+    if attention_mask is not None:
+        allow = allow & attention_mask.cpu()[:, None, :]
+    if causal:
+        allow = allow & (kp <= qp)
+    if window is not None:
+        allow = allow & (qp - kp < window)
+    if chunk is not None:
+        allow = allow & (torch.div(kp, chunk, rounding_mode="floor")
+                         == torch.div(qp, chunk, rounding_mode="floor"))
+    s = s.masked_fill(~allow[:, None], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    total = lse
+    if sinks is not None:
+        total = torch.logaddexp(lse, sinks.double().cpu().view(1, hq, 1))
+    p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
+    return p @ v, lse
+
+
+def variant_model(kind: str):
+    """``(model, config)``: a tiny model whose layers need attention's variants, with scores of
+    a few units (random init gives ~1e-3: no cap or window would bite): Gemma 2 with a 1.0 soft
+    cap ("softcap") or a 6-token window ("window"), gpt-oss with a 4-token window on one of two
+    layers and sinks ("sinks"). GQA (4 query heads, 2 key heads), head size 16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64, head_dim=16)
+    extra = {
+        "softcap": ("gemma2", dict(sliding_window=4096, attn_logit_softcapping=1.0,
+                                   final_logit_softcapping=None)),
+        "window": ("gemma2", dict(sliding_window=6, final_logit_softcapping=None)),
+        "sinks": ("gpt_oss", dict(sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
+                                  layer_types=["sliding_attention", "full_attention"])),
+    }[kind]
+    cfg = AutoConfig.for_model(extra[0], **small, **extra[1])
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+            if kind == "sinks":
+                torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return model, cfg
+
+
+def cascade_paths_agree(model, cfg, monkeypatch, path: str) -> None:
+    """Suffix hidden states of cascade attention (bank forwards and both cascade parts) with
+    ``ICQS_FAST_CASCADE_ATTENTION=path`` equal those of the torch path (``=torch``): three
+    prefixes of different lengths, six suffixes of 1-11 tokens over them, fp32, 1e-5."""
+    from icqs_fast.engine import cascade
+    from icqs_fast.engine.batching import PrefixBank, suffix_hidden
+    from icqs_fast.engine.layout import layer_attention
+
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
+    entries = [2, 0, 1, 0, 1, 2]
+    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    out = {}
+    for mode in ("torch", path):
+        monkeypatch.setenv(cascade.ATTENTION_ENV, mode)
+        bank = PrefixBank(model, 0, 10_000, layers=layer_attention(cfg))
+        ids = bank.add(prefixes)
+        with torch.no_grad():
+            out[mode] = suffix_hidden(model, bank, [ids[e] for e in entries], suffixes, 0,
+                                      cascade=True)
+    (h_t, m_t), (h_k, m_k) = out["torch"], out[path]
+    assert torch.equal(m_t, m_k)
+    torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _helpers import DEVICE, skip_unless_in_ci
+from _helpers import DEVICE, attention_lse64, skip_unless_in_ci
 
 from icqs_fast import backends, ops
 from icqs_fast.backends.torch_ref import attention_entropy_torch
@@ -220,26 +220,6 @@ LSE_CASES = {
 }
 
 
-def _lse_reference64(q, k, v, am, causal, scale, softcap=None):
-    """Float64 ``(out, lse)`` of softmax attention (GQA, key mask, causal, softcap)."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    b, hq, tq, _ = q.shape
-    hk, tk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
-    s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    allow = torch.ones(b, 1, tq, tk, dtype=torch.bool)
-    if am is not None:
-        allow = allow & am.cpu()[:, None, None, :]
-    if causal:
-        allow = allow & (torch.arange(tk)[None, :] <= (tk - tq + torch.arange(tq))[:, None])
-    s = s.masked_fill(~allow, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return p @ v, lse
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(LSE_CASES))
 def test_attention_lse_against_float64(backend, case):
@@ -260,7 +240,7 @@ def test_attention_lse_against_float64(backend, case):
             am[2] = False  # a sequence with no real key
     out, lse = ops.attention_lse(q, k, v, scale=0.35, causal=causal, attention_mask=am,
                                  backend=backend)
-    ro, rl = _lse_reference64(q, k, v, am, causal, 0.35)
+    ro, rl = attention_lse64(q, k, v, attention_mask=am, causal=causal, scale=0.35)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, tq)
     assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(rl))
     fin = torch.isfinite(rl)
@@ -279,7 +259,8 @@ def test_attention_lse_variants_on_the_torch_backend():
     am[1, 12:] = False
     out, lse = ops.attention_lse(q, k * 4, v, scale=0.25, causal=True, attention_mask=am,
                                  softcap=3.0, backend="torch")
-    ro, rl = _lse_reference64(q, k * 4, v, am, True, 0.25, softcap=3.0)
+    ro, rl = attention_lse64(q, k * 4, v, attention_mask=am, causal=True, scale=0.25,
+                             softcap=3.0)
     assert out.shape == (2, 4, 6, 24)
     assert torch.allclose(lse.double().cpu(), rl, atol=2e-5)
     assert torch.allclose(out.double().cpu(), ro, atol=2e-5)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _helpers import attention_lse64, cascade_paths_agree, variant_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,38 +36,6 @@ def _isa(name):
         not (cpp_backend.available()[0] and _isa_runs(name)), reason=f"CPU lacks {name}"))
 
 
-def dense64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None, window=None,
-            chunk=None, positions=None):
-    """Float64 attention with LSE of the ops' contract, every score materialised."""
-    q, k, v = q.double(), k.double(), v.double()
-    b, hq, tq, _ = q.shape
-    hk, tk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
-    s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if positions is None:
-        qp = (tk - tq + torch.arange(tq)).expand(b, tq)
-        kp = torch.arange(tk).expand(b, tk)
-    else:
-        qp, kp = positions
-    qp, kp = qp[:, :, None], kp[:, None, :]
-    allow = (kp >= 0).expand(b, tq, tk)
-    if attention_mask is not None:
-        allow = allow & attention_mask[:, None, :]
-    if causal:
-        allow = allow & (kp <= qp)
-    if window is not None:
-        allow = allow & (qp - kp < window)
-    if chunk is not None:
-        allow = allow & (torch.div(kp, chunk, rounding_mode="floor")
-                         == torch.div(qp, chunk, rounding_mode="floor"))
-    s = s.masked_fill(~allow[:, None], -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return p @ v, lse
-
-
 def _inputs(b, hq, hk, tq, tk, d, dv, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, tq, d, generator=g).to(dtype)
@@ -77,7 +46,7 @@ def _inputs(b, hq, hk, tq, tk, d, dv, dtype, seed=0):
 
 def _check(q, k, v, dtype, ref_kv=None, **kw):
     out, lse = ops.attention_lse(q, k, v, backend="cpp", **kw)
-    ro, rl = dense64(q, *(ref_kv or (k, v)), **kw)
+    ro, rl = attention_lse64(q, *(ref_kv or (k, v)), **kw)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
     dead = ~torch.isfinite(rl)
@@ -157,7 +126,7 @@ def test_bf16_products_of_fp32_inputs(isa, bf16_dot, monkeypatch):
     out, lse = ops.attention_lse(q, k, v, dot_dtype=torch.bfloat16, backend="cpp", **kw)
     assert out.dtype == torch.float32
     rq, rk, rv = (x.to(torch.bfloat16).float() for x in (q, k, v))
-    ro, rl = dense64(rq, rk, rv, **kw)
+    ro, rl = attention_lse64(rq, rk, rv, **kw)
     torch.testing.assert_close(out.double(), ro, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse.double(), rl, atol=1e-4, rtol=1e-4)
     plain, _ = ops.attention_lse(q, k, v, backend="cpp", **kw)
@@ -299,39 +268,8 @@ def test_cascade_kernel_equals_torch_path(kind, monkeypatch):
     of the torch path (ICQS_FAST_CASCADE_ATTENTION=torch) on a Gemma 2-shaped model with a strong
     score soft cap (1.0, so a dropped cap would show) or a short sliding window, GQA, prefixes
     of different lengths."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    from icqs_fast.engine import cascade
-    from icqs_fast.engine.batching import PrefixBank, suffix_hidden
-    from icqs_fast.engine.layout import layer_attention
-
-    torch.manual_seed(0)
-    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=300, sliding_window=6 if kind == "window" else 4096,
-                       attn_logit_softcapping=1.0 if kind == "softcap" else None,
-                       final_logit_softcapping=None)
-    model = Gemma2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # scores of a few units (random init gives ~1e-3: no cap would bite)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
-            layer.self_attn.k_proj.weight.mul_(20)
-    g = torch.Generator().manual_seed(1)
-    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
-    entries = [2, 0, 1, 0, 1, 2]
-    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
-                for n in torch.randint(1, 12, (len(entries),), generator=g)]
-    out = {}
-    for mode in ("torch", "auto"):
-        monkeypatch.setenv(cascade.ATTENTION_ENV, mode)
-        bank = PrefixBank(model, 0, 10_000, layers=layer_attention(cfg))
-        ids = bank.add(prefixes)
-        with torch.no_grad():
-            out[mode] = suffix_hidden(model, bank, [ids[e] for e in entries], suffixes, 0,
-                                      cascade=True)
-    (h_t, m_t), (h_k, m_k) = out["torch"], out["auto"]
-    assert torch.equal(m_t, m_k)
-    torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
+    model, cfg = variant_model(kind)
+    cascade_paths_agree(model, cfg, monkeypatch, "auto")
 
 
 def test_bf16_products_rule():

@@ -11,51 +11,13 @@ import math
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, attention_lse64, cascade_paths_agree, variant_model
 from icqs_fast.kernels import attention_entropy as ak
 
 from icqs_fast import backends, ops
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not backends.triton_interpreting(),
                                 reason="triton needs CUDA or TRITON_INTERPRET=1")
-
-
-def reference64(q, k, v, *, scale, causal, am=None, window=None, chunk=None, softcap=None,
-                sinks=None, positions=None):
-    """float64 ``(out, lse)``: scores ``q.k scale`` (capped ``c tanh(s / c)``), allowed when the
-    key is real (``am``, key position >= 0), ``kpos <= qpos`` (causal), ``qpos - kpos < window``,
-    ``kpos // chunk == qpos // chunk``; sinks add ``exp(sink_h)`` to the denominator of the
-    output only. A row with no allowed key: output 0, lse -inf."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    b, hq, tq, _ = q.shape
-    hk, tk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
-    s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if positions is None:
-        qp = (tk - tq + torch.arange(tq)).expand(b, tq)
-        kp = torch.arange(tk).expand(b, tk)
-    else:
-        qp, kp = positions[0].cpu().long(), positions[1].cpu().long()
-    qp, kp = qp[:, :, None], kp[:, None, :]
-    allow = (kp >= 0).expand(b, tq, tk)
-    if am is not None:
-        allow = allow & am.cpu()[:, None, :]
-    if causal:
-        allow = allow & (kp <= qp)
-    if window is not None:
-        allow = allow & (qp - kp < window)
-    if chunk is not None:
-        allow = allow & (torch.div(kp, chunk, rounding_mode="floor")
-                         == torch.div(qp, chunk, rounding_mode="floor"))
-    s = s.masked_fill(~allow[:, None], -math.inf)
-    lse = torch.logsumexp(s, -1)
-    total = lse
-    if sinks is not None:
-        total = torch.logaddexp(lse, sinks.double().cpu().view(1, hq, 1))
-    p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
-    return p @ v, lse
 
 
 def _close(got, want, atol, what):
@@ -117,7 +79,7 @@ def test_variants_against_float64(case):
             am[2] = False  # no real key at all
     out, lse = ops.attention_lse(q, k, v, scale=0.3, causal=causal, attention_mask=am,
                                  backend="triton", **opt)
-    ro, rl = reference64(q, k, v, scale=0.3, causal=causal, am=am, **opt)
+    ro, rl = attention_lse64(q, k, v, scale=0.3, causal=causal, attention_mask=am, **opt)
     _check(out, lse, ro, rl)
 
 
@@ -143,7 +105,7 @@ def test_cascade_prefix_part_positions(opt):
     pos = _cascade_positions(lengths, s, rows, 19)
     out, lse = ops.attention_lse(q, k, v, scale=0.25, causal=True, positions=pos,
                                  backend="triton", **opt)
-    ro, rl = reference64(q, k, v, scale=0.25, causal=True, positions=pos, **opt)
+    ro, rl = attention_lse64(q, k, v, scale=0.25, causal=True, positions=pos, **opt)
     _check(out, lse, ro, rl)
     assert bool(torch.isneginf(lse[1]).all())
 
@@ -159,7 +121,7 @@ def test_positions_with_padding_inside_and_unordered_slots():
     for opt in ({"window": 4}, {"chunk": 5}):
         out, lse = ops.attention_lse(q, k, v, scale=0.5, causal=True, positions=pos,
                                      backend="triton", **opt)
-        ro, rl = reference64(q, k, v, scale=0.5, causal=True, positions=pos, **opt)
+        ro, rl = attention_lse64(q, k, v, scale=0.5, causal=True, positions=pos, **opt)
         _check(out, lse, ro, rl)
         assert bool(torch.isneginf(lse[1, :, :2]).all())  # before every key
 
@@ -176,7 +138,8 @@ def test_sinks():
     for opt in ({}, {"window": 4}):
         out, lse = ak.attention_lse(q, k, v, scale=0.3, causal=True, attention_mask=am,
                                     sinks=sinks, **opt)
-        ro, rl = reference64(q, k, v, scale=0.3, causal=True, am=am, sinks=sinks, **opt)
+        ro, rl = attention_lse64(q, k, v, scale=0.3, causal=True, attention_mask=am, sinks=sinks,
+                                 **opt)
         _check(out, lse, ro, rl)
         assert float(out[0, 1].abs().max()) < 1e-20  # all the mass on the +60 sink
 
@@ -204,7 +167,7 @@ def test_16_bit_inputs(dtype):
     q, k, v = _qkv(1, 4, 2, 12, 30, 16, dv=24, dtype=dtype)
     out, lse = ops.attention_lse(q, k, v, scale=0.25, causal=True, window=9, softcap=4.0,
                                  backend="triton")
-    ro, rl = reference64(q, k, v, scale=0.25, causal=True, window=9, softcap=4.0)
+    ro, rl = attention_lse64(q, k, v, scale=0.25, causal=True, window=9, softcap=4.0)
     assert out.dtype == dtype
     _check(out, lse, ro, rl, atol=2e-2 if dtype == torch.bfloat16 else 3e-3)
 
@@ -222,7 +185,7 @@ def test_longer_keys(opt):
         am = torch.rand(b, tk, device=DEVICE) > 0.3
     out, lse = ops.attention_lse(q, k, v, scale=0.2, causal=True, attention_mask=am,
                                  backend="triton", **opt)
-    ro, rl = reference64(q, k, v, scale=0.2, causal=True, am=am, **opt)
+    ro, rl = attention_lse64(q, k, v, scale=0.2, causal=True, attention_mask=am, **opt)
     _check(out, lse, ro, rl)
 
 
@@ -262,37 +225,10 @@ def test_bf16_products_of_fp32_inputs():
     out, lse = ops.attention_lse(q, k, v, scale=0.3, causal=True, window=11,
                                  dot_dtype=torch.bfloat16, backend="triton")
     r = [x.to(torch.bfloat16).float() for x in (q, k, v)]
-    ro, rl = reference64(*r, scale=0.3, causal=True, window=11)
+    ro, rl = attention_lse64(*r, scale=0.3, causal=True, window=11)
     _check(out, lse, ro, rl, atol=2e-5 if backends.triton_interpreting() else 1e-2)
-    exact, _ = reference64(q, k, v, scale=0.3, causal=True, window=11)
+    exact, _ = attention_lse64(q, k, v, scale=0.3, causal=True, window=11)
     assert float((out.double().cpu() - exact).abs().max()) > 1e-4  # the rounding is real
-
-
-def _variant_model(kind):
-    """A tiny model whose layers need the kernel's variants, with scores of a few units (random
-    init gives ~1e-3: no cap or window would bite): Gemma 2 with a 1.0 soft cap or a 6-token
-    window, gpt-oss with a 4-token window on one of two layers and sinks."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    small = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=64, head_dim=16)
-    extra = {
-        "softcap": ("gemma2", dict(sliding_window=4096, attn_logit_softcapping=1.0,
-                                   final_logit_softcapping=None)),
-        "window": ("gemma2", dict(sliding_window=6, final_logit_softcapping=None)),
-        "sinks": ("gpt_oss", dict(sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
-                                  layer_types=["sliding_attention", "full_attention"])),
-    }[kind]
-    cfg = AutoConfig.for_model(extra[0], **small, **extra[1])
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
-            layer.self_attn.k_proj.weight.mul_(20)
-            if kind == "sinks":
-                torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
-    return model, cfg
 
 
 @pytest.mark.slow
@@ -302,30 +238,11 @@ def test_cascade_takes_the_triton_kernel(kind, monkeypatch):
     the bank forwards and both cascade parts, local layers through token positions) equals the
     torch path: sliding windows, a strong soft cap, sinks (added at the merge), GQA, prefixes of
     different lengths; on CUDA ``"auto"`` picks the same kernel (the support table)."""
-    from icqs_fast.engine import cascade
-    from icqs_fast.engine.batching import PrefixBank, suffix_hidden
-    from icqs_fast.engine.layout import layer_attention
-
-    model, cfg = _variant_model(kind)
-    g = torch.Generator().manual_seed(1)
-    prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]
-    entries = [2, 0, 1, 0, 1, 2]
-    suffixes = [torch.randint(1, 300, (int(n),), generator=g).tolist()
-                for n in torch.randint(1, 12, (len(entries),), generator=g)]
+    model, cfg = variant_model(kind)
     calls = []
     real = ops.attention_lse
     monkeypatch.setattr(ops, "attention_lse", lambda *a, **k: calls.append(k) or real(*a, **k))
-    out = {}
-    for mode in ("torch", "triton"):
-        monkeypatch.setenv(cascade.ATTENTION_ENV, mode)
-        bank = PrefixBank(model, 0, 10_000, layers=layer_attention(cfg))
-        ids = bank.add(prefixes)
-        with torch.no_grad():
-            out[mode] = suffix_hidden(model, bank, [ids[e] for e in entries], suffixes, 0,
-                                      cascade=True)
-    (h_t, m_t), (h_k, m_k) = out["torch"], out["triton"]
-    assert torch.equal(m_t, m_k)
-    torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
+    cascade_paths_agree(model, cfg, monkeypatch, "triton")
     assert calls and all(c.get("backend") == "triton" for c in calls)
     if kind != "softcap":
         assert any(c.get("window") for c in calls)
