@@ -2,7 +2,9 @@
 
 Correlations (Pearson, Spearman, Kendall tau-b) compare feature values with reference scores;
 ``accuracy``, ``f1``, ``auc`` and ``cohen_kappa`` score labels; ``bootstrap_ci`` puts a
-percentile interval on any of them by resampling items.
+percentile interval on any of them by resampling items. Every bootstrap interval of the package
+comes from :func:`bootstrap_distribution` (``scipy.stats.bootstrap``'s resamples, paired or per
+stratum) and :func:`percentile_interval`.
 
 Every metric returns NaN with a ``RuntimeWarning`` instead of raising when it is undefined
 (too few items, a constant input, a single class, ...). For the correlations and ``auc``,
@@ -145,17 +147,101 @@ def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
     return float(skm.cohen_kappa_score(x, y))
 
 
+def bootstrap_distribution(statistic: Callable[..., Any], *samples: Sequence[Any],
+                           paired: bool = True, vectorized: bool = False,
+                           n_resamples: int = 1000, seed: int = 0,
+                           batch: int | None = None) -> np.ndarray:
+    """The statistic on ``n_resamples`` bootstrap resamples, drawn by ``scipy.stats.bootstrap``.
+
+    Args:
+        statistic: ``statistic(*resampled_samples) -> float``; with ``vectorized`` it gets
+            arrays with a leading resample axis (sample ``k`` of shape ``(b, n_k, ...)``) and
+            returns shape ``(b,)``.
+        samples: arrays whose axis 0 is the items (any dtype, e.g. labels or an ``(n, 2)``
+            array of two scorings of the same items).
+        paired: True: all samples have the same length and one draw of item indices resamples
+            them all (items stay paired); False: each sample is resampled on its own (strata,
+            e.g. the positives and the negatives of an AUC, so each keeps its size).
+        vectorized: whether ``statistic`` takes a batch of resamples (much faster).
+        n_resamples, seed: the resamples, from ``numpy.random.default_rng(seed)``: the same
+            seed and sizes give the same item indices, whatever the statistic.
+        batch: resamples drawn and evaluated at a time (None: all at once; bounds memory).
+
+    Returns:
+        float64 array of shape ``(n_resamples,)`` (NaN where the statistic is).
+
+    scipy resamples item indices (``scipy.stats.bootstrap`` with ``method="percentile"``, its
+    ``bootstrap_distribution``); the statistic indexes the samples with them. A sample of one
+    item cannot be handed to scipy (it needs two), but resamples it to itself anyway, so it is
+    kept fixed here.
+    """
+    if not samples:
+        raise ValueError("bootstrap_distribution: at least one sample is needed")
+    if n_resamples < 1:
+        raise ValueError(f"bootstrap_distribution: n_resamples must be >= 1, got {n_resamples}")
+    arrs = [a if isinstance(a, np.ndarray) else np.asarray(list(a)) for a in samples]
+    sizes = [len(a) for a in arrs]
+    if paired and len(set(sizes)) > 1:
+        raise ValueError("bootstrap_distribution: paired samples have different lengths "
+                         f"({', '.join(str(s) for s in sizes)})")
+    if min(sizes) == 0:
+        raise ValueError("bootstrap_distribution: a sample has no items")
+    # One index stratum per independently resampled group of samples.
+    strata = [sizes[0]] if paired else sizes
+    moving = [k for k, n in enumerate(strata) if n > 1]
+
+    def indexed(*idx: np.ndarray) -> np.ndarray:
+        # idx[m]: the (b, n) indices of stratum moving[m]; fixed strata are their own item.
+        b = idx[0].shape[0] if idx else 1
+        full = [np.zeros((b, 1), dtype=np.int64)] * len(strata)
+        for k, i in zip(moving, idx, strict=True):
+            full[k] = i
+        picks = [a[full[0 if paired else k]] for k, a in enumerate(arrs)]
+        if vectorized:
+            return np.asarray(statistic(*picks), dtype=np.float64).reshape(b)
+        return np.fromiter((statistic(*(p[r] for p in picks)) for r in range(b)),
+                           dtype=np.float64, count=b)
+
+    if not moving:  # every stratum has one item: every resample is the data itself
+        return np.repeat(indexed()[:1], n_resamples)
+    with warnings.catch_warnings():
+        # Warnings of the statistic on degenerate resamples (NaN results) are the caller's
+        # to summarise; scipy's own interval of them is not used.
+        warnings.simplefilter("ignore")
+        res = stats.bootstrap([np.arange(strata[k]) for k in moving],
+                              lambda *idx, axis=-1: indexed(*idx), vectorized=True,
+                              paired=False, n_resamples=n_resamples, batch=batch,
+                              method="percentile", rng=np.random.default_rng(seed))
+    return np.asarray(res.bootstrap_distribution, dtype=np.float64).reshape(n_resamples)
+
+
+def percentile_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, int]:
+    """``(lo, hi, n)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (numpy's
+    linear rule) of the finite ``values`` (a bootstrap distribution) and how many there are;
+    ``(nan, nan, 0)`` when none is."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return math.nan, math.nan, 0
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.quantile(v, [tail, 1.0 - tail])
+    return float(lo), float(hi), int(v.size)
+
+
 def bootstrap_ci(statistic: Callable[..., float], *arrays: Sequence[Any],
                  n_resamples: int = 1000, level: float = 0.95,
                  seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of ``statistic(*arrays)`` over items.
 
-    Each resample draws n item indices with replacement (``numpy.random.default_rng(seed)``)
-    and applies the same indices to every array, so paired inputs stay paired. The statistic
-    gets numpy arrays. Resamples where it is NaN (e.g. a constant resample for a correlation)
-    are skipped - warnings raised inside resamples are silenced and summarised once. Returns
-    ``(lo, hi)`` at the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles; ``(nan, nan)``
-    with a warning when no resample gives a finite value.
+    The resamples are :func:`bootstrap_distribution`'s, paired: one draw of n item indices
+    (``numpy.random.default_rng(seed)``) applies to every array, so paired inputs stay paired.
+    The statistic gets numpy arrays. Resamples where it is NaN (e.g. a constant resample for a
+    correlation) are skipped - warnings raised inside resamples are silenced and summarised
+    once. Returns ``(lo, hi)`` at the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles
+    (:func:`percentile_interval`); ``(nan, nan)`` with a warning when no resample gives a
+    finite value.
     """
     if not arrays:
         raise ValueError("bootstrap_ci: at least one array is needed")
@@ -172,25 +258,19 @@ def bootstrap_ci(statistic: Callable[..., float], *arrays: Sequence[Any],
         warnings.warn("bootstrap_ci: no items; returning (NaN, NaN)", RuntimeWarning,
                       stacklevel=2)
         return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    values = np.empty(n_resamples, dtype=np.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for i in range(n_resamples):
-            idx = rng.integers(0, n, size=n)
-            values[i] = float(statistic(*(a[idx] for a in arrs)))
-    finite = values[np.isfinite(values)]
-    if finite.size == 0:
+        values = bootstrap_distribution(statistic, *arrs, n_resamples=n_resamples, seed=seed)
+    lo, hi, kept = percentile_interval(values, level)
+    if kept == 0:
         warnings.warn("bootstrap_ci: the statistic is NaN on every resample; "
                       "returning (NaN, NaN)", RuntimeWarning, stacklevel=2)
         return math.nan, math.nan
-    if finite.size < values.size:
-        warnings.warn(f"bootstrap_ci: {values.size - finite.size} of {values.size} resamples "
+    if kept < values.size:
+        warnings.warn(f"bootstrap_ci: {values.size - kept} of {values.size} resamples "
                       "gave a non-finite statistic and were skipped", RuntimeWarning,
                       stacklevel=2)
-    tail = (1.0 - level) / 2.0
-    lo, hi = np.quantile(finite, [tail, 1.0 - tail])
-    return float(lo), float(hi)
+    return lo, hi
 
 
 # --------------------------------------------------------------------------- probabilities
@@ -251,13 +331,25 @@ def ece(y_true: Sequence[Any], p: Sequence[float], n_bins: int = 10) -> float:
                      for b in bins if b["count"]))
 
 
+def auc_rows(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """ROC AUC of positives' over negatives' scores, row by row (ties count half): the
+    Mann-Whitney U of the pooled ranks over ``n_pos n_neg``. ``pos``: ``(..., n_pos)``, ``neg``:
+    ``(..., n_neg)`` float arrays, both non-empty and finite; returns shape ``(...)``. The
+    vectorised form of :func:`auc` for many resamples at once."""
+    r = stats.rankdata(np.concatenate([pos, neg], axis=-1), axis=-1)
+    n1, n2 = pos.shape[-1], neg.shape[-1]
+    return (r[..., :n1].sum(-1) - n1 * (n1 + 1) / 2) / (n1 * n2)
+
+
 def auc_stratified_ci(y_true: Sequence[Any], scores: Sequence[float], *,
                       n_resamples: int = 1000, level: float = 0.95, seed: int = 0
                       ) -> tuple[float, float, float]:
-    """``(auc, lo, hi)``: ROC AUC of ``scores`` for 0/1 ``y_true`` (ties count half) with a
-    percentile bootstrap interval that resamples each class on its own (so every resample has
-    both classes and the class sizes of the data). ``numpy.random.default_rng(seed)``: the
-    same seed gives the same interval. NaN (with a warning) when a class is empty."""
+    """``(auc, lo, hi)``: ROC AUC of ``scores`` for 0/1 ``y_true`` (ties count half;
+    scikit-learn's ``roc_auc_score``) with a percentile bootstrap interval that resamples each
+    class on its own (:func:`bootstrap_distribution` with ``paired=False``: every resample has
+    both classes and the class sizes of the data). Seeded: the same seed gives the same
+    interval. Items with a non-finite score are dropped; NaN (with a warning) when a class is
+    empty."""
     y, s = _binary_probs(y_true, scores, "auc_stratified_ci")
     pos, neg = s[y == 1], s[y == 0]
     if pos.size == 0 or neg.size == 0:
@@ -265,17 +357,9 @@ def auc_stratified_ci(y_true: Sequence[Any], scores: Sequence[float], *,
         return v, v, v
     if not 0.0 < level < 1.0:
         raise ValueError(f"auc_stratified_ci: level must be in (0, 1), got {level}")
-
-    def value(a: np.ndarray, b: np.ndarray) -> float:
-        # Mann-Whitney U through the ranks of the pooled sample: ties count half.
-        r = stats.rankdata(np.concatenate([a, b]))
-        return float((r[: a.size].sum() - a.size * (a.size + 1) / 2) / (a.size * b.size))
-
-    rng = np.random.default_rng(seed)
-    vals = np.empty(n_resamples, dtype=np.float64)
-    for i in range(n_resamples):
-        vals[i] = value(pos[rng.integers(0, pos.size, pos.size)],
-                        neg[rng.integers(0, neg.size, neg.size)])
-    tail = (1.0 - level) / 2.0
-    lo, hi = np.quantile(vals, [tail, 1.0 - tail])
-    return value(pos, neg), float(lo), float(hi)
+    # Resamples per batch so that the pooled ranks stay near 2**22 values (32 MiB) at a time.
+    vals = bootstrap_distribution(auc_rows, pos, neg, paired=False, vectorized=True,
+                                  n_resamples=n_resamples, seed=seed,
+                                  batch=max(1, 2**22 // (pos.size + neg.size)))
+    lo, hi, _ = percentile_interval(vals, level)
+    return float(skm.roc_auc_score(y, s)), lo, hi

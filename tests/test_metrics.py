@@ -10,7 +10,10 @@ from scipy import stats
 from icqs_fast.metrics import (
     accuracy,
     auc,
+    auc_rows,
+    auc_stratified_ci,
     bootstrap_ci,
+    bootstrap_distribution,
     cohen_kappa,
     correlations,
     f1,
@@ -153,3 +156,62 @@ def test_bootstrap_ci_skips_nan_resamples():
                                                        n_resamples=20))
     with pytest.raises(ValueError, match="level"):
         bootstrap_ci(np.mean, [1.0, 2.0], level=95)
+
+
+def test_bootstrap_distribution_paired_and_per_stratum():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=40)
+    # Vectorised and one-by-one give the same resamples (the same item indices by seed).
+    one = bootstrap_distribution(np.mean, x, n_resamples=300, seed=3)
+    vec = bootstrap_distribution(lambda a: a.mean(-1), x, vectorized=True, n_resamples=300,
+                                 seed=3)
+    np.testing.assert_allclose(one, vec, rtol=0, atol=1e-12)
+    assert one.shape == (300,) and np.unique(one).size > 100
+    # Per stratum: each sample keeps its size and its own items on every resample.
+    a, b = np.zeros(7), np.ones(5)
+    sizes = bootstrap_distribution(lambda p, q: p.size + 10 * q.sum(), a, b, paired=False,
+                                   n_resamples=50, seed=0)
+    assert np.all(sizes == 7 + 50)
+    with pytest.raises(ValueError, match="different lengths"):
+        bootstrap_distribution(np.mean, a, b)
+    # A stratum of one item resamples to itself (scipy needs two; it is held fixed).
+    d = bootstrap_distribution(lambda p, q: p[0] - q.mean(), np.array([5.0]),
+                               np.array([0.0, 2.0]), paired=False, n_resamples=400, seed=1)
+    assert set(np.unique(d)) == {3.0, 4.0, 5.0}
+    assert np.all(bootstrap_distribution(np.mean, [2.5], n_resamples=3) == 2.5)
+
+
+def test_auc_rows_and_stratified_interval_match_sklearn():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(12)
+    pos = np.round(rng.normal(1.0, 1.0, size=(6, 30)), 1)  # rounded: ties count half
+    neg = np.round(rng.normal(0.0, 1.0, size=(6, 20)), 1)
+    y = np.r_[np.ones(30), np.zeros(20)]
+    want = [roc_auc_score(y, np.r_[p, n]) for p, n in zip(pos, neg, strict=True)]
+    np.testing.assert_allclose(auc_rows(pos, neg), want, rtol=0, atol=1e-12)
+    v, lo, hi = auc_stratified_ci(y, np.r_[pos[0], neg[0]], n_resamples=2000, seed=0)
+    assert v == pytest.approx(want[0], abs=1e-12) and lo < v < hi
+    # The per-class bootstrap agrees with scipy's own percentile interval of the same AUC.
+    ref = stats.bootstrap((pos[0], neg[0]), lambda p, n, axis=-1: auc_rows(p, n),
+                          vectorized=True, n_resamples=2000, method="percentile",
+                          rng=np.random.default_rng(99)).confidence_interval
+    assert lo == pytest.approx(ref.low, abs=0.03) and hi == pytest.approx(ref.high, abs=0.03)
+
+
+def test_study_auc_intervals_use_the_shared_bootstrap():
+    from icqs_fast.evals.calibration_study import auc_ci, auc_difference
+
+    rng = np.random.default_rng(13)
+    pa, na = rng.normal(1.0, 1.0, 60), rng.normal(0.0, 1.0, 40)
+    y = np.r_[np.ones(60), np.zeros(40)]
+    got = auc_ci(pa, na, n_boot=500, seed=4)
+    assert (got["value"], got["lo"], got["hi"]) == auc_stratified_ci(
+        y, np.r_[pa, na], n_resamples=500, seed=4)
+    # Paired: a scoring against itself differs by exactly 0 on every resample.
+    same = auc_difference(pa, na, pa, na, n_boot=200)
+    assert same == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+    # A noisier copy of the same scores loses AUC; the interval sits around the difference.
+    d = auc_difference(pa, na, pa + rng.normal(0, 2, 60), na + rng.normal(0, 2, 40),
+                       n_boot=500, seed=0)
+    assert 0.0 < d["lo"] < d["value"] < d["hi"]
