@@ -59,6 +59,9 @@ DEFAULT_MAX_HELDOUT = 256
 # below roughly a thousand points in all; its steps follow each point's noise).
 ISOTONIC_MIN_PER_CLASS = 100
 ECE_BINS = 10
+# The Brier score of a constant 0.5 on the even mix of held-out items: what a calibrated
+# probability must beat to say anything.
+BRIER_CONSTANT = 0.25
 N_BOOT = 1000
 LEVEL = 0.95
 CV_FOLDS = 5
@@ -363,6 +366,261 @@ def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: 
     return best
 
 
+# --------------------------------------------------------------------------- abstain band
+
+
+def _cut_values(u: np.ndarray) -> np.ndarray:
+    """``[k+1]`` cut points of ``k`` sorted distinct scores ``u``: -inf, the midpoints, +inf
+    (cut ``i`` has the ``i`` lowest scores below it)."""
+    import numpy as np
+
+    return np.concatenate([[-np.inf], (u[1:] + u[:-1]) / 2, [np.inf]])
+
+
+def _band_counts(scores: np.ndarray, labels: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every band at once: ``(cuts [k+1], a [P], b [P], covered [P], correct [P])`` over the
+    ``P`` pairs of cuts ``a <= b`` ("bad" below cut ``a``, "good" from cut ``b`` on, abstain
+    between), from prefix counts of each class over the sorted distinct scores (O(k^2) numpy,
+    k <= the held-out items)."""
+    import numpy as np
+
+    u, inv = np.unique(scores, return_inverse=True)
+    k = u.size
+    n0 = np.bincount(inv[labels == 0], minlength=k)
+    n1 = np.bincount(inv[labels == 1], minlength=k)
+    c0 = np.concatenate([[0], np.cumsum(n0)])  # [k+1]: bad-pool items below each cut
+    c1 = np.concatenate([[0], np.cumsum(n1)])
+    a, b = np.triu_indices(k + 1)
+    covered = c0[a] + c1[a] + (c0[-1] - c0[b]) + (c1[-1] - c1[b])
+    correct = c0[a] + (c1[-1] - c1[b])
+    return _cut_values(u), a, b, covered, correct
+
+
+def fit_band(scores: Sequence[float], labels: Sequence[int], target: float
+             ) -> tuple[float, float] | None:
+    """``(lo, hi)``: the band of scores to abstain on (``lo <= score < hi``; "bad" below
+    ``lo``, "good" from ``hi`` on) whose outside reaches accuracy ``target`` on
+    ``scores`` ``[n]`` / 0/1 ``labels`` ``[n]`` with the largest coverage (ties: the higher
+    accuracy); ``lo = -inf`` says nothing is "bad", ``hi = +inf`` nothing "good"; ``lo == hi``:
+    no abstention. None when no band with any coverage reaches ``target``."""
+    import numpy as np
+
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.int64)
+    cuts, a, b, covered, correct = _band_counts(s, y)
+    ok = (covered > 0) & (correct >= target * covered - 1e-9)
+    if not ok.any():
+        return None
+    # Largest coverage, then most correct; lexsort's last key is the primary one.
+    i = np.flatnonzero(ok)[np.lexsort((-correct[ok], -covered[ok]))[0]]
+    return float(cuts[a[i]]), float(cuts[b[i]])
+
+
+def band_verdicts(scores: Any, lo: float, hi: float) -> np.ndarray:
+    """``[n]`` str: "bad" below ``lo``, "good" at or above ``hi``, "abstain" between or for a
+    NaN score."""
+    import numpy as np
+
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    return np.where(s < lo, "bad", np.where(s >= hi, "good", "abstain"))
+
+
+def coverage_curve(scores: Sequence[float], labels: Sequence[int], max_points: int = 64
+                   ) -> list[tuple[float, float]]:
+    """The best accuracy outside a band at each coverage, ``[(coverage, accuracy), ...]`` by
+    rising coverage (accuracy at coverage >= c: non-increasing), at most ``max_points`` points;
+    on the given items (in sample)."""
+    import numpy as np
+
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.int64)
+    n = s.size
+    if n == 0:
+        return []
+    _, _, _, covered, correct = _band_counts(s, y)
+    best = np.full(n + 1, -1.0)
+    np.maximum.at(best, covered, correct.astype(np.float64))
+    m = np.arange(n + 1)
+    acc = np.where((best >= 0) & (m > 0), best / np.maximum(m, 1), -1.0)
+    acc = np.maximum.accumulate(acc[::-1])[::-1]  # accuracy reachable at coverage >= m
+    keep = np.unique(np.linspace(1, n, min(max_points, n)).round().astype(int))
+    return [(float(k / n), float(acc[k])) for k in keep if acc[k] >= 0]
+
+
+@dataclass(frozen=True)
+class AbstainBand:
+    """The band of scores to send to a person so that the rest reaches a target accuracy.
+
+    Attributes:
+        target: the accuracy asked for (``--target-accuracy``).
+        lo, hi: "bad" below ``lo``, "abstain" in ``[lo, hi)``, "good" from ``hi`` on (fitted on
+            every held-out item; ``-inf`` / ``+inf``: no "bad" / "good" side). Without a band
+            reaching the target (``reached`` False) every score is "abstain".
+        coverage, coverage_lo, coverage_hi: the share of items outside the band, out of fold
+            (each fold's verdicts from a band fitted on the other folds), with its bootstrap
+            interval (``level``, seeded).
+        accuracy, accuracy_lo, accuracy_hi: the accuracy of the verdicts outside the band, out
+            of fold, with its interval (NaN when too few items were outside it).
+        curve: the in-sample ``(coverage, best accuracy)`` curve (:func:`coverage_curve`).
+    """
+
+    target: float
+    lo: float
+    hi: float
+    reached: bool
+    coverage: float = math.nan
+    coverage_lo: float = math.nan
+    coverage_hi: float = math.nan
+    accuracy: float = math.nan
+    accuracy_lo: float = math.nan
+    accuracy_hi: float = math.nan
+    level: float = LEVEL
+    curve: tuple[tuple[float, float], ...] = ()
+
+    def verdict(self, score: float) -> str:
+        """"good", "bad" or "abstain" of one score (NaN: "abstain")."""
+        return str(band_verdicts([score], self.lo, self.hi)[0])
+
+    def text(self) -> str:
+        """One plain line for the log / summary."""
+        if not self.reached:
+            return (f"abstain band: no band of scores reaches accuracy {self.target:g} on the "
+                    "held-out items; every record is 'abstain'")
+
+        def side(v: float, what: str) -> str:
+            return f"{what} when score {'<' if what == 'bad' else '>='} {v:.4f}"
+
+        sides = [side(self.lo, "bad")] if math.isfinite(self.lo) else []
+        if math.isfinite(self.hi):
+            sides.append(side(self.hi, "good"))
+        acc = ("n/a" if math.isnan(self.accuracy) else
+               f"{self.accuracy:.2f} [{_fmt(self.accuracy_lo)}, {_fmt(self.accuracy_hi)}]")
+        return (f"abstain band for accuracy {self.target:g}: {', '.join(sides)}, abstain "
+                f"between; coverage {self.coverage:.2f} [{_fmt(self.coverage_lo)}, "
+                f"{_fmt(self.coverage_hi)}], accuracy outside the band {acc} (held-out items, "
+                f"out of fold, {self.level:.0%} bootstrap intervals)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: non-finite numbers as None (``lo`` None: -inf, ``hi`` None: +inf)."""
+        def num(v: float) -> float | None:
+            return v if math.isfinite(v) else None
+
+        d: dict[str, Any] = {k: num(getattr(self, k)) for k in (
+            "target", "lo", "hi", "coverage", "coverage_lo", "coverage_hi", "accuracy",
+            "accuracy_lo", "accuracy_hi", "level")}
+        d["reached"] = self.reached
+        d["curve"] = [list(p) for p in self.curve]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AbstainBand:
+        def num(k: str, none: float = math.nan) -> float:
+            v = d.get(k)
+            return none if v is None else float(v)
+
+        return cls(target=num("target"), lo=num("lo", -math.inf), hi=num("hi", math.inf),
+                   reached=bool(d.get("reached")), coverage=num("coverage"),
+                   coverage_lo=num("coverage_lo"), coverage_hi=num("coverage_hi"),
+                   accuracy=num("accuracy"), accuracy_lo=num("accuracy_lo"),
+                   accuracy_hi=num("accuracy_hi"), level=num("level", LEVEL),
+                   curve=tuple((float(c), float(a)) for c, a in d.get("curve") or ()))
+
+
+def _fmt(v: float) -> str:
+    return "n/a" if not math.isfinite(v) else f"{v:.2f}"
+
+
+# Fewer covered out-of-fold verdicts than this: no accuracy interval (a bootstrap of a handful
+# of verdicts says little, and resamples with none covered have no accuracy at all).
+MIN_COVERED = 10
+
+
+def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, *,
+                 folds: int = CV_FOLDS, seed: int = 0, n_boot: int = N_BOOT,
+                 level: float = LEVEL) -> AbstainBand:
+    """The :class:`AbstainBand` of cross-fitted ``scores`` ``[n]`` (finite) with 0/1
+    ``labels`` ``[n]`` for accuracy ``target`` in (0, 1].
+
+    The band is fitted on every item (:func:`fit_band`); its coverage and accuracy are measured
+    out of fold - the items of each of ``folds`` stratified folds judged by a band fitted on
+    the others - so they are not the fitted band's own optimism, and their intervals are
+    percentile bootstraps (``scipy.stats.bootstrap``, paired over items, ``n_boot`` resamples,
+    seeded by ``seed``) of those out-of-fold verdicts.
+    """
+    import numpy as np
+    from scipy.stats import bootstrap
+    from sklearn.model_selection import StratifiedKFold
+
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target accuracy must be in (0, 1], got {target!r}")
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels, dtype=np.int64).reshape(-1)
+    if s.shape != y.shape or not np.all(np.isfinite(s)):
+        raise ValueError("abstain_band: scores must be finite and as many as labels")
+    curve = tuple(coverage_curve(s, y))
+    band = fit_band(s, y, target)
+    if band is None:
+        return AbstainBand(target, -math.inf, math.inf, False, coverage=0.0, level=level,
+                           curve=curve)
+    covered = np.zeros(s.shape, dtype=bool)
+    correct = np.zeros(s.shape, dtype=bool)
+    k = min(folds, int((y == 1).sum()), int((y == 0).sum()))
+    for tr, te in StratifiedKFold(n_splits=k, shuffle=True, random_state=seed).split(s, y):
+        b = fit_band(s[tr], y[tr], target)
+        v = band_verdicts(s[te], *(b if b is not None else (-math.inf, math.inf)))
+        covered[te] = v != "abstain"
+        correct[te] = ((v == "good") & (y[te] == 1)) | ((v == "bad") & (y[te] == 0))
+    cov, n_cov = float(covered.mean()), int(covered.sum())
+    acc = float(correct.sum() / n_cov) if n_cov else math.nan
+
+    def ci(stat: Callable[..., Any]) -> tuple[float, float]:
+        r = bootstrap((covered.astype(float), correct.astype(float)), stat, paired=True,
+                      vectorized=True, n_resamples=n_boot, confidence_level=level,
+                      method="percentile", random_state=np.random.default_rng(seed))
+        return float(r.confidence_interval.low), float(r.confidence_interval.high)
+
+    def coverage_stat(c: np.ndarray, _: np.ndarray, axis: int = -1) -> np.ndarray:
+        return c.mean(axis=axis)
+
+    def accuracy_stat(c: np.ndarray, r: np.ndarray, axis: int = -1) -> np.ndarray:
+        den = c.sum(axis=axis)
+        # A resample with nothing covered (only possible far below MIN_COVERED) counts as
+        # accuracy 0: pessimistic, and never NaN inside the percentile.
+        return np.where(den > 0, r.sum(axis=axis) / np.maximum(den, 1), 0.0)
+
+    c_lo, c_hi = ci(coverage_stat)
+    a_lo, a_hi = ci(accuracy_stat) if n_cov >= MIN_COVERED else (math.nan, math.nan)
+    return AbstainBand(target, band[0], band[1], True, coverage=cov, coverage_lo=c_lo,
+                       coverage_hi=c_hi, accuracy=acc, accuracy_lo=a_lo, accuracy_hi=a_hi,
+                       level=level, curve=curve)
+
+
+# --------------------------------------------------------------------------- trust
+
+
+ADVICE = ("try a larger --model, more or cleaner pool items (--good / --bad), or more "
+          "demonstrations per set (--demos-per-set)")
+
+
+def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) -> str:
+    """Why the self-check's scores should not be trusted on this task, in plain words with what
+    to try (:data:`ADVICE`); "" when nothing says so. Untrusted: the AUC interval holds 0.5 (or
+    lies below it), or the calibrated probability's Brier score is no better than a
+    constant's."""
+    why = []
+    if auc_lo <= 0.5:
+        why.append(f"its AUC interval [{auc_lo:.3f}, {auc_hi:.3f}] "
+                   f"{'holds' if auc_hi >= 0.5 else 'lies below'} 0.5, chance")
+    if brier >= brier_constant:
+        why.append(f"its Brier score {brier:.3f} is no better than a constant 0.5's "
+                   f"({brier_constant:.3f})")
+    if not why:
+        return ""
+    return ("do not trust these scores on this task: the scorer does not separate the held-out "
+            f"good and bad demonstrations ({' and '.join(why)}); {ADVICE}")
+
+
 # --------------------------------------------------------------------------- the result
 
 
@@ -393,6 +651,11 @@ class SelfCheck:
             lowest and highest cross-fitted score.
         config: the self-check's own options (max_heldout, seed, method, leak, n_boot, level,
             folds), for a resumed run to check it would compute the same.
+        warning: "" or, when the estimate says the scorer does not separate this task (AUC
+            interval holding 0.5, Brier no better than a constant), that in plain words with
+            what to try (:func:`distrust`).
+        target_accuracy, band: the accuracy asked for (``--target-accuracy``) and its
+            :class:`AbstainBand` (None without a target or an estimate).
     """
 
     status: str
@@ -406,7 +669,7 @@ class SelfCheck:
     auc_hi: float = math.nan
     level: float = LEVEL
     brier: float = math.nan
-    brier_constant: float = 0.25
+    brier_constant: float = BRIER_CONSTANT
     ece: float = math.nan
     ece_bins: int = ECE_BINS
     calibration: CalibrationMap | None = None
@@ -420,10 +683,18 @@ class SelfCheck:
     reliability: list[dict[str, float]] = field(default_factory=list)
     score_range: tuple[float, float] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    warning: str = ""
+    target_accuracy: float | None = None
+    band: AbstainBand | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def trusted(self) -> bool:
+        """An estimate that does not say the scorer fails on this task (:attr:`warning`)."""
+        return self.ok and not self.warning
 
     def apply(self, score: Any) -> Any:
         """P(good) of a score (float) or of an array of scores (float64 array); NaN without an
@@ -437,9 +708,14 @@ class SelfCheck:
         return self.calibration.apply(score)
 
     def verdict(self, score: float) -> str | None:
-        """The per-record verdict of ``score``: "good" at or above the equal-error threshold,
-        else "bad"; None without an estimate or for a NaN score."""
-        if not self.ok or not math.isfinite(score) or not math.isfinite(self.threshold):
+        """The per-record verdict of ``score``: with an abstain band its verdict ("good",
+        "bad", "abstain"); else "good" at or above the equal-error threshold, "bad" below;
+        None without an estimate (or, without a band, for a NaN score)."""
+        if not self.ok:
+            return None
+        if self.band is not None:
+            return self.band.verdict(score)
+        if not math.isfinite(score) or not math.isfinite(self.threshold):
             return None
         return "good" if score >= self.threshold else "bad"
 
@@ -463,7 +739,8 @@ class SelfCheck:
             "status", "message", "n_good", "n_bad", "n_skipped", "needed_per_class", "auc",
             "auc_lo", "auc_hi", "level", "brier", "brier_constant", "ece", "ece_bins",
             "threshold", "p_at_threshold", "expected_accuracy", "target_precision",
-            "precision_threshold", "precision", "recall")}
+            "precision_threshold", "precision", "recall", "warning", "target_accuracy")}
+        d["band"] = None if self.band is None else self.band.to_dict()
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
         d["reliability"] = [{k: num(v) for k, v in b.items()} for b in self.reliability]
         d["score_range"] = None if self.score_range is None else list(self.score_range)
@@ -481,22 +758,30 @@ class SelfCheck:
         kw: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
             if f.name in d and f.name not in ("calibration", "config", "reliability",
-                                               "score_range"):
+                                               "score_range", "band"):
                 v = d[f.name]
                 kw[f.name] = math.nan if v is None and f.type == "float" else v
         cal = d.get("calibration")
         rng = d.get("score_range")
         bins = [{k: math.nan if v is None else v for k, v in b.items()}
                 for b in d.get("reliability") or []]
+        band = d.get("band")
+        kw["warning"] = kw.get("warning") or ""
         return cls(**kw, calibration=None if cal is None else CalibrationMap.from_dict(cal),
+                   band=None if band is None else AbstainBand.from_dict(band),
                    reliability=bins, score_range=None if rng is None else (rng[0], rng[1]),
                    config=dict(d.get("config") or {}))
 
     def lines(self) -> list[str]:
-        """The summary: one line, two with a precision target."""
+        """The summary: the message, then the warning, the abstain band and the precision
+        target when there are."""
         if not self.ok:
             return [self.message]
         out = [self.message]
+        if self.warning:
+            out.append(f"self-check WARNING: {self.warning}")
+        if self.band is not None:
+            out.append(f"self-check: {self.band.text()}")
         if self.target_precision is not None:
             if math.isnan(self.precision_threshold):
                 out.append(f"self-check: no threshold reaches precision {self.target_precision:g}"
@@ -553,13 +838,16 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
                    method: str = "auto", seed: int = 0, n_boot: int = N_BOOT,
                    level: float = LEVEL, folds: int = CV_FOLDS, n_bins: int = ECE_BINS,
                    target_precision: float | None = None,
+                   target_accuracy: float | None = None,
                    config: dict[str, Any] | None = None) -> SelfCheck:
     """The :class:`SelfCheck` of cross-fitted ``scores`` ``[n]`` (NaN: a skipped item, counted
     with ``n_skipped``) and their 0/1 ``labels`` ``[n]`` (1 = good pool).
 
     Everything is seeded by ``seed`` (bootstrap, folds), so the same input gives the same
     result. Fewer than :data:`MIN_PER_CLASS` usable items in a class gives ``status
-    "too_small"`` and no estimate.
+    "too_small"`` and no estimate. ``target_accuracy``: also the :class:`AbstainBand` for it
+    (:func:`abstain_band`). An estimate that says the scorer does not separate the task gets
+    a :attr:`SelfCheck.warning` (:func:`distrust`).
     """
     import numpy as np
 
@@ -575,8 +863,11 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
     n_good, n_bad = int((y == 1).sum()), int((y == 0).sum())
     cfg = {"method": method, "seed": seed, "n_boot": n_boot, "level": level, "folds": folds,
            **(config or {})}
+    if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
+        raise ValueError(f"target accuracy must be in (0, 1], got {target_accuracy!r}")
     common = dict(n_good=n_good, n_bad=n_bad, n_skipped=n_skipped, level=level,
-                  ece_bins=n_bins, target_precision=target_precision, config=cfg)
+                  ece_bins=n_bins, target_precision=target_precision,
+                  target_accuracy=target_accuracy, config=cfg)
     skipped = (f"; {n_skipped} skipped: every set of some ratio held them" if n_skipped
                else "")
     if min(n_good, n_bad) < MIN_PER_CLASS:
@@ -599,7 +890,10 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
            f"{auc:.3f} [{lo:.3f}, {hi:.3f}], Brier {br:.3f} (constant 0.5: 0.250), ECE "
            f"{ec:.3f}; threshold score >= {t:.4f} (equal error, P(good) "
            f"{cmap.apply(t):.2f}), expected accuracy {acc:.2f}; {FIELD} by {used} map")
+    band = (abstain_band(s, y, target_accuracy, folds=folds, seed=seed, n_boot=n_boot,
+                         level=level) if target_accuracy is not None else None)
     return SelfCheck(status="ok", message=msg, auc=auc, auc_lo=lo, auc_hi=hi, brier=br,
+                     warning=distrust(lo, hi, br, BRIER_CONSTANT), band=band,
                      ece=ec, calibration=cmap, threshold=t, p_at_threshold=cmap.apply(t),
                      expected_accuracy=acc, precision_threshold=pt, precision=prec,
                      recall=rec, reliability=metrics.reliability_bins(y, p_oof, n_bins),
@@ -613,31 +907,119 @@ def too_small_without_scoring(n_good: int, n_bad: int, max_heldout: int) -> bool
     return min(max_heldout // 2, n_good, n_bad) < MIN_PER_CLASS
 
 
+def sized_max_heldout(max_heldout: int, job_records: int | None) -> int:
+    """The held-out items a job's self-check may score: ``max_heldout``, and no more than the
+    job's own record count when that is known (each held-out item costs about what a record
+    does, 0.92x measured; so a self-check never costs more than scoring the job itself: a
+    30-record job's self-check scores at most 30 items, too few for an estimate, and is
+    skipped at no cost; ``check`` alone, with no job, is not capped)."""
+    if job_records is None:
+        return max_heldout
+    return min(max_heldout, max(0, int(job_records)))
+
+
+def scorer_identity(scorer: Any) -> dict[str, Any]:
+    """What, besides the pools and the self-check's options, decides a scorer's cross-fitted
+    scores: its settings' fingerprint, the model's name or path, its parameter count and dtype
+    (a model re-written in place under the same path and size is not told apart: clear the
+    cache, ``icqs_fast.io.cache``)."""
+    model = scorer.model
+    p = next(model.parameters())
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return {"settings": scorer.settings.fingerprint(), "model": str(name),
+            "n_params": int(sum(q.numel() for q in model.parameters())),
+            "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
+
+
+def crossfit_key(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int, seed: int,
+                 leak: str) -> str:
+    """The cache key of :func:`crossfit_heldout`'s result: a hash of the pools' items, the
+    scorer (:func:`scorer_identity`) and the options that pick and clean the held-out items."""
+    from icqs_fast.io.cache import digest
+
+    return digest({"version": VERSION, "good": [list(e) for e in check_pool(good, "good")],
+                   "bad": [list(e) for e in check_pool(bad, "bad")],
+                   "scorer": scorer_identity(scorer), "max_heldout": max_heldout,
+                   "seed": seed, "leak": leak})
+
+
+def _nan_list(a: Any) -> list[float | None]:
+    return [None if not math.isfinite(v) else float(v) for v in a]
+
+
+def _cached_crossfit(cache: Any, key: str) -> tuple[Any, Any] | None:
+    """``(scores, labels)`` stored under ``key``, or None (absent or malformed)."""
+    import numpy as np
+
+    doc = cache.get(key)
+    try:
+        scores = np.array([math.nan if v is None else float(v) for v in doc["scores"]])
+        labels = np.array([int(v) for v in doc["labels"]], dtype=np.int64)
+    except (TypeError, KeyError, ValueError):
+        return None
+    return (scores, labels) if scores.shape == labels.shape else None
+
+
 def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
                    max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                    method: str = "auto", leak: str = "input",
-                   target_precision: float | None = None, n_boot: int = N_BOOT,
+                   target_precision: float | None = None,
+                   target_accuracy: float | None = None, n_boot: int = N_BOOT,
+                   job_records: int | None = None, cache: Any = None,
                    progress: Callable[[Iterable, int], Iterable] | None = None) -> SelfCheck:
     """Cross-fit the held-out pool members (:func:`crossfit_heldout`) and fit the
     :class:`SelfCheck` (:func:`fit_self_check`). Pools that cannot give :data:`MIN_PER_CLASS`
     items per class are not scored at all ("too_small" at no cost); ``max_heldout=0`` gives
-    "off"."""
+    "off".
+
+    Args:
+        job_records: the job's record count when known: at most that many held-out items
+            (:func:`sized_max_heldout`).
+        cache: an :class:`icqs_fast.io.cache.JsonCache` (None: none): the cross-fitted scores
+            of the same pools, scorer (settings, model, dtype) and held-out options are read
+            from it instead of scored, and stored there when scored; fitting the map, the
+            intervals and the band (seconds) is always done again, so a new target or map
+            method reuses them too. ``config["cache"]`` says "hit" or "stored".
+    """
     if max_heldout == 0:
         return SelfCheck.off("turned off (--self-check-max 0)")
     choose_method(method, 0)  # a bad method fails before any scoring
     n_good, n_bad = len(check_pool(good, "good")), len(check_pool(bad, "bad"))
-    cfg = {"max_heldout": max_heldout, "leak": leak}
+    asked, max_heldout = max_heldout, sized_max_heldout(max_heldout, job_records)
+    cfg: dict[str, Any] = {"max_heldout": max_heldout, "leak": leak}
+    if max_heldout < asked:
+        cfg["sized_by_job"] = {"asked": asked, "job_records": job_records}
     if too_small_without_scoring(n_good, n_bad, max_heldout):
-        why = (f"--self-check-max {max_heldout} allows {max_heldout // 2} per class"
-               if max_heldout // 2 < min(n_good, n_bad) else
-               f"the pools hold {n_good} good and {n_bad} bad demonstrations")
+        if max_heldout < asked:
+            why = (f"the job has {job_records} records and a self-check scores no more "
+                   f"held-out items than that (it would cost more than the job); run "
+                   f"'icqs-fast check' for an estimate of its own")
+        elif max_heldout // 2 < min(n_good, n_bad):
+            why = f"--self-check-max {max_heldout} allows {max_heldout // 2} per class"
+        else:
+            why = f"the pools hold {n_good} good and {n_bad} bad demonstrations"
         return SelfCheck(
             status="too_small", config={"method": method, "seed": seed, **cfg},
-            target_precision=target_precision,
+            target_precision=target_precision, target_accuracy=target_accuracy,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
-    cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak,
-                          progress=progress)
-    return fit_self_check(cf.scores, cf.labels, method=method, seed=seed, n_boot=n_boot,
-                          target_precision=target_precision, config=cfg)
+    key = (crossfit_key(scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak)
+           if cache is not None and cache.enabled else None)
+    hit = _cached_crossfit(cache, key) if key is not None else None
+    if hit is not None:
+        scores, labels = hit
+        cfg["cache"] = "hit"
+    else:
+        cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed,
+                              leak=leak, progress=progress)
+        scores, labels = cf.scores, cf.labels
+        if key is not None and cache.put(key, {"scores": _nan_list(scores),
+                                               "labels": [int(v) for v in labels]}):
+            cfg["cache"] = "stored"
+    check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
+                           target_precision=target_precision,
+                           target_accuracy=target_accuracy, config=cfg)
+    if hit is not None:
+        check.message += " (held-out scores reused from the cache)"
+    return check
