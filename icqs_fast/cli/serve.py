@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the chunk: tokens of work per engine step; larger requests are cut "
                    "into chunks served round-robin with the others, so no request waits for "
                    "more than one chunk of another (default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=d.prefill_budget,
+                   help="prompt tokens (echo, prefill) per worker step beside one token of "
+                   "every live generation: bounds the time between generated tokens "
+                   "(default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds a request may take from admission; past it: 504, its running "
                    "work stops at the next forward or generated token and the rest is dropped "
@@ -113,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
     for name in ("max_body_bytes", "max_prompt_tokens", "max_prompts", "max_logprobs",
-                 "max_queue", "max_batch_tokens", "max_gen_tokens", "max_request_tokens",
-                 "max_stop_chars", "max_num_ratios", "max_sets_per_ratio", "max_demos_per_set",
-                 "max_live_generations"):
+                 "max_queue", "max_batch_tokens", "prefill_budget", "max_gen_tokens",
+                 "max_request_tokens", "max_stop_chars", "max_num_ratios", "max_sets_per_ratio",
+                 "max_demos_per_set", "max_live_generations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("max_stop", "max_logit_bias"):  # 0: the option is refused
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                       max_demos_per_set=args.max_demos_per_set,
                       max_live_generations=args.max_live_generations, max_queue=args.max_queue,
                       batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens,
-                      request_timeout=args.request_timeout,
+                      prefill_budget=args.prefill_budget, request_timeout=args.request_timeout,
                       shutdown_timeout=args.shutdown_timeout, backend=args.backend)
     server = Server(model, tok, cfg, good=good, bad=bad,
                     icqs_options={"num_ratios": args.num_ratios,

@@ -37,6 +37,10 @@ class ServeConfig:
         max_batch_tokens: the chunk: most tokens of work (prompt tokens; for ``/v1/score``,
             record tokens x forward passes) per step of the worker; a larger request is cut
             into chunks that interleave with other requests round-robin.
+        prefill_budget: tokens of prompt work (echo / prefill) a worker step packs beside one
+            token of every live generation (continuous batching); a larger log-prob chunk runs
+            over several steps, a prompt longer than this in a step of its own. It bounds the
+            time between a generation's tokens.
         request_timeout: seconds from admission to answer; past it 504, the running chunk is
             stopped at its next forward (or generated token) and the remaining ones are dropped
             (0: no deadline).
@@ -67,6 +71,7 @@ class ServeConfig:
     max_queue: int = 256
     batch_wait_ms: float = 5.0
     max_batch_tokens: int = 2048
+    prefill_budget: int = 256
     request_timeout: float = 300.0
     shutdown_timeout: float = 5.0
     token_budget: int = 16384
