@@ -10,15 +10,20 @@ import pytest
 from _helpers import tiny_llama
 from test_selfcheck import pools
 
-from icqs_fast.engine.scorer import ICQSScorer
-from icqs_fast.engine.selfcheck import (
-    ADVICE,
+from icqs_fast.engine.abstain import (
     AbstainBand,
-    SelfCheck,
     abstain_band,
     band_verdicts,
     coverage_curve,
     fit_band,
+)
+from icqs_fast.engine.scorer import ICQSScorer
+from icqs_fast.engine.selfcheck import (
+    ADVICE,
+    CV_FOLDS,
+    LEVEL,
+    N_BOOT,
+    SelfCheck,
     fit_self_check,
     run_self_check,
     sized_max_heldout,
@@ -26,6 +31,7 @@ from icqs_fast.engine.selfcheck import (
 from icqs_fast.io.cache import ENV, JsonCache, digest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+OPTS = dict(folds=CV_FOLDS, seed=0, n_boot=N_BOOT, level=LEVEL)  # the self-check's own
 
 
 def gaussians(n: int, shift: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +72,7 @@ def test_fit_band_is_the_widest_band_reaching_the_target_by_brute_force():
 def test_accuracy_outside_the_band_on_held_out_data_is_within_its_interval():
     rng = np.random.default_rng(0)
     s, y = gaussians(128, 1.0, rng)  # a self-check's 256 held-out items, AUC about 0.76
-    band = abstain_band(s, y, 0.85, seed=0)
+    band = abstain_band(s, y, 0.85, **OPTS)
     assert band.reached and band.lo < band.hi
     assert band.coverage_lo <= band.coverage <= band.coverage_hi
     assert band.accuracy_lo <= band.accuracy <= band.accuracy_hi
@@ -92,7 +98,7 @@ def test_coverage_curve_is_non_increasing_and_ends_at_the_plain_threshold():
 def test_an_unreachable_target_abstains_on_everything():
     y = np.r_[np.ones(30), np.zeros(30)].astype(np.int64)
     s = np.random.default_rng(0).permutation(np.repeat([0.4, 0.6], 30))  # one score per half
-    band = abstain_band(s, y, 0.99)
+    band = abstain_band(s, y, 0.99, **OPTS)
     assert not band.reached and band.coverage == 0.0
     assert {band.verdict(v) for v in (0.0, 0.5, 1.0)} == {"abstain"}
     assert "every record is 'abstain'" in band.text()
@@ -113,7 +119,7 @@ def test_band_travels_in_the_self_check_and_gives_verdicts():
     assert plain.verdict(plain.threshold - 1e-9) == "bad"
     assert fit_self_check(s[:10], y[:10]).verdict(0.5) is None
     # An infinite side survives JSON (as null).
-    d = AbstainBand(0.8, -math.inf, 0.5, True).to_dict()
+    d = AbstainBand(0.8, -math.inf, 0.5, True, level=LEVEL).to_dict()
     assert d["lo"] is None and AbstainBand.from_dict(d).lo == -math.inf
     with pytest.raises(ValueError, match="target accuracy"):
         fit_self_check(s, y, target_accuracy=1.5)

@@ -37,7 +37,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from icqs_fast.engine.abstain import AbstainBand, abstain_band
 from icqs_fast.engine.prompts import DemoSet, Example, check_pool
+from icqs_fast.engine.selfcheck_cache import crossfit_key, load_crossfit, store_crossfit
 
 if TYPE_CHECKING:
     import numpy as np
@@ -366,236 +368,6 @@ def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: 
     return best
 
 
-# --------------------------------------------------------------------------- abstain band
-
-
-def _cut_values(u: np.ndarray) -> np.ndarray:
-    """``[k+1]`` cut points of ``k`` sorted distinct scores ``u``: -inf, the midpoints, +inf
-    (cut ``i`` has the ``i`` lowest scores below it)."""
-    import numpy as np
-
-    return np.concatenate([[-np.inf], (u[1:] + u[:-1]) / 2, [np.inf]])
-
-
-def _band_counts(scores: np.ndarray, labels: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every band at once: ``(cuts [k+1], a [P], b [P], covered [P], correct [P])`` over the
-    ``P`` pairs of cuts ``a <= b`` ("bad" below cut ``a``, "good" from cut ``b`` on, abstain
-    between), from prefix counts of each class over the sorted distinct scores (O(k^2) numpy,
-    k <= the held-out items)."""
-    import numpy as np
-
-    u, inv = np.unique(scores, return_inverse=True)
-    k = u.size
-    n0 = np.bincount(inv[labels == 0], minlength=k)
-    n1 = np.bincount(inv[labels == 1], minlength=k)
-    c0 = np.concatenate([[0], np.cumsum(n0)])  # [k+1]: bad-pool items below each cut
-    c1 = np.concatenate([[0], np.cumsum(n1)])
-    a, b = np.triu_indices(k + 1)
-    covered = c0[a] + c1[a] + (c0[-1] - c0[b]) + (c1[-1] - c1[b])
-    correct = c0[a] + (c1[-1] - c1[b])
-    return _cut_values(u), a, b, covered, correct
-
-
-def fit_band(scores: Sequence[float], labels: Sequence[int], target: float
-             ) -> tuple[float, float] | None:
-    """``(lo, hi)``: the band of scores to abstain on (``lo <= score < hi``; "bad" below
-    ``lo``, "good" from ``hi`` on) whose outside reaches accuracy ``target`` on
-    ``scores`` ``[n]`` / 0/1 ``labels`` ``[n]`` with the largest coverage (ties: the higher
-    accuracy); ``lo = -inf`` says nothing is "bad", ``hi = +inf`` nothing "good"; ``lo == hi``:
-    no abstention. None when no band with any coverage reaches ``target``."""
-    import numpy as np
-
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(labels, dtype=np.int64)
-    cuts, a, b, covered, correct = _band_counts(s, y)
-    ok = (covered > 0) & (correct >= target * covered - 1e-9)
-    if not ok.any():
-        return None
-    # Largest coverage, then most correct; lexsort's last key is the primary one.
-    i = np.flatnonzero(ok)[np.lexsort((-correct[ok], -covered[ok]))[0]]
-    return float(cuts[a[i]]), float(cuts[b[i]])
-
-
-def band_verdicts(scores: Any, lo: float, hi: float) -> np.ndarray:
-    """``[n]`` str: "bad" below ``lo``, "good" at or above ``hi``, "abstain" between or for a
-    NaN score."""
-    import numpy as np
-
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    return np.where(s < lo, "bad", np.where(s >= hi, "good", "abstain"))
-
-
-def coverage_curve(scores: Sequence[float], labels: Sequence[int], max_points: int = 64
-                   ) -> list[tuple[float, float]]:
-    """The best accuracy outside a band at each coverage, ``[(coverage, accuracy), ...]`` by
-    rising coverage (accuracy at coverage >= c: non-increasing), at most ``max_points`` points;
-    on the given items (in sample)."""
-    import numpy as np
-
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(labels, dtype=np.int64)
-    n = s.size
-    if n == 0:
-        return []
-    _, _, _, covered, correct = _band_counts(s, y)
-    best = np.full(n + 1, -1.0)
-    np.maximum.at(best, covered, correct.astype(np.float64))
-    m = np.arange(n + 1)
-    acc = np.where((best >= 0) & (m > 0), best / np.maximum(m, 1), -1.0)
-    acc = np.maximum.accumulate(acc[::-1])[::-1]  # accuracy reachable at coverage >= m
-    keep = np.unique(np.linspace(1, n, min(max_points, n)).round().astype(int))
-    return [(float(k / n), float(acc[k])) for k in keep if acc[k] >= 0]
-
-
-@dataclass(frozen=True)
-class AbstainBand:
-    """The band of scores to send to a person so that the rest reaches a target accuracy.
-
-    Attributes:
-        target: the accuracy asked for (``--target-accuracy``).
-        lo, hi: "bad" below ``lo``, "abstain" in ``[lo, hi)``, "good" from ``hi`` on (fitted on
-            every held-out item; ``-inf`` / ``+inf``: no "bad" / "good" side). Without a band
-            reaching the target (``reached`` False) every score is "abstain".
-        coverage, coverage_lo, coverage_hi: the share of items outside the band, out of fold
-            (each fold's verdicts from a band fitted on the other folds), with its bootstrap
-            interval (``level``, seeded).
-        accuracy, accuracy_lo, accuracy_hi: the accuracy of the verdicts outside the band, out
-            of fold, with its interval (NaN when too few items were outside it).
-        curve: the in-sample ``(coverage, best accuracy)`` curve (:func:`coverage_curve`).
-    """
-
-    target: float
-    lo: float
-    hi: float
-    reached: bool
-    coverage: float = math.nan
-    coverage_lo: float = math.nan
-    coverage_hi: float = math.nan
-    accuracy: float = math.nan
-    accuracy_lo: float = math.nan
-    accuracy_hi: float = math.nan
-    level: float = LEVEL
-    curve: tuple[tuple[float, float], ...] = ()
-
-    def verdict(self, score: float) -> str:
-        """"good", "bad" or "abstain" of one score (NaN: "abstain")."""
-        return str(band_verdicts([score], self.lo, self.hi)[0])
-
-    def text(self) -> str:
-        """One plain line for the log / summary."""
-        if not self.reached:
-            return (f"abstain band: no band of scores reaches accuracy {self.target:g} on the "
-                    "held-out items; every record is 'abstain'")
-
-        def side(v: float, what: str) -> str:
-            return f"{what} when score {'<' if what == 'bad' else '>='} {v:.4f}"
-
-        sides = [side(self.lo, "bad")] if math.isfinite(self.lo) else []
-        if math.isfinite(self.hi):
-            sides.append(side(self.hi, "good"))
-        acc = ("n/a" if math.isnan(self.accuracy) else
-               f"{self.accuracy:.2f} [{_fmt(self.accuracy_lo)}, {_fmt(self.accuracy_hi)}]")
-        return (f"abstain band for accuracy {self.target:g}: {', '.join(sides)}, abstain "
-                f"between; coverage {self.coverage:.2f} [{_fmt(self.coverage_lo)}, "
-                f"{_fmt(self.coverage_hi)}], accuracy outside the band {acc} (held-out items, "
-                f"out of fold, {self.level:.0%} bootstrap intervals)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able: non-finite numbers as None (``lo`` None: -inf, ``hi`` None: +inf)."""
-        def num(v: float) -> float | None:
-            return v if math.isfinite(v) else None
-
-        d: dict[str, Any] = {k: num(getattr(self, k)) for k in (
-            "target", "lo", "hi", "coverage", "coverage_lo", "coverage_hi", "accuracy",
-            "accuracy_lo", "accuracy_hi", "level")}
-        d["reached"] = self.reached
-        d["curve"] = [list(p) for p in self.curve]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AbstainBand:
-        def num(k: str, none: float = math.nan) -> float:
-            v = d.get(k)
-            return none if v is None else float(v)
-
-        return cls(target=num("target"), lo=num("lo", -math.inf), hi=num("hi", math.inf),
-                   reached=bool(d.get("reached")), coverage=num("coverage"),
-                   coverage_lo=num("coverage_lo"), coverage_hi=num("coverage_hi"),
-                   accuracy=num("accuracy"), accuracy_lo=num("accuracy_lo"),
-                   accuracy_hi=num("accuracy_hi"), level=num("level", LEVEL),
-                   curve=tuple((float(c), float(a)) for c, a in d.get("curve") or ()))
-
-
-def _fmt(v: float) -> str:
-    return "n/a" if not math.isfinite(v) else f"{v:.2f}"
-
-
-# Fewer covered out-of-fold verdicts than this: no accuracy interval (a bootstrap of a handful
-# of verdicts says little, and resamples with none covered have no accuracy at all).
-MIN_COVERED = 10
-
-
-def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, *,
-                 folds: int = CV_FOLDS, seed: int = 0, n_boot: int = N_BOOT,
-                 level: float = LEVEL) -> AbstainBand:
-    """The :class:`AbstainBand` of cross-fitted ``scores`` ``[n]`` (finite) with 0/1
-    ``labels`` ``[n]`` for accuracy ``target`` in (0, 1].
-
-    The band is fitted on every item (:func:`fit_band`); its coverage and accuracy are measured
-    out of fold - the items of each of ``folds`` stratified folds judged by a band fitted on
-    the others - so they are not the fitted band's own optimism, and their intervals are
-    percentile bootstraps (``scipy.stats.bootstrap``, paired over items, ``n_boot`` resamples,
-    seeded by ``seed``) of those out-of-fold verdicts.
-    """
-    import numpy as np
-    from scipy.stats import bootstrap
-    from sklearn.model_selection import StratifiedKFold
-
-    if not 0.0 < target <= 1.0:
-        raise ValueError(f"target accuracy must be in (0, 1], got {target!r}")
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    y = np.asarray(labels, dtype=np.int64).reshape(-1)
-    if s.shape != y.shape or not np.all(np.isfinite(s)):
-        raise ValueError("abstain_band: scores must be finite and as many as labels")
-    curve = tuple(coverage_curve(s, y))
-    band = fit_band(s, y, target)
-    if band is None:
-        return AbstainBand(target, -math.inf, math.inf, False, coverage=0.0, level=level,
-                           curve=curve)
-    covered = np.zeros(s.shape, dtype=bool)
-    correct = np.zeros(s.shape, dtype=bool)
-    k = min(folds, int((y == 1).sum()), int((y == 0).sum()))
-    for tr, te in StratifiedKFold(n_splits=k, shuffle=True, random_state=seed).split(s, y):
-        b = fit_band(s[tr], y[tr], target)
-        v = band_verdicts(s[te], *(b if b is not None else (-math.inf, math.inf)))
-        covered[te] = v != "abstain"
-        correct[te] = ((v == "good") & (y[te] == 1)) | ((v == "bad") & (y[te] == 0))
-    cov, n_cov = float(covered.mean()), int(covered.sum())
-    acc = float(correct.sum() / n_cov) if n_cov else math.nan
-
-    def ci(stat: Callable[..., Any]) -> tuple[float, float]:
-        r = bootstrap((covered.astype(float), correct.astype(float)), stat, paired=True,
-                      vectorized=True, n_resamples=n_boot, confidence_level=level,
-                      method="percentile", random_state=np.random.default_rng(seed))
-        return float(r.confidence_interval.low), float(r.confidence_interval.high)
-
-    def coverage_stat(c: np.ndarray, _: np.ndarray, axis: int = -1) -> np.ndarray:
-        return c.mean(axis=axis)
-
-    def accuracy_stat(c: np.ndarray, r: np.ndarray, axis: int = -1) -> np.ndarray:
-        den = c.sum(axis=axis)
-        # A resample with nothing covered (only possible far below MIN_COVERED) counts as
-        # accuracy 0: pessimistic, and never NaN inside the percentile.
-        return np.where(den > 0, r.sum(axis=axis) / np.maximum(den, 1), 0.0)
-
-    c_lo, c_hi = ci(coverage_stat)
-    a_lo, a_hi = ci(accuracy_stat) if n_cov >= MIN_COVERED else (math.nan, math.nan)
-    return AbstainBand(target, band[0], band[1], True, coverage=cov, coverage_lo=c_lo,
-                       coverage_hi=c_hi, accuracy=acc, accuracy_lo=a_lo, accuracy_hi=a_hi,
-                       level=level, curve=curve)
-
-
 # --------------------------------------------------------------------------- trust
 
 
@@ -918,48 +690,6 @@ def sized_max_heldout(max_heldout: int, job_records: int | None) -> int:
     return min(max_heldout, max(0, int(job_records)))
 
 
-def scorer_identity(scorer: Any) -> dict[str, Any]:
-    """What, besides the pools and the self-check's options, decides a scorer's cross-fitted
-    scores: its settings' fingerprint, the model's name or path, its parameter count and dtype
-    (a model re-written in place under the same path and size is not told apart: clear the
-    cache, ``icqs_fast.io.cache``)."""
-    model = scorer.model
-    p = next(model.parameters())
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return {"settings": scorer.settings.fingerprint(), "model": str(name),
-            "n_params": int(sum(q.numel() for q in model.parameters())),
-            "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
-
-
-def crossfit_key(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int, seed: int,
-                 leak: str) -> str:
-    """The cache key of :func:`crossfit_heldout`'s result: a hash of the pools' items, the
-    scorer (:func:`scorer_identity`) and the options that pick and clean the held-out items."""
-    from icqs_fast.io.cache import digest
-
-    return digest({"version": VERSION, "good": [list(e) for e in check_pool(good, "good")],
-                   "bad": [list(e) for e in check_pool(bad, "bad")],
-                   "scorer": scorer_identity(scorer), "max_heldout": max_heldout,
-                   "seed": seed, "leak": leak})
-
-
-def _nan_list(a: Any) -> list[float | None]:
-    return [None if not math.isfinite(v) else float(v) for v in a]
-
-
-def _cached_crossfit(cache: Any, key: str) -> tuple[Any, Any] | None:
-    """``(scores, labels)`` stored under ``key``, or None (absent or malformed)."""
-    import numpy as np
-
-    doc = cache.get(key)
-    try:
-        scores = np.array([math.nan if v is None else float(v) for v in doc["scores"]])
-        labels = np.array([int(v) for v in doc["labels"]], dtype=np.int64)
-    except (TypeError, KeyError, ValueError):
-        return None
-    return (scores, labels) if scores.shape == labels.shape else None
-
-
 def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
                    max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                    method: str = "auto", leak: str = "input",
@@ -1006,7 +736,7 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
                      "each for an AUC interval of +-0.1)"))
     key = (crossfit_key(scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak)
            if cache is not None and cache.enabled else None)
-    hit = _cached_crossfit(cache, key) if key is not None else None
+    hit = load_crossfit(cache, key) if key is not None else None
     if hit is not None:
         scores, labels = hit
         cfg["cache"] = "hit"
@@ -1014,8 +744,7 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
         cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed,
                               leak=leak, progress=progress)
         scores, labels = cf.scores, cf.labels
-        if key is not None and cache.put(key, {"scores": _nan_list(scores),
-                                               "labels": [int(v) for v in labels]}):
+        if key is not None and store_crossfit(cache, key, scores, labels):
             cfg["cache"] = "stored"
     check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
                            target_precision=target_precision,
