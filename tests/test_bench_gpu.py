@@ -102,8 +102,9 @@ def test_dry_run_covers_every_cuda_path(dry_report):
 
 @pytest.mark.subprocess
 def test_dry_run_sync_budgets(dry_report):
-    """Issue 27: every path within its host-sync budget (per batch forward, once-per-model
-    setup apart), none in the ops or the per-layer code, the counts in the report."""
+    """Every path within its host-sync budget (each sync drains the GPU queue; per batch
+    forward, once-per-model setup apart), none in the ops or the per-layer code, the counts in
+    the report."""
     from icqs_fast.benchmarks.dry_run import SETUP_SYNC_BUDGET, SYNC_BUDGETS
 
     _, rep = dry_report

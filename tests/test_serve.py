@@ -293,7 +293,7 @@ def test_score_endpoint_equals_in_process(server, tiny):
         assert got["icqs"]["score"] == pytest.approx(want.score, abs=1e-5)  # posterior mean
         assert torch.allclose(torch.tensor(got["icqs"]["loglik"]), want.loglik, atol=TOL)
         assert abs(got["features"]["sent_logprob"] - f["sent_logprob"]) <= TOL
-    # Calibrated, continuous scores (issue 17): the engine's, with the raw loglik kept beside
+    # Calibrated, continuous scores: the engine's, with the raw loglik kept beside
     # the baseline; a bad option value is a 400 naming it before anything is queued.
     cal = {**opts, "calibration": "content_free", "score": "mean"}
     r = httpx.post(st.base_url + "/v1/score", timeout=60, json={

@@ -313,9 +313,10 @@ def test_triton_bf16_unaligned_view():
 
 
 def test_deferred_checks_settle_in_one_host_copy():
-    """What the GPU path defers instead of a host sync per op call (issue 27): the target-range
-    error and the float64 ``logprob_var`` fix are settled by ``to_host`` (one packed copy,
-    here on CPU tensors), or by any read that resolves them (``map``, ``logprob_var``)."""
+    """What the GPU path defers instead of a host sync per op call (each sync drains the GPU
+    queue): the target-range error and the float64 ``logprob_var`` fix are settled by
+    ``to_host`` (one packed copy, here on CPU tensors), or by any read that resolves them
+    (``map``, ``logprob_var``)."""
     z = torch.randn(5, 11)
     t = torch.tensor([1, 2, 3, 4, 5])
 
