@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # (command path, module, help)
@@ -47,6 +48,30 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 ]
 
 
+# Sphinx markup in docstrings reused as help: ":class:`~a.b.C`" -> "C", ":func:`a.b`" -> "a.b",
+# ":ref:`text <target>`" -> "text", "``x``" -> "x". Help is read by people, not Sphinx.
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`<]*?)(?:\s*<[^`>]*>)?`")
+
+
+def plain_text(text: str | None) -> str | None:
+    """``text`` without Sphinx roles and double backticks (None stays None)."""
+    if text is None:
+        return None
+
+    def role(m: re.Match) -> str:
+        return m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)
+
+    return _ROLE.sub(role, text).replace("``", "")
+
+
+def _plain_help(p: argparse.ArgumentParser) -> None:
+    """Every text of a command's ``--help`` as plain text (:func:`plain_text`)."""
+    p.description, p.epilog = plain_text(p.description), plain_text(p.epilog)
+    for a in p._actions:
+        if isinstance(a.help, str):
+            a.help = plain_text(a.help)
+
+
 def _selected(argv: list[str] | None) -> tuple[str, ...] | None:
     """The command path ``argv`` names (its leading non-option words); None: build them all."""
     if argv is None:
@@ -64,8 +89,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     arguments (so ``--help`` and argument errors answer without importing any other command's
     module). Command modules keep ``add_arguments`` free of torch / transformers / numpy."""
     selected = _selected(argv)
-    parser = argparse.ArgumentParser(prog="icqs-fast", description=__doc__.splitlines()[0]
-                                     .replace("``", ""))
+    parser = argparse.ArgumentParser(prog="icqs-fast",
+                                     description=plain_text(__doc__.splitlines()[0]))
+    # Each command's own parser by its path, for its usage on a misspelled flag (main).
+    parser.set_defaults(_path=())
+    commands: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    parser.commands = commands  # type: ignore[attr-defined]
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, modname, help_ in COMMANDS:
@@ -76,7 +105,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                 g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
                 groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_)
-        p.set_defaults(_module=modname)
+        p.set_defaults(_module=modname, _path=path)
+        commands[path] = p
         if selected is not None and selected[:len(path)] != path:
             continue  # not the command asked for: its arguments are never parsed
         try:
@@ -86,6 +116,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             p.set_defaults(_import_error=str(exc))
             continue
         mod.add_arguments(p)
+        _plain_help(p)
     return parser
 
 
@@ -97,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process entry point (not a caller's or a test's in-process call)
         argv = sys.argv[1:]
         threads.enable_governor()
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would name them under the top-level usage: give the command's own
+        parser.commands.get(args._path, parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     err = getattr(args, "_import_error", None)
     if err:
         print(f"icqs-fast: this command is unavailable: {err}", file=sys.stderr)

@@ -51,6 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_self_check_arguments(p)
 
 
+def score_meaning(kind: str) -> str:
+    """What a score is, in words a new user reads first (``kind``: the ``--score`` choice)."""
+    how = {"argmax": "the share",
+           "tied": "the share (the mean share of the near-tied best)",
+           "mean": "the share (its posterior mean)"}.get(kind, "the share")
+    return (f"A score is {how} of good demonstrations, in [0, 1], in the mixture of good and "
+            "bad demonstrations under which the model finds the answer most likely: near 1 "
+            "the answer looks like the good demonstrations, near 0 like the bad ones. It is "
+            "not a probability; P(good) beside it is.")
+
+
 def _trunc(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
@@ -95,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     for rec, res in score_records(scorer, records, path=responses):
         rows.append({"id": rec.id, "x": rec.x, "y": rec.y, "quality": rec.label,
                      "score": res.score, FIELD: res.p_good_calibrated,
+                     "verdict": res.verdict,
                      "score_per_set": list(res.score_per_set),
                      "loglik": res.loglik.tolist(), "n_response_tokens": res.n_response_tokens,
                      **({"loglik_baseline": res.loglik_baseline.tolist()}
@@ -120,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 "num_ratios": args.num_ratios, "demos_per_set": n,
                 "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
                 "calibration": args.calibrate, "score": args.score,
-                "ratios": list(scorer.ratios)}
+                "ratios": list(scorer.ratios), "score_meaning": score_meaning(args.score)}
     if args.json:
         json.dump({"settings": settings, "results": rows, "summary": summary,
                    "self_check": check.to_dict()}, sys.stdout, indent=1)
@@ -132,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"M+1={args.num_ratios} ratios x L={args.sets_per_ratio} sets of N={n} "
           f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set"
           + ("" if args.calibrate == "none" else f"; calibration {args.calibrate}")
-          + ("" if args.score == "argmax" else f"; {args.score} score") + "\n")
+          + ("" if args.score == "argmax" else f"; {args.score} score"))
+    print(settings["score_meaning"] + "\n")
     for line in check.lines():
         print(line)
     print()
