@@ -22,8 +22,10 @@ Pure library code (numpy, scipy, scikit-learn; no torch): give it the verdicts o
   (rows: human label, columns: verdict; scikit-learn).
 
 Every statistic's interval resamples the records (pairs) with replacement, ``n_resamples``
-times from ``numpy.random.default_rng(seed)``, the same resamples for every statistic, and
-takes the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled values.
+times from ``numpy.random.default_rng(seed)`` (:func:`icqs_fast.metrics.bootstrap_distribution`,
+paired: the same resamples for every statistic), and takes the ``(1 - level) / 2`` and
+``(1 + level) / 2`` quantiles of the resampled values
+(:func:`icqs_fast.metrics.percentile_interval`).
 Resamples where a statistic is undefined (a constant verdict for a correlation, one label for
 kappa) are left out of its interval and counted (:attr:`Interval.n_resamples`); a statistic
 undefined on the data itself is NaN with a NaN interval.
@@ -33,11 +35,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from icqs_fast.metrics import bootstrap_distribution, percentile_interval
 
 __all__ = ["Agreement", "Interval", "JudgeBias", "LengthBias", "SwapConsistency", "Verdicts",
            "judge_bias", "order_average"]
@@ -294,14 +298,30 @@ def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return _pearson_rows(rankdata(x, axis=1), rankdata(y, axis=1))
 
 
-def _interval(estimate: float, values: np.ndarray, level: float) -> Interval:
-    v = values[np.isfinite(values)]
-    if not math.isfinite(estimate) or v.size == 0:
-        return Interval(float(estimate) if math.isfinite(estimate) else math.nan, math.nan,
-                        math.nan, level, int(v.size))
-    tail = (1.0 - level) / 2.0
-    lo, hi = np.quantile(v, [tail, 1.0 - tail])
-    return Interval(float(estimate), float(lo), float(hi), level, int(v.size))
+@dataclass(frozen=True)
+class _Bootstrap:
+    """The resamples every statistic of one :func:`judge_bias` call shares (same seed, same
+    record count: the same record indices)."""
+
+    n_resamples: int
+    level: float
+    seed: int
+
+    def interval(self, estimate: float, stat: Callable[..., np.ndarray],
+                 *arrays: np.ndarray) -> Interval:
+        """``estimate`` with the interval of ``stat`` over the resampled records: ``stat``
+        takes each array's resampled rows, shape ``(b, n)``, and returns ``(b,)``."""
+        values = bootstrap_distribution(stat, *arrays, vectorized=True,
+                                        n_resamples=self.n_resamples, seed=self.seed)
+        lo, hi, kept = percentile_interval(values, self.level)
+        if not math.isfinite(estimate) or kept == 0:
+            return Interval(float(estimate) if math.isfinite(estimate) else math.nan, math.nan,
+                            math.nan, self.level, kept)
+        return Interval(float(estimate), lo, hi, self.level, kept)
+
+
+def _mean_rows(x: np.ndarray) -> np.ndarray:
+    return x.mean(-1)
 
 
 def _point_biserial(binary: np.ndarray, x: np.ndarray) -> float:
@@ -324,8 +344,8 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
         return float(spearmanr(x, y)[0])
 
 
-def _agreement(t: np.ndarray, p: np.ndarray, idx: np.ndarray, labels: list[str],
-               level: float) -> Agreement:
+def _agreement(t: np.ndarray, p: np.ndarray, labels: list[str], boot: _Bootstrap
+               ) -> Agreement:
     from sklearn.metrics import cohen_kappa_score, confusion_matrix
 
     k = len(labels)
@@ -337,8 +357,8 @@ def _agreement(t: np.ndarray, p: np.ndarray, idx: np.ndarray, labels: list[str],
             warnings.simplefilter("ignore")
             kappa = float(cohen_kappa_score(t, p, labels=ks))
     conf = confusion_matrix(t, p, labels=ks).tolist()
-    return Agreement(_interval(kappa, _kappa_rows(t[idx], p[idx], k), level),
-                     _interval(float(np.mean(t == p)), (t[idx] == p[idx]).mean(1), level),
+    return Agreement(boot.interval(kappa, lambda a, b: _kappa_rows(a, b, k), t, p),
+                     boot.interval(float(np.mean(t == p)), _mean_rows, t == p),
                      conf, list(labels))
 
 
@@ -367,11 +387,11 @@ def judge_bias(v: Verdicts, *, n_resamples: int = 1000, level: float = 0.95,
     if not 0.0 < level < 1.0:
         raise ValueError(f"judge_bias: level must be in (0, 1), got {level}")
     labels = list(v.labels)
-    idx = np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
+    boot = _Bootstrap(n_resamples, level, seed)
     t = _codes(v.truth, labels)
     p = _codes(v.verdict, labels)
     notes: list[str] = []
-    agreement = _agreement(t, p, idx, labels, level)
+    agreement = _agreement(t, p, labels, boot)
     if not math.isfinite(agreement.kappa.estimate):
         notes.append("kappa undefined: the verdicts and the human labels are one and the same "
                      "single label")
@@ -394,12 +414,12 @@ def judge_bias(v: Verdicts, *, n_resamples: int = 1000, level: float = 0.95,
             avg = [order_average((a, 1.0 - a), (b, 1.0 - b), labels)[0]
                    for a, b in zip(fs, v.swapped_score,
                                                                     strict=True)]
-            debiased = _agreement(t, _codes(avg, labels), idx, labels, level)
+            debiased = _agreement(t, _codes(avg, labels), labels, boot)
         swap = SwapConsistency(
             n_pairs=n, flips=int(flip.sum()),
-            flip_rate=_interval(float(flip.mean()), flip[idx].mean(1), level),
-            first_position_rate=_interval(float(first.mean()), first[idx].mean(1), level),
-            forward=_agreement(t, fwd, idx, labels, level), debiased=debiased)
+            flip_rate=boot.interval(float(flip.mean()), _mean_rows, flip),
+            first_position_rate=boot.interval(float(first.mean()), _mean_rows, first),
+            forward=_agreement(t, fwd, labels, boot), debiased=debiased)
 
     length = None
     if v.length is None:
@@ -410,7 +430,7 @@ def judge_bias(v: Verdicts, *, n_resamples: int = 1000, level: float = 0.95,
         human = (t == 0).astype(np.float64)
         what = (f"length(output 1) - length(output 2), {v.length_unit}" if v.pairwise
                 else f"response length, {v.length_unit}")
-        pb = _interval(_point_biserial(chose, x), _pearson_rows(chose[idx], x[idx]), level)
+        pb = boot.interval(_point_biserial(chose, x), _pearson_rows, chose, x)
         if not math.isfinite(pb.estimate):
             notes.append(f"length bias: point-biserial undefined (every verdict is "
                          f"{v.verdict[0]!r})" if np.all(chose == chose[0])
@@ -418,19 +438,21 @@ def judge_bias(v: Verdicts, *, n_resamples: int = 1000, level: float = 0.95,
         sp = None
         if v.score is not None:
             s = np.asarray(v.score, dtype=np.float64)
-            sp = _interval(_spearman(s, x), _spearman_rows(s[idx], x[idx]), level)
-        hp = _interval(_point_biserial(human, x), _pearson_rows(human[idx], x[idx]), level)
+            sp = boot.interval(_spearman(s, x), _spearman_rows, s, x)
+        hp = boot.interval(_point_biserial(human, x), _pearson_rows, human, x)
         longer = None
         if v.pairwise:
             ok = x != 0
             if ok.any():
                 # The verdict names the longer output: labels[0] when output 1 is longer.
                 hit = np.where(ok, (chose == (x > 0)).astype(np.float64), np.nan)
-                h = hit[idx]
-                m = ok[idx]
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    vals = np.where(m, h, 0.0).sum(1) / m.sum(1)
-                longer = _interval(float(np.nanmean(hit)), vals, level)
+
+                def longer_rate(h: np.ndarray, m: np.ndarray) -> np.ndarray:
+                    # Over the resample's pairs of unequal length (NaN when it has none).
+                    with np.errstate(invalid="ignore", divide="ignore"):
+                        return np.where(m, h, 0.0).sum(1) / m.sum(1)
+
+                longer = boot.interval(float(np.nanmean(hit)), longer_rate, hit, ok)
             else:
                 notes.append("length bias: every pair has outputs of equal length")
         length = LengthBias(what, pb, sp, hp, longer)
