@@ -24,6 +24,7 @@ from starlette.requests import Request
 from icqs_fast.io.schema import result_row
 from icqs_fast.io.strict_json import finite_or_none
 from icqs_fast.serve.admission import Admission, score_price
+from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
 from icqs_fast.serve.queue import Unit
@@ -51,6 +52,16 @@ def _record(i: int, r: Any) -> dict:
     return {"x": x, "y": y, "reference": r.reference}
 
 
+def plain_path(model: Any) -> bool:
+    """True when the engine scores ``model`` without a prefix bank."""
+    from icqs_fast.engine.capability import model_plan
+
+    try:
+        return not model_plan(model).bank
+    except TypeError:  # no LM head at all: /v1/score fails per request, priced as plain
+        return True
+
+
 def _pool(items: list) -> list[tuple[str, str]]:
     return [(it[0], it[1]) if isinstance(it, list) else (it.x, it.y) for it in items]
 
@@ -62,32 +73,29 @@ class Scoring:
         model, tokenizer: the served model.
         admission: the server's limits.
         dispatcher: puts the request's work on the queue and waits for it.
-        model_name: the served model id.
-        max_batch_tokens: the chunk (token-passes).
-        backend: the token-statistics backend.
+        config: the server's settings (its model id, the chunk ``max_batch_tokens`` in
+            token-passes, the ICQS engine's ``backend`` and ``token_budget``).
         good, bad: the server's demonstrations (None: none).
         icqs_options: the server's ICQS settings (a request's ``icqs_options`` override them).
-        plain: the model has no prefix bank (every ICQS row runs its context again).
-        token_budget: tokens per forward of the ICQS engine.
     """
 
     def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
-                 model_name: str, max_batch_tokens: int, backend: str = "auto", *,
-                 good: Sequence | None = None, bad: Sequence | None = None,
-                 icqs_options: dict | None = None, plain: bool = False,
-                 token_budget: int | None = None) -> None:
+                 config: ServeConfig, *, good: Sequence | None = None,
+                 bad: Sequence | None = None, icqs_options: dict | None = None) -> None:
         if (good is None) != (bad is None):
             raise ValueError("give both good and bad demonstrations, or neither")
         self.model, self.tokenizer = model, tokenizer
         self.admission, self.dispatcher = admission, dispatcher
-        self.model_name = model_name
-        self.max_batch_tokens = int(max_batch_tokens)
-        self.backend = backend
+        self.model_name = config.model_name
+        self.max_batch_tokens = int(config.max_batch_tokens)
+        self.backend = config.backend
         self.good, self.bad = good, bad
         self.icqs_options = dict(icqs_options or {})
-        self.plain = plain
-        self.engine = {"backend": backend} if token_budget is None else \
-            {"backend": backend, "token_budget": int(token_budget)}
+        # Without a prefix bank every ICQS row runs its context again (priced so); decided now,
+        # on the caller's thread, so that no request's deadline can cut the capability probes.
+        self.plain = plain_path(model)
+        self.engine = {"backend": config.backend} if config.token_budget is None else \
+            {"backend": config.backend, "token_budget": int(config.token_budget)}
         self._scorer: Any = None
         # Scorers whose work was cut part-way: their caches (calibration rows, bank entries)
         # may hold work that never ran, so no later chunk may use them.
@@ -296,4 +304,4 @@ class Scoring:
         return ScoreResponse(object="list", model=self.model_name, data=data)
 
 
-__all__ = ["ICQS_OPTIONS", "Scoring", "icqs_item"]
+__all__ = ["ICQS_OPTIONS", "Scoring", "icqs_item", "plain_path"]
