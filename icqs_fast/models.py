@@ -4,6 +4,7 @@ local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -102,6 +103,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
+# The CPU's mixed precision (:func:`to_bf16_mixed`): fp32 activations, bf16 weights and products.
+# The first name is the one reported (meta files, ``info``, bench records); both are accepted.
+MIXED_NAMES = ("bf16-mixed", "mixed")
+MIXED_NAME = MIXED_NAMES[0]
+
 # ``dtype="auto"`` on the CPU: when set, this variable names the dtype instead of the detection
 # (e.g. ``float32`` to keep exact fp32 numbers on a CPU with native bf16; the test suite does).
 CPU_DTYPE_ENV = "ICQS_FAST_CPU_DTYPE"
@@ -119,18 +125,23 @@ class DtypeChoice:
     """The dtype a model is loaded in, and why (:func:`choose_dtype`).
 
     Attributes:
-        dtype: the torch dtype.
+        dtype: the torch dtype of the parameters and activations (``torch.float32`` when
+            ``mixed``).
         requested: what was asked for (``"auto"``, a name such as ``"bf16"``, or a dtype's name).
         reason: one sentence of evidence, shown by ``icqs-fast info`` and in a run's meta file.
+        mixed: the CPU's mixed precision (:func:`to_bf16_mixed`): fp32 activations, weights
+            rounded to bf16, matmuls with bf16 products and fp32 accumulation and output.
     """
 
     dtype: torch.dtype
     requested: str
     reason: str
+    mixed: bool = False
 
     @property
     def name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        """``"bf16-mixed"`` (:data:`MIXED_NAME`) or the torch dtype's name (``"float32"``)."""
+        return MIXED_NAME if self.mixed else str(self.dtype).removeprefix("torch.")
 
     def as_dict(self) -> dict[str, str]:
         return {"dtype": self.name, "dtype_requested": self.requested,
@@ -208,8 +219,8 @@ def _named(dtype: str | torch.dtype, where: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {dtype!r}{where}; use one of {sorted(DTYPE_NAMES)} "
-                         "or 'auto'")
+        raise ValueError(f"unknown dtype {dtype!r}{where}; use one of "
+                         f"{sorted(DTYPE_NAMES) + list(MIXED_NAMES)} or 'auto'")
     return DTYPE_NAMES[dtype]
 
 
@@ -217,34 +228,49 @@ def choose_dtype(dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto") -> DtypeChoice:
     """The dtype :func:`load_model` loads a model in on ``device``, with the reason.
 
-    ``"auto"``: bf16 on CUDA; on the CPU bf16 where it has native bf16 dot products
-    (:func:`cpu_bf16_support`: 1.5-1.7x faster than fp32 there, the default score within 0.01),
-    fp32 elsewhere (bf16 runs ~5.5x slower than fp32 without them), unless
-    ``$ICQS_FAST_CPU_DTYPE`` (:data:`CPU_DTYPE_ENV`) names the dtype. An explicit dtype is
-    kept; on the CPU one without a native dot product (bf16 or fp16) warns once per process,
-    naming the expected cost and ``--dtype``.
+    ``"auto"``: bf16 on CUDA; on the CPU ``bf16-mixed`` (:data:`MIXED_NAME`,
+    :func:`to_bf16_mixed`: bf16 weights and matmul products, fp32 activations, batch-invariant
+    and within ~0.07 nats/token of fp32) where it has native bf16 dot products
+    (:func:`cpu_bf16_support`), fp32 elsewhere (bf16 runs ~5.5x slower than fp32 without them),
+    unless ``$ICQS_FAST_CPU_DTYPE`` (:data:`CPU_DTYPE_ENV`) names the dtype. An explicit dtype
+    is kept (``bfloat16``: the pure bf16 forward, every activation in bf16); on the CPU one
+    without a native dot product (bf16 or fp16) warns once per process, naming the expected
+    cost and ``--dtype``. ``bf16-mixed`` is a CPU mode (oneDNN's bf16 fpmath): on another
+    device it is an error.
 
     Raises:
-        ValueError: an unknown dtype name (in ``dtype`` or in the variable).
+        ValueError: an unknown dtype name (in ``dtype`` or in the variable), or ``bf16-mixed``
+            on a device other than the CPU.
     """
     dev = _resolve_device(device)
     if isinstance(dtype, torch.dtype) or dtype != "auto":
-        dt = _named(dtype, "")
         requested = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        choice = DtypeChoice(dt, requested, f"requested ({requested})")
+        choice = _named_choice(dtype, requested, f"requested ({requested})", "")
     elif dev.type != "cpu":
         choice = DtypeChoice(torch.bfloat16, "auto", f"auto: bf16 on {dev.type}")
     elif os.environ.get(CPU_DTYPE_ENV, "").strip():
         name = os.environ[CPU_DTYPE_ENV].strip()
-        dt = _named(name, f" in ${CPU_DTYPE_ENV}")
-        choice = DtypeChoice(dt, "auto", f"auto: set by {CPU_DTYPE_ENV}={name}")
+        choice = _named_choice(name, "auto", f"auto: set by {CPU_DTYPE_ENV}={name}",
+                               f" in ${CPU_DTYPE_ENV}")
     else:
         native, why = cpu_bf16_support()
-        choice = (DtypeChoice(torch.bfloat16, "auto", f"auto: this CPU has {why}") if native
+        choice = (DtypeChoice(torch.float32, "auto",
+                              f"auto: this CPU has {why}: bf16 weights and products, fp32 "
+                              "activations", mixed=True) if native
                   else DtypeChoice(torch.float32, "auto", f"auto: this CPU has {why}"))
+    if choice.mixed and dev.type != "cpu":
+        raise ValueError(f"{MIXED_NAME} is a CPU mode (oneDNN's bf16 matmuls); on {dev.type} "
+                         "use bfloat16 or float32")
     if dev.type == "cpu":
         _warn_if_slow(choice)
     return choice
+
+
+def _named_choice(dtype: str | torch.dtype, requested: str, reason: str,
+                  where: str) -> DtypeChoice:
+    if isinstance(dtype, str) and dtype in MIXED_NAMES:
+        return DtypeChoice(torch.float32, requested, reason, mixed=True)
+    return DtypeChoice(_named(dtype, where), requested, reason)
 
 
 _WARNED: set[torch.dtype] = set()
@@ -274,7 +300,7 @@ _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | DtypeChoice = "auto",
     device: str | torch.device = "auto",
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
@@ -285,8 +311,9 @@ def load_model(
     Args:
         name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct; a local Hugging Face
             folder; or a hub id already in the local cache (no network is used).
-        dtype: ``"auto"`` (:func:`choose_dtype`: bf16 on CUDA; on the CPU bf16 where it has
-            native bf16 dot products, else fp32), a name such as ``"bf16"``, or a torch dtype.
+        dtype: ``"auto"`` (:func:`choose_dtype`: bf16 on CUDA; on the CPU ``bf16-mixed``
+            (:func:`to_bf16_mixed`) where it has native bf16 dot products, else fp32), a name
+            such as ``"bf16"`` or ``"bf16-mixed"``, a torch dtype, or a :class:`DtypeChoice`.
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ...
         load_in_8bit, load_in_4bit: quantise the linear layers with bitsandbytes.
         attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the model default if None.
@@ -299,8 +326,10 @@ def load_model(
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose at most one of load_in_8bit and load_in_4bit")
     dev = _resolve_device(device)
-    choice = choose_dtype(dtype, dev)
+    choice = dtype if isinstance(dtype, DtypeChoice) else choose_dtype(dtype, dev)
     dt = choice.dtype
+    if choice.mixed and (load_in_8bit or load_in_4bit):
+        raise ValueError(f"{MIXED_NAME} quantises nothing: choose it or 8/4-bit, not both")
     if name_or_path is None:
         path: str = str(embedded_model_dir())
         local_only = True
@@ -342,6 +371,8 @@ def load_model(
     model.eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if choice.mixed:
+        to_bf16_mixed(model)
     _CHOICES[model] = choice
     return model, tok
 
@@ -354,6 +385,14 @@ def dtype_choice_of(model: Any) -> DtypeChoice | None:
         return None
 
 
+def dtype_name(model: Any) -> str:
+    """How ``model`` computes, by name: ``"bf16-mixed"`` (:data:`MIXED_NAME`) for a
+    :func:`to_bf16_mixed` model, else its parameters' dtype (``"float32"``, ``"bfloat16"``)."""
+    if is_bf16_mixed(model):
+        return MIXED_NAME
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def _in_hf_cache(name: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -364,14 +403,15 @@ def _in_hf_cache(name: str) -> bool:
 
 
 def runtime_settings(model: Any, backend: str) -> dict:
-    """The model-side part of the resume fingerprint: the weights' dtype, the device type and
+    """The model-side part of the resume fingerprint: the weights' dtype (``bf16-mixed`` for a
+    :func:`to_bf16_mixed` model), the device type and
     the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
     read from the loaded model's parameters; and ``dtype_reason``, why that dtype
     (:class:`DtypeChoice`), for the run's meta file."""
     from icqs_fast import backends
 
     p = next(model.parameters())
-    dtype = str(p.dtype).removeprefix("torch.")
+    dtype = dtype_name(model)
     choice = dtype_choice_of(model)
     # Why this dtype (shown in the meta file; not compared on resume: only io.runs.RUNTIME_KEYS
     # are). A model changed after loading keeps its own dtype, said as such.
@@ -379,6 +419,119 @@ def runtime_settings(model: Any, backend: str) -> dict:
         "the model's own dtype (not chosen by icqs_fast.load_model)")
     return {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
             "backend": backends.resolve(backend, p.device)}
+
+
+# --------------------------------------------------------------------------- bf16-mixed
+
+# oneDNN's fp32 "bf16 fpmath" mode (torch.backends.mkldnn.matmul.fp32_precision = "bf16"): fp32
+# F.linear / matmul in, fp32 out, the products on bf16 dot-product instructions. With weights
+# that are already bf16 values its result is within ~1e-6 (relative) of float64 and each row's
+# numbers do not depend on the other rows (M-invariant): measured on an AVX-512 BF16 CPU,
+# docs/RESULTS.md "Precision on the CPU". The setting is process-wide in torch, so it is on only
+# while a bf16-mixed model runs (a depth count: nested and concurrent forwards share one switch).
+_MODE_LOCK = threading.Lock()
+_MODE_DEPTH = 0
+_MODE_SAVED = "none"
+# Every bf16-mixed model and its output embeddings (the head the engine's statistics read).
+_MIXED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _mode_enter() -> None:
+    global _MODE_DEPTH, _MODE_SAVED
+    with _MODE_LOCK:
+        if _MODE_DEPTH == 0:
+            _MODE_SAVED = torch.backends.mkldnn.matmul.fp32_precision
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        _MODE_DEPTH += 1
+
+
+def _mode_exit() -> None:
+    global _MODE_DEPTH
+    with _MODE_LOCK:
+        _MODE_DEPTH -= 1
+        if _MODE_DEPTH == 0:
+            torch.backends.mkldnn.matmul.fp32_precision = _MODE_SAVED
+
+
+@contextlib.contextmanager
+def bf16_matmuls():
+    """Inside: fp32 matmuls (``F.linear``, ``@``) on the CPU take bf16 products with fp32
+    accumulation and output (oneDNN's bf16 fpmath); on exit the previous setting is back.
+
+    torch's setting is process-wide: an fp32 model run by another thread meanwhile computes the
+    same way (its rounding, not its dtype, changes). Re-entrant and thread-safe."""
+    _mode_enter()
+    try:
+        yield
+    finally:
+        _mode_exit()
+
+
+def bf16_products_in_force() -> bool:
+    """Whether fp32 matmuls run with bf16 products right now (:func:`bf16_matmuls`, or the
+    user's own ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``): the cascade's attention
+    then takes bf16 products too, like the linear layers around it."""
+    return torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+
+
+def is_bf16_mixed(module: Any) -> bool:
+    """Whether ``module`` is a bf16-mixed model (:func:`to_bf16_mixed`) or its output
+    embeddings, still fp32 (one moved to another dtype since computes in that dtype)."""
+    try:
+        if module not in _MIXED:
+            return False
+    except TypeError:  # not weak-referenceable: not one of ours
+        return False
+    p = next(iter(module.parameters()), None)
+    return p is not None and p.dtype == torch.float32
+
+
+def _pre(_module: Any, _args: Any) -> None:
+    _mode_enter()
+
+
+def _post(_module: Any, _args: Any, _out: Any) -> None:
+    _mode_exit()
+
+
+def to_bf16_mixed(model: Any) -> Any:
+    """Turn an fp32 CPU model into its bf16-mixed form, in place, and return it.
+
+    Every floating parameter of 2 or more dimensions (linear weights, embeddings, expert
+    tensors) is rounded to bf16 values and kept as fp32 (the 1-D ones, norms and biases, stay
+    fp32: they are not matmul operands); the residual stream, norms, softmax and the head's
+    statistics stay fp32. Forward hooks on the model and on each member of its module lists
+    (the decoder layers) turn :func:`bf16_matmuls` on while they run, so every linear layer
+    multiplies with bf16 products and fp32 accumulation and output; the engine's head
+    statistics do the same (:func:`is_bf16_mixed` on the output embeddings).
+
+    Storage: fp32 holding bf16 values, twice the bytes of bf16 weights, because oneDNN's bf16
+    matmul of fp32 operands then reads the weight with no conversion per call (faster than a
+    bf16 weight converted for every call; docs/RESULTS.md, "Precision on the CPU").
+
+    Raises:
+        ValueError: the model is not fp32 or not on the CPU.
+    """
+    p = next(model.parameters())
+    if p.dtype != torch.float32 or p.device.type != "cpu":
+        raise ValueError(f"{MIXED_NAME} needs an fp32 model on the CPU, got {p.dtype} on "
+                         f"{p.device.type}")
+    if is_bf16_mixed(model):
+        return model
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point():
+                param.copy_(param.to(torch.bfloat16))
+    entries = [model] + [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList)
+                         for m in lst]
+    for m in entries:
+        m.register_forward_pre_hook(_pre)
+        m.register_forward_hook(_post, always_call=True)
+    _MIXED.add(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        _MIXED.add(head)
+    return model
 
 
 _ATTN_LOCK = threading.Lock()

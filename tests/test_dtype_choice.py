@@ -1,5 +1,5 @@
-"""``--dtype auto`` on the CPU (icqs_fast.models.choose_dtype): bf16 where the CPU has native bf16
-dot products, float32 where it has not, both branches with the capability patched; the
+"""``--dtype auto`` on the CPU (icqs_fast.models.choose_dtype): bf16-mixed where the CPU has native
+bf16 dot products, float32 where it has not, both branches with the capability patched; the
 override variable; the once-per-process warning for an explicit slow dtype; and the same choice,
 with its reason, reaching load_model, runtime_settings (the run's meta file), the CLI, the
 lm-eval model and ``info``.
@@ -43,15 +43,22 @@ def tiny_dir(tiny_llama_dir):
     return tiny_llama_dir()
 
 
-def test_auto_picks_bf16_with_native_bf16(detect):
+def test_auto_picks_bf16_mixed_with_native_bf16(detect):
     detect(True)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the automatic bf16 must not warn
+        warnings.simplefilter("error")  # the automatic choice must not warn
         c = models.choose_dtype("auto", "cpu")
-    assert c.dtype == torch.bfloat16 and c.requested == "auto"
+    # bf16-mixed: fp32 activations and parameters holding bf16 weights, bf16 products.
+    assert c.dtype == torch.float32 and c.mixed and c.requested == "auto"
+    assert c.name == models.MIXED_NAME == "bf16-mixed"
     assert "native bf16" in c.reason and "avx512_bf16" in c.reason
-    assert c.as_dict() == {"dtype": "bfloat16", "dtype_requested": "auto",
+    assert c.as_dict() == {"dtype": "bf16-mixed", "dtype_requested": "auto",
                            "dtype_reason": c.reason}
+    # An explicit bfloat16 stays the pure bf16 forward; bf16-mixed is a CPU mode.
+    assert not models.choose_dtype("bfloat16", "cpu").mixed
+    assert models.choose_dtype("mixed", "cpu").mixed
+    with pytest.raises(ValueError, match="CPU mode"):
+        models.choose_dtype("bf16-mixed", "cuda")
 
 
 def test_auto_picks_float32_without_native_bf16(detect):
@@ -135,14 +142,15 @@ def test_cli_dtype_names_match_models():
 def test_load_model_and_runtime_settings_take_the_choice(detect, tiny_dir, native):
     detect(native)
     model, _ = models.load_model(tiny_dir, device="cpu")
-    want = torch.bfloat16 if native else torch.float32
-    assert next(model.parameters()).dtype == want
+    assert next(model.parameters()).dtype == torch.float32
+    assert models.is_bf16_mixed(model) is native
     rt = models.runtime_settings(model, "auto")
-    assert rt["dtype"] == str(want).removeprefix("torch.")
+    assert rt["dtype"] == ("bf16-mixed" if native else "float32")
     assert rt["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
-    assert models.dtype_choice_of(model).dtype == want
+    assert models.dtype_choice_of(model).mixed is native
     # A model changed after loading reports its own dtype, said as such.
-    model.to(torch.float32 if native else torch.bfloat16)
+    model.to(torch.bfloat16)
+    assert models.runtime_settings(model, "auto")["dtype"] == "bfloat16"
     assert "not chosen" in models.runtime_settings(model, "auto")["dtype_reason"]
 
 
@@ -162,10 +170,10 @@ def test_score_meta_and_lm_eval_model_take_the_same_choice(detect, tiny_dir, tmp
             "--demos-per-set", "1", "--sets-per-ratio", "1", "--quiet"]
     assert main(argv) == 0
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
-    assert meta["dtype"] == "bfloat16"
+    assert meta["dtype"] == "bf16-mixed"
     assert meta["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
     lm = ICQSFastLM(pretrained=str(tiny_dir), device="cpu")
-    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    assert models.dtype_name(lm.model) == "bf16-mixed"
 
 
 def test_info_shows_the_choice(detect):

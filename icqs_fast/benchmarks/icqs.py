@@ -187,13 +187,13 @@ def load(device: torch.device, random_weights: bool = False, config: str = "llam
     """``(model, tokenizer, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA, unless
     ``dtype`` names one: ``"auto"`` is :func:`icqs_fast.models.choose_dtype`'s choice), or a
     random-weight Llama of ``config`` with the embedded model's tokenizer."""
-    from icqs_fast.models import choose_dtype, embedded_model_dir, load_model
+    from icqs_fast.models import choose_dtype, embedded_model_dir, load_model, to_bf16_mixed
 
     if dtype is None:
         # The engine's exactness check runs in fp32 on the CPU.
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
-        dtype = choose_dtype(dtype, device).dtype
+        dtype = choose_dtype(dtype, device)  # with bf16-mixed, which is not a torch dtype
     if config == "mistral-smol":  # the embedded weights (a Llama) as a windowed Mistral
         model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
         return as_mistral(model, MISTRAL_WINDOW[config]), tok, "SmolLM2-135M-as-Mistral-w64"
@@ -208,8 +208,10 @@ def load(device: torch.device, random_weights: bool = False, config: str = "llam
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(0)
+    mixed = not isinstance(dtype, torch.dtype) and dtype.mixed
+    dtype = dtype if isinstance(dtype, torch.dtype) else dtype.dtype
     model = model_for(config, len(tok), window=True).to(device=device, dtype=dtype).eval()
-    return model, tok, f"random-{config}"
+    return (to_bf16_mixed(model) if mixed else model), tok, f"random-{config}"
 
 
 def model_for(config: str, vocab: int, *, window: bool = True):
@@ -240,6 +242,8 @@ def as_mistral(model, window: int | None):
     the two share every parameter name, so with no window it computes what the Llama does."""
     from transformers import MistralConfig, MistralForCausalLM
 
+    from icqs_fast.models import is_bf16_mixed, to_bf16_mixed
+
     d = model.config.to_dict()
     for k in ("architectures", "model_type", "transformers_version", "_name_or_path"):
         d.pop(k, None)
@@ -249,7 +253,8 @@ def as_mistral(model, window: int | None):
     out = MistralForCausalLM(cfg)
     out.load_state_dict(model.state_dict())
     p = next(model.parameters())
-    return out.to(device=p.device, dtype=p.dtype).eval()
+    out = out.to(device=p.device, dtype=p.dtype).eval()
+    return to_bf16_mixed(out) if is_bf16_mixed(model) else out
 
 
 def window_timing(model, tok, good, bad, resp, settings: dict, repeats: int,
@@ -417,12 +422,15 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     # the same forwards), then this machine's matmul rate on those linear shapes before and
     # after the timed run (the limit: the better of the two).
     from icqs_fast.benchmarks import roofline
+    from icqs_fast.models import dtype_name
 
     flops, _ = roofline.count_flops(lambda: list(_scorer(model, tok, good, bad,
                                                          settings).score(resp)))
     # The model's dtype (``dtype``, the argument, stays what the memory children load).
     model_dtype = next(model.parameters()).dtype
-    probes = [roofline.matmul_probe(flops, model_dtype, dev)]
+    # The probe runs the matmuls the model runs (bf16-mixed: fp32 with bf16 products).
+    computes = dtype_name(model)
+    probes = [roofline.matmul_probe(flops, computes, dev)]
 
     # Engine over all responses, from a fresh scorer (prefix caches included).
     _sync(dev)
@@ -434,7 +442,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     got = list(scorer.score(resp))
     _sync(dev)
     fast_s, fast_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    probes.append(roofline.matmul_probe(flops, model_dtype, dev))
+    probes.append(roofline.matmul_probe(flops, computes, dev))
 
     diffs = [float((a.loglik.double() - b.loglik.double()).abs().max())
              for a, b in zip(got, ref, strict=True)]
@@ -452,7 +460,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
     rec = {
         "model": name,
         "device": dev.type,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": computes,
         "responses": n_responses,
         "contexts": scorer.n_contexts,
         "demo_tokens_mean": round(sum(bank.lengths[:scorer.n_contexts]) / scorer.n_contexts, 1),

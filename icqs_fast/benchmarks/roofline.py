@@ -26,6 +26,7 @@ second (steadier on a shared machine).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -154,14 +155,24 @@ def weighted_median_rows(rows: dict[tuple[int, int], list[int]]) -> int:
     return pairs[-1][0]
 
 
-def matmul_probe(count: FlopCount, dtype: torch.dtype, device: torch.device | str = "cpu",
+def matmul_probe(count: FlopCount, dtype: torch.dtype | str, device: torch.device | str = "cpu",
                  rows: int | None = None, seconds: float = PROBE_SECONDS) -> dict[str, Any]:
     """This machine's ``F.linear`` rate on ``count``'s weight shapes, in ``dtype`` on ``device``
     with the current thread count, at ``rows`` rows (the FLOP-weighted median of the counted
-    calls if None). Returns ``{"limit_gflops", "limit_gflops_cpu", "probe_rows",
+    calls if None). ``dtype`` is a torch dtype or how a model computes by name
+    (:func:`icqs_fast.models.dtype_name`): ``"bf16-mixed"`` probes the mode that model's linear
+    layers run in (fp32 operands, bf16-valued weights, bf16 products:
+    :func:`icqs_fast.models.bf16_matmuls`), so its limit is the rate of the matmuls it actually
+    runs. Returns ``{"limit_gflops", "limit_gflops_cpu", "probe_rows",
     "probe_shapes": [{"k", "n", "share", "gflops"}]}``: the rates are the FLOP-weighted harmonic
     mean over the shapes (the time the counted linear FLOPs would take at the probed rates), by
     wall and by process CPU time."""
+    from icqs_fast.models import DTYPE_NAMES, MIXED_NAMES, bf16_matmuls
+
+    mixed = isinstance(dtype, str) and dtype in MIXED_NAMES
+    if isinstance(dtype, str):
+        dtype = torch.float32 if mixed else DTYPE_NAMES[dtype]
+    mode = bf16_matmuls if mixed else contextlib.nullcontext
     dev = torch.device(device)
     m = rows or weighted_median_rows(count.linear_rows)
     if not count.linear_rows or m < 1:
@@ -175,7 +186,9 @@ def matmul_probe(count: FlopCount, dtype: torch.dtype, device: torch.device | st
     for (k, n), w in sorted(shares.items()):
         x = torch.randn(m, k, generator=gen).to(dev, dtype)
         wt = torch.randn(n, k, generator=gen).to(dev, dtype) / k ** 0.5
-        with torch.inference_mode():
+        if mixed:
+            wt = wt.to(torch.bfloat16).to(dtype)  # the model's weights are bf16 values
+        with torch.inference_mode(), mode():
             torch.nn.functional.linear(x, wt)  # warm-up: allocation, kernel selection
             walls, cpus = [], []
             stop = time.perf_counter() + seconds

@@ -24,6 +24,7 @@ without attention (linear_attention))"``), logged once per model on the ``icqs_f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -50,6 +51,7 @@ from icqs_fast.engine.layout import (
     layer_attention,
     text_config,
 )
+from icqs_fast.models import bf16_matmuls, is_bf16_mixed
 from icqs_fast.types import TokenStats
 
 log = logging.getLogger("icqs_fast")
@@ -169,14 +171,17 @@ class ModelPlan:
 
 def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets: torch.Tensor,
                backend: str = "auto") -> TokenStats:
-    """:func:`icqs_fast.ops.linear_token_stats` through a linear ``head`` and its epilogue."""
+    """:func:`icqs_fast.ops.linear_token_stats` through a linear ``head`` and its epilogue (the
+    head of a ``bf16-mixed`` model with bf16 products, as its linear layers:
+    :func:`icqs_fast.models.bf16_matmuls`)."""
     kw: dict[str, Any] = {}
     if epilogue.logit_scale != 1.0:
         kw["logit_scale"] = epilogue.logit_scale
     if epilogue.softcap is not None:
         kw["softcap"] = epilogue.softcap
-    return ops.linear_token_stats(hidden, head.weight, targets, bias=getattr(head, "bias", None),
-                                  backend=backend, **kw)
+    with bf16_matmuls() if is_bf16_mixed(head) else contextlib.nullcontext():
+        return ops.linear_token_stats(hidden, head.weight, targets,
+                                      bias=getattr(head, "bias", None), backend=backend, **kw)
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

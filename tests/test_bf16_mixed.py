@@ -1,0 +1,175 @@
+"""bf16-mixed, the CPU default where the CPU has native bf16 dot products
+(:func:`icqs_fast.models.to_bf16_mixed`): the weights rounded to bf16, the norms kept, the oneDNN
+bf16-products mode on only while the model (or its head statistics) runs and restored after,
+even on an error; the AVX2-only choice untouched; and batch invariance at small scale on each
+path a user reads numbers from: the engine (ICQS), the lm-eval backend and the server's echo
+log-probs. On a CPU without bf16 dot products the mode computes plain fp32, so every check here
+still holds (it then proves less).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icqs_fast import models
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = "Review: the film was a quiet, patient study of grief and friendship.\nSentiment:"
+GOOD = [("Review: a delight\nSentiment:", " positive"), ("Review: warm\nSentiment:", " positive")]
+BAD = [("Review: a delight\nSentiment:", " negative"), ("Review: warm\nSentiment:", " negative")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    """The tiny Llama (2 layers) loaded twice: float32, and bf16-mixed."""
+    d = tiny_llama_dir(layers=2)
+    fp32, tok = models.load_model(d, dtype="float32", device="cpu")
+    mixed, _ = models.load_model(d, dtype="bf16-mixed", device="cpu")
+    return fp32, mixed, tok
+
+
+def test_weights_rounded_norms_kept(tiny):
+    fp32, mixed, _ = tiny
+    assert models.is_bf16_mixed(mixed) and not models.is_bf16_mixed(fp32)
+    assert models.is_bf16_mixed(mixed.get_output_embeddings())
+    assert models.dtype_name(mixed) == "bf16-mixed" and models.dtype_name(fp32) == "float32"
+    ref = dict(fp32.named_parameters())
+    for name, p in mixed.named_parameters():
+        assert p.dtype == torch.float32
+        if p.dim() >= 2:  # bf16 values held in fp32
+            assert torch.equal(p, p.bfloat16().float()), name
+            assert torch.equal(p, ref[name].bfloat16().float()), name
+        else:  # norms stay as loaded
+            assert torch.equal(p, ref[name]), name
+
+
+def test_mode_on_only_inside_the_forward(tiny, monkeypatch):
+    _, mixed, tok = tiny
+    seen = []
+    layer = mixed.model.layers[0].mlp.down_proj
+    h = layer.register_forward_hook(
+        lambda *_: seen.append(torch.backends.mkldnn.matmul.fp32_precision))
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            mixed(input_ids=ids)
+        assert seen == ["bf16"]
+        assert torch.backends.mkldnn.matmul.fp32_precision == before
+        # An error inside the forward restores it too.
+        def boom(*_):
+            raise RuntimeError("boom")
+
+        h2 = mixed.model.layers[1].register_forward_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            mixed(input_ids=ids)
+        h2.remove()
+        assert torch.backends.mkldnn.matmul.fp32_precision == before
+    finally:
+        h.remove()
+
+
+def test_scope_nests_and_restores_the_users_setting():
+    old = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        with models.bf16_matmuls():
+            assert models.bf16_products_in_force()
+            with models.bf16_matmuls():
+                assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+            assert models.bf16_products_in_force()
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = old
+
+
+def test_head_statistics_take_the_mode(tiny, monkeypatch):
+    """The engine's fused head (capability.head_stats) runs with bf16 products for a mixed
+    model and without them for an fp32 one."""
+    from icqs_fast import ops
+    from icqs_fast.engine import capability
+
+    seen = []
+    real = ops.linear_token_stats
+
+    def spy(*a, **k):
+        seen.append(models.bf16_products_in_force())
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, "linear_token_stats", spy)
+    fp32, mixed, _ = tiny
+    for m in (mixed, fp32):
+        plan = capability.model_plan(m)
+        h = torch.randn(3, m.config.hidden_size)
+        plan.head_stats(h, torch.tensor([1, 2, 3]))
+    assert seen == [True, False]
+
+
+def test_avx2_only_cpu_keeps_float32(monkeypatch, tiny_llama_dir):
+    monkeypatch.delenv(models.CPU_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(models, "cpu_bf16_support",
+                        lambda: (False, "no native bf16 dot product (neither avx512_bf16 nor AMX)"))
+    c = models.choose_dtype("auto", "cpu")
+    assert c.dtype == torch.float32 and not c.mixed and c.name == "float32"
+    model, _ = models.load_model(tiny_llama_dir(layers=2), device="cpu")
+    assert not models.is_bf16_mixed(model) and not model._forward_pre_hooks
+
+
+def _echo(model, tok, prompts):
+    from icqs_fast.serve.logprobs import prompt_logprobs
+
+    with torch.no_grad():
+        return [torch.tensor(r.token_logprobs)
+                for r in prompt_logprobs(model, prompts, pad_id=tok.pad_token_id)]
+
+
+def test_echo_logprobs_alone_equal_inside_a_mixed_request(tiny):
+    """The server's echo path: a passage alone and inside a request beside prompts of other
+    lengths, two of them sharing its start (so it runs as a suffix of the prefix bank)."""
+    _, mixed, tok = tiny
+    ids = tok(PROMPT * 3)["input_ids"]
+    other = tok("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
+    alone = _echo(mixed, tok, [ids])[0]
+    inside = _echo(mixed, tok, [other[:5], ids[:9] + other[:7], ids, other, ids[:20]])[2]
+    assert (alone - inside).abs().max() <= 1e-4
+
+
+def test_engine_scores_do_not_depend_on_batch_neighbours(tiny):
+    from icqs_fast.engine.scorer import ICQSScorer
+
+    _, mixed, tok = tiny
+    opts = dict(num_ratios=2, demos_per_set=1, sets_per_ratio=2, seed=0)
+    resp = [(PROMPT, " positive"), ("Review: bad\nSentiment:", " negative and long " * 3),
+            ("Q?", " A")]
+    alone = list(ICQSScorer(mixed, tok, GOOD, BAD, **opts).score(resp[:1]))[0]
+    batch = list(ICQSScorer(mixed, tok, GOOD, BAD, **opts).score(resp))[0]
+    assert (alone.loglik.double() - batch.loglik.double()).abs().max() <= 1e-4
+    assert abs(alone.score - batch.score) <= 1e-5
+
+
+def test_lm_eval_backend_does_not_depend_on_batch_neighbours(tiny):
+    from lm_eval.api.instance import Instance
+
+    from icqs_fast.compat.lm_eval import ICQSFastLM
+
+    _, mixed, tok = tiny
+    lm = ICQSFastLM(model=mixed, tokenizer=tok)
+    reqs = [(PROMPT, " positive"), (PROMPT, " negative, without any doubt"),
+            ("Review: bad\nSentiment:", " negative"), ("x", " y")]
+    inst = [Instance("loglikelihood", {}, a, i) for i, a in enumerate(reqs)]
+    alone = lm.loglikelihood(inst[:1], disable_tqdm=True)[0][0]
+    batch = lm.loglikelihood(inst, disable_tqdm=True)[0][0]
+    assert abs(alone - batch) <= 1e-4
+
+
+def test_probe_of_the_mixed_mode():
+    from icqs_fast.benchmarks import roofline
+
+    count = roofline.FlopCount()
+    count.linear_rows[(64, 96)] = [8, 8]
+    old = torch.backends.mkldnn.matmul.fp32_precision
+    out = roofline.matmul_probe(count, "bf16-mixed", seconds=0.01)
+    assert out["limit_gflops"] > 0 and out["probe_rows"] == 8
+    assert torch.backends.mkldnn.matmul.fp32_precision == old
