@@ -35,7 +35,7 @@ once it knows the block it scores, right before scoring it. With ``$ICQS_FAST_TE
 A driver in its own process joins the job's holds with::
 
     python tests/_faults.py ray-hold DIR -- score IN -o OUT --ray --address ADDR ...
-    # python -m icqs_fast.cli.ray_options's main(argv), after ray.init with the hold runtime env
+    # tests/_ray_cli.py's main(argv), after ray.init with the hold runtime env
 
 Imports stay light (no torch here): every Ray worker of a held job imports this module.
 """
@@ -244,8 +244,7 @@ def main(argv: list[str]) -> int:
 
         return cli_main(rest)
     import ray
-
-    from icqs_fast.cli.ray_options import main as ray_main
+    from _ray_cli import main as ray_main
 
     # The job's runtime env is fixed when the driver connects: connect here, with the holds;
     # run_ray then uses this connection.

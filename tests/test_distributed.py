@@ -23,11 +23,11 @@ from _helpers import (
     wait_for_file,
     write_jsonl,
 )
+from _ray_cli import build_config, build_parser
 
 ray = pytest.importorskip("ray")
 
 from icqs_fast.cli import main  # noqa: E402
-from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.io.records import InputError  # noqa: E402
 from icqs_fast.jobs.ray_actors import ICQSBatchScorer, ModelSpec  # noqa: E402
 from icqs_fast.jobs.ray_executor import block_path, run_ray  # noqa: E402
@@ -213,7 +213,7 @@ def test_driver_sigkilled_then_rerun_skips_complete_blocks(cluster, data, hold_d
             "--block-size", "3", "--output-format", "jsonl", "--on-error", "skip", "--resume"]
     open(os.path.join(hold_dir, "arm-2"), "w").close()
     try:
-        # The driver's own job holds too: python -m icqs_fast.cli.ray_options, joined to the
+        # The driver's own job holds too: tests/_ray_cli.py's main, joined to the
         # cluster with the hold runtime env.
         proc = subprocess.Popen([sys.executable, ENTRY, "ray-hold", hold_dir, "--", "score",
                                  *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -447,7 +447,8 @@ def test_parquet_blocks_read_as_the_jsonl_reader(tmp_path):
 def test_cli_ray_flag_dispatches_to_run_ray(kind, monkeypatch, tmp_path):
     """`icqs-fast score|features --ray ...` hands the job config to run_ray (no Ray start:
     run_ray is replaced), and the module entry point parses the same options."""
-    import icqs_fast.cli.ray_options as rcli
+    import _ray_cli as rcli
+
     import icqs_fast.jobs.ray_executor as dcli
 
     seen = []

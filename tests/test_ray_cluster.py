@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 from _faults import ENTRY, hold_runtime_env, worker_path_env
 from _helpers import read_jsonl, restore_environ, save_tiny_llama, wait_for_file, write_jsonl
+from _ray_cli import build_config, build_parser
 
 ray = pytest.importorskip("ray")
 
 from icqs_fast.cli import main  # noqa: E402
-from icqs_fast.cli.ray_options import build_config, build_parser  # noqa: E402
 from icqs_fast.jobs.ray_executor import BlockOutput, run_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
@@ -325,7 +325,7 @@ def test_driver_killed_then_resumed(cluster, data, tmp_path):
     hold = cluster.hold
     open(os.path.join(hold, "arm-2"), "w").close()
     try:
-        # python -m icqs_fast.cli.ray_options, its job joined with the hold runtime env
+        # tests/_ray_cli.py's main, its job joined with the hold runtime env
         proc = subprocess.Popen(
             [sys.executable, ENTRY, "ray-hold", hold, "--", "score", *argv, "--address",
              cluster.cluster.address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

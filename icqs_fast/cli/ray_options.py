@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from icqs_fast.jobs.config import DEFAULT_BLOCK_SIZE, OUTPUT_FORMATS, RayOptions
-
-KINDS = ("score", "features")
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,47 +55,3 @@ def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 overwrite=args.overwrite, model=args.model, dtype=args.dtype,
                 device=args.device, backend=args.backend, threads=args.threads,
                 quiet=args.quiet, ray=ray_options(args))
-
-
-def build_config(kind: str, args: argparse.Namespace):
-    """The job config of ``kind`` for parsed arguments."""
-    import importlib
-
-    mod = importlib.import_module("icqs_fast.cli.score" if kind == "score"
-                                  else "icqs_fast.cli.features")
-    return mod.build_config(args)
-
-
-def build_parser(kind: str) -> argparse.ArgumentParser:
-    """The single-process command's parser, which includes the ``--ray`` options (``--ray``
-    implied here)."""
-    import importlib
-
-    mod = importlib.import_module("icqs_fast.cli.score" if kind == "score"
-                                  else "icqs_fast.cli.features")
-    p = argparse.ArgumentParser(prog=f"python -m icqs_fast.cli.ray_options {kind}")
-    mod.add_arguments(p)
-    p.set_defaults(ray=True)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m icqs_fast.cli.ray_options score|features ARGS``: the ``--ray`` job of the
-    command's arguments (what ``icqs-fast score --ray`` runs); exit code 2 on bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in KINDS:
-        print(f"usage: python -m icqs_fast.cli.ray_options {{{','.join(KINDS)}}} ARGS",
-              file=sys.stderr)
-        return 2
-    args = build_parser(argv[0]).parse_args(argv[1:])
-    from icqs_fast.jobs.runner import run_job
-
-    try:
-        return run_job(build_config(argv[0], args), executor="ray")
-    except (ValueError, FileNotFoundError, TypeError) as exc:
-        print(f"icqs-fast: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
