@@ -1,25 +1,34 @@
 """Does the self-check predict the truth? The pools' self-check against labelled test responses.
 
-Per dataset (SST-2, FPB) and seed (:func:`run_one`): the study's pools (``pool`` good sentences
-with their own label, ``pool`` other ones with the label flipped;
-:mod:`icqs_fast.evals.study_data`) build one :class:`~icqs_fast.engine.scorer.ICQSScorer` at the
-default scoring settings (demonstration sets seeded with the seed). The self-check cross-fits the
-held-out pool members (:func:`icqs_fast.engine.selfcheck.crossfit_heldout`); the same scorer then
-scores ``n_test`` test sentences answered right and the same ones answered with the flipped label
-(the study's correct / incorrect groups). The raw scores are kept, so :func:`analyse` can refit.
+Per dataset (SST-2, FPB, ChaosNLI) and seed (:func:`run_one`): the study's pools (SST-2 / FPB:
+``pool`` good sentences with their own label, ``pool`` other ones with the label flipped;
+ChaosNLI: ``pool`` majority-entailment premise / hypothesis pairs as good, ``pool``
+majority-contradiction ones as bad; :mod:`icqs_fast.evals.study_data`) build one
+:class:`~icqs_fast.engine.scorer.ICQSScorer` at the default scoring settings (demonstration sets
+seeded with the seed). The self-check cross-fits the held-out pool members
+(:func:`icqs_fast.engine.selfcheck.crossfit_heldout`); the same scorer then scores ``n_test``
+test sentences answered right and the same ones answered with the flipped label (the study's
+correct / incorrect groups; ChaosNLI: ``n_test`` entailment and ``n_test`` contradiction pairs
+whose premise is in neither pool). The raw scores, every response's log-likelihood matrix and
+the held-out items' clean-context masks are kept, so :func:`analyse` can refit and recompute
+scores offline.
 
 :func:`analyse` compares, per run: the self-check's AUC and its interval with the test AUC (inside
 the interval?), and the ECE / Brier of ``p_good_calibrated`` on the test responses with those of
-the uncalibrated ``p_good`` and of a constant 0.5 (Brier 0.25). The cost of the self-check per
-record is timed in the same run (held-out items and test records go through the same scorer and
-prefix bank).
+the uncalibrated ``p_good`` and of a constant 0.5 (Brier 0.25), and the test AUC again with every
+test response scored from a held-out item's clean contexts only (:func:`matched_test_auc`: the
+self-check's handicap given to the test responses, to tell "fewer contexts" from "pool items
+are not like responses" when the two AUCs differ). :func:`summarise` gives the per-dataset
+bias table. The cost of the self-check per record is timed in the same run (held-out items and
+test records go through the same scorer and prefix bank).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,68 +37,166 @@ from icqs_fast import metrics
 from icqs_fast.engine.selfcheck import (
     DEFAULT_MAX_HELDOUT,
     crossfit_heldout,
+    crossfit_score,
     fit_self_check,
 )
 
-DATASETS = ("sst2", "fpb")
+DATASETS = ("sst2", "fpb", "chaosnli")
+# Draws of the held-out masks per test response in :func:`matched_test_auc` (averaged).
+MATCH_DRAWS = 20
 # Records of the job the self-check's cost is stated against.
 JOB_RECORDS = 10_000
 
 
 def study_pools(dataset: str, *, pool: int, n_test: int, seed: int
-                ) -> tuple[list, list, list[tuple[str, str, int]]]:
-    """``(good, bad, test)``: the study's pools and ``n_test`` right plus ``n_test`` flipped
-    answers as ``(x, y, 1 if right else 0)`` (right ones first)."""
-    from icqs_fast.evals.study_data import fpb_data, sst2_data
+                ) -> tuple[list, list, list[tuple[str, str, int]], Any]:
+    """``(good, bad, test, template)``: the study's pools, the test responses as ``(x, y, 1 if
+    right else 0)`` (right ones first) and the template (None: the default one).
 
+    SST-2 / FPB: ``n_test`` sentences answered right and the same ones flipped. ChaosNLI: ``n_test``
+    majority-entailment (1) and ``n_test`` majority-contradiction (0) pairs, drawn with the seed
+    from the pairs whose premise is in neither pool (a premise shared with a pool item would give
+    the test response a leak the held-out items are denied)."""
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+    if dataset == "chaosnli":
+        import random
+
+        from icqs_fast.engine.prompts import Template
+        from icqs_fast.evals.study import NLI_ICQS_TEMPLATE
+        from icqs_fast.evals.study_data import chaosnli_data
+
+        nli = chaosnli_data(pool=pool, seed=seed)
+        good = [(it.premise, it.hypothesis) for it in nli.good]
+        bad = [(it.premise, it.hypothesis) for it in nli.bad]
+        seen = {x for x, _ in good + bad}
+        rng = random.Random(seed)
+        test = []
+        for lab, maj in ((1, "e"), (0, "c")):
+            cand = [it for it in nli.test if it.majority == maj and it.premise not in seen]
+            test += [(it.premise, it.hypothesis, lab)
+                     for it in rng.sample(cand, min(n_test, len(cand)))]
+        return good, bad, test, Template(**NLI_ICQS_TEMPLATE)
+    from icqs_fast.evals.study_data import fpb_data, sst2_data
+
     load = sst2_data if dataset == "sst2" else fpb_data
     data = load(pool=pool, limit=n_test, seed=seed)
     test = [(r.x, r.y, 1) for r in data.groups["correct"]] + \
         [(r.x, r.y, 0) for r in data.groups["incorrect"]]
-    return data.good, data.bad, test
+    return data.good, data.bad, test, None
 
 
 def run_one(model: Any, tok: Any, dataset: str, seed: int, *, pool: int = 32, n_test: int = 100,
             max_heldout: int = DEFAULT_MAX_HELDOUT, quiet: bool = True) -> dict[str, Any]:
-    """Score one (dataset, seed): the self-check's held-out items, then the test responses, with
-    one scorer at the default settings (``seed`` = its demonstration sets' seed). Returns the raw
-    JSON-able record (scores, labels, timings)."""
+    """Score one (dataset, seed) (:func:`run_pools` on :func:`study_pools`) at the default
+    settings (``seed`` = the demonstration sets' seed). Returns the raw JSON-able record."""
+    from icqs_fast.engine.settings import ScoringSettings
+
+    good, bad, test, tpl = study_pools(dataset, pool=pool, n_test=n_test, seed=seed)
+    settings = ScoringSettings(seed=seed, template=tpl)
+    raw = run_pools(model, tok, good, bad, test, settings, max_heldout=max_heldout, seed=seed,
+                    desc=f"{dataset} s{seed}", quiet=quiet)
+    return {"dataset": dataset, "pool": pool, **raw}
+
+
+def run_pools(model: Any, tok: Any, good: Sequence, bad: Sequence,
+              test: Sequence[tuple[str, str, int]], settings: Any, *,
+              max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0, desc: str = "",
+              quiet: bool = True) -> dict[str, Any]:
+    """The self-check's held-out items, then the ``test`` responses ``(x, y, label)``, through
+    one :class:`~icqs_fast.engine.scorer.ICQSScorer` built from ``good`` / ``bad`` with
+    ``settings`` (the held-out draw seeded with ``seed``).
+
+    Returns the raw JSON-able record: per held-out item its label, cross-fitted and full score,
+    clean-context mask ``[M+1, L]`` (0/1) and log-likelihood matrix ``[M+1, L]`` (calibrated as
+    the score uses it); per test response its label, score, ``p_good`` and matrix; the score
+    kind, ratios and tie epsilon (to recompute a score from a matrix); the timings."""
     import torch
 
     from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.engine.settings import ScoringSettings
     from icqs_fast.progress import track
 
-    good, bad, test = study_pools(dataset, pool=pool, n_test=n_test, seed=seed)
-    settings = ScoringSettings(seed=seed)
     sc = ICQSScorer(model, tok, good, bad, settings)
     t0 = time.perf_counter()
     _ = sc.prefix_bank  # built once, before both (a job builds it before its records too)
     t1 = time.perf_counter()
+    kept: list[Any] = []
 
-    def bar(it: Any, total: int, desc: str = f"self-check {dataset} s{seed}") -> Any:
-        return track(it, total=total, desc=desc, unit="item", quiet=quiet)
+    def bar(it: Iterable, total: int, what: str = "self-check") -> Iterable:
+        def tap(stream: Iterable) -> Iterator:
+            for r in stream:  # keep the results the self-check reduces to one score each
+                kept.append(r)
+                yield r
+        return track(tap(it), total=total, desc=f"{what} {desc}", unit="item", quiet=quiet)
 
     cf = crossfit_heldout(sc, good, bad, max_heldout=max_heldout, seed=seed, progress=bar)
+    held = list(kept)
+    kept.clear()
     t2 = time.perf_counter()
-    res = list(bar(sc.score([(x, y) for x, y, _ in test]), len(test),
-                   desc=f"test {dataset} s{seed}"))
+    res = list(bar(sc.score([(x, y) for x, y, _ in test]), len(test), "test"))
     t3 = time.perf_counter()
+    first = (held or res)[0]
     return {
-        "dataset": dataset, "seed": seed, "pool": pool, "n_test": len(test),
-        "settings": settings.asdict(), "max_heldout": max_heldout,
-        "torch_threads": torch.get_num_threads(),
+        "seed": seed, "n_test": len(test), "settings": settings.asdict(),
+        "max_heldout": max_heldout, "torch_threads": torch.get_num_threads(),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "score_kind": first.score_kind, "ratios": [float(r) for r in first.ratios],
+        "tie_epsilon": float(first.tie_epsilon),
         "heldout": {"labels": cf.labels.tolist(), "scores": _nan_none(cf.scores),
                     "full_scores": _nan_none(cf.full_scores),
                     "clean_contexts": cf.clean.sum(axis=(1, 2)).tolist(),
-                    "n_contexts": int(cf.clean.shape[1] * cf.clean.shape[2])},
+                    "n_contexts": int(cf.clean.shape[1] * cf.clean.shape[2]),
+                    "clean": cf.clean.astype(np.int8).tolist(),
+                    "loglik": [_matrix(r) for r in held]},
         "test": {"labels": [lab for _, _, lab in test], "scores": [r.score for r in res],
-                 "p_good": [r.p_good for r in res]},
+                 "p_good": [r.p_good for r in res], "loglik": [_matrix(r) for r in res]},
         "seconds": {"prefix_bank": round(t1 - t0, 2), "heldout": round(t2 - t1, 2),
                     "test": round(t3 - t2, 2)},
     }
+
+
+def _matrix(res: Any) -> list[list[float]]:
+    """The ``[M+1, L]`` log-likelihoods a score is computed from (the baseline subtracted, as
+    :func:`~icqs_fast.engine.selfcheck.crossfit_score` does), rounded to 1e-5 nats."""
+    ll = res.loglik.double()
+    if res.loglik_baseline is not None:
+        ll = ll - res.loglik_baseline.double()
+    return [[round(float(v), 5) for v in row] for row in ll.tolist()]
+
+
+def stored_result(raw: dict[str, Any], matrix: Sequence) -> Any:
+    """A stand-in result for :func:`~icqs_fast.engine.selfcheck.crossfit_score` from a stored
+    matrix (no baseline: it is already subtracted)."""
+    import torch
+
+    return SimpleNamespace(loglik=torch.tensor(matrix, dtype=torch.float64),
+                           loglik_baseline=None, ratios=raw["ratios"],
+                           score_kind=raw["score_kind"], tie_epsilon=raw["tie_epsilon"])
+
+
+def matched_test_auc(raw: dict[str, Any], *, draws: int = MATCH_DRAWS) -> float:
+    """The test AUC with each test response scored only from the clean contexts of a held-out
+    item of its own class (drawn at random, seeded by the run's seed; mean AUC over ``draws``
+    draws): what the test AUC would be under the self-check's handicap of fewer contexts. NaN
+    without stored matrices."""
+    import torch
+
+    h, t = raw["heldout"], raw["test"]
+    if "loglik" not in t or "clean" not in h:
+        return math.nan
+    hy = np.asarray(h["labels"])
+    masks = {lab: [torch.tensor(m, dtype=torch.bool)
+                   for m, y in zip(h["clean"], hy, strict=True) if y == lab] for lab in (0, 1)}
+    ty = np.asarray(t["labels"])
+    results = [stored_result(raw, m) for m in t["loglik"]]
+    rng = np.random.default_rng(raw["seed"])
+    aucs = []
+    for _ in range(draws):
+        s = np.asarray([crossfit_score(r, masks[int(y)][rng.integers(len(masks[int(y)]))])
+                        for r, y in zip(results, ty, strict=True)])
+        ok = np.isfinite(s)
+        aucs.append(metrics.auc(ty[ok], s[ok]))
+    return float(np.mean(aucs))
 
 
 def _nan_none(a: np.ndarray) -> list[float | None]:
@@ -122,7 +229,13 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000
         "method": chk.config.get("method_used"),
     }
     row["inside"] = bool(chk.ok and chk.auc_lo <= test_auc <= chk.auc_hi)
+    row["matched_test_auc"] = matched_test_auc(raw)
     if chk.ok:
+        hs, hy = _arr(h["scores"]), np.asarray(h["labels"])
+        fin = np.isfinite(hs)
+        # The threshold's accuracy on the very items it was fitted on (optimistic), beside the
+        # out-of-fold expected accuracy (pessimistic: each fold's threshold saw 4/5 of them).
+        row["insample_accuracy"] = float(((hs[fin] >= chk.threshold) == (hy[fin] == 1)).mean())
         p = chk.apply(s)
         row.update({
             "test_ece": metrics.ece(y, p), "test_brier": metrics.brier(y, p),
@@ -130,6 +243,7 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000
             "threshold": chk.threshold,
             "test_p_calibrated": [float(v) for v in p],
         })
+        row["accuracy_gap"] = row["expected_accuracy"] - row["test_accuracy"]
     row["test_labels"] = y.tolist()
     row["test_p_good"] = p_raw.tolist()
     row.update({"raw_p_good_ece": metrics.ece(y, p_raw),
@@ -150,15 +264,22 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per dataset: means over seeds, in how many seeds the test AUC was inside, and the ECE /
-    Brier of the test responses of every seed pooled (each calibrated by its own seed's map)."""
+    """Per dataset: means over seeds, in how many seeds the test AUC was inside, the AUC bias
+    (self-check minus test, mean and its standard error over seeds), the expected accuracy's
+    gap to the test accuracy (mean of the absolute gaps, the largest, the signed mean), and the
+    ECE / Brier of the test responses of every seed pooled (each calibrated by its own seed's
+    map)."""
     out: dict[str, Any] = {}
     for ds in sorted({r["dataset"] for r in rows}):
         rs = [r for r in rows if r["dataset"] == ds]
 
-        def mean(k: str, rs: list = rs) -> float:
+        def vals(k: str, rs: list = rs) -> np.ndarray:
             v = [r[k] for r in rs if isinstance(r.get(k), (int, float))]
-            return float(np.mean(v)) if v else math.nan
+            return np.asarray([x for x in v if math.isfinite(x)], dtype=np.float64)
+
+        def mean(k: str) -> float:
+            v = vals(k)
+            return float(v.mean()) if v.size else math.nan
 
         ok = [r for r in rs if "test_p_calibrated" in r]
         y = np.concatenate([r["test_labels"] for r in ok]) if ok else np.zeros(0)
@@ -168,12 +289,40 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if y.size:
             pooled.update(pooled_ece=metrics.ece(y, p), pooled_brier=metrics.brier(y, p),
                           pooled_raw_ece=metrics.ece(y, q), pooled_raw_brier=metrics.brier(y, q))
+        bias = np.asarray([r["selfcheck_auc"] - r["test_auc"] for r in ok])
+        gap = vals("accuracy_gap")
         out[ds] = {"seeds": len(rs), "inside": sum(r["inside"] for r in rs), **pooled,
-                   **{k: mean(k) for k in ("selfcheck_auc", "test_auc", "test_ece",
-                                           "test_brier", "raw_p_good_ece", "raw_p_good_brier",
-                                           "expected_accuracy", "test_accuracy",
-                                           "cost_pct_job_at_max")}}
+                   "auc_bias": float(bias.mean()) if bias.size else math.nan,
+                   "auc_bias_se": (float(bias.std(ddof=1) / math.sqrt(bias.size))
+                                   if bias.size > 1 else math.nan),
+                   "mean_abs_accuracy_gap": float(np.abs(gap).mean()) if gap.size else math.nan,
+                   "max_abs_accuracy_gap": float(np.abs(gap).max()) if gap.size else math.nan,
+                   **{k: mean(k) for k in ("selfcheck_auc", "test_auc", "matched_test_auc",
+                                           "test_ece", "test_brier", "raw_p_good_ece",
+                                           "raw_p_good_brier", "expected_accuracy",
+                                           "insample_accuracy", "test_accuracy",
+                                           "accuracy_gap", "cost_pct_job_at_max")}}
     return out
+
+
+def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
+    """The bias table of docs/RESULTS.md: one line per dataset of :func:`summarise`."""
+    def f(v: Any, d: int = 3) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
+
+    lines = ["| dataset | runs | self-check AUC | test AUC | test AUC, matched contexts | "
+             "AUC bias (+-SE) | test AUC inside | exp. acc. (in-sample) / test acc. | "
+             "mean / max abs. acc. gap | pooled ECE calibrated (raw) | pooled n |",
+             "|" + "---|" * 11]
+    for ds, d in per_dataset.items():
+        lines.append(
+            f"| {ds} | {d['seeds']} | {f(d['selfcheck_auc'])} | {f(d['test_auc'])} | "
+            f"{f(d['matched_test_auc'])} | {f(d['auc_bias'])} (+-{f(d['auc_bias_se'])}) | "
+            f"{d['inside']} of {d['seeds']} | {f(d['expected_accuracy'])} "
+            f"({f(d['insample_accuracy'])}) / {f(d['test_accuracy'])} | "
+            f"{f(d['mean_abs_accuracy_gap'])} / {f(d['max_abs_accuracy_gap'])} | "
+            f"{f(d.get('pooled_ece'))} ({f(d.get('pooled_raw_ece'))}) | {d['pooled_n_test']} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:

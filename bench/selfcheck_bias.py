@@ -1,0 +1,100 @@
+"""Is the self-check biased? SST-2, FPB and ChaosNLI, >= 6 seeds, default scoring settings.
+
+    OMP_NUM_THREADS=1 python bench/selfcheck_bias.py [--datasets sst2 fpb chaosnli]
+        [--seeds 0 1 2 3 4 5] [--pool 32] [--n-test 20] [--threads 1] [--dtype auto]
+        [--work /tmp/icqs_selfcheck_bias] [--out bench/results/selfcheck_bias_cpu.json]
+
+Per (dataset, seed) one raw JSON in ``--work`` (``{dataset}_s{seed}.json``: held-out and test
+scores, log-likelihood matrices, clean-context masks, timings; a run whose file exists is not
+scored again, so a cut-short study resumes), then ``--out``: the command, the settings, dtype,
+machine and date, every raw run, the analysed row of each run and the per-dataset summary
+(:mod:`icqs_fast.evals.selfcheck_study`); the bias table and the per-run table on stdout.
+``--analyse-only`` refits from the raw files. Runs go seed-major, so a study stopped early
+still covers every data set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+from icqs_fast.evals.selfcheck_study import (
+    DATASETS,
+    analyse,
+    bias_markdown,
+    markdown,
+    run_one,
+    summarise,
+)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4, 5])
+    p.add_argument("--pool", type=int, default=32)
+    p.add_argument("--n-test", type=int, default=20,
+                   help="test responses per class and run (SST-2 / FPB: sentences, each "
+                        "answered right and flipped)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=None)
+    p.add_argument("--work", default="/tmp/icqs_selfcheck_bias")
+    p.add_argument("--out", default="bench/results/selfcheck_bias_cpu.json")
+    p.add_argument("--analyse-only", action="store_true")
+    a = p.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    raws = []
+    model = tok = None
+    for seed in a.seeds:
+        for ds in a.datasets:
+            path = os.path.join(a.work, f"{ds}_s{seed}.json")
+            if not os.path.exists(path):
+                if a.analyse_only:
+                    continue
+                if model is None:
+                    import torch
+
+                    from icqs_fast.models import load_model
+
+                    torch.set_num_threads(a.threads)
+                    model, tok = load_model(a.model, dtype=a.dtype)
+                t0 = time.perf_counter()
+                raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=True)
+                raw["wall_s"] = round(time.perf_counter() - t0, 1)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(raw, f)
+                os.replace(path + ".tmp", path)  # a killed run leaves no half file behind
+                print(f"{ds} s{seed}: {raw['wall_s']:.0f} s -> {path}", file=sys.stderr,
+                      flush=True)
+            with open(path) as f:
+                raws.append(json.load(f))
+    rows = [analyse(r) for r in raws]
+    per_dataset = summarise(rows)
+    doc = {
+        "command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "note": "shared with other sessions"},
+        "model": a.model or "embedded SmolLM2-135M-Instruct",
+        "dtype": sorted({r.get("dtype", "?") for r in raws}),
+        "options": {"pool": a.pool, "n_test_per_class": a.n_test, "threads": a.threads,
+                    "seeds": a.seeds, "datasets": a.datasets},
+        "per_dataset": per_dataset, "rows": rows, "runs": raws,
+    }
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f)
+    print(bias_markdown(per_dataset))
+    print()
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

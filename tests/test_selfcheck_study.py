@@ -1,0 +1,89 @@
+"""The self-check bias study (icqs_fast/evals/selfcheck_study.py) on a tiny random Llama and
+embedded pools: the stored matrices give back the scores, the matched-context test AUC, the
+per-dataset summary and its table."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from _helpers import tiny_llama
+
+from icqs_fast import metrics
+from icqs_fast.engine.selfcheck import crossfit_score
+from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.evals import selfcheck_study as study
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
+
+
+def pools(n: int, start: int = 0) -> tuple[list, list]:
+    """``n`` good and ``n`` bad (x, y) pairs with distinct inputs (good: the right sentiment)."""
+    good, bad = [], []
+    for i in range(start, start + n):
+        up = i % 2 == 0
+        good.append((f"{WORDS[i % 8]} {'rose' if up else 'fell'} {i + 1}%",
+                     "positive" if up else "negative"))
+        bad.append((f"{WORDS[(i + 3) % 8]} {'grew' if up else 'shrank'} by {i + 2} million",
+                    "negative" if up else "positive"))
+    return good, bad
+
+
+@pytest.fixture(scope="module")
+def raw():
+    model, tok = tiny_llama(device="cpu")
+    good, bad = pools(22)
+    tg, tb = pools(6, start=100)
+    test = [(x, y, 1) for x, y in tg] + [(x, y, 0) for x, y in tb]
+    st = ScoringSettings(num_ratios=3, demos_per_set=4, sets_per_ratio=3, seed=1)
+    r = study.run_pools(model, tok, good, bad, test, st, max_heldout=44, seed=0)
+    return {"dataset": "toy", "pool": 22, **r}
+
+
+def test_stored_matrices_give_back_the_scores(raw):
+    h, t = raw["heldout"], raw["test"]
+    assert len(h["loglik"]) == len(h["labels"]) == 44 and len(t["loglik"]) == 12
+    assert np.shape(h["clean"]) == (44, 3, 3)
+    for m, mask, s, full in zip(h["loglik"], h["clean"], h["scores"], h["full_scores"],
+                                strict=True):
+        res = study.stored_result(raw, m)
+        got = crossfit_score(res, torch.tensor(mask, dtype=torch.bool))
+        assert (s is None and math.isnan(got)) or got == pytest.approx(s, abs=1e-6)
+        every = torch.ones(3, 3, dtype=torch.bool)
+        assert crossfit_score(res, every) == pytest.approx(full, abs=1e-6)
+    for m, s in zip(t["loglik"], t["scores"], strict=True):
+        assert crossfit_score(study.stored_result(raw, m), torch.ones(3, 3, dtype=torch.bool)) == \
+            pytest.approx(s, abs=1e-6)
+    assert raw["dtype"] == "float32" and raw["score_kind"] in ("argmax", "tied", "mean")
+
+
+def test_matched_auc_is_the_test_auc_when_every_context_is_clean(raw):
+    full = {**raw, "heldout": {**raw["heldout"],
+                               "clean": np.ones_like(raw["heldout"]["clean"]).tolist()}}
+    want = metrics.auc(np.asarray(raw["test"]["labels"]), np.asarray(raw["test"]["scores"]))
+    assert study.matched_test_auc(full, draws=3) == pytest.approx(want, abs=1e-9)
+    # With the held-out masks some contexts go: a (seeded) different value, the same twice.
+    a = study.matched_test_auc(raw, draws=3)
+    assert a == study.matched_test_auc(raw, draws=3) and 0.0 <= a <= 1.0
+    assert math.isnan(study.matched_test_auc({**raw, "test": {"labels": [1]}}))
+
+
+def test_analyse_summarise_and_table(raw):
+    row = study.analyse(raw, n_boot=50)
+    assert row["status"] == "ok" and row["n_test"] == 12
+    assert row["accuracy_gap"] == pytest.approx(row["expected_accuracy"] - row["test_accuracy"])
+    assert 0.0 <= row["insample_accuracy"] <= 1.0
+    rows = [row, {**row, "seed": 1, "selfcheck_auc": row["selfcheck_auc"] + 0.1,
+                  "accuracy_gap": -0.2, "inside": False}]
+    s = study.summarise(rows)["toy"]
+    assert s["seeds"] == 2 and s["inside"] == int(row["inside"])
+    assert s["auc_bias"] == pytest.approx(row["selfcheck_auc"] + 0.05 - row["test_auc"])
+    assert s["auc_bias_se"] == pytest.approx(0.05)  # std (ddof 1) of a 0.1 step / sqrt 2
+    assert s["max_abs_accuracy_gap"] == pytest.approx(max(0.2, abs(row["accuracy_gap"])))
+    assert s["mean_abs_accuracy_gap"] == pytest.approx((0.2 + abs(row["accuracy_gap"])) / 2)
+    assert s["pooled_n_test"] == 24
+    table = study.bias_markdown({"toy": s}).splitlines()
+    assert len(table) == 3 and table[2].startswith("| toy | 2 |")
+    assert table[0].count("|") == table[2].count("|")
