@@ -14,7 +14,8 @@ from icqs_fast.engine.selfcheck import crossfit_score
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.evals import selfcheck_study as study
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Scoring 56 responses on the tiny model takes ~10-25 s on the shared machine.
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
 
