@@ -93,8 +93,15 @@ class Recorder:
             return t
 
         srv.queue.submit = kept_submit
-        srv.queue.on_step = lambda step: self.steps.append(
-            (time.monotonic(), list(step), srv.queue.live_steps))
+        run_step = srv.queue.run_step
+
+        def kept_step(step):
+            out = run_step(step)
+            # Stamped before the loop answers the step's tickets.
+            self.steps.append((time.monotonic(), list(step), srv.queue.live_steps))
+            return out
+
+        srv.queue.run_step = kept_step
 
         def forward_hook(_module, _args):
             if threading.current_thread().name == "icqs-serve-worker":

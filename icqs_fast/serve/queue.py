@@ -3,19 +3,22 @@
 A request becomes a :class:`Ticket`: a list of *units* of work, each bounded in cost (prompt
 tokens for log-prob units; estimated token-passes for other work), run in order. The route cuts
 a large request into units of at most ``chunk_tokens`` (a unit that is one prompt or record may
-be larger, up to the per-prompt limit). The worker serves the tickets round-robin, one unit per
-ticket per step, so a request that arrives while a maximum-size one is running waits for at
-most the unit (the *chunk*) that is running, never for the whole large request.
+be larger, up to the per-prompt limit).
 
-One step is either one ``call`` unit, alone, one step of a ``steps`` unit (work that runs a
-piece at a time and keeps its state between turns, e.g. greedy generation: one token per step),
-or a batch of ``logprobs`` units from different tickets (at most one unit each, at most
-``chunk_tokens`` tokens together unless the first unit alone is larger) run through one
-:func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that share a prefix
-compute it once. The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for
-company. At most ``max_live_steps`` ``steps`` units hold their state at once (a generation's KV
-cache is memory): a ticket whose next such unit would start one more waits, the others are
-served past it.
+Continuous batching: every step of the worker runs one token of every *live* generation (a
+``steps`` unit that has started: work that runs a piece at a time and keeps its state, its KV
+cache, between steps) and then one slice of the other work, served round-robin: the first
+ticket in turn order that is not a live generation gives the slice: its ``call`` unit, alone, or
+the first step of its ``steps`` unit (a generation's prompt forward), or log-prob prompts of
+several tickets packed together up to ``prefill_tokens`` tokens (a unit's prompts run over
+several steps when they hold more; one prompt is never split, so a longer one is a slice of its
+own) through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests
+that share a prefix compute it once. A generation therefore waits between two of its tokens for
+one slice and the other generations' tokens, never for another request's whole chunk, and a
+request that arrives while a maximum-size one runs waits for at most the step that is running.
+The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for company (only while no
+generation is live). At most ``max_live_steps`` ``steps`` units hold their state at once: a
+ticket whose next such unit would start one more waits, the others are served past it.
 
 Admission: tickets are admitted while the prompts outstanding (queued or running) stay within
 ``max_pending``; past that :meth:`WorkQueue.submit` raises :class:`QueueFull` at once (the
@@ -24,10 +27,11 @@ before its next unit runs: its remaining work never runs and its prompts leave t
 
 Stopping the running work itself: the worker's code calls :meth:`WorkQueue.check` between
 pieces of work (the server hooks it to every forward of the model, and generation calls it
-between tokens); it raises :class:`Interrupted` once every ticket of the running step has ended
-(deadline, cancelled) or the queue is stopping, so the worker is free for the next request after
-one forward, not after the whole unit. :meth:`WorkQueue.drain` refuses new tickets
-(:class:`ShuttingDown`) and lets the admitted ones finish; :meth:`WorkQueue.abort` ends them all.
+between tokens); it raises :class:`Interrupted` once every ticket of the running piece (one
+generation's token, the slice) has ended (deadline, cancelled) or the queue is stopping, so the
+worker is free for the next request after one forward, not after the whole unit.
+:meth:`WorkQueue.drain` refuses new tickets (:class:`ShuttingDown`) and lets the admitted ones
+finish; :meth:`WorkQueue.abort` ends them all.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ class Unit:
         payload: see ``kind``.
         prompts: how many prompts the unit holds (the batch-size counter).
         state: the live :class:`Stepper` of a started ``steps`` unit (None otherwise).
+        done_prompts, partial: a ``logprobs`` unit run over several steps: the prompts run so
+            far and their results.
+        take: prompts of a ``logprobs`` unit in the running step (set by the worker).
     """
 
     kind: str
@@ -97,6 +104,18 @@ class Unit:
     payload: Any
     prompts: int = 1
     state: Any = None
+    done_prompts: int = 0
+    partial: list = field(default_factory=list)
+    take: int = 0
+
+    @property
+    def live(self) -> bool:
+        """A started ``steps`` unit (a generation holding its KV cache)."""
+        return self.kind == "steps" and self.state is not None
+
+    def tokens_left(self) -> int:
+        """Prompt tokens of a ``logprobs`` unit not run yet."""
+        return sum(len(p) for p in self.payload[0][self.done_prompts:])
 
 
 @dataclass(eq=False)
@@ -143,18 +162,22 @@ class WorkQueue:
         run_logprobs: ``(prompts, top_n) -> list`` of per-prompt results, in order.
         max_pending: most prompts admitted and not yet answered.
         batch_wait_s: how long the oldest queued log-prob unit waits for company.
-        chunk_tokens: most tokens per step (one unit larger than this runs alone), and the size
-            :meth:`submit_logprobs` cuts a request into.
+        chunk_tokens: the size :meth:`submit_logprobs` cuts a request into.
         max_live_steps: most ``steps`` units holding their state at once.
+        prefill_tokens: most log-prob prompt tokens per step beside the live generations' tokens
+            (one prompt larger than this runs alone); None: ``chunk_tokens``.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
                  max_pending: int = 256, batch_wait_s: float = 0.005,
-                 chunk_tokens: int = 2048, max_live_steps: int = 8) -> None:
+                 chunk_tokens: int = 2048, max_live_steps: int = 8,
+                 prefill_tokens: int | None = None) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         if max_live_steps < 1:
             raise ValueError(f"max_live_steps must be >= 1, got {max_live_steps}")
         self.run_logprobs = run_logprobs
@@ -162,6 +185,7 @@ class WorkQueue:
         self.batch_wait_s = float(batch_wait_s)
         self.chunk_tokens = int(chunk_tokens)
         self.max_live_steps = int(max_live_steps)
+        self.prefill_tokens = int(chunk_tokens if prefill_tokens is None else prefill_tokens)
         # Tickets with work left, in service order: the head is served next, a served ticket
         # goes to the back (round robin).
         self._active: collections.deque[Ticket] = collections.deque()
@@ -173,7 +197,7 @@ class WorkQueue:
         self._aborted = False
         self._thread: threading.Thread | None = None
         self._worker_id: int | None = None
-        self._current: list[Ticket] = []  # the tickets of the running step
+        self._current: list[Ticket] = []  # the tickets of the running piece of the step
         # Counters (read by /health, /metrics and the load test).
         self.batches = 0  # log-prob engine calls
         self.batched_prompts = 0
@@ -183,10 +207,8 @@ class WorkQueue:
         self.timed_out = 0
         self.cancelled = 0
         self.interrupted = 0  # running units stopped part-way (their tickets had ended)
-        # Called on the worker thread, under the lock, with the tickets of each step once it
-        # ended and before they are answered (instrumentation: the tests count the steps a
-        # request waited for); it must be quick.
-        self.on_step: Callable[[list[Ticket]], None] | None = None
+        self.steps = 0  # worker steps
+        self.decode_tokens = 0  # tokens of generations that had started (one per step each)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -378,8 +400,21 @@ class WorkQueue:
         u = t.next_unit
         return not (u.kind == "steps" and u.state is None and self._live >= self.max_live_steps)
 
+    def _pack(self, u: Unit, room: int, first: bool) -> int:
+        """Set ``u.take``: the prompts of log-prob unit ``u`` that fit in ``room`` tokens (at
+        least one when ``first``); their tokens."""
+        prompts = u.payload[0]
+        k, tokens = u.done_prompts, 0
+        while k < len(prompts) and (tokens + len(prompts[k]) <= room
+                                    or (first and k == u.done_prompts)):
+            tokens += len(prompts[k])
+            k += 1
+        u.take = k - u.done_prompts
+        return tokens
+
     def _take(self) -> list[Ticket] | None:
-        """The tickets of the next step (their ``next_unit``s), moved to the back."""
+        """The tickets of the next step: every live generation, then the slice (see the module
+        docstring)."""
         with self._cond:
             while True:
                 if self._stop:
@@ -388,32 +423,39 @@ class WorkQueue:
                     return None
                 now = time.monotonic()
                 soonest = self._expire(now)
-                head = next((t for t in self._active if self._runnable(t)), None)
-                if head is None:
+                decode = [t for t in self._active if t.next_unit.live]
+                head = next((t for t in self._active
+                             if not t.next_unit.live and self._runnable(t)), None)
+                if head is None and not decode:
                     self._cond.wait(timeout=None if soonest is None else soonest - now)
                     continue
-                unit = head.next_unit
-                if unit.kind == "logprobs" and not head.results:
-                    # A new request: wait a little for others to share the batch with.
-                    left = head.arrived + self.batch_wait_s - now
-                    queued = sum(t.next_unit.cost for t in self._active
-                                 if t.next_unit.kind == "logprobs")
-                    if left > 0 and queued < self.chunk_tokens:
-                        self._cond.wait(timeout=left if soonest is None
-                                        else min(left, max(0.0, soonest - now)))
-                        continue
-                step = [head]
-                if unit.kind == "logprobs":
-                    tokens = unit.cost
-                    for t in self._active:
-                        u = t.next_unit
-                        if t is not head and u.kind == "logprobs" and \
-                                tokens + u.cost <= self.chunk_tokens:
-                            step.append(t)
-                            tokens += u.cost
+                work: list[Ticket] = []
+                if head is not None:
+                    unit = head.next_unit
+                    if unit.kind == "logprobs" and not head.results and not decode and \
+                            unit.done_prompts == 0:
+                        # A new request: wait a little for others to share the batch with.
+                        left = head.arrived + self.batch_wait_s - now
+                        queued = sum(t.next_unit.tokens_left() for t in self._active
+                                     if t.next_unit.kind == "logprobs")
+                        if left > 0 and queued < self.prefill_tokens:
+                            self._cond.wait(timeout=left if soonest is None
+                                            else min(left, max(0.0, soonest - now)))
+                            continue
+                    work = [head]
+                    if unit.kind == "logprobs":
+                        tokens = self._pack(unit, self.prefill_tokens, True)
+                        for t in self._active:
+                            u = t.next_unit
+                            if t is head or u.kind != "logprobs":
+                                continue
+                            n = self._pack(u, self.prefill_tokens - tokens, False)
+                            if u.take:
+                                work.append(t)
+                                tokens += n
+                step = decode + work
                 for t in step:
                     t.running = True
-                self._current = step
                 return step
 
     def _loop(self) -> None:
@@ -422,19 +464,11 @@ class WorkQueue:
             step = self._take()
             if step is None:
                 return
-            unit = step[0].next_unit
-            if unit.kind == "call":
-                results = [_outcome(unit.payload)]
-            elif unit.kind == "steps":
-                results = [self._run_step(unit)]
-            else:
-                results = self._run_logprobs(step)
+            results = self.run_step(step)
             with self._cond:
                 self._current = []
+                self.steps += 1
                 self.chunks += len(step)
-                observer = self.on_step
-                if observer is not None:  # before the step's tickets are answered
-                    _outcome(lambda observer=observer, step=step: observer(step))
                 if any(not ok and isinstance(v, Interrupted) for ok, v in results):
                     self.interrupted += 1
                 for t, (ok, value) in zip(step, results, strict=True):
@@ -453,6 +487,34 @@ class WorkQueue:
                         self._active.remove(t)
                         self._active.append(t)
                 self._cond.notify_all()
+
+    def run_step(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
+        """Run one step on the worker thread: each ticket's next unit (a token of a live
+        generation, a generation's first step, a ``call``), the log-prob pieces together in one
+        engine call; ``(ok, result or exception)`` per ticket, in order (``_MORE`` for work
+        with steps left). The queue's own loop calls it and answers the tickets after."""
+        out: list[tuple[bool, Any]] = [(False, None)] * len(step)
+        batch = [i for i, t in enumerate(step) if t.next_unit.kind == "logprobs"]
+        for i, t in enumerate(step):
+            unit = t.next_unit
+            if unit.kind == "logprobs":
+                continue
+            if t.done or self._stop or self._aborted:  # ended while the step ran
+                out[i] = (False, Interrupted("the request this work was for has ended"))
+                continue
+            self._current = [t]
+            if unit.kind == "call":
+                out[i] = _outcome(unit.payload)
+            else:
+                if unit.live:
+                    self.decode_tokens += 1
+                out[i] = self._run_step(unit)
+        if batch:
+            self._current = [step[i] for i in batch]
+            for i, r in zip(batch, self._run_logprobs(self._current), strict=True):
+                out[i] = r
+        self._current = []
+        return out
 
     def _run_step(self, unit: Unit) -> tuple[bool, Any]:
         """One step of a ``steps`` unit (its state made on the first); ``(True, _MORE)`` while
@@ -477,24 +539,37 @@ class WorkQueue:
         return ok, value
 
     def _run_logprobs(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
+        """The log-prob pieces of ``step``'s tickets (``unit.take`` prompts each, from
+        ``unit.done_prompts``) in one engine call; a unit's result once all its prompts ran,
+        ``_MORE`` before."""
         units = [t.next_unit for t in step]
-        prompts = [p for u in units for p in u.payload[0]]
+        pieces = [list(u.payload[0][u.done_prompts: u.done_prompts + u.take]) for u in units]
+        prompts = [p for piece in pieces for p in piece]
         top_n = max(u.payload[1] for u in units)
         ok, res = _outcome(lambda: self.run_logprobs(prompts, top_n))
         if not ok:
             if len(units) == 1 or isinstance(res, Interrupted):
                 return [(False, res)] * len(units)
-            # Run each unit alone, so that one bad request fails only itself.
-            return [_outcome(lambda u=u: self.run_logprobs(*u.payload)) for u in units]
-        self.batches += 1
-        self.batched_prompts += len(prompts)
-        self.largest_batch = max(self.largest_batch, len(units))
-        out = []
-        start = 0
-        for u in units:
-            n = len(u.payload[0])
-            out.append((True, res[start: start + n]))
-            start += n
+            # Run each piece alone, so that one bad request fails only itself.
+            each = [_outcome(lambda u=u, p=p: self.run_logprobs(p, u.payload[1]))
+                    for u, p in zip(units, pieces, strict=True)]
+        else:
+            self.batches += 1
+            self.batched_prompts += len(prompts)
+            self.largest_batch = max(self.largest_batch, len(units))
+            each, start = [], 0
+            for p in pieces:
+                each.append((True, res[start: start + len(p)]))
+                start += len(p)
+        out: list[tuple[bool, Any]] = []
+        for u, (ok, value) in zip(units, each, strict=True):
+            if not ok:
+                out.append((False, value))
+                continue
+            u.partial.extend(value)
+            u.done_prompts += u.take
+            u.take = 0
+            out.append((True, u.partial if u.done_prompts == len(u.payload[0]) else _MORE))
         return out
 
 
