@@ -1,5 +1,6 @@
 """The FastAPI application of ``icqs-fast serve``: the :class:`Server` (model, queue, metrics,
-the route handlers) and its routes.
+the route handlers) and the module-level :data:`router` of its routes, whose handlers get the
+server injected (:func:`server_of`: ``app.state.server`` of the app that received the request).
 
 Routes (all behind the bearer-token check when the server has an API key; request and response
 bodies typed in :mod:`icqs_fast.serve.schemas`, the schema at ``GET /openapi.json``):
@@ -26,10 +27,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,17 +58,6 @@ from icqs_fast.serve.schemas import (
 from icqs_fast.serve.scoring import Scoring
 
 ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "/openapi.json")
-
-
-def _plain_path(model: Any) -> bool:
-    """True when the engine scores ``model`` without a prefix bank (decided now, on the
-    caller's thread, so that no request's deadline can cut the capability probes)."""
-    from icqs_fast.engine.capability import model_plan
-
-    try:
-        return not model_plan(model).bank
-    except TypeError:  # no LM head at all: /v1/score fails per request, priced as plain
-        return True
 
 
 class Server:
@@ -111,10 +103,8 @@ class Server:
         self.dispatcher = Dispatcher(self.queue, cfg.request_timeout)
         self.completions = Completions(model, tokenizer, self.admission, self.dispatcher,
                                        cfg.model_name, cfg.max_batch_tokens)
-        self.scoring = Scoring(model, tokenizer, self.admission, self.dispatcher,
-                               cfg.model_name, cfg.max_batch_tokens, cfg.backend, good=good,
-                               bad=bad, icqs_options=icqs_options,
-                               plain=_plain_path(model), token_budget=cfg.token_budget)
+        self.scoring = Scoring(model, tokenizer, self.admission, self.dispatcher, cfg,
+                               good=good, bad=bad, icqs_options=icqs_options)
         self.started = time.time()
         self._hook: Any = None
         self._abort_timer: threading.Timer | None = None
@@ -182,97 +172,139 @@ class Server:
 
     # -- the ASGI app -----------------------------------------------------------------------
 
-    def _error_response(self, exc: APIError) -> JSONResponse:
+    def error_response(self, exc: APIError) -> JSONResponse:
+        """``exc`` as OpenAI's error body, counted in the metrics (a 500 is not a refusal)."""
         if exc.status != 500:
             self.metrics.reject(exc.code)
         return JSONResponse(error_body(exc.status, exc.message, exc.code, exc.param),
                             status_code=exc.status, headers=exc.headers)
 
     def app(self) -> Any:
-        """The FastAPI app wrapped in :class:`Guard`; starting it starts the worker thread."""
-        from contextlib import asynccontextmanager
-
+        """The FastAPI app of :data:`router`, wrapped in :class:`Guard`; its handlers find this
+        server in ``app.state.server``, and starting it starts the worker thread."""
         from icqs_fast.version import __version__
 
-        @asynccontextmanager
-        async def lifespan(_app: FastAPI):
-            self.start()
-            yield
-            self.stop()
-
         api = FastAPI(title="icqs-fast", version=__version__, docs_url=None, redoc_url=None,
-                      openapi_url="/openapi.json", lifespan=lifespan)
-
-        @api.exception_handler(APIError)
-        async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
-            return self._error_response(exc)
-
-        @api.exception_handler(RequestValidationError)
-        async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
-            return self._error_response(validation_error(exc))
-
-        @api.exception_handler(StarletteHTTPException)
-        async def _http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
-            if isinstance(exc.__cause__, APIError):  # raised while FastAPI read the body
-                return self._error_response(exc.__cause__)
-            if exc.status_code == 404:
-                err = APIError(404, f"no route {req.method} {req.url.path[:200]}", "not_found")
-            elif exc.status_code == 405:
-                err = APIError(405, f"method {req.method} is not allowed on "
-                               f"{req.url.path[:200]}", "method_not_allowed")
-            else:
-                err = APIError(exc.status_code, str(exc.detail), "bad_request")
-            return self._error_response(err)
-
-        @api.exception_handler(Exception)
-        async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
-            return self._error_response(APIError(500, f"{type(exc).__name__}: {exc}",
-                                                 "internal_error"))
-
-        @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
-        async def _models() -> ModelList:
-            return self.models()
-
-        @api.get("/health", response_model=Health, responses=ERROR_RESPONSES)
-        async def _health() -> Health:
-            return Health(**self.health())
-
-        @api.get("/metrics", response_class=Response, responses={
-            200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                  "description": "Prometheus text format"}, **ERROR_RESPONSES})
-        async def _metrics() -> Response:
-            body, ctype = self.metrics.render()
-            return Response(body, media_type=ctype)
-
-        @api.post("/v1/completions", response_model=CompletionResponse,
-                  responses=ERROR_RESPONSES)
-        async def _completions(body: CompletionRequest, request: Request
-                               ) -> CompletionResponse:
-            return await self.completions(body, request)
-
-        # Unset fields are left out: an item has "icqs" / "features" only when asked for,
-        # "loglik_baseline" only when calibrated.
-        @api.post("/v1/score", response_model=ScoreResponse, response_model_exclude_unset=True,
-                  responses=ERROR_RESPONSES)
-        async def _score(body: ScoreRequest, request: Request) -> ScoreResponse:
-            return await self.scoring(body, request)
-
-        plain_openapi = api.openapi
-
-        def openapi() -> dict:
-            """FastAPI's schema without its 422 answers: validation errors are 400 here."""
-            if api.openapi_schema is None:
-                schema = plain_openapi()
-                for ops in schema.get("paths", {}).values():
-                    for op in ops.values():
-                        op.get("responses", {}).pop("422", None)
-                for name in ("HTTPValidationError", "ValidationError"):
-                    schema.get("components", {}).get("schemas", {}).pop(name, None)
-                api.openapi_schema = schema
-            return api.openapi_schema
-
-        api.openapi = openapi  # type: ignore[method-assign]
+                      openapi_url="/openapi.json", lifespan=lifespan,
+                      exception_handlers=EXCEPTION_HANDLERS)
+        api.state.server = self
+        api.include_router(router)
+        api.openapi = partial(openapi_without_422, api, api.openapi)  # type: ignore[method-assign]
         return Guard(api, self.config.api_key, self.config.max_body_bytes, self.metrics)
 
 
-__all__ = ["APIError", "Guard", "ServeConfig", "Server", "error_body", "validation_error"]
+# -- the routes: one module-level router; each handler gets its server injected. A handler's
+# docstring is its description in /openapi.json (plain text there).
+
+
+async def server_of(request: Request) -> Server:
+    """The :class:`Server` whose app received ``request`` (async: FastAPI would run a plain
+    function in its thread pool, for one attribute read)."""
+    return request.app.state.server
+
+
+ServerDep = Annotated[Server, Depends(server_of)]
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+async def models(server: ServerDep) -> ModelList:
+    """The one served model."""
+    return server.models()
+
+
+@router.get("/health", response_model=Health, responses=ERROR_RESPONSES)
+async def health(server: ServerDep) -> Health:
+    """Liveness and the queue's counters."""
+    return Health(**server.health())
+
+
+@router.get("/metrics", response_class=Response, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+          "description": "Prometheus text format"}, **ERROR_RESPONSES})
+async def metrics(server: ServerDep) -> Response:
+    """Prometheus metrics (text format)."""
+    body, ctype = server.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request, server: ServerDep
+                      ) -> CompletionResponse:
+    """OpenAI legacy completions: echo log-probs (scoring) and greedy generation."""
+    return await server.completions(body, request)
+
+
+# Unset fields are left out: an item has "icqs" / "features" only when asked for,
+# "loglik_baseline" only when calibrated.
+@router.post("/v1/score", response_model=ScoreResponse, response_model_exclude_unset=True,
+             responses=ERROR_RESPONSES)
+async def score(body: ScoreRequest, request: Request, server: ServerDep) -> ScoreResponse:
+    """ICQS scores and glass-box features of the posted records."""
+    return await server.scoring(body, request)
+
+
+@asynccontextmanager
+async def lifespan(api: FastAPI) -> AsyncIterator[None]:
+    """The app's lifetime: its server's worker runs while it does."""
+    server: Server = api.state.server
+    server.start()
+    yield
+    server.stop()
+
+
+# -- errors: every one as OpenAI's body (exception handlers belong to the app, not a router) ---
+
+
+async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    """An :class:`APIError` a handler raised."""
+    return request.app.state.server.error_response(exc)
+
+
+async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that fails its pydantic model: 400, not FastAPI's 422."""
+    return request.app.state.server.error_response(validation_error(exc))
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (no route, wrong method, an unreadable body)."""
+    if isinstance(exc.__cause__, APIError):  # raised while FastAPI read the body
+        err = exc.__cause__
+    elif exc.status_code == 404:
+        err = APIError(404, f"no route {request.method} {request.url.path[:200]}", "not_found")
+    elif exc.status_code == 405:
+        err = APIError(405, f"method {request.method} is not allowed on "
+                       f"{request.url.path[:200]}", "method_not_allowed")
+    else:
+        err = APIError(exc.status_code, str(exc.detail), "bad_request")
+    return request.app.state.server.error_response(err)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else: 500 with the exception's type and message."""
+    return request.app.state.server.error_response(
+        APIError(500, f"{type(exc).__name__}: {exc}", "internal_error"))
+
+
+EXCEPTION_HANDLERS: dict[Any, Callable[..., Any]] = {
+    APIError: on_api_error, RequestValidationError: on_invalid,
+    StarletteHTTPException: on_http_error, Exception: on_unexpected}
+
+
+def openapi_without_422(api: FastAPI, plain_openapi: Callable[[], dict]) -> dict:
+    """FastAPI's schema of ``api`` (``plain_openapi``: its own generator) without its 422
+    answers: validation errors are 400 here. Built once, then kept."""
+    if api.openapi_schema is None:
+        schema = plain_openapi()
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+__all__ = ["APIError", "Guard", "ServeConfig", "Server", "error_body", "router", "server_of",
+           "validation_error"]
