@@ -61,6 +61,8 @@ namespace {
 
 enum ADType : int { kAF32 = 0, kAF16 = 1, kABF16 = 2 };
 
+constexpr double kLog2e = 1.4426950408889634;
+
 template <int W>
 ATTN_INLINE typename V<W>::f aload(const float* p) {
     typename V<W>::f x;
@@ -73,18 +75,30 @@ ATTN_INLINE void astore(float* p, typename V<W>::f x) {
     std::memcpy(p, &x, sizeof(x));
 }
 
+// Horizontal max / sum by halving (log2(W) vector steps, not W scalar ones).
 template <int W>
 ATTN_INLINE float hmax(typename V<W>::f x) {
-    float m = x[0];
-    for (int k = 1; k < W; ++k) m = x[k] > m ? x[k] : m;
-    return m;
+    if constexpr (W == 4) {
+        const float a = x[0] > x[1] ? x[0] : x[1], b = x[2] > x[3] ? x[2] : x[3];
+        return a > b ? a : b;
+    } else {
+        typename V<W / 2>::f lo, hi;
+        std::memcpy(&lo, &x, sizeof(lo));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+        return hmax<W / 2>(lo > hi ? lo : hi);
+    }
 }
 
 template <int W>
 ATTN_INLINE float hsum(typename V<W>::f x) {
-    float s = 0.f;
-    for (int k = 0; k < W; ++k) s += x[k];
-    return s;
+    if constexpr (W == 4) {
+        return (x[0] + x[2]) + (x[1] + x[3]);
+    } else {
+        typename V<W / 2>::f lo, hi;
+        std::memcpy(&lo, &x, sizeof(lo));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+        return hsum<W / 2>(lo + hi);
+    }
 }
 
 ATTN_INLINE float to_f32(const void* base, int64_t idx, int dt) {
@@ -140,6 +154,7 @@ struct Args {
     bool causal;
     int64_t window, chunk;  // 0 = none
     float scale, softcap;   // softcap 0 = none
+    float scale_log2, softcap_log2;  // scale, softcap times log2(e): scores in log2 units
     bool round_bf16;        // q, k, v rounded to bf16 for the products (accumulation fp32)
     uint64_t call;          // id of this call (thread-local packed buffers are per call)
 };
@@ -230,58 +245,90 @@ ATTN_INLINE void query_rows(const Args& a, int64_t b, int64_t hk, int64_t r, int
     }
 }
 
-// Online-softmax update of one row's scores srow[0..BK) in place -> probabilities; returns the
-// factor the row's output accumulator must be multiplied by (1: unchanged).
+// One row's scores srow[0..BK) of a key block, in place: scaled into log2 units (scale times
+// log2 e in one multiply, so the probabilities are exp2_neg's: fewer operations than e^x), soft
+// capped, masked (-inf) where mode == 1; returns the row's largest.
 template <int W, int BK>
-ATTN_INLINE float softmax_row(const Args& a, float* srow, const int32_t* kp, int64_t qp,
-                              int mode, float& m, float& l) {
+ATTN_INLINE float row_scores(const Args& a, float* srow, const int32_t* kp, int64_t qp,
+                             int mode) {
     using F = typename V<W>::f;
     using I = typename V<W>::i;
     const F ninf = splat<W>(-std::numeric_limits<float>::infinity());
-    // The mask as one allowed key-position range [lo, hi] of this query (key positions are
-    // int32, >= 0 when real): causal hi = qp; window lo = qp - window + 1; chunk its bounds.
-    int64_t lo = 0, hi = INT32_MAX;
-    if (a.causal) hi = std::min<int64_t>(hi, qp);
-    if (a.window) lo = std::max<int64_t>(lo, qp - a.window + 1);
-    if (a.chunk) {
-        const int64_t c0 = floor_div(qp, a.chunk) * a.chunk;
-        lo = std::max<int64_t>(lo, c0);
-        hi = std::min<int64_t>(hi, c0 + a.chunk - 1);
+    F s[BK / W];
+#pragma GCC unroll 16
+    for (int c = 0; c < BK / W; ++c) {
+        if (a.softcap != 0.f)
+            s[c] = tanh_scaled<W>(aload<W>(srow + c * W) * splat<W>(a.scale),
+                                  splat<W>(1.0f / a.softcap)) * splat<W>(a.softcap_log2);
+        else
+            s[c] = aload<W>(srow + c * W) * splat<W>(a.scale_log2);
     }
-    if (lo > hi) lo = 1, hi = 0;  // no key position: an empty range
-    const I vlo = I{} + static_cast<int32_t>(std::min<int64_t>(lo, INT32_MAX));
-    const I vhi = I{} + static_cast<int32_t>(std::max<int64_t>(hi, -1));
-    F mx = ninf;
-    for (int c = 0; c < BK; c += W) {
-        F s = aload<W>(srow + c) * splat<W>(a.scale);
-        if (a.softcap != 0.f) s = tanh_scaled<W>(s, splat<W>(1.0f / a.softcap)) * splat<W>(a.softcap);
-        if (mode == 1) {
-            I kv;
-            std::memcpy(&kv, kp + c, sizeof(kv));
-            const I ok = (kv >= vlo) & (kv <= vhi);
-            s = ok ? s : ninf;
+    if (mode == 1) {
+        // The mask as one allowed key-position range [lo, hi] of this query (key positions
+        // are int32, >= 0 when real): causal hi = qp; window lo = qp - window + 1; chunk its
+        // bounds.
+        int64_t lo = 0, hi = INT32_MAX;
+        if (a.causal) hi = std::min<int64_t>(hi, qp);
+        if (a.window) lo = std::max<int64_t>(lo, qp - a.window + 1);
+        if (a.chunk) {
+            const int64_t c0 = floor_div(qp, a.chunk) * a.chunk;
+            lo = std::max<int64_t>(lo, c0);
+            hi = std::min<int64_t>(hi, c0 + a.chunk - 1);
         }
-        astore<W>(srow + c, s);
-        mx = mx > s ? mx : s;
+        if (lo > hi) lo = 1, hi = 0;  // no key position: an empty range
+        const I vlo = I{} + static_cast<int32_t>(std::min<int64_t>(lo, INT32_MAX));
+        const I vhi = I{} + static_cast<int32_t>(std::max<int64_t>(hi, -1));
+#pragma GCC unroll 16
+        for (int c = 0; c < BK / W; ++c) {
+            I kv;
+            std::memcpy(&kv, kp + c * W, sizeof(kv));
+            const I ok = (kv >= vlo) & (kv <= vhi);
+            s[c] = ok ? s[c] : ninf;
+        }
     }
-    const float bm = hmax<W>(mx);
-    const float mnew = bm > m ? bm : m;
-    if (mnew == -std::numeric_limits<float>::infinity()) {  // nothing allowed yet
-        for (int c = 0; c < BK; c += W) astore<W>(srow + c, F{});
-        return 1.f;
+    F mx = s[0];
+#pragma GCC unroll 16
+    for (int c = 0; c < BK / W; ++c) {
+        astore<W>(srow + c * W, s[c]);
+        mx = mx > s[c] ? mx : s[c];
     }
-    const F vm = splat<W>(mnew);
+    return hmax<W>(mx);
+}
+
+// The online softmax of a query block over one more key block, rows [0, kBQ) W at a time
+// (branch-free: a row's max changing is data, not control flow): the running max m (log2
+// units) becomes max(m, bm); alpha = 2^(m_old - m_new) is the factor the row's output and
+// sum are multiplied by (0 for a row's first allowed scores, 1 while the max stays); msub the
+// max to subtract (0 for a row with nothing allowed yet, whose scores are all -inf: then its
+// probabilities are 2^-inf = 0, not NaN).
+template <int W>
+ATTN_INLINE void rescale_rows(float* m, const float* bm, float* alpha, float* msub) {
+    using F = typename V<W>::f;
+    const F ninf = splat<W>(-std::numeric_limits<float>::infinity());
+    for (int rr = 0; rr < kBQ; rr += W) {
+        const F mo = aload<W>(m + rr), b = aload<W>(bm + rr);
+        const F mn = mo > b ? mo : b;
+        const auto dead = mn == ninf;
+        astore<W>(alpha + rr, exp2_neg<W>(dead ? F{} : mo - mn));
+        astore<W>(msub + rr, dead ? F{} : mn);
+        astore<W>(m + rr, mn);
+    }
+}
+
+// A row's probabilities 2^(s - msub) in place; its running sum lv (W lanes, reduced once at
+// the end: no horizontal sum per key block) becomes lv alpha + their sum.
+template <int W, int BK>
+ATTN_INLINE void row_probs(float* srow, float msub, float alpha, float* lv) {
+    using F = typename V<W>::f;
+    const F vm = splat<W>(msub);
     F sum = F{};
-    for (int c = 0; c < BK; c += W) {
-        const F p = exp_neg<W>(aload<W>(srow + c) - vm);
-        astore<W>(srow + c, p);
+#pragma GCC unroll 16
+    for (int c = 0; c < BK / W; ++c) {
+        const F p = exp2_neg<W>(aload<W>(srow + c * W) - vm);
+        astore<W>(srow + c * W, p);
         sum += p;
     }
-    const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f
-                        : (mnew == m ? 1.f : std::exp(m - mnew));
-    l = l * alpha + hsum<W>(sum);
-    m = mnew;
-    return alpha;
+    astore<W>(lv, aload<W>(lv) * splat<W>(alpha) + sum);
 }
 
 // ------------------------------------------------------------------------------ fp32 kernel
@@ -341,15 +388,17 @@ ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow
         for (int c = 0; c < 4; ++c) astore<W>(srow + r * BK + c * W, acc[r][c]);
 }
 
-// O[R rows][NC vectors at column c0] += P[R rows][BK] . V[BK][c0..], register tile.
+// O[R rows][NC vectors at column c0] = O alpha + P[R rows][BK] . V[BK][c0..], register tile
+// (alpha: each row's online-softmax factor, applied as O is loaded).
 template <int W, int R, int NC>
-ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, float* o) {
+ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, const float* alpha,
+                         float* o) {
     using F = typename V<W>::f;
     constexpr int BK = Tile<W>::BK;
     F acc[R][NC];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) acc[r][c] = aload<W>(o + r * dvp + c * W);
+        for (int c = 0; c < NC; ++c) acc[r][c] = aload<W>(o + r * dvp + c * W) * splat<W>(alpha[r]);
     for (int j = 0; j < BK; ++j) {
         F vv[NC];
 #pragma GCC unroll 4
@@ -366,17 +415,18 @@ ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, float* o) 
 }
 
 template <int W>
-ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, float* o) {
+ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, const float* alpha,
+                        float* o) {
     constexpr int RP = Tile<W>::RP, BK = Tile<W>::BK;
     const int64_t nv = dvp / W;
     for (int r = 0; r < kBQ; r += RP) {
         int64_t c = 0;
         for (; c + 4 <= nv; c += 4)
-            pv_tile<W, RP, 4>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W);
+            pv_tile<W, RP, 4>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W);
         switch (nv - c) {
-            case 3: pv_tile<W, RP, 3>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
-            case 2: pv_tile<W, RP, 2>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
-            case 1: pv_tile<W, RP, 1>(p + r * BK, v + c * W, dvp, o + r * dvp + c * W); break;
+            case 3: pv_tile<W, RP, 3>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
+            case 2: pv_tile<W, RP, 2>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
+            case 1: pv_tile<W, RP, 1>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
             default: break;
         }
     }
@@ -407,7 +457,10 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     K::prepare(s);
     auto* qb = qbuf.data();
     float *sb = s.sb.data(), *ob = s.ob.data();
-    float m[kBQ], l[kBQ];
+    // Per query row: running max (log2 units), running sum (W lanes); per key block: the
+    // rows' block max, output factor, max to subtract (rows past n: -inf, 1, 0).
+    alignas(64) float m[kBQ], bm[kBQ], alpha[kBQ], msub[kBQ];
+    alignas(64) float lv[kBQ * W];
     QRows qr;
     for (int64_t r = r0; r < r1; r += kBQ) {
         const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
@@ -418,8 +471,8 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
                 K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qd);
             else
                 std::fill(qd, qd + dq, 0);
-            m[rr] = -std::numeric_limits<float>::infinity();
-            l[rr] = 0.f;
+            m[rr] = bm[rr] = -std::numeric_limits<float>::infinity();
+            std::fill(lv + rr * W, lv + (rr + 1) * W, 0.f);
         }
         std::fill(ob, ob + kBQ * dvp, 0.f);
         for (int64_t kb = 0; kb < nkb; ++kb) {
@@ -427,24 +480,21 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
             if (mode == 0) continue;
             K::scores(s, qb, dq, kb, sb);
             const int32_t* kp = s.kp.data() + kb * BK;
-            for (int rr = 0; rr < n; ++rr) {
-                const float alpha =
-                    softmax_row<W, BK>(a, sb + rr * BK, kp, qr.pos[rr], mode, m[rr], l[rr]);
-                if (alpha != 1.f) {
-                    float* orow = ob + rr * dvp;
-                    for (int64_t c = 0; c < dvp; c += W)
-                        astore<W>(orow + c, aload<W>(orow + c) * splat<W>(alpha));
-                }
-            }
-            K::pv(s, sb, n, kb, dvp, ob);
+            for (int rr = 0; rr < n; ++rr)
+                bm[rr] = row_scores<W, BK>(a, sb + rr * BK, kp, qr.pos[rr], mode);
+            rescale_rows<W>(m, bm, alpha, msub);
+            for (int rr = 0; rr < n; ++rr)
+                row_probs<W, BK>(sb + rr * BK, msub[rr], alpha[rr], lv + rr * W);
+            K::pv(s, sb, n, kb, dvp, alpha, ob);
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
             float* dst = a.out + row * Dv;
-            if (l[rr] > 0.f) {
-                const float inv = 1.0f / l[rr];
+            const float l = hsum<W>(aload<W>(lv + rr * W));
+            if (l > 0.f) {
+                const float inv = 1.0f / l;
                 for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
-                a.lse[row] = m[rr] + std::log(l[rr]);
+                a.lse[row] = static_cast<float>((m[rr] + std::log2(static_cast<double>(l))) / kLog2e);
             } else {
                 std::fill(dst, dst + Dv, 0.f);
                 a.lse[row] = -std::numeric_limits<float>::infinity();
@@ -475,9 +525,9 @@ struct KF32 {
     }
     // Rows past n (no query) get probability 0, so they add nothing.
     ATTN_INLINE static void pv(const Scratch& s, float* sb, int n, int64_t kb, int64_t dvp,
-                               float* ob) {
+                               const float* alpha, float* ob) {
         std::fill(sb + n * BK, sb + kBQ * BK, 0.f);
-        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, ob);
+        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, alpha, ob);
     }
 };
 
@@ -557,11 +607,14 @@ ICQS_BF16_TARGET ATTN_INLINE void qk_tile_bf16(const uint32_t* q2, int64_t d2, c
 }
 
 template <int R, int NC>
-ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_t* v2, int64_t dvp, float* o) {
+ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_t* v2,
+                                               int64_t dvp, const float* alpha, float* o) {
     __m512 acc[R][NC];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(o + r * dvp + c * 16);
+        for (int c = 0; c < NC; ++c)
+            acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c * 16),
+                                      _mm512_set1_ps(alpha[r]));
     for (int t = 0; t < kBK2 / 2; ++t) {
         const uint32_t* vr = v2 + t * dvp;
 #pragma GCC unroll 16
@@ -601,7 +654,8 @@ struct KBf16 {
     // Probabilities as bf16 in key order (consecutive pairs are dpbf16's pairs); rows past n
     // (no query) 0, so they add nothing.
     ICQS_BF16_TARGET __attribute__((noinline)) static void pv(
-        Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, float* ob) {
+        Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, const float* alpha,
+        float* ob) {
         uint32_t* pb = s.pb2.data();
         for (int rr = 0; rr < kBQ; ++rr) {
             uint32_t* prow = pb + rr * (kBK2 / 2);
@@ -620,12 +674,12 @@ struct KBf16 {
             const uint32_t* p2 = pb + rr * (kBK2 / 2);
             int64_t c = 0;
             for (; c + 4 <= nv; c += 4)
-                pv_tile_bf16<R, 4>(p2, vp + c * 16, dvp, ob + rr * dvp + c * 16);
+                pv_tile_bf16<R, 4>(p2, vp + c * 16, dvp, alpha + rr, ob + rr * dvp + c * 16);
             float* o = ob + rr * dvp + c * 16;
             switch (nv - c) {
-                case 3: pv_tile_bf16<R, 3>(p2, vp + c * 16, dvp, o); break;
-                case 2: pv_tile_bf16<R, 2>(p2, vp + c * 16, dvp, o); break;
-                case 1: pv_tile_bf16<R, 1>(p2, vp + c * 16, dvp, o); break;
+                case 3: pv_tile_bf16<R, 3>(p2, vp + c * 16, dvp, alpha + rr, o); break;
+                case 2: pv_tile_bf16<R, 2>(p2, vp + c * 16, dvp, alpha + rr, o); break;
+                case 1: pv_tile_bf16<R, 1>(p2, vp + c * 16, dvp, alpha + rr, o); break;
                 default: break;
             }
         }
@@ -687,6 +741,8 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.chunk = chunk;
     a.scale = static_cast<float>(scale);
     a.softcap = static_cast<float>(softcap);
+    a.scale_log2 = static_cast<float>(scale * kLog2e);
+    a.softcap_log2 = static_cast<float>(softcap * kLog2e);
     a.round_bf16 = round_bf16;
     a.call = ++g_call;
     if (B == 0 || Tq == 0) return;
