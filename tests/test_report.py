@@ -250,7 +250,18 @@ def test_weak_self_check_says_so(tmp_path):
     check = self_check_dict(sep=0.0)
     out = write_output(tmp_path / "o.jsonl", make_records(20, check=check), meta_for(check))
     html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
-    assert "does not reliably separate" in html and "--model" in html
+    assert "Do not trust these scores on this task" in html and "does not separate" in html
+    assert "--model" in html and "--demos-per-set" in html
+
+
+def test_abstain_band_and_its_curve_on_the_page(tmp_path):
+    scores = [0.5 + 0.01 * v for v in (list(range(-10, 20)) + list(range(-20, 10)))]
+    chk = fit_self_check(scores, [1] * 30 + [0] * 30, n_boot=200, target_accuracy=0.9).to_dict()
+    assert chk["band"]["reached"]
+    out = write_output(tmp_path / "o.jsonl", make_records(20, check=chk), meta_for(chk))
+    html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
+    assert "Abstain band for accuracy 0.9" in html and "coverage [" in html
+    assert 'aria-label="accuracy outside the abstain band against coverage"' in html
 
 
 # --------------------------------------------------------------------------- bad input

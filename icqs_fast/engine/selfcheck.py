@@ -20,6 +20,16 @@ The held-out items are drawn class-balanced, so the calibrated probability is P(
 response drawn from an even mix of good and bad answers; the equal-error threshold's accuracy
 does not depend on the mix (both error rates are equal there).
 
+It also says when not to trust it: an estimate whose AUC interval holds 0.5, or whose Brier
+score is no better than a constant 0.5's, carries a plain :attr:`SelfCheck.warning` with what
+to try (:func:`distrust`). With a target accuracy it holds the abstain band
+(:mod:`icqs_fast.engine.abstain`), and :meth:`SelfCheck.verdict` gives each record "good" /
+"bad" / "abstain" (without a target: good / bad at the equal-error threshold).
+
+Its cost follows the job: :func:`run_self_check` scores no more held-out items than the job
+has records (:func:`sized_max_heldout`), and reuses the cross-fitted scores of the same pools,
+settings, model and dtype from a cache (:mod:`icqs_fast.engine.selfcheck_cache`).
+
 A :class:`SelfCheck` is JSON-able (:meth:`SelfCheck.to_dict` / :meth:`SelfCheck.from_dict`): the
 map is stored as its knots (isotonic) or its two coefficients (Platt), and applied with numpy
 alone, so a run's meta file can hold it and a resumed run, a Ray worker or the server can apply
@@ -539,6 +549,9 @@ class SelfCheck:
                 for b in d.get("reliability") or []]
         band = d.get("band")
         kw["warning"] = kw.get("warning") or ""
+        if "warning" not in d and d["status"] == "ok":  # written before the warning existed
+            kw["warning"] = distrust(*(math.nan if d.get(k) is None else float(d[k])
+                                       for k in ("auc_lo", "auc_hi", "brier")), BRIER_CONSTANT)
         return cls(**kw, calibration=None if cal is None else CalibrationMap.from_dict(cal),
                    band=None if band is None else AbstainBand.from_dict(band),
                    reliability=bins, score_range=None if rng is None else (rng[0], rng[1]),

@@ -166,25 +166,15 @@ def _settings(run: RunOutput) -> str:
             f"({len(rows)})</summary>" + _table(["setting", "value"], rows) + "</details>")
 
 
-ADVICE = ("Try a larger --model, more or cleaner pool items (--good / --bad), or more "
-          "demonstrations per set (--demos-per-set)")
-
-
 def _self_check(check: Any) -> str:
     out = ["<h2>Self-check</h2>"]
     if check is None:
         return out[0] + '<p class="note">The meta file holds no self-check.</p>'
     if not check.ok:
         return out[0] + f'<p class="warn">{escape(check.message)}</p>'
-    weak = []
-    if check.auc_lo <= 0.5:
-        weak.append(f"its AUC interval [{check.auc_lo:.3f}, {check.auc_hi:.3f}] holds 0.5")
-    if math.isfinite(check.brier) and check.brier >= check.brier_constant:
-        weak.append(f"its Brier score {check.brier:.3f} is no better than a constant 0.5 "
-                    f"({check.brier_constant:.3f})")
-    if weak:
-        out.append(f'<p class="warn">The scorer does not reliably separate good from bad '
-                   f'answers on this task: {escape("; ".join(weak))}. {escape(ADVICE)}.</p>')
+    if check.warning:  # the self-check's own words (engine.selfcheck.distrust)
+        out.append(f'<p class="warn"><b>Do not trust these scores on this task.</b> '
+                   f'{escape(check.warning)}.</p>')
     n = check.n_good + check.n_bad
     lo, hi = wilson(round(check.expected_accuracy * n), n) if n and math.isfinite(
         check.expected_accuracy) else (math.nan, math.nan)
@@ -206,6 +196,35 @@ def _self_check(check: Any) -> str:
             check.reliability, title="reliability of the self-check's calibrated probability")
             + "<figcaption>reliability diagram: fraction of good answers against the mean "
             "calibrated probability per bin (held out, out of fold; bars: items per bin)"
+            "</figcaption></figure></div>")
+    if check.band is not None:
+        out.append(_band(check.band))
+    return "".join(out)
+
+
+def _band(b: Any) -> str:
+    """The abstain band (:class:`icqs_fast.engine.abstain.AbstainBand`): its cards, its line
+    and the coverage-accuracy curve."""
+    out = [f"<h3>Abstain band for accuracy {b.target:g}</h3>"]
+    if b.reached:
+        out.append('<div class="cards">' + "".join([
+            _card(_num(b.lo, ".4f") if math.isfinite(b.lo) else "none", "bad below score"),
+            _card(_num(b.hi, ".4f") if math.isfinite(b.hi) else "none", "good from score"),
+            _card(_num(b.coverage, ".2f"), f"coverage [{_num(b.coverage_lo, '.2f')}, "
+                  f"{_num(b.coverage_hi, '.2f')}]"),
+            _card(_num(b.accuracy, ".2f"), f"accuracy outside the band "
+                  f"[{_num(b.accuracy_lo, '.2f')}, {_num(b.accuracy_hi, '.2f')}]"),
+        ]) + "</div>")
+    cls = "note" if b.reached else "warn"
+    out.append(f'<p class="{cls}">{escape(b.text())}</p>')
+    if b.curve:
+        point = (b.coverage, b.accuracy, b.accuracy_lo, b.accuracy_hi) if b.reached else None
+        out.append('<div class="charts"><figure>' + svg.coverage_accuracy(
+            b.curve, title="accuracy outside the abstain band against coverage",
+            target=b.target, point=point)
+            + "<figcaption>the best accuracy of the verdicts outside a band of scores, for "
+            "each share of records given a verdict (held-out items, in sample); dashed: the "
+            "target; dot and bar: the chosen band out of fold, with its interval"
             "</figcaption></figure></div>")
     return "".join(out)
 

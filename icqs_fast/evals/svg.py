@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-__all__ = ["histogram", "reliability", "PALETTE"]
+__all__ = ["coverage_accuracy", "histogram", "reliability", "PALETTE"]
 
 # Colour-blind-safe (Okabe-Ito) series colours.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#555555")
@@ -152,3 +152,50 @@ def reliability(bins: Sequence[dict], *, title: str) -> str:
                     f'{b["mean_p"]:.2f}, fraction good {b["frac_pos"]:.2f}</title></circle>')
     body += _legend(["held out, out of fold"])
     return _svg(body, title)
+
+
+def coverage_accuracy(curve: Sequence[Sequence[float]], *, title: str,
+                      target: float | None = None,
+                      point: tuple[float, float, float, float] | None = None) -> str:
+    """The abstain band's trade-off: the best accuracy outside a band against its coverage
+    (``curve``: ``(coverage, accuracy)`` pairs by rising coverage, in [0, 1]); a dashed line
+    at the ``target`` accuracy; ``point``: the chosen band's ``(coverage, accuracy,
+    accuracy_lo, accuracy_hi)`` with its interval as a vertical bar."""
+    pw, ph = W - ML - MR, H - MT - MB
+    pts = [(c, a) for c, a in curve if math.isfinite(c) and math.isfinite(a)]
+    # The y axis from the lowest accuracy shown (rounded down to 0.1) to 1.
+    floor = min([a for _, a in pts] + ([target] if target else []) + [1.0])
+    if point is not None and math.isfinite(point[2]):
+        floor = min(floor, point[2])
+    y0 = max(0.0, math.floor(floor * 10 - 1e-9) / 10)
+    y0 = min(y0, 0.9)
+
+    def xy(c: float, a: float) -> tuple[float, float]:
+        return ML + pw * c, MT + ph - ph * (a - y0) / (1.0 - y0)
+
+    body = _axes("coverage (share of records given a verdict)", "accuracy outside the band",
+                 1.0, [f"{y0 + (1 - y0) * i / 4:.3g}" for i in range(5)])
+    if pts:
+        body.append('<polyline points="' + " ".join(
+            "{:.1f},{:.1f}".format(*xy(c, a)) for c, a in pts)
+            + f'" fill="none" stroke="{PALETTE[0]}" stroke-width="2"/>')
+    names = ["best band, held-out items (in sample)"]
+    if target is not None and math.isfinite(target):
+        _, y = xy(0.0, target)
+        body.append(f'<line x1="{ML}" y1="{y:.1f}" x2="{ML + pw}" y2="{y:.1f}" stroke="#c00" '
+                    f'stroke-dasharray="4 3"><title>target accuracy {target:g}</title></line>')
+    if point is not None and all(math.isfinite(v) for v in point[:2]):
+        c, a, lo, hi = point
+        x, y = xy(c, a)
+        if math.isfinite(lo) and math.isfinite(hi):
+            _, ylo = xy(c, lo)
+            _, yhi = xy(c, hi)
+            body.append(f'<line x1="{x:.1f}" y1="{ylo:.1f}" x2="{x:.1f}" y2="{yhi:.1f}" '
+                        f'stroke="{PALETTE[1]}" stroke-width="2"/>')
+        body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{PALETTE[1]}"><title>'
+                    f'chosen band: coverage {c:.2f}, accuracy {a:.2f} (out of fold)</title>'
+                    '</circle>')
+        names.append("chosen band, out of fold")
+    body += _legend(names)
+    return _svg(body, title)
+
