@@ -18,11 +18,12 @@ checked per prompt), and the prefix's remaining tokens run with the query and re
 
 from __future__ import annotations
 
+import enum
 import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +57,72 @@ DETERMINISTIC_PREFIX_BUDGET = 1024
 # Calibration baselines kept per (query, y) (each an [M+1 L] tensor): label-like answers hit it
 # almost always; the oldest finished entries go first beyond this many.
 CALIBRATION_CACHE = 65536
+
+
+class Stage(enum.Enum):
+    """Where a :class:`ResponseState` is in the engine."""
+
+    QUEUED = "queued"  # prepared; some of its (response, context) rows have not run yet
+    SCORED = "scored"  # every context's row ran: its log-likelihoods are complete
+    # A scored calibration baseline whose row inputs were dropped: only ``loglik`` is kept
+    # (the baseline cache holds many of them).
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class ResponseState:
+    """One response's (or one calibration baseline's) rows in the engine, from
+    :meth:`ICQSScorer._prepare_layouts` to its result; one row per context ``c`` (``n`` of them).
+
+    Attributes:
+        index: the response's position in the input stream.
+        resp: the response's token ids (the tokens scored).
+        suffix: per context, the ids run after the row's bank entry (the whole prompt on the
+            plain path).
+        rstart: per context, the suffix position that predicts the first response token.
+        n_prompt, drops: per context, prompt tokens before the response and demonstrations
+            dropped to fit the max length.
+        entries, plen: per context, the prefix-bank entry (None: none) and its length.
+        join: the response's first token merges with the text before it (some context).
+        loglik: ``[n]`` float64, each context's summed response log-probability, as rows run.
+        stats: per context, the rows' :class:`TokenStats` (responses with token stats only).
+        baseline: a calibration baseline (an answer after a content-free / PMI query), shared
+            by every response with that answer, not a response of the input.
+        cal: a response's baselines (one per calibration query; empty without calibration).
+        rows_done: the contexts whose row has run.
+        stage: see :class:`Stage`.
+    """
+
+    index: int
+    resp: list[int]
+    suffix: list[list[int]]
+    rstart: list[int]
+    n_prompt: list[int]
+    drops: list[int]
+    entries: list[int | None]
+    plen: list[int]
+    join: bool
+    loglik: torch.Tensor
+    stats: list[TokenStats | None]
+    baseline: bool = False
+    cal: list[ResponseState] = field(default_factory=list)
+    rows_done: int = 0
+    stage: Stage = Stage.QUEUED
+
+    def row_ran(self, n_contexts: int) -> None:
+        """Count one more context's row as run; the last one makes the state :attr:`SCORED`
+        (a baseline is then :attr:`RELEASED`: its row inputs are not needed again)."""
+        self.rows_done += 1
+        if self.rows_done == n_contexts:
+            self.stage = Stage.SCORED
+            if self.baseline:
+                self.suffix, self.rstart, self.entries, self.plen, self.stats = [], [], [], [], []
+                self.stage = Stage.RELEASED
+
+    @property
+    def scored(self) -> bool:
+        """Every row ran (:attr:`Stage.SCORED` or :attr:`Stage.RELEASED`)."""
+        return self.stage is not Stage.QUEUED
 
 
 @dataclass
@@ -289,7 +356,7 @@ class ICQSScorer:
         self._cal_queries = [
             (self.tokens if tpl == self.template else PromptTokens(tokenizer, tpl, self.sets), x)
             for tpl, x in calibration_queries(st)]
-        self._cal_cache: OrderedDict[tuple[int, str], dict] = OrderedDict()
+        self._cal_cache: OrderedDict[tuple[int, str], ResponseState] = OrderedDict()
         self.calibration_rows = 0  # baseline (query, y, context) rows scored (not cached)
 
     @property
@@ -365,12 +432,12 @@ class ICQSScorer:
         c_n = self.n_contexts
         if self.deterministic:  # one response per forward (see the class docstring)
             for i, item in enumerate(responses):
-                rec = self._prepare(i, item)
+                rec, new = self._prepare(i, item)
                 self._run([(rec, c) for c in range(c_n)])
                 yield self._finish(rec)
             return
-        pending: list[dict] = []  # prepared responses whose rows are not all done yet
-        rows: list[tuple[dict, int]] = []  # queued (response, context) rows
+        pending: list[ResponseState] = []  # prepared responses not yet scored
+        rows: list[tuple[ResponseState, int]] = []  # queued (response, context) rows
         it = enumerate(responses)
         exhausted = False
         while True:
@@ -381,10 +448,10 @@ class ICQSScorer:
                 except StopIteration:
                     exhausted = True
                     break
-                rec = self._prepare(i, item)
+                rec, new = self._prepare(i, item)
                 pending.append(rec)
                 rows.extend((rec, c) for c in range(c_n))
-                for child in rec["new"]:  # baseline rows not scored or queued before
+                for child in new:  # baseline rows not scored or queued before
                     rows.extend((child, c) for c in range(c_n))
             if not rows:
                 break
@@ -396,30 +463,31 @@ class ICQSScorer:
         while pending:  # only reached when every row ran
             yield self._finish(pending.pop(0))
 
-    def _ready(self, rec: dict) -> bool:
-        c_n = self.n_contexts
-        return rec["done"] == c_n and all(ch["done"] == c_n for ch in rec["cal"])
+    @staticmethod
+    def _ready(rec: ResponseState) -> bool:
+        return rec.scored and all(ch.scored for ch in rec.cal)
 
-    def _prepare(self, i: int, item: Any) -> dict:
+    def _prepare(self, i: int, item: Any) -> tuple[ResponseState, list[ResponseState]]:
+        """Response ``i``'s state and its baselines that are new (their rows to be queued)."""
         x, y = parse_response(i, item)
         self.tokens.response_parts(i, x, y)  # both parts must give tokens (clear errors)
         lays = self.tokens.layouts(i, x, y, self.max_length, self.drop_oldest_demos)
         rec = self._prepare_layouts(i, lays)
-        rec["cal"], rec["new"] = self._baseline_recs(i, y)
-        return rec
+        rec.cal, new = self._baseline_recs(i, y)
+        return rec, new
 
-    def _baseline_recs(self, i: int, y: str) -> tuple[list[dict], list[dict]]:
-        """The baseline records of answer ``y`` (one per calibration query; cached ones reused)
+    def _baseline_recs(self, i: int, y: str
+                       ) -> tuple[list[ResponseState], list[ResponseState]]:
+        """The baseline states of answer ``y`` (one per calibration query; cached ones reused)
         and those of them that are new (their rows still to be queued)."""
-        cal: list[dict] = []
-        new: list[dict] = []
+        cal: list[ResponseState] = []
+        new: list[ResponseState] = []
         for q, (tokens, xq) in enumerate(self._cal_queries):
             key = (q, y)
             child = self._cal_cache.get(key)
             if child is None:
                 child = self._prepare_layouts(i, tokens.layouts(
-                    i, xq, y, self.max_length, self.drop_oldest_demos))
-                child["child"] = True
+                    i, xq, y, self.max_length, self.drop_oldest_demos), baseline=True)
                 self._cal_cache[key] = child
                 new.append(child)
                 self.calibration_rows += self.n_contexts
@@ -448,17 +516,18 @@ class ICQSScorer:
             self._run(rows[:take])
             rows = rows[take:]
         m1, ls = self.num_ratios, self.sets_per_ratio
-        return [torch.stack([ch["loglik"] for ch in cal]).mean(dim=0).reshape(m1, ls).float()
+        return [torch.stack([ch.loglik for ch in cal]).mean(dim=0).reshape(m1, ls).float()
                 for cal in cals]
 
     def _trim_cal_cache(self) -> None:
         while len(self._cal_cache) > CALIBRATION_CACHE:
             key, oldest = next(iter(self._cal_cache.items()))
-            if oldest["done"] != self.n_contexts:
+            if not oldest.scored:
                 break  # still queued: kept (responses in flight hold it anyway)
             del self._cal_cache[key]
 
-    def _prepare_layouts(self, i: int, lays: list[PromptLayout]) -> dict:
+    def _prepare_layouts(self, i: int, lays: list[PromptLayout], *, baseline: bool = False
+                         ) -> ResponseState:
         if self.plain:  # no bank: each row is its whole prompt
             entries: list = [None] * len(lays)
             plen = [0] * len(lays)
@@ -470,30 +539,31 @@ class ICQSScorer:
         # The plain path runs the whole text, last token included: the same forward as the
         # model's own over the prompt (a model that is not causal, XLNet, sees it too).
         cut = None if self.plain else -1
-        return {"index": i, "resp": lays[0].ids[lays[0].n_prompt:],
-                "suffix": [lay.ids[p:cut] for lay, p in zip(lays, plen, strict=True)],
-                "rstart": [lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
-                "n_prompt": [lay.n_prompt for lay in lays], "drops": [lay.drop for lay in lays],
-                "entries": entries, "plen": plen, "join": any(lay.join for lay in lays),
-                "loglik": torch.zeros(self.n_contexts, dtype=torch.float64),
-                "stats": [None] * self.n_contexts, "done": 0, "cal": [], "new": []}
+        return ResponseState(
+            index=i, resp=lays[0].ids[lays[0].n_prompt:],
+            suffix=[lay.ids[p:cut] for lay, p in zip(lays, plen, strict=True)],
+            rstart=[lay.n_prompt - 1 - p for lay, p in zip(lays, plen, strict=True)],
+            n_prompt=[lay.n_prompt for lay in lays], drops=[lay.drop for lay in lays],
+            entries=entries, plen=plen, join=any(lay.join for lay in lays),
+            loglik=torch.zeros(self.n_contexts, dtype=torch.float64),
+            stats=[None] * self.n_contexts, baseline=baseline)
 
-    def _row_cost(self, rows: list[tuple[dict, int]]) -> int:
+    def _row_cost(self, rows: list[tuple[ResponseState, int]]) -> int:
         if not rows:
             return 0
-        p = 0 if self.cascade or self.plain else max(rec["plen"][c] for rec, c in rows)
-        s = max(len(rec["suffix"][c]) for rec, c in rows)
+        p = 0 if self.cascade or self.plain else max(rec.plen[c] for rec, c in rows)
+        s = max(len(rec.suffix[c]) for rec, c in rows)
         return len(rows) * (p + s)
 
-    def _take(self, rows: list[tuple[dict, int]]) -> int:
+    def _take(self, rows: list[tuple[ResponseState, int]]) -> int:
         """Largest leading run of rows within the token budget (at least one); with cascade
         attention cut at a response boundary when one fits, so every prefix entry gets the same
         number of rows (the attention then runs as one batched call per layer)."""
         p = s = 0
         take = len(rows)
         for n, (rec, c) in enumerate(rows):
-            p2 = 0 if self.cascade or self.plain else max(p, rec["plen"][c])
-            s2 = max(s, len(rec["suffix"][c]))
+            p2 = 0 if self.cascade or self.plain else max(p, rec.plen[c])
+            s2 = max(s, len(rec.suffix[c]))
             if n > 0 and (n + 1) * (p2 + s2) > self._budget:
                 take = n
                 break
@@ -505,11 +575,11 @@ class ICQSScorer:
         return take
 
     @torch.no_grad()
-    def _run(self, batch: list[tuple[dict, int]]) -> None:
+    def _run(self, batch: list[tuple[ResponseState, int]]) -> None:
         if self.cascade:  # entry-major rows: the cascade attention groups rows by entry
-            batch = sorted(batch, key=lambda rc: rc[0]["entries"][rc[1]])
-        entries = [rec["entries"][c] for rec, c in batch]
-        suffixes = [rec["suffix"][c] for rec, c in batch]
+            batch = sorted(batch, key=lambda rc: rc[0].entries[rc[1]])
+        entries = [rec.entries[c] for rec, c in batch]
+        suffixes = [rec.suffix[c] for rec, c in batch]
         dev = next(self.model.parameters()).device
         if self.plain:
             if self.plan.own_logits:
@@ -523,10 +593,10 @@ class ICQSScorer:
                                    cascade=self.cascade)
         rows_idx, pos_idx, targets, seg = [], [], [], []
         for b, (rec, c) in enumerate(batch):
-            r0, nr = rec["rstart"][c], len(rec["resp"])
+            r0, nr = rec.rstart[c], len(rec.resp)
             rows_idx.extend([b] * nr)
             pos_idx.extend(range(r0, r0 + nr))
-            targets.extend(rec["resp"])
+            targets.extend(rec.resp)
             seg.append(nr)
         dev = out.device
         h = out[torch.tensor(rows_idx, device=dev), torch.tensor(pos_idx, device=dev)]
@@ -542,35 +612,31 @@ class ICQSScorer:
         st_host = host if self.return_token_stats else None
         start = 0
         for (rec, c), nr in zip(batch, seg, strict=True):
-            rec["loglik"][c] = lp[start:start + nr].sum()
-            if st_host is not None and not rec.get("child"):
-                rec["stats"][c] = st_host.map(lambda t, a=start, b=start + nr: t[a:b])
-            rec["done"] += 1
+            rec.loglik[c] = lp[start:start + nr].sum()
+            if st_host is not None and not rec.baseline:
+                rec.stats[c] = st_host.map(lambda t, a=start, b=start + nr: t[a:b])
+            rec.row_ran(self.n_contexts)
             start += nr
-            if rec.get("child") and rec["done"] == self.n_contexts:
-                # A finished baseline keeps its log-likelihoods only.
-                for k in ("suffix", "rstart", "entries", "plen", "stats"):
-                    rec.pop(k, None)
 
-    def _finish(self, rec: dict) -> ICQSResult:
+    def _finish(self, rec: ResponseState) -> ICQSResult:
         m1, ls = self.num_ratios, self.sets_per_ratio
-        ll = rec["loglik"].reshape(m1, ls)
-        if not rec["cal"]:
+        ll = rec.loglik.reshape(m1, ls)
+        if not rec.cal:
             ll = ll.float()  # the uncalibrated scores from fp32 log-likelihoods, as always
-        n_prompt = torch.tensor(rec["n_prompt"], dtype=torch.long).reshape(m1, ls)
-        n_drop = torch.tensor(rec["drops"], dtype=torch.long).reshape(m1, ls)
+        n_prompt = torch.tensor(rec.n_prompt, dtype=torch.long).reshape(m1, ls)
+        n_drop = torch.tensor(rec.drops, dtype=torch.long).reshape(m1, ls)
         stats = None
         if self.return_token_stats:
-            parts = rec["stats"]
+            parts = rec.stats
             stats = TokenStats(**{
                 k: torch.stack([getattr(p, k) for p in parts]).reshape(m1, ls, -1)
                 for k in parts[0].as_dict()
             })
         base = None
-        if rec["cal"]:
-            base = torch.stack([ch["loglik"] for ch in rec["cal"]]).mean(dim=0).reshape(m1, ls)
-        res = summarise(rec["index"], ll, self.ratios, len(rec["resp"]), n_prompt, n_drop,
-                        stats, join=rec["join"], baseline=base, calibration=self.calibration,
+        if rec.cal:
+            base = torch.stack([ch.loglik for ch in rec.cal]).mean(dim=0).reshape(m1, ls)
+        res = summarise(rec.index, ll, self.ratios, len(rec.resp), n_prompt, n_drop,
+                        stats, join=rec.join, baseline=base, calibration=self.calibration,
                         score_kind=self.score_kind, tie_epsilon=self.settings.tie_epsilon)
         if self.self_check is not None:
             res.p_good_calibrated = self.self_check.record_value(res.score)
