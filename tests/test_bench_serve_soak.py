@@ -40,11 +40,15 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
     """A 6-second soak with one client of each kind: every kind answered, no 5xx, streamed
     generation timed, RSS sampled, the engine's rate measured; the record is written."""
     out = tmp_path / "soak.json"
+    out.write_text(json.dumps({"before": {"kept": True}}))
     rc = main(["bench", "serve", "--model", tiny_dir, "--soak", "6", "--echo-clients", "2",
                "--gen-clients", "1", "--score-clients", "1", "--gen-tokens", "8",
-               "--rss-every", "1", "--threads", "1", "--json", "--out", str(out)])
+               "--rss-every", "1", "--threads", "1", "--json", "--out", str(out),
+               "--soak-as", "after"])
     capsys.readouterr()
-    rec = json.loads(out.read_text())
+    both = json.loads(out.read_text())
+    assert both["before"] == {"kept": True}  # --soak-as keeps the file's other records
+    rec = both["after"]
     assert rc == 0 and rec["passed"], rec["checks"]
     for kind in ("echo", "generate", "score"):
         assert rec[kind]["ok"] >= 1 and rec[kind]["ok"] == rec[kind]["sent"], rec[kind]
@@ -59,6 +63,41 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
     assert len(rec["rss_mb"]) >= 3 and all(mb > 10 for _, mb in rec["rss_mb"])
     assert rec["rss_peak_mb"] >= max(mb for _, mb in rec["rss_mb"])
     assert rec["engine_tokens_per_s"] > 0 and rec["server_vs_engine"] > 0
+    # SIGTERM with a generation streaming: the server stopped within its bound, the request
+    # finished (200) or was cut (503).
+    sig = rec["sigterm"]
+    assert sig["ok"] and sig["stopped_s"] <= sig["bound_s"] and sig["in_flight_status"] in (
+        200, 503), sig
+    assert rec["rss_growth_pct_min2_to_end"] is None  # a 6-second run cannot tell
+    done = rec["done_when"]
+    assert done["no_5xx"] and done["none_over_120s"] and done["sigterm_within_bound"]
+    assert done["rss_growth_min2_le_10pct"] is None
+    assert set(done) == {"no_5xx", "none_over_120s", "gen_p99_le_30s", "itl_p99_le_1s",
+                         "rss_growth_min2_le_10pct", "throughput_ge_70pct_of_engine",
+                         "sigterm_within_bound"}
+
+
+def test_done_when_reads_the_issue_targets():
+    """Each target true at its bound and false just past it; None where the run cannot tell."""
+    from icqs_fast.benchmarks.serve_soak import done_when
+
+    def rec(**kw):
+        r = {"checks": {"five_xx": 0, "unanswered": 0, "over_120s": 0},
+             "generate": {"latency_s_p99": 30.0, "itl_s_p99": 1.0},
+             "rss_growth_pct_min2_to_end": 10.0, "server_vs_engine": 0.7,
+             "sigterm": {"ok": True}}
+        for k, v in kw.items():
+            (r["generate"] if k in ("latency_s_p99", "itl_s_p99") else r)[k] = v
+        return done_when(r)
+
+    assert all(rec().values())
+    assert rec(latency_s_p99=30.01)["gen_p99_le_30s"] is False
+    assert rec(itl_s_p99=1.01)["itl_p99_le_1s"] is False
+    assert rec(rss_growth_pct_min2_to_end=10.1)["rss_growth_min2_le_10pct"] is False
+    assert rec(rss_growth_pct_min2_to_end=None)["rss_growth_min2_le_10pct"] is None
+    assert rec(server_vs_engine=0.69)["throughput_ge_70pct_of_engine"] is False
+    assert rec(checks={"five_xx": 1, "unanswered": 0, "over_120s": 0})["no_5xx"] is False
+    assert rec(checks={"five_xx": 0, "unanswered": 0, "over_120s": 1})["none_over_120s"] is False
 
 
 def test_soak_refuses_bad_flags(tiny_dir, capsys):

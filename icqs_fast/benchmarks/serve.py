@@ -284,7 +284,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"icqs-fast bench serve: {exc}", file=sys.stderr)
             return 2
         rec.update(environment(args.device))
-        emit_record(rec, out=args.out, as_json=args.json)
+        if args.out and args.soak_as:  # beside the file's other records
+            serve_soak.write_record(rec, args.out, args.soak_as)
+        emit_record(rec, out=None if args.soak_as else args.out, as_json=args.json)
         if not rec["passed"]:
             print(f"icqs-fast bench serve --soak: FAILED: {rec['checks']}", file=sys.stderr)
             return 1

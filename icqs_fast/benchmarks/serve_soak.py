@@ -26,9 +26,28 @@ the log-probs of 32 echo prompts like the clients' computed in-process right bef
 after the load (batches of the server's ``--max-batch-tokens``, nothing else running in this
 process), and ``server_vs_engine`` their ratio.
 
+``rss_growth_pct_min2_to_end``: the last sample vs the first one at 120 s or later (the issue's
+"minute 2 to minute 10" on a 10-minute soak; None on a run shorter than 3 minutes).
+
+``sigterm``: after the load, one more streamed generation is sent and, once its first token
+arrived, the server gets what SIGTERM does (uvicorn's signal handler, called in-process: the
+server runs in a thread, where no signal handler can be installed): ``stopped_s`` until the
+server thread ended, the bound it must keep (``--shutdown-timeout`` plus uvicorn's margin,
+plus 10 s for the worker's running forward), the in-flight request's status (200 when it
+finished in time, 503 when it was cut; anything else fails). The exit status of a real process
+after SIGTERM is covered by ``tests/test_serve_bounds.py``.
+
 Correctness: ``passed`` is true when no answer was a 5xx, every request sent was answered
 (no timeout, no transport error, no answer still arriving after 120 s), every echo returned
-its prompt and every stream ended with ``data: [DONE]``; the command exits 1 otherwise.
+its prompt, every stream ended with ``data: [DONE]`` and the SIGTERM stop kept its bound; the
+command exits 1 otherwise. ``done_when``: the issue's targets, each true / false (None when the
+run is too short to tell): ``no_5xx``, ``none_over_120s``, ``gen_p99_le_30s`` (the
+generation requests' latency), ``itl_p99_le_1s``, ``rss_growth_min2_le_10pct``,
+``throughput_ge_70pct_of_engine``, ``sigterm_within_bound``; they do not change the exit status
+(a busy machine moves them).
+
+``--soak-as NAME`` with ``--out FILE``: the record is stored as ``FILE[NAME]``, the file's other
+keys kept (``before`` / ``after`` records side by side).
 """
 
 from __future__ import annotations
@@ -36,8 +55,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from "
@@ -48,6 +70,13 @@ BAD = [["Review: fine", "negative"], ["Review: awful", "positive"]]
 STREAM_ERROR_STATUS = {"deadline_exceeded": 504, "shutting_down": 503}
 MAX_REQUESTS = 100_000  # a bound on the requests of one soak, whatever its length
 CLIENT_TIMEOUT_S = 120.0  # the issue's client timeout: an answer later than this is lost
+# The issue's targets ("Done when").
+GEN_P99_S = 30.0
+ITL_P99_S = 1.0
+RSS_GROWTH_PCT = 10.0
+ENGINE_FRACTION = 0.70
+# Slack past the shutdown bound for the worker's running forward to end.
+SIGTERM_SLACK_S = 10.0
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -225,6 +254,58 @@ async def _load(base_url: str, seconds: float, clients: dict[str, int], gen_toke
             "rss": rss, "rss_peak_mb": peak[0]}
 
 
+async def _stream_first_token(base_url: str, gen_tokens: int, started: threading.Event
+                              ) -> int:
+    """One streamed generation; ``started`` is set at its first streamed piece; the status it
+    ended with (a streamed error event: its status; a dropped connection: 0)."""
+    import httpx
+
+    body = {"prompt": "Write a short story about the sea", "max_tokens": gen_tokens,
+            "stream": True}
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                started.set()
+                await r.aread()
+                return r.status_code
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    started.set()
+                    return STREAM_ERROR_STATUS.get(chunk["error"].get("code"), 500)
+                started.set()
+            return 200
+    except httpx.HTTPError:
+        started.set()
+        return 0
+
+
+def sigterm_stop(st: Any, shutdown_timeout: float, gen_tokens: int) -> dict[str, Any]:
+    """What SIGTERM does to the running server ``st`` (a ServerThread) while a generation
+    streams: ``stopped_s``, ``bound_s``, ``in_flight_status``, ``ok``."""
+    from icqs_fast.serve.runner import SHUTDOWN_MARGIN_S
+
+    started = threading.Event()
+    box: dict[str, int] = {}
+    th = threading.Thread(target=lambda: box.update(
+        status=asyncio.run(_stream_first_token(st.base_url, gen_tokens, started))),
+        daemon=True)
+    th.start()
+    started.wait(CLIENT_TIMEOUT_S)
+    t0 = time.monotonic()
+    st.uv.handle_exit(signal.SIGTERM, None)
+    bound = shutdown_timeout + SHUTDOWN_MARGIN_S + SIGTERM_SLACK_S
+    st.thread.join(timeout=bound + 30)
+    stopped = time.monotonic() - t0
+    th.join(timeout=30)
+    status = box.get("status")
+    return {"stopped_s": round(stopped, 2), "bound_s": bound, "in_flight_status": status,
+            "ok": not st.thread.is_alive() and stopped <= bound and status in (200, 503)}
+
+
 def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad_id: int,
                 min_seconds: float = 5.0) -> float:
     """Prompt tokens per second of the server's log-prob engine on ``prompts`` alone, in
@@ -267,9 +348,13 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     sample = [echo_prompt(random.Random(seed + 7919 + i)) for i in range(32)]
     eng_before = engine_rate(model, tok, sample, cfg.max_batch_tokens, srv.pad_id,
                              engine_seconds)
-    with ServerThread(srv) as st:
+    st = ServerThread(srv).start()
+    try:
         res = asyncio.run(_load(st.base_url, seconds, clients, gen_tokens, max_requests,
                                 rss_every, seed))
+        sigterm = sigterm_stop(st, cfg.shutdown_timeout, gen_tokens)
+    finally:
+        st.stop()
     wall = res["wall_s"]
     kinds: dict[str, Kind] = res["kinds"]
     rec: dict[str, Any] = {"model": model_name or "embedded", "soak_s": seconds,
@@ -289,6 +374,9 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     after = [mb for t, mb in rss if t >= 60]
     rec["rss_growth_pct_after_1min"] = (round(100 * (after[-1] / after[0] - 1), 1)
                                         if len(after) >= 2 else None)
+    later = [mb for t, mb in rss if t >= 120]
+    rec["rss_growth_pct_min2_to_end"] = (round(100 * (later[-1] / later[0] - 1), 1)
+                                         if len(later) >= 2 and rss[-1][0] >= 180 else None)
     toks = res["tokens"]
     server_tps = (toks["prompt"] + toks["generated"]) / wall if wall > 0 else 0.0
     rec["server_tokens"] = toks
@@ -308,10 +396,38 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     # A streamed answer still arriving after the client's timeout counts as unanswered too
     # (httpx's timeout is between reads, not for the whole answer).
     late = sum(1 for k in kinds.values() for t in k.latencies if t > CLIENT_TIMEOUT_S)
+    rec["sigterm"] = sigterm
     rec["checks"] = {"five_xx": five_xx, "unanswered": unanswered, "bad_answers": bad,
-                     f"over_{CLIENT_TIMEOUT_S:g}s": late}
-    rec["passed"] = five_xx == 0 and unanswered == 0 and bad == 0 and late == 0
+                     f"over_{CLIENT_TIMEOUT_S:g}s": late, "sigterm_ok": sigterm["ok"]}
+    rec["passed"] = five_xx == 0 and unanswered == 0 and bad == 0 and late == 0 and \
+        sigterm["ok"]
+    rec["done_when"] = done_when(rec)
     return rec
+
+
+def done_when(rec: dict[str, Any]) -> dict[str, bool | None]:
+    """The issue's targets on a soak record (see the module docstring)."""
+    def le(x: float | None, bound: float) -> bool | None:
+        return None if x is None else x <= bound
+
+    gen = rec["generate"]
+    frac = rec["server_vs_engine"]
+    return {"no_5xx": rec["checks"]["five_xx"] == 0,
+            "none_over_120s": rec["checks"]["unanswered"] == 0
+            and rec["checks"][f"over_{CLIENT_TIMEOUT_S:g}s"] == 0,
+            "gen_p99_le_30s": le(gen["latency_s_p99"], GEN_P99_S),
+            "itl_p99_le_1s": le(gen["itl_s_p99"], ITL_P99_S),
+            "rss_growth_min2_le_10pct": le(rec["rss_growth_pct_min2_to_end"], RSS_GROWTH_PCT),
+            "throughput_ge_70pct_of_engine": None if frac is None else frac >= ENGINE_FRACTION,
+            "sigterm_within_bound": rec["sigterm"]["ok"]}
+
+
+def write_record(rec: dict[str, Any], out: str, key: str) -> None:
+    """Store ``rec`` as ``out[key]`` (indented JSON), the file's other keys kept."""
+    path = Path(out)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = rec
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def add_arguments(p: Any) -> None:
@@ -327,6 +443,9 @@ def add_arguments(p: Any) -> None:
                    help="soak: tokens per generation (default 32)")
     p.add_argument("--rss-every", type=float, default=5.0,
                    help="soak: seconds between RSS samples (default 5)")
+    p.add_argument("--soak-as", default=None, metavar="NAME",
+                   help="soak: with --out, store the record as the file's NAME key (e.g. "
+                   "before / after), its other keys kept")
 
 
 def run_soak(args: Any) -> dict[str, Any]:
@@ -337,4 +456,5 @@ def run_soak(args: Any) -> dict[str, Any]:
                 rss_every=args.rss_every, device=args.device)
 
 
-__all__ = ["add_arguments", "echo_prompt", "engine_rate", "percentile", "run_soak", "soak"]
+__all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "percentile", "run_soak",
+           "sigterm_stop", "soak", "write_record"]
