@@ -101,6 +101,25 @@ def test_icqs_default_mode_is_not_batch_invariant():
     assert not all(same)
 
 
+@pytest.mark.parametrize("calibration", ["content_free", "pmi"])
+def test_icqs_deterministic_runs_calibration_baselines(calibration):
+    """Batch-invariant mode with a calibration: the baselines' rows run too (each baseline in
+    a forward of its own; they were once left unscored, a zero baseline), so a result equals the
+    default mode's to rounding and the response scored alone bit for bit."""
+    idx = [3, 4, 3]  # the second 3 reuses the first one's cached baseline
+    det = list(_scorer("llama", 300, True, calibration=calibration).score(
+        [POOL[i] for i in idx]))
+    dflt = list(_scorer("llama", 100_000, False, calibration=calibration).score(
+        [POOL[i] for i in idx]))
+    alone = {i: _scorer("llama", 100_000, True, calibration=calibration).score_one(*POOL[i])
+             for i in set(idx)}
+    for i, a, b in zip(idx, det, dflt, strict=True):
+        assert a.loglik_baseline.abs().min() > 0  # a scored baseline: a log-probability < 0
+        torch.testing.assert_close(a.loglik_baseline, b.loglik_baseline, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a.loglik_calibrated, b.loglik_calibrated, atol=1e-4, rtol=0)
+        assert _same(a, alone[i]) and torch.equal(a.loglik_baseline, alone[i].loglik_baseline)
+
+
 # --------------------------------------------------------------------------- continuations
 
 

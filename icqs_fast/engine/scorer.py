@@ -433,7 +433,7 @@ class ICQSScorer:
         if self.deterministic:  # one response per forward (see the class docstring)
             for i, item in enumerate(responses):
                 rec, new = self._prepare(i, item)
-                self._run([(rec, c) for c in range(c_n)])
+                self._run_all([*new, rec])
                 yield self._finish(rec)
             return
         pending: list[ResponseState] = []  # prepared responses not yet scored
@@ -504,20 +504,30 @@ class ICQSScorer:
         calibration is "none"."""
         if not self._cal_queries:
             raise ValueError("baselines: this scorer's calibration is 'none'")
-        c_n = self.n_contexts
         ys = [parse_response(i, ("", y))[1] for i, y in enumerate(answers)]
-        cals, rows = [], []
+        cals, new = [], []
         for i, y in enumerate(ys):
-            cal, new = self._baseline_recs(i, y)
+            cal, fresh = self._baseline_recs(i, y)
             cals.append(cal)
-            rows.extend((ch, c) for ch in new for c in range(c_n))
+            new.extend(fresh)
+        self._run_all(new)
+        m1, ls = self.num_ratios, self.sets_per_ratio
+        return [torch.stack([ch.loglik for ch in cal]).mean(dim=0).reshape(m1, ls).float()
+                for cal in cals]
+
+    def _run_all(self, states: list[ResponseState]) -> None:
+        """Run every row of ``states``: in forwards within the token budget, or in
+        batch-invariant mode each state's rows in a forward of their own (a baseline depends on
+        its answer alone, so it may be computed once and shared there too)."""
+        if self.deterministic:
+            for st in states:
+                self._run([(st, c) for c in range(self.n_contexts)])
+            return
+        rows = [(st, c) for st in states for c in range(self.n_contexts)]
         while rows:
             take = self._take(rows)
             self._run(rows[:take])
             rows = rows[take:]
-        m1, ls = self.num_ratios, self.sets_per_ratio
-        return [torch.stack([ch.loglik for ch in cal]).mean(dim=0).reshape(m1, ls).float()
-                for cal in cals]
 
     def _trim_cal_cache(self) -> None:
         while len(self._cal_cache) > CALIBRATION_CACHE:
