@@ -8,7 +8,7 @@ O(k^2) for k distinct scores, k <= the held-out items), :func:`fit_band` takes t
 outside reaches the target with the largest coverage. :func:`abstain_band` measures that rule
 out of fold - each fold judged by a band fitted on the other folds, so the fitted band's own
 optimism is not reported - with seeded percentile bootstrap intervals
-(``scipy.stats.bootstrap``).
+(:func:`icqs_fast.metrics.bootstrap_distribution`, ``scipy.stats.bootstrap`` underneath).
 
 numpy, scipy and scikit-learn are imported where used (see selfcheck's docstring: the command
 line reads defaults without loading them).
@@ -203,12 +203,14 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
     The band is fitted on every item (:func:`fit_band`); its coverage and accuracy are measured
     out of fold - the items of each of ``folds`` stratified folds judged by a band fitted on
     the others - so they are not the fitted band's own optimism, and their intervals are
-    percentile bootstraps (``scipy.stats.bootstrap``, paired over items, ``n_boot`` resamples,
-    seeded by ``seed``) of those out-of-fold verdicts.
+    percentile bootstraps of those out-of-fold verdicts
+    (:func:`icqs_fast.metrics.bootstrap_distribution`, paired over items, ``n_boot``
+    resamples, seeded by ``seed``).
     """
     import numpy as np
-    from scipy.stats import bootstrap
     from sklearn.model_selection import StratifiedKFold
+
+    from icqs_fast import metrics
 
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target accuracy must be in (0, 1], got {target!r}")
@@ -233,19 +235,21 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
     acc = float(correct.sum() / n_cov) if n_cov else math.nan
 
     def ci(stat: Callable[..., Any]) -> tuple[float, float]:
-        r = bootstrap((covered.astype(float), correct.astype(float)), stat, paired=True,
-                      vectorized=True, n_resamples=n_boot, confidence_level=level,
-                      method="percentile", random_state=np.random.default_rng(seed))
-        return float(r.confidence_interval.low), float(r.confidence_interval.high)
+        vals = metrics.bootstrap_distribution(stat, covered.astype(float),
+                                              correct.astype(float), vectorized=True,
+                                              n_resamples=n_boot, seed=seed)
+        lo, hi, _ = metrics.percentile_interval(vals, level)
+        return lo, hi
 
-    def coverage_stat(c: np.ndarray, _: np.ndarray, axis: int = -1) -> np.ndarray:
-        return c.mean(axis=axis)
+    def coverage_stat(c: np.ndarray, _: np.ndarray) -> np.ndarray:
+        return c.mean(axis=-1)
 
-    def accuracy_stat(c: np.ndarray, r: np.ndarray, axis: int = -1) -> np.ndarray:
-        den = c.sum(axis=axis)
-        # A resample with nothing covered (only possible far below MIN_COVERED) counts as
-        # accuracy 0: pessimistic, and never NaN inside the percentile.
-        return np.where(den > 0, r.sum(axis=axis) / np.maximum(den, 1), 0.0)
+    def accuracy_stat(c: np.ndarray, r: np.ndarray) -> np.ndarray:
+        den = c.sum(axis=-1)
+        # A resample with nothing covered (only possible far below MIN_COVERED) has no
+        # accuracy: NaN, left out of the percentiles.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(den > 0, r.sum(axis=-1) / den, np.nan)
 
     c_lo, c_hi = ci(coverage_stat)
     a_lo, a_hi = ci(accuracy_stat) if n_cov >= MIN_COVERED else (math.nan, math.nan)

@@ -324,14 +324,6 @@ def choose_method(method: str, n_per_class: int) -> str:
 # --------------------------------------------------------------------------- thresholds
 
 
-def _candidates(scores: np.ndarray) -> np.ndarray:
-    """Thresholds worth trying: midway between consecutive distinct scores, and the lowest."""
-    import numpy as np
-
-    u = np.unique(scores)
-    return np.concatenate([u[:1], (u[1:] + u[:-1]) / 2])
-
-
 def equal_error_threshold(scores: Sequence[float], labels: Sequence[int]) -> float:
     """The threshold ``t`` ("good when score >= t") whose false-negative and false-positive
     rates are closest (ties: the lowest total error, then the lowest ``t``), midway between
@@ -362,20 +354,24 @@ def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: 
     score >= t, at the sample's class mix) reaches ``target``, the one with the highest recall
     (ties: the lowest t); NaNs when none does."""
     import numpy as np
+    from sklearn.metrics import precision_recall_curve
 
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target precision must be in (0, 1], got {target!r}")
     s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels)
-    best = (math.nan, math.nan, math.nan)
-    for t in _candidates(s):
-        sel = s >= t
-        if not sel.any():
-            continue
-        prec = float(y[sel].mean())
-        rec = float((sel & (y == 1)).sum() / max(1, (y == 1).sum()))
-        if prec >= target and (math.isnan(best[2]) or rec > best[2]):
-            best = (float(t), prec, rec)
-    return best
+    if not (y == 1).any():
+        return math.nan, math.nan, math.nan  # no good item: precision 0 at every threshold
+    # One sort: precision and recall of "score >= u" for every distinct score u, ascending,
+    # then sklearn's end point (precision 1, recall 0: no threshold), dropped. "score >= u_i"
+    # is "score >= the midpoint below u_i", the threshold reported.
+    prec, rec, u = precision_recall_curve(y == 1, s)
+    prec, rec = prec[:-1], rec[:-1]
+    ok = np.flatnonzero(prec >= target)
+    if ok.size == 0:
+        return math.nan, math.nan, math.nan
+    i = ok[np.argmax(rec[ok])]  # the first maximum: recall falls as t rises, so the lowest t
+    t = u[0] if i == 0 else (u[i] + u[i - 1]) / 2
+    return float(t), float(prec[i]), float(rec[i])
 
 
 # --------------------------------------------------------------------------- trust
