@@ -1,0 +1,195 @@
+"""Continuous batching in the server's worker (:mod:`icqs_fast.serve.queue`): every step runs one
+token of every live generation and one round-robin slice of the other work, the log-prob prompts
+of several requests packed up to ``prefill_tokens``; the results equal serving alone.
+
+The queue tests use fake engines (counts and orders only, no clocks); the server tests use the
+tiny random Llama at float32 on 127.0.0.1.
+"""
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from _helpers import save_tiny_llama
+
+from icqs_fast.serve.app import ServeConfig, Server
+from icqs_fast.serve.logprobs import prompt_logprobs
+from icqs_fast.serve.queue import Unit, WorkQueue
+from icqs_fast.serve.runner import ServerThread
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
+
+# The issue's bound on the echo log-probs of a passage served alone vs in a mixed batch, at
+# float32 (nats per token).
+FP32_TOL = 1e-3
+
+
+class Counter:
+    """A fake generation (a queue Stepper): ``n`` steps; records each step in ``log``."""
+
+    def __init__(self, name: str, n: int, log: list) -> None:
+        self.name, self.n, self.log, self.k = name, n, log, 0
+
+    def step(self) -> bool:
+        self.k += 1
+        self.log.append(self.name)
+        return self.k >= self.n
+
+    def result(self):
+        return f"{self.name}:{self.k}"
+
+    def close(self) -> None:
+        pass
+
+
+def _recorded(q: WorkQueue) -> list:
+    """``(ticket, kind of the unit it runs, whether that is a live generation)`` of each step
+    the queue runs, in order (wraps ``run_step``)."""
+    steps: list = []
+    run_step = q.run_step
+
+    def kept(step):
+        steps.append([(t, t.next_unit.kind, t.next_unit.live) for t in step])
+        return run_step(step)
+
+    q.run_step = kept
+    return steps
+
+
+def test_every_step_carries_each_live_generation_and_one_budgeted_slice():
+    """Two live generations and log-prob work of 3 requests (one of 5 prompts): every step
+    after the generations started runs one token of each, and log-prob prompts of at most
+    prefill_tokens tokens (one longer prompt alone); the 5-prompt unit spreads over steps and
+    its results come back whole, in order."""
+    engine: list[list[int]] = []
+    log: list[str] = []
+
+    def run(prompts, top_n):
+        engine.append([len(p) for p in prompts])
+        return [sum(p) for p in prompts]
+
+    q = WorkQueue(run, batch_wait_s=0.0, prefill_tokens=8, max_live_steps=4)
+    steps = _recorded(q)
+    gens = [q.submit([Unit("steps", 10, lambda n=n: Counter(n, 12, log))], 1)
+            for n in ("a", "b")]
+    many = [[1] * 3, [2] * 3, [3] * 3, [4] * 3, [5] * 3]  # 15 tokens: over two slices
+    lp = [q.submit_logprobs(many, 0), q.submit_logprobs([[7] * 12], 0),  # longer: alone
+          q.submit_logprobs([[9, 9]], 0)]
+    q.start()
+    try:
+        assert [g.future.result(timeout=10) for g in gens] == [["a:12"], ["b:12"]]
+        assert lp[0].result(timeout=10) == [3, 6, 9, 12, 15]
+        assert lp[1].result(timeout=10) == [84] and lp[2].result(timeout=10) == [18]
+    finally:
+        q.stop()
+    assert all(sum(b) <= 8 or len(b) == 1 for b in engine), engine
+    assert sorted(n for b in engine for n in b) == [2] + [3] * 5 + [12]
+    assert len(engine) >= 3  # the 5-prompt unit took more than one slice
+    both_live = [s for s in steps if sum(1 for _, _, live in s if live) == 2]
+    assert q.decode_tokens == 22  # 2 x 12 tokens, the first of each in its own slice
+    for s in steps:
+        # The live generations first, then the slice: one generation's start, or log-prob
+        # pieces only.
+        lives = [live for _, _, live in s]
+        assert lives == sorted(lives, reverse=True)
+        piece = [k for _, k, live in s if not live]
+        assert len(piece) <= 1 or set(piece) == {"logprobs"}, s
+    assert len(both_live) >= 10
+    assert log.count("a") == log.count("b") == 12
+
+
+def test_a_slice_goes_round_robin_past_live_generations():
+    """While a generation is live, call units of two requests alternate in the slices (round
+    robin), each beside one token of the generation."""
+    order: list[str] = []
+    log: list[str] = []
+    q = WorkQueue(lambda p, n: [0] * len(p), batch_wait_s=0.0)
+    steps = _recorded(q)
+    gen = q.submit([Unit("steps", 1, lambda: Counter("g", 7, log))], 1)
+    a = q.submit([Unit("call", 1, lambda k=k: order.append(f"A{k}")) for k in range(3)], 1)
+    b = q.submit([Unit("call", 1, lambda k=k: order.append(f"B{k}")) for k in range(3)], 1)
+    q.start()
+    try:
+        for t in (gen, a, b):
+            t.future.result(timeout=10)
+    finally:
+        q.stop()
+    assert order == ["A0", "B0", "A1", "B1", "A2", "B2"], order
+    # Step 1 starts the generation; steps 2-7 each carry its token and one call.
+    assert [len(s) for s in steps[:7]] == [1] + [2] * 6
+    assert all(s[0][0] is gen and s[0][2] for s in steps[1:7])
+
+
+# --------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = save_tiny_llama(tmp_path_factory.mktemp("tiny_cb"), layers=2, max_positions=1024)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(d)
+
+
+def _ids(n: int, start: int) -> list[int]:
+    return [start + (7 * k) % 90 for k in range(n)]
+
+
+@pytest.mark.server
+def test_mixed_batches_give_what_serving_alone_gives(tiny):
+    """Echo requests sent while a generation streams (prefill budget 24 tokens: the prompts
+    are packed together and a 40-token prompt runs alone) get the log-probs of each prompt
+    scored alone (within 1e-3 nats / token at float32), and the generation the tokens it gets
+    alone."""
+    model, tok = tiny
+    cfg = ServeConfig(model_name="tiny", prefill_budget=24, batch_wait_ms=1,
+                      max_prompt_tokens=64, max_gen_tokens=64)
+    prompts = [_ids(5, 3), _ids(11, 8), _ids(40, 2), _ids(7, 3), _ids(16, 30), _ids(9, 5)]
+    gen_body = {"prompt": _ids(6, 11), "max_tokens": 48, "logprobs": 1}
+    srv = Server(model, tok, cfg)
+    steps = _recorded(srv.queue)
+
+    def slow(_module, _args):  # the generation stays live while the echoes run
+        if threading.current_thread().name == "icqs-serve-worker":
+            time.sleep(0.01)
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(slow)
+    try:
+        with ServerThread(srv) as st:
+            alone_gen = httpx.post(st.base_url + "/v1/completions", json=gen_body,
+                                   timeout=120).json()
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.update(gen=httpx.post(
+                st.base_url + "/v1/completions", json=gen_body, timeout=120).json()))
+            th.start()
+            t0 = time.monotonic()
+            while not srv.queue.live_steps and time.monotonic() - t0 < 60:
+                time.sleep(0.002)
+            results: list = [None] * len(prompts)
+
+            def echo(i):
+                results[i] = httpx.post(st.base_url + "/v1/completions", timeout=120, json={
+                    "prompt": prompts[i], "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+
+            ths = [threading.Thread(target=echo, args=(i,)) for i in range(len(prompts))]
+            for t in ths:
+                t.start()
+            for t in ths + [th]:
+                t.join(timeout=120)
+    finally:
+        hook.remove()
+    assert out["gen"]["choices"][0]["text"] == alone_gen["choices"][0]["text"]
+    assert out["gen"]["choices"][0]["logprobs"]["token_logprobs"] == \
+        alone_gen["choices"][0]["logprobs"]["token_logprobs"]
+    mixed = [s for s in steps if any(k == "logprobs" for _, k, _ in s)
+             and any(live for _, _, live in s)]
+    assert mixed, "no step carried a generation's token beside echo work"
+    assert srv.queue.largest_batch >= 2  # prompts of several requests shared a forward
+    for p, r in zip(prompts, results, strict=True):
+        want = prompt_logprobs(model, [p], top_n=1)[0].token_logprobs
+        got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= FP32_TOL
