@@ -33,6 +33,17 @@ def _seeded():
 
 
 @pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path_factory):
+    """Each test its own cache folder (icqs_fast.io.cache; created only when written): a
+    self-check cached by one test is never read by another, and nothing goes to ~/.cache."""
+    import uuid
+
+    root = tmp_path_factory.getbasetemp() / "cache" / uuid.uuid4().hex
+    monkeypatch.setenv("ICQS_FAST_CACHE_DIR", str(root))
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _poisoned_kernel_outputs(monkeypatch):
     """Kernel output buffers start as NaN (floats) or a huge negative sentinel (ints), so any
     element a kernel fails to write shows up as a wrong or non-finite result."""
