@@ -16,6 +16,10 @@ The policy (:func:`apply_threads`):
   CPU time other processes used over a short sample of ``/proc/stat`` (this process's own
   time excluded), rounded to the nearest core and at least one. Alone on the machine: every
   core, as before. Beside a job that keeps one core busy: one thread.
+* Every job entry point takes this policy: ``score``, ``features``, ``check``, ``demo``,
+  ``serve``, ``bench icqs`` (short and long inputs), ``bench kernels`` through the CLI, and the
+  lm-eval backend when it loads its own model (:func:`apply_job_threads`; lm-eval's CLI is
+  the process entry point there).
 * While a job runs, :class:`ThreadGovernor` re-fits the count to the free cores (a sampler
   thread measures the other processes' CPU time every :data:`GOVERN_SECONDS`; the change is
   made between two module forwards, on the thread that runs them, because OpenMP's thread
@@ -139,10 +143,11 @@ def free_cpus(allowed: int | None = None, busy: float | None = None) -> int:
     return max(1, min(allowed, int(allowed - busy + 0.5)))
 
 
-def apply_threads(threads: int | None) -> int:
+def apply_threads(threads: int | None, govern: bool | None = None) -> int:
     """Set torch's intra-op threads: ``threads`` when given (``--threads``; >= 1), else
-    torch's own count where ``OMP_NUM_THREADS`` is set, else :func:`free_cpus`. Returns the
-    count in force. Call before the model loads."""
+    torch's own count where ``OMP_NUM_THREADS`` is set, else :func:`free_cpus`, with a
+    :class:`ThreadGovernor` when ``govern`` (None: when :func:`enable_governor` was called, i.e.
+    in the ``icqs-fast`` process). Returns the count in force. Call before the model loads."""
     if threads is not None and (isinstance(threads, bool) or int(threads) < 1):
         raise ValueError(f"--threads must be >= 1, got {threads!r}")
     import torch
@@ -152,11 +157,21 @@ def apply_threads(threads: int | None) -> int:
         return torch.get_num_threads()
     n = int(threads) if threads is not None else free_cpus()
     torch.set_num_threads(n)
-    if threads is None and _GOVERN["enabled"] and _GOVERN["governor"] is None:
+    if govern is None:
+        govern = _GOVERN["enabled"]
+    if threads is None and govern and _GOVERN["governor"] is None:
         gov = ThreadGovernor(allowed_cpus(), n)
         gov.start()
         _GOVERN["governor"] = gov
     return n
+
+
+def apply_job_threads(threads: int | None) -> int:
+    """:func:`apply_threads` for a job whose process entry point is not ``icqs-fast``'s (the
+    lm-eval backend run by lm-eval's CLI): the same default count and governor. The OpenMP
+    wait policy cannot follow there (torch is loaded before the backend is built): set
+    ``OMP_WAIT_POLICY=passive`` or ``GOMP_SPINCOUNT`` in that process's environment."""
+    return apply_threads(threads, govern=True)
 
 
 def enable_governor() -> None:
@@ -194,7 +209,7 @@ class ThreadGovernor:
 
     def update(self, busy: float | None) -> None:
         """One sample: the other processes' ``busy`` cores (None: unknown, nothing changes)."""
-        if busy is not None:
+        if busy is not None and not self.stopped.is_set():  # a sample that ends after stop()
             self.desired = free_cpus(self.allowed, busy)
 
     def before_forward(self, module: Any, args: Any) -> None:

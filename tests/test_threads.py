@@ -169,3 +169,66 @@ def test_only_the_entry_point_governs(monkeypatch, restore_threads):
     assert len(started) == 1 and threads._GOVERN["governor"] is started[0]
     threads.apply_threads(1)  # an explicit count never starts one
     assert len(started) == 1
+
+
+class _PolicyCalled(Exception):
+    """Raised by the patched policy: the entry point reached it (and stops there, cheaply)."""
+
+
+def _record_policy(monkeypatch, name="apply_threads"):
+    """Patch ``threads.<name>`` to record its arguments and stop the caller."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _PolicyCalled
+
+    monkeypatch.setattr(threads, name, fake)
+    return calls
+
+
+def test_job_threads_govern_outside_the_cli(monkeypatch, restore_threads):
+    """apply_job_threads (the lm-eval backend's entry): the free-core default and a governor,
+    though icqs-fast's CLI did not enable it; an explicit count is kept and starts none."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "free_cpus", lambda: 1)
+    monkeypatch.setitem(threads._GOVERN, "enabled", False)
+    monkeypatch.setitem(threads._GOVERN, "governor", None)
+    started = []
+    monkeypatch.setattr(threads.ThreadGovernor, "start", lambda self: started.append(self))
+    assert threads.apply_job_threads(2) == 2 and not started
+    assert threads.apply_job_threads(None) == 1 and torch.get_num_threads() == 1
+    assert len(started) == 1 and threads._GOVERN["enabled"] is False
+
+
+@pytest.mark.parametrize("argv", [["bench", "kernels", "--quick", "--no-cuda"],
+                                  ["bench", "icqs", "--no-memory"],
+                                  ["bench", "icqs", "--inputs", "long", "--no-memory"]])
+def test_bench_entry_points_take_the_policy(argv, monkeypatch):
+    """bench kernels / icqs / icqs --inputs long: a default run asks the policy (None: the free
+    cores), before any timing."""
+    from icqs_fast import cli
+
+    calls = _record_policy(monkeypatch)
+    with pytest.raises(_PolicyCalled):
+        cli.main(argv)
+    assert calls and calls[0][0][0] is None
+
+
+def test_lm_eval_backend_takes_the_policy(monkeypatch):
+    """The lm-eval backend that loads its own model (lm-eval's CLI) takes the job policy with
+    its ``threads`` model argument; with a given model and no ``threads`` it leaves the
+    caller's count alone."""
+    pytest.importorskip("lm_eval")
+    from icqs_fast.compat.lm_eval import ICQSFastLM
+
+    calls = _record_policy(monkeypatch, "apply_job_threads")
+    with pytest.raises(_PolicyCalled):
+        ICQSFastLM("embedded")
+    with pytest.raises(_PolicyCalled):
+        ICQSFastLM("embedded", threads=3)
+    assert [c[0][0] for c in calls] == [None, 3]
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Exception) as err:  # past the policy (no tokenizer to speak of)
+        ICQSFastLM(model=model, tokenizer=object())
+    assert not isinstance(err.value, _PolicyCalled) and len(calls) == 2

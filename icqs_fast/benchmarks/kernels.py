@@ -217,10 +217,9 @@ def checks(op: str, tolerance: float | None = None) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    from icqs_fast.threads import apply_threads
+
+    apply_threads(args.threads)  # None: the cores other processes leave free (threads.py)
     cuda = torch.cuda.is_available() and not args.no_cuda
     copy_bytes = (64 << 20) if args.quick else (1 << 30)
     cpu = not getattr(args, "no_cpu", False)

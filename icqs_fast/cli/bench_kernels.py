@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     p.add_argument("--out", default=None, help="also write the JSON records to this file")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (torch.set_num_threads; the cpp backend follows it)")
+                   help="CPU threads (the cpp backend follows torch's count; default: the cores "
+                        "other processes leave free; OMP_NUM_THREADS when set)")
     p.add_argument("--no-cuda", action="store_true", help="CPU records only")
     p.add_argument("--no-cpu", action="store_true",
                    help="CUDA records only (bench gpu: the CPU ones are measured elsewhere)")

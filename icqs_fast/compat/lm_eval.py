@@ -90,6 +90,11 @@ class ICQSFastLM(TemplateLM):
             (:func:`score_continuations` ``deterministic``), so its log-likelihood is
             bit-identical whatever the other requests, their order, ``chunk_size`` and the
             budgets. Slower (one suffix forward per request).
+        threads: CPU threads (``--model_args threads=1``). When the backend loads its own
+            model (lm-eval's CLI: the backend is the job) or ``threads`` is given, it takes the
+            ``icqs-fast`` commands' policy (:func:`icqs_fast.threads.apply_job_threads`: the
+            cores other processes leave free, re-fitted while it runs; ``OMP_NUM_THREADS``
+            when set); with a given model and no ``threads``, the caller's count stands.
     """
 
     def __init__(
@@ -111,8 +116,13 @@ class ICQSFastLM(TemplateLM):
         max_bank_tokens: int | None = None,
         max_gen_toks: int = 256,
         deterministic: bool | str = False,
+        threads: int | None = None,
     ) -> None:
         super().__init__()
+        if model is None or threads is not None:
+            from icqs_fast.threads import apply_job_threads
+
+            apply_job_threads(None if threads is None else int(threads))
         if (model is None) != (tokenizer is None):
             raise ValueError("pass both model= and tokenizer= (an already-loaded pair), or neither")
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
