@@ -14,8 +14,9 @@ from icqs_fast.engine.selfcheck import crossfit_score
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.evals import selfcheck_study as study
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Scoring 56 responses on the tiny model takes ~10-25 s on the shared machine.
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
+slow = pytest.mark.slow
 
 WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
 
@@ -43,6 +44,7 @@ def raw():
     return {"dataset": "toy", "pool": 22, **r}
 
 
+@slow
 def test_stored_matrices_give_back_the_scores(raw):
     h, t = raw["heldout"], raw["test"]
     assert len(h["loglik"]) == len(h["labels"]) == 44 and len(t["loglik"]) == 12
@@ -60,6 +62,7 @@ def test_stored_matrices_give_back_the_scores(raw):
     assert raw["dtype"] == "float32" and raw["score_kind"] in ("argmax", "tied", "mean")
 
 
+@slow
 def test_matched_auc_is_the_test_auc_when_every_context_is_clean(raw):
     full = {**raw, "heldout": {**raw["heldout"],
                                "clean": np.ones_like(raw["heldout"]["clean"]).tolist()}}
@@ -71,6 +74,7 @@ def test_matched_auc_is_the_test_auc_when_every_context_is_clean(raw):
     assert math.isnan(study.matched_test_auc({**raw, "test": {"labels": [1]}}))
 
 
+@slow
 def test_analyse_summarise_and_table(raw):
     row = study.analyse(raw, n_boot=50)
     assert row["status"] == "ok" and row["n_test"] == 12
@@ -88,3 +92,35 @@ def test_analyse_summarise_and_table(raw):
     table = study.bias_markdown({"toy": s}).splitlines()
     assert len(table) == 3 and table[2].startswith("| toy | 2 |")
     assert table[0].count("|") == table[2].count("|")
+
+
+def toy_raw(n: int = 40, seed: int = 0) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Matrices ``a[i, j] + e[j, l]`` (item level plus a large set effect, no other noise) and
+    random clean masks with at least one clean set per ratio."""
+    rng = np.random.default_rng(seed)
+    j_, l_ = 5, 4
+    a = rng.normal(0.0, 1.0, (n, j_))
+    e = rng.normal(0.0, 3.0, (j_, l_))
+    e -= e.mean(axis=1, keepdims=True)
+    clean = rng.uniform(size=(n, j_, l_)) > 0.3
+    clean[:, :, 0] = True
+    raw = {"seed": seed, "ratios": [j / (j_ - 1) for j in range(j_)], "score_kind": "mean",
+           "tie_epsilon": 0.1}
+    return raw, a[:, :, None] + e[None], clean
+
+
+def test_set_effects_are_recovered_and_removed():
+    raw, ll, clean = toy_raw()
+    e = study.set_effects(ll, clean, iters=200)
+    want = ll[0] - ll[0].mean(axis=1, keepdims=True)  # e, centred per ratio
+    assert np.allclose(e, want, atol=1e-6)
+    adj = study.adjusted_scores(raw, ll, clean, e)
+    every = np.ones_like(clean)
+    # Removing the set effects makes the score independent of which contexts are clean ...
+    assert np.allclose(adj, study.adjusted_scores(raw, ll, every, e), atol=1e-9)
+    # ... and with every context clean it is the plain score (the effects cancel in the mean).
+    plain = study.adjusted_scores(raw, ll, every, np.zeros_like(e))
+    assert np.allclose(adj, plain, atol=1e-9)
+    # Without the adjustment the dropped sets move the scores.
+    assert not np.allclose(study.adjusted_scores(raw, ll, clean, np.zeros_like(e)), plain,
+                           atol=1e-3)

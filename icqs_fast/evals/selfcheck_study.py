@@ -114,6 +114,7 @@ def run_pools(model: Any, tok: Any, good: Sequence, bad: Sequence,
     import torch
 
     from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.models import dtype_name
     from icqs_fast.progress import track
 
     sc = ICQSScorer(model, tok, good, bad, settings)
@@ -139,7 +140,7 @@ def run_pools(model: Any, tok: Any, good: Sequence, bad: Sequence,
     return {
         "seed": seed, "n_test": len(test), "settings": settings.asdict(),
         "max_heldout": max_heldout, "torch_threads": torch.get_num_threads(),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": dtype_name(model),
         "score_kind": first.score_kind, "ratios": [float(r) for r in first.ratios],
         "tie_epsilon": float(first.tie_epsilon),
         "heldout": {"labels": cf.labels.tolist(), "scores": _nan_none(cf.scores),
@@ -174,29 +175,69 @@ def stored_result(raw: dict[str, Any], matrix: Sequence) -> Any:
                            score_kind=raw["score_kind"], tie_epsilon=raw["tie_epsilon"])
 
 
-def matched_test_auc(raw: dict[str, Any], *, draws: int = MATCH_DRAWS) -> float:
+def matched_test_auc(raw: dict[str, Any], *, draws: int = MATCH_DRAWS,
+                     effects: np.ndarray | None = None) -> float:
     """The test AUC with each test response scored only from the clean contexts of a held-out
     item of its own class (drawn at random, seeded by the run's seed; mean AUC over ``draws``
-    draws): what the test AUC would be under the self-check's handicap of fewer contexts. NaN
-    without stored matrices."""
-    import torch
-
+    draws): what the test AUC would be under the self-check's handicap of fewer contexts.
+    ``effects``: subtract these set effects (:func:`set_effects`) first. NaN without stored
+    matrices."""
     h, t = raw["heldout"], raw["test"]
     if "loglik" not in t or "clean" not in h:
         return math.nan
     hy = np.asarray(h["labels"])
-    masks = {lab: [torch.tensor(m, dtype=torch.bool)
-                   for m, y in zip(h["clean"], hy, strict=True) if y == lab] for lab in (0, 1)}
+    masks = {lab: [np.asarray(m, dtype=bool) for m, y in zip(h["clean"], hy, strict=True)
+                   if y == lab] for lab in (0, 1)}
     ty = np.asarray(t["labels"])
-    results = [stored_result(raw, m) for m in t["loglik"]]
+    eff = np.zeros(np.shape(t["loglik"])[1:]) if effects is None else effects
     rng = np.random.default_rng(raw["seed"])
     aucs = []
     for _ in range(draws):
-        s = np.asarray([crossfit_score(r, masks[int(y)][rng.integers(len(masks[int(y)]))])
-                        for r, y in zip(results, ty, strict=True)])
+        drawn = [masks[int(y)][rng.integers(len(masks[int(y)]))] for y in ty]
+        s = adjusted_scores(raw, t["loglik"], drawn, eff)
         ok = np.isfinite(s)
         aucs.append(metrics.auc(ty[ok], s[ok]))
     return float(np.mean(aucs))
+
+
+def set_effects(loglik: np.ndarray, clean: np.ndarray, iters: int = 20) -> np.ndarray:
+    """``[M+1, L]`` float64: each context's shift shared by every response (the demonstration
+    set's own effect), fitted on the held-out items' clean contexts only.
+
+    The additive model ``loglik[i, j, l] = a[i, j] + e[j, l]`` with ``sum_l e[j, l] = 0`` is fitted
+    by alternating means over the clean entries (``clean[i, j, l]``; the leaked ones are missing).
+    A test response uses every context, so the ``e[j, :]`` of a ratio cancel in its per-ratio mean;
+    a held-out item misses the sets that hold it, so without this they do not cancel and turn
+    into per-item noise that is worst exactly where the classes differ (a good item misses
+    all-good sets, a bad one all-bad sets).
+
+    Args:
+        loglik: ``[n, M+1, L]`` the held-out items' (calibrated) log-likelihoods.
+        clean: ``[n, M+1, L]`` bool, the contexts each item may use.
+    """
+    ll = np.asarray(loglik, dtype=np.float64)
+    c = np.asarray(clean, dtype=bool)
+    w = c.astype(np.float64)
+    e = np.zeros(ll.shape[1:])
+    for _ in range(iters):
+        a = ((ll - e) * w).sum(axis=2) / np.maximum(w.sum(axis=2), 1.0)  # [n, M+1]
+        e = ((ll - a[:, :, None]) * w).sum(axis=0) / np.maximum(w.sum(axis=0), 1.0)
+        e = e - e.mean(axis=1, keepdims=True)
+    return e
+
+
+def adjusted_scores(raw: dict[str, Any], matrices: Sequence, masks: Sequence,
+                    effects: np.ndarray) -> np.ndarray:
+    """``[n]`` float64: each matrix's score from its ``masks`` contexts after subtracting the
+    set ``effects`` (:func:`set_effects`); NaN where a ratio has no clean context."""
+    import torch
+
+    out = []
+    for m, mask in zip(matrices, masks, strict=True):
+        adj = np.asarray(m, dtype=np.float64) - effects
+        out.append(crossfit_score(stored_result(raw, adj.tolist()),
+                                  torch.as_tensor(np.asarray(mask, dtype=bool))))
+    return np.asarray(out, dtype=np.float64)
 
 
 def _nan_none(a: np.ndarray) -> list[float | None]:
@@ -207,19 +248,26 @@ def _arr(v: Sequence) -> np.ndarray:
     return np.asarray([math.nan if x is None else x for x in v], dtype=np.float64)
 
 
-def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000
-            ) -> dict[str, Any]:
+def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000,
+            adjust: bool = False) -> dict[str, Any]:
     """One table row of a :func:`run_one` record: the self-check (fitted on the held-out scores,
-    seeded with the run's seed) against the test responses."""
+    seeded with the run's seed) against the test responses. ``adjust``: the held-out scores
+    with the set effects removed (:func:`set_effects`, :func:`adjusted_scores`; needs the
+    stored matrices), the matched test AUC likewise."""
     h, t = raw["heldout"], raw["test"]
-    chk = fit_self_check(_arr(h["scores"]), h["labels"], method=method, seed=raw["seed"],
-                         n_boot=n_boot)
+    hs = _arr(h["scores"])
+    effects = None
+    if adjust:
+        effects = set_effects(h["loglik"], h["clean"])
+        hs = adjusted_scores(raw, h["loglik"], h["clean"], effects)
+    chk = fit_self_check(hs, h["labels"], method=method, seed=raw["seed"], n_boot=n_boot)
     y = np.asarray(t["labels"], dtype=np.int64)
     s = _arr(t["scores"])
     p_raw = _arr(t["p_good"])
     test_auc = metrics.auc(y, s)
     row: dict[str, Any] = {
-        "dataset": raw["dataset"], "seed": raw["seed"], "status": chk.status,
+        "dataset": raw["dataset"], "seed": raw["seed"], "adjusted": adjust,
+        "dtype": raw.get("dtype", "float32"), "status": chk.status,
         "n_heldout": chk.n_good + chk.n_bad, "n_skipped": chk.n_skipped, "n_test": int(y.size),
         "selfcheck_auc": chk.auc, "auc_lo": chk.auc_lo, "auc_hi": chk.auc_hi,
         "test_auc": test_auc,
@@ -229,9 +277,9 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000
         "method": chk.config.get("method_used"),
     }
     row["inside"] = bool(chk.ok and chk.auc_lo <= test_auc <= chk.auc_hi)
-    row["matched_test_auc"] = matched_test_auc(raw)
+    row["matched_test_auc"] = matched_test_auc(raw, effects=effects)
     if chk.ok:
-        hs, hy = _arr(h["scores"]), np.asarray(h["labels"])
+        hy = np.asarray(h["labels"])
         fin = np.isfinite(hs)
         # The threshold's accuracy on the very items it was fitted on (optimistic), beside the
         # out-of-fold expected accuracy (pessimistic: each fold's threshold saw 4/5 of them).
