@@ -123,7 +123,7 @@ def test_bad_options(features, tmp_path, capsys):
     assert features(inp, out, "--combo-scale", str(sfile)) == 2
     assert f"error: {sfile}: field 'var_hi': missing or not a number" in capsys.readouterr().err
     assert features(inp, out, "--chunk-size", "0") == 2
-    assert "--chunk-size must be >= 1" in capsys.readouterr().err
+    assert "--chunk-size must be an int >= 1, got 0" in capsys.readouterr().err
     assert not out.exists() and features.calls == []  # refused before loading the model
 
 
@@ -153,8 +153,9 @@ def test_resume_refused_on_other_settings(features, tmp_path, capsys):
     before = out.read_bytes()
     for extra, what in [(["--features", "softmax_ent"], "features: ['sent_logprob'] there"),
                         (["--features", "sent_logprob", "--mode", "selfeval-compat"],
-                         "mode: 'standard' there, 'selfeval-compat' now"),
-                        (["--features", "sent_logprob", "--batch-size", "3"], "batch_size: 2")]:
+                         "--mode: 'standard' there, 'selfeval-compat' now"),
+                        (["--features", "sent_logprob", "--batch-size", "3"],
+                         "--batch-size: 2")]:
         assert features(inp, out, "--resume", *extra) == 2
         assert f"cannot --resume {out}: it was written with other settings ({what}" in \
             capsys.readouterr().err

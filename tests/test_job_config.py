@@ -10,6 +10,7 @@ from _helpers import write_jsonl
 
 from icqs_fast import models
 from icqs_fast.cli import main
+from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.jobs.config import FeatureJobConfig, RayOptions, ScoreJobConfig
 
 GOOD = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
@@ -63,10 +64,10 @@ def _features(f, out, *extra):
 
 
 @pytest.mark.parametrize("first, then, key", [
-    (["--label-field", "gold"], ["--label-field", "model"], "label_field"),
-    ([], ["--label-field", "gold"], "label_field"),
-    ([], ["--id-field", "model"], "id_field"),
-    ([], ["--encoding", "latin-1"], "encoding"),
+    (["--label-field", "gold"], ["--label-field", "model"], "--label-field"),
+    ([], ["--label-field", "gold"], "--label-field"),
+    ([], ["--id-field", "model"], "--id-field"),
+    ([], ["--encoding", "latin-1"], "--encoding"),
 ])
 @pytest.mark.slow
 def test_score_resume_with_another_record_option_is_refused(files, capsys, first, then, key):
@@ -81,9 +82,9 @@ def test_score_resume_with_another_record_option_is_refused(files, capsys, first
     assert _score(files, out, *first, "--resume") == 0  # the same options still resume
 
 
-@pytest.mark.parametrize("then, key", [(["--id-field", "model"], "id_field"),
-                                      (["--encoding", "latin-1"], "encoding"),
-                                      (["--x-field", "model"], "x_field")])
+@pytest.mark.parametrize("then, key", [(["--id-field", "model"], "--id-field"),
+                                      (["--encoding", "latin-1"], "--encoding"),
+                                      (["--x-field", "model"], "--x-field")])
 @pytest.mark.slow
 def test_features_resume_with_another_record_option_is_refused(files, capsys, then, key):
     out = files["dir"] / "f.jsonl"
@@ -108,23 +109,27 @@ def test_threads_is_set_before_the_model_loads(files, monkeypatch, command):
 def test_threads_must_be_positive(files, capsys, command):
     run = _score if command == "score" else _features
     assert run(files, files["dir"] / "o.jsonl", "--threads", "0") == 2
-    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert "--threads must be an int >= 1, got 0" in capsys.readouterr().err
 
 
-def test_fingerprint_is_json_and_holds_every_record_option(files):
+def test_resume_key_is_json_and_holds_every_record_option(files):
+    settings = ScoringSettings(num_ratios=3)
     c = ScoreJobConfig(input="in.jsonl", output="o.jsonl", good=str(files["good"]),
                        bad=str(files["bad"]), label_field="gold", id_field="model",
-                       scoring={"num_ratios": 3})
-    fp = c.fingerprint()
-    assert json.loads(json.dumps(fp)) == fp
-    assert (fp["label_field"], fp["id_field"], fp["encoding"]) == ("gold", "model", "utf-8")
-    assert fp["num_ratios"] == 3 and fp["stratify_field"] == "auto"  # the CLI's old name
+                       scoring=settings)
+    assert c.scoring is settings  # held, not copied
+    key = c.resume_key()
+    assert json.loads(json.dumps(key)) == key
+    assert (key["label_field"], key["id_field"], key["encoding"]) == ("gold", "model", "utf-8")
+    # The scoring part is the one scoring fingerprint.
+    assert {k: key[k] for k in settings.fingerprint()} == settings.fingerprint()
+    assert key["num_ratios"] == 3 and key["stratify"] == "auto"
     assert c.executor == "local"
-    with pytest.raises(TypeError, match="unknown option"):
-        ScoreJobConfig(input="i", output="o", good="g", bad="b", scoring={"ratios": 3})
+    with pytest.raises(TypeError, match="must be a ScoringSettings"):
+        ScoreJobConfig(input="i", output="o", good="g", bad="b", scoring={"num_ratios": 3})
     f = FeatureJobConfig(input="in.jsonl", output="o.jsonl", ray=RayOptions(block_size=4),
                          chunk_size=3)
-    assert f.executor == "ray" and "label_field" not in f.fingerprint()
+    assert f.executor == "ray" and "label_field" not in f.resume_key()
     with pytest.raises(ValueError, match="multiple of --chunk-size"):
         f.check()
 

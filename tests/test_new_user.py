@@ -171,7 +171,7 @@ def test_demo_fields_default_to_the_input_fields_and_can_differ(files, tiny, loa
                  str(demos["bad"]), "--model", str(tiny[0]), *KW, "--x-field", "sentence",
                  "--y-field", "label", "--demo-x-field", "q", "--demo-y-field", "a", "--quiet",
                  "--resume"]) == 2
-    assert "demo_x_field" in capsys.readouterr().err
+    assert "--demo-x-field" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- 7: before the model

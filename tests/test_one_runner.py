@@ -151,8 +151,9 @@ def test_score_job_builds_its_sets_once_and_tokenizes_a_record_once(
         demo_files, tiny_llama_dir, monkeypatch):
     import icqs_fast.engine.prompts as prompts
     import icqs_fast.engine.scorer as scorer_mod
+    from icqs_fast.engine.settings import ScoringSettings
     from icqs_fast.io.records import Record
-    from icqs_fast.jobs.config import ScoreJobConfig
+    from icqs_fast.jobs.config import ScoreJobConfig, SelfCheckOptions
     from icqs_fast.jobs.runner import strategy_for
 
     built = []
@@ -167,9 +168,9 @@ def test_score_job_builds_its_sets_once_and_tokenizes_a_record_once(
     g, b = demo_files
     cfg = ScoreJobConfig(input="-", output="o.jsonl", good=str(g), bad=str(b),
                          model=str(tiny_llama_dir()), dtype="float32", device="cpu",
-                         backend="torch", scoring={"num_ratios": 3, "demos_per_set": 2,
-                                                   "sets_per_ratio": 2},
-                         self_check={"max_heldout": 0})
+                         scoring=ScoringSettings(num_ratios=3, demos_per_set=2,
+                                                 sets_per_ratio=2, backend="torch"),
+                         self_check=SelfCheckOptions(max_heldout=0))
     strategy = strategy_for(cfg)
     strategy.prepare(_log)
     strategy.load(None, {}, _log)

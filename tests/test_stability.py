@@ -64,7 +64,7 @@ def test_settings_tie_epsilon():
     assert tied.replace(tie_epsilon=0.5).fingerprint() != tied.fingerprint()
     assert ScoringSettings.from_dict(tied.replace(tie_epsilon=0.2).asdict()).tie_epsilon == 0.2
     for bad in (-0.1, float("nan"), float("inf"), "0.1", True):
-        with pytest.raises(ValueError, match="tie_epsilon"):
+        with pytest.raises(ValueError, match="--tie-epsilon"):
             ScoringSettings(tie_epsilon=bad)
 
 

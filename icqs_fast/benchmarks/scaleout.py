@@ -210,6 +210,7 @@ def _local_cluster(k: int, cpus_per_worker: float, root: str):
 
 def bench(n: int, workers: list[int], model: str, block_size: int | None,
           cpus_per_worker: float, cluster: int = 0) -> dict:
+    from icqs_fast.engine.settings import ScoringSettings
     from icqs_fast.jobs.config import RayOptions, ScoreJobConfig
     from icqs_fast.jobs.ray_executor import run_ray
 
@@ -263,7 +264,8 @@ def bench(n: int, workers: list[int], model: str, block_size: int | None,
             out = d / f"ray{tag}{w}"
             job = ScoreJobConfig(
                 input=str(inp), output=str(out), good=str(g), bad=str(b),
-                scoring=ICQS_SCORING, model=model_dir, quiet=True, **ICQS_RUNTIME,
+                scoring=ScoringSettings(**ICQS_SCORING), model=model_dir, quiet=True,
+                **ICQS_RUNTIME,
                 ray=RayOptions(workers=w, cpus_per_worker=cpus_per_worker, block_size=B,
                                output_format="jsonl"))
             stats: dict = {}

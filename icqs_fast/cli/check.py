@@ -21,16 +21,19 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from icqs_fast.cli.options import add_scoring_arguments, add_self_check_arguments
-    from icqs_fast.cli.ray_options import add_job_arguments
+    from icqs_fast.cli.options import (
+        add_declared,
+        add_scoring_arguments,
+        add_self_check_arguments,
+    )
+    from icqs_fast.jobs.config import ScoreJobConfig
 
     p.description = __doc__.split("\n\n")[0].replace("``", "")
     add_scoring_arguments(p)
     add_self_check_arguments(p, switch=False)
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
-    p.add_argument("--quiet", action="store_true", help="no progress bar / status lines")
-    add_job_arguments(p)
+    add_declared(p, ScoreJobConfig, names=("quiet", "threads"))
 
 
 def _f(v: float | None, spec: str = ".3f") -> str:
@@ -38,29 +41,18 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from icqs_fast.cli.options import scoring_options, self_check_kwargs
+    from icqs_fast.cli.options import score_config
     from icqs_fast.engine.selfcheck import FIELD
-    from icqs_fast.jobs.config import ScoreJobConfig, flag_names
     from icqs_fast.jobs.runner import set_threads
-    from icqs_fast.jobs.score import ScoreStrategy, load_template
+    from icqs_fast.jobs.score import ScoreStrategy
 
-    kw = self_check_kwargs(args)
-    if kw["max_heldout"] == 0:
+    if args.self_check_max == 0:
         raise ValueError("--self-check-max must be >= 1 for check")
-    _, spec = load_template(args.template)
-    try:
-        # The score job's own configuration and strategy read the pools and build the scorer,
-        # so the check runs under exactly the settings a score run would.
-        config = ScoreJobConfig(
-            input="-", output=os.devnull, good=args.good, bad=args.bad,
-            scoring=scoring_options(args, spec), token_budget=args.token_budget,
-            deterministic=args.deterministic, demo_x_field=args.demo_x_field,
-            demo_y_field=args.demo_y_field, encoding=args.encoding, model=args.model,
-            dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads,
-            quiet=args.quiet or args.json, self_check=kw)
-        config.check()
-    except ValueError as exc:
-        raise ValueError(flag_names(str(exc))) from None
+    # The score job's own configuration and strategy read the pools and build the scorer,
+    # so the check runs under exactly the settings a score run would.
+    config = score_config(args, input="-", output=os.devnull, dtype=args.dtype,
+                          threads=args.threads, quiet=args.quiet or args.json)
+    config.check()
     quiet = args.quiet or args.json
     set_threads(args.threads)
 

@@ -1,4 +1,8 @@
-"""Option groups several commands share, written once so their names, choices and help agree."""
+"""The command-line flags of the declared options (:mod:`icqs_fast.options`), and the option
+groups several commands share, so their names, choices, defaults and help agree: each flag is
+derived from the field that declares it (``ScoringSettings``, ``ScoreJobConfig``,
+``SelfCheckOptions``, ``RayOptions``, ...), and the settings objects are built from the parsed
+values in one place each (:func:`scoring_settings`, :func:`score_config`)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import argparse
 from collections.abc import Collection
 from typing import Any
 
-from icqs_fast.engine.settings import CALIBRATIONS, DEFAULT_SCORE, SCORE_KINDS, TIE_EPSILON
+from icqs_fast.engine.settings import DEFAULT_SCORE
 
 
 def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
@@ -17,6 +21,8 @@ def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
     choices, default and help come from the declaration. ``names``: only these fields;
     ``exclude``: not these; ``defaults``: other defaults for this command. A bool option is a
     switch that turns it on; a ``strs`` option is repeated (unset: the declared default)."""
+    from dataclasses import MISSING
+
     from icqs_fast.options import declared, default_text, metavar
 
     for d in declared(cls):
@@ -24,9 +30,13 @@ def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
             continue
         default = (defaults or {}).get(d.name, d.default)
         opt = d.option
-        shown = default_text(d) if default == d.default else str(default)
+        # A None default is explained by the help itself ("none: the model's").
+        shown = "" if default is None else (default_text(d) if default == d.default
+                                            else str(default))
         text = opt.help.replace("%", "%%") + (f" (default {shown})" if shown else "")
         kw: dict[str, Any] = dict(dest=d.name, help=text)
+        if d.default is MISSING:
+            kw["required"] = True
         if opt.kind == "bool":
             kw.update(action="store_true", default=bool(default))
         elif opt.kind == "strs":
@@ -60,133 +70,154 @@ def declared_values(args: argparse.Namespace, cls: Any, *,
 
 def add_calibration_arguments(p: argparse.ArgumentParser, default_score: str = DEFAULT_SCORE
                               ) -> None:
-    """``--calibrate``, ``--score`` and ``--tie-epsilon`` (issues 17, 29), as ``score``, ``eval``,
-    ``demo`` and ``serve`` take them (``eval`` keeps the paper's argmax as its default)."""
-    p.add_argument("--calibrate", default="none", choices=list(CALIBRATIONS),
-                   help="calibrate the ICQS log-likelihoods: content_free = minus log P(y | "
-                        "demos, content-free input) (Zhao et al. 2021), pmi = minus log P(y | "
-                        "demos, domain premise) (Holtzman et al. 2021); default none")
-    p.add_argument("--score", default=default_score, choices=list(SCORE_KINDS),
-                   help="ICQS score: the posterior mean of the ratio (mean: stable across "
-                        "dtypes and backends), the ratio of the most likely context (argmax, "
-                        "the paper's), or the mean ratio of the contexts within --tie-epsilon "
-                        f"nats of it (tied); default {default_score}")
-    p.add_argument("--tie-epsilon", type=float, default=TIE_EPSILON, metavar="NATS",
-                   help="--score tied: contexts within this many nats of the most likely one "
-                        f"count as tied (default {TIE_EPSILON}, from the measured fp32/bf16 "
-                        "noise); also the noise level of the near_ties diagnostic")
+    """``--calibrate``, ``--score`` and ``--tie-epsilon``, as ``score``, ``eval``, ``demo`` and
+    ``serve`` take them (``eval`` keeps the paper's argmax as its default)."""
+    from icqs_fast.engine import settings
+
+    add_declared(p, settings.ScoringSettings, names=CALIBRATION_OPTIONS,
+                 defaults={"score": default_score})
+
+
+# The ScoringSettings fields of add_calibration_arguments.
+CALIBRATION_OPTIONS = ("calibration", "score", "tie_epsilon")
 
 
 def add_self_check_arguments(p: argparse.ArgumentParser, *, switch: bool = True) -> None:
-    """The self-check's options (:mod:`icqs_fast.engine.selfcheck`), as ``score`` and ``check``
-    take them; ``switch`` adds ``--no-self-check`` (``score``: the self-check runs by default)."""
-    from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
+    """The self-check's options (:class:`~icqs_fast.jobs.config.SelfCheckOptions`), as
+    ``score``, ``check``, ``demo`` and ``serve`` take them; ``switch`` adds ``--no-self-check``
+    (``score``: the self-check runs by default)."""
+    from icqs_fast.jobs.config import SelfCheckOptions
 
     if switch:
         p.add_argument("--no-self-check", action="store_true",
                        help="skip the self-check from the demonstration pools (no "
                             "p_good_calibrated, no expected accuracy)")
-    p.add_argument("--self-check-max", type=int, default=DEFAULT_MAX_HELDOUT, metavar="N",
-                   help="score at most N held-out demonstrations in the self-check, half from "
-                        f"each pool (default {DEFAULT_MAX_HELDOUT}: each costs what one record "
-                        "costs: 2.4%% of a 10,000-record job, measured); 0 = off")
-    p.add_argument("--self-check-seed", type=int, default=0, metavar="SEED",
-                   help="seed of the held-out draw, the bootstrap and the folds (default 0)")
-    p.add_argument("--calibration-map", default="auto", choices=list(METHODS),
-                   help="score -> P(good) map: platt (logistic), isotonic, or auto (Platt "
-                        "below 100 held-out items per class; default)")
-    p.add_argument("--target-precision", type=float, default=None, metavar="P",
-                   help="also suggest the threshold whose held-out precision reaches P (at an "
-                        "even mix of good and bad answers)")
-    p.add_argument("--self-check-leak", default="input", choices=list(LEAKS),
-                   help="a held-out demonstration is judged without every set holding a "
-                        "demonstration with its input (input; default) or the same input and "
-                        "answer (pair: for pools that share inputs by design)")
+    add_declared(p, SelfCheckOptions)
+
+
+def self_check_options(args: argparse.Namespace) -> Any:
+    """The :class:`~icqs_fast.jobs.config.SelfCheckOptions` of parsed
+    :func:`add_self_check_arguments` options (ValueError naming the flag)."""
+    from icqs_fast.jobs.config import SelfCheckOptions
+
+    values = declared_values(args, SelfCheckOptions)
+    if getattr(args, "no_self_check", False):
+        values["max_heldout"] = 0
+    return SelfCheckOptions(**values)
 
 
 def self_check_kwargs(args: argparse.Namespace) -> dict:
     """The :func:`icqs_fast.engine.selfcheck.run_self_check` keywords of parsed
     :func:`add_self_check_arguments` options (ValueError naming the flag)."""
-    if args.self_check_max < 0:
-        raise ValueError(f"--self-check-max must be >= 0, got {args.self_check_max}")
-    tp = args.target_precision
-    if tp is not None and not 0.0 < tp <= 1.0:
-        raise ValueError(f"--target-precision must be in (0, 1], got {tp}")
-    return {"max_heldout": 0 if getattr(args, "no_self_check", False) else args.self_check_max,
-            "seed": args.self_check_seed, "method": args.calibration_map,
-            "leak": args.self_check_leak, "target_precision": tp}
+    return self_check_options(args).kwargs()
 
 
 def add_scoring_arguments(p: argparse.ArgumentParser, *, record_fields: bool = False) -> None:
     """The demonstration files, the model and the ICQS options, as ``score`` and ``check`` take
-    them (everything but the input/output, record-field, resume and Ray options).
+    them (everything but the input/output, record-field, resume and Ray options): the declared
+    options of :class:`~icqs_fast.jobs.config.ScoreJobConfig`'s demonstrations and model and
+    every :class:`~icqs_fast.engine.settings.ScoringSettings` option with a flag, plus
+    ``--stratify-field`` and ``--template`` (files the command turns into settings).
     ``record_fields``: the command also reads records (``score``), whose ``--x-field`` /
     ``--y-field`` are then the demonstration fields' defaults."""
-    p.add_argument("--good", required=True,
-                   help="good demonstrations: JSONL/CSV/TSV (optionally .gz), Parquet or a "
-                   "datasets folder, with the --demo-x-field / --demo-y-field fields")
-    p.add_argument("--bad", required=True,
-                   help="bad demonstrations (the same formats and fields as --good)")
-    p.add_argument("--demo-x-field", default=None if record_fields else "x",
-                   help="field with the input in the --good / --bad files (default: "
-                   f"{'--x-field' if record_fields else 'x'})")
-    p.add_argument("--demo-y-field", default=None if record_fields else "y",
-                   help="field with the answer in the --good / --bad files (default: "
-                   f"{'--y-field' if record_fields else 'y'})")
-    p.add_argument("--encoding", default="utf-8", help="text encoding (default: utf-8)")
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    from icqs_fast.engine import settings
+    from icqs_fast.jobs.config import ScoreJobConfig
+
+    add_declared(p, ScoreJobConfig, names=DEMO_OPTIONS,
+                 defaults=None if record_fields else {"demo_x_field": "x", "demo_y_field": "y"})
+    add_declared(p, ScoreJobConfig, names=MODEL_OPTIONS)
     add_dtype_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-    p.add_argument("--num-ratios", type=int, default=5, help="M+1 ratios j/M (default 5)")
-    p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")
-    p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
-    p.add_argument("--mixing", choices=["exact", "bernoulli"], default="exact",
-                   help="good demonstrations per set: exact (round(r N)) or bernoulli "
-                   "(each one good with probability r)")
-    p.add_argument("--replacement", action="store_true",
-                   help="draw demonstrations with replacement (small pools)")
+    add_declared(p, settings.ScoringSettings)
     p.add_argument("--stratify-field", default="auto", metavar="FIELD",
                    help="label-balanced demonstration sets: every set at every ratio holds the "
                         "same count per value of FIELD of the good/bad files ('y': the answer "
                         "itself, i.e. the label it states; 'auto': 'y' when the answers are "
                         "labels (default); 'none': unstratified)")
-    p.add_argument("--strata-order", choices=["shuffled", "fixed"], default="fixed",
-                   help="with --stratify-field: 'fixed' (default) puts the same stratum at each "
-                        "position of every set (the last demonstration's label included)")
-    add_calibration_arguments(p)
-    p.add_argument("--content-free", action="append", default=None, metavar="TEXT",
-                   help="a content-free input of --calibrate content_free, put in the "
-                        "template's query in place of x; repeat for several (averaged). "
-                        "Default: 'N/A', '' and '[MASK]'. For free-text answers each input adds "
-                        "one row per context and response, so one input costs a third")
-    p.add_argument("--pmi-premise", default=None, metavar="TEXT",
-                   help="the domain premise of --calibrate pmi, replacing the whole query "
-                        "(default: the template's query text after {x}, e.g. 'Answer:')")
-    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--token-budget", type=int, default=None,
-                   help="max rows x tokens per forward (default: the engine's)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant mode (one response per forward; slower)")
-    p.add_argument("--max-length", type=int, default=None, help="prompt length limit")
-    p.add_argument("--drop-oldest-demos", action="store_true",
-                   help="drop a set's oldest demonstrations when a prompt is too long")
-    p.add_argument("--template", default=None,
+    p.add_argument("--template", default=None, metavar="FILE",
                    help="JSON file with Template fields (system, demo, query, response, separator)")
 
 
-def scoring_options(args: argparse.Namespace, template_spec: dict | None) -> dict:
-    """The ``scoring`` dict of a :class:`~icqs_fast.jobs.config.ScoreJobConfig` from parsed
-    :func:`add_scoring_arguments` options (``template_spec``: the template file's fields)."""
-    return dict(num_ratios=args.num_ratios, demos_per_set=args.demos_per_set,
-                sets_per_ratio=args.sets_per_ratio, seed=args.seed, mixing=args.mixing,
-                replacement=args.replacement, stratify=args.stratify_field,
-                strata_order=args.strata_order, max_length=args.max_length,
-                drop_oldest_demos=args.drop_oldest_demos, template=template_spec,
-                calibration=args.calibrate, score=args.score, tie_epsilon=args.tie_epsilon,
-                pmi_premise=args.pmi_premise,
-                **({"content_free": tuple(args.content_free)} if args.content_free else {}))
+# The ScoreJobConfig fields add_scoring_arguments adds (the input's are add_job_arguments').
+DEMO_OPTIONS = ("good", "bad", "demo_x_field", "demo_y_field", "encoding")
+MODEL_OPTIONS = ("model", "device")
+
+
+def scoring_settings(args: argparse.Namespace, config: Any) -> Any:
+    """The one :class:`~icqs_fast.engine.settings.ScoringSettings` of a ``score`` / ``check``
+    run, from parsed :func:`add_scoring_arguments` options: the template file read, the
+    ``--stratify-field`` spec resolved against ``config``'s demonstration files (ValueError /
+    InputError naming the flag or file)."""
+    from icqs_fast.engine import settings
+    from icqs_fast.jobs.config import resolve_stratify
+    from icqs_fast.jobs.score import load_template
+
+    template, _ = load_template(args.template)
+    return settings.ScoringSettings(**declared_values(args, settings.ScoringSettings),
+                                    template=template,
+                                    stratify=resolve_stratify(args.stratify_field, config))
+
+
+def add_job_arguments(p: argparse.ArgumentParser, cls: Any, *, what: str) -> None:
+    """The input, output and record options of a job of class ``cls`` (``ScoreJobConfig`` or
+    ``FeatureJobConfig``). ``what``: what the output holds ("results", "features")."""
+    from icqs_fast.jobs.config import JobConfig
+
+    p.add_argument("input", help=_help(JobConfig, "input"))
+    p.add_argument("-o", "--output", required=True,
+                   help=_help(JobConfig, "output").replace("results", what, 1))
+    add_declared(p, cls, names=INPUT_OPTIONS)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, cls: Any) -> None:
+    """After the command's own options: ``--resume`` and the like, ``--threads`` and the
+    ``--ray`` group (:class:`~icqs_fast.jobs.config.RayOptions`)."""
+    from icqs_fast.jobs.config import RayOptions
+
+    add_declared(p, cls, names=RUN_OPTIONS)
+    g = p.add_argument_group("Ray (scale-out; OUTPUT is then a folder of block files)")
+    g.add_argument("--ray", action="store_true",
+                   help="run on a Ray cluster with Ray Data (icqs-fast[ray])")
+    add_declared(g, RayOptions)
+
+
+# The JobConfig fields of add_job_arguments and add_run_arguments.
+INPUT_OPTIONS = ("format", "shard", "x_field", "y_field", "id_field", "label_field")
+RUN_OPTIONS = ("resume", "overwrite", "on_error", "quiet", "threads")
+
+
+def _help(cls: Any, name: str) -> str:
+    from icqs_fast.options import declaration
+
+    return declaration(cls, name).option.help.replace("%", "%%")
+
+
+def job_values(args: argparse.Namespace, cls: Any) -> dict[str, Any]:
+    """The :class:`~icqs_fast.jobs.config.JobConfig` fields of parsed
+    :func:`add_job_arguments` / :func:`add_run_arguments` options and the model options
+    (``ray``: a :class:`RayOptions` with ``--ray``, else None), by field name."""
+    from icqs_fast.jobs.config import RayOptions
+
+    values = declared_values(args, cls, names=(*INPUT_OPTIONS, *RUN_OPTIONS, *MODEL_OPTIONS,
+                                               "encoding"))
+    values.update(input=args.input, output=args.output, dtype=args.dtype,
+                  ray=RayOptions(**declared_values(args, RayOptions)) if args.ray else None)
+    return values
+
+
+def score_config(args: argparse.Namespace, **job: Any) -> Any:
+    """The :class:`~icqs_fast.jobs.config.ScoreJobConfig` of parsed ``score`` / ``check``
+    options: the job fields (``job``: :func:`job_values`, or what ``check`` sets), the
+    demonstrations, the self-check options and the one ScoringSettings
+    (:func:`scoring_settings`), built here and nowhere else."""
+    import dataclasses
+
+    from icqs_fast.jobs.config import ScoreJobConfig
+
+    job = {**declared_values(args, ScoreJobConfig, names=(*DEMO_OPTIONS, *MODEL_OPTIONS)),
+           **job}
+    config = ScoreJobConfig(**job, self_check=self_check_options(args))
+    # The --stratify-field spec is resolved against the demonstration files the config names.
+    return dataclasses.replace(config, scoring=scoring_settings(args, config))
 
 
 # The names icqs_fast.models.choose_dtype accepts (written out: the models module imports torch,
@@ -203,3 +234,70 @@ def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> Non
                         "$ICQS_FAST_CPU_DTYPE overrides that choice; `icqs-fast info` shows it "
                         "and why. An explicit 16-bit dtype the CPU has no native dot product "
                         "for warns (about 5x slower than float32)")
+
+
+# --------------------------------------------------------------------------- docs
+
+# The option tables of docs/CLI.md, each generated from its declarations: (title, the class as
+# "module:name", the fields; None: every declared option with a flag).
+DOC_TABLES = (
+    ("Input, output and run (`score`, `features`)", "icqs_fast.jobs.config:JobConfig",
+     (*INPUT_OPTIONS, "encoding", *MODEL_OPTIONS, *RUN_OPTIONS)),
+    ("Demonstrations (`score`, `check`)", "icqs_fast.jobs.config:ScoreJobConfig",
+     ("good", "bad", "demo_x_field", "demo_y_field")),
+    ("ICQS options (`score`, `check`; `--calibrate`, `--score`, `--tie-epsilon` also `eval`, "
+     "`demo`, `serve`; `/v1/score`'s `icqs_options` takes those marked request)",
+     "icqs_fast.engine.settings:ScoringSettings", None),
+    ("Self-check (`score`, `check`, `demo`, `serve`)", "icqs_fast.jobs.config:SelfCheckOptions",
+     None),
+    ("`features`", "icqs_fast.jobs.config:FeatureJobConfig", (
+        "mode", "backend", "batch_size", "chunk_size", "deterministic", "system_prompt")),
+    ("`--ray` (`score`, `features`)", "icqs_fast.jobs.config:RayOptions", None),
+)
+DOCS_BEGIN = "<!-- option tables: generated by icqs_fast.cli.options.options_docs -->"
+DOCS_END = "<!-- end of the generated option tables -->"
+
+
+def options_docs() -> str:
+    """The option tables of docs/CLI.md (between :data:`DOCS_BEGIN` and :data:`DOCS_END`),
+    generated from the declarations (:data:`DOC_TABLES`)."""
+    import importlib
+
+    from icqs_fast.options import declared, options_table
+
+    parts = [DOCS_BEGIN, ""]
+    for title, spec, names in DOC_TABLES:
+        module, name = spec.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        table = options_table(cls, names=names)
+        requested = [d.flag for d in declared(cls) if d.option.request]
+        parts += [f"**{title}**", "", table.rstrip("\n")]
+        if requested:
+            parts.append("")
+            parts.append("request options (`icqs_options`): " + ", ".join(
+                f"`{f}`" for f in requested))
+        parts.append("")
+    return "\n".join(parts + [DOCS_END])
+
+
+def write_options_docs(path: str = "docs/CLI.md") -> bool:
+    """Replace the generated option tables in ``path`` with :func:`options_docs` (appended
+    when the file has none); whether the file changed. ``python -m icqs_fast.cli.options``
+    runs it on docs/CLI.md."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    new = options_docs()
+    if DOCS_BEGIN in text and DOCS_END in text:
+        head, rest = text.split(DOCS_BEGIN, 1)
+        tail = rest.split(DOCS_END, 1)[1]
+        updated = head + new + tail
+    else:
+        updated = text.rstrip("\n") + "\n\n" + new + "\n"
+    if updated != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(updated)
+    return updated != text
+
+
+if __name__ == "__main__":
+    print("docs/CLI.md " + ("updated" if write_options_docs() else "already up to date"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,20 @@ def check_pool(pool: Sequence, name: str) -> list[Example]:
     return out
 
 
+class TooFewExamples(ValueError):
+    """A pool, or a stratum of one, too small for the demonstration sets. The message names the
+    options as keywords (``demos_per_set=8``, ``replacement=True``); :meth:`say` names them
+    otherwise (a command: by its flags)."""
+
+    def __init__(self, template: str, **values: Any) -> None:
+        self.template, self.values = template, values
+        super().__init__(self.say(lambda name, v: f"{name}={v}"))
+
+    def say(self, option: Callable[[str, Any], str]) -> str:
+        """The message with each option as ``option(name, value)`` gives it."""
+        return self.template.format(**{k: option(k, v) for k, v in self.values.items()})
+
+
 def build_demo_sets(
     good: Sequence[Example],
     bad: Sequence[Example],
@@ -255,11 +269,11 @@ def build_demo_sets(
     n = demos_per_set
     # The pure ratios (r=1, r=0) need N of one pool whatever the mixing.
     if not g or not b or (not replacement and (len(g) < n or len(b) < n)):
-        raise ValueError(
-            f"too few examples for demos_per_set={n}: {len(g)} good and {len(b)} bad "
+        raise TooFewExamples(
+            f"too few examples for {{demos_per_set}}: {len(g)} good and {len(b)} bad "
             f"(each pool needs at least {n if not replacement else 1}"
-            + ("" if replacement else "; or pass replacement=True") + ")"
-        )
+            + ("" if replacement else "; or pass {replacement}") + ")",
+            demos_per_set=n, replacement=True)
     m = num_ratios - 1
     rng = random.Random(seed)
     if isinstance(stratify, str) and stratify == "auto":
@@ -365,12 +379,12 @@ def _stratified_sets(g: list[Example], b: list[Example], gs: list[str], bs: list
     for s in names:
         need = min(count[s], 1) if replacement else count[s]
         if len(idx_g[s]) < need or len(idx_b[s]) < need:
-            raise ValueError(
+            raise TooFewExamples(
                 f"stratify: stratum {s!r} has {len(idx_g[s])} good and {len(idx_b[s])} bad "
-                f"examples; every set holds {count[s]} of it (N={n} over {k} strata {names}), "
-                f"so each pool needs at least {need}"
-                + ("" if replacement else " (or pass replacement=True)")
-            )
+                f"examples; every set holds {count[s]} of it (N={n} over {k} strata "
+                f"{names!r}), so each pool needs at least {need}".replace("{", "{{")
+                .replace("}", "}}")
+                + ("" if replacement else " (or pass {replacement})"), replacement=True)
     m = num_ratios - 1
     order: list[str] = []
     if fixed_order:

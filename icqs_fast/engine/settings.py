@@ -127,7 +127,7 @@ class ScoringSettings:
                                 "likely one count as tied (from the measured fp32/bf16 noise); "
                                 "also the noise level of the near_ties diagnostic")
     # -- engine-only
-    backend: str = option("auto", result=False, flag=False, help="the engine's backend: auto, "
+    backend: str = option("auto", result=False, help="the engine's backend: auto, "
                           "torch, cpp, triton")
     token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, result=False,
                                help="max rows x tokens per forward")
@@ -182,15 +182,17 @@ class ScoringSettings:
                                               "seed", "mixing", "replacement", "stratify",
                                               "strata_order")}
 
-    def _json_value(self, name: str) -> Any:
-        v = getattr(self, name)
+    @staticmethod
+    def json_value(name: str, value: Any) -> Any:
+        """The option ``name``'s ``value`` as the fingerprint holds it (JSON-able: the template
+        as a dict of its fields, tuples as lists)."""
         if name == "template":
-            return {k: getattr(v, k) for k in TEMPLATE_FIELDS}
-        if name == "stratify" and isinstance(v, tuple):
-            return [list(s) if isinstance(s, tuple) else s for s in v]
-        if name == "content_free":
-            return list(v)
-        return v
+            return {k: getattr(value, k) for k in TEMPLATE_FIELDS}
+        if name == "stratify" and isinstance(value, (tuple, list)):
+            return [list(s) if isinstance(s, (tuple, list)) else s for s in value]
+        if isinstance(value, tuple):
+            return list(value)
+        return value
 
     def fingerprint(self) -> dict[str, Any]:
         """Every option that changes a result (declared ``result=True``), as a JSON-able dict
@@ -199,7 +201,7 @@ class ScoringSettings:
         the resume fingerprint of a ``score`` job (with the record fields, see
         :meth:`icqs_fast.jobs.config.ScoreJobConfig.resume_key`). ``tie_epsilon`` is in it
         only for ``score="tied"``, the only score it changes."""
-        return {d.name: self._json_value(d.name) for d in declared(self)
+        return {d.name: self.json_value(d.name, getattr(self, d.name)) for d in declared(self)
                 if d.option.result and (d.name != "tie_epsilon" or self.score == "tied")}
 
     def engine_options(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import errno
 import fcntl
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -269,8 +269,12 @@ class OutputPlan:
         start: the first input record index to write (0 unless resuming).
         last: the last complete record already there (None if none).
         state: what the existing output holds (resuming only).
-        old: the settings in its metadata (None without one).
+        old: the settings in its metadata (None without one), as ``upgrade`` of
+            :func:`plan_output` reads them (an earlier version's in today's terms).
         target: the output (:class:`RunTarget`; default: the file ``out``).
+        labels: how a refusal names each key of the resume key (its flag; default: the key).
+            The runtime keys (:func:`check_runtime`) keep their names: their values are
+            resolved (dtype "bfloat16" for ``--dtype auto``), not an option's.
     """
 
     out: Path | str
@@ -280,33 +284,38 @@ class OutputPlan:
     state: ResumeState | None = None
     old: dict | None = None
     target: Any = None
+    labels: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
             self.target = FileTarget(self.out)
 
 
-def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str]
-                   ) -> ValueError | None:
+def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str],
+                   labels: Mapping[str, str] | None = None) -> ValueError | None:
     """The refusal of a resume whose ``keys`` differ between the output's settings ``old``
-    and this run's ``new`` (None when they match)."""
+    and this run's ``new`` (None when they match); ``labels`` names a key in the message (the
+    option's flag, given by the job's declarations; default: the key)."""
     diff = sorted(k for k in keys if old.get(k) != new[k])
     if not diff:
         return None
-    what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" if k in old else
-                     f"{k}: not recorded there" for k in diff)
+    name = (labels or {}).get
+    what = ", ".join(f"{name(k, k)}: {old[k]!r} there, {new[k]!r} now" if k in old else
+                     f"{name(k, k)}: not recorded there" for k in diff)
     return ValueError(f"cannot --resume {os.fspath(out)}: it was written with other settings "
                       f"({what}); use another output or --overwrite")
 
 
-def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, overwrite: bool
-                ) -> OutputPlan:
+def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, overwrite: bool,
+                upgrade: Callable[[dict], dict] | None = None,
+                labels: Mapping[str, str] | None = None) -> OutputPlan:
     """Decide, before the model is loaded (to fail fast), what to do with ``out`` (a results
     file's path, or a :class:`RunTarget`).
 
     With ``resume`` and an existing output: where to continue, after checking that every key of
-    ``settings`` matches its metadata. Without: an existing non-empty output is only replaced
-    with ``overwrite``.
+    ``settings`` matches its metadata (read through ``upgrade``, which puts the metadata of an
+    output written by an earlier version in today's terms). Without: an existing non-empty
+    output is only replaced with ``overwrite``. ``labels``: how a refusal names each key.
 
     Raises:
         ValueError: other settings there, or an existing output without ``--resume`` /
@@ -319,16 +328,17 @@ def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, over
         state = target.resume_state()
         old = target.read_meta()
         if old is not None:
-            err = resume_refusal(target.name, old, settings, settings)
+            old = upgrade(old) if upgrade is not None else old
+            err = resume_refusal(target.name, old, settings, settings, labels)
             if err is not None:
                 raise err
         last = state.last
         return OutputPlan(name, append=True, start=last["index"] + 1 if last is not None else 0,
-                          last=last, state=state, old=old, target=target)
+                          last=last, state=state, old=old, target=target, labels=labels)
     if target.holds_results() and not overwrite and not resume:
         raise ValueError(f"{target.name} {target.held}; pass --resume to continue it or "
                          "--overwrite to replace it")
-    return OutputPlan(name, target=target)
+    return OutputPlan(name, target=target, labels=labels)
 
 
 def resumed_settings(plan: OutputPlan | None) -> dict | None:

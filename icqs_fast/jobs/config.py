@@ -1,59 +1,39 @@
-"""What a ``score`` or ``features`` job needs, as dataclasses (no argparse here: the thin
-``icqs_fast.cli`` modules build these from their arguments; a library caller or a benchmark
-builds them directly).
+"""What a ``score`` or ``features`` job needs, as dataclasses whose options are declared once
+(:func:`icqs_fast.options.option`: flag, default, help, bounds), so the command-line flags
+(:func:`icqs_fast.cli.options.add_declared`), the docs' option tables and the flag an error
+message names come from here. No argparse here: the thin ``icqs_fast.cli`` modules build these
+from their arguments; a library caller or a benchmark builds them directly.
 
-:meth:`JobConfig.fingerprint` is the resume fingerprint written to ``OUT.meta.json``: the
-JSON-able dict of every option that changes what a result record contains (fields, encoding,
-model, demonstrations, scoring or feature options, shard). A ``--resume`` with any of them
-different is refused. What is known only once the model is loaded (resolved dtype, device,
-backend; the ``softmax_combo`` constants) is added by the job.
+:meth:`JobConfig.resume_key` is the resume key written to ``OUT.meta.json``: the JSON-able
+dict of every option that changes what a result record contains (fields, encoding, model,
+demonstrations, scoring or feature options, shard). A ``--resume`` with any of them different
+is refused. For ``score`` it is the one scoring fingerprint,
+:meth:`~icqs_fast.engine.settings.ScoringSettings.fingerprint`, plus the record fields; an
+output written by an earlier version is read through :meth:`ScoreJobConfig.upgrade_meta`. What
+is known only once the model is loaded (resolved dtype, device, backend; the
+``softmax_combo`` constants) is added by the job.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from icqs_fast.engine.settings import RESULT_FIELDS, ScoringSettings
+from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
+from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.io.records import FORMATS
+from icqs_fast.options import check_declared, declared, option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
 EXECUTORS = ("local", "ray")
 DEFAULT_FEATURES = ("sent_logprob", "softmax_ent", "softmax_var", "token_prob_var",
                     "softmax_combo", "attn_ent_avg", "attn_ent_min")
+FEATURE_MODES = ("standard", "selfeval-compat")
 DEFAULT_BLOCK_SIZE = 1024
 OUTPUT_FORMATS = ("parquet", "jsonl")
-# The ICQS options of a score job (ICQSScorer keyword arguments; ``stratify`` is the
-# --stratify-field spec, resolved against the demonstration files by the job, ``template`` a
-# dict of Template fields or None); the job turns them into one ``ScoringSettings``
-# (:func:`icqs_fast.jobs.score.scoring_settings`), which validates them before a model loads.
-# The defaults are ScoringSettings' own (one place), the template None (= the default one).
-DEFAULT_SCORING: dict[str, Any] = {
-    k: (None if k == "template" else getattr(ScoringSettings(), k)) for k in RESULT_FIELDS}
-# Fingerprint names of scoring options that differ from the keyword (kept so that outputs
-# written before the configs existed still resume).
-_FINGERPRINT_NAMES = {"stratify": "stratify_field"}
-
-
-# The command-line flag of each option a message may name (``num_ratios`` -> ``--num-ratios``).
-OPTION_FLAGS = {**{k: "--" + k.replace("_", "-") for k in (*DEFAULT_SCORING, "token_budget")},
-                "stratify": "--stratify-field", "calibration": "--calibrate"}
-
-
-def flag_names(message: str) -> str:
-    """``message`` with the Python names of the score options as their flags:
-    ``demos_per_set=8`` -> ``--demos-per-set 8``, ``replacement=True`` -> ``--replacement``."""
-    import re
-
-    def sub(m: re.Match) -> str:
-        value = m.group(3)
-        return OPTION_FLAGS[m.group(1)] + ("" if value in (None, "True") else f" {value}")
-
-    names = "|".join(sorted(OPTION_FLAGS, key=len, reverse=True))
-    return re.sub(rf"(?<![-\w])({names})\b(=([\w.'-]+))?", sub, message)
 
 
 def file_sha256(path: str) -> str:
@@ -65,29 +45,59 @@ def file_sha256(path: str) -> str:
 
 
 def model_name(model: str | None) -> str:
-    """The model as the fingerprint records it: an absolute folder, or the embedded model."""
+    """The model as the resume key records it: an absolute folder, or the embedded model."""
     return EMBEDDED_MODEL if model in (None, "embedded") else os.path.abspath(model)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RayOptions:
     """The ``--ray`` options (see :mod:`icqs_fast.jobs.ray_executor`)."""
 
-    address: str | None = None
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    output_format: str = "parquet"
+    address: str | None = option(None, kind="str", help="Ray cluster: 'auto', "
+                                 "ray://host:10001, host:6379 (none: start a local one)")
+    workers: int = option(1, ge=1, help="actors, each with its own model (one per GPU)")
+    gpus_per_worker: float = option(0.0, ge=0, help="GPUs per actor (1 = one actor per GPU)")
+    cpus_per_worker: float = option(1.0, ge=0, help="CPU cores per actor (Ray sets its "
+                                    "OMP_NUM_THREADS to this)")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, ge=1, help="records per input block and "
+                             "output file (features: a multiple of --chunk-size)")
+    output_format: str = option("parquet", choices=OUTPUT_FORMATS, help="block files: parquet "
+                                "or jsonl (the single-process lines)")
 
-    def check(self) -> None:
-        for name in ("workers", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
-            raise ValueError("--gpus-per-worker / --cpus-per-worker must be >= 0")
-        if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"--output-format must be one of {OUTPUT_FORMATS}")
+    def __post_init__(self) -> None:
+        check_declared(self)
+
+
+@dataclass(frozen=True)
+class SelfCheckOptions:
+    """The self-check from the demonstration pools (the keywords of
+    :func:`icqs_fast.engine.selfcheck.run_self_check`, see :meth:`kwargs`). Not in the resume
+    key: a resumed run reuses the self-check its meta file holds."""
+
+    max_heldout: int = option(DEFAULT_MAX_HELDOUT, ge=0, flag="--self-check-max", metavar="N",
+                              help="score at most N held-out demonstrations in the self-check, "
+                              "half from each pool (each costs what one record costs: 2.4% of "
+                              "a 10,000-record job, measured); 0 = off")
+    seed: int = option(0, flag="--self-check-seed", metavar="SEED",
+                       help="seed of the held-out draw, the bootstrap and the folds")
+    method: str = option("auto", choices=METHODS, flag="--calibration-map",
+                         help="score -> P(good) map: platt (logistic), isotonic, or auto (Platt "
+                         "below 100 held-out items per class)")
+    leak: str = option("input", choices=LEAKS, flag="--self-check-leak",
+                       help="a held-out demonstration is judged without every set holding a "
+                       "demonstration with its input (input) or the same input and answer "
+                       "(pair: for pools that share inputs by design)")
+    target_precision: float | None = option(None, kind="float", gt=0, le=1, metavar="P",
+                                            help="also suggest the threshold whose held-out "
+                                            "precision reaches P (at an even mix of good and "
+                                            "bad answers)")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The :func:`~icqs_fast.engine.selfcheck.run_self_check` keywords."""
+        return {d.name: getattr(self, d.name) for d in declared(self)}
 
 
 @dataclass(kw_only=True)
@@ -95,32 +105,50 @@ class JobConfig:
     """What ``score`` and ``features`` share: input, output, fields, errors, resume, model.
 
     ``ray`` is None for a single-process run; set, the job runs on Ray Data
-    (:attr:`executor` is then ``"ray"``).
+    (:attr:`executor` is then ``"ray"``). The declared options are checked on construction
+    (ValueError naming the flag).
     """
 
-    input: str
-    output: str
-    format: str | None = None
-    x_field: str = "x"
-    y_field: str = "y"
-    id_field: str | None = None
-    label_field: str | None = None
-    encoding: str = "utf-8"
-    shard: str | None = None
-    on_error: str = "stop"
-    resume: bool = False
-    overwrite: bool = False
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    backend: str = "auto"
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    threads: int | None = None
-    quiet: bool = False
-    ray: RayOptions | None = None
+    input: str = option(kind="str", flag=False, help="responses: .jsonl/.csv/.tsv (optionally "
+                        ".gz), .parquet, a datasets folder (save_to_disk); '-' = JSONL stdin")
+    output: str = option(kind="str", flag=False, help="results: JSONL (one line per response), "
+                         "or Parquet for .parquet; with --ray a folder of per-block files")
+    format: str | None = option(None, kind="str", choices=FORMATS, help="input format (none: "
+                                "from the extension; a folder is 'datasets')")
+    x_field: str = option("x", help="field with the query (the prompt / instruction)")
+    y_field: str = option("y", help="field with the response")
+    id_field: str | None = option(None, kind="str", help="field with the record id (none: "
+                                  "'id' when present)")
+    label_field: str | None = option(None, kind="str", help="field copied to the output as "
+                                     "'label'; the summary gives means per label")
+    encoding: str = option("utf-8", help="text encoding of the input (and demonstration) files")
+    shard: str | None = option(None, kind="str", metavar="I/N", help="compute only shard I "
+                               "(0-based) of N contiguous record ranges; the N outputs "
+                               "concatenated in shard order are the unsharded output")
+    on_error: str = option("stop", choices=ON_ERROR, result=False, help="a bad input record: "
+                           "stop (earlier results are kept) or skip it")
+    resume: bool = option(False, result=False, help="continue an existing OUTPUT after its "
+                          "last record")
+    overwrite: bool = option(False, result=False, help="replace an existing non-empty OUTPUT")
+    model: str | None = option(None, kind="str", help="local Hugging Face model folder, or "
+                               "'embedded' (none: the embedded SmolLM2-135M)")
+    # The command line's --dtype has its own help (cli/options.add_dtype_argument).
+    dtype: str = option("auto", flag=False, help="model weights' dtype")
+    device: str = option("auto", help="auto, cpu, cuda, ...")
+    load_in_8bit: bool = option(False, flag=False, help="load the model in 8 bits")
+    load_in_4bit: bool = option(False, flag=False, help="load the model in 4 bits")
+    threads: int | None = option(None, kind="int", ge=1, result=False, help="torch CPU "
+                                 "threads (none: the cores other processes leave free, "
+                                 "re-fitted while the job runs; OMP_NUM_THREADS when set)")
+    quiet: bool = option(False, result=False, help="no progress bar / status lines / summary "
+                         "on stderr")
+    ray: RayOptions | None = option(None, kind="any", flag=False, result=False,
+                                    help="the --ray options (none: a single-process run)")
 
     kind = "job"
+
+    def __post_init__(self) -> None:
+        check_declared(self)
 
     @property
     def executor(self) -> str:
@@ -131,64 +159,74 @@ class JobConfig:
         return "<stdin>" if self.input == "-" else self.input
 
     def check(self) -> None:
-        """Checks that need no file and no model."""
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"--on-error must be one of {ON_ERROR}, got {self.on_error!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("--threads must be >= 1")
+        """Checks that need a file but no model."""
         if self.shard is not None:
             from icqs_fast.io.records import parse_shard
 
             parse_shard(self.shard)  # a bad spec fails before anything is loaded
-        if self.ray is not None:
-            self.ray.check()
 
-    def _record_fingerprint(self) -> dict[str, Any]:
+    def record_key(self) -> dict[str, Any]:
         """What decides which records are read and what they carry into a result line."""
         return {"x_field": self.x_field, "y_field": self.y_field, "id_field": self.id_field,
                 "label_field": self.label_field, "encoding": self.encoding}
 
-    def fingerprint(self) -> dict[str, Any]:
+    def resume_key(self) -> dict[str, Any]:
+        """The resume key of the job (see the module docstring)."""
         raise NotImplementedError
+
+    def upgrade_meta(self, old: dict) -> dict:
+        """The metadata of an output written by an earlier version, in today's terms (the
+        default: as it is)."""
+        return old
+
+    def key_labels(self) -> dict[str, str]:
+        """How a refused resume names each key: the option's flag (``x_field`` ->
+        ``--x-field``), for the declared options of this job and of its settings."""
+        labels = {d.name: d.flag for d in declared(self) if d.flag is not None}
+        for name in ("good", "bad"):
+            labels[f"{name}_sha256"] = f"--{name} file (sha256)"
+        return labels
 
 
 @dataclass(kw_only=True)
 class ScoreJobConfig(JobConfig):
     """An ``icqs-fast score`` job.
 
-    ``scoring``: the ICQS options, :data:`DEFAULT_SCORING`'s keys (the result fields of
-    :class:`~icqs_fast.engine.settings.ScoringSettings`, with ``stratify`` as the
-    ``--stratify-field`` spec). ``token_budget`` and ``backend`` are engine-only (they do not
-    change a score), and so is ``deterministic`` (batch-invariant mode, ``--deterministic``:
-    the same scores, computed per response so that their bits do not depend on the batch).
+    ``scoring``: the one :class:`~icqs_fast.engine.settings.ScoringSettings` of the run, built
+    once by the command (``stratify`` already resolved against the demonstration files) and
+    passed unchanged to the scorer, the Ray actors and the self-check. ``self_check``: the
+    self-check's options (``max_heldout=0``: off).
     """
 
-    good: str
-    bad: str
-    scoring: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SCORING))
-    token_budget: int | None = None
-    deterministic: bool = False
-    # The fields of the demonstration files (None: x_field / y_field).
-    demo_x_field: str | None = None
-    demo_y_field: str | None = None
-    # The self-check from the pools (engine.selfcheck.run_self_check keywords: max_heldout,
-    # seed, method, leak, target_precision; {"max_heldout": 0}: off). Not in the fingerprint:
-    # a resumed run reuses the self-check its meta file holds.
-    self_check: dict[str, Any] = field(default_factory=dict)
+    good: str = option(kind="str", metavar="FILE", help="good demonstrations: JSONL/CSV/TSV "
+                       "(optionally .gz), Parquet or a datasets folder, with the --demo-x-field "
+                       "/ --demo-y-field fields")
+    bad: str = option(kind="str", metavar="FILE", help="bad demonstrations (the same formats "
+                      "and fields as --good)")
+    demo_x_field: str | None = option(None, kind="str", help="field with the input in the "
+                                      "--good / --bad files (none: --x-field)")
+    demo_y_field: str | None = option(None, kind="str", help="field with the answer in the "
+                                      "--good / --bad files (none: --y-field)")
+    scoring: ScoringSettings = field(default_factory=ScoringSettings)
+    self_check: SelfCheckOptions = field(default_factory=SelfCheckOptions)
 
     kind = "score"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.demo_x_field = self.demo_x_field or self.x_field
         self.demo_y_field = self.demo_y_field or self.y_field
-        unknown = sorted(set(self.scoring) - set(DEFAULT_SCORING))
-        if unknown:
-            raise TypeError(f"ScoreJobConfig.scoring: unknown option(s) {unknown}")
-        self.scoring = {**DEFAULT_SCORING, **self.scoring}
-        # Every option checked by the engine's own settings object, before any model loads
-        # (stratify is the field spec here; the job resolves it against the demonstrations).
-        opts = {k: v for k, v in self.scoring.items() if k not in ("stratify", "template")}
-        ScoringSettings.build(**opts)
+        if not isinstance(self.scoring, ScoringSettings):
+            raise TypeError(f"ScoreJobConfig.scoring must be a ScoringSettings, got "
+                            f"{type(self.scoring).__name__}")
+        if not isinstance(self.self_check, SelfCheckOptions):
+            raise TypeError(f"ScoreJobConfig.self_check must be a SelfCheckOptions, got "
+                            f"{type(self.self_check).__name__}")
+
+    @property
+    def backend(self) -> str:
+        """The engine's backend (the settings' own)."""
+        return self.scoring.backend
 
     def check(self) -> None:
         super().check()
@@ -196,22 +234,73 @@ class ScoreJobConfig(JobConfig):
             if not os.path.isfile(getattr(self, name)):
                 raise FileNotFoundError(f"no such --{name} file: {getattr(self, name)}")
 
-    def fingerprint(self) -> dict[str, Any]:
-        """The resume fingerprint (see the module docstring)."""
-        fp: dict[str, Any] = {
+    def resume_key(self) -> dict[str, Any]:
+        """The model, the demonstration files' hashes, the scoring fingerprint
+        (:meth:`ScoringSettings.fingerprint`), the record fields, the demonstration fields
+        when they differ from the record fields, the shard."""
+        key: dict[str, Any] = {
             "model": model_name(self.model),
             "good_sha256": file_sha256(self.good),
             "bad_sha256": file_sha256(self.bad),
+            **self.scoring.fingerprint(),
+            **self.record_key(),
         }
-        # As JSON holds them (tuples become lists), so a fingerprint read back from the run
-        # metadata compares equal.
-        fp.update((_FINGERPRINT_NAMES.get(k, k), json.loads(json.dumps(v)))
-                  for k, v in self.scoring.items())
-        fp.update(self._record_fingerprint())
         if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
             # Only when they differ, so that outputs written before the option still resume.
-            fp.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
-        return fp | ({"shard": self.shard} if self.shard else {})
+            key.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
+        return key | ({"shard": self.shard} if self.shard else {})
+
+    def upgrade_meta(self, old: dict) -> dict:
+        """The metadata of a ``score`` output written by an earlier version, in today's terms,
+        so that it resumes exactly when its results are what this run computes:
+
+        - before the declared options (c649e97 and earlier) the key held the
+          ``--stratify-field`` spec as ``stratify_field`` (now the resolved ``stratify``), the
+          template only when one was given, as the file's fields (``null``: the default), and
+          ``tie_epsilon`` whatever the score (now only for ``score="tied"``, the only score it
+          changes);
+        - a result option added since takes its default (what the older version computed).
+        """
+        cls = type(self.scoring)
+        new = dict(old)
+        if "stratify_field" in new and "stratify" not in new:
+            new["stratify"] = cls.json_value("stratify",
+                                             resolve_stratify(new.pop("stratify_field"), self))
+        defaults = {d.name: cls.json_value(d.name, d.default) for d in declared(cls)
+                    if d.option.result}
+        if "template" in new and (new["template"] is None or isinstance(new["template"], dict)):
+            new["template"] = {**defaults["template"], **(new["template"] or {})}
+        if new.get("score", defaults["score"]) != "tied":
+            new.pop("tie_epsilon", None)
+            defaults.pop("tie_epsilon")
+        for name, value in defaults.items():
+            new.setdefault(name, value)
+        return new
+
+    def key_labels(self) -> dict[str, str]:
+        labels = super().key_labels()
+        labels.update((d.name, d.flag) for d in declared(self.scoring) if d.flag is not None)
+        labels["stratify"] = "--stratify-field"
+        labels["template"] = "--template"
+        return labels
+
+
+def resolve_stratify(spec: str | None, config: ScoreJobConfig) -> Any:
+    """The :class:`ScoringSettings` ``stratify`` of a ``--stratify-field`` spec: None
+    ('none'), 'y' (the answer itself, or the demonstrations' y field named), 'auto', or, for
+    another field of the demonstration files (``config.good`` / ``config.bad``, read with its
+    demonstration fields and encoding), the per-file lists of its values."""
+    if spec == "none":
+        return None
+    if spec == config.demo_y_field:
+        return "y"
+    if spec in (None, "y", "auto"):
+        return spec
+    from icqs_fast.io.readers import RecordFields, read_records
+
+    fields = RecordFields(config.demo_x_field, config.demo_y_field, label_field=spec)
+    return tuple([str(r.label) for r in read_records(path, fields, encoding=config.encoding)]
+                 for path in (config.good, config.bad))
 
 
 @dataclass(kw_only=True)
@@ -219,29 +308,27 @@ class FeatureJobConfig(JobConfig):
     """An ``icqs-fast features`` job: the glass-box features, their mode, the batch and chunk
     sizes (they decide which records share a padded forward, so they change the last bits),
     the system prompt and, optionally, the ``softmax_combo`` constants (a dict of
-    ``ComboScale.as_dict``; None: from the vocabulary size). ``deterministic``
-    (``--deterministic``): every record in a forward of its own, whatever the batch and chunk
-    sizes (batch-invariant features; in the fingerprint only when set, so older outputs still
-    resume)."""
+    ``ComboScale.as_dict``; None: from the vocabulary size)."""
 
-    features: tuple[str, ...] = DEFAULT_FEATURES
-    mode: str = "standard"
-    batch_size: int = 8
-    chunk_size: int = 128
-    system_prompt: str | None = None
-    combo_scale: dict | None = None
-    deterministic: bool = False
+    features: tuple[str, ...] = option(DEFAULT_FEATURES, flag=False, help="feature names")
+    mode: str = option("standard", choices=FEATURE_MODES, help="standard, or the formulas of "
+                       "the selfeval reference code (selfeval-compat; docs/scoring_files.md)")
+    backend: str = option("auto", help="auto, torch, cpp, triton")
+    batch_size: int = option(8, ge=1, help="items per padded forward")
+    chunk_size: int = option(128, ge=1, help="records per glassbox call, sorted by length into "
+                             "batches")
+    system_prompt: str | None = option(None, kind="str", help="system prompt for every record")
+    combo_scale: dict | None = option(None, kind="any", flag=False, help="softmax_combo's "
+                                      "constants (none: from the vocabulary size)")
+    # In the resume key only when set, so that older outputs still resume.
+    deterministic: bool = option(False, help="batch-invariant mode: each record in a forward "
+                                 "of its own, so its features are bit-identical whatever the "
+                                 "batch (slower)")
 
     kind = "features"
 
-    def __post_init__(self) -> None:
-        self.features = tuple(self.features)
-
     def check(self) -> None:
         super().check()
-        for name in ("batch_size", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.label_field is not None:
             raise ValueError("features has no --label-field")
         if self.ray is not None and self.ray.block_size % self.chunk_size:
@@ -250,9 +337,9 @@ class FeatureJobConfig(JobConfig):
             raise ValueError(f"--block-size ({self.ray.block_size}) must be a multiple of "
                              f"--chunk-size ({self.chunk_size})")
 
-    def fingerprint(self) -> dict[str, Any]:
-        """The resume fingerprint (see the module docstring)."""
-        fp: dict[str, Any] = {
+    def resume_key(self) -> dict[str, Any]:
+        """The resume key (see the module docstring)."""
+        key: dict[str, Any] = {
             "command": "features",
             "model": model_name(self.model),
             "features": list(self.features),
@@ -261,10 +348,10 @@ class FeatureJobConfig(JobConfig):
             "chunk_size": self.chunk_size,
             "system_prompt": self.system_prompt,
         }
-        fp.update(self._record_fingerprint())
-        del fp["label_field"]  # features writes no label
+        key.update(self.record_key())
+        del key["label_field"]  # features writes no label
         if self.combo_scale is not None:
-            fp["combo_scale"] = self.combo_scale
+            key["combo_scale"] = self.combo_scale
         if self.deterministic:
-            fp["deterministic"] = True
-        return fp | ({"shard": self.shard} if self.shard else {})
+            key["deterministic"] = True
+        return key | ({"shard": self.shard} if self.shard else {})

@@ -217,7 +217,7 @@ class RayExecutor:
     def target(self, config: JobConfig, log: Callable[..., None]) -> BlockOutput:
         return BlockOutput(config.output)
 
-    def fingerprint(self, config: JobConfig) -> dict:
+    def layout_key(self, config: JobConfig) -> dict:
         """The block layout: a resumed run must cut the same input into the same blocks."""
         ro = config.ray
         assert ro is not None

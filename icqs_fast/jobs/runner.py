@@ -122,7 +122,7 @@ class JobRun:
     config: JobConfig
     strategy: JobStrategy
     plan: OutputPlan
-    settings: dict  # the metadata: the fingerprint, then what the run adds
+    settings: dict  # the metadata: the resume key, then what the run adds
     log: Log
     stats: dict  # the executor's run figures (filled by the Ray executor)
 
@@ -136,8 +136,8 @@ class Executor(Protocol):
     def target(self, config: JobConfig, log: Log) -> RunTarget:
         """The output (an :class:`~icqs_fast.io.runs.RunTarget`)."""
 
-    def fingerprint(self, config: JobConfig) -> dict:
-        """Keys this executor adds to the job's fingerprint (its output layout)."""
+    def layout_key(self, config: JobConfig) -> dict:
+        """Keys this executor adds to the job's resume key (its output layout)."""
 
     def run(self, job: JobRun) -> int:
         """Compute and write the results; the exit code."""
@@ -222,11 +222,12 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
         # Held until this process ends (or crashes: the OS drops it), before the output is
         # touched.
         with target.lock():
-            settings = {**config.fingerprint(), **executor.fingerprint(config)}
+            settings = {**config.resume_key(), **executor.layout_key(config)}
             # Fail fast on other settings, before the model is loaded; the rest is checked
             # once it is.
             plan = plan_output(target, settings, resume=config.resume,
-                               overwrite=config.overwrite)
+                               overwrite=config.overwrite, upgrade=config.upgrade_meta,
+                               labels=config.key_labels())
             return executor.run(JobRun(config, strategy, plan, settings, log,
                                        stats if stats is not None else {}))
     except OSError as exc:
@@ -299,7 +300,7 @@ class LocalExecutor:
         make_output_folder(config.output, log)
         return FileTarget(config.output)
 
-    def fingerprint(self, config: JobConfig) -> dict:
+    def layout_key(self, config: JobConfig) -> dict:
         return {}
 
     def run(self, job: JobRun) -> int:

@@ -37,16 +37,17 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
-from icqs_fast.io.readers import RecordFields, read_examples, read_records
+from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.io.readers import read_examples
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_settings
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
+from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
-           "resolve_stratify", "result_record", "score_records", "scoring_settings"]
+           "result_record", "score_records"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -76,9 +77,12 @@ def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: st
     except EmptyPart as exc:
         return err(x_field if exc.part == "x" else y_field, exc.reason)
     except PromptTooLong as exc:
+        # The engine names its keyword; a job's reader knows the option by its flag.
+        drop = declaration(ScoringSettings, "drop_oldest_demos").flag
+        longer = declaration(ScoringSettings, "max_length").flag
         return err(None, exc.reason.replace("drop_oldest_demos=True",
-                                            "drop_oldest_demos=True (--drop-oldest-demos)")
-                   .replace("raise the max length", "raise --max-length"))
+                                            f"drop_oldest_demos=True ({drop})")
+                   .replace("raise the max length", f"raise {longer}"))
     except ValueError as exc:
         return err(None, str(exc))
     return None
@@ -199,36 +203,6 @@ def load_template(path: str | None):
     return Template(**spec), spec
 
 
-def resolve_stratify(config: ScoreJobConfig) -> Any:
-    """The ``stratify`` argument of ICQSScorer for the config's ``--stratify-field`` spec:
-    None ('none'), 'y' (the answer itself, or the y field named), 'auto', or, for another field
-    of the demonstration files, the per-file lists of its values."""
-    spec = config.scoring["stratify"]
-    if spec == "none":
-        return None
-    if spec == config.demo_y_field:
-        return "y"
-    if spec in (None, "y", "auto"):
-        return spec
-    fields = RecordFields(config.demo_x_field, config.demo_y_field, label_field=spec)
-    return tuple([str(r.label) for r in read_records(path, fields, encoding=config.encoding)]
-                 for path in (config.good, config.bad))
-
-
-def scoring_settings(config: ScoreJobConfig) -> ScoringSettings:
-    """The one :class:`ScoringSettings` of the job (the engine's, the reference's and the Ray
-    actors' settings object): the config's options with ``stratify`` resolved against the
-    demonstration files and the template as a Template."""
-    kw = dict(config.scoring)
-    if kw["template"] is None:
-        kw.pop("template")
-    kw["stratify"] = resolve_stratify(config)
-    return ScoringSettings.from_dict(kw | dict(
-        backend=config.backend, token_budget=config.token_budget or DEFAULT_TOKEN_BUDGET,
-        deterministic=config.deterministic))
-
-
-
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
     the records, one :func:`result_record` line each, a :class:`Summary` with label means."""
@@ -247,26 +221,39 @@ class ScoreStrategy:
         """What needs no model: read the demonstration files, build the settings and the
         demonstration sets (pool sizes, strata: errors before the model loads; the scorer
         takes these sets), and say which stratification was used."""
-        from icqs_fast.engine.prompts import build_demo_sets
+        from icqs_fast.engine.prompts import TooFewExamples, build_demo_sets
 
         c = self.config
         ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
         self.good = read_examples(c.good, **ex_kw)
         self.bad = read_examples(c.bad, **ex_kw)
-        self.settings = scoring_settings(c)
-        self.sets = build_demo_sets(self.good, self.bad, **self.settings.demo_set_options())
+        self.settings = c.scoring  # built once by the command, used unchanged
+        try:
+            self.sets = build_demo_sets(self.good, self.bad,
+                                        **self.settings.demo_set_options())
+        except TooFewExamples as exc:  # said with the flags the user gave them by
+            raise ValueError(exc.say(self.flag_of)) from None
         strata = self.sets[0][0].strata
-        spec = c.scoring["stratify"]
+        chosen = self.settings.stratify
         if strata is None:
             how = "unstratified"
         else:
             names = sorted(set(strata))
-            by = "the answer" if spec in ("auto", "y", c.demo_y_field) else spec
+            by = "the answer" if chosen in ("auto", "y") else "a field of the demonstrations"
             how = (f"stratified by {by}"
                    f" ({len(names)} strata: {', '.join(map(str, names[:8]))}"
                    f"{', ...' if len(names) > 8 else ''})")
+        # The --stratify-field value this setting comes from (a field name is resolved into
+        # its values by the command).
+        spec = chosen if chosen in ("auto", "y") else "none" if chosen is None else "FIELD"
         self.stratification = f"{how} (--stratify-field {spec})"
         log(f"icqs-fast: demonstration sets {self.stratification}")
+
+    def flag_of(self, name: str, value: Any) -> str:
+        """The scoring option ``name`` set to ``value`` as a command line gives it
+        (``--demos-per-set 8``, ``--replacement``), from its declaration."""
+        flag = declaration(self.settings, name).flag or name
+        return flag if value is True else f"{flag} {value}"
 
     def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
@@ -284,12 +271,12 @@ class ScoreStrategy:
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
-        settings.update(runtime_settings(model, c.backend))  # checked by the runner
+        settings.update(runtime_settings(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
-        s = c.scoring
+        s = self.settings
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
-            f"demonstrations, {s['num_ratios']} ratios x {s['sets_per_ratio']} sets of "
-            f"{s['demos_per_set']}")
+            f"demonstrations, {s.num_ratios} ratios x {s.sets_per_ratio} sets of "
+            f"{s.demos_per_set}")
 
     def self_check(self, plan: Any, log: Callable[..., None],
                    run: Callable[[], dict] | None = None) -> dict:
@@ -299,7 +286,6 @@ class ScoreStrategy:
         ``--ray`` driver: a task on a worker) or with this strategy's scorer (:meth:`load`).
         Its map then gives each result ``p_good_calibrated``."""
         from icqs_fast.engine.selfcheck import (
-            DEFAULT_MAX_HELDOUT,
             SelfCheck,
             run_self_check,
         )
@@ -315,8 +301,8 @@ class ScoreStrategy:
                 check = SelfCheck.from_dict(old["self_check"])
                 log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
         else:
-            kw = dict(c.self_check)
-            n = kw.get("max_heldout", DEFAULT_MAX_HELDOUT)
+            kw = c.self_check.kwargs()
+            n = kw["max_heldout"]
             if n == 0 or too_small(len(self.good), len(self.bad), n):
                 check = run_self_check(None, self.good, self.bad, **kw)  # scores nothing
             elif run is not None:

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
-from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
 from icqs_fast.features.names import ALL_FEATURES
 
 
@@ -161,16 +160,43 @@ DemoPool = Annotated[list[Demonstration | Annotated[list[Text], Field(min_length
                      Field(min_length=1)]
 
 
-class IcqsOptions(_Request):
-    """Per-request ICQS settings (``serve --num-ratios ...`` give the defaults)."""
+def icqs_options_model(settings_cls: Any = None) -> type[BaseModel]:
+    """``/v1/score``'s ``icqs_options``, derived from the declarations of the
+    :class:`~icqs_fast.engine.settings.ScoringSettings` options a request may set (declared
+    ``request=True``): each field optional (null: the server's setting), typed by the
+    declaration (choices as a ``Literal``), its default and bounds in the schema, and the bounds
+    checked by the declaration itself, so an out-of-bounds value gets the message the command
+    line gives ("--num-ratios must be an int >= 2, got 1"). ``settings_cls``: the settings
+    class (default: ScoringSettings)."""
+    from icqs_fast.engine import settings
+    from icqs_fast.options import declared
 
-    num_ratios: int | None = Field(None, ge=2)
-    demos_per_set: int | None = Field(None, ge=1)
-    sets_per_ratio: int | None = Field(None, ge=1)
-    seed: int | None = None
-    calibration: Literal[tuple(CALIBRATIONS)] | None = None  # type: ignore[valid-type]
-    score: Literal[tuple(SCORE_KINDS)] | None = None  # type: ignore[valid-type]
-    tie_epsilon: float | None = Field(None, ge=0, allow_inf_nan=False)
+    cls = settings_cls or settings.ScoringSettings
+    base: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": Text}
+    fields: dict[str, Any] = {}
+    for d in declared(cls):
+        if not d.option.request:
+            continue
+        opt = d.option
+        typ: Any = (Literal[opt.choices] if opt.choices is not None  # type: ignore[valid-type]
+                    else base[opt.kind])
+        schema = {k: v for k, v in (("minimum", opt.ge), ("exclusiveMinimum", opt.gt),
+                                    ("maximum", opt.le)) if v is not None}
+        fields[d.name] = (Annotated[typ | None, AfterValidator(_declared_check(d))],
+                          Field(None, description=f"{opt.help} (null: the server's "
+                                f"setting, {d.flag} at its start)",
+                                json_schema_extra=schema or None))
+    return create_model("IcqsOptions", __base__=_Request, **fields)
+
+
+def _declared_check(d: Any) -> Any:
+    """The declaration's own check of one option (its message names the flag)."""
+    def check(v: Any) -> Any:
+        return v if v is None else d.check(v)
+    return check
+
+
+IcqsOptions = icqs_options_model()
 
 
 class ScoreRequest(_Request):
