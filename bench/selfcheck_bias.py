@@ -10,7 +10,10 @@ scored again, so a cut-short study resumes), then ``--out``: the command, the se
 machine and date, every raw run, the analysed row of each run and the per-dataset summary
 (:mod:`icqs_fast.evals.selfcheck_study`); the bias table and the per-run table on stdout.
 ``--analyse-only`` refits from the raw files. Runs go seed-major, so a study stopped early
-still covers every data set.
+still covers every data set. ``--extra-runs DIR`` adds the raw files of an earlier study
+(``bench/results/selfcheck``: same pools and settings, without stored matrices) for the
+(dataset, seed) pairs not scored here. Runs with stored matrices are analysed a second time
+with the set effects removed (``analyse(adjust=True)``: the correction under test).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/icqs_selfcheck_bias")
     p.add_argument("--out", default="bench/results/selfcheck_bias_cpu.json")
     p.add_argument("--analyse-only", action="store_true")
+    p.add_argument("--extra-runs", default=None,
+                   help="folder of an earlier study's raw files to add (pairs not scored here)")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     raws = []
@@ -74,8 +79,18 @@ def main() -> int:
                       flush=True)
             with open(path) as f:
                 raws.append(json.load(f))
+    have = {(r["dataset"], r["seed"]) for r in raws}
+    if a.extra_runs:
+        for seed in a.seeds:
+            for ds in a.datasets:
+                path = os.path.join(a.extra_runs, f"{ds}_s{seed}.json")
+                if (ds, seed) not in have and os.path.exists(path):
+                    with open(path) as f:
+                        raws.append({**json.load(f), "source": path})
     rows = [analyse(r) for r in raws]
     per_dataset = summarise(rows)
+    adj_rows = [analyse(r, adjust=True) for r in raws if "loglik" in r["heldout"]]
+    per_dataset_adj = summarise(adj_rows)
     doc = {
         "command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -85,12 +100,15 @@ def main() -> int:
         "dtype": sorted({r.get("dtype", "?") for r in raws}),
         "options": {"pool": a.pool, "n_test_per_class": a.n_test, "threads": a.threads,
                     "seeds": a.seeds, "datasets": a.datasets},
-        "per_dataset": per_dataset, "rows": rows, "runs": raws,
+        "per_dataset": per_dataset, "per_dataset_adjusted": per_dataset_adj,
+        "rows": rows, "rows_adjusted": adj_rows, "runs": raws,
     }
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f)
     print(bias_markdown(per_dataset))
+    print("\nset effects removed (runs with stored matrices):")
+    print(bias_markdown(per_dataset_adj))
     print()
     print(markdown(rows))
     return 0
