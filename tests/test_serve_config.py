@@ -64,3 +64,110 @@ def test_two_servers_each_answer_with_their_own(tiny_parts):
         spec = cb.get("/openapi.json").json()
         assert not any("422" in op["responses"] for ops in spec["paths"].values()
                        for op in ops.values())
+
+
+# -- ServeConfig: declared options, bounds in the config, flags derived ---------------------------
+
+
+def _declared():
+    from icqs_fast.options import declared
+
+    return list(declared(ServeConfig))
+
+
+def test_every_field_is_declared_with_a_flag_and_help():
+    import dataclasses
+
+    decls = {d.name: d for d in _declared()}
+    assert set(decls) == {f.name for f in dataclasses.fields(ServeConfig)}
+    for d in decls.values():
+        assert d.flag and d.flag.startswith("--") and d.option.help.strip(), d.name
+
+
+@pytest.mark.parametrize("name", [d.name for d in _declared()
+                                  if d.option.ge is not None])
+def test_below_its_bound_is_refused_naming_the_flag(name):
+    """Each bounded option, just below its bound, from code as from the command line."""
+    from icqs_fast.options import declaration
+
+    d = declaration(ServeConfig, name)
+    low = d.option.ge - (1 if d.option.kind == "int" else 0.5)
+    other = {"max_prompts": 1} if name == "max_queue" else {}  # at most --max-queue
+    with pytest.raises(ValueError, match=f"^{d.flag} must be .* >= {int(d.option.ge)}, got"):
+        ServeConfig(**{name: low, **other})
+    assert getattr(ServeConfig(**{name: d.option.ge, **other}), name) == d.option.ge
+
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"request_timeout": float("nan")}, "--request-timeout"),
+    ({"shutdown_timeout": float("inf")}, "--shutdown-timeout"),
+    ({"max_queue": 2.5}, "--max-queue"),
+    ({"backend": None}, "--backend"),
+])
+def test_wrong_kinds_are_refused_naming_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=f"^{flag} must be"):
+        ServeConfig(**kw)
+
+
+def test_max_prompts_over_max_queue_is_refused_in_the_config():
+    with pytest.raises(ValueError, match=r"--max-prompts \(65\) must not exceed --max-queue "
+                                         r"\(64\)"):
+        ServeConfig(max_prompts=65, max_queue=64)
+    assert ServeConfig(max_prompts=64, max_queue=64).max_queue == 64
+
+
+def _parse(*argv):
+    from icqs_fast.cli import build_parser
+
+    args, extra = build_parser(["serve", *argv]).parse_known_args(["serve", *argv])
+    assert not extra
+    return args
+
+
+def test_serve_flags_are_derived_from_the_declarations(monkeypatch):
+    """Every field has its ``serve`` flag; unset flags give the declared defaults (the model id:
+    --model, else 'embedded'; the API key: $ICQS_FAST_API_KEY); set ones reach the config."""
+    from icqs_fast.cli.serve import serve_config
+
+    monkeypatch.delenv("ICQS_FAST_API_KEY", raising=False)
+    plain = serve_config(_parse())
+    assert plain == ServeConfig(model_name="embedded")
+    argv, want = [], {}
+    for i, d in enumerate(_declared()):
+        if d.option.kind in ("int", "float"):
+            value = d.default + i + 1
+            argv += [d.flag, str(value)]
+            want[d.name] = value
+    want["max_prompts"] = want["max_queue"]  # at most --max-queue
+    argv += ["--max-prompts", str(want["max_prompts"]), "--served-model-name", "m",
+             "--api-key", "k", "--backend", "torch"]
+    cfg = serve_config(_parse(*argv))
+    assert cfg == ServeConfig(**want, model_name="m", api_key="k", backend="torch")
+    monkeypatch.setenv("ICQS_FAST_API_KEY", "from-env")
+    assert serve_config(_parse("--model", "/some/dir")) == ServeConfig(
+        model_name="/some/dir", api_key="from-env")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-queue", "0"], "--max-queue must be an int >= 1, got 0"),
+    (["--max-stop", "-1"], "--max-stop must be an int >= 0, got -1"),
+    (["--request-timeout", "nan"], "--request-timeout must be a finite number >= 0, got nan"),
+    (["--max-prompts", "100", "--max-queue", "50"], "--max-prompts (100) must not exceed "
+     "--max-queue (50)"),
+    (["--num-ratios", "1"], "--num-ratios must be an int >= 2, got 1"),
+    (["--self-check-max", "-1"], "--self-check-max must be an int >= 0, got -1"),
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+])
+def test_bad_serve_flag_exits_2_naming_it_before_the_model_loads(argv, message, capsys,
+                                                                  monkeypatch):
+    from icqs_fast import models
+    from icqs_fast.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("icqs-fast: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any
@@ -37,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
 from icqs_fast.serve.completions import Completions
 from icqs_fast.serve.config import ServeConfig
@@ -62,20 +63,27 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "
 
 class Server:
     """The model, its tokenizer, the work queue, the metrics and the route handlers
-    (:class:`Completions`, :class:`Scoring`); :meth:`app` is the ASGI application."""
+    (:class:`Completions`, :class:`Scoring`); :meth:`app` is the ASGI application.
+
+    Args:
+        model, tokenizer: the served model.
+        config: the server's settings (default: every declared default).
+        good, bad: the demonstration pools of ``/v1/score`` (both or neither; a request may
+            send its own).
+        icqs_options: the ICQS settings of ``/v1/score`` (a ScoringSettings, or the fields
+            to change in the defaults), within the config's ``max_*`` limits; a request's
+            ``icqs_options`` replace some. The engine's ``backend`` and ``token_budget`` are
+            the config's.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, config: ServeConfig | None = None, *,
                  good: Sequence | None = None, bad: Sequence | None = None,
-                 icqs_options: dict | None = None) -> None:
+                 icqs_options: ScoringSettings | Mapping[str, Any] | None = None) -> None:
         from icqs_fast.engine.checks import model_max_length
-        from icqs_fast.engine.settings import ScoringSettings
 
         self.model = model
         self.tokenizer = tokenizer
-        self.config = cfg = config or ServeConfig()
-        if cfg.max_prompts > cfg.max_queue:
-            raise ValueError(f"max_prompts ({cfg.max_prompts}) must not exceed max_queue "
-                             f"({cfg.max_queue}): such a request could never be admitted")
+        self.config = cfg = config or ServeConfig()  # its bounds checked when it was built
         if (good is None) != (bad is None):
             raise ValueError("give both good and bad demonstrations, or neither")
         lim = model_max_length(model, None)
@@ -93,9 +101,12 @@ class Server:
                                    self.metrics.prompt_tokens.labels(r).inc(n))
         self.max_prompt_tokens = self.admission.max_prompt_tokens
         self.max_positions = lim
-        icqs_options = dict(icqs_options or {})
+        # The server's one ScoringSettings; its engine options are the config's.
+        given = icqs_options if isinstance(icqs_options, ScoringSettings) else None
+        options = {} if given is not None else dict(icqs_options or {})
+        settings = ScoringSettings.build(given, **{**options, "backend": cfg.backend,
+                                                   "token_budget": cfg.token_budget})
         if good is not None:  # the server's own ICQS settings must be within its limits
-            settings = ScoringSettings.build(**icqs_options)
             for name, flag, field in ICQS_LIMITS:
                 if getattr(settings, name) > getattr(cfg, field):
                     raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)} is "
@@ -104,7 +115,7 @@ class Server:
         self.completions = Completions(model, tokenizer, self.admission, self.dispatcher,
                                        cfg.model_name, cfg.max_batch_tokens)
         self.scoring = Scoring(model, tokenizer, self.admission, self.dispatcher, cfg,
-                               good=good, bad=bad, icqs_options=icqs_options)
+                               good=good, bad=bad, settings=settings)
         self.started = time.time()
         self._hook: Any = None
         self._abort_timer: threading.Timer | None = None

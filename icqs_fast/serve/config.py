@@ -1,78 +1,94 @@
-"""The settings of one ``icqs-fast serve`` server (no torch, no fastapi: ``serve --help``
-reads its defaults from here)."""
+"""The settings of one ``icqs-fast serve`` server, each declared once
+(:func:`icqs_fast.options.option`: flag, default, help, bounds): ``serve``'s flags
+(``icqs_fast.cli.serve``), their ``--help`` and the docs' table are derived from here, and the
+bounds are checked here, so a server built in code is held to the same limits as one started
+from the command line. No torch, no fastapi: ``serve --help`` reads this module."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET
+from icqs_fast.options import check_declared, declaration, option
+
 
 @dataclass
 class ServeConfig:
-    """Settings of one server (``icqs-fast serve`` flags of the same names).
+    """Settings of one server; each field's declaration says what it does (``serve --help``,
+    docs/SERVER.md). ValueError naming the flag when one is out of its bounds."""
 
-    Attributes:
-        model_name: the id ``/v1/models`` lists; requests naming another model get 404.
-        api_key: bearer token every route requires (None: no check; only for 127.0.0.1).
-        max_body_bytes: request bodies above this get 413.
-        max_prompt_tokens: prompts (or ``/v1/score`` records, demonstrations) above this many
-            tokens get 400 (capped by the model's positions).
-        max_request_tokens: the price of a request, checked before it is queued: the tokens
-            it holds (prompts, or records and demonstrations) and the work it asks for, tokens
-            times the forward passes that read them (a generated token is one token; a
-            ``/v1/score`` record is read once per ICQS context, per calibration baseline and for
-            the features; the ICQS contexts' demonstration prefixes once); more gets 413.
-        max_prompts: prompts (or ``/v1/score`` records) per request.
-        max_logprobs: largest ``logprobs=N``.
-        max_gen_tokens: largest ``max_tokens`` (greedy generation).
-        max_stop: most ``stop`` strings per request.
-        max_stop_chars: longest ``stop`` string, in characters.
-        max_logit_bias: most ``logit_bias`` entries per request.
-        max_num_ratios, max_sets_per_ratio, max_demos_per_set: the largest ICQS ``num_ratios``
-            (M+1), ``sets_per_ratio`` (L) and ``demos_per_set`` (N) a request (or the server's
-            own defaults) may ask for.
-        max_live_generations: generations holding a KV cache at once (each is up to
-            ``max_prompt_tokens + max_gen_tokens`` tokens of cache); more wait for a free one.
-        max_queue: prompts admitted and not yet answered; past it 429.
-        batch_wait_ms: how long a request waits for others to batch with.
-        max_batch_tokens: the chunk: most tokens of work (prompt tokens; for ``/v1/score``,
-            record tokens x forward passes) per step of the worker; a larger request is cut
-            into chunks that interleave with other requests round-robin.
-        prefill_budget: tokens of prompt work (echo / prefill) a worker step packs beside one
-            token of every live generation (continuous batching); a larger log-prob chunk runs
-            over several steps, a prompt longer than this in a step of its own. It bounds the
-            time between a generation's tokens.
-        request_timeout: seconds from admission to answer; past it 504, the running chunk is
-            stopped at its next forward (or generated token) and the remaining ones are dropped
-            (0: no deadline).
-        shutdown_timeout: seconds a SIGTERM / SIGINT leaves the requests in flight to finish;
-            then they get 503 and the server exits.
-        token_budget: tokens per forward of the engine.
-        backend: token-statistics backend for ``/v1/score``.
-    """
-
-    model_name: str = "icqs-fast"
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 2**20
-    max_prompt_tokens: int = 4096
-    max_request_tokens: int = 65536
-    max_prompts: int = 64
-    max_logprobs: int = 20
-    max_gen_tokens: int = 256
+    model_name: str = option("icqs-fast", flag="--served-model-name", metavar="NAME",
+                             help="the model id /v1/models lists; a request naming another "
+                             "model gets 404 (serve: --model, or 'embedded')")
+    api_key: str | None = option(None, kind="str", metavar="KEY",
+                                 help="bearer token every route requires (none: "
+                                 "$ICQS_FAST_API_KEY, else no check, allowed only on a loopback "
+                                 "address)")
+    max_body_bytes: int = option(4 * 2**20, ge=1,
+                                 help="largest request body in bytes; larger: 413")
+    max_prompt_tokens: int = option(4096, ge=1,
+                                    help="longest prompt (or /v1/score record, demonstration) "
+                                    "in tokens, capped by the model's positions; longer: 400")
+    max_request_tokens: int = option(65536, ge=1,
+                                     help="the price of one request, checked before it is "
+                                     "queued: the tokens it holds (prompts, records, "
+                                     "demonstrations) and its work, tokens times the forward "
+                                     "passes that read them (a generated token once; a record "
+                                     "once per ICQS context and calibration baseline and once "
+                                     "for the features; the contexts' demonstration prefixes "
+                                     "once); more: 413")
+    max_prompts: int = option(64, ge=1, help="prompts (or /v1/score records) per request, at "
+                              "most --max-queue")
+    max_logprobs: int = option(20, ge=1, help="largest logprobs=N (top-N alternatives) a "
+                               "request may ask for")
+    max_gen_tokens: int = option(256, ge=1, help="largest max_tokens (greedy generation)")
     # OpenAI takes 4 stop strings; 16 leaves room for chat templates' several end markers.
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_logit_bias: int = 300  # room to ban or force a few hundred tokens
+    max_stop: int = option(16, ge=0, help="most 'stop' strings per request (0: refused)")
+    max_stop_chars: int = option(256, ge=1, help="longest 'stop' string, in characters")
+    # Room to ban or force a few hundred tokens.
+    max_logit_bias: int = option(300, ge=0, help="most 'logit_bias' entries per request "
+                                 "(0: refused)")
     # Well above the paper's settings (M+1 = 5, L = 4, N = 8): room to study the parameters,
     # while one request cannot ask for millions of contexts.
-    max_num_ratios: int = 21
-    max_sets_per_ratio: int = 16
-    max_demos_per_set: int = 32
-    max_live_generations: int = 8
-    max_queue: int = 256
-    batch_wait_ms: float = 5.0
-    max_batch_tokens: int = 2048
-    prefill_budget: int = 256
-    request_timeout: float = 300.0
-    shutdown_timeout: float = 5.0
-    token_budget: int = 16384
-    backend: str = "auto"
+    max_num_ratios: int = option(21, ge=1, help="/v1/score: largest num_ratios (M+1) a request "
+                                 "(or the server's own --num-ratios) may ask for")
+    max_sets_per_ratio: int = option(16, ge=1, help="/v1/score: largest sets_per_ratio (L)")
+    max_demos_per_set: int = option(32, ge=1, help="/v1/score: largest demos_per_set (N)")
+    max_live_generations: int = option(8, ge=1, help="generations holding a KV cache at once "
+                                       "(each up to --max-prompt-tokens + --max-gen-tokens "
+                                       "tokens of cache); others wait for a free one")
+    max_queue: int = option(256, ge=1, help="prompts admitted and not yet answered; past it: "
+                            "429")
+    batch_wait_ms: float = option(5.0, ge=0, unit="ms", help="how long a request waits for "
+                                  "others to share a batch with")
+    max_batch_tokens: int = option(2048, ge=1, help="the chunk: tokens of work per engine step "
+                                   "(for /v1/score, record tokens x forward passes); larger "
+                                   "requests are cut into chunks served round-robin with the "
+                                   "others, so no request waits for more than one chunk of "
+                                   "another")
+    prefill_budget: int = option(256, ge=1, help="prompt tokens (echo, prefill) per worker step "
+                                 "beside one token of every live generation (continuous "
+                                 "batching): a larger log-prob chunk runs over several steps, "
+                                 "a longer prompt in a step of its own; bounds the time between "
+                                 "generated tokens")
+    request_timeout: float = option(300.0, ge=0, unit="s", help="seconds a request may take "
+                                    "from admission; past it: 504, its running work stops at "
+                                    "the next forward or generated token and the rest is "
+                                    "dropped (0: no limit)")
+    shutdown_timeout: float = option(5.0, ge=0, unit="s", help="on SIGTERM / SIGINT, seconds "
+                                     "the requests in flight have to finish before they get "
+                                     "503 and the server exits")
+    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, help="max rows x tokens per forward "
+                               "of the engine (echo log-probs and /v1/score)")
+    backend: str = option("auto", help="token-statistics backend of /v1/score: auto, torch, "
+                          "cpp, triton")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if self.max_prompts > self.max_queue:
+            prompts, queue = (declaration(self, n).label for n in ("max_prompts", "max_queue"))
+            raise ValueError(f"{prompts} ({self.max_prompts}) must not exceed {queue} "
+                             f"({self.max_queue}): such a request could never be admitted")
+
+
+__all__ = ["ServeConfig"]

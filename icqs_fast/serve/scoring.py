@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
 
+from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.schema import result_row
 from icqs_fast.io.strict_json import finite_or_none
 from icqs_fast.serve.admission import Admission, score_price
@@ -29,10 +30,6 @@ from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
 from icqs_fast.serve.queue import Unit
 from icqs_fast.serve.schemas import IcqsScore, ScoreItem, ScoreRequest, ScoreResponse
-
-# /v1/score's "icqs_options" (calibration and the score kind as strings).
-ICQS_OPTIONS = ("num_ratios", "demos_per_set", "sets_per_ratio", "seed", "calibration", "score",
-                "tie_epsilon")
 
 
 def icqs_item(res: Any) -> IcqsScore:
@@ -76,12 +73,13 @@ class Scoring:
         config: the server's settings (its model id, the chunk ``max_batch_tokens`` in
             token-passes, the ICQS engine's ``backend`` and ``token_budget``).
         good, bad: the server's demonstrations (None: none).
-        icqs_options: the server's ICQS settings (a request's ``icqs_options`` override them).
+        settings: the server's ICQS settings, its engine options (``backend``,
+            ``token_budget``) included; a request's ``icqs_options`` replace some of them.
     """
 
     def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
                  config: ServeConfig, *, good: Sequence | None = None,
-                 bad: Sequence | None = None, icqs_options: dict | None = None) -> None:
+                 bad: Sequence | None = None, settings: ScoringSettings) -> None:
         if (good is None) != (bad is None):
             raise ValueError("give both good and bad demonstrations, or neither")
         self.model, self.tokenizer = model, tokenizer
@@ -90,12 +88,10 @@ class Scoring:
         self.max_batch_tokens = int(config.max_batch_tokens)
         self.backend = config.backend
         self.good, self.bad = good, bad
-        self.icqs_options = dict(icqs_options or {})
+        self.settings = settings
         # Without a prefix bank every ICQS row runs its context again (priced so); decided now,
         # on the caller's thread, so that no request's deadline can cut the capability probes.
         self.plain = plain_path(model)
-        self.engine = {"backend": config.backend} if config.token_budget is None else \
-            {"backend": config.backend, "token_budget": int(config.token_budget)}
         self._scorer: Any = None
         # Scorers whose work was cut part-way: their caches (calibration rows, bank entries)
         # may hold work that never ran, so no later chunk may use them.
@@ -107,22 +103,29 @@ class Scoring:
 
     # -- worker-thread work -----------------------------------------------------------------
 
-    def new_scorer(self, good: Sequence | None, bad: Sequence | None, options: dict) -> Any:
-        """The ICQS scorer of a request, its demonstration prefixes computed (the server's own
-        scorer is built once and kept)."""
+    def settings_for(self, options: Mapping[str, Any]) -> ScoringSettings:
+        """The server's settings with a request's ``icqs_options`` (field names) in place of
+        its own; ValueError naming the option's flag, TypeError for an unknown one."""
+        return self.settings.replace(**options)
+
+    def new_scorer(self, good: Sequence | None, bad: Sequence | None,
+                   options: Mapping[str, Any]) -> Any:
+        """The ICQS scorer of a request (its pools, None: the server's; its ``icqs_options``),
+        its demonstration prefixes computed (the server's own scorer is built once and
+        kept)."""
         from icqs_fast.engine.scorer import ICQSScorer
 
-        merged = {**self.icqs_options, **options}  # the server's settings give the defaults
-        if good is None and merged == self.icqs_options:
+        settings = self.settings_for(options)
+        if good is None and settings == self.settings:
             if self._scorer is None:
                 self._scorer = ICQSScorer(self.model, self.tokenizer, self.good, self.bad,
-                                          **{**self.engine, **merged})
+                                          settings)
                 if self.check is not None and self.check.ok:
                     self._scorer.self_check = self.check
             scorer = self._scorer
         else:
             scorer = ICQSScorer(self.model, self.tokenizer, self.good if good is None else good,
-                                self.bad if bad is None else bad, **{**self.engine, **merged})
+                                self.bad if bad is None else bad, settings)
         try:
             _ = scorer.prefix_bank  # a property: computing it here keeps it out of the records
         except BaseException:
@@ -235,7 +238,6 @@ class Scoring:
                        ) -> ScoreResponse:
         """Checks, limits and the price, then the records in chunks of work."""
         from icqs_fast.engine.calibration import calibration_queries
-        from icqs_fast.engine.settings import ScoringSettings
         from icqs_fast.features.names import ALL_FEATURES
 
         adm = self.admission
@@ -259,7 +261,7 @@ class Scoring:
                                                            or self.good is not None)
         options = req.icqs_options.model_dump(exclude_none=True) if req.icqs_options else {}
         try:  # the engine's own checks, before the request is queued
-            settings = ScoringSettings.build(**{**self.icqs_options, **options})
+            settings = self.settings_for(options)
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"'icqs_options': {exc}", "invalid_request",
                            param="icqs_options") from None
@@ -304,4 +306,4 @@ class Scoring:
         return ScoreResponse(object="list", model=self.model_name, data=data)
 
 
-__all__ = ["ICQS_OPTIONS", "Scoring", "icqs_item", "plain_path"]
+__all__ = ["Scoring", "icqs_item", "plain_path"]
