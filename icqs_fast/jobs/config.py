@@ -113,7 +113,8 @@ class JobConfig:
                         ".gz), .parquet, a datasets folder (save_to_disk); '-' = JSONL stdin")
     output: str = option(kind="str", flag=False, help="results: JSONL (one line per response), "
                          "or Parquet for .parquet; with --ray a folder of per-block files")
-    format: str | None = option(None, kind="str", choices=FORMATS, help="input format (none: "
+    format: str | None = option(None, kind="str", choices=FORMATS, result=False,
+                                help="input format (none: "
                                 "from the extension; a folder is 'datasets')")
     x_field: str = option("x", help="field with the query (the prompt / instruction)")
     y_field: str = option("y", help="field with the response")
@@ -313,7 +314,7 @@ class FeatureJobConfig(JobConfig):
     features: tuple[str, ...] = option(DEFAULT_FEATURES, flag=False, help="feature names")
     mode: str = option("standard", choices=FEATURE_MODES, help="standard, or the formulas of "
                        "the selfeval reference code (selfeval-compat; docs/scoring_files.md)")
-    backend: str = option("auto", help="auto, torch, cpp, triton")
+    backend: str = option("auto", result=False, help="auto, torch, cpp, triton")
     batch_size: int = option(8, ge=1, help="items per padded forward")
     chunk_size: int = option(128, ge=1, help="records per glassbox call, sorted by length into "
                              "batches")
