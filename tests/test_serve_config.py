@@ -171,3 +171,25 @@ def test_bad_serve_flag_exits_2_naming_it_before_the_model_loads(argv, message, 
     err = capsys.readouterr().err
     assert err.startswith("icqs-fast: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.server
+def test_server_holds_one_settings_within_its_limits(tiny_parts):
+    """The server's ICQS settings (a ScoringSettings or the fields to change) take the engine
+    options from its config, a request's options replace fields of them, and settings over the
+    config's limits are refused naming both flags."""
+    from icqs_fast.engine.settings import ScoringSettings
+
+    model, tok = tiny_parts
+    pools = {"good": [("q", "yes")] * 4, "bad": [("q", "no")] * 4}
+    cfg = ServeConfig(max_num_ratios=3, backend="torch", token_budget=512)
+    with pytest.raises(ValueError, match=r"^--num-ratios 5 is over --max-num-ratios 3$"):
+        Server(model, tok, cfg, **pools)
+    for given in ({"num_ratios": 3, "seed": 7}, ScoringSettings(num_ratios=3, seed=7)):
+        srv = Server(model, tok, cfg, **pools, icqs_options=given)
+        st = srv.scoring.settings
+        assert (st.num_ratios, st.seed, st.backend, st.token_budget) == (3, 7, "torch", 512)
+        assert srv.scoring.settings_for({}) is st
+        assert srv.scoring.settings_for({"seed": 1}) == st.replace(seed=1)
+        with pytest.raises(ValueError, match="^--demos-per-set must be an int >= 1, got 0"):
+            srv.scoring.settings_for({"demos_per_set": 0})

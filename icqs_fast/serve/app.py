@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.options import declaration
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
 from icqs_fast.serve.completions import Completions
 from icqs_fast.serve.config import ServeConfig
@@ -109,8 +110,9 @@ class Server:
         if good is not None:  # the server's own ICQS settings must be within its limits
             for name, flag, field in ICQS_LIMITS:
                 if getattr(settings, name) > getattr(cfg, field):
-                    raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)} is "
-                                     f"over {flag} {getattr(cfg, field)}")
+                    raise ValueError(f"{declaration(settings, name).label} "
+                                     f"{getattr(settings, name)} is over {flag} "
+                                     f"{getattr(cfg, field)}")
         self.dispatcher = Dispatcher(self.queue, cfg.request_timeout)
         self.completions = Completions(model, tokenizer, self.admission, self.dispatcher,
                                        cfg.model_name, cfg.max_batch_tokens)
