@@ -166,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
     t_load = time.perf_counter() - t_load
-    model_name = args.model or "embedded SmolLM2-135M-Instruct"
+    model_name = _model_name(args)
     if args.stability:
-        return _stability(args, ds, kind, data, model, tok, st, max(ns), model_name)
+        return _stability(args, ds, kind, data, model, tok, st)
     with torch.no_grad():
         out = kind.run(model, tok, data, st)
     seconds = time.perf_counter() - t0
@@ -183,13 +183,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    """The model as the study's records name it."""
+    return args.model or "embedded SmolLM2-135M-Instruct"
+
+
 def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any, model: Any,
-               tok: Any, st: Any, n: int, model_name: str) -> int:
-    """``--stability CONFIG``: both sides over the study's test responses and the table."""
+               tok: Any, st: Any) -> int:
+    """``--stability CONFIG``: both sides over the study's test responses (at the largest
+    ``--demos-per-set`` of ``st``) and the table."""
     from icqs_fast.evals import stability, study
     from icqs_fast.evals.calibration_study import auc_ci
 
-    dataset = ds.name
+    dataset, n, model_name = ds.name, max(st.demos_per_set), _model_name(args)
     other = stability.parse_config(args.stability)
     template, good, bad, responses, groups = kind.responses(data)
     settings = study.scoring_settings(n, st, template)
