@@ -123,13 +123,13 @@ def meta_path(output: PathLike) -> Path:
     return Path(f"{os.fspath(output)}.meta.json")
 
 
-def write_meta(output: PathLike, settings: dict) -> None:
+def write_meta(output: PathLike, meta: dict) -> None:
     """Write ``OUT.meta.json`` whole, then rename it into place (a crash never leaves a
     half-written settings file)."""
     mp = meta_path(output)
     tmp = mp.with_name(mp.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(settings, indent=1) + "\n")
+        f.write(json.dumps(meta, indent=1) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, mp)
@@ -183,7 +183,7 @@ class RunTarget(Protocol):
     def read_meta(self) -> dict | None:
         """The metadata written by the run that started the output (None without one)."""
 
-    def write_meta(self, settings: dict) -> None:
+    def write_meta(self, meta: dict) -> None:
         """Write the metadata whole."""
 
     def clear(self) -> None:
@@ -219,8 +219,8 @@ class FileTarget:
         mp = meta_path(self.out)
         return json.loads(mp.read_text(encoding="utf-8")) if mp.is_file() else None
 
-    def write_meta(self, settings: dict) -> None:
-        write_meta(self.out, settings)
+    def write_meta(self, meta: dict) -> None:
+        write_meta(self.out, meta)
 
     def clear(self) -> None:
         if output_format(self.out) == "parquet":
@@ -306,14 +306,14 @@ def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str],
                       f"({what}); use another output or --overwrite")
 
 
-def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, overwrite: bool,
+def plan_output(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrite: bool,
                 upgrade: Callable[[dict], dict] | None = None,
                 labels: Mapping[str, str] | None = None) -> OutputPlan:
     """Decide, before the model is loaded (to fail fast), what to do with ``out`` (a results
     file's path, or a :class:`RunTarget`).
 
     With ``resume`` and an existing output: where to continue, after checking that every key of
-    ``settings`` matches its metadata (read through ``upgrade``, which puts the metadata of an
+    ``meta`` matches its metadata (read through ``upgrade``, which puts the metadata of an
     output written by an earlier version in today's terms). Without: an existing non-empty
     output is only replaced with ``overwrite``. ``labels``: how a refusal names each key.
 
@@ -329,7 +329,7 @@ def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, over
         old = target.read_meta()
         if old is not None:
             old = upgrade(old) if upgrade is not None else old
-            err = resume_refusal(target.name, old, settings, settings, labels)
+            err = resume_refusal(target.name, old, meta, meta, labels)
             if err is not None:
                 raise err
         last = state.last
@@ -341,8 +341,8 @@ def plan_output(out: PathLike | RunTarget, settings: dict, *, resume: bool, over
     return OutputPlan(name, target=target, labels=labels)
 
 
-def resumed_settings(plan: OutputPlan | None) -> dict | None:
-    """The settings of the output a run resumes (its ``OUT.meta.json``); None for a new run
+def resumed_meta(plan: OutputPlan | None) -> dict | None:
+    """The metadata of the output a run resumes (its ``OUT.meta.json``); None for a new run
     (``plan`` None: no output, as ``icqs-fast check`` runs)."""
     return plan.old if plan is not None and plan.append else None
 
@@ -352,26 +352,26 @@ def resumed_dtype(plan: OutputPlan | None, dtype: str) -> str:
     takes the dtype that output was written with (an output started before ``auto`` chose
     bf16 on this CPU, or on a CPU of another kind, resumes in its own dtype instead of being
     refused)."""
-    old = resumed_settings(plan)
+    old = resumed_meta(plan)
     if dtype == "auto" and old and isinstance(old.get("dtype"), str):
         return old["dtype"]
     return dtype
 
 
-def check_runtime(plan: OutputPlan, settings: dict, *, keys: Iterable[str] = RUNTIME_KEYS
+def check_runtime(plan: OutputPlan, meta: dict, *, keys: Iterable[str] = RUNTIME_KEYS
                   ) -> None:
     """After the model is loaded: a resumed output must have been written with the same
-    ``keys`` (default :data:`RUNTIME_KEYS`: dtype, device, backend) as ``settings``
+    ``keys`` (default :data:`RUNTIME_KEYS`: dtype, device, backend) as ``meta``
     (ValueError otherwise). An output whose metadata is written before the runtime is known
     (a block folder) is checked on the keys it records."""
     if plan.old is not None:
         keys = [k for k in keys if k in plan.old or not plan.target.runtime_later]
-        err = resume_refusal(plan.out, plan.old, settings, keys)
+        err = resume_refusal(plan.out, plan.old, meta, keys)
         if err is not None:
             raise err
 
 
-def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> None:
+def start_output(plan: OutputPlan, meta: dict, log: Callable[..., None]) -> None:
     """Make the output ready for writing: when resuming, drop what a crash left unfinished
     (a JSONL record cut off mid-write, unfinished Parquet parts or blocks); else empty it,
     then write its metadata (a crash in between leaves an empty output, never old records
@@ -380,7 +380,7 @@ def start_output(plan: OutputPlan, settings: dict, log: Callable[..., None]) -> 
         plan.target.reopen(plan, log)
     else:
         plan.target.clear()
-        plan.target.write_meta(settings)
+        plan.target.write_meta(meta)
 
 
 def resume_check_needed(plan: OutputPlan) -> bool:

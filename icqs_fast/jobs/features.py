@@ -269,7 +269,7 @@ class FeatureStrategy:
     def use_self_check(self, check: dict) -> None:
         """No self-check for features."""
 
-    def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
+    def load(self, plan: Any, meta: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.models import load_model
 
@@ -282,10 +282,10 @@ class FeatureStrategy:
         t_load = time.perf_counter() - t_load
         self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None
                       else ComboScale.intrinsic(vocab_size(self.model)))
-        settings["combo_scale"] = self.scale.as_dict()
-        settings.update(runtime_settings(self.model, c.backend))
+        meta["combo_scale"] = self.scale.as_dict()
+        meta.update(runtime_settings(self.model, c.backend))
         if plan is not None:  # the runner checks dtype/device/backend; these are known now
-            check_runtime(plan, settings, keys=("combo_scale",))
+            check_runtime(plan, meta, keys=("combo_scale",))
         log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(c.features)} "
             f"({c.mode} mode)")
 

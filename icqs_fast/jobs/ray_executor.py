@@ -137,7 +137,7 @@ class BlockActor:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.node = _node_id()
         self.strategy = setup.strategy  # prepared by the driver: only the model loads here
-        self.added: dict = {}  # what the loaded model adds to the settings (dtype, ...)
+        self.added: dict = {}  # what the loaded model adds to the metadata (dtype, ...)
         self.setup_error = ""
         try:
             self.strategy.load(setup.plan, self.added, _quiet)
@@ -234,7 +234,7 @@ class RayExecutor:
         ro = config.ray
         assert ro is not None
         out = plan.target
-        start_output(plan, job.settings, log)
+        start_output(plan, job.meta, log)
         n, B = self.n_records, ro.block_size
         n_blocks = (n + B - 1) // B
         done = set(plan.state.blocks) if plan.state is not None else set()
@@ -256,8 +256,8 @@ class RayExecutor:
             check = job.strategy.self_check(
                 plan, log, run=lambda: _remote_self_check(prepared, plan, remote))
             if check is not None and not plan.append:
-                job.settings["self_check"] = check
-                out.write_meta(job.settings)
+                job.meta["self_check"] = check
+                out.write_meta(job.meta)
             # The actors get the output as the user gave it (a URI stays a URI; a path is
             # made absolute), and each opens its own filesystem from it: see BlockOutput.
             spec = BlockSpec(os.path.abspath(config.input),
@@ -376,7 +376,7 @@ class Progress:
     per_block: list[dict] = field(default_factory=list)
     records: int = 0
     skipped: int = 0
-    runtime: dict | None = None  # what the first block's worker added to the settings
+    runtime: dict | None = None  # what the first block's worker added to the metadata
     errors: list[dict] = field(default_factory=list)
 
     def add(self, row: dict, stats: dict) -> None:
@@ -412,7 +412,7 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
             rt = json.loads(row["runtime"])
             if p.runtime is None:  # the first block fixes the run's dtype/device/backend
                 p.runtime = rt
-                out.write_meta({**(plan.old or {}), **job.settings, **rt})
+                out.write_meta({**(plan.old or {}), **job.meta, **rt})
             elif any(p.runtime.get(k) != rt.get(k) for k in RUNTIME_KEYS):
                 raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
                                  f"{p.runtime}; every worker must use the same dtype, device "

@@ -74,9 +74,9 @@ class JobStrategy(Protocol):
     def prepare(self, log: Log) -> None:
         """What needs no model (score: the demonstration sets), before the output is touched."""
 
-    def load(self, plan: OutputPlan | None, settings: dict, log: Log) -> None:
+    def load(self, plan: OutputPlan | None, meta: dict, log: Log) -> None:
         """Load the model and build the engine; add what is known only now (dtype, device,
-        backend, ...) to ``settings`` (the runner checks it against a resumed output)."""
+        backend, ...) to ``meta`` (the runner checks it against a resumed output)."""
 
     def self_check(self, plan: OutputPlan | None, log: Log,
                    run: Callable[[], dict] | None = None) -> dict | None:
@@ -122,7 +122,7 @@ class JobRun:
     config: JobConfig
     strategy: JobStrategy
     plan: OutputPlan
-    settings: dict  # the metadata: the resume key, then what the run adds
+    meta: dict  # the metadata (OUT.meta.json): the resume key, then what the run adds
     log: Log
     stats: dict  # the executor's run figures (filled by the Ray executor)
 
@@ -222,13 +222,13 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
         # Held until this process ends (or crashes: the OS drops it), before the output is
         # touched.
         with target.lock():
-            settings = {**config.resume_key(), **executor.layout_key(config)}
+            meta = {**config.resume_key(), **executor.layout_key(config)}
             # Fail fast on other settings, before the model is loaded; the rest is checked
             # once it is.
-            plan = plan_output(target, settings, resume=config.resume,
+            plan = plan_output(target, meta, resume=config.resume,
                                overwrite=config.overwrite, upgrade=config.upgrade_meta,
                                labels=config.key_labels())
-            return executor.run(JobRun(config, strategy, plan, settings, log,
+            return executor.run(JobRun(config, strategy, plan, meta, log,
                                        stats if stats is not None else {}))
     except OSError as exc:
         if not is_output_error(exc, config.output):
@@ -305,18 +305,18 @@ class LocalExecutor:
 
     def run(self, job: JobRun) -> int:
         """The job in this process, its output lock held."""
-        config, strategy, plan, settings = job.config, job.strategy, job.plan, job.settings
+        config, strategy, plan, meta = job.config, job.strategy, job.plan, job.meta
         start, stop, total = input_range(config.input, config.format, config.encoding,
                                          config.shard, plan, align=strategy.align)
         set_threads(config.threads)
         if config.quiet:
             quiet_transformers()
-        strategy.load(plan, settings, job.log)
-        check_runtime(plan, settings)
+        strategy.load(plan, meta, job.log)
+        check_runtime(plan, meta)
         check = strategy.self_check(plan, job.log)
         if check is not None:
-            settings["self_check"] = check
-        start_output(plan, settings, job.log)
+            meta["self_check"] = check
+        start_output(plan, meta, job.log)
 
         # Resuming: read again from the first record of the chunk the run stopped in (a
         # chunked job recomputes its records in the same batches, writing only those after

@@ -40,7 +40,7 @@ from typing import Any
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.readers import read_examples
 from icqs_fast.io.records import InputError, Record, RecordError
-from icqs_fast.io.runs import resumed_dtype, resumed_settings
+from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
@@ -255,9 +255,9 @@ class ScoreStrategy:
         flag = declaration(self.settings, name).flag or name
         return flag if value is True else f"{flag} {value}"
 
-    def load(self, plan: Any, settings: dict, log: Callable[..., None]) -> None:
+    def load(self, plan: Any, meta: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
-        (dtype, device, backend) added to ``settings``."""
+        (dtype, device, backend) added to ``meta``."""
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.models import load_model
 
@@ -271,7 +271,7 @@ class ScoreStrategy:
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
-        settings.update(runtime_settings(model, self.settings.backend))  # checked by the runner
+        meta.update(runtime_settings(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
         s = self.settings
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
@@ -293,7 +293,7 @@ class ScoreStrategy:
         from icqs_fast.progress import track
 
         c = self.config
-        old = resumed_settings(plan)
+        old = resumed_meta(plan)
         if old is not None:
             if "self_check" not in old:
                 check = SelfCheck.off("not run (resuming an output written without one)")
