@@ -91,6 +91,12 @@ class SelfCheckOptions:
                                             help="also suggest the threshold whose held-out "
                                             "precision reaches P (at an even mix of good and "
                                             "bad answers)")
+    target_accuracy: float | None = option(None, kind="float", gt=0, le=1, metavar="A",
+                                           help="find the band of scores to send to a person "
+                                           "(verdict abstain) so that the verdicts on the rest "
+                                           "reach accuracy A on the held-out items, with the "
+                                           "largest coverage; without it, every verdict is good "
+                                           "or bad at the equal-error threshold")
 
     def __post_init__(self) -> None:
         check_declared(self)
