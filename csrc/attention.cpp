@@ -376,7 +376,7 @@ ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow
                 k3 = aload<W>(kr + 3 * W);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            const F qv = splat<W>(q[r * D + d]);
+            const float qv = q[r * D + d];  // scalar * vector: one broadcast (no 0 + q)
             acc[r][0] += qv * k0;
             acc[r][1] += qv * k1;
             acc[r][2] += qv * k2;
@@ -405,7 +405,7 @@ ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, const floa
         for (int c = 0; c < NC; ++c) vv[c] = aload<W>(v + j * dvp + c * W);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            const F pr = splat<W>(p[r * BK + j]);
+            const float pr = p[r * BK + j];
             for (int c = 0; c < NC; ++c) acc[r][c] += pr * vv[c];
         }
     }
