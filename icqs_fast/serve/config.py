@@ -19,7 +19,8 @@ class ServeConfig:
 
     model_name: str = option("icqs-fast", flag="--served-model-name", metavar="NAME",
                              help="the model id /v1/models lists; a request naming another "
-                             "model gets 404 (serve: --model, or 'embedded')")
+                             "model gets 404 (serve's default: the --model folder, or "
+                             "'embedded')")
     api_key: str | None = option(None, kind="str", metavar="KEY",
                                  help="bearer token every route requires (none: "
                                  "$ICQS_FAST_API_KEY, else no check, allowed only on a loopback "
