@@ -193,3 +193,20 @@ def test_server_holds_one_settings_within_its_limits(tiny_parts):
         assert srv.scoring.settings_for({"seed": 1}) == st.replace(seed=1)
         with pytest.raises(ValueError, match="^--demos-per-set must be an int >= 1, got 0"):
             srv.scoring.settings_for({"demos_per_set": 0})
+
+
+def test_readme_limits_state_the_declared_defaults():
+    """The README's *Server limits* table says each flag's default; it must be the declared
+    one (the table is written by hand for its 'over it' column)."""
+    import re
+    from pathlib import Path
+
+    from icqs_fast.options import declared
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    table = text.split("## Server limits", 1)[1].split("\n## ", 1)[0]
+    defaults = {d.flag: d.default for d in declared(ServeConfig)}
+    stated = re.findall(r"`(--[\w-]+)` \((\d+(?:\.\d+)?)( MiB)?", table)
+    assert len(stated) >= 15, stated
+    for flag, number, mib in stated:
+        assert float(number) * (2**20 if mib else 1) == defaults[flag], flag
