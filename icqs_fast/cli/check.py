@@ -2,12 +2,17 @@
 a run, and the calibrated P(good) map (:mod:`icqs_fast.engine.selfcheck`).
 
     icqs-fast check --good G --bad B [the scoring options of score] [--plot DIR] [--json]
+    icqs-fast check --from-output OUT [--plot DIR] [--json]
 
 Held-out members of the pools are scored as responses with the same settings, demonstration
 sets and model as ``score`` would use, each one only from the demonstration sets that do not
 hold it; prints the expected AUC with its bootstrap interval, the Brier score and ECE of the
-calibrated probability, the equal-error threshold and the expected accuracy there. ``--plot
-DIR`` writes ``DIR/reliability.png``.
+calibrated probability, the equal-error threshold and the expected accuracy there, a plain
+warning when the scorer does not separate the task, and with ``--target-accuracy A`` the
+abstain band. ``--plot DIR`` writes ``DIR/reliability.png``. The held-out scores of the same
+pools, settings and model are reused from the cache (a ``check`` after a ``score`` scores
+nothing); ``--from-output OUT`` reads the self-check a ``score`` run stored in its meta file,
+without loading a model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +39,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_self_check_arguments(p, switch=False)
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--from-output", default=None, metavar="OUT",
+                   help="show the self-check a score run stored in the meta file of its output "
+                   "OUT (a results file or a --ray folder) instead of running one; no model "
+                   "is loaded and --good / --bad are not needed")
     add_declared(p, ScoreJobConfig, names=("quiet", "threads"))
+    for a in p._actions:  # required unless --from-output: checked in run()
+        if a.dest in ("good", "bad"):
+            a.required = False
+
+
+def stored_check(output: str) -> Any:
+    """The SelfCheck a run stored in ``output``'s meta file (ValueError when it holds none)."""
+    from icqs_fast.evals.drift import read_self_check
+    from icqs_fast.evals.run_output import open_run
+
+    check = read_self_check(open_run(output).meta)
+    if check is None:
+        raise ValueError(f"{output}: its meta file holds no self-check")
+    return check
 
 
 def _f(v: float | None, spec: str = ".3f") -> str:
@@ -42,11 +66,14 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.cli.options import score_config
-    from icqs_fast.engine.selfcheck import FIELD
     from icqs_fast.jobs.runner import set_threads
     from icqs_fast.jobs.score import ScoreStrategy
 
-    if args.self_check_max == 0:
+    if args.from_output is not None:
+        return show(stored_check(args.from_output), args)
+    if args.good is None or args.bad is None:
+        raise ValueError("check needs --good and --bad (or --from-output OUT)")
+    if args.max_heldout == 0:
         raise ValueError("--self-check-max must be >= 1 for check")
     # The score job's own configuration and strategy read the pools and build the scorer,
     # so the check runs under exactly the settings a score run would.
@@ -64,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
     strategy.prepare(log)
     strategy.load(None, {}, log)  # the model and the scorer, as score runs them
     strategy.self_check(None, log)  # and its self-check step
-    check = strategy.check
+    return show(strategy.check, args)
+
+
+def show(check: Any, args: argparse.Namespace) -> int:
+    """Print ``check`` (a SelfCheck) as a table or JSON, with the reliability plot when asked."""
+    from icqs_fast.engine.selfcheck import FIELD
+
     plot = None
     if args.plot and check.ok:
         from icqs_fast.evals.reliability import plot_reliability
@@ -96,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
         ("calibration map", how),
     ]
     if check.target_precision is not None:
-        rows.append(("precision target", check.lines()[1].split(": ", 1)[1]))
+        rows.append(("precision target", check.precision_text()))
+    if check.band is not None:
+        rows.append(("abstain band", check.band.text().split(": ", 1)[1]))
+    if check.warning:
+        rows.append(("WARNING", check.warning))
     if plot:
         rows.append(("reliability diagram", plot))
     w = max(len(k) for k, _ in rows)

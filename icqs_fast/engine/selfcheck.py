@@ -564,14 +564,19 @@ class SelfCheck:
         if self.band is not None:
             out.append(f"self-check: {self.band.text()}")
         if self.target_precision is not None:
-            if math.isnan(self.precision_threshold):
-                out.append(f"self-check: no threshold reaches precision {self.target_precision:g}"
-                           " on the held-out items")
-            else:
-                out.append(f"self-check: precision >= {self.target_precision:g}: score >= "
-                           f"{self.precision_threshold:.4f} (held-out precision "
-                           f"{self.precision:.2f}, recall {self.recall:.2f})")
+            out.append(f"self-check: {self.precision_text()}")
         return out
+
+    def precision_text(self) -> str:
+        """The precision target's threshold in one line ("" without a target)."""
+        if self.target_precision is None:
+            return ""
+        if math.isnan(self.precision_threshold):
+            return (f"no threshold reaches precision {self.target_precision:g} on the held-out "
+                    "items")
+        return (f"precision >= {self.target_precision:g}: score >= "
+                f"{self.precision_threshold:.4f} (held-out precision {self.precision:.2f}, "
+                f"recall {self.recall:.2f})")
 
 
 def auc_sample_size(auc: float = 0.75, half_width: float = 0.1, level: float = LEVEL) -> int:
