@@ -210,3 +210,29 @@ def test_readme_limits_state_the_declared_defaults():
     assert len(stated) >= 15, stated
     for flag, number, mib in stated:
         assert float(number) * (2**20 if mib else 1) == defaults[flag], flag
+
+
+def test_a_new_request_option_is_a_serve_flag(monkeypatch, capsys):
+    """One declared request option of ScoringSettings (a subclass stands in for the edit) is a
+    ``serve`` flag, reaches the server's settings, and out of bounds exits 2 naming it."""
+    from dataclasses import dataclass
+
+    from icqs_fast import models
+    from icqs_fast.cli import main
+    from icqs_fast.cli.serve import served_settings
+    from icqs_fast.engine import settings
+    from icqs_fast.options import option
+
+    @dataclass(frozen=True)
+    class Extended(settings.ScoringSettings):
+        novelty: int = option(3, ge=1, le=9, request=True, help="a new option, for this test")
+
+    monkeypatch.setattr(settings, "ScoringSettings", Extended)
+    from icqs_fast.cli import build_parser
+
+    assert "--novelty N" in build_parser(["serve"]).commands[("serve",)].format_help()
+    got = served_settings(_parse("--novelty", "5", "--num-ratios", "3"))
+    assert type(got) is Extended and (got.novelty, got.num_ratios) == (5, 3)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["serve", "--novelty", "0"]) == 2
+    assert "--novelty must be an int in [1, 9], got 0" in capsys.readouterr().err

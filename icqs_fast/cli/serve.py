@@ -69,15 +69,24 @@ def serve_config(args: argparse.Namespace) -> Any:
     return ServeConfig(**values)
 
 
-def run(args: argparse.Namespace) -> int:
-    from icqs_fast.cli.options import declared_values, self_check_kwargs
+def served_settings(args: argparse.Namespace) -> Any:
+    """The server's :class:`~icqs_fast.engine.settings.ScoringSettings` from parsed ``serve``
+    options (the :func:`served_options`; the rest at their defaults); ValueError naming the
+    flag."""
+    from icqs_fast.cli.options import declared_values
     from icqs_fast.engine.settings import ScoringSettings
+
+    return ScoringSettings(**declared_values(args, ScoringSettings, names=served_options()))
+
+
+def run(args: argparse.Namespace) -> int:
+    from icqs_fast.cli.options import self_check_kwargs
     from icqs_fast.serve.app import Server
     from icqs_fast.serve.runner import check_bind, serve
 
     # Every option checked before the model loads (ValueError naming the flag: exit 2).
     cfg = serve_config(args)
-    settings = ScoringSettings(**declared_values(args, ScoringSettings, names=served_options()))
+    settings = served_settings(args)
     check_options = self_check_kwargs(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
