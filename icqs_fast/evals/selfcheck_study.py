@@ -277,6 +277,18 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000,
         "method": chk.config.get("method_used"),
     }
     row["inside"] = bool(chk.ok and chk.auc_lo <= test_auc <= chk.auc_hi)
+    if chk.ok:
+        # The interval covers the self-check's sampling error only; the test AUC has its own.
+        # z of the difference (both standard errors from the bootstrap intervals' widths) and
+        # the coverage an unbiased self-check would have here: P(|N(0, sd_diff)| <= half-width).
+        _, tlo, thi = metrics.auc_stratified_ci(y, s, n_resamples=n_boot, seed=raw["seed"])
+        z95 = 2 * 1.959964
+        se_sc, se_t = (chk.auc_hi - chk.auc_lo) / z95, (thi - tlo) / z95
+        sd = math.hypot(se_sc, se_t)
+        row.update({"test_auc_lo": tlo, "test_auc_hi": thi,
+                    "auc_z": (chk.auc - test_auc) / sd if sd > 0 else math.nan,
+                    "coverage_if_unbiased": math.erf(1.959964 * se_sc / sd / math.sqrt(2))
+                    if sd > 0 else math.nan})
     row["matched_test_auc"] = matched_test_auc(raw, effects=effects)
     if chk.ok:
         hy = np.asarray(h["labels"])
@@ -338,6 +350,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             pooled.update(pooled_ece=metrics.ece(y, p), pooled_brier=metrics.brier(y, p),
                           pooled_raw_ece=metrics.ece(y, q), pooled_raw_brier=metrics.brier(y, q))
         bias = np.asarray([r["selfcheck_auc"] - r["test_auc"] for r in ok])
+        z = vals("auc_z")
         gap = vals("accuracy_gap")
         # What fewer contexts alone cost the test AUC, over the runs with stored matrices.
         fewer = np.asarray([r["matched_test_auc"] - r["test_auc"] for r in ok
@@ -354,6 +367,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                    "mean_abs_accuracy_gap": float(np.abs(gap).mean()) if gap.size else math.nan,
                    "max_abs_accuracy_gap": float(np.abs(gap).max()) if gap.size else math.nan,
                    "noise_abs_accuracy_gap": float(np.mean(floor)) if floor else math.nan,
+                   "within_two_sample": int((np.abs(z) <= 1.959964).sum()),
+                   "coverage_if_unbiased": mean("coverage_if_unbiased"),
                    "fewer_contexts_auc_change": float(fewer.mean()) if fewer.size else math.nan,
                    "fewer_contexts_runs": int(fewer.size),
                    **{k: mean(k) for k in ("selfcheck_auc", "test_auc", "matched_test_auc",
@@ -369,14 +384,16 @@ def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
     def f(v: Any, d: int = 3) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
 
-    lines = ["| dataset | runs | self-check AUC | test AUC | AUC bias (+-SE) | test AUC inside | "
+    lines = ["| dataset | runs | self-check AUC | test AUC | AUC bias (+-SE) | test AUC inside "
+             "(expected if unbiased) | two-sample abs(z) <= 1.96 | "
              "test AUC change, fewer contexts (runs) | exp. acc. (in-sample) / test acc. | "
              "abs. acc. gap: mean / max (noise alone) | pooled ECE calibrated (raw) | pooled n |",
-             "|" + "---|" * 11]
+             "|" + "---|" * 12]
     for ds, d in per_dataset.items():
         lines.append(
             f"| {ds} | {d['seeds']} | {f(d['selfcheck_auc'])} | {f(d['test_auc'])} | "
-            f"{f(d['auc_bias'])} (+-{f(d['auc_bias_se'])}) | {d['inside']} of {d['seeds']} | "
+            f"{f(d['auc_bias'])} (+-{f(d['auc_bias_se'])}) | {d['inside']} of {d['seeds']} "
+            f"({f(d['coverage_if_unbiased'], 2)}) | {d['within_two_sample']} of {d['seeds']} | "
             f"{f(d['fewer_contexts_auc_change'])} ({d['fewer_contexts_runs']}) | "
             f"{f(d['expected_accuracy'])} ({f(d['insample_accuracy'])}) / "
             f"{f(d['test_accuracy'])} | {f(d['mean_abs_accuracy_gap'])} / "
