@@ -10,7 +10,7 @@ from scipy import stats
 from icqs_fast.metrics import (
     accuracy,
     auc,
-    auc_rows,
+    auc_resampler,
     auc_stratified_ci,
     bootstrap_ci,
     bootstrap_distribution,
@@ -181,21 +181,24 @@ def test_bootstrap_distribution_paired_and_per_stratum():
     assert np.all(bootstrap_distribution(np.mean, [2.5], n_resamples=3) == 2.5)
 
 
-def test_auc_rows_and_stratified_interval_match_sklearn():
+def test_auc_resampler_and_stratified_interval_match_sklearn():
     from sklearn.metrics import roc_auc_score
 
     rng = np.random.default_rng(12)
-    pos = np.round(rng.normal(1.0, 1.0, size=(6, 30)), 1)  # rounded: ties count half
-    neg = np.round(rng.normal(0.0, 1.0, size=(6, 20)), 1)
+    pos = np.round(rng.normal(1.0, 1.0, size=30), 1)  # rounded: ties count half
+    neg = np.round(rng.normal(0.0, 1.0, size=20), 1)
+    neg[:3] = pos[:3]  # exact ties across the classes too
+    ip, jn = rng.integers(0, 30, size=(6, 30)), rng.integers(0, 20, size=(6, 20))
     y = np.r_[np.ones(30), np.zeros(20)]
-    want = [roc_auc_score(y, np.r_[p, n]) for p, n in zip(pos, neg, strict=True)]
-    np.testing.assert_allclose(auc_rows(pos, neg), want, rtol=0, atol=1e-12)
-    v, lo, hi = auc_stratified_ci(y, np.r_[pos[0], neg[0]], n_resamples=2000, seed=0)
-    assert v == pytest.approx(want[0], abs=1e-12) and lo < v < hi
+    want = [roc_auc_score(y, np.r_[pos[i], neg[j]]) for i, j in zip(ip, jn, strict=True)]
+    np.testing.assert_allclose(auc_resampler(pos, neg)(ip, jn), want, rtol=0, atol=1e-12)
+    v, lo, hi = auc_stratified_ci(y, np.r_[pos, neg], n_resamples=2000, seed=0)
+    assert v == pytest.approx(roc_auc_score(y, np.r_[pos, neg]), abs=1e-12) and lo < v < hi
     # The per-class bootstrap agrees with scipy's own percentile interval of the same AUC.
-    ref = stats.bootstrap((pos[0], neg[0]), lambda p, n, axis=-1: auc_rows(p, n),
-                          vectorized=True, n_resamples=2000, method="percentile",
-                          rng=np.random.default_rng(99)).confidence_interval
+    ref = stats.bootstrap((pos, neg), lambda p, n, axis=-1: np.array(
+        [roc_auc_score(y, np.r_[a, b]) for a, b in zip(p, n, strict=True)]),
+        vectorized=True, n_resamples=2000, method="percentile",
+        rng=np.random.default_rng(99)).confidence_interval
     assert lo == pytest.approx(ref.low, abs=0.03) and hi == pytest.approx(ref.high, abs=0.03)
 
 

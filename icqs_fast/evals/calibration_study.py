@@ -92,22 +92,22 @@ def auc_difference(pos_a: Sequence[float], neg_a: Sequence[float], pos_b: Sequen
     """AUC(a) - AUC(b) of two scorings of the SAME items (paired: each resample draws the same
     positive and negative items for both; the classes are resampled on their own), with its
     95 % percentile bootstrap interval."""
-    from icqs_fast.metrics import auc_rows, bootstrap_distribution, percentile_interval
+    from icqs_fast.metrics import auc_resampler, bootstrap_distribution, percentile_interval
 
     pa, na, pb, nb = (np.asarray(v, dtype=np.float64) for v in (pos_a, neg_a, pos_b, neg_b))
     if pa.shape != pb.shape or na.shape != nb.shape or pa.size == 0 or na.size == 0:
         return {"value": float("nan"), "lo": float("nan"), "hi": float("nan")}
-    # One row per item, one column per scoring: resampling rows keeps the scorings paired.
-    pos, neg = np.stack([pa, pb], axis=1), np.stack([na, nb], axis=1)
+    # The same item indices for both scorings (paired); the classes resampled on their own.
+    auc_a, auc_b = auc_resampler(pa, na), auc_resampler(pb, nb)
 
-    def diff(p: np.ndarray, n: np.ndarray) -> np.ndarray:
-        return auc_rows(p[..., 0], n[..., 0]) - auc_rows(p[..., 1], n[..., 1])
+    def diff(i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return auc_a(i, j) - auc_b(i, j)
 
-    vals = bootstrap_distribution(diff, pos, neg, paired=False, vectorized=True,
-                                  n_resamples=n_boot, seed=seed,
-                                  batch=max(1, 2**21 // (pa.size + na.size)))
+    ip, jn = np.arange(pa.size), np.arange(na.size)
+    vals = bootstrap_distribution(diff, ip, jn, paired=False, vectorized=True,
+                                  n_resamples=n_boot, seed=seed)
     lo, hi, _ = percentile_interval(vals, 0.95)
-    return {"value": float(diff(pos, neg)), "lo": lo, "hi": hi}
+    return {"value": float(diff(ip[None], jn[None])[0]), "lo": lo, "hi": hi}
 
 
 def item_scores(results_by: dict, groups: dict[str, list]) -> dict[str, dict[str, list]]:
