@@ -110,8 +110,9 @@ class ResponseState:
     stage: Stage = Stage.QUEUED
 
     def row_ran(self, n_contexts: int) -> None:
-        """Count one more context's row as run; the last one makes the state :attr:`SCORED`
-        (a baseline is then :attr:`RELEASED`: its row inputs are not needed again)."""
+        """Count one more context's row as run; the last one makes the state
+        :attr:`Stage.SCORED` (a baseline then :attr:`Stage.RELEASED`: its row inputs are not
+        needed again)."""
         self.rows_done += 1
         if self.rows_done == n_contexts:
             self.stage = Stage.SCORED
