@@ -82,7 +82,9 @@ def test_analyse_summarise_and_table(raw):
     assert 0.0 <= row["insample_accuracy"] <= 1.0
     rows = [row, {**row, "seed": 1, "selfcheck_auc": row["selfcheck_auc"] + 0.1,
                   "accuracy_gap": -0.2, "inside": False}]
-    s = study.summarise(rows)["toy"]
+    summ = study.summarise(rows)
+    assert set(summ) == {"toy", "all"} and summ["all"]["seeds"] == 2
+    s = summ["toy"]
     assert s["seeds"] == 2 and s["inside"] == int(row["inside"])
     assert s["auc_bias"] == pytest.approx(row["selfcheck_auc"] + 0.05 - row["test_auc"])
     assert s["auc_bias_se"] == pytest.approx(0.05)  # std (ddof 1) of a 0.1 step / sqrt 2

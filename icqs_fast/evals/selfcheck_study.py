@@ -328,10 +328,10 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     (self-check minus test, mean and its standard error over seeds), the expected accuracy's
     gap to the test accuracy (mean of the absolute gaps, the largest, the signed mean), and the
     ECE / Brier of the test responses of every seed pooled (each calibrated by its own seed's
-    map)."""
+    map). The last entry, ``"all"``, pools every dataset."""
     out: dict[str, Any] = {}
-    for ds in sorted({r["dataset"] for r in rows}):
-        rs = [r for r in rows if r["dataset"] == ds]
+    for ds in sorted({r["dataset"] for r in rows}) + ["all"]:
+        rs = [r for r in rows if ds in (r["dataset"], "all")]
 
         def vals(k: str, rs: list = rs) -> np.ndarray:
             v = [r[k] for r in rs if isinstance(r.get(k), (int, float))]
@@ -368,6 +368,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                    "max_abs_accuracy_gap": float(np.abs(gap).max()) if gap.size else math.nan,
                    "noise_abs_accuracy_gap": float(np.mean(floor)) if floor else math.nan,
                    "within_two_sample": int((np.abs(z) <= 1.959964).sum()),
+                   # ~ N(0, 1 / runs) for an unbiased self-check.
+                   "mean_auc_z": float(z.mean()) if z.size else math.nan,
                    "coverage_if_unbiased": mean("coverage_if_unbiased"),
                    "fewer_contexts_auc_change": float(fewer.mean()) if fewer.size else math.nan,
                    "fewer_contexts_runs": int(fewer.size),
@@ -385,7 +387,7 @@ def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
 
     lines = ["| dataset | runs | self-check AUC | test AUC | AUC bias (+-SE) | test AUC inside "
-             "(expected if unbiased) | two-sample abs(z) <= 1.96 | "
+             "(expected if unbiased) | two-sample abs(z) <= 1.96 (mean z) | "
              "test AUC change, fewer contexts (runs) | exp. acc. (in-sample) / test acc. | "
              "abs. acc. gap: mean / max (noise alone) | pooled ECE calibrated (raw) | pooled n |",
              "|" + "---|" * 12]
@@ -393,7 +395,8 @@ def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {ds} | {d['seeds']} | {f(d['selfcheck_auc'])} | {f(d['test_auc'])} | "
             f"{f(d['auc_bias'])} (+-{f(d['auc_bias_se'])}) | {d['inside']} of {d['seeds']} "
-            f"({f(d['coverage_if_unbiased'], 2)}) | {d['within_two_sample']} of {d['seeds']} | "
+            f"({f(d['coverage_if_unbiased'], 2)}) | {d['within_two_sample']} of {d['seeds']} "
+            f"({f(d['mean_auc_z'], 2)}) | "
             f"{f(d['fewer_contexts_auc_change'])} ({d['fewer_contexts_runs']}) | "
             f"{f(d['expected_accuracy'])} ({f(d['insample_accuracy'])}) / "
             f"{f(d['test_accuracy'])} | {f(d['mean_abs_accuracy_gap'])} / "
