@@ -62,6 +62,13 @@ class Declared:
         return f if isinstance(f, str) else "--" + self.name.replace("_", "-")
 
     @property
+    def dest(self) -> str | None:
+        """The attribute argparse stores the flag's value in (``--self-check-seed`` ->
+        ``self_check_seed``): unique as the flags of one command are, where field names of two
+        classes may meet (``ScoringSettings.seed``, ``SelfCheckOptions.seed``)."""
+        return None if self.flag is None else self.flag.lstrip("-").replace("-", "_")
+
+    @property
     def label(self) -> str:
         """What a message calls the option: its flag, else its field name."""
         return self.flag or self.name

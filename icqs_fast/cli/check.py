@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         return show(stored_check(args.from_output), args)
     if args.good is None or args.bad is None:
         raise ValueError("check needs --good and --bad (or --from-output OUT)")
-    if args.max_heldout == 0:
+    if args.self_check_max == 0:
         raise ValueError("--self-check-max must be >= 1 for check")
     # The score job's own configuration and strategy read the pools and build the scorer,
     # so the check runs under exactly the settings a score run would.

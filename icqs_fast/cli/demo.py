@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     scorer = ICQSScorer(model, tok, good, bad, num_ratios=args.num_ratios, demos_per_set=n,
                         sets_per_ratio=args.sets_per_ratio, template=TEMPLATE, seed=args.seed,
-                        backend=args.backend, calibration=args.calibration, score=args.score,
+                        backend=args.backend, calibration=args.calibrate, score=args.score,
                         tie_epsilon=args.tie_epsilon)
     t1 = time.perf_counter()
     # The self-check first, as a run does: its map gives each score's calibrated probability.
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 "demonstrations": demo_source, "n_good": len(good), "n_bad": len(bad),
                 "num_ratios": args.num_ratios, "demos_per_set": n,
                 "sets_per_ratio": args.sets_per_ratio, "seed": args.seed,
-                "calibration": args.calibration, "score": args.score,
+                "calibration": args.calibrate, "score": args.score,
                 "ratios": list(scorer.ratios), "score_meaning": score_meaning(args.score)}
     if args.json:
         json.dump({"settings": settings, "results": rows, "summary": summary,
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
           f"{settings['model']}, {demo_source} demonstrations")
     print(f"M+1={args.num_ratios} ratios x L={args.sets_per_ratio} sets of N={n} "
           f"demonstrations; score = ICQS-Epistemic, per-set = plain ICQS on each set"
-          + ("" if args.calibration == "none" else f"; calibration {args.calibration}")
+          + ("" if args.calibrate == "none" else f"; calibration {args.calibrate}")
           + ("" if args.score == "argmax" else f"; {args.score} score"))
     print(settings["score_meaning"] + "\n")
     for line in check.lines():

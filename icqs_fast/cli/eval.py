@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         ask_threshold=study.ASK_THRESHOLD if args.ask_threshold is None else args.ask_threshold,
         n_boot=args.n_boot, backend=args.backend, quiet=args.quiet,
         baselines=not args.no_baselines, stratify=args.stratify,
-        calibration=args.calibration, score=args.score, compare=args.compare,
+        calibration=args.calibrate, score=args.score, compare=args.compare,
         tie_epsilon=args.tie_epsilon)
     t0 = time.perf_counter()
     if not kind.label_options and (args.labels != "original" or args.stratify):

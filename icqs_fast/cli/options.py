@@ -17,7 +17,8 @@ def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
                  names: Collection[str] | None = None, exclude: Collection[str] = (),
                  defaults: dict[str, Any] | None = None) -> None:
     """Add the declared options of the dataclass ``cls`` (:mod:`icqs_fast.options`) that have
-    a flag to ``p`` (a parser or an argument group): ``dest`` is the field name, the type,
+    a flag to ``p`` (a parser or an argument group): ``dest`` is the flag's (``--calibrate``:
+    ``args.calibrate``; read them back by field name with :func:`declared_values`), the type,
     choices, default and help come from the declaration. ``names``: only these fields;
     ``exclude``: not these; ``defaults``: other defaults for this command. A bool option is a
     switch that turns it on; a ``strs`` option is repeated (unset: the declared default)."""
@@ -34,7 +35,7 @@ def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
         shown = "" if default is None else (default_text(d) if default == d.default
                                             else str(default))
         text = opt.help.replace("%", "%%") + (f" (default {shown})" if shown else "")
-        kw: dict[str, Any] = dict(dest=d.name, help=text)
+        kw: dict[str, Any] = dict(dest=d.dest, help=text)
         if d.default is MISSING:
             kw["required"] = True
         if opt.kind == "bool":
@@ -59,9 +60,9 @@ def declared_values(args: argparse.Namespace, cls: Any, *,
     out = {}
     for d in declared(cls):
         if d.flag is None or (names is not None and d.name not in names) \
-                or not hasattr(args, d.name):
+                or not hasattr(args, d.dest):
             continue
-        v = getattr(args, d.name)
+        v = getattr(args, d.dest)
         if d.option.kind == "strs" and v is None:
             continue
         out[d.name] = v

@@ -147,9 +147,15 @@ class ScoringSettings:
 
     # -- building ----------------------------------------------------------------------------
     @classmethod
-    def build(cls, settings: ScoringSettings | None = None, **options: Any) -> ScoringSettings:
-        """``settings`` (the defaults if None) with ``options`` (field names) replacing its
-        fields; TypeError naming an unknown option."""
+    def build(cls, settings: ScoringSettings | Mapping[str, Any] | None = None,
+              **options: Any) -> ScoringSettings:
+        """``settings`` (the defaults if None; a Mapping: a :meth:`fingerprint` /
+        :meth:`asdict` read back, ``template`` as a dict of its fields) with ``options``
+        (field names) replacing its fields; TypeError naming an unknown option."""
+        if isinstance(settings, Mapping):
+            options, settings = {**settings, **options}, None
+        if isinstance(options.get("template"), Mapping):
+            options["template"] = Template(**options["template"])
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
@@ -170,10 +176,7 @@ class ScoringSettings:
     def from_dict(cls, d: Mapping[str, Any]) -> ScoringSettings:
         """Inverse of :meth:`asdict` / :meth:`fingerprint` (a missing field takes its default;
         ``template`` may be a dict of its fields)."""
-        d = dict(d)
-        if isinstance(d.get("template"), Mapping):
-            d["template"] = Template(**d["template"])
-        return cls.build(**d)
+        return cls.build(d)
 
     # -- reading -----------------------------------------------------------------------------
     def demo_set_options(self) -> dict[str, Any]:

@@ -295,15 +295,17 @@ def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str],
                    labels: Mapping[str, str] | None = None) -> ValueError | None:
     """The refusal of a resume whose ``keys`` differ between the output's settings ``old``
     and this run's ``new`` (None when they match); ``labels`` names a key in the message (the
-    option's flag, given by the job's declarations; default: the key)."""
+    option's flag, given by the job's declarations; default: the key; ``resume`` and
+    ``overwrite``: the job's own options, default ``--resume`` / ``--overwrite``)."""
     diff = sorted(k for k in keys if old.get(k) != new[k])
     if not diff:
         return None
     name = (labels or {}).get
     what = ", ".join(f"{name(k, k)}: {old[k]!r} there, {new[k]!r} now" if k in old else
                      f"{name(k, k)}: not recorded there" for k in diff)
-    return ValueError(f"cannot --resume {os.fspath(out)}: it was written with other settings "
-                      f"({what}); use another output or --overwrite")
+    return ValueError(f"cannot {name('resume', '--resume')} {os.fspath(out)}: it was written "
+                      f"with other settings ({what}); use another output or "
+                      f"{name('overwrite', '--overwrite')}")
 
 
 def plan_output(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrite: bool,
@@ -336,8 +338,9 @@ def plan_output(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrit
         return OutputPlan(name, append=True, start=last["index"] + 1 if last is not None else 0,
                           last=last, state=state, old=old, target=target, labels=labels)
     if target.holds_results() and not overwrite and not resume:
-        raise ValueError(f"{target.name} {target.held}; pass --resume to continue it or "
-                         "--overwrite to replace it")
+        name = (labels or {}).get
+        raise ValueError(f"{target.name} {target.held}; pass {name('resume', '--resume')} to "
+                         f"continue it or {name('overwrite', '--overwrite')} to replace it")
     return OutputPlan(name, target=target, labels=labels)
 
 

@@ -145,7 +145,7 @@ class ICQSBatchScorer:
         self_check: a fitted :class:`~icqs_fast.engine.selfcheck.SelfCheck` or its
             ``to_dict()``: its map gives each record ``p_good_calibrated``.
         **options: ScoringSettings fields replacing those of ``settings`` (``num_ratios``,
-            ``demos_per_set``, ``stratify`` as ``jobs.score.resolve_stratify`` gives it,
+            ``demos_per_set``, ``stratify`` as ``jobs.config.resolve_stratify`` gives it,
             ``calibration``, ``score``, ``backend``, ...; ``template`` may be a dict of its
             fields, ``token_budget`` None keeps the default): the keyword form of the same
             settings, as :class:`~icqs_fast.engine.scorer.ICQSScorer` takes them.
@@ -167,17 +167,13 @@ class ICQSBatchScorer:
                  settings: Any = None, *, model: ModelSpec | str | None = None,
                  columns: tuple[str, str] = ("x", "y"), encoding: str = "utf-8",
                  self_check: Any = None, **options: Any) -> None:
-        from icqs_fast.engine.prompts import Template
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.engine.settings import ScoringSettings
 
-        if isinstance(settings, Mapping):
-            settings = ScoringSettings.from_dict(settings)
-        if isinstance(options.get("template"), Mapping):
-            options["template"] = Template(**options["template"])
         if options.get("token_budget", 0) is None:
             del options["token_budget"]  # None: the engine's default
-        # Validated before the model loads (TypeError naming an unknown option).
+        # Built (a Mapping decoded) in one call, validated before the model loads (TypeError
+        # naming an unknown option, ValueError naming a flag).
         self.settings = ScoringSettings.build(settings, **options)
         self.x_field, self.y_field = columns
         g, b = self.pools(dict(good=good, bad=bad, x_field=columns[0], y_field=columns[1],
