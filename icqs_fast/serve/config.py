@@ -67,11 +67,15 @@ class ServeConfig:
                                    "requests are cut into chunks served round-robin with the "
                                    "others, so no request waits for more than one chunk of "
                                    "another")
-    prefill_budget: int = option(256, ge=1, help="prompt tokens (echo, prefill) per worker step "
+    # 128: SmolLM2-135M at fp32 scores echo prompts packed 128 tokens at a time at 236 tokens per
+    # CPU-second (one thread), against 174 in 2048-token chunks: a short slice costs no
+    # throughput on a CPU, and keeps a step near half a CPU-second beside the generations.
+    prefill_budget: int = option(128, ge=1, help="prompt tokens (echo, prefill) per worker step "
                                  "beside one token of every live generation (continuous "
-                                 "batching): a larger log-prob chunk runs over several steps, "
-                                 "a longer prompt in a step of its own; bounds the time between "
-                                 "generated tokens")
+                                 "batching; with none live a step packs up to "
+                                 "--max-batch-tokens): a larger log-prob chunk runs over "
+                                 "several steps, a longer prompt in a step of its own; bounds "
+                                 "the time between generated tokens")
     request_timeout: float = option(300.0, ge=0, unit="s", help="seconds a request may take "
                                     "from admission; past it: 504, its running work stops at "
                                     "the next forward or generated token and the rest is "

@@ -10,10 +10,11 @@ Continuous batching: every step of the worker runs one token of every *live* gen
 cache, between steps) and then one slice of the other work, served round-robin: the first
 ticket in turn order that is not a live generation gives the slice: its ``call`` unit, alone, or
 the first step of its ``steps`` unit (a generation's prompt forward), or log-prob prompts of
-several tickets packed together up to ``prefill_tokens`` tokens (a unit's prompts run over
-several steps when they hold more; one prompt is never split, so a longer one is a slice of its
-own) through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests
-that share a prefix compute it once. A generation therefore waits between two of its tokens for
+several tickets packed together up to ``prefill_tokens`` tokens while a generation is live, up
+to ``chunk_tokens`` while none is (a unit's prompts run over several steps when they hold more;
+one prompt is never split, so a longer one is a slice of its own) through one
+:func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that share a
+prefix compute it once. A generation therefore waits between two of its tokens for
 one slice and the other generations' tokens, never for another request's whole chunk, and a
 request that arrives while a maximum-size one runs waits for at most the step that is running.
 The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for company (only while no
@@ -165,7 +166,8 @@ class WorkQueue:
         chunk_tokens: the size :meth:`submit_logprobs` cuts a request into.
         max_live_steps: most ``steps`` units holding their state at once.
         prefill_tokens: most log-prob prompt tokens per step beside the live generations' tokens
-            (one prompt larger than this runs alone); None: ``chunk_tokens``.
+            (one prompt larger than this runs alone; with no live generation, a step packs up
+            to ``chunk_tokens``); None: ``chunk_tokens``.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
@@ -438,18 +440,21 @@ class WorkQueue:
                         left = head.arrived + self.batch_wait_s - now
                         queued = sum(t.next_unit.tokens_left() for t in self._active
                                      if t.next_unit.kind == "logprobs")
-                        if left > 0 and queued < self.prefill_tokens:
+                        if left > 0 and queued < self.chunk_tokens:
                             self._cond.wait(timeout=left if soonest is None
                                             else min(left, max(0.0, soonest - now)))
                             continue
                     work = [head]
+                    # The budget bounds the time between a live generation's tokens; with
+                    # none live, bigger batches cost no one anything.
+                    budget = self.prefill_tokens if decode else self.chunk_tokens
                     if unit.kind == "logprobs":
-                        tokens = self._pack(unit, self.prefill_tokens, True)
+                        tokens = self._pack(unit, budget, True)
                         for t in self._active:
                             u = t.next_unit
                             if t is head or u.kind != "logprobs":
                                 continue
-                            n = self._pack(u, self.prefill_tokens - tokens, False)
+                            n = self._pack(u, budget - tokens, False)
                             if u.take:
                                 work.append(t)
                                 tokens += n
