@@ -150,18 +150,25 @@ class AbstainBand:
             return (f"abstain band: no band of scores reaches accuracy {self.target:g} on the "
                     "held-out items; every record is 'abstain'")
 
-        def side(v: float, what: str) -> str:
-            return f"{what} when score {'<' if what == 'bad' else '>='} {v:.4f}"
-
-        sides = [side(self.lo, "bad")] if math.isfinite(self.lo) else []
-        if math.isfinite(self.hi):
-            sides.append(side(self.hi, "good"))
+        lo, hi = math.isfinite(self.lo), math.isfinite(self.hi)
+        if lo and hi and self.lo == self.hi:
+            rule = f"bad when score < {self.lo:.4f}, good from it (no abstention)"
+        elif lo and hi:
+            rule = (f"bad when score < {self.lo:.4f}, good when score >= {self.hi:.4f}, "
+                    "abstain between")
+        elif hi:
+            rule = f"good when score >= {self.hi:.4f}, abstain below (no 'bad' verdict)"
+        else:
+            rule = f"bad when score < {self.lo:.4f}, abstain above (no 'good' verdict)"
         acc = ("n/a" if math.isnan(self.accuracy) else
                f"{self.accuracy:.2f} [{_fmt(self.accuracy_lo)}, {_fmt(self.accuracy_hi)}]")
-        return (f"abstain band for accuracy {self.target:g}: {', '.join(sides)}, abstain "
-                f"between; coverage {self.coverage:.2f} [{_fmt(self.coverage_lo)}, "
-                f"{_fmt(self.coverage_hi)}], accuracy outside the band {acc} (held-out items, "
-                f"out of fold, {self.level:.0%} bootstrap intervals)")
+        short = ("" if math.isnan(self.accuracy) or self.accuracy >= self.target else
+                 f"; out of fold it reaches only {self.accuracy:.2f}, under the target: do not "
+                 "rely on it")
+        return (f"abstain band for accuracy {self.target:g}: {rule}; coverage "
+                f"{self.coverage:.2f} [{_fmt(self.coverage_lo)}, {_fmt(self.coverage_hi)}], "
+                f"accuracy outside the band {acc} (held-out items, out of fold, "
+                f"{self.level:.0%} bootstrap intervals){short}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: non-finite numbers as None (``lo`` None: -inf, ``hi`` None: +inf)."""

@@ -396,7 +396,7 @@ def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) 
     if not why:
         return ""
     return ("do not trust these scores on this task: the scorer does not separate the held-out "
-            f"good and bad demonstrations ({' and '.join(why)}); {ADVICE}")
+            f"good and bad demonstrations: {'; '.join(why)}; {ADVICE}")
 
 
 # --------------------------------------------------------------------------- the result

@@ -284,12 +284,16 @@ class ScoreStrategy:
         for the metadata: the one a resumed output's metadata holds; else, when it needs no
         scoring (off, or pools too small), computed at once; else by ``run`` when given (the
         ``--ray`` driver: a task on a worker) or with this strategy's scorer (:meth:`load`).
-        Its map then gives each result ``p_good_calibrated``."""
+        Its map then gives each result ``p_good_calibrated`` and ``verdict``. Its size follows
+        the job (:meth:`job_records`), and its held-out scores are read from / stored in the
+        self-check cache (:mod:`icqs_fast.engine.selfcheck_cache`)."""
         from icqs_fast.engine.selfcheck import (
             SelfCheck,
             run_self_check,
+            sized_max_heldout,
         )
         from icqs_fast.engine.selfcheck import too_small_without_scoring as too_small
+        from icqs_fast.io.cache import JsonCache
         from icqs_fast.progress import track
 
         c = self.config
@@ -302,7 +306,8 @@ class ScoreStrategy:
                 log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
         else:
             kw = c.self_check.kwargs()
-            n = kw["max_heldout"]
+            kw["job_records"] = self.job_records(plan, kw["max_heldout"])
+            n = sized_max_heldout(kw["max_heldout"], kw["job_records"])
             if n == 0 or too_small(len(self.good), len(self.bad), n):
                 check = run_self_check(None, self.good, self.bad, **kw)  # scores nothing
             elif run is not None:
@@ -312,11 +317,36 @@ class ScoreStrategy:
                     return track(it, total=total, desc="self-check", unit="item",
                                  quiet=c.quiet)
 
-                check = run_self_check(self.scorer, self.good, self.bad, progress=bar, **kw)
+                check = run_self_check(self.scorer, self.good, self.bad, progress=bar,
+                                       cache=JsonCache("selfcheck"), **kw)
             for line in check.lines():
                 log(f"icqs-fast: {line}")
         self.use_self_check(check)
         return check.to_dict()
+
+    def job_records(self, plan: Any, limit: int) -> int | None:
+        """The records this job scores when at most ``limit`` (the self-check's size, which
+        follows the job: :func:`icqs_fast.engine.selfcheck.sized_max_heldout`), else None; from
+        the shard or the Parquet metadata, or by reading at most ``limit + 1`` records. None
+        without a job (``check``), for standard input, or where the input cannot be read (a
+        Ray worker)."""
+        import itertools
+
+        from icqs_fast.io.readers import RecordFields, read_records
+        from icqs_fast.io.runs import input_range
+
+        c = self.config
+        if plan is None or c.input == "-":
+            return None
+        try:
+            _, _, total = input_range(c.input, c.format, c.encoding, c.shard, plan)
+            if total < 0:
+                total = sum(1 for _ in itertools.islice(read_records(
+                    c.input, RecordFields(c.x_field, c.y_field), format=c.format,
+                    encoding=c.encoding, skip=plan.start, on_error="yield"), limit + 1))
+        except (OSError, InputError):
+            return None
+        return total if total <= limit else None
 
     def use_self_check(self, check: Any) -> None:
         """Give the results the map of ``check`` (a fitted SelfCheck or its dict) when it has
