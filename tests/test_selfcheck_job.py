@@ -64,6 +64,13 @@ def test_verdicts_band_warning_and_cache(job, capsys):
     assert chk2["auc"] == chk["auc"] and chk2["band"] is None
     # Without a target: good / bad at the threshold.
     assert {r["verdict"] for r in read_jsonl(out2)} <= {"good", "bad"}
+    # check with the same pools, settings and model (asking 256 items: the same 24 + 24 drawn)
+    # reuses them too: check --plot after score does not score the pools again.
+    _, g, b, _, model = job
+    assert main(["check", "--good", str(g), "--bad", str(b), "--model", model, *KW,
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["cache"] == "hit" and doc["auc"] == chk["auc"]
     # check reads the stored self-check from the output's meta file: no model, no scoring.
     assert main(["check", "--from-output", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

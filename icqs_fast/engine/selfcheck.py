@@ -136,6 +136,11 @@ def crossfit_score(res: Any, clean: torch.Tensor) -> float:
     return score
 
 
+def heldout_per_class(n_good: int, n_bad: int, max_heldout: int) -> int:
+    """Held-out items drawn from each pool: ``min(max_heldout // 2, n_good, n_bad)``."""
+    return min(max_heldout // 2, n_good, n_bad)
+
+
 def select_heldout(n_good: int, n_bad: int, max_heldout: int, seed: int
                    ) -> tuple[list[int], list[int]]:
     """Pool indices of the held-out items: ``k = min(max_heldout // 2, n_good, n_bad)`` of each
@@ -143,7 +148,7 @@ def select_heldout(n_good: int, n_bad: int, max_heldout: int, seed: int
     ``random.Random(seed)``, in pool order."""
     if not isinstance(max_heldout, int) or max_heldout < 0:
         raise ValueError(f"max_heldout must be an int >= 0, got {max_heldout!r}")
-    k = min(max_heldout // 2, n_good, n_bad)
+    k = heldout_per_class(n_good, n_bad, max_heldout)
     rng = random.Random(seed)
     return sorted(rng.sample(range(n_good), k)), sorted(rng.sample(range(n_bad), k))
 
@@ -690,7 +695,7 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
 def too_small_without_scoring(n_good: int, n_bad: int, max_heldout: int) -> bool:
     """Whether the pools cannot give :data:`MIN_PER_CLASS` held-out items per class whatever
     the scores (the self-check is then skipped before scoring anything)."""
-    return min(max_heldout // 2, n_good, n_bad) < MIN_PER_CLASS
+    return heldout_per_class(n_good, n_bad, max_heldout) < MIN_PER_CLASS
 
 
 def sized_max_heldout(max_heldout: int, job_records: int | None) -> int:
@@ -748,7 +753,8 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
-    key = (crossfit_key(scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak)
+    key = (crossfit_key(scorer, good, bad, seed=seed, leak=leak,
+                        per_class=heldout_per_class(n_good, n_bad, max_heldout))
            if cache is not None and cache.enabled else None)
     hit = load_crossfit(cache, key) if key is not None else None
     if hit is not None:

@@ -34,13 +34,15 @@ def scorer_identity(scorer: Any) -> dict[str, Any]:
             "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
 
 
-def crossfit_key(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int, seed: int,
+def crossfit_key(scorer: Any, good: Sequence, bad: Sequence, *, per_class: int, seed: int,
                  leak: str) -> str:
     """The cache key of the self-check's cross-fitted scores: a hash of the pools' items, the
-    scorer (:func:`scorer_identity`) and the options that pick and clean the held-out items."""
+    scorer (:func:`scorer_identity`) and what picks and cleans the held-out items: the items
+    drawn per class (not the ``--self-check-max`` asked: a job capped to 60 and a ``check``
+    asking 256 of 24 + 24 pools draw the same 24 + 24), the seed and the leak rule."""
     return digest({"version": KEY_VERSION, "good": [list(e) for e in check_pool(good, "good")],
                    "bad": [list(e) for e in check_pool(bad, "bad")],
-                   "scorer": scorer_identity(scorer), "max_heldout": max_heldout,
+                   "scorer": scorer_identity(scorer), "per_class": per_class,
                    "seed": seed, "leak": leak})
 
 
