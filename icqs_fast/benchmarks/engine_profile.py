@@ -27,7 +27,7 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
     from icqs_fast.benchmarks import environment
     from icqs_fast.benchmarks.icqs import demos, responses, scoring_settings
     from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.models import load_model
+    from icqs_fast.models import dtype_name, load_model
 
     def _scorer(model, tok, good, bad, settings=None):
         return ICQSScorer(model, tok, good, bad, scoring_settings(settings))
@@ -40,7 +40,7 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
     list(_scorer(model, tok, good, bad, dict(num_ratios=2, demos_per_set=1, sets_per_ratio=1,
                                              seed=0)).score(resp[:1]))  # warm-up
     count, _ = count_flops(lambda: list(_scorer(model, tok, good, bad).score(resp)))
-    dt = next(model.parameters()).dtype
+    dt = dtype_name(model)  # bf16-mixed: the probe runs the mode the model's linears run
     probes = [matmul_probe(count, dt)]
     t0, c0 = time.perf_counter(), time.process_time()
     list(_scorer(model, tok, good, bad).score(resp))
@@ -50,7 +50,7 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
     fields = limit_fields(count, wall, cpu, probes)
     total = rows["total (wall)"]
     limit = fields["limit_gflops"]
-    return {"bench": "engine-profile", "dtype": str(dt).removeprefix("torch."),
+    return {"bench": "engine-profile", "dtype": dt,
             "responses": n_responses, "fast_s": round(wall, 3), "fast_cpu_s": round(cpu, 3),
             **fields,
             "linear_at_limit_s": round(count.linear / (limit * 1e9), 3) if limit else None,
