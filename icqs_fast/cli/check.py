@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.jobs.config import ScoreJobConfig
 
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    add_scoring_arguments(p)
+    add_scoring_arguments(p, demos_required=False)  # not with --from-output
     add_self_check_arguments(p, switch=False)
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")

@@ -15,12 +15,13 @@ from icqs_fast.engine.settings import DEFAULT_SCORE
 
 def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
                  names: Collection[str] | None = None, exclude: Collection[str] = (),
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None, required: bool = True) -> None:
     """Add the declared options of the dataclass ``cls`` (:mod:`icqs_fast.options`) that have
     a flag to ``p`` (a parser or an argument group): ``dest`` is the flag's (``--calibrate``:
     ``args.calibrate``; read them back by field name with :func:`declared_values`), the type,
     choices, default and help come from the declaration. ``names``: only these fields;
-    ``exclude``: not these; ``defaults``: other defaults for this command. A bool option is a
+    ``exclude``: not these; ``defaults``: other defaults for this command; ``required``
+    False: an option without a default is optional here (the command checks it). A bool option is a
     switch that turns it on; a ``strs`` option is repeated (unset: the declared default)."""
     from dataclasses import MISSING
 
@@ -37,7 +38,7 @@ def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
         text = opt.help.replace("%", "%%") + (f" (default {shown})" if shown else "")
         kw: dict[str, Any] = dict(dest=d.dest, help=text)
         if d.default is MISSING:
-            kw["required"] = True
+            kw["required"] = required
         if opt.kind == "bool":
             kw.update(action="store_true", default=bool(default))
         elif opt.kind == "strs":
@@ -113,18 +114,20 @@ def self_check_kwargs(args: argparse.Namespace) -> dict:
     return self_check_options(args).kwargs()
 
 
-def add_scoring_arguments(p: argparse.ArgumentParser, *, record_fields: bool = False) -> None:
+def add_scoring_arguments(p: argparse.ArgumentParser, *, record_fields: bool = False,
+                          demos_required: bool = True) -> None:
     """The demonstration files, the model and the ICQS options, as ``score`` and ``check`` take
     them (everything but the input/output, record-field, resume and Ray options): the declared
     options of :class:`~icqs_fast.jobs.config.ScoreJobConfig`'s demonstrations and model and
     every :class:`~icqs_fast.engine.settings.ScoringSettings` option with a flag, plus
     ``--stratify-field`` and ``--template`` (files the command turns into settings).
     ``record_fields``: the command also reads records (``score``), whose ``--x-field`` /
-    ``--y-field`` are then the demonstration fields' defaults."""
+    ``--y-field`` are then the demonstration fields' defaults. ``demos_required`` False:
+    ``--good`` / ``--bad`` may be left out (``check --from-output``)."""
     from icqs_fast.engine import settings
     from icqs_fast.jobs.config import ScoreJobConfig
 
-    add_declared(p, ScoreJobConfig, names=DEMO_OPTIONS,
+    add_declared(p, ScoreJobConfig, names=DEMO_OPTIONS, required=demos_required,
                  defaults=None if record_fields else {"demo_x_field": "x", "demo_y_field": "y"})
     add_declared(p, ScoreJobConfig, names=MODEL_OPTIONS)
     add_dtype_argument(p)
