@@ -9,7 +9,7 @@ per-record diagnostics, :data:`DIAGNOSTICS`).
 It streams, resumes, locks and handles bad input as ``icqs-fast score`` does (the machinery is
 shared, in :mod:`icqs_fast.io`): one ``write`` per line, ``--resume`` after the last complete
 line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:line:field
-errors, and a resume fingerprint in ``OUT.meta.json`` (:meth:`FeatureJobConfig.fingerprint`:
+errors, and a resume key in ``OUT.meta.json`` (:meth:`FeatureJobConfig.resume_key`:
 model, features, mode, batch and chunk sizes, system prompt, fields, encoding, shard; then
 dtype, device, backend and the ``softmax_combo`` constants). The run itself is
 :func:`icqs_fast.jobs.runner.run_job` with :class:`FeatureStrategy`.
