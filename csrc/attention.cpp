@@ -16,9 +16,12 @@
 // slot never reaches the output) into thread-local buffers, reused while consecutive items
 // share the key head. Per block of kBQ query rows it walks the key blocks of kBK = 4W keys with
 // an online softmax: S = Q K^T (register tile of R rows x 4 vectors, broadcast q, FMA along the
-// key block), scale / soft cap / mask, running max and sum in fp32, O += P V (register tile of
-// R rows x up to 4 vectors of value columns). Key blocks a query block cannot see (causal,
-// window, chunk, all padded) are skipped, blocks it sees entirely need no mask.
+// key block), scale / soft cap / mask into log2 units, running max and sum in fp32 (updated W
+// rows at a time, no branch on a row's max changing; probabilities by exp2_neg), O = O alpha +
+// P V (register tile of R rows x up to 4 vectors of value columns, the factor alpha applied as
+// O is loaded). Key blocks a query block cannot see (causal, window, chunk, all padded) are
+// skipped, blocks it sees entirely need no mask. The fp32 and bf16 kernels share that loop
+// (item_impl) and differ in packing and in the two products (KF32, KBf16).
 //
 // bf16 inputs on CPUs with AVX512_BF16: keys and values are packed as bf16 pairs and both
 // products run on _mm512_dpbf16_ps (fp32 accumulation; the probabilities enter the PV product
