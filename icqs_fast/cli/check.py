@@ -44,9 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "OUT (a results file or a --ray folder) instead of running one; no model "
                    "is loaded and --good / --bad are not needed")
     add_declared(p, ScoreJobConfig, names=("quiet", "threads"))
-    for a in p._actions:  # required unless --from-output: checked in run()
-        if a.dest in ("good", "bad"):
-            a.required = False
 
 
 def stored_check(output: str) -> Any:
@@ -117,6 +114,8 @@ def show(check: Any, args: argparse.Namespace) -> int:
            else f"isotonic, {len(cal.x)} knots")
     skipped = (f", {check.n_skipped} skipped (some ratio had no set without them)"
                if check.n_skipped else "")
+    if check.config.get("cache") == "hit":
+        skipped += "; their scores reused from the cache"
     rows = [
         ("held out", f"{check.n_good} good + {check.n_bad} bad demonstrations{skipped}"),
         ("AUC", f"{_f(check.auc)} [{_f(check.auc_lo)}, {_f(check.auc_hi)}] "
