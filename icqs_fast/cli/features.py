@@ -16,11 +16,15 @@ from icqs_fast.cli.options import (
 )
 from icqs_fast.jobs.config import DEFAULT_FEATURES, FeatureJobConfig
 
+# What --help says the command does (plain text; the module docstring is for developers).
+DESCRIPTION = ("Glass-box features (sentence log-prob, softmax entropy and variance, attention "
+               "entropy, ...) per response of a file, streamed to JSONL or Parquet, resumable.")
+
 # --------------------------------------------------------------------------- command line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.description = DESCRIPTION
     add_job_arguments(p, FeatureJobConfig, what="features")
     add_declared(p, FeatureJobConfig, names=("encoding", "model", "device"))
     add_dtype_argument(p)

@@ -16,12 +16,16 @@ from icqs_fast.cli.options import (
 )
 from icqs_fast.jobs.config import ScoreJobConfig
 
+# What --help says the command does (plain text; the module docstring is for developers).
+DESCRIPTION = ("ICQS scores for the responses of a file (JSONL, CSV, TSV, Parquet or a datasets "
+               "folder), streamed to JSONL or Parquet, resumable with --resume.")
+
 # --------------------------------------------------------------------------- command line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag is derived from a declaration (:mod:`icqs_fast.cli.options`)."""
-    p.description = __doc__.split("\n\n")[0].replace("``", "")
+    p.description = DESCRIPTION
     add_job_arguments(p, ScoreJobConfig, what="results")
     add_scoring_arguments(p, record_fields=True)
     add_self_check_arguments(p)
