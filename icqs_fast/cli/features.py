@@ -25,7 +25,7 @@ DESCRIPTION = ("Glass-box features (sentence log-prob, softmax entropy and varia
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
-    add_job_arguments(p, FeatureJobConfig, what="features")
+    add_job_arguments(p, FeatureJobConfig, what="features", exclude=("label_field",))
     add_declared(p, FeatureJobConfig, names=("encoding", "model", "device"))
     add_dtype_argument(p)
     p.add_argument("--features", nargs="+", default=[",".join(DEFAULT_FEATURES)],

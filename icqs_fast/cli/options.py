@@ -161,15 +161,17 @@ def scoring_settings(args: argparse.Namespace, config: Any) -> Any:
                                     stratify=resolve_stratify(args.stratify_field, config))
 
 
-def add_job_arguments(p: argparse.ArgumentParser, cls: Any, *, what: str) -> None:
+def add_job_arguments(p: argparse.ArgumentParser, cls: Any, *, what: str,
+                      exclude: Collection[str] = ()) -> None:
     """The input, output and record options of a job of class ``cls`` (``ScoreJobConfig`` or
-    ``FeatureJobConfig``). ``what``: what the output holds ("results", "features")."""
+    ``FeatureJobConfig``). ``what``: what the output holds ("results", "features");
+    ``exclude``: fields the command does not take (``features``: no label)."""
     from icqs_fast.jobs.config import JobConfig
 
     p.add_argument("input", help=_help(JobConfig, "input"))
     p.add_argument("-o", "--output", required=True,
                    help=_help(JobConfig, "output").replace("results", what, 1))
-    add_declared(p, cls, names=INPUT_OPTIONS)
+    add_declared(p, cls, names=INPUT_OPTIONS, exclude=exclude)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, cls: Any) -> None:
@@ -245,7 +247,8 @@ def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> Non
 # The option tables of docs/CLI.md, each generated from its declarations: (title, the class as
 # "module:name", the fields; None: every declared option with a flag).
 DOC_TABLES = (
-    ("Input, output and run (`score`, `features`)", "icqs_fast.jobs.config:JobConfig",
+    ("Input, output and run (`score`, `features`; `--label-field`: `score` only)",
+     "icqs_fast.jobs.config:JobConfig",
      (*INPUT_OPTIONS, "encoding", *MODEL_OPTIONS, *RUN_OPTIONS)),
     ("Demonstrations (`score`, `check`)", "icqs_fast.jobs.config:ScoreJobConfig",
      ("good", "bad", "demo_x_field", "demo_y_field")),
