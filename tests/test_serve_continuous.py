@@ -102,7 +102,7 @@ def test_every_step_carries_each_live_generation_and_one_budgeted_slice():
 
 def test_a_slice_goes_round_robin_past_live_generations():
     """While a generation is live, call units of two requests alternate in the slices (round
-    robin), each beside one token of the generation."""
+    robin), each beside one token of the generation; the generation starts beside the first."""
     order: list[str] = []
     log: list[str] = []
     q = WorkQueue(lambda p, n: [0] * len(p), batch_wait_s=0.0)
@@ -117,9 +117,11 @@ def test_a_slice_goes_round_robin_past_live_generations():
     finally:
         q.stop()
     assert order == ["A0", "B0", "A1", "B1", "A2", "B2"], order
-    # Step 1 starts the generation; steps 2-7 each carry its token and one call.
-    assert [len(s) for s in steps[:7]] == [1] + [2] * 6
-    assert all(s[0][0] is gen and s[0][2] for s in steps[1:7])
+    # Step 1 starts the generation beside A's first call (a short generation does not wait
+    # for a slice's turn); steps 2-6 each carry its next token and one call.
+    assert [len(s) for s in steps[:6]] == [2] * 6
+    assert steps[0][0][:2] == (gen, "steps") and not steps[0][0][2]
+    assert all(s[0][0] is gen and s[0][2] for s in steps[1:6])
 
 
 # --------------------------------------------------------------------------- the server

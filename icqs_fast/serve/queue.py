@@ -14,8 +14,10 @@ several tickets packed together up to ``prefill_tokens`` tokens while a generati
 to ``chunk_tokens`` while none is (a unit's prompts run over several steps when they hold more;
 one prompt is never split, so a longer one is a slice of its own) through one
 :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that share a
-prefix compute it once. A generation therefore waits between two of its tokens for
-one slice and the other generations' tokens, never for another request's whole chunk, and a
+prefix compute it once. A generation whose prompt and new tokens fit in ``prefill_tokens``
+starts beside the slice (one per step) instead of in a slice's turn. A generation therefore
+waits for its first token one step and between two of its tokens one slice and the other
+generations' tokens, never another request's whole chunk, and a
 request that arrives while a maximum-size one runs waits for at most the step that is running.
 The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for company (only while no
 generation is live). At most ``max_live_steps`` ``steps`` units hold their state at once: a
@@ -398,9 +400,11 @@ class WorkQueue:
             self._thread.join(timeout=timeout)
             self._thread = None
 
-    def _runnable(self, t: Ticket) -> bool:
+    def _runnable(self, t: Ticket, starting: int = 0) -> bool:
+        """``t``'s next unit may run now (``starting``: generations this step starts already)."""
         u = t.next_unit
-        return not (u.kind == "steps" and u.state is None and self._live >= self.max_live_steps)
+        return not (u.kind == "steps" and u.state is None
+                    and self._live + starting >= self.max_live_steps)
 
     def _pack(self, u: Unit, room: int, first: bool) -> int:
         """Set ``u.take``: the prompts of log-prob unit ``u`` that fit in ``room`` tokens (at
@@ -426,8 +430,21 @@ class WorkQueue:
                 now = time.monotonic()
                 soonest = self._expire(now)
                 decode = [t for t in self._active if t.next_unit.live]
-                head = next((t for t in self._active
-                             if not t.next_unit.live and self._runnable(t)), None)
+                # A generation whose whole cost fits in the prefill budget starts beside the
+                # slice, not in a slice's turn: its first token comes after one step, not after
+                # every other request's slice.
+                start = next((t for t in self._active if t.next_unit.kind == "steps"
+                              and not t.next_unit.live
+                              and t.next_unit.cost <= self.prefill_tokens
+                              and self._runnable(t)), None)
+                if start is not None:
+                    decode.append(start)
+                # The budget bounds the time between a live generation's tokens; with none
+                # live, bigger batches cost no one anything.
+                budget = self.prefill_tokens if decode else self.chunk_tokens
+                head = next((t for t in self._active if t is not start
+                             and not t.next_unit.live
+                             and self._runnable(t, int(start is not None))), None)
                 if head is None and not decode:
                     self._cond.wait(timeout=None if soonest is None else soonest - now)
                     continue
@@ -445,9 +462,6 @@ class WorkQueue:
                                             else min(left, max(0.0, soonest - now)))
                             continue
                     work = [head]
-                    # The budget bounds the time between a live generation's tokens; with
-                    # none live, bigger batches cost no one anything.
-                    budget = self.prefill_tokens if decode else self.chunk_tokens
                     if unit.kind == "logprobs":
                         tokens = self._pack(unit, budget, True)
                         for t in self._active:
