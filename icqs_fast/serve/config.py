@@ -12,10 +12,11 @@ from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET
 from icqs_fast.options import check_declared, declaration, option
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
     """Settings of one server; each field's declaration says what it does (``serve --help``,
-    docs/SERVER.md). ValueError naming the flag when one is out of its bounds."""
+    docs/CLI.md). ValueError naming the flag when one is out of its bounds. Frozen: the
+    values checked here are the values served."""
 
     model_name: str = option("icqs-fast", flag="--served-model-name", metavar="NAME",
                              help="the model id /v1/models lists; a request naming another "
