@@ -86,3 +86,8 @@ def test_a_small_jobs_self_check_costs_no_more_than_the_job(job, capsys):
     assert chk["config"]["sized_by_job"] == {"asked": 256, "job_records": 30}
     assert "the job has 30 records" in err
     assert all("verdict" not in r for r in read_jsonl(out))
+    # A --self-check-max of one's own is taken as asked.
+    out2 = job[0] / "asked.jsonl"
+    assert _score(job, out2, "--self-check-max", "48", n=30) == 0
+    chk = json.loads(meta_path(out2).read_text())["self_check"]
+    assert chk["status"] == "ok" and "sized_by_job" not in chk["config"]

@@ -739,14 +739,14 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
     if max_heldout < asked:
         cfg["sized_by_job"] = {"asked": asked, "job_records": job_records}
     if too_small_without_scoring(n_good, n_bad, max_heldout):
-        if max_heldout < asked:
+        if min(n_good, n_bad) < MIN_PER_CLASS:
+            why = f"the pools hold {n_good} good and {n_bad} bad demonstrations"
+        elif max_heldout < asked:
             why = (f"the job has {job_records} records and a self-check scores no more "
                    f"held-out items than that (it would cost more than the job); run "
                    f"'icqs-fast check' for an estimate of its own")
-        elif max_heldout // 2 < min(n_good, n_bad):
-            why = f"--self-check-max {max_heldout} allows {max_heldout // 2} per class"
         else:
-            why = f"the pools hold {n_good} good and {n_bad} bad demonstrations"
+            why = f"--self-check-max {max_heldout} allows {max_heldout // 2} per class"
         return SelfCheck(
             status="too_small", config={"method": method, "seed": seed, **cfg},
             target_precision=target_precision, target_accuracy=target_accuracy,

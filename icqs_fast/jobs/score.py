@@ -288,6 +288,7 @@ class ScoreStrategy:
         the job (:meth:`job_records`), and its held-out scores are read from / stored in the
         self-check cache (:mod:`icqs_fast.engine.selfcheck_cache`)."""
         from icqs_fast.engine.selfcheck import (
+            DEFAULT_MAX_HELDOUT,
             SelfCheck,
             run_self_check,
             sized_max_heldout,
@@ -306,7 +307,9 @@ class ScoreStrategy:
                 log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
         else:
             kw = c.self_check.kwargs()
-            kw["job_records"] = self.job_records(plan, kw["max_heldout"])
+            # The default size follows the job; a --self-check-max of one's own is as asked.
+            kw["job_records"] = (self.job_records(plan, kw["max_heldout"])
+                                 if kw["max_heldout"] == DEFAULT_MAX_HELDOUT else None)
             n = sized_max_heldout(kw["max_heldout"], kw["job_records"])
             if n == 0 or too_small(len(self.good), len(self.bad), n):
                 check = run_self_check(None, self.good, self.bad, **kw)  # scores nothing
