@@ -77,7 +77,8 @@ class SelfCheckOptions:
     max_heldout: int = option(DEFAULT_MAX_HELDOUT, ge=0, flag="--self-check-max", metavar="N",
                               help="score at most N held-out demonstrations in the self-check, "
                               "half from each pool (each costs what one record costs: 2.4% of "
-                              "a 10,000-record job, measured); 0 = off")
+                              "a 10,000-record job, measured); the default also no more than "
+                              "the job has records; 0 = off")
     seed: int = option(0, flag="--self-check-seed", metavar="SEED",
                        help="seed of the held-out draw, the bootstrap and the folds")
     method: str = option("auto", choices=METHODS, flag="--calibration-map",
