@@ -33,14 +33,17 @@ HOSTILE = ['<script>alert("x")</script>', "it's \"quoted\" & <b>bold</b>",
            "caf\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001f600 \u202eevil"]
 
 
-def self_check_dict(seed: int = 0, sep: float = 1.2, n: int = 60) -> dict:
+def self_check_dict(seed: int = 0, sep: float = 1.2, n: int = 60,
+                    target: float | None = None) -> dict:
     """A real self-check (engine/selfcheck.fit_self_check) of ``n`` + ``n`` held-out scores
-    whose classes are ``sep`` standard deviations apart, as a meta file holds it."""
+    whose classes are ``sep`` standard deviations apart, as a meta file holds it (with the
+    abstain band for accuracy ``target`` when given)."""
     rng = random.Random(seed)
     scores = [min(1, max(0, 0.5 + 0.1 * (rng.gauss(0, 1) + (sep / 2 if i < n else -sep / 2))))
               for i in range(2 * n)]
     labels = [1] * n + [0] * n
-    return fit_self_check(scores, labels, seed=seed, n_boot=200).to_dict()
+    return fit_self_check(scores, labels, seed=seed, n_boot=200,
+                          target_accuracy=target).to_dict()
 
 
 def make_records(n: int, *, seed: int = 0, shift: float = 0.0, noise: float = 0.0,

@@ -182,6 +182,16 @@ def test_page_renders_offline_without_errors(browser, tmp_path, kind):
     assert (SHOTS / f"report-{kind}.png").stat().st_size > 50_000
 
 
+def test_page_with_the_abstain_band_renders(browser, tmp_path):
+    check = self_check_dict(sep=2.0, target=0.8)
+    assert check["band"]["reached"]
+    out = write_output(tmp_path / "out.jsonl", make_records(300, check=check), meta_for(check))
+    page = write_report(out, tmp_path / "report.html").path
+    got = browser.open(page.resolve().as_uri(), SHOTS / "report-band.png")
+    assert got["errors"] == [] and got["requests"] == [], got
+    assert got["dom"]["svg"] == 3 + 1, got["dom"]  # the coverage-accuracy curve
+
+
 def test_check_sees_a_network_request(browser, tmp_path):
     """The control: the same page with an image from the network (refused by the page's
     content policy) is caught, so the check above can fail."""
