@@ -126,3 +126,10 @@ def test_set_effects_are_recovered_and_removed():
     # Without the adjustment the dropped sets move the scores.
     assert not np.allclose(study.adjusted_scores(raw, ll, clean, np.zeros_like(e)), plain,
                            atol=1e-3)
+
+
+def test_expected_accuracy_simulation_is_seeded_and_sane():
+    a = study.simulate_expected_accuracy(0.75, n_per_class=25, runs=12, seed=3)
+    assert a == study.simulate_expected_accuracy(0.75, n_per_class=25, runs=12, seed=3)
+    # The best balanced accuracy at AUC 0.75 (binormal) is Phi(Phi^-1(0.75) / sqrt 2) = 0.684.
+    assert 0.6 < a["mean_true"] <= 0.685 and abs(a["bias"]) < 0.08 and a["sd"] > 0

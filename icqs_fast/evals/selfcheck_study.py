@@ -240,6 +240,30 @@ def adjusted_scores(raw: dict[str, Any], matrices: Sequence, masks: Sequence,
     return np.asarray(out, dtype=np.float64)
 
 
+def simulate_expected_accuracy(auc: float, *, n_per_class: int = 32, runs: int = 200,
+                               seed: int = 0) -> dict[str, float]:
+    """Is the self-check's expected accuracy itself biased? Binormal scores (unit variances,
+    means ``sqrt(2) Phi^-1(auc)`` apart), ``n_per_class`` per class, ``runs`` times: the mean and
+    sd of (expected accuracy - the true accuracy of the self-check's own threshold), and the
+    mean of each. Seeded."""
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(seed)
+    d = math.sqrt(2) * float(norm.ppf(auc))
+    y = np.r_[np.ones(n_per_class), np.zeros(n_per_class)].astype(np.int64)
+    est, true = [], []
+    for k in range(runs):
+        sc = np.concatenate([rng.normal(d, 1, n_per_class), rng.normal(0, 1, n_per_class)])
+        chk = fit_self_check(sc, y, seed=k, n_boot=20)
+        t = chk.threshold
+        est.append(chk.expected_accuracy)
+        true.append(0.5 * float(norm.sf(t - d)) + 0.5 * float(norm.cdf(t)))
+    diff = np.asarray(est) - np.asarray(true)
+    return {"auc": auc, "n_per_class": n_per_class, "runs": runs,
+            "mean_expected": float(np.mean(est)), "mean_true": float(np.mean(true)),
+            "bias": float(diff.mean()), "sd": float(diff.std(ddof=1))}
+
+
 def _nan_none(a: np.ndarray) -> list[float | None]:
     return [None if not math.isfinite(v) else float(v) for v in a.tolist()]
 
