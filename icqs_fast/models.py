@@ -448,6 +448,8 @@ def _mode_enter() -> None:
 def _mode_exit() -> None:
     global _MODE_DEPTH
     with _MODE_LOCK:
+        if _MODE_DEPTH == 0:  # an always-called post hook whose pre hook never ran (an error)
+            return
         _MODE_DEPTH -= 1
         if _MODE_DEPTH == 0:
             torch.backends.mkldnn.matmul.fp32_precision = _MODE_SAVED
