@@ -228,15 +228,19 @@ def score_config(args: argparse.Namespace, **job: Any) -> Any:
 
 # The names icqs_fast.models.choose_dtype accepts (written out: the models module imports torch,
 # which `--help` must not; tests/test_dtype_choice.py checks that the two agree).
-DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed", "float16",
+               "fp16")
 
 
 def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:
     """``--dtype``, as every command that loads a model takes it."""
     p.add_argument("--dtype", default=default, choices=DTYPE_NAMES,
-                   help="model weights' dtype. auto (default): bf16 on CUDA; on the CPU bf16 "
-                        "where it has native bf16 dot products (avx512_bf16 / AMX: faster "
-                        "than fp32, the default score within 0.01), else float32; "
+                   help="how the model computes. auto (default): bf16 on CUDA; on a CPU with "
+                        "native bf16 dot products (avx512_bf16 / AMX) bf16-mixed (weights "
+                        "rounded to bf16, fp32 activations, matmuls with bf16 products: "
+                        "batch-invariant, within ~0.08 nats/token of float32, ~1.4x faster), "
+                        "else float32; bfloat16: the pure bf16 forward (fastest, not "
+                        "batch-invariant); "
                         "$ICQS_FAST_CPU_DTYPE overrides that choice; `icqs-fast info` shows it "
                         "and why. An explicit 16-bit dtype the CPU has no native dot product "
                         "for warns (about 5x slower than float32)")

@@ -371,9 +371,11 @@ class ICQSFastLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
+        from icqs_fast.models import dtype_name
+
         n = sum(p.numel() for p in self._model.parameters())
         return {"model_num_parameters": n,
-                "model_dtype": str(next(self._model.parameters()).dtype),
+                "model_dtype": dtype_name(self._model),
                 "model_name": str(getattr(self._model, "name_or_path", "")),
                 "icqs_fast_backend": self.stats_backend,
                 "icqs_fast_deterministic": self.deterministic}

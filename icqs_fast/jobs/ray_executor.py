@@ -331,7 +331,7 @@ def _actor_dtype(config: JobConfig, plan: OutputPlan) -> str:
         return dtype
     from icqs_fast.models import choose_dtype
 
-    return str(choose_dtype("auto", "cpu").dtype).removeprefix("torch.")
+    return choose_dtype("auto", "cpu").name
 
 
 def _init_ray(address: str | None) -> bool:

@@ -47,7 +47,7 @@ from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
-           "result_record", "score_records"]
+           "score_records"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -143,12 +143,6 @@ def score_records(
         raise fatal[0]
 
 
-def result_record(rec: Record, res: Any, *, with_label: bool = False) -> dict:
-    """The output JSON object of one scored record (:func:`icqs_fast.io.schema.icqs_row`: the
-    declared fields, in their order)."""
-    return icqs_row(rec, res, with_label=with_label)
-
-
 class Summary:
     """Running count, mean score (overall and per label) and throughput."""
 
@@ -205,7 +199,8 @@ def load_template(path: str | None):
 
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
-    the records, one :func:`result_record` line each, a :class:`Summary` with label means."""
+    the records, one :func:`icqs_fast.io.schema.icqs_row` line each, a :class:`Summary` with
+    label means."""
 
     desc = "score"
     done_prefix = "icqs-fast: "
@@ -368,7 +363,7 @@ class ScoreStrategy:
                              y_field=c.y_field, on_error=on_error)
 
     def line(self, rec: Record, res: Any) -> dict:
-        return result_record(rec, res, with_label=self.config.label_field is not None)
+        return icqs_row(rec, res, with_label=self.config.label_field is not None)
 
     def table_schema(self) -> Any:
         return arrow_schema("icqs")
