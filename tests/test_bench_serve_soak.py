@@ -44,12 +44,13 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
     rc = main(["bench", "serve", "--model", tiny_dir, "--soak", "6", "--echo-clients", "2",
                "--gen-clients", "1", "--score-clients", "1", "--gen-tokens", "8",
                "--rss-every", "1", "--threads", "1", "--json", "--out", str(out),
-               "--soak-as", "after"])
+               "--soak-as", "after", "--soak-dtype", "float32"])
     capsys.readouterr()
     both = json.loads(out.read_text())
     assert both["before"] == {"kept": True}  # --soak-as keeps the file's other records
     rec = both["after"]
     assert rc == 0 and rec["passed"], rec["checks"]
+    assert rec["dtype"] == "float32"  # --soak-dtype reaches the server's model
     for kind in ("echo", "generate", "score"):
         assert rec[kind]["ok"] >= 1 and rec[kind]["ok"] == rec[kind]["sent"], rec[kind]
         assert rec[kind]["errors"] == {}

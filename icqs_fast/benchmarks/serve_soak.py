@@ -330,16 +330,17 @@ def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad
 def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
          gen_clients: int = 2, score_clients: int = 2, gen_tokens: int = 32,
          max_requests: int = MAX_REQUESTS, rss_every: float = 5.0, device: str = "cpu",
-         engine_seconds: float = 5.0, seed: int = 0) -> dict[str, Any]:
-    """The soak record (fields: the module docstring)."""
-    from icqs_fast.models import load_model
+         engine_seconds: float = 5.0, seed: int = 0, dtype: str = "auto") -> dict[str, Any]:
+    """The soak record (fields: the module docstring). ``dtype``: as ``serve --dtype``
+    (``"auto"``, serve's default, is what the issue's targets are stated at)."""
+    from icqs_fast.models import dtype_name, load_model
     from icqs_fast.serve.app import ServeConfig, Server
     from icqs_fast.serve.runner import ServerThread
 
     if seconds <= 0 or min(echo_clients, gen_clients, score_clients) < 0 or gen_tokens < 1:
         raise ValueError("--soak must be > 0 seconds, client counts >= 0, --gen-tokens >= 1")
     model, tok = load_model(None if model_name in (None, "embedded") else model_name,
-                            dtype="float32", device=device)
+                            dtype=dtype, device=device)
     clients = {"echo": echo_clients, "generate": gen_clients, "score": score_clients}
     cfg = ServeConfig(model_name="bench", max_queue=max(256, 4 * sum(clients.values())))
     srv = Server(model, tok, cfg)
@@ -357,7 +358,8 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
         st.stop()
     wall = res["wall_s"]
     kinds: dict[str, Kind] = res["kinds"]
-    rec: dict[str, Any] = {"model": model_name or "embedded", "soak_s": seconds,
+    rec: dict[str, Any] = {"model": model_name or "embedded", "dtype": dtype_name(model),
+                           "soak_s": seconds,
                            "clients": clients, "gen_tokens": gen_tokens,
                            "wall_s": round(wall, 1)}
     for name, kind in kinds.items():
@@ -436,6 +438,9 @@ def add_arguments(p: Any) -> None:
                    help="mixed soak instead of the load test: echo, streamed generation and "
                    "/v1/score clients for SECONDS, then per-kind latency, TTFT / inter-token "
                    "latency, RSS over time and throughput vs the engine")
+    p.add_argument("--soak-dtype", default="auto",
+                   help="soak: the server model's dtype, as serve --dtype (default auto, "
+                   "serve's default)")
     p.add_argument("--echo-clients", type=int, default=8, help="soak: echo-logprob clients")
     p.add_argument("--gen-clients", type=int, default=2, help="soak: generation clients")
     p.add_argument("--score-clients", type=int, default=2, help="soak: /v1/score clients")
@@ -453,7 +458,7 @@ def run_soak(args: Any) -> dict[str, Any]:
     return soak(args.model, args.soak, echo_clients=args.echo_clients,
                 gen_clients=args.gen_clients, score_clients=args.score_clients,
                 gen_tokens=args.gen_tokens,
-                rss_every=args.rss_every, device=args.device)
+                rss_every=args.rss_every, device=args.device, dtype=args.soak_dtype)
 
 
 __all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "percentile", "run_soak",
