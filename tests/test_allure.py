@@ -469,5 +469,6 @@ def test_icqs_evaluator_thresholds_the_icqs_score(tiny):
                      [ev.xy(r) for r in pool if r.truth == "0"], **cal.kw)
     assert ref.settings.calibration == "pmi" and "pmi" in cal.describe()
     assert got == pytest.approx([float(r.score) for r in ref.score([ev.xy(r) for r in recs])])
-    with pytest.raises(ValueError, match="calibration"):
+    # The message names the option by its flag (the one declaration: CLI and library alike).
+    with pytest.raises(ValueError, match="--calibrate must be one of"):
         ICQSEvaluator(model, tok, spec, seed_good=good, seed_bad=bad, calibration="zhao")
