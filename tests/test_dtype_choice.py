@@ -208,7 +208,7 @@ def test_auto_resumes_in_the_outputs_own_dtype(detect, tiny_dir, tmp_path):
     resumes with the default dtype in float32, instead of being refused for its dtype; an
     explicit other dtype is still refused."""
     from icqs_fast.cli import main
-    from icqs_fast.io.runs import OutputPlan, resumed_dtype
+    from icqs_fast.io.runs import OutputPolicy, resumed_dtype
 
     good = write_jsonl(tmp_path / "good.jsonl", [{"x": f"g{i}", "y": "positive"} for i in range(3)])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"x": f"b{i}", "y": "negative"} for i in range(3)])
@@ -226,6 +226,6 @@ def test_auto_resumes_in_the_outputs_own_dtype(detect, tiny_dir, tmp_path):
     assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["dtype"] == "float32"
     assert main([*argv, "--resume", "--dtype", "bfloat16"]) == 2  # asked for: refused
     # The rule itself: only "auto" follows the output; a new run decides for itself.
-    old = OutputPlan(out, append=True, old={"dtype": "float32"})
+    old = OutputPolicy(out, append=True, old={"dtype": "float32"})
     assert resumed_dtype(old, "auto") == "float32" and resumed_dtype(old, "bf16") == "bf16"
-    assert resumed_dtype(OutputPlan(out, old={"dtype": "float32"}), "auto") == "auto"
+    assert resumed_dtype(OutputPolicy(out, old={"dtype": "float32"}), "auto") == "auto"

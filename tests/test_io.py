@@ -29,7 +29,7 @@ from icqs_fast.io.runs import (
     OutputLockedError,
     check_run_paths,
     open_results,
-    plan_output,
+    output_policy,
     start_output,
 )
 
@@ -544,11 +544,11 @@ def test_parquet_results_survive_sigkill_and_resume(tmp_path, crash):
     assert tmps == ([".part-000000000008.parquet.tmp"] if crash.startswith("mid") else [])
     st = read_output_state(out)
     assert st.count == 8 and st.last["index"] == 7
-    plan = plan_output(out, {}, resume=True, overwrite=False)
-    assert plan.append and plan.start == 8
-    start_output(plan, {}, lambda *a: None)  # drops the unfinished part
-    with open_results(plan) as w:
-        for r in recs[plan.start:]:
+    policy = output_policy(out, {}, resume=True, overwrite=False)
+    assert policy.append and policy.start == 8
+    start_output(policy, {}, lambda *a: None)  # drops the unfinished part
+    with open_results(policy) as w:
+        for r in recs[policy.start:]:
             w.write(r)
     assert _as_json(pq.read_table(out).to_pylist()) == [json.dumps(r) for r in recs]
     # A crash after the merged file was renamed but before the parts were removed: the stale
@@ -561,8 +561,8 @@ def test_parquet_results_survive_sigkill_and_resume(tmp_path, crash):
     (tmp_path / "other.parquet").rename(parts / "part-000000000010.parquet")
     st = read_output_state(out)
     assert st.count == 14 and st.last["index"] == 13
-    plan = plan_output(out, {}, resume=True, overwrite=False)
-    start_output(plan, {}, lambda *a: None)
+    policy = output_policy(out, {}, resume=True, overwrite=False)
+    start_output(policy, {}, lambda *a: None)
     assert not list(parts.iterdir())
     with pytest.raises(ValueError, match="exists; pass --resume"):
-        plan_output(out, {}, resume=False, overwrite=False)
+        output_policy(out, {}, resume=False, overwrite=False)

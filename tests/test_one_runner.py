@@ -1,6 +1,6 @@
 """One runner for every executor (docs/ARCHITECTURE.md, "Data flow"): the block folder of a
-``--ray`` run is planned, refused, resumed and given its metadata by the same code as a local
-results file (io/runs.plan_output on a RunTarget); a block is one writer's output (the local
+``--ray`` run is decided, refused, resumed and given its metadata by the same code as a local
+results file (io/runs.output_policy on a RunTarget); a block is one writer's output (the local
 lines and table); the runner and the Ray executor hold no job-kind branches; a score job builds
 its demonstration sets once and tokenizes a record's query and response once. No Ray needed.
 """
@@ -16,7 +16,7 @@ from _helpers import write_jsonl
 
 from icqs_fast.io.blocks import BlockOutput, block_name
 from icqs_fast.io.results import BlockWriter, JsonlWriter, ParquetResultWriter
-from icqs_fast.io.runs import check_runtime, plan_output, start_output
+from icqs_fast.io.runs import check_runtime, output_policy, start_output
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"index": 0, "line": 1, "id": "a", "n_tokens": 3, "f": 0.5},
@@ -31,33 +31,33 @@ def _log(*a):
 def test_block_folder_is_planned_like_a_results_file(tmp_path):
     out = BlockOutput(str(tmp_path / "out"))
     settings = {"model": "m", "n_records": 5}
-    plan = plan_output(out, settings, resume=False, overwrite=False)
-    assert not plan.append and plan.target is out
-    start_output(plan, settings, _log)  # a new run: the folder and its metadata
+    policy = output_policy(out, settings, resume=False, overwrite=False)
+    assert not policy.append and policy.target is out
+    start_output(policy, settings, _log)  # a new run: the folder and its metadata
     assert out.read_meta() == settings
     with out.open_block(0, "jsonl") as w:
         w.write(ROWS[0])
     # A second run without --resume / --overwrite is refused, as for a results file.
     with pytest.raises(ValueError, match="holds block files; pass --resume"):
-        plan_output(out, settings, resume=False, overwrite=False)
+        output_policy(out, settings, resume=False, overwrite=False)
     with pytest.raises(ValueError, match=r"other settings \(model: 'm' there, 'n' now\)"):
-        plan_output(out, {**settings, "model": "n"}, resume=True, overwrite=False)
+        output_policy(out, {**settings, "model": "n"}, resume=True, overwrite=False)
     # Resuming: the complete blocks, the old settings; an unfinished block file is dropped.
     (tmp_path / "out" / (block_name(1, "jsonl") + ".tmp.123")).write_text("{")
-    plan = plan_output(out, settings, resume=True, overwrite=False)
-    assert plan.append and plan.old == settings
-    assert plan.state.blocks == (block_name(0, "jsonl"),)
-    start_output(plan, settings, _log)
+    policy = output_policy(out, settings, resume=True, overwrite=False)
+    assert policy.append and policy.old == settings
+    assert policy.state.blocks == (block_name(0, "jsonl"),)
+    start_output(policy, settings, _log)
     assert out.names() == [block_name(0, "jsonl"), "run.meta.json"]
     # The runtime is written after the first block: a resumed folder without it is checked
     # on what it records; a results file (metadata written after the load) on every key.
-    check_runtime(plan, {"dtype": "float32", "device": "cpu", "backend": "torch"})
-    plan.old = {**settings, "dtype": "bfloat16"}
+    check_runtime(policy, {"dtype": "float32", "device": "cpu", "backend": "torch"})
+    policy.old = {**settings, "dtype": "bfloat16"}
     with pytest.raises(ValueError, match="dtype: 'bfloat16' there, 'float32' now"):
-        check_runtime(plan, {"dtype": "float32", "device": "cpu", "backend": "torch"})
+        check_runtime(policy, {"dtype": "float32", "device": "cpu", "backend": "torch"})
     # --overwrite removes the old blocks and writes the new metadata.
-    plan = plan_output(out, {"model": "n"}, resume=False, overwrite=True)
-    start_output(plan, {"model": "n"}, _log)
+    policy = output_policy(out, {"model": "n"}, resume=False, overwrite=True)
+    start_output(policy, {"model": "n"}, _log)
     assert out.names() == ["run.meta.json"] and out.read_meta() == {"model": "n"}
 
 
@@ -65,10 +65,10 @@ def test_block_files_without_metadata_are_not_resumed(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / block_name(0, "parquet")).write_bytes(b"")
     with pytest.raises(ValueError, match="has block files but no run.meta.json"):
-        plan_output(BlockOutput(str(tmp_path / "out")), {}, resume=True, overwrite=False)
+        output_policy(BlockOutput(str(tmp_path / "out")), {}, resume=True, overwrite=False)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a folder"):
-        plan_output(BlockOutput(str(tmp_path / "file")), {}, resume=True, overwrite=False)
+        output_policy(BlockOutput(str(tmp_path / "file")), {}, resume=True, overwrite=False)
 
 
 def test_a_block_is_one_writers_output(tmp_path):
@@ -128,7 +128,7 @@ def test_no_job_kind_branches(rel):
 
 
 def test_ray_executor_has_no_resume_or_metadata_logic_of_its_own():
-    """The Ray executor plans, refuses and resumes through io/runs (plan_output, start_output,
+    """The Ray executor policies, refuses and resumes through io/runs (output_policy, start_output,
     check_runtime): it neither reads metadata nor compares settings itself."""
     names = {n.attr if isinstance(n, ast.Attribute) else n.id
              for n in ast.walk(_source("icqs_fast/jobs/ray_executor.py"))

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from icqs_fast.cli.options import add_dtype_argument
-from icqs_fast.io.runs import OutputLock, check_run_paths, plan_output, start_output
+from icqs_fast.io.runs import OutputLock, check_run_paths, output_policy, start_output
 from icqs_fast.io.strict_json import finite_or_none
 
 TASKS = ("summeval", "llmbar", "custom")
@@ -236,9 +236,9 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     settings = _settings(args, data)
-    plan = None
+    policy = None
     if args.memory:
-        plan = plan_output(args.memory, settings, resume=args.resume, overwrite=args.overwrite)
+        policy = output_policy(args.memory, settings, resume=args.resume, overwrite=args.overwrite)
     custom = _custom_kwargs(args) if args.task == "custom" else {}
     spec, records = load_task(args.task, data, **custom)
     if args.debias and not spec.pairwise:
@@ -265,12 +265,12 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
     attn_items = args.attn_items if hasattr(ev, "attention_entropy") else 0
 
     memory = Memory(args.memory)
-    if plan is not None:
+    if policy is not None:
         from icqs_fast.io.runs import check_runtime
 
-        check_runtime(plan, settings)
-        start_output(plan, settings, log)
-        if plan.append:
+        check_runtime(policy, settings)
+        start_output(policy, settings, log)
+        if policy.append:
             memory.load()
     audit_file = args.audit_file or (f"{args.memory}.candidates.jsonl" if args.memory else None)
     if args.audit == "file":

@@ -3,7 +3,7 @@
 folder, or a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``abfs://``). Plain I/O:
 each block file is written whole or not at all, by the writer of :mod:`icqs_fast.io.results`
 (:class:`~icqs_fast.io.results.BlockWriter`: the local writers' lines / table). As a
-:class:`~icqs_fast.io.runs.RunTarget` it is planned, locked, resumed and given its metadata
+:class:`~icqs_fast.io.runs.RunTarget` it is decided, locked, resumed and given its metadata
 by :mod:`icqs_fast.io.runs`, as a local results file is.
 """
 
@@ -189,7 +189,7 @@ class BlockOutput:
         for p in self.parts():
             self.remove(p)
 
-    def reopen(self, plan: Any, log: Any) -> None:
+    def reopen(self, policy: Any, log: Any) -> None:
         """Remove the blocks being written when a driver or worker died (``*.tmp.PID``)."""
         for stale in (p for p in self.parts() if ".tmp." in p):
             self.remove(stale)

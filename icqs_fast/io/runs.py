@@ -1,7 +1,7 @@
-"""One output's run: the advisory lock, the output plan (new, resume or overwrite), the run
+"""One output's run: the advisory lock, the output policy (new, resume or overwrite), the run
 metadata and its settings check, and the input range a resumed or sharded run reads.
 
-The same plan serves both kinds of output (:class:`RunTarget`): a results file
+The same policy serves both kinds of output (:class:`RunTarget`): a results file
 (:class:`FileTarget`: ``OUT`` + ``OUT.meta.json``, written by the local run) and a folder of
 block files (:class:`icqs_fast.io.blocks.BlockOutput`: ``OUT/part-*`` + ``OUT/run.meta.json``,
 written by ``--ray`` workers). What differs - where the metadata lives, what "already holds
@@ -104,18 +104,18 @@ class OutputLock:
         self.release()
 
 
-def open_results(plan: OutputPlan, *, schema: Any = None) -> JsonlWriter | ParquetResultWriter:
-    """The writer of ``plan.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq`` (rows
+def open_results(policy: OutputPolicy, *, schema: Any = None) -> JsonlWriter | ParquetResultWriter:
+    """The writer of ``policy.out``: :class:`ParquetResultWriter` for ``.parquet``/``.pq`` (rows
     in ``schema``, the job's declared table schema, when given), else :class:`JsonlWriter`
     (appending when resuming)."""
-    if output_format(plan.out) == "parquet":
-        return ParquetResultWriter(plan.out, append=plan.append, schema=schema)
-    return JsonlWriter(plan.out, append=plan.append)
+    if output_format(policy.out) == "parquet":
+        return ParquetResultWriter(policy.out, append=policy.append, schema=schema)
+    return JsonlWriter(policy.out, append=policy.append)
 
 
 # --------------------------------------------------------------------------- output runs
 # What every command writing a results file shares (``score``, ``features``): the settings file
-# ``OUT.meta.json`` (the resume fingerprint), the resume plan, skipped-record lines.
+# ``OUT.meta.json`` (the resume fingerprint), the resume policy, skipped-record lines.
 
 
 def meta_path(output: PathLike) -> Path:
@@ -189,7 +189,7 @@ class RunTarget(Protocol):
     def clear(self) -> None:
         """Empty the output for a new run (before its metadata is written)."""
 
-    def reopen(self, plan: OutputPlan, log: Callable[..., None]) -> None:
+    def reopen(self, policy: OutputPolicy, log: Callable[..., None]) -> None:
         """Make a resumed output ready to be continued (drop what a crash left unfinished)."""
 
     def lock(self) -> Any:
@@ -229,8 +229,8 @@ class FileTarget:
             with open(self.out, "wb"):
                 pass
 
-    def reopen(self, plan: OutputPlan, log: Callable[..., None]) -> None:
-        out, state = self.out, plan.state
+    def reopen(self, policy: OutputPolicy, log: Callable[..., None]) -> None:
+        out, state = self.out, policy.state
         assert state is not None
         if state.format == "parquet":
             st = parquet_output(out)
@@ -248,7 +248,7 @@ class FileTarget:
                 f.truncate(state.end)
             log(f"icqs-fast: removed an incomplete last line from {out}")
         log(f"icqs-fast: resuming {out}: {state.count} records there, continuing at input "
-            f"record {plan.start}")
+            f"record {policy.start}")
 
     def lock(self) -> OutputLock:
         return OutputLock(self.out)
@@ -260,8 +260,8 @@ def as_target(out: PathLike | RunTarget) -> RunTarget:
 
 
 @dataclass
-class OutputPlan:
-    """How a run treats its output (from :func:`plan_output`).
+class OutputPolicy:
+    """How a run treats its output (from :func:`output_policy`).
 
     Attributes:
         out: the output, as messages name it (the results file, or the block folder).
@@ -270,7 +270,7 @@ class OutputPlan:
         last: the last complete record already there (None if none).
         state: what the existing output holds (resuming only).
         old: the settings in its metadata (None without one), as ``upgrade`` of
-            :func:`plan_output` reads them (an earlier version's in today's terms).
+            :func:`output_policy` reads them (an earlier version's in today's terms).
         target: the output (:class:`RunTarget`; default: the file ``out``).
         labels: how a refusal names each key of the resume key (its flag; default: the key).
             The runtime keys (:func:`check_runtime`) keep their names: their values are
@@ -308,9 +308,9 @@ def resume_refusal(out: PathLike, old: dict, new: dict, keys: Iterable[str],
                       f"{name('overwrite', '--overwrite')}")
 
 
-def plan_output(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrite: bool,
+def output_policy(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrite: bool,
                 upgrade: Callable[[dict], dict] | None = None,
-                labels: Mapping[str, str] | None = None) -> OutputPlan:
+                labels: Mapping[str, str] | None = None) -> OutputPolicy:
     """Decide, before the model is loaded (to fail fast), what to do with ``out`` (a results
     file's path, or a :class:`RunTarget`).
 
@@ -335,61 +335,61 @@ def plan_output(out: PathLike | RunTarget, meta: dict, *, resume: bool, overwrit
             if err is not None:
                 raise err
         last = state.last
-        return OutputPlan(name, append=True, start=last["index"] + 1 if last is not None else 0,
+        return OutputPolicy(name, append=True, start=last["index"] + 1 if last is not None else 0,
                           last=last, state=state, old=old, target=target, labels=labels)
     if target.holds_results() and not overwrite and not resume:
         name = (labels or {}).get
         raise ValueError(f"{target.name} {target.held}; pass {name('resume', '--resume')} to "
                          f"continue it or {name('overwrite', '--overwrite')} to replace it")
-    return OutputPlan(name, target=target, labels=labels)
+    return OutputPolicy(name, target=target, labels=labels)
 
 
-def resumed_meta(plan: OutputPlan | None) -> dict | None:
+def resumed_meta(policy: OutputPolicy | None) -> dict | None:
     """The metadata of the output a run resumes (its ``OUT.meta.json``); None for a new run
-    (``plan`` None: no output, as ``icqs-fast check`` runs)."""
-    return plan.old if plan is not None and plan.append else None
+    (``policy`` None: no output, as ``icqs-fast check`` runs)."""
+    return policy.old if policy is not None and policy.append else None
 
 
-def resumed_dtype(plan: OutputPlan | None, dtype: str) -> str:
+def resumed_dtype(policy: OutputPolicy | None, dtype: str) -> str:
     """The dtype a run loads its model in: ``dtype``, except that ``"auto"`` resuming an output
     takes the dtype that output was written with (an output started before ``auto`` chose
     bf16 on this CPU, or on a CPU of another kind, resumes in its own dtype instead of being
     refused)."""
-    old = resumed_meta(plan)
+    old = resumed_meta(policy)
     if dtype == "auto" and old and isinstance(old.get("dtype"), str):
         return old["dtype"]
     return dtype
 
 
-def check_runtime(plan: OutputPlan, meta: dict, *, keys: Iterable[str] = RUNTIME_KEYS
+def check_runtime(policy: OutputPolicy, meta: dict, *, keys: Iterable[str] = RUNTIME_KEYS
                   ) -> None:
     """After the model is loaded: a resumed output must have been written with the same
     ``keys`` (default :data:`RUNTIME_KEYS`: dtype, device, backend) as ``meta``
     (ValueError otherwise). An output whose metadata is written before the runtime is known
     (a block folder) is checked on the keys it records."""
-    if plan.old is not None:
-        keys = [k for k in keys if k in plan.old or not plan.target.runtime_later]
-        err = resume_refusal(plan.out, plan.old, meta, keys)
+    if policy.old is not None:
+        keys = [k for k in keys if k in policy.old or not policy.target.runtime_later]
+        err = resume_refusal(policy.out, policy.old, meta, keys)
         if err is not None:
             raise err
 
 
-def start_output(plan: OutputPlan, meta: dict, log: Callable[..., None]) -> None:
+def start_output(policy: OutputPolicy, meta: dict, log: Callable[..., None]) -> None:
     """Make the output ready for writing: when resuming, drop what a crash left unfinished
     (a JSONL record cut off mid-write, unfinished Parquet parts or blocks); else empty it,
     then write its metadata (a crash in between leaves an empty output, never old records
     under new settings)."""
-    if plan.append:
-        plan.target.reopen(plan, log)
+    if policy.append:
+        policy.target.reopen(policy, log)
     else:
-        plan.target.clear()
-        plan.target.write_meta(meta)
+        policy.target.clear()
+        policy.target.write_meta(meta)
 
 
-def resume_check_needed(plan: OutputPlan) -> bool:
+def resume_check_needed(policy: OutputPolicy) -> bool:
     """Whether the resumed output's last record has an id to compare with the input's record
     at that index (a skipped record's line has none)."""
-    last = plan.last
+    last = policy.last
     return last is not None and "id" in last and "error" not in last
 
 
@@ -419,26 +419,26 @@ def checked_resume(records: Iterator[Record | RecordError], last: dict, path: st
 
 
 def input_range(input: str, format: str | None, encoding: str, shard: str | None,
-                plan: OutputPlan, *, align: int = 1) -> tuple[int, int | None, int]:
+                policy: OutputPolicy, *, align: int = 1) -> tuple[int, int | None, int]:
     """For a command with ``--shard`` (``shard`` = "I/N"): ``(start, stop, total)``, the input
     records this run reads - its shard's range (:func:`shard_range`, boundaries multiples of
     ``align``), started after what a resumed output holds - and the number of records it will
-    write (for the progress bar; -1 when unknown). Without ``--shard``: ``(plan.start, None,
+    write (for the progress bar; -1 when unknown). Without ``--shard``: ``(policy.start, None,
     n)``, ``n`` known only for Parquet / datasets inputs (counting a text file would read it
     twice)."""
     fmt = detect_format(input, format) if input != "-" else "jsonl"
     if shard is None:
         total = -1
         if fmt in ("parquet", "datasets"):
-            total = max(0, count_records(input, format=format) - plan.start)
-        return plan.start, None, total
+            total = max(0, count_records(input, format=format) - policy.start)
+        return policy.start, None, total
     i, n = parse_shard(shard)
     total = count_records(input, format=format, encoding=encoding)
     if total == 0:
         raise InputError(display_name(input), None, None, "no records (nothing to shard)")
     lo, hi = shard_range(total, i, n, align)
-    start = max(lo, plan.start)
-    if plan.last is not None and not lo <= plan.last["index"] < hi:
-        raise ValueError(f"cannot --resume {plan.out}: its last record {plan.last['index']} is "
+    start = max(lo, policy.start)
+    if policy.last is not None and not lo <= policy.last["index"] < hi:
+        raise ValueError(f"cannot --resume {policy.out}: its last record {policy.last['index']} is "
                          f"outside shard {shard} (records {lo}..{hi - 1})")
     return start, hi, max(0, hi - start)

@@ -261,7 +261,7 @@ class FeatureStrategy:
     def prepare(self, log: Callable[..., None]) -> None:
         """Nothing to read before the model (the job runner's first step)."""
 
-    def self_check(self, plan: Any, log: Callable[..., None],
+    def self_check(self, policy: Any, log: Callable[..., None],
                    run: Callable[[], dict] | None = None) -> None:
         """No self-check for features."""
         return None
@@ -269,14 +269,14 @@ class FeatureStrategy:
     def use_self_check(self, check: dict) -> None:
         """No self-check for features."""
 
-    def load(self, plan: Any, meta: dict, log: Callable[..., None]) -> None:
+    def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
         from icqs_fast.models import load_model
 
         c = self.config
         t_load = time.perf_counter()
         self.model, self.tokenizer = load_model(
-            None if c.model == "embedded" else c.model, dtype=resumed_dtype(plan, c.dtype),
+            None if c.model == "embedded" else c.model, dtype=resumed_dtype(policy, c.dtype),
             device=c.device,
             load_in_8bit=c.load_in_8bit, load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
@@ -284,8 +284,8 @@ class FeatureStrategy:
                       else ComboScale.intrinsic(vocab_size(self.model)))
         meta["combo_scale"] = self.scale.as_dict()
         meta.update(runtime_settings(self.model, c.backend))
-        if plan is not None:  # the runner checks dtype/device/backend; these are known now
-            check_runtime(plan, meta, keys=("combo_scale",))
+        if policy is not None:  # the runner checks dtype/device/backend; these are known now
+            check_runtime(policy, meta, keys=("combo_scale",))
         log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(c.features)} "
             f"({c.mode} mode)")
 

@@ -4,7 +4,7 @@
         --ray [--address auto] --workers 4 --gpus-per-worker 1 [--output-format parquet]
 
 This is the job runner's second executor (:class:`RayExecutor`; :func:`icqs_fast.jobs.runner.
-run_with`): the output plan, lock, metadata, resume rules and self-check step are the
+run_with`): the output policy, lock, metadata, resume rules and self-check step are the
 single-process run's (:mod:`icqs_fast.io.runs`, the job's strategy), and only where the forward
 runs differs. The input (any format the single-process command reads: JSONL/CSV/TSV, Parquet, a
 datasets folder; not standard input) is cut into blocks of ``--block-size`` consecutive records
@@ -69,7 +69,7 @@ import numpy as np
 from icqs_fast.io.blocks import OBJECT_STORES, BlockOutput, block_name, block_path, is_uri
 from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import InputError, detect_format
-from icqs_fast.io.runs import RUNTIME_KEYS, OutputPlan, check_runtime, start_output
+from icqs_fast.io.runs import RUNTIME_KEYS, OutputPolicy, check_runtime, start_output
 from icqs_fast.jobs.config import DEFAULT_BLOCK_SIZE, OUTPUT_FORMATS, JobConfig
 from icqs_fast.jobs.ray_actors import BlockSpec, batch_columns, block_items
 from icqs_fast.jobs.runner import (
@@ -113,11 +113,11 @@ class ActorSetup:
     """What every :class:`BlockActor` is built from (one object, pickled once per actor):
     the job's strategy as the driver prepared it (its config, with the dtype the driver chose;
     for ``score`` the one ScoringSettings, the demonstrations and their sets, sent unchanged),
-    the output plan (what a resumed output was written with), the run's self-check (None: a
+    the output policy (what a resumed output was written with), the run's self-check (None: a
     kind without one), the output as the actors open it, and the input's block template."""
 
     strategy: Any
-    plan: OutputPlan
+    policy: OutputPolicy
     self_check: dict | None
     output: str
     spec: BlockSpec
@@ -140,8 +140,8 @@ class BlockActor:
         self.added: dict = {}  # what the loaded model adds to the metadata (dtype, ...)
         self.setup_error = ""
         try:
-            self.strategy.load(setup.plan, self.added, _quiet)
-            check_runtime(setup.plan, self.added)
+            self.strategy.load(setup.policy, self.added, _quiet)
+            check_runtime(setup.policy, self.added)
         except ValueError as exc:
             self.setup_error = str(exc)
             return
@@ -230,14 +230,14 @@ class RayExecutor:
                     output_format=ro.output_format)
 
     def run(self, job: JobRun) -> int:
-        config, plan, log = job.config, job.plan, job.log
+        config, policy, log = job.config, job.policy, job.log
         ro = config.ray
         assert ro is not None
-        out = plan.target
-        start_output(plan, job.meta, log)
+        out = policy.target
+        start_output(policy, job.meta, log)
         n, B = self.n_records, ro.block_size
         n_blocks = (n + B - 1) // B
-        done = set(plan.state.blocks) if plan.state is not None else set()
+        done = set(policy.state.blocks) if policy.state is not None else set()
         pending = [k for k in range(n_blocks) if block_name(k, ro.output_format) not in done]
         if len(pending) < n_blocks:
             log(f"icqs-fast: resuming {out.output}: {n_blocks - len(pending)} of {n_blocks} "
@@ -248,14 +248,14 @@ class RayExecutor:
         # Every actor loads its model in the one dtype the driver decides: the prepared
         # strategy goes to the workers with that dtype in its config.
         prepared = copy.copy(job.strategy)
-        prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, plan))
+        prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, policy))
         remote = {"num_gpus": ro.gpus_per_worker or None, "num_cpus": ro.cpus_per_worker,
                   **self.actor_options}
         started = _init_ray(ro.address)
         try:
             check = job.strategy.self_check(
-                plan, log, run=lambda: _remote_self_check(prepared, plan, remote))
-            if check is not None and not plan.append:
+                policy, log, run=lambda: _remote_self_check(prepared, policy, remote))
+            if check is not None and not policy.append:
                 job.meta["self_check"] = check
                 out.write_meta(job.meta)
             # The actors get the output as the user gave it (a URI stays a URI; a path is
@@ -264,7 +264,7 @@ class RayExecutor:
                              detect_format(config.input, config.format), 0, 0, 0,
                              fields=record_fields(config, labels=job.strategy.read_labels),
                              encoding=config.encoding, name=config.input)
-            setup = ActorSetup(prepared, plan, check,
+            setup = ActorSetup(prepared, policy, check,
                                config.output if is_uri(config.output) else out.root, spec)
             blocks = [{"block": k, "start": k * B, "end": min(n, (k + 1) * B)}
                       for k in pending]
@@ -318,7 +318,7 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
     return run_with(config, RayExecutor(actor_options), stats=stats)
 
 
-def _actor_dtype(config: JobConfig, plan: OutputPlan) -> str:
+def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:
     """The dtype every actor loads its model in, decided once by the driver: ``--dtype`` as
     given, a resumed output's own dtype for ``auto`` (:func:`~icqs_fast.io.runs.
     resumed_dtype`), else ``auto`` resolved here for CPU actors (on a cluster of mixed CPU
@@ -326,7 +326,7 @@ def _actor_dtype(config: JobConfig, plan: OutputPlan) -> str:
     dtype); GPU actors all choose bf16 and keep ``auto``."""
     from icqs_fast.io.runs import resumed_dtype
 
-    dtype = resumed_dtype(plan, config.dtype)
+    dtype = resumed_dtype(policy, config.dtype)
     if dtype != "auto" or config.ray.gpus_per_worker or config.device not in ("auto", "cpu"):
         return dtype
     from icqs_fast.models import choose_dtype
@@ -348,19 +348,19 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
-def _self_check_task(strategy: Any, plan: OutputPlan) -> dict | None:
+def _self_check_task(strategy: Any, policy: OutputPolicy) -> dict | None:
     """The job's self-check step on one worker (its resources; the prepared strategy's model
     and engine)."""
-    strategy.load(plan, {}, _quiet)
-    return strategy.self_check(plan, _quiet)
+    strategy.load(policy, {}, _quiet)
+    return strategy.self_check(policy, _quiet)
 
 
-def _remote_self_check(strategy: Any, plan: OutputPlan, remote: dict) -> dict | None:
+def _remote_self_check(strategy: Any, policy: OutputPolicy, remote: dict) -> dict | None:
     """:func:`_self_check_task` in a Ray task with one worker's resources."""
     import ray
 
     task = ray.remote(**{k: v for k, v in remote.items() if k in ("num_gpus", "num_cpus")})
-    return ray.get(task(_self_check_task).remote(strategy, plan))
+    return ray.get(task(_self_check_task).remote(strategy, policy))
 
 
 @dataclass
@@ -400,7 +400,7 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
     worker on the same runtime, the first error raised, the figures into ``job.stats``."""
     from icqs_fast.progress import track
 
-    config, plan, log, out = job.config, job.plan, job.log, job.plan.target
+    config, policy, log, out = job.config, job.policy, job.log, job.policy.target
     try:
         for row in track(ds.iter_rows(), total=p.n_pending, desc="icqs-fast blocks",
                          unit="block", quiet=config.quiet):
@@ -412,7 +412,7 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
             rt = json.loads(row["runtime"])
             if p.runtime is None:  # the first block fixes the run's dtype/device/backend
                 p.runtime = rt
-                out.write_meta({**(plan.old or {}), **job.meta, **rt})
+                out.write_meta({**(policy.old or {}), **job.meta, **rt})
             elif any(p.runtime.get(k) != rt.get(k) for k in RUNTIME_KEYS):
                 raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
                                  f"{p.runtime}; every worker must use the same dtype, device "

@@ -1,5 +1,5 @@
 """ONE job runner for ``score`` and ``features``, whatever runs the forward: read -> batch ->
-score -> write, with the output plan, lock, resume, metadata, self-check, bad-record rules,
+score -> write, with the output policy, lock, resume, metadata, self-check, bad-record rules,
 progress and a summary.
 
     from icqs_fast.jobs.config import ScoreJobConfig
@@ -13,8 +13,8 @@ engine, the self-check step, compute the results of a record stream, turn one re
 output line, count it in the summary. An executor (:class:`Executor`) decides only where the
 forward runs and so what the output is: :class:`LocalExecutor` (this process, a results file)
 or ``jobs.ray_executor.RayExecutor`` (Ray Data actors, a folder of block files; Ray is imported
-only there). Both go through :func:`run_with` - the same plan (:func:`icqs_fast.io.runs.
-plan_output`), lock, metadata and resume rules - and both write results with
+only there). Both go through :func:`run_with` - the same policy (:func:`icqs_fast.io.runs.
+output_policy`), lock, metadata and resume rules - and both write results with
 :func:`stream_results` into the writers of :mod:`icqs_fast.io.results`.
 """
 
@@ -35,7 +35,7 @@ from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.results import output_format, remove_parquet_output, skipped_record
 from icqs_fast.io.runs import (
     FileTarget,
-    OutputPlan,
+    OutputPolicy,
     RunTarget,
     check_run_paths,
     check_runtime,
@@ -43,7 +43,7 @@ from icqs_fast.io.runs import (
     input_range,
     meta_path,
     open_results,
-    plan_output,
+    output_policy,
     resume_check_needed,
     start_output,
 )
@@ -74,11 +74,11 @@ class JobStrategy(Protocol):
     def prepare(self, log: Log) -> None:
         """What needs no model (score: the demonstration sets), before the output is touched."""
 
-    def load(self, plan: OutputPlan | None, meta: dict, log: Log) -> None:
+    def load(self, policy: OutputPolicy | None, meta: dict, log: Log) -> None:
         """Load the model and build the engine; add what is known only now (dtype, device,
         backend, ...) to ``meta`` (the runner checks it against a resumed output)."""
 
-    def self_check(self, plan: OutputPlan | None, log: Log,
+    def self_check(self, policy: OutputPolicy | None, log: Log,
                    run: Callable[[], dict] | None = None) -> dict | None:
         """The run's self-check (a dict for the metadata; None for a kind without one): a
         resumed output's, else computed - by ``run`` when given (elsewhere), else here."""
@@ -117,11 +117,11 @@ def strategy_for(config: JobConfig) -> JobStrategy:
 
 @dataclass
 class JobRun:
-    """One job as the runner hands it to its executor: planned, its output locked."""
+    """One job as the runner hands it to its executor: decided, its output locked."""
 
     config: JobConfig
     strategy: JobStrategy
-    plan: OutputPlan
+    policy: OutputPolicy
     meta: dict  # the metadata (OUT.meta.json): the resume key, then what the run adds
     log: Log
     stats: dict  # the executor's run figures (filled by the Ray executor)
@@ -209,7 +209,7 @@ def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None =
 def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
              stats: dict | None = None) -> int:
     """Run ``config``'s job with ``executor``: the checks, the strategy's preparation, the
-    output's lock and plan (new, resumed or replaced: :func:`~icqs_fast.io.runs.plan_output`),
+    output's lock and policy (new, resumed or replaced: :func:`~icqs_fast.io.runs.output_policy`),
     then :meth:`Executor.run`. An OS error on the output is an :class:`OutputError`."""
     executor.check(config)
     log = log or stderr_log(config.quiet)
@@ -225,10 +225,10 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
             meta = {**config.resume_key(), **executor.layout_key(config)}
             # Fail fast on other settings, before the model is loaded; the rest is checked
             # once it is.
-            plan = plan_output(target, meta, resume=config.resume,
+            policy = output_policy(target, meta, resume=config.resume,
                                overwrite=config.overwrite, upgrade=config.upgrade_meta,
                                labels=config.key_labels())
-            return executor.run(JobRun(config, strategy, plan, meta, log,
+            return executor.run(JobRun(config, strategy, policy, meta, log,
                                        stats if stats is not None else {}))
     except OSError as exc:
         if not is_output_error(exc, config.output):
@@ -305,24 +305,24 @@ class LocalExecutor:
 
     def run(self, job: JobRun) -> int:
         """The job in this process, its output lock held."""
-        config, strategy, plan, meta = job.config, job.strategy, job.plan, job.meta
+        config, strategy, policy, meta = job.config, job.strategy, job.policy, job.meta
         start, stop, total = input_range(config.input, config.format, config.encoding,
-                                         config.shard, plan, align=strategy.align)
+                                         config.shard, policy, align=strategy.align)
         set_threads(config.threads)
         if config.quiet:
             quiet_transformers()
-        strategy.load(plan, meta, job.log)
-        check_runtime(plan, meta)
-        check = strategy.self_check(plan, job.log)
+        strategy.load(policy, meta, job.log)
+        check_runtime(policy, meta)
+        check = strategy.self_check(policy, job.log)
         if check is not None:
             meta["self_check"] = check
-        start_output(plan, meta, job.log)
+        start_output(policy, meta, job.log)
 
         # Resuming: read again from the first record of the chunk the run stopped in (a
         # chunked job recomputes its records in the same batches, writing only those after
         # the last one on disk), and check that the output's last record still has its id.
         first = (start // strategy.align) * strategy.align
-        resume_check = resume_check_needed(plan)
+        resume_check = resume_check_needed(policy)
         records: Iterable[Record | RecordError] = read_records(
             config.input, record_fields(config, labels=strategy.read_labels),
             format=config.format, encoding=config.encoding,
@@ -331,14 +331,14 @@ class LocalExecutor:
             allow_empty=start > 0 or stop is not None,
         )
         if resume_check:
-            records = checked_resume(records, plan.last, config.input_name, keep=True)
+            records = checked_resume(records, policy.last, config.input_name, keep=True)
             records = (r for r in records if r.index >= first)  # the last may precede it
 
         summary = strategy.summary()
         try:
             return _write_results(job, records, summary, start, total)
         except InputError as exc:
-            if not isinstance(exc, RecordError) and not plan.append and summary.n == 0 \
+            if not isinstance(exc, RecordError) and not policy.append and summary.n == 0 \
                     and summary.skipped == 0:
                 remove_output(Path(config.output))  # nothing was written: leave nothing
             raise
@@ -358,13 +358,13 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
     from icqs_fast.progress import track
 
     config, strategy, log = job.config, job.strategy, job.log
-    out = job.plan.out
+    out = job.policy.out
 
     def bar(results: Iterable) -> Iterable:
         return track(results, total=total if total >= 0 else None, desc=strategy.desc,
                      unit="record", quiet=config.quiet)
 
-    with open_results(job.plan, schema=strategy.table_schema()) as writer:
+    with open_results(job.policy, schema=strategy.table_schema()) as writer:
         sink = ResultSink(writer, summary, skip=config.on_error == "skip", log=log)
         try:
             stream_results(strategy, records, sink, write_from=start, progress=bar)
@@ -381,7 +381,7 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
             log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
             return 130
     log(summary.text(strategy.done_prefix))
-    if job.plan.append:  # the lines above cover this run only: say what the whole output holds
+    if job.policy.append:  # the lines above cover this run only: say what the whole output holds
         log(output_summary(out, label=config.label_field is not None
                            and strategy.read_labels))
     return 0

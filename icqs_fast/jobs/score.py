@@ -250,7 +250,7 @@ class ScoreStrategy:
         flag = declaration(self.settings, name).flag or name
         return flag if value is True else f"{flag} {value}"
 
-    def load(self, plan: Any, meta: dict, log: Callable[..., None]) -> None:
+    def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
         (dtype, device, backend) added to ``meta``."""
         from icqs_fast.engine.scorer import ICQSScorer
@@ -262,7 +262,7 @@ class ScoreStrategy:
         good, bad = self.good, self.bad
         t_load = time.perf_counter()
         model, tok = load_model(None if c.model == "embedded" else c.model,
-                                dtype=resumed_dtype(plan, c.dtype),
+                                dtype=resumed_dtype(policy, c.dtype),
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
@@ -273,7 +273,7 @@ class ScoreStrategy:
             f"demonstrations, {s.num_ratios} ratios x {s.sets_per_ratio} sets of "
             f"{s.demos_per_set}")
 
-    def self_check(self, plan: Any, log: Callable[..., None],
+    def self_check(self, policy: Any, log: Callable[..., None],
                    run: Callable[[], dict] | None = None) -> dict:
         """The run's self-check from the pools (:mod:`icqs_fast.engine.selfcheck`), as a dict
         for the metadata: the one a resumed output's metadata holds; else, when it needs no
@@ -293,7 +293,7 @@ class ScoreStrategy:
         from icqs_fast.progress import track
 
         c = self.config
-        old = resumed_meta(plan)
+        old = resumed_meta(policy)
         if old is not None:
             if "self_check" not in old:
                 check = SelfCheck.off("not run (resuming an output written without one)")
@@ -303,7 +303,7 @@ class ScoreStrategy:
         else:
             kw = c.self_check.kwargs()
             # The default size follows the job; a --self-check-max of one's own is as asked.
-            kw["job_records"] = (self.job_records(plan, kw["max_heldout"])
+            kw["job_records"] = (self.job_records(policy, kw["max_heldout"])
                                  if kw["max_heldout"] == DEFAULT_MAX_HELDOUT else None)
             n = sized_max_heldout(kw["max_heldout"], kw["job_records"])
             if n == 0 or too_small(len(self.good), len(self.bad), n):
@@ -322,7 +322,7 @@ class ScoreStrategy:
         self.use_self_check(check)
         return check.to_dict()
 
-    def job_records(self, plan: Any, limit: int) -> int | None:
+    def job_records(self, policy: Any, limit: int) -> int | None:
         """The records this job scores when at most ``limit`` (the self-check's size, which
         follows the job: :func:`icqs_fast.engine.selfcheck.sized_max_heldout`), else None; from
         the shard or the Parquet metadata, or by reading at most ``limit + 1`` records. None
@@ -334,14 +334,14 @@ class ScoreStrategy:
         from icqs_fast.io.runs import input_range
 
         c = self.config
-        if plan is None or c.input == "-":
+        if policy is None or c.input == "-":
             return None
         try:
-            _, _, total = input_range(c.input, c.format, c.encoding, c.shard, plan)
+            _, _, total = input_range(c.input, c.format, c.encoding, c.shard, policy)
             if total < 0:
                 total = sum(1 for _ in itertools.islice(read_records(
                     c.input, RecordFields(c.x_field, c.y_field), format=c.format,
-                    encoding=c.encoding, skip=plan.start, on_error="yield"), limit + 1))
+                    encoding=c.encoding, skip=policy.start, on_error="yield"), limit + 1))
         except (OSError, InputError):
             return None
         return total if total <= limit else None
