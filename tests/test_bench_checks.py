@@ -61,7 +61,7 @@ def _parse(mod, argv):
 def test_kernels_exits_nonzero_naming_the_field(monkeypatch, tmp_path, capsys):
     """One quick CPU record against an impossible tolerance: written, then exit 1 naming
     ``max_abs_err`` with the record's op; with the default tolerance it passes."""
-    monkeypatch.setattr(bench_kernels, "plan",
+    monkeypatch.setattr(bench_kernels, "benchmark_cases",
                         lambda quick, cuda, cpu=True: [("token_stats", "torch", "cpu", "fp32",
                                                          (8, 64))])
     out = tmp_path / "k.json"

@@ -180,7 +180,7 @@ def bench_linear(backend: str, device: torch.device, dtype: str, n: int, h: int,
                             "reference where fp32 matmul rounding reorders near-ties"})
 
 
-def plan(quick: bool, cuda: bool, cpu: bool = True) -> list[tuple]:
+def benchmark_cases(quick: bool, cuda: bool, cpu: bool = True) -> list[tuple]:
     """The list of (kind, backend, device, dtype, shape) records to run (``cpu=False``: the
     CUDA ones only)."""
     avail = backends.availability()
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     records = []
     failed = 0
     envs = {dev: environment(dev) for dev in copy}
-    for kind, backend, dev, dtype, shape in plan(args.quick, cuda, cpu):
+    for kind, backend, dev, dtype, shape in benchmark_cases(args.quick, cuda, cpu):
         device = torch.device(dev)
         extra = {"copy_gbps": round(copy[dev], 3), "repeat": args.repeat,
                  "threads": torch.get_num_threads() if dev == "cpu" else None}
