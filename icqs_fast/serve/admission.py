@@ -17,14 +17,23 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from icqs_fast.options import declaration
 from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.errors import APIError
 
 LOGIT_BIAS_MAX = 100.0  # OpenAI's range for logit_bias values
+
+
+def limit_flag(field: str) -> str:
+    """The ``serve`` flag of a :class:`ServeConfig` limit (from its declaration), as messages
+    name it."""
+    return declaration(ServeConfig, field).flag
+
+
 # The ICQS options a request may set, the flag that bounds each and its config field.
-ICQS_LIMITS = (("num_ratios", "--max-num-ratios", "max_num_ratios"),
-               ("sets_per_ratio", "--max-sets-per-ratio", "max_sets_per_ratio"),
-               ("demos_per_set", "--max-demos-per-set", "max_demos_per_set"))
+ICQS_LIMITS = tuple((name, limit_flag(field), field) for name, field in (
+    ("num_ratios", "max_num_ratios"), ("sets_per_ratio", "max_sets_per_ratio"),
+    ("demos_per_set", "max_demos_per_set")))
 
 
 def completion_price(lengths: Sequence[int], scored: bool, max_new: int) -> int:
@@ -90,18 +99,19 @@ class Admission:
     def prompt(self, n: int, what: str) -> None:
         """One prompt, record or demonstration of ``n`` tokens: 400 over the limit."""
         if n > self.max_prompt_tokens:
-            why = (f"--max-prompt-tokens {self.config.max_prompt_tokens}"
+            why = (f"{limit_flag('max_prompt_tokens')} {self.config.max_prompt_tokens}"
                    if self.max_prompt_tokens == self.config.max_prompt_tokens
                    else f"the model's {self.max_positions} positions")
             raise APIError(400, f"{what} has {n} tokens, more than the limit of "
                            f"{self.max_prompt_tokens} ({why}; raise it with "
-                           "--max-prompt-tokens)", "context_length_exceeded", param=what)
+                           f"{limit_flag('max_prompt_tokens')})", "context_length_exceeded",
+                           param=what)
 
     def count(self, n: int, what: str) -> None:
         """``n`` prompts or records in one request: 400 over ``--max-prompts``."""
         if n > self.config.max_prompts:
             raise APIError(400, f"{n} {what} in one request; at most {self.config.max_prompts} "
-                           "(--max-prompts)", f"too_many_{what}", param=what)
+                           f"({limit_flag('max_prompts')})", f"too_many_{what}", param=what)
 
     def request(self, held: int, price: int, route: str) -> None:
         """The whole request: the tokens it holds and its price in token-passes, each within
@@ -109,12 +119,14 @@ class Admission:
         limit = self.config.max_request_tokens
         if held > limit:
             raise APIError(413, f"the request holds {held} tokens, more than the limit of "
-                           f"{limit} per request (raise it with --max-request-tokens, or "
-                           "split the request)", "request_too_large")
+                           f"{limit} per request (raise it with "
+                           f"{limit_flag('max_request_tokens')}, or split the request)",
+                           "request_too_large")
         if price > limit:
             raise APIError(413, f"the request asks for {price} tokens of work (tokens times "
                            f"the forward passes that read them), more than the limit of {limit}"
-                           " per request (raise it with --max-request-tokens, or ask for less: "
+                           f" per request (raise it with "
+                           f"{limit_flag('max_request_tokens')}, or ask for less: "
                            "fewer prompts or records, a smaller max_tokens or ICQS settings)",
                            "request_too_large")
         if self.count_tokens is not None:
@@ -125,14 +137,15 @@ class Admission:
     def max_tokens(self, n: int) -> None:
         if n > self.config.max_gen_tokens:
             raise APIError(400, f"max_tokens={n} is over this server's limit of "
-                           f"{self.config.max_gen_tokens} (--max-gen-tokens; it is built for "
+                           f"{self.config.max_gen_tokens} ({limit_flag('max_gen_tokens')}; it is "
+                           "built for "
                            "scoring: max_tokens=0, echo=true, logprobs=N)",
                            "max_tokens_too_large", param="max_tokens")
 
     def logprobs(self, n: int | None) -> None:
         if n is not None and n > self.config.max_logprobs:
             raise APIError(400, f"'logprobs' must be an integer in [0, "
-                           f"{self.config.max_logprobs}] (--max-logprobs), got {n}",
+                           f"{self.config.max_logprobs}] ({limit_flag('max_logprobs')}), got {n}",
                            "invalid_request", param="logprobs")
 
     def stop(self, stop: str | list[str] | None) -> list[str]:
@@ -141,12 +154,13 @@ class Admission:
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         if len(stops) > self.config.max_stop:
             raise APIError(400, f"'stop' holds {len(stops)} strings; at most "
-                           f"{self.config.max_stop} (--max-stop)", "too_many_stop_strings",
+                           f"{self.config.max_stop} ({limit_flag('max_stop')})",
+                           "too_many_stop_strings",
                            param="stop")
         for i, s in enumerate(stops):
             if len(s) > self.config.max_stop_chars:
                 raise APIError(400, f"stop[{i}] has {len(s)} characters; at most "
-                               f"{self.config.max_stop_chars} (--max-stop-chars)",
+                               f"{self.config.max_stop_chars} ({limit_flag('max_stop_chars')})",
                                "stop_string_too_long", param="stop")
         return stops
 
@@ -156,7 +170,7 @@ class Admission:
         raw = raw or {}
         if len(raw) > self.config.max_logit_bias:
             raise APIError(400, f"logit_bias has {len(raw)} entries; at most "
-                           f"{self.config.max_logit_bias} (--max-logit-bias)",
+                           f"{self.config.max_logit_bias} ({limit_flag('max_logit_bias')})",
                            "too_many_logit_bias", param="logit_bias")
         out: dict[int, float] = {}
         for key, val in raw.items():
@@ -187,4 +201,5 @@ class Admission:
                                param=f"{param}.{name}")
 
 
-__all__ = ["ICQS_LIMITS", "LOGIT_BIAS_MAX", "Admission", "completion_price", "score_price"]
+__all__ = ["ICQS_LIMITS", "LOGIT_BIAS_MAX", "Admission", "completion_price", "limit_flag",
+           "score_price"]

@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from icqs_fast.serve.admission import limit_flag
 from icqs_fast.serve.errors import CLIENT_CLOSED, APIError, error_body
 from icqs_fast.serve.metrics import ServeMetrics
 
@@ -19,7 +20,7 @@ class _TooLarge(APIError):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body is over the limit of {limit} bytes "
-                         "(--max-body-bytes)", "body_too_large")
+                         f"({limit_flag('max_body_bytes')})", "body_too_large")
 
 
 class Guard:
@@ -81,7 +82,8 @@ class Guard:
                 return
             if too_big:
                 await self._send_error(send, 413, f"request body of {int(length)} bytes is over "
-                                       f"the limit of {self.max_body} (--max-body-bytes)",
+                                       f"the limit of {self.max_body} "
+                                       f"({limit_flag('max_body_bytes')})",
                                        "body_too_large")
                 return
         seen = 0
