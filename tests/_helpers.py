@@ -204,14 +204,16 @@ def wait_for_file(path, timeout: float, proc=None) -> None:
 
 
 def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None,
-                    window=None, chunk=None, sinks=None, positions=None):
+                    window=None, chunk=None, sinks=None, positions=None, with_scores=False):
     """Float64 ``(out, lse)`` of ``ops.attention_lse``'s contract, every score materialised (on
     the CPU, whatever the inputs' device): scores ``q.k scale`` (capped ``c tanh(s / c)``),
     allowed when the key is real (``attention_mask [B, Tk]``, key position >= 0), ``kpos <=
     qpos`` (causal), ``qpos - kpos < window``, ``kpos // chunk == qpos // chunk``; positions
     ``(q_pos [B, Tq], k_pos [B, Tk])`` default to ``Tk - Tq + i`` and ``j``; sinks ``[Hq]`` add
     ``exp(sink_h)`` to the output's denominator only. A row with no allowed key: output 0, lse
-    -inf. (torch_ref.attention_lse computes in fp32: this is the independent float64 one.)"""
+    -inf. (torch_ref.attention_lse computes in fp32: this is the independent float64 one.)
+    ``with_scores``: also the masked scores ``[B, Hq, Tq, Tk]`` (-inf where not allowed), as
+    ``(out, lse, scores)``."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     b, hq, tq, _ = q.shape
     hk, tk = k.shape[1], k.shape[2]
@@ -241,7 +243,7 @@ def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softca
     if sinks is not None:
         total = torch.logaddexp(lse, sinks.double().cpu().view(1, hq, 1))
     p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
-    return p @ v, lse
+    return (p @ v, lse, s) if with_scores else (p @ v, lse)
 
 
 def variant_model(kind: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import DEVICE, ref_token_stats
+from _helpers import DEVICE, attention_lse64, ref_token_stats
 
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
@@ -200,34 +200,6 @@ def _check_stats(got, want, dtype, what):
     assert torch.equal(got.valid.cpu(), want["valid"]), what
 
 
-def dense_attention64(q, k, v, *, causal, attention_mask, scale, window=None, chunk=None,
-                      softcap=None, sinks=None):
-    """Float64, fully materialised attention of the ops' contract: ``(out, lse, scores)``
-    with the masked scores ``[B, Hq, Tq, Tk]`` (-inf where not allowed)."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    b, hq, tq, _ = q.shape
-    hk, tk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
-    s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    qpos, kpos = tk - tq + torch.arange(tq), torch.arange(tk)
-    allow = torch.ones(b, tq, tk, dtype=torch.bool)
-    if attention_mask is not None:
-        allow &= attention_mask.cpu()[:, None, :]
-    if causal:
-        allow &= kpos[None, :] <= qpos[:, None]
-    if window is not None:
-        allow &= qpos[:, None] - kpos[None, :] < window
-    if chunk is not None:
-        allow &= (kpos[None, :] // chunk) == (qpos[:, None] // chunk)
-    s = s.masked_fill(~allow[:, None], -math.inf)
-    lse = torch.logsumexp(s, -1)
-    total = lse if sinks is None else torch.logaddexp(lse, sinks.double().cpu()[None, :, None])
-    p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
-    return p @ v, lse, s
-
-
 def _range_entropy64(s, key_range, query_mask):
     """Entropy of each flagged row's softmax renormalised over its key range (float64)."""
     b, _, _, tk = s.shape
@@ -264,7 +236,8 @@ def _entropy_call(backend, dtype, opts):
     out, ent = ops.attention_entropy(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), key_range=kr,
                                      query_mask=qm, attention_mask=am.to(DEVICE), causal=True,
                                      scale=0.3, backend=backend, **dev)
-    ro, _, s = dense_attention64(q, k, v, causal=True, attention_mask=am, scale=0.3, **var)
+    ro, _, s = attention_lse64(q, k, v, causal=True, attention_mask=am, scale=0.3,
+                              with_scores=True, **var)
     return (out, ent), (ro, _range_entropy64(s, kr, qm))
 
 
@@ -287,8 +260,8 @@ def _lse_call(backend, dtype, opts):
                                  dot_dtype=dot, **local)
     if dot is not None:  # the reference of bf16 products: the inputs rounded to bf16
         q, k, v = (x.to(dot).float() for x in (q, k, v))
-    ro, rl, _ = dense_attention64(q, k, v, causal=True, attention_mask=ref_am, scale=0.3,
-                                  softcap=var["softcap"], **local)
+    ro, rl = attention_lse64(q, k, v, causal=True, attention_mask=ref_am, scale=0.3,
+                             softcap=var["softcap"], **local)
     return (out, lse), (ro, rl)
 
 
