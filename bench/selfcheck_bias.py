@@ -33,6 +33,7 @@ from icqs_fast.evals.selfcheck_study import (
     markdown,
     run_one,
     simulate_expected_accuracy,
+    stored_runs,
     summarise,
 )
 
@@ -54,32 +55,23 @@ def main() -> int:
     p.add_argument("--extra-runs", default=None,
                    help="folder of an earlier study's raw files to add (pairs not scored here)")
     a = p.parse_args()
-    os.makedirs(a.work, exist_ok=True)
-    raws = []
     model = tok = None
-    for seed in a.seeds:
-        for ds in a.datasets:
-            path = os.path.join(a.work, f"{ds}_s{seed}.json")
-            if not os.path.exists(path):
-                if a.analyse_only:
-                    continue
-                if model is None:
-                    import torch
 
-                    from icqs_fast.models import load_model
+    def score(ds: str, seed: int) -> dict:
+        nonlocal model, tok
+        if model is None:
+            import torch
 
-                    torch.set_num_threads(a.threads)
-                    model, tok = load_model(a.model, dtype=a.dtype)
-                t0 = time.perf_counter()
-                raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=True)
-                raw["wall_s"] = round(time.perf_counter() - t0, 1)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(raw, f)
-                os.replace(path + ".tmp", path)  # a killed run leaves no half file behind
-                print(f"{ds} s{seed}: {raw['wall_s']:.0f} s -> {path}", file=sys.stderr,
-                      flush=True)
-            with open(path) as f:
-                raws.append(json.load(f))
+            from icqs_fast.models import load_model
+
+            torch.set_num_threads(a.threads)
+            model, tok = load_model(a.model, dtype=a.dtype)
+        t0 = time.perf_counter()
+        raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=True)
+        raw["wall_s"] = round(time.perf_counter() - t0, 1)
+        return raw
+
+    raws = stored_runs(a.work, a.seeds, a.datasets, score, analyse_only=a.analyse_only)
     have = {(r["dataset"], r["seed"]) for r in raws}
     if a.extra_runs:
         for seed in a.seeds:

@@ -16,9 +16,15 @@ import json
 import os
 import platform
 import sys
-import time
 
-from icqs_fast.evals.selfcheck_study import DATASETS, analyse, markdown, run_one, summarise
+from icqs_fast.evals.selfcheck_study import (
+    DATASETS,
+    analyse,
+    markdown,
+    run_one,
+    stored_runs,
+    summarise,
+)
 
 
 def main() -> int:
@@ -34,33 +40,23 @@ def main() -> int:
     p.add_argument("--analyse-only", action="store_true")
     p.add_argument("--method", default="auto", choices=["auto", "platt", "isotonic"])
     a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    raws = []
     model = tok = None
-    for seed in a.seeds:  # seed-major: a cut-short run still covers both datasets
-        for ds in a.datasets:
-            path = os.path.join(a.out, f"{ds}_s{seed}.json")
-            if not os.path.exists(path):
-                if a.analyse_only:
-                    continue
-                if model is None:
-                    import torch
 
-                    from icqs_fast.models import load_model
+    def score(ds: str, seed: int) -> dict:
+        nonlocal model, tok
+        if model is None:
+            import torch
 
-                    torch.set_num_threads(a.threads)
-                    model, tok = load_model(a.model)
-                t0 = time.perf_counter()
-                raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=False)
-                raw["machine"] = {"platform": platform.platform(),
-                                  "processor": platform.processor(),
-                                  "cpus": os.cpu_count()}
-                with open(path, "w") as f:
-                    json.dump(raw, f)
-                print(f"{ds} s{seed}: {time.perf_counter() - t0:.0f} s -> {path}",
-                      file=sys.stderr, flush=True)
-            with open(path) as f:
-                raws.append(json.load(f))
+            from icqs_fast.models import load_model
+
+            torch.set_num_threads(a.threads)
+            model, tok = load_model(a.model)
+        raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=False)
+        raw["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
+                          "cpus": os.cpu_count()}
+        return raw
+
+    raws = stored_runs(a.out, a.seeds, a.datasets, score, analyse_only=a.analyse_only)
     rows = [analyse(r, method=a.method) for r in raws]
     summary = {"rows": rows, "per_dataset": summarise(rows), "method": a.method}
     name = "summary.json" if a.method == "auto" else f"summary_{a.method}.json"

@@ -156,6 +156,36 @@ def run_pools(model: Any, tok: Any, good: Sequence, bad: Sequence,
     }
 
 
+def stored_runs(folder: str, seeds: Sequence[int], datasets: Sequence[str],
+                score: Any, *, analyse_only: bool = False) -> list[dict[str, Any]]:
+    """The raw run of every (dataset, seed), seed-major (a study stopped early still covers
+    every data set): read from ``folder/{dataset}_s{seed}.json`` when it is there, else
+    ``score(dataset, seed)`` (the raw record) written there whole (a killed run leaves no half
+    file), unless ``analyse_only``, which skips the missing ones."""
+    import json
+    import os
+    import sys
+
+    os.makedirs(folder, exist_ok=True)
+    raws = []
+    for seed in seeds:
+        for ds in datasets:
+            path = os.path.join(folder, f"{ds}_s{seed}.json")
+            if not os.path.exists(path):
+                if analyse_only:
+                    continue
+                t0 = time.perf_counter()
+                raw = score(ds, seed)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(raw, f)
+                os.replace(path + ".tmp", path)
+                print(f"{ds} s{seed}: {time.perf_counter() - t0:.0f} s -> {path}",
+                      file=sys.stderr, flush=True)
+            with open(path) as f:
+                raws.append(json.load(f))
+    return raws
+
+
 def _matrix(res: Any) -> list[list[float]]:
     """The ``[M+1, L]`` log-likelihoods a score is computed from (the baseline subtracted, as
     :func:`~icqs_fast.engine.selfcheck.crossfit_score` does), rounded to 1e-5 nats."""
