@@ -298,3 +298,19 @@ def cascade_paths_agree(model, cfg, monkeypatch, path: str) -> None:
     (h_t, m_t), (h_k, m_k) = out["torch"], out[path]
     assert torch.equal(m_t, m_k)
     torch.testing.assert_close(h_k[m_k], h_t[m_t], atol=1e-5, rtol=1e-5)
+
+
+SENTIMENT_WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
+
+
+def sentiment_pools(n: int, start: int = 0) -> tuple[list, list]:
+    """``n`` good and ``n`` bad (x, y) pairs with distinct inputs (good: the right sentiment),
+    numbered from ``start`` (a later start gives records outside an earlier pool)."""
+    good, bad = [], []
+    for i in range(start, start + n):
+        up = i % 2 == 0
+        good.append((f"{SENTIMENT_WORDS[i % 8]} {'rose' if up else 'fell'} {i + 1}%",
+                     "positive" if up else "negative"))
+        bad.append((f"{SENTIMENT_WORDS[(i + 3) % 8]} {'grew' if up else 'shrank'} by {i + 2} "
+                    "million", "negative" if up else "positive"))
+    return good, bad

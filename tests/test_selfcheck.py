@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import save_tiny_llama, tiny_llama, write_jsonl
+from _helpers import sentiment_pools as pools
 
 from icqs_fast import metrics
 from icqs_fast.engine.calibration import icqs_scores
@@ -28,21 +29,6 @@ from icqs_fast.engine.selfcheck import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
-
-
-def pools(n: int) -> tuple[list, list]:
-    """``n`` good and ``n`` bad (x, y) pairs with distinct inputs (good: the right sentiment)."""
-    good, bad = [], []
-    for i in range(n):
-        up = i % 2 == 0
-        good.append((f"{WORDS[i % 8]} {'rose' if up else 'fell'} {i + 1}%",
-                     "positive" if up else "negative"))
-        bad.append((f"{WORDS[(i + 3) % 8]} {'grew' if up else 'shrank'} by {i + 2} million",
-                    "negative" if up else "positive"))
-    return good, bad
-
 
 def synthetic(n: int, a: float, b: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Scores ~ U(0, 1) and labels ~ Bernoulli(sigmoid(a s + b)): a known calibration."""

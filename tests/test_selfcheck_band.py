@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from _helpers import sentiment_pools as pools
 from _helpers import tiny_llama
-from test_selfcheck import pools
 
 from icqs_fast.engine.abstain import (
     AbstainBand,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from _helpers import read_jsonl, write_jsonl
-from test_selfcheck import pools
+from _helpers import sentiment_pools as pools
 
 from icqs_fast.cli import main
 from icqs_fast.io.runs import meta_path

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _helpers import sentiment_pools as pools
 from _helpers import tiny_llama
 
 from icqs_fast import metrics
@@ -17,21 +18,6 @@ from icqs_fast.evals import selfcheck_study as study
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Scoring 56 responses on the tiny model takes ~10-25 s on the shared machine.
 slow = pytest.mark.slow
-
-WORDS = ["profit", "sales", "costs", "margin", "revenue", "debt", "orders", "output"]
-
-
-def pools(n: int, start: int = 0) -> tuple[list, list]:
-    """``n`` good and ``n`` bad (x, y) pairs with distinct inputs (good: the right sentiment)."""
-    good, bad = [], []
-    for i in range(start, start + n):
-        up = i % 2 == 0
-        good.append((f"{WORDS[i % 8]} {'rose' if up else 'fell'} {i + 1}%",
-                     "positive" if up else "negative"))
-        bad.append((f"{WORDS[(i + 3) % 8]} {'grew' if up else 'shrank'} by {i + 2} million",
-                    "negative" if up else "positive"))
-    return good, bad
-
 
 @pytest.fixture(scope="module")
 def raw():
