@@ -469,13 +469,6 @@ def bf16_matmuls():
         _mode_exit()
 
 
-def bf16_products_in_force() -> bool:
-    """Whether fp32 matmuls run with bf16 products right now (:func:`bf16_matmuls`, or the
-    user's own ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``): the cascade's attention
-    then takes bf16 products too, like the linear layers around it."""
-    return torch.backends.mkldnn.matmul.fp32_precision == "bf16"
-
-
 def is_bf16_mixed(module: Any) -> bool:
     """Whether ``module`` is a bf16-mixed model (:func:`to_bf16_mixed`) or its output
     embeddings, still fp32 (one moved to another dtype since computes in that dtype)."""

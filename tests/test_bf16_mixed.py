@@ -71,15 +71,20 @@ def test_mode_on_only_inside_the_forward(tiny, monkeypatch):
         h.remove()
 
 
+def _bf16_products() -> bool:
+    """Whether fp32 matmuls take bf16 products right now (torch's process-wide setting)."""
+    return torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+
+
 def test_scope_nests_and_restores_the_users_setting():
     old = torch.backends.mkldnn.matmul.fp32_precision
     try:
         torch.backends.mkldnn.matmul.fp32_precision = "ieee"
         with models.bf16_matmuls():
-            assert models.bf16_products_in_force()
+            assert _bf16_products()
             with models.bf16_matmuls():
                 assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
-            assert models.bf16_products_in_force()
+            assert _bf16_products()
         assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = old
@@ -95,7 +100,7 @@ def test_head_statistics_take_the_mode(tiny, monkeypatch):
     real = ops.linear_token_stats
 
     def spy(*a, **k):
-        seen.append(models.bf16_products_in_force())
+        seen.append(_bf16_products())
         return real(*a, **k)
 
     monkeypatch.setattr(ops, "linear_token_stats", spy)
