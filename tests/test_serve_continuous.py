@@ -181,8 +181,15 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
                 t.start()
             for t in ths + [th]:
                 t.join(timeout=120)
+            health = httpx.get(st.base_url + "/health", timeout=30).json()
+            metrics = httpx.get(st.base_url + "/metrics", timeout=30).text
     finally:
         hook.remove()
+    # The worker's step counters reach /health and /metrics.
+    assert health["steps"] == srv.queue.steps >= len(steps) > 0
+    assert health["decode_tokens"] == srv.queue.decode_tokens > 0
+    assert f"_steps_total {float(srv.queue.steps)}" in metrics
+    assert f"_decode_tokens_total {float(srv.queue.decode_tokens)}" in metrics
     assert out["gen"]["choices"][0]["text"] == alone_gen["choices"][0]["text"]
     assert out["gen"]["choices"][0]["logprobs"]["token_logprobs"] == \
         alone_gen["choices"][0]["logprobs"]["token_logprobs"]

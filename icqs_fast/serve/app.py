@@ -181,7 +181,8 @@ class Server:
                 "batches": q.batches, "batched_prompts": q.batched_prompts,
                 "largest_batch": q.largest_batch, "rejected": q.rejected, "chunks": q.chunks,
                 "timed_out": q.timed_out, "cancelled": q.cancelled,
-                "interrupted": q.interrupted, "live_generations": q.live_steps}
+                "interrupted": q.interrupted, "live_generations": q.live_steps,
+                "steps": q.steps, "decode_tokens": q.decode_tokens}
 
     # -- the ASGI app -----------------------------------------------------------------------
 

@@ -78,7 +78,11 @@ class _QueueCollector:
                 ("deadline_exceeded", "requests dropped at their deadline", q.timed_out),
                 ("cancelled", "requests dropped because their client went away", q.cancelled),
                 ("interrupted", "running chunks stopped part-way because their request had "
-                 "ended", q.interrupted)):
+                 "ended", q.interrupted),
+                ("steps", "worker steps (one token of every live generation and one slice of "
+                 "other work each)", q.steps),
+                ("decode_tokens", "tokens of started generations, run beside the slices",
+                 q.decode_tokens)):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value)
 
     def describe(self) -> Iterable[Any]:

@@ -277,6 +277,10 @@ class Health(BaseModel):
     interrupted: int = Field(0, description="running chunks stopped part-way because their "
                              "request had ended (deadline, disconnect, shutdown)")
     live_generations: int = Field(0, description="generations holding a KV cache now")
+    steps: int = Field(0, description="worker steps run (each: one token of every live "
+                       "generation and one slice of other work)")
+    decode_tokens: int = Field(0, description="tokens of started generations, run beside "
+                               "the slices")
 
 
 class ErrorDetail(BaseModel):
