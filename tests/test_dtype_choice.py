@@ -229,3 +229,25 @@ def test_auto_resumes_in_the_outputs_own_dtype(detect, tiny_dir, tmp_path):
     old = OutputPolicy(out, append=True, old={"dtype": "float32"})
     assert resumed_dtype(old, "auto") == "float32" and resumed_dtype(old, "bf16") == "bf16"
     assert resumed_dtype(OutputPolicy(out, old={"dtype": "float32"}), "auto") == "auto"
+
+
+def test_precision_bench_fails_when_the_default_misses_its_promises():
+    """The precision benchmark's exit code: its stored record's ``auto`` keeps the default's
+    promises; a record whose ``auto`` misses stability, batch invariance or the float32
+    distance is named, each once."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from icqs_fast.benchmarks import precision
+
+    rec = json.loads((Path(__file__).parents[1] / "bench/results/precision_cpu.json").read_text())
+    assert precision.default_failures(rec) == []
+    assert precision.default_failures({"variants": {"float32": {}}}) == []
+    for field, value, words in (("passes_stability", False, "scores within"),
+                                ("echo_alone_vs_request_max_per_token", 0.2, "inside a request"),
+                                ("echo_vs_fp32_max_per_token", 0.3, "from float32")):
+        bad = copy.deepcopy(rec)
+        bad["variants"]["auto"][field] = value
+        got = precision.default_failures(bad)
+        assert len(got) == 1 and words in got[0], got

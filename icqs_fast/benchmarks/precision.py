@@ -25,7 +25,8 @@ article) alone and inside one request beside prompts of other lengths, two of wh
 start (so it runs as a suffix of the prefix bank); per variant the largest per-token difference
 between the two, and against float32's alone (per token and summed over the passage).
 
-``python -m icqs_fast.benchmarks.precision --json --out FILE``.
+``python -m icqs_fast.benchmarks.precision --json --out FILE``; exit 1 when the default (``auto``)
+misses its promises (:func:`default_failures`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ ECHO_TOKENS = 215
 # for at least AGREE_FRACTION of the answers.
 SCORE_TOL = 0.01
 AGREE_FRACTION = 0.99
+# What the default dtype promises (``--dtype``'s help): a row's echo log-probs independent of its
+# batch neighbours, and near float32's (bf16 weights alone move the passage ~0.07 nats/token).
+ECHO_INVARIANCE_TOL = 1e-3
+ECHO_VS_FP32_TOL = 0.08
 
 
 def load_variant(name: str) -> tuple[Any, Any, str]:
@@ -186,6 +191,26 @@ def bench(n_answers: int = 32, repeats: int = 3, variants=VARIANTS,
     return out
 
 
+def default_failures(rec: dict[str, Any]) -> list[str]:
+    """The default dtype's (``auto``) promises its variant in ``rec`` misses: score stability,
+    echo batch invariance, echo distance to float32. Empty: kept, or ``auto`` not measured."""
+    r = rec["variants"].get("auto")
+    if r is None:
+        return []
+    bad = []
+    if not r["passes_stability"]:
+        bad.append(f"auto: {r['score_within_0.01']:.1%} of scores within {SCORE_TOL} of "
+                   f"float32 (< {AGREE_FRACTION:.0%})")
+    if r["echo_alone_vs_request_max_per_token"] > ECHO_INVARIANCE_TOL:
+        bad.append(f"auto: echo alone vs inside a request differs by "
+                   f"{r['echo_alone_vs_request_max_per_token']:.3g} nats/token "
+                   f"(> {ECHO_INVARIANCE_TOL})")
+    if r["echo_vs_fp32_max_per_token"] > ECHO_VS_FP32_TOL:
+        bad.append(f"auto: echo is {r['echo_vs_fp32_max_per_token']:.3g} nats/token from "
+                   f"float32 (> {ECHO_VS_FP32_TOL})")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m icqs_fast.benchmarks.precision",
                                 description=__doc__.splitlines()[0])
@@ -215,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"  max change {r['max_score_change']:.4f}  echo: alone vs request "
                   f"{r['echo_alone_vs_request_max_per_token']:.2g}, vs fp32 "
                   f"{r['echo_vs_fp32_max_per_token']:.3f}/token  ({r['dtype_reason']})")
-    return 0
+    failures = default_failures(rec)
+    for line in failures:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
