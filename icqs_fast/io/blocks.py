@@ -190,8 +190,9 @@ class BlockOutput:
             self.remove(p)
 
     def reopen(self, policy: Any, log: Any) -> None:
-        """Remove the blocks being written when a driver or worker died (``*.tmp.PID``)."""
-        for stale in (p for p in self.parts() if ".tmp." in p):
+        """Remove the files being written when a driver or worker died (``*.tmp.PID``: blocks,
+        and the metadata file a killed driver was replacing)."""
+        for stale in (p for p in self.names() if ".tmp." in p):
             self.remove(stale)
 
     def lock(self):
