@@ -185,8 +185,10 @@ def test_deadline_mid_stream_is_an_error_event(tiny):
     """A generation that outlives --request-timeout after its stream started: the pieces so
     far, then one error event (deadline_exceeded) and no [DONE]; its work is stopped."""
     d, model, tok = tiny
+    # 400 tokens at >= 0.05 s a forward outlast the 3 s deadline many times over, and 3 s is
+    # ample for a loaded machine to start the stream (0.6 s was not always).
     srv = Server(model, tok, ServeConfig(model_name="tiny", max_gen_tokens=400,
-                                         request_timeout=0.6))
+                                         request_timeout=3.0))
     hook = model.get_input_embeddings().register_forward_pre_hook(
         lambda _m, _a: time.sleep(0.05))
     try:
