@@ -189,22 +189,98 @@ def prompt_logprobs(
             for b, s in enumerate(batch):
                 _head(model, plan, s, hidden[b, : len(s.path) - s.start], top_n)
         del bank
-    out_list = []
-    for p, cs in zip(prompts, cuts, strict=True):
-        res = PromptLogprobs()
-        for e in cs:
-            s = segs[p[:e]]
-            res.token_logprobs.extend(s.in_lp)
-            res.top.extend(s.top)
-            if e < len(p):  # the segment's last position predicts the next segment's first token
-                res.token_logprobs.append(float(s.last[p[e]]))
-            else:
-                res.next_top = s.top[-1]
-                res.next_token = int(torch.argmax(s.last))
-                res.next_logprob = float(s.last[res.next_token])
-                res.top.pop()
-        out_list.append(res)
-    return out_list
+    return [_assemble(p, [segs[p[:e]] for e in cs]) for p, cs in zip(prompts, cuts, strict=True)]
 
 
-__all__ = ["PromptLogprobs", "prompt_cuts", "prompt_logprobs"]
+def _assemble(p: tuple[int, ...], path_segs: list[_Segment]) -> PromptLogprobs:
+    """The log-probs of prompt ``p`` from the segments of its path, in order."""
+    res = PromptLogprobs()
+    for s in path_segs:
+        e = len(s.path)
+        res.token_logprobs.extend(s.in_lp)
+        res.top.extend(s.top)
+        if e < len(p):  # the segment's last position predicts the next segment's first token
+            res.token_logprobs.append(float(s.last[p[e]]))
+        else:
+            res.next_top = s.top[-1]
+            res.next_token = int(torch.argmax(s.last))
+            res.next_logprob = float(s.last[res.next_token])
+            res.top.pop()
+    return res
+
+
+class PromptPrefill:
+    """The echo log-probs of one prompt computed a chunk of tokens at a time (chunked prefill:
+    the server's worker runs a long prompt over several steps, between generated tokens). Each
+    :meth:`step` runs the next tokens through the model's body against the KV cache of those
+    before (a transformers cache, kept between steps), and the same fp32 head as
+    :func:`prompt_logprobs`; the chunks are the segments of a path cut at the chunk ends, so
+    :meth:`result` equals ``prompt_logprobs(model, [prompt], top_n=top_n)[0]`` within the
+    dtype's rounding of the attention's shapes.
+
+    Args:
+        model: a causal LM for which :meth:`supported` is True.
+        prompt: its token ids (non-empty).
+        top_n: alternatives kept per position.
+    """
+
+    def __init__(self, model: Any, prompt: Sequence[int], top_n: int = 0) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.plan = model_plan(model)
+        self.prompt = tuple(int(t) for t in prompt)
+        if not self.prompt:
+            raise ValueError("a prompt must hold at least one token")
+        self.top_n = int(top_n)
+        self.dev = model_device(model)
+        self.cache: Any = DynamicCache()
+        self.segs: list[_Segment] = []
+        self.pos = 0
+
+    @staticmethod
+    def supported(model: Any) -> bool:
+        """True when a prompt of ``model`` can be run in chunks: the prefix bank serves it (a
+        KV cache continues a prefix exactly), its head is the engine's and no layer is local (a
+        sliding window over cache slots)."""
+        plan = model_plan(model)
+        return plan.bank and not plan.own_logits and not any(la.local for la in plan.layers)
+
+    @property
+    def done(self) -> bool:
+        """Every token ran."""
+        return self.pos >= len(self.prompt)
+
+    @torch.no_grad()
+    def step(self, tokens: int) -> bool:
+        """Run the next ``tokens`` (>= 1) tokens; True once the whole prompt ran."""
+        from icqs_fast.engine.batching import cache_kwarg, last_hidden
+
+        if self.cache is None:
+            raise RuntimeError("the prefill was closed")
+        a, b = self.pos, min(len(self.prompt), self.pos + max(1, int(tokens)))
+        ids = torch.tensor([self.prompt[a:b]], dtype=torch.long, device=self.dev)
+        body = self.plan.body
+        out = body(input_ids=ids, position_ids=torch.arange(a, b, device=self.dev)[None],
+                   attention_mask=torch.ones((1, b), dtype=torch.long, device=self.dev),
+                   use_cache=True, **cache_kwarg(body, self.cache))
+        seg = _Segment(a, self.prompt[:b])
+        _head(self.model, self.plan, seg, last_hidden(out)[0], self.top_n)
+        self.segs.append(seg)
+        self.pos = b
+        if self.done:
+            self.cache = None
+        return self.done
+
+    def result(self) -> PromptLogprobs:
+        """The prompt's log-probs (after :meth:`step` returned True)."""
+        if not self.done:
+            raise RuntimeError("the prompt has not run whole yet")
+        return _assemble(self.prompt, self.segs)
+
+    def close(self) -> None:
+        """Drop the KV cache."""
+        self.cache = None
+
+
+__all__ = ["PromptLogprobs", "PromptPrefill", "prompt_cuts", "prompt_logprobs"]
