@@ -13,7 +13,9 @@ machine and date, every raw run, the analysed row of each run and the per-datase
 still covers every data set. ``--extra-runs DIR`` adds the raw files of an earlier study
 (``bench/results/selfcheck``: same pools and settings, without stored matrices) for the
 (dataset, seed) pairs not scored here. Runs with stored matrices are analysed a second time
-with the set effects removed (``analyse(adjust=True)``: the correction under test).
+with the set effects removed (``analyse(adjust=True)``: the correction under test), and
+against a permutation null in which held-out items and (matched-context) test responses are
+exchanged (``exchange_null`` / ``exchange_summary``: is either group scored differently?).
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ from icqs_fast.evals.selfcheck_study import (
     DATASETS,
     analyse,
     bias_markdown,
+    exchange_markdown,
+    exchange_null,
+    exchange_summary,
     markdown,
     run_one,
+    shared_inputs,
     simulate_expected_accuracy,
     stored_runs,
+    study_pools,
     summarise,
 )
 
@@ -86,6 +93,14 @@ def main() -> int:
     # The expected accuracy's own bias on binormal scores at the study's pool size.
     sim = [simulate_expected_accuracy(auc, n_per_class=a.pool) for auc in (0.6, 0.7, 0.8)]
     per_dataset_adj = summarise(adj_rows)
+    # Are held-out items scored like test responses? A permutation null per run with matrices.
+    nulls = [exchange_null(r) for r in raws]
+    exchange = exchange_summary(rows, nulls)
+    # Pool items whose input recurs in the pools (the `input` leak rule takes more from them).
+    for r, row in zip(raws, rows, strict=True):
+        good, bad, _, _ = study_pools(r["dataset"], pool=r.get("pool", a.pool),
+                                      n_test=max(1, r["n_test"] // 2), seed=r["seed"])
+        row["pool_items_sharing_input"] = shared_inputs(good, bad)
     doc = {
         "command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -96,6 +111,9 @@ def main() -> int:
         "options": {"pool": a.pool, "n_test_per_class": a.n_test, "threads": a.threads,
                     "seeds": a.seeds, "datasets": a.datasets},
         "per_dataset": per_dataset, "per_dataset_adjusted": per_dataset_adj,
+        "exchange_null": {"summary": exchange,
+                          "runs": [{"dataset": r["dataset"], "seed": r["seed"], **n}
+                                   for r, n in zip(raws, nulls, strict=True) if n]},
         "expected_accuracy_simulation": sim,
         "rows": rows, "rows_adjusted": adj_rows, "runs": raws,
     }
@@ -106,6 +124,11 @@ def main() -> int:
     print("\nset effects removed (runs with stored matrices):")
     print(bias_markdown(per_dataset_adj))
     print("\nexpected accuracy on binormal scores:", json.dumps(sim))
+    print("\nheld-out items and test responses exchanged (permutation null, runs with "
+          "matrices):")
+    print(exchange_markdown(exchange))
+    print("pool items sharing their input:",
+          {f"{r['dataset']} s{r['seed']}": r["pool_items_sharing_input"] for r in rows})
     print()
     print(markdown(rows))
     return 0

@@ -119,3 +119,79 @@ def test_expected_accuracy_simulation_is_seeded_and_sane():
     assert a == study.simulate_expected_accuracy(0.75, n_per_class=25, runs=12, seed=3)
     # The best balanced accuracy at AUC 0.75 (binormal) is Phi(Phi^-1(0.75) / sqrt 2) = 0.684.
     assert 0.6 < a["mean_true"] <= 0.685 and abs(a["bias"]) < 0.08 and a["sd"] > 0
+
+
+def toy_study(slope_test: float = 1.0, seed: int = 0, n_h: int = 24, n_t: int = 20) -> dict:
+    """A raw run without a model: log-likelihoods ``+-slope * r_j`` plus unit noise per context
+    (good items rise with the ratio, bad ones fall), held-out items with random clean masks
+    (one context of the item's own side dropped now and then), test responses with
+    ``slope_test`` times the held-out slope (1: exchangeable with the held-out items)."""
+    rng = np.random.default_rng(seed)
+    ratios = np.array([0.0, 0.5, 1.0])
+    raw = {"dataset": "toy", "seed": seed, "ratios": ratios.tolist(), "score_kind": "mean",
+           "tie_epsilon": 0.1, "n_test": 2 * n_t}
+
+    def mats(n: int, slope: float) -> tuple[list, list]:
+        y = [1] * n + [0] * n
+        ll = [(0.6 * slope * (1 if v else -1) * ratios[:, None]
+               + rng.normal(0.0, 1.0, (3, 4))).tolist() for v in y]
+        return ll, y
+
+    hl, hy = mats(n_h, 1.0)
+    clean = rng.uniform(size=(2 * n_h, 3, 4)) > 0.15
+    clean[:, :, 0] = True
+    tl, ty = mats(n_t, slope_test)
+    zero = np.zeros((3, 4))
+    hs = study.adjusted_scores(raw, hl, clean, zero)
+    ts = study.adjusted_scores(raw, tl, np.ones((2 * n_t, 3, 4), dtype=bool), zero)
+    raw["heldout"] = {"labels": hy, "scores": hs.tolist(), "full_scores": hs.tolist(),
+                      "loglik": hl, "clean": clean.astype(int).tolist()}
+    raw["test"] = {"labels": ty, "scores": ts.tolist(), "p_good": ts.tolist(), "loglik": tl}
+    raw.update(max_heldout=2 * n_h, seconds={"heldout": 1.0, "test": 1.0})  # for analyse()
+    return raw
+
+
+def test_shared_inputs_counts_every_item_whose_input_recurs():
+    good = [("p1", "a"), ("p2", "b"), ("p3", "c")]
+    bad = [("p1", "not a"), ("p4", "d"), ("p2", "b'")]
+    assert study.shared_inputs(good, bad) == 4
+    assert study.shared_inputs(good, [("q", "z")]) == 0
+
+
+def test_matched_score_table_uses_the_held_out_masks_of_the_class():
+    raw = toy_study(n_h=21)
+    table, y = study.matched_score_table(raw)
+    assert table.shape == (40, 21) and y.tolist() == raw["test"]["labels"]
+    every = {**raw, "heldout": {**raw["heldout"],
+                                "clean": np.ones((42, 3, 4), dtype=int).tolist()}}
+    full, _ = study.matched_score_table(every)
+    assert np.allclose(full, np.asarray(raw["test"]["scores"])[:, None], atol=1e-12)
+    assert not np.allclose(table, full, atol=1e-3)  # some contexts went
+
+
+def test_exchange_null_centres_on_zero_and_finds_a_scored_differently_test_set():
+    same = [toy_study(seed=s) for s in range(3)]
+    nulls = [study.exchange_null(r, perms=24, n_boot=20) for r in same]
+    assert nulls[0] == study.exchange_null(same[0], perms=24, n_boot=20)  # seeded
+    n = nulls[0]
+    assert len(n["gap"]) == len(n["inside"]) == len(n["spread"]) == 24
+    hs, hy = np.asarray(same[0]["heldout"]["scores"]), np.asarray(same[0]["heldout"]["labels"])
+    ts, ty = np.asarray(same[0]["test"]["scores"]), np.asarray(same[0]["test"]["labels"])
+    assert n["observed_shift_good"] == pytest.approx(hs[hy == 1].mean() - ts[ty == 1].mean())
+    rows = [study.analyse(r, n_boot=50) for r in same]
+    summ = study.exchange_summary(rows, nulls)
+    d = summ["toy"]
+    assert d["runs"] == 3 and d["perms"] == 24 and set(summ) == {"toy", "all"}
+    for k in ("accuracy_gap", "auc_diff", "shift_good", "spread"):
+        assert abs(d[k]["null_mean"]) < 0.05, k  # exchanged groups: no difference on average
+        assert d[k]["null_lo"] <= d[k]["null_mean"] <= d[k]["null_hi"]
+    # Test responses that separate three times as well: the AUC reads low beyond the null.
+    sharp = [toy_study(slope_test=3.0, seed=s) for s in range(3)]
+    ds = study.exchange_summary([study.analyse(r, n_boot=50) for r in sharp],
+                                [study.exchange_null(r, perms=24, n_boot=20) for r in sharp])
+    assert ds["toy"]["auc_diff"]["observed"] < ds["toy"]["auc_diff"]["null_lo"]
+    assert ds["toy"]["auc_diff"]["p"] < 0.05
+    assert study.exchange_null({**same[0], "test": {"labels": [1], "scores": [0.5]}}) is None
+    table = study.exchange_markdown(summ).splitlines()
+    assert len(table) == 4 and table[2].startswith("| toy | 3 |")
+    assert table[0].count("|") == table[2].count("|")

@@ -44,6 +44,8 @@ from icqs_fast.engine.selfcheck import (
 DATASETS = ("sst2", "fpb", "chaosnli")
 # Draws of the held-out masks per test response in :func:`matched_test_auc` (averaged).
 MATCH_DRAWS = 20
+# Permutations per run in :func:`exchange_null` (the null of the per-dataset means).
+PERMUTATIONS = 200
 # Records of the job the self-check's cost is stated against.
 JOB_RECORDS = 10_000
 
@@ -268,6 +270,153 @@ def adjusted_scores(raw: dict[str, Any], matrices: Sequence, masks: Sequence,
         out.append(crossfit_score(stored_result(raw, adj.tolist()),
                                   torch.as_tensor(np.asarray(mask, dtype=bool))))
     return np.asarray(out, dtype=np.float64)
+
+
+def shared_inputs(good: Sequence, bad: Sequence) -> int:
+    """How many pool items share their input ``x`` with another pool item (either pool): the
+    items the ``input`` leak rule takes more than their own contexts from, and whose
+    demonstrations could otherwise hold their own input with another answer."""
+    from collections import Counter
+
+    xs = [it[0] for it in list(good) + list(bad)]
+    count = Counter(xs)
+    return sum(count[x] > 1 for x in xs)
+
+
+def matched_score_table(raw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(table, y)``: ``table[t, k]`` float64 ``[n_test, K]``, test response ``t``
+    scored from the clean contexts of the ``k``-th held-out item of its own class (the
+    self-check's handicap), ``y`` ``[n_test]`` its 0/1 label. Needs the stored matrices."""
+    h, t = raw["heldout"], raw["test"]
+    hy = np.asarray(h["labels"])
+    ok = np.isfinite(_arr(h["scores"]))  # a skipped item's mask leaves a ratio empty
+    masks = {lab: [np.asarray(m, dtype=bool) for m, y, o in zip(h["clean"], hy, ok, strict=True)
+                   if y == lab and o] for lab in (0, 1)}
+    ty = np.asarray(t["labels"], dtype=np.int64)
+    zero = np.zeros(np.shape(t["loglik"])[1:])
+    table = [adjusted_scores(raw, [m] * len(masks[int(y)]), masks[int(y)], zero)
+             for m, y in zip(t["loglik"], ty, strict=True)]
+    width = max(len(r) for r in table)  # both classes hold as many items (class-balanced)
+    return np.asarray([np.resize(r, width) for r in table], dtype=np.float64), ty
+
+
+def exchange_null(raw: dict[str, Any], *, perms: int = PERMUTATIONS, n_boot: int = 200
+                  ) -> dict[str, Any] | None:
+    """What the self-check against the test set looks like when held-out items and test
+    responses ARE scored alike: a permutation null for one run with stored matrices (None
+    without them).
+
+    Each test response is scored from the clean contexts of a held-out item of its own class
+    (drawn anew per permutation: :func:`matched_score_table`), so both groups carry the same
+    handicap; then, per class, the held-out items' scores and these are pooled and dealt out
+    again at the run's sizes, the self-check is fitted on the "held-out" share
+    (``fit_self_check``, ``n_boot`` bootstrap draws) and compared with the "test" share. Seeded
+    by the run's seed.
+
+    Returns per permutation ``[perms]`` lists: ``gap`` (expected accuracy minus the test
+    accuracy at the self-check's threshold), ``auc_diff`` (self-check minus test AUC),
+    ``inside`` (test AUC inside the interval, 0/1), ``shift_good`` / ``shift_bad`` (mean
+    held-out score minus mean test score of the class), ``spread`` (the held-out scores' SD
+    within a class minus the test scores', mean of the two classes); and the run's own
+    ``observed_shift_good`` / ``observed_shift_bad`` / ``observed_spread`` (plain test
+    scores)."""
+    if "loglik" not in raw["test"] or "clean" not in raw["heldout"]:
+        return None
+    h = raw["heldout"]
+    hs, hy = _arr(h["scores"]), np.asarray(h["labels"], dtype=np.int64)
+    fin = np.isfinite(hs)
+    hs, hy = hs[fin], hy[fin]
+    table, ty = matched_score_table(raw)
+    ts = _arr(raw["test"]["scores"])
+    rng = np.random.default_rng([raw["seed"], 40])
+    out: dict[str, list[float]] = {k: [] for k in ("gap", "auc_diff", "inside", "shift_good",
+                                                   "shift_bad", "spread")}
+    for k in range(perms):
+        drawn = table[np.arange(len(ty)), rng.integers(table.shape[1], size=len(ty))]
+        new_h, new_t = np.empty_like(hs), np.empty_like(drawn)
+        for lab in (0, 1):
+            both = rng.permutation(np.concatenate([hs[hy == lab], drawn[ty == lab]]))
+            n_h = int((hy == lab).sum())
+            new_h[hy == lab], new_t[ty == lab] = both[:n_h], both[n_h:]
+        chk = fit_self_check(new_h, hy, seed=k, n_boot=n_boot)
+        if not chk.ok:
+            continue
+        t_auc = metrics.auc(ty, new_t)
+        out["gap"].append(chk.expected_accuracy
+                          - float(((new_t >= chk.threshold) == (ty == 1)).mean()))
+        out["auc_diff"].append(chk.auc - t_auc)
+        out["inside"].append(float(chk.auc_lo <= t_auc <= chk.auc_hi))
+        for lab, name in ((1, "shift_good"), (0, "shift_bad")):
+            out[name].append(float(new_h[hy == lab].mean() - new_t[ty == lab].mean()))
+        out["spread"].append(_spread(new_h, hy, new_t, ty))
+    return {"perms": perms, "n_boot": n_boot, **out,
+            "observed_shift_good": float(hs[hy == 1].mean() - ts[ty == 1].mean()),
+            "observed_shift_bad": float(hs[hy == 0].mean() - ts[ty == 0].mean()),
+            "observed_spread": _spread(hs, hy, ts, ty)}
+
+
+def _spread(hs: np.ndarray, hy: np.ndarray, ts: np.ndarray, ty: np.ndarray) -> float:
+    """The held-out scores' within-class SD minus the test scores', mean of the classes."""
+    return float(np.mean([hs[hy == lab].std(ddof=1) - ts[ty == lab].std(ddof=1)
+                          for lab in (0, 1)]))
+
+
+def exchange_summary(rows: Sequence[dict[str, Any]], nulls: Sequence[dict[str, Any] | None]
+                     ) -> dict[str, Any]:
+    """Per dataset (and ``"all"``), over the runs with a null (:func:`exchange_null`; ``rows``
+    the matching :func:`analyse` rows): each statistic observed (mean over the runs) against
+    its permutation null (the mean over the runs of one permutation each, permutation ``k``
+    of every run together), with the null's mean, its 2.5-97.5 % range and the two-sided
+    p-value (share of null means at least as far from the null's centre). Statistics: the
+    signed and the absolute accuracy gap, the AUC difference, the share of runs with the test
+    AUC inside, the class shifts and the spread."""
+    out: dict[str, Any] = {}
+    pairs = [(r, n) for r, n in zip(rows, nulls, strict=True) if n is not None and n["gap"]]
+    for ds in sorted({r["dataset"] for r, _ in pairs}) + ["all"]:
+        sel = [(r, n) for r, n in pairs if ds in (r["dataset"], "all")]
+        if not sel:
+            continue
+        k = min(len(n["gap"]) for _, n in sel)
+        stats = {
+            "accuracy_gap": ([r["accuracy_gap"] for r, _ in sel], [n["gap"] for _, n in sel]),
+            "abs_accuracy_gap": ([abs(r["accuracy_gap"]) for r, _ in sel],
+                                 [np.abs(n["gap"]) for _, n in sel]),
+            "auc_diff": ([r["selfcheck_auc"] - r["test_auc"] for r, _ in sel],
+                         [n["auc_diff"] for _, n in sel]),
+            "inside": ([float(r["inside"]) for r, _ in sel], [n["inside"] for _, n in sel]),
+            "shift_good": ([n["observed_shift_good"] for _, n in sel],
+                           [n["shift_good"] for _, n in sel]),
+            "shift_bad": ([n["observed_shift_bad"] for _, n in sel],
+                          [n["shift_bad"] for _, n in sel]),
+            "spread": ([n["observed_spread"] for _, n in sel], [n["spread"] for _, n in sel]),
+        }
+        d: dict[str, Any] = {"runs": len(sel), "perms": k}
+        for name, (obs, null) in stats.items():
+            o = float(np.mean(obs))
+            means = np.mean([np.asarray(v, dtype=np.float64)[:k] for v in null], axis=0)
+            c = float(means.mean())
+            d[name] = {"observed": o, "null_mean": c,
+                       "null_lo": float(np.quantile(means, 0.025)),
+                       "null_hi": float(np.quantile(means, 0.975)),
+                       "p": float((np.abs(means - c) >= abs(o - c) - 1e-12).mean())}
+        out[ds] = d
+    return out
+
+
+def exchange_markdown(summary: dict[str, Any]) -> str:
+    """The permutation table of docs/RESULTS.md (one line per dataset of
+    :func:`exchange_summary`): observed mean, then [null 95 % range] and p."""
+    cols = (("accuracy_gap", "signed acc. gap"), ("abs_accuracy_gap", "abs. acc. gap"),
+            ("auc_diff", "AUC bias"), ("inside", "share inside"),
+            ("shift_good", "shift good"), ("shift_bad", "shift bad"),
+            ("spread", "spread"))
+    lines = ["| dataset | runs | " + " | ".join(f"{c} [null 95 %] p" for _, c in cols) + " |",
+             "|" + "---|" * (2 + len(cols))]
+    for ds, d in summary.items():
+        cells = [f"{d[k]['observed']:+.3f} [{d[k]['null_lo']:+.3f}, {d[k]['null_hi']:+.3f}] "
+                 f"{d[k]['p']:.2f}" for k, _ in cols]
+        lines.append(f"| {ds} | {d['runs']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def simulate_expected_accuracy(auc: float, *, n_per_class: int = 32, runs: int = 200,
