@@ -124,6 +124,87 @@ def test_a_slice_goes_round_robin_past_live_generations():
     assert all(s[0][0] is gen and s[0][2] for s in steps[1:6])
 
 
+class FakePrefill:
+    """A fake chunked prompt (the queue's ``start_prefill``): records each chunk's tokens."""
+
+    def __init__(self, prompt, top_n, chunks: list, closed: list) -> None:
+        self.prompt, self.chunks, self.closed, self.pos = prompt, chunks, closed, 0
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.prompt)
+
+    def step(self, tokens: int) -> bool:
+        self.chunks.append(min(tokens, len(self.prompt) - self.pos))
+        self.pos += self.chunks[-1]
+        return self.done
+
+    def result(self):
+        return sum(self.prompt)
+
+    def close(self) -> None:
+        self.closed.append(len(self.prompt))
+
+
+def test_a_prompt_over_the_budget_is_prefilled_in_chunks():
+    """With a live generation and prefill_tokens 8, a 20-token prompt runs as chunks of 8, 8
+    and 4 tokens in three steps, each beside the generation's token, and no step carries more
+    than 8 prompt tokens; the results (and the short prompts' beside it) are those of serving
+    alone; the chunked prompt's cache is released once it is done."""
+    engine: list[list[int]] = []
+    chunks: list[int] = []
+    closed: list[int] = []
+    log: list[str] = []
+
+    def run(prompts, top_n):
+        engine.append([len(p) for p in prompts])
+        return [sum(p) for p in prompts]
+
+    q = WorkQueue(run, batch_wait_s=0.0, prefill_tokens=8,
+                  start_prefill=lambda p, n: FakePrefill(p, n, chunks, closed))
+    gen = q.submit([Unit("steps", 4, lambda: Counter("g", 30, log))], 1)
+    long = q.submit_logprobs([[2] * 3, [1] * 20, [3] * 2], 0)
+    short = q.submit_logprobs([[5] * 6], 0)
+    q.start()
+    try:
+        assert long.result(timeout=10) == [6, 20, 6] and short.result(timeout=10) == [30]
+        gen.future.result(timeout=10)
+    finally:
+        q.stop()
+    assert chunks == [8, 8, 4] and closed == [20]
+    assert all(sum(b) <= 8 for b in engine), engine
+    assert all(r.prefill_tokens <= 8 for r in q.step_log), list(q.step_log)
+    assert sum(1 for r in q.step_log if r.decode and r.prefill_tokens) >= 3
+
+
+def test_a_cancelled_chunked_prompt_releases_its_cache():
+    """A request cancelled while its long prompt is part-way prefilled: the prefill is closed,
+    and the queue serves the next request."""
+    chunks: list[int] = []
+    closed: list[int] = []
+    gate = threading.Event()
+
+    class Slow(FakePrefill):
+        def step(self, tokens):
+            gate.wait(5)
+            return super().step(tokens)
+
+    q = WorkQueue(lambda p, n: [sum(x) for x in p], batch_wait_s=0.0, chunk_tokens=4,
+                  start_prefill=lambda p, n: Slow(p, n, chunks, closed))
+    q.start()
+    try:
+        t = q.submit([Unit("logprobs", 12, ([[1] * 12], 0), 1)], 1)
+        t0 = time.monotonic()
+        while not t.running and time.monotonic() - t0 < 10:
+            time.sleep(0.001)
+        q.cancel(t, RuntimeError("gone"))
+        gate.set()
+        assert q.submit_logprobs([[4, 4]], 0).result(timeout=10) == [8]
+    finally:
+        q.stop()
+    assert closed == [12] and sum(chunks) < 12
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -143,9 +224,9 @@ def _ids(n: int, start: int) -> list[int]:
 @pytest.mark.server
 def test_mixed_batches_give_what_serving_alone_gives(tiny):
     """Echo requests sent while a generation streams (prefill budget 24 tokens: the prompts
-    are packed together and a 40-token prompt runs alone) get the log-probs of each prompt
-    scored alone (within 1e-3 nats / token at float32), and the generation the tokens it gets
-    alone."""
+    are packed together and a 40-token prompt is prefilled in chunks of 24 and 16) get the
+    log-probs of each prompt scored alone (within 1e-3 nats / token at float32), and the
+    generation the tokens it gets alone."""
     model, tok = tiny
     cfg = ServeConfig(model_name="tiny", prefill_budget=24, batch_wait_ms=1,
                       max_prompt_tokens=64, max_gen_tokens=64)
@@ -153,6 +234,15 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
     gen_body = {"prompt": _ids(6, 11), "max_tokens": 48, "logprobs": 1}
     srv = Server(model, tok, cfg)
     steps = _recorded(srv.queue)
+    prefilled: list[int] = []
+    start_prefill = srv.queue.start_prefill
+    assert start_prefill is not None  # the tiny Llama's prompts can be prefilled in chunks
+
+    def counted(prompt, top_n):
+        prefilled.append(len(prompt))
+        return start_prefill(prompt, top_n)
+
+    srv.queue.start_prefill = counted
 
     def slow(_module, _args):  # the generation stays live while the echoes run
         if threading.current_thread().name == "icqs-serve-worker":
@@ -197,6 +287,9 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
              and any(live for _, _, live in s)]
     assert mixed, "no step carried a generation's token beside echo work"
     assert srv.queue.largest_batch >= 2  # prompts of several requests shared a forward
+    # The 40-token prompt ran in chunks of at most the budget beside the generation's tokens.
+    assert prefilled == [40]
+    assert all(r.prefill_tokens <= 24 for r in srv.queue.step_log if r.decode)
     for p, r in zip(prompts, results, strict=True):
         want = prompt_logprobs(model, [p], top_n=1)[0].token_logprobs
         got = r["choices"][0]["logprobs"]["token_logprobs"][1:]

@@ -327,6 +327,30 @@ def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad
             return n / (time.perf_counter() - t0)
 
 
+def step_summary(log: list[Any], longest: int = 8) -> dict[str, Any]:
+    """The worker's step times (:class:`icqs_fast.serve.queue.StepRecord` list) by what the
+    steps carried: overall and per kind (``decode``, ``echo``, ``call``, ``start``, ...) the
+    count, p50 / p99 / max seconds and the most prompt tokens / call cost; ``beside_decode``:
+    the steps that carried a live generation's token (what the inter-token latency is made
+    of); ``longest``: the longest steps, ``[seconds, kind, decode, prefill_tokens,
+    call_cost]``."""
+    def dist(steps: list[Any]) -> dict[str, Any]:
+        secs = [s.seconds for s in steps]
+        return {"n": len(steps), "p50_s": _r(percentile(secs, 50), 4),
+                "p99_s": _r(percentile(secs, 99), 4), "max_s": _r(max(secs, default=None), 4),
+                "prefill_tokens_max": max((s.prefill_tokens for s in steps), default=0),
+                "call_cost_max": max((s.call_cost for s in steps), default=0)}
+
+    kinds: dict[str, list[Any]] = {}
+    for s in log:
+        kinds.setdefault(s.carried, []).append(s)
+    top = sorted(log, key=lambda s: -s.seconds)[:longest]
+    return {"all": dist(log), "beside_decode": dist([s for s in log if s.decode]),
+            "by_kind": {k: dist(v) for k, v in sorted(kinds.items())},
+            "longest": [[_r(s.seconds, 4), s.carried, s.decode, s.prefill_tokens, s.call_cost]
+                        for s in top]}
+
+
 def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
          gen_clients: int = 2, score_clients: int = 2, gen_tokens: int = 32,
          max_requests: int = MAX_REQUESTS, rss_every: float = 5.0, device: str = "cpu",
@@ -351,8 +375,10 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
                              engine_seconds)
     st = ServerThread(srv).start()
     try:
+        srv.queue.step_log.clear()
         res = asyncio.run(_load(st.base_url, seconds, clients, gen_tokens, max_requests,
                                 rss_every, seed))
+        steps = step_summary(list(srv.queue.step_log))
         sigterm = sigterm_stop(st, cfg.shutdown_timeout, gen_tokens)
     finally:
         st.stop()
@@ -370,6 +396,7 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
                             "itl_s_p50": _r(percentile(res["itl"], 50), 6),
                             "itl_s_p99": _r(percentile(res["itl"], 99), 6),
                             "itl_samples": len(res["itl"])})
+    rec["steps"] = steps
     rss = res["rss"]
     rec["rss_mb"] = rss
     rec["rss_peak_mb"] = round(res["rss_peak_mb"], 1)
@@ -462,4 +489,4 @@ def run_soak(args: Any) -> dict[str, Any]:
 
 
 __all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "percentile", "run_soak",
-           "sigterm_stop", "soak", "write_record"]
+           "sigterm_stop", "soak", "step_summary", "write_record"]

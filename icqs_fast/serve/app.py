@@ -45,7 +45,7 @@ from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import ERROR_RESPONSES, APIError, error_body, validation_error
 from icqs_fast.serve.guard import Guard
-from icqs_fast.serve.logprobs import prompt_logprobs
+from icqs_fast.serve.logprobs import PromptPrefill, prompt_logprobs
 from icqs_fast.serve.metrics import ServeMetrics
 from icqs_fast.serve.queue import WorkQueue
 from icqs_fast.serve.schemas import (
@@ -96,7 +96,9 @@ class Server:
                                batch_wait_s=cfg.batch_wait_ms / 1000.0,
                                chunk_tokens=cfg.max_batch_tokens,
                                max_live_steps=cfg.max_live_generations,
-                               prefill_tokens=cfg.prefill_budget)
+                               prefill_tokens=cfg.prefill_budget,
+                               start_prefill=self.start_prefill
+                               if PromptPrefill.supported(model) else None)
         self.metrics = ServeMetrics(self.queue, ROUTES)
         self.admission = Admission(tokenizer, cfg, self.vocab, lim, count_tokens=lambda r, n:
                                    self.metrics.prompt_tokens.labels(r).inc(n))
@@ -128,6 +130,10 @@ class Server:
         """Echo log-probs of one batch of prompts (the queue's log-prob engine)."""
         return prompt_logprobs(self.model, prompts, top_n=top_n, pad_id=self.pad_id,
                                token_budget=self.config.token_budget)
+
+    def start_prefill(self, prompt: list[int], top_n: int) -> PromptPrefill:
+        """One long prompt's echo log-probs, a chunk per worker step (the queue's prefill)."""
+        return PromptPrefill(self.model, prompt, top_n)
 
     def _check_hook(self, _module: Any, _args: Any) -> None:
         self.queue.check()

@@ -11,14 +11,17 @@ cache, between steps) and then one slice of the other work, served round-robin: 
 ticket in turn order that is not a live generation gives the slice: its ``call`` unit, alone, or
 the first step of its ``steps`` unit (a generation's prompt forward), or log-prob prompts of
 several tickets packed together up to ``prefill_tokens`` tokens while a generation is live, up
-to ``chunk_tokens`` while none is (a unit's prompts run over several steps when they hold more;
-one prompt is never split, so a longer one is a slice of its own) through one
-:func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that share a
-prefix compute it once. A generation whose prompt and new tokens fit in ``prefill_tokens``
-starts beside the slice (one per step) instead of in a slice's turn. A generation therefore
-waits for its first token one step and between two of its tokens one slice and the other
-generations' tokens, never another request's whole chunk, and a
-request that arrives while a maximum-size one runs waits for at most the step that is running.
+to ``chunk_tokens`` while none is (a unit's prompts run over several steps when they hold more)
+through one :func:`icqs_fast.serve.logprobs.prompt_logprobs` call, so concurrent requests that
+share a prefix compute it once. A prompt longer than that budget is prefilled in chunks (given a
+``start_prefill``): its ticket's slice is the budget's next tokens of it, run against the KV
+cache of those before, which the unit keeps between its turns (chunked prefill: a 300-token echo
+prompt no longer makes one step 2-3 times as long as the others). A generation whose prompt and
+new tokens fit in ``prefill_tokens`` starts beside the slice (one per step) instead of in a
+slice's turn. A generation therefore waits for its first token one step and between two of its
+tokens one slice and the other generations' tokens, never another request's whole chunk or
+whole long prompt, and a request that arrives while a maximum-size one runs waits for at most
+the step that is running.
 The oldest ticket's first log-prob unit waits up to ``batch_wait_s`` for company (only while no
 generation is live). At most ``max_live_steps`` ``steps`` units hold their state at once: a
 ticket whose next such unit would start one more waits, the others are served past it.
@@ -71,6 +74,39 @@ class Interrupted(BaseException):  # noqa: N818 (a signal to unwind, like Keyboa
     (probes, retries) cannot mistake it for a failure of their own and carry on."""
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one worker step carried and how long it took (the queue's :attr:`WorkQueue.step_log`).
+
+    Attributes:
+        seconds: wall time of the step (``run_step``).
+        decode: tokens of live generations (one forward each).
+        starts: generations started (their prompt's forward).
+        prefill_tokens: log-prob prompt tokens (echo prompts, the slice).
+        calls: ``call`` units (``/v1/score`` work); ``call_cost``: their estimated cost in
+            token-passes.
+    """
+
+    seconds: float
+    decode: int
+    starts: int
+    prefill_tokens: int
+    calls: int
+    call_cost: int
+
+    @property
+    def carried(self) -> str:
+        """The step's kind: ``decode`` (generation tokens only), else its slice's kind beside
+        them (``echo``, ``start``, ``call``; joined with ``+`` when several)."""
+        parts = [name for name, n in (("start", self.starts), ("echo", self.prefill_tokens),
+                                      ("call", self.calls)) if n]
+        return "+".join(parts) if parts else "decode"
+
+
+# Steps the queue remembers (a bounded ring: about 20 minutes of a busy server's steps).
+STEP_LOG_LEN = 4096
+
+
 class Stepper(Protocol):
     """The state of a running ``steps`` unit."""
 
@@ -100,6 +136,9 @@ class Unit:
         done_prompts, partial: a ``logprobs`` unit run over several steps: the prompts run so
             far and their results.
         take: prompts of a ``logprobs`` unit in the running step (set by the worker).
+        prefill: a ``logprobs`` unit's prompt over the step budget, running a chunk per step
+            (the queue's ``start_prefill`` object, holding its KV cache; None otherwise).
+        piece: tokens of that prompt in the running step (set by the worker).
     """
 
     kind: str
@@ -110,6 +149,8 @@ class Unit:
     done_prompts: int = 0
     partial: list = field(default_factory=list)
     take: int = 0
+    prefill: Any = None
+    piece: int = 0
 
     @property
     def live(self) -> bool:
@@ -168,14 +209,20 @@ class WorkQueue:
         chunk_tokens: the size :meth:`submit_logprobs` cuts a request into.
         max_live_steps: most ``steps`` units holding their state at once.
         prefill_tokens: most log-prob prompt tokens per step beside the live generations' tokens
-            (one prompt larger than this runs alone; with no live generation, a step packs up
-            to ``chunk_tokens``); None: ``chunk_tokens``.
+            (with no live generation, a step packs up to ``chunk_tokens``); None:
+            ``chunk_tokens``.
+        start_prefill: ``(prompt, top_n) -> prefill``, the log-probs of one prompt a chunk at a
+            time (:class:`icqs_fast.serve.logprobs.PromptPrefill`: ``step(tokens) -> done``,
+            ``pos`` and ``done``, ``result()``, ``close()``): a prompt longer than a step's
+            budget runs over several steps, a budget's worth each. None: such a prompt runs
+            whole, in a step of its own.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
                  max_pending: int = 256, batch_wait_s: float = 0.005,
                  chunk_tokens: int = 2048, max_live_steps: int = 8,
-                 prefill_tokens: int | None = None) -> None:
+                 prefill_tokens: int | None = None,
+                 start_prefill: Callable[[list[int], int], Any] | None = None) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         if chunk_tokens < 1:
@@ -185,6 +232,7 @@ class WorkQueue:
         if max_live_steps < 1:
             raise ValueError(f"max_live_steps must be >= 1, got {max_live_steps}")
         self.run_logprobs = run_logprobs
+        self.start_prefill = start_prefill
         self.max_pending = int(max_pending)
         self.batch_wait_s = float(batch_wait_s)
         self.chunk_tokens = int(chunk_tokens)
@@ -213,6 +261,9 @@ class WorkQueue:
         self.interrupted = 0  # running units stopped part-way (their tickets had ended)
         self.steps = 0  # worker steps
         self.decode_tokens = 0  # tokens of generations that had started (one per step each)
+        self.step_seconds = 0.0  # wall time of all steps
+        # The latest steps (bench serve --soak reads their time by what they carried).
+        self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LEN)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -304,8 +355,12 @@ class WorkQueue:
     # -- bookkeeping (under the lock) -----------------------------------------------------
 
     def _release(self, t: Ticket) -> None:
-        """Drop the state of ``t``'s started ``steps`` unit, if any."""
+        """Drop the state of ``t``'s started ``steps`` unit or chunked prompt, if any."""
         for u in t.units:
+            if u.prefill is not None:
+                with contextlib.suppress(Exception):
+                    u.prefill.close()
+                u.prefill = None
             if u.state is not None:
                 with contextlib.suppress(Exception):
                     u.state.close()
@@ -408,8 +463,17 @@ class WorkQueue:
 
     def _pack(self, u: Unit, room: int, first: bool) -> int:
         """Set ``u.take``: the prompts of log-prob unit ``u`` that fit in ``room`` tokens (at
-        least one when ``first``); their tokens."""
+        least one when ``first``), or ``u.piece``: the next ``room`` tokens of its prompt when
+        that is longer than ``room`` (``first`` only; chunked prefill, with a
+        ``start_prefill``); their tokens."""
         prompts = u.payload[0]
+        u.take = u.piece = 0
+        if u.prefill is not None or (self.start_prefill is not None
+                                     and len(prompts[u.done_prompts]) > room):
+            if first:  # a chunk of a long prompt, continued by its own ticket's turns
+                ran = 0 if u.prefill is None else u.prefill.pos
+                u.piece = min(room, len(prompts[u.done_prompts]) - ran)
+            return u.piece
         k, tokens = u.done_prompts, 0
         while k < len(prompts) and (tokens + len(prompts[k]) <= room
                                     or (first and k == u.done_prompts)):
@@ -483,10 +547,15 @@ class WorkQueue:
             step = self._take()
             if step is None:
                 return
+            what = _carried(step)
+            t0 = time.perf_counter()
             results = self.run_step(step)
+            seconds = time.perf_counter() - t0
             with self._cond:
                 self._current = []
                 self.steps += 1
+                self.step_seconds += seconds
+                self.step_log.append(StepRecord(seconds, *what))
                 self.chunks += len(step)
                 if any(not ok and isinstance(v, Interrupted) for ok, v in results):
                     self.interrupted += 1
@@ -558,10 +627,43 @@ class WorkQueue:
         return ok, value
 
     def _run_logprobs(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
-        """The log-prob pieces of ``step``'s tickets (``unit.take`` prompts each, from
-        ``unit.done_prompts``) in one engine call; a unit's result once all its prompts ran,
-        ``_MORE`` before."""
+        """The log-prob pieces of ``step``'s tickets: a chunk of a long prompt (``unit.piece``
+        tokens), or ``unit.take`` prompts from ``unit.done_prompts``, those of all tickets in one
+        engine call; a unit's result once all its prompts ran, ``_MORE`` before."""
         units = [t.next_unit for t in step]
+        out: list[tuple[bool, Any]] = [(False, None)] * len(units)
+        for i, u in enumerate(units):
+            if u.piece:
+                out[i] = self._run_piece(u)
+        packed = [i for i, u in enumerate(units) if not u.piece]
+        if packed:
+            for i, r in zip(packed, self._run_packed([units[i] for i in packed]), strict=True):
+                out[i] = r
+        return out
+
+    def _run_piece(self, u: Unit) -> tuple[bool, Any]:
+        """The next ``u.piece`` tokens of the long prompt of log-prob unit ``u``."""
+        piece, u.piece = u.piece, 0
+        try:
+            if u.prefill is None:
+                u.prefill = self.start_prefill(list(u.payload[0][u.done_prompts]), u.payload[1])
+            if not u.prefill.step(piece):
+                return True, _MORE
+            res = u.prefill.result()
+        except BaseException as exc:
+            return False, exc  # the ticket fails; its prefill is released with it
+        finally:
+            if u.prefill is not None and u.prefill.done:
+                u.prefill.close()
+                u.prefill = None
+        self.batches += 1
+        self.batched_prompts += 1
+        u.partial.append(res)
+        u.done_prompts += 1
+        return True, (u.partial if u.done_prompts == len(u.payload[0]) else _MORE)
+
+    def _run_packed(self, units: list[Unit]) -> list[tuple[bool, Any]]:
+        """Whole prompts of ``units`` (``unit.take`` each) in one engine call."""
         pieces = [list(u.payload[0][u.done_prompts: u.done_prompts + u.take]) for u in units]
         prompts = [p for piece in pieces for p in piece]
         top_n = max(u.payload[1] for u in units)
@@ -592,6 +694,22 @@ class WorkQueue:
         return out
 
 
+def _carried(step: list[Ticket]) -> tuple[int, int, int, int, int]:
+    """``(decode, starts, prefill_tokens, calls, call_cost)`` of a step about to run (the
+    fields of :class:`StepRecord` after ``seconds``)."""
+    decode = starts = tokens = calls = cost = 0
+    for t in step:
+        u = t.next_unit
+        if u.kind == "steps":
+            decode, starts = (decode + 1, starts) if u.live else (decode, starts + 1)
+        elif u.kind == "logprobs":
+            tokens += u.piece + sum(len(p) for p in
+                                    u.payload[0][u.done_prompts: u.done_prompts + u.take])
+        else:
+            calls, cost = calls + 1, cost + u.cost
+    return decode, starts, tokens, calls, cost
+
+
 # A steps unit's result while it has steps left (never a unit's real result).
 _MORE = object()
 
@@ -613,5 +731,5 @@ def _first(results: list) -> Any:
     return results[0]
 
 
-__all__ = ["Cancelled", "DeadlineExceeded", "Interrupted", "QueueFull", "ShuttingDown",
-           "Stepper", "Ticket", "Unit", "WorkQueue", "chunk_prompts"]
+__all__ = ["STEP_LOG_LEN", "Cancelled", "DeadlineExceeded", "Interrupted", "QueueFull",
+           "ShuttingDown", "StepRecord", "Stepper", "Ticket", "Unit", "WorkQueue", "chunk_prompts"]
