@@ -30,6 +30,7 @@ import time
 
 from icqs_fast.evals.selfcheck_study import (
     DATASETS,
+    add_test_responses,
     analyse,
     bias_markdown,
     exchange_markdown,
@@ -59,12 +60,16 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/icqs_selfcheck_bias")
     p.add_argument("--out", default="bench/results/selfcheck_bias_cpu.json")
     p.add_argument("--analyse-only", action="store_true")
+    p.add_argument("--add-test", type=int, default=0, metavar="N",
+                   help="score more test responses, up to N per class, for the runs in --work "
+                        "with stored matrices (rewrites their raw files; the held-out part is "
+                        "kept)")
     p.add_argument("--extra-runs", default=None,
                    help="folder of an earlier study's raw files to add (pairs not scored here)")
     a = p.parse_args()
     model = tok = None
 
-    def score(ds: str, seed: int) -> dict:
+    def load() -> None:
         nonlocal model, tok
         if model is None:
             import torch
@@ -73,12 +78,27 @@ def main() -> int:
 
             torch.set_num_threads(a.threads)
             model, tok = load_model(a.model, dtype=a.dtype)
+
+    def score(ds: str, seed: int) -> dict:
+        load()
         t0 = time.perf_counter()
         raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=True)
         raw["wall_s"] = round(time.perf_counter() - t0, 1)
         return raw
 
     raws = stored_runs(a.work, a.seeds, a.datasets, score, analyse_only=a.analyse_only)
+    for i, r in enumerate(raws):
+        have = len(r["test"]["labels"]) // 2
+        if a.add_test > have and "loglik" in r["test"]:
+            load()
+            t0 = time.perf_counter()
+            raws[i] = add_test_responses(model, tok, r, a.add_test - have)
+            path = os.path.join(a.work, f"{r['dataset']}_s{r['seed']}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(raws[i], f)
+            os.replace(path + ".tmp", path)
+            print(f"{r['dataset']} s{r['seed']}: +{2 * (a.add_test - have)} test responses, "
+                  f"{time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr, flush=True)
     have = {(r["dataset"], r["seed"]) for r in raws}
     if a.extra_runs:
         for seed in a.seeds:

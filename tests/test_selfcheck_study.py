@@ -195,3 +195,32 @@ def test_exchange_null_centres_on_zero_and_finds_a_scored_differently_test_set()
     table = study.exchange_markdown(summ).splitlines()
     assert len(table) == 4 and table[2].startswith("| toy | 3 |")
     assert table[0].count("|") == table[2].count("|")
+
+
+@slow
+def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
+    from _helpers import skip_unless_in_ci
+
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.io.datasets import eval_dataset
+
+    if not eval_dataset("chaosnli").default_path().exists():
+        skip_unless_in_ci("ChaosNLI data (../shared/data) missing")
+    model, tok = tiny_llama(device="cpu")
+    raw = study.run_one(model, tok, "chaosnli", 0, pool=8, n_test=3, max_heldout=0)
+    more = study.add_test_responses(model, tok, raw, 2)
+    t0, t1 = raw["test"], more["test"]
+    assert more["n_test"] == 10 and more["n_test_scored_first"] == 6
+    assert t1["labels"] == t0["labels"] + [1, 1, 0, 0] and t1["scores"][:6] == t0["scores"]
+    assert len(t1["loglik"]) == 10 and more["heldout"] == raw["heldout"]
+    # The added ones: the first new pairs of each class in the study's larger draw, scored by
+    # a scorer built as the run's.
+    good, bad, first, tpl = study.study_pools("chaosnli", pool=8, n_test=3, seed=0)
+    _, _, bigger, _ = study.study_pools("chaosnli", pool=8, n_test=11, seed=0)
+    new = [r for lab in (1, 0) for r in [r for r in bigger if r[2] == lab and r not in first][:2]]
+    sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=0, template=tpl))
+    want = [r.score for r in sc.score([(x, y) for x, y, _ in new])]
+    assert t1["scores"][6:] == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ValueError, match="settings differ"):
+        study.add_test_responses(model, tok, {**raw, "settings": {**raw["settings"],
+                                                                   "seed": 9}}, 1)

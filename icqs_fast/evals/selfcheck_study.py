@@ -158,6 +158,61 @@ def run_pools(model: Any, tok: Any, good: Sequence, bad: Sequence,
     }
 
 
+def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *,
+                       quiet: bool = True) -> dict[str, Any]:
+    """``raw`` (a :func:`run_one` record) with ``n_more`` more test responses per class, scored
+    by the run's own scorer (same pools, settings and demonstration sets; the held-out part is
+    kept as it is). The new responses are drawn as :func:`study_pools` draws them, from a
+    larger draw, leaving out those the run holds already; ``n_test_scored_first`` keeps the
+    run's first count. A smaller test set gives the test AUC as much sampling error as the
+    self-check's own, so larger ones are what can show the interval's coverage."""
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.engine.settings import ScoringSettings
+
+    ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
+    t = raw["test"]
+    n_have = len(t["labels"]) // 2  # per class (right / wrong, or entailment / contradiction)
+    good, bad, test0, tpl = study_pools(ds, pool=pool, n_test=n_have, seed=seed)
+    if [lab for *_, lab in test0] != t["labels"]:
+        raise ValueError(f"{ds} s{seed}: the stored test responses are not study_pools' draw")
+    g2, b2, bigger, _ = study_pools(ds, pool=pool, n_test=n_have + 4 * n_more, seed=seed)
+    if (g2, b2) != (good, bad):
+        raise ValueError(f"{ds} s{seed}: a larger test draw changes the pools")
+    have = set(test0)
+    new = []
+    for lab in (1, 0):
+        more = [r for r in bigger if r[2] == lab and r not in have][:n_more]
+        if len(more) < n_more:
+            raise ValueError(f"{ds} s{seed}: only {len(more)} more test responses of class {lab}")
+        new += more
+    sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=seed, template=tpl))
+    if sc.settings.asdict() != raw["settings"]:
+        raise ValueError(f"{ds} s{seed}: the scoring settings differ from the run's")
+    from icqs_fast.models import dtype_name
+    from icqs_fast.progress import track
+
+    if dtype_name(model) != raw["dtype"]:
+        raise ValueError(f"{ds} s{seed}: the run was scored at {raw['dtype']}, the model is "
+                         f"{dtype_name(model)}")
+    t0 = time.perf_counter()
+    # The run's first test response once more: the same scorer must give its score back.
+    pairs = [(x, y) for x, y, _ in new] + [test0[0][:2]]
+    res = list(track(sc.score(pairs), total=len(pairs), desc=f"more tests {ds} s{seed}",
+                     unit="item", quiet=quiet))
+    again = res.pop()
+    if abs(again.score - t["scores"][0]) > 0.01:
+        raise ValueError(f"{ds} s{seed}: the rebuilt scorer gives {again.score:.4f} for a "
+                         f"stored test response scored {t['scores'][0]:.4f}")
+    sec = time.perf_counter() - t0
+    test = {"labels": t["labels"] + [lab for *_, lab in new],
+            "scores": t["scores"] + [r.score for r in res],
+            "p_good": t["p_good"] + [r.p_good for r in res],
+            "loglik": t["loglik"] + [_matrix(r) for r in res]}
+    return {**raw, "test": test, "n_test": len(test["labels"]),
+            "n_test_scored_first": raw.get("n_test_scored_first", raw["n_test"]),
+            "seconds": {**raw["seconds"], "test_added": round(sec, 2)}}
+
+
 def stored_runs(folder: str, seeds: Sequence[int], datasets: Sequence[str],
                 score: Any, *, analyse_only: bool = False) -> list[dict[str, Any]]:
     """The raw run of every (dataset, seed), seed-major (a study stopped early still covers
@@ -513,7 +568,7 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000,
                 "raw_p_good_brier": metrics.brier(y, p_raw), "constant_brier": 0.25})
     sec = raw["seconds"]
     n_h = len(h["labels"])
-    per_record = sec["test"] / max(1, raw["n_test"])
+    per_record = sec["test"] / max(1, raw.get("n_test_scored_first", raw["n_test"]))
     per_heldout = sec["heldout"] / max(1, n_h)
     row.update({
         "s_per_record": per_record, "s_per_heldout": per_heldout,
