@@ -103,7 +103,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
-# The CPU's mixed precision (:func:`to_bf16_mixed`): fp32 activations, bf16 weights and products.
+# The CPU's mixed precision (:func:`to_bf16_mixed`): bf16-valued weights, fp32 activations and
+# fp32 arithmetic (oneDNN's kernels).
 # The first name is the one reported (meta files, ``info``, bench records); both are accepted.
 MIXED_NAMES = ("bf16-mixed", "mixed")
 MIXED_NAME = MIXED_NAMES[0]
@@ -129,8 +130,8 @@ class DtypeChoice:
             ``mixed``).
         requested: what was asked for (``"auto"``, a name such as ``"bf16"``, or a dtype's name).
         reason: one sentence of evidence, shown by ``icqs-fast info`` and in a run's meta file.
-        mixed: the CPU's mixed precision (:func:`to_bf16_mixed`): fp32 activations, weights
-            rounded to bf16, matmuls with bf16 products and fp32 accumulation and output.
+        mixed: the CPU's mixed precision (:func:`to_bf16_mixed`): weights rounded to bf16 and
+            held in fp32, fp32 activations, matmuls in fp32 arithmetic through oneDNN.
     """
 
     dtype: torch.dtype
@@ -229,13 +230,13 @@ def choose_dtype(dtype: str | torch.dtype = "auto",
     """The dtype :func:`load_model` loads a model in on ``device``, with the reason.
 
     ``"auto"``: bf16 on CUDA; on the CPU ``bf16-mixed`` (:data:`MIXED_NAME`,
-    :func:`to_bf16_mixed`: bf16 weights and matmul products, fp32 activations, batch-invariant
-    and within ~0.07 nats/token of fp32) where it has native bf16 dot products
+    :func:`to_bf16_mixed`: bf16-valued weights, fp32 activations and arithmetic,
+    batch-invariant and within ~0.07 nats/token of fp32) where it has native bf16 dot products
     (:func:`cpu_bf16_support`), fp32 elsewhere (bf16 runs ~5.5x slower than fp32 without them),
     unless ``$ICQS_FAST_CPU_DTYPE`` (:data:`CPU_DTYPE_ENV`) names the dtype. An explicit dtype
     is kept (``bfloat16``: the pure bf16 forward, every activation in bf16); on the CPU one
     without a native dot product (bf16 or fp16) warns once per process, naming the expected
-    cost and ``--dtype``. ``bf16-mixed`` is a CPU mode (oneDNN's bf16 fpmath): on another
+    cost and ``--dtype``. ``bf16-mixed`` is a CPU mode (oneDNN's matmuls): on another
     device it is an error.
 
     Raises:
@@ -255,11 +256,11 @@ def choose_dtype(dtype: str | torch.dtype = "auto",
     else:
         native, why = cpu_bf16_support()
         choice = (DtypeChoice(torch.float32, "auto",
-                              f"auto: this CPU has {why}: bf16 weights and products, fp32 "
-                              "activations", mixed=True) if native
+                              f"auto: this CPU has {why}: bf16-valued weights, fp32 "
+                              "activations and arithmetic", mixed=True) if native
                   else DtypeChoice(torch.float32, "auto", f"auto: this CPU has {why}"))
     if choice.mixed and dev.type != "cpu":
-        raise ValueError(f"{MIXED_NAME} is a CPU mode (oneDNN's bf16 matmuls); on {dev.type} "
+        raise ValueError(f"{MIXED_NAME} is a CPU mode (oneDNN's matmuls); on {dev.type} "
                          "use bfloat16 or float32")
     if dev.type == "cpu":
         _warn_if_slow(choice)
@@ -423,25 +424,69 @@ def runtime_settings(model: Any, backend: str) -> dict:
 
 # --------------------------------------------------------------------------- bf16-mixed
 
-# oneDNN's fp32 "bf16 fpmath" mode (torch.backends.mkldnn.matmul.fp32_precision = "bf16"): fp32
-# F.linear / matmul in, fp32 out, the products on bf16 dot-product instructions. With weights
-# that are already bf16 values its result is within ~1e-6 (relative) of float64 and each row's
-# numbers do not depend on the other rows (M-invariant): measured on an AVX-512 BF16 CPU,
-# docs/RESULTS.md "Precision on the CPU". The setting is process-wide in torch, so it is on only
-# while a bf16-mixed model runs (a depth count: nested and concurrent forwards share one switch).
+# oneDNN's fp32 "bf16 fpmath" mode (torch.backends.mkldnn.matmul.fp32_precision = "bf16") sends
+# fp32 F.linear / matmul to oneDNN instead of MKL's sgemm. The mode *allows* oneDNN to round
+# the operands to bf16; oneDNN 3.x does that on AMX (its "bf32" path; not measured here). On a
+# CPU with avx512_bf16 and no AMX (the AMD EPYC of docs/RESULTS.md) it rounds nothing: the
+# products are plain fp32 on oneDNN's AVX-512 kernels (relative error 3.9e-7 against float64
+# with arbitrary fp32 weights, IEEE fp32 2.5e-7; bf16-rounded activations would give 1.7e-3),
+# about 2.3x MKL's fp32 rate there (250-265 against 110 GFLOP/s, 1 thread) and half the
+# pure-bf16 rate (470-495). So bf16-mixed is bf16-valued weights in fp32 arithmetic, and its
+# fidelity (the echo passage alone vs inside a request within 1e-3 nats/token) rests on that:
+# rounding any linear's activations to bf16 breaks it (measured: 5e-3 to 0.16; docs/RESULTS.md
+# "Precision on the CPU"). Where the mode would round (:func:`bf16_mode_is_exact` False), it
+# stays off and the model runs IEEE fp32. torch's setting is process-wide, so it is on only
+# while a bf16-mixed model runs (a depth count: nested and concurrent forwards share one
+# switch).
 _MODE_LOCK = threading.Lock()
 _MODE_DEPTH = 0
 _MODE_SAVED = "none"
+_MODE_EXACT: bool | None = None  # bf16_mode_is_exact(), measured once per process
+# The largest relative error (against float64) of the probe's product that counts as fp32
+# arithmetic: fp32 gives ~4e-7, bf16-rounded activations ~2e-3.
+_MODE_EXACT_TOL = 1e-5
 # Every bf16-mixed model and its output embeddings (the head the engine's statistics read).
 _MIXED: weakref.WeakSet = weakref.WeakSet()
 
 
+def _probe_mode_exact() -> bool:
+    """One product of the model's kind (bf16-valued weight, fp32 activations; sizes a multiple of
+    oneDNN's AMX tiles) under the mode, against float64. Caller holds ``_MODE_LOCK`` at depth
+    0, so no bf16-mixed forward runs meanwhile."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g)
+    w = torch.randn(256, 512, generator=g).bfloat16().float()
+    ref = x.double() @ w.double().T
+    saved = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        y = torch.nn.functional.linear(x, w)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = saved
+    return bool(((y.double() - ref).norm() / ref.norm()).item() <= _MODE_EXACT_TOL)
+
+
+def bf16_mode_is_exact() -> bool:
+    """Whether oneDNN's bf16 fpmath mode computes fp32 products at fp32 precision on this CPU
+    (True without AMX: it then only routes matmuls to oneDNN's faster fp32 kernels; False where
+    it rounds the operands to bf16, which would break bf16-mixed's batch invariance). Measured
+    once per process on a small product."""
+    global _MODE_EXACT
+    with _MODE_LOCK:
+        if _MODE_EXACT is None:
+            _MODE_EXACT = _probe_mode_exact()
+        return _MODE_EXACT
+
+
 def _mode_enter() -> None:
-    global _MODE_DEPTH, _MODE_SAVED
+    global _MODE_DEPTH, _MODE_SAVED, _MODE_EXACT
     with _MODE_LOCK:
         if _MODE_DEPTH == 0:
+            if _MODE_EXACT is None:
+                _MODE_EXACT = _probe_mode_exact()
             _MODE_SAVED = torch.backends.mkldnn.matmul.fp32_precision
-            torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+            if _MODE_EXACT:
+                torch.backends.mkldnn.matmul.fp32_precision = "bf16"
         _MODE_DEPTH += 1
 
 
@@ -457,11 +502,12 @@ def _mode_exit() -> None:
 
 @contextlib.contextmanager
 def bf16_matmuls():
-    """Inside: fp32 matmuls (``F.linear``, ``@``) on the CPU take bf16 products with fp32
-    accumulation and output (oneDNN's bf16 fpmath); on exit the previous setting is back.
+    """Inside: fp32 matmuls (``F.linear``, ``@``) on the CPU run on oneDNN's kernels (its bf16
+    fpmath mode, switched on only where it computes at fp32 precision:
+    :func:`bf16_mode_is_exact`); on exit the previous setting is back.
 
     torch's setting is process-wide: an fp32 model run by another thread meanwhile computes the
-    same way (its rounding, not its dtype, changes). Re-entrant and thread-safe."""
+    same way (its summation order, not its precision, changes). Re-entrant and thread-safe."""
     _mode_enter()
     try:
         yield
@@ -497,12 +543,13 @@ def to_bf16_mixed(model: Any) -> Any:
     fp32: they are not matmul operands); the residual stream, norms, softmax and the head's
     statistics stay fp32. Forward hooks on the model and on each member of its module lists
     (the decoder layers) turn :func:`bf16_matmuls` on while they run, so every linear layer
-    multiplies with bf16 products and fp32 accumulation and output; the engine's head
-    statistics do the same (:func:`is_bf16_mixed` on the output embeddings).
+    multiplies on oneDNN's fp32 kernels (no operand rounded: the products are fp32's, the
+    weights' rounding is the only change); the engine's head statistics do the same
+    (:func:`is_bf16_mixed` on the output embeddings).
 
-    Storage: fp32 holding bf16 values, twice the bytes of bf16 weights, because oneDNN's bf16
-    matmul of fp32 operands then reads the weight with no conversion per call (faster than a
-    bf16 weight converted for every call; docs/RESULTS.md, "Precision on the CPU").
+    Storage: fp32 holding bf16 values, twice the bytes of bf16 weights: the matmuls are fp32
+    (a bf16 weight would be widened for every call; true bf16 products need bf16 activations,
+    which break the batch invariance: docs/RESULTS.md, "Precision on the CPU").
 
     Raises:
         ValueError: the model is not fp32 or not on the CPU.
@@ -513,6 +560,7 @@ def to_bf16_mixed(model: Any) -> Any:
                          f"{p.device.type}")
     if is_bf16_mixed(model):
         return model
+    bf16_mode_is_exact()  # measured now, at load, not inside the first forward
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2 and param.is_floating_point():

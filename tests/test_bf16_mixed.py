@@ -56,7 +56,8 @@ def test_mode_on_only_inside_the_forward(tiny, monkeypatch):
         ids = tok(PROMPT, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             mixed(input_ids=ids)
-        assert seen == ["bf16"]
+        # The mode is switched on only where it keeps fp32 precision (bf16_mode_is_exact).
+        assert seen == ["bf16" if models.bf16_mode_is_exact() else before]
         assert torch.backends.mkldnn.matmul.fp32_precision == before
         # An error inside the forward restores it too.
         def boom(*_):
@@ -72,11 +73,56 @@ def test_mode_on_only_inside_the_forward(tiny, monkeypatch):
 
 
 def _bf16_products() -> bool:
-    """Whether fp32 matmuls take bf16 products right now (torch's process-wide setting)."""
+    """Whether torch's process-wide setting sends fp32 matmuls to oneDNN's bf16 fpmath mode now
+    (on a CPU where that mode keeps fp32 precision: models.bf16_mode_is_exact)."""
     return torch.backends.mkldnn.matmul.fp32_precision == "bf16"
 
 
+def test_mode_keeps_fp32_precision_where_it_is_on():
+    """bf16-mixed's fidelity rests on the mode rounding no operand: inside bf16_matmuls a product
+    of the model's shapes with arbitrary fp32 weights (not bf16 values) and activations stays at
+    fp32's error against float64 (~4e-7; bf16-rounded operands give ~2e-3)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(96, 576, generator=g), torch.randn(1536, 576, generator=g)
+    ref = x.double() @ w.double().T
+    with models.bf16_matmuls():
+        y = torch.nn.functional.linear(x, w)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_mode_stays_off_where_it_would_round(monkeypatch):
+    """A CPU whose oneDNN rounds fp32 operands to bf16 in the mode (AMX): bf16_matmuls leaves
+    torch's setting alone, so the bf16-mixed model computes IEEE fp32."""
+    monkeypatch.setattr(models, "_MODE_EXACT", None)
+    monkeypatch.setattr(models, "_probe_mode_exact", lambda: False)
+    old = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        with models.bf16_matmuls():
+            assert not models.bf16_mode_is_exact()
+            assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = old
+
+
+def test_probe_tells_rounding_from_fp32(monkeypatch):
+    """The probe itself: a linear that rounds its activations to bf16 (what the mode does where
+    it rounds) fails it; IEEE fp32 products pass it."""
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: real(x.bfloat16().float(), w, b))
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    assert models._probe_mode_exact() is False
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: (x.double() @ w.double().T).float())
+    assert models._probe_mode_exact() is True
+    assert torch.backends.mkldnn.matmul.fp32_precision == before  # the probe restores it
+
+
 def test_scope_nests_and_restores_the_users_setting():
+    if not models.bf16_mode_is_exact():
+        pytest.skip("the mode stays off on this CPU (it would round operands to bf16)")
     old = torch.backends.mkldnn.matmul.fp32_precision
     try:
         torch.backends.mkldnn.matmul.fp32_precision = "ieee"
@@ -109,7 +155,7 @@ def test_head_statistics_take_the_mode(tiny, monkeypatch):
         plan = capability.model_plan(m)
         h = torch.randn(3, m.config.hidden_size)
         plan.head_stats(h, torch.tensor([1, 2, 3]))
-    assert seen == [True, False]
+    assert seen == [models.bf16_mode_is_exact(), False]
 
 
 def test_avx2_only_cpu_keeps_float32(monkeypatch, tiny_llama_dir):

@@ -48,7 +48,7 @@ def test_auto_picks_bf16_mixed_with_native_bf16(detect):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the automatic choice must not warn
         c = models.choose_dtype("auto", "cpu")
-    # bf16-mixed: fp32 activations and parameters holding bf16 weights, bf16 products.
+    # bf16-mixed: fp32 activations and parameters holding bf16 weights, fp32 arithmetic.
     assert c.dtype == torch.float32 and c.mixed and c.requested == "auto"
     assert c.name == models.MIXED_NAME == "bf16-mixed"
     assert "native bf16" in c.reason and "avx512_bf16" in c.reason

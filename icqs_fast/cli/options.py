@@ -237,7 +237,7 @@ def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> Non
     p.add_argument("--dtype", default=default, choices=DTYPE_NAMES,
                    help="how the model computes. auto (default): bf16 on CUDA; on a CPU with "
                         "native bf16 dot products (avx512_bf16 / AMX) bf16-mixed (weights "
-                        "rounded to bf16, fp32 activations, matmuls with bf16 products: "
+                        "rounded to bf16, fp32 activations and matmul arithmetic: "
                         "batch-invariant, within ~0.08 nats/token of float32, ~1.4x faster), "
                         "else float32; bfloat16: the pure bf16 forward (fastest, not "
                         "batch-invariant); "
