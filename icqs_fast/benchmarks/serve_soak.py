@@ -332,8 +332,8 @@ def step_summary(log: list[Any], longest: int = 8) -> dict[str, Any]:
     steps carried: overall and per kind (``decode``, ``echo``, ``call``, ``start``, ...) the
     count, p50 / p99 / max seconds and the most prompt tokens / call cost; ``beside_decode``:
     the steps that carried a live generation's token (what the inter-token latency is made
-    of); ``longest``: the longest steps, ``[seconds, kind, decode, prefill_tokens,
-    call_cost]``."""
+    of); ``longest``: the longest steps, ``[index in the log, seconds, kind, decode,
+    prefill_tokens, call_cost]``."""
     def dist(steps: list[Any]) -> dict[str, Any]:
         secs = [s.seconds for s in steps]
         return {"n": len(steps), "p50_s": _r(percentile(secs, 50), 4),
@@ -344,11 +344,11 @@ def step_summary(log: list[Any], longest: int = 8) -> dict[str, Any]:
     kinds: dict[str, list[Any]] = {}
     for s in log:
         kinds.setdefault(s.carried, []).append(s)
-    top = sorted(log, key=lambda s: -s.seconds)[:longest]
+    top = sorted(range(len(log)), key=lambda i: -log[i].seconds)[:longest]
     return {"all": dist(log), "beside_decode": dist([s for s in log if s.decode]),
             "by_kind": {k: dist(v) for k, v in sorted(kinds.items())},
-            "longest": [[_r(s.seconds, 4), s.carried, s.decode, s.prefill_tokens, s.call_cost]
-                        for s in top]}
+            "longest": [[i, _r(log[i].seconds, 4), log[i].carried, log[i].decode,
+                         log[i].prefill_tokens, log[i].call_cost] for i in top]}
 
 
 def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
@@ -379,6 +379,8 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
         res = asyncio.run(_load(st.base_url, seconds, clients, gen_tokens, max_requests,
                                 rss_every, seed))
         steps = step_summary(list(srv.queue.step_log))
+        steps["malloc_trims"] = srv.trimmer.trims
+        steps["malloc_trim_s"] = round(srv.trimmer.seconds, 3)
         sigterm = sigterm_stop(st, cfg.shutdown_timeout, gen_tokens)
     finally:
         st.stop()

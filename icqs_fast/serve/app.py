@@ -46,6 +46,7 @@ from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import ERROR_RESPONSES, APIError, error_body, validation_error
 from icqs_fast.serve.guard import Guard
 from icqs_fast.serve.logprobs import PromptPrefill, prompt_logprobs
+from icqs_fast.serve.memory import Trimmer
 from icqs_fast.serve.metrics import ServeMetrics
 from icqs_fast.serve.queue import WorkQueue
 from icqs_fast.serve.schemas import (
@@ -92,13 +93,16 @@ class Server:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab else 0
+        # Freed activation memory goes back to the system (flat RSS under varied shapes).
+        self.trimmer = Trimmer()
         self.queue = WorkQueue(self.run_logprobs, max_pending=cfg.max_queue,
                                batch_wait_s=cfg.batch_wait_ms / 1000.0,
                                chunk_tokens=cfg.max_batch_tokens,
                                max_live_steps=cfg.max_live_generations,
                                prefill_tokens=cfg.prefill_budget,
                                start_prefill=self.start_prefill
-                               if PromptPrefill.supported(model) else None)
+                               if PromptPrefill.supported(model) else None,
+                               between_steps=self.trimmer)
         self.metrics = ServeMetrics(self.queue, ROUTES)
         self.admission = Admission(tokenizer, cfg, self.vocab, lim, count_tokens=lambda r, n:
                                    self.metrics.prompt_tokens.labels(r).inc(n))
@@ -117,7 +121,8 @@ class Server:
                                      f"{getattr(cfg, field)}")
         self.dispatcher = Dispatcher(self.queue, cfg.request_timeout)
         self.completions = Completions(model, tokenizer, self.admission, self.dispatcher,
-                                       cfg.model_name, cfg.max_batch_tokens)
+                                       cfg.model_name, cfg.max_batch_tokens,
+                                       prefill_budget=cfg.prefill_budget)
         self.scoring = Scoring(model, tokenizer, self.admission, self.dispatcher, cfg,
                                good=good, bad=bad, settings=settings)
         self.started = time.time()

@@ -216,13 +216,17 @@ class WorkQueue:
             ``pos`` and ``done``, ``result()``, ``close()``): a prompt longer than a step's
             budget runs over several steps, a budget's worth each. None: such a prompt runs
             whole, in a step of its own.
+        between_steps: called on the worker thread after each step, outside the queue's lock,
+            with whether the queue is idle (the server's allocator trim,
+            :class:`icqs_fast.serve.memory.Trimmer`); its exceptions are ignored.
     """
 
     def __init__(self, run_logprobs: Callable[[list[list[int]], int], list], *,
                  max_pending: int = 256, batch_wait_s: float = 0.005,
                  chunk_tokens: int = 2048, max_live_steps: int = 8,
                  prefill_tokens: int | None = None,
-                 start_prefill: Callable[[list[int], int], Any] | None = None) -> None:
+                 start_prefill: Callable[[list[int], int], Any] | None = None,
+                 between_steps: Callable[[bool], None] | None = None) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         if chunk_tokens < 1:
@@ -233,6 +237,7 @@ class WorkQueue:
             raise ValueError(f"max_live_steps must be >= 1, got {max_live_steps}")
         self.run_logprobs = run_logprobs
         self.start_prefill = start_prefill
+        self.between_steps = between_steps
         self.max_pending = int(max_pending)
         self.batch_wait_s = float(batch_wait_s)
         self.chunk_tokens = int(chunk_tokens)
@@ -575,6 +580,10 @@ class WorkQueue:
                         self._active.remove(t)
                         self._active.append(t)
                 self._cond.notify_all()
+                idle = not self._active
+            if self.between_steps is not None:
+                with contextlib.suppress(Exception):
+                    self.between_steps(idle)
 
     def run_step(self, step: list[Ticket]) -> list[tuple[bool, Any]]:
         """Run one step on the worker thread: each ticket's next unit (a token of a live
