@@ -295,3 +295,29 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
         got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= FP32_TOL
+
+
+def test_a_generation_prefills_a_long_prompt_in_chunks(tiny):
+    """A 40-token prompt with prefill_chunk 16: two steps of 16 prompt tokens and no token,
+    then the last 8 with the first token; the tokens are those of the prompt run whole and
+    their log-probs within float32 rounding (1e-4)."""
+    from icqs_fast.serve.generation import GreedyGeneration
+
+    model, tok = tiny
+    seen: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append(int(args[0].shape[1])))
+    try:
+        whole = GreedyGeneration(model, tok, _ids(40, 4), 6, top_n=1)
+        while not whole.step():
+            pass
+        seen.clear()
+        chunked = GreedyGeneration(model, tok, _ids(40, 4), 6, top_n=1, prefill_chunk=16)
+        done = [chunked.step() for _ in range(8)]
+    finally:
+        hook.remove()
+    assert done == [False] * 7 + [True]
+    assert seen == [16, 16, 8, 1, 1, 1, 1, 1]
+    assert [t for t, _, _ in chunked.result()] == [t for t, _, _ in whole.result()]
+    assert max(abs(a[1] - b[1]) for a, b in zip(chunked.result(), whole.result(),
+                                                 strict=True)) <= 1e-4

@@ -81,16 +81,20 @@ class Completions:
         dispatcher: puts the request's work on the queue and waits for it.
         model_name: the served model id.
         max_batch_tokens: the chunk of log-prob work (tokens).
+        prefill_budget: most prompt tokens per forward of a generation (a longer prompt is
+            prefilled in chunks over several worker steps); None: the whole prompt at once.
     """
 
     def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
-                 model_name: str, max_batch_tokens: int) -> None:
+                 model_name: str, max_batch_tokens: int,
+                 prefill_budget: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.admission = admission
         self.dispatcher = dispatcher
         self.model_name = model_name
         self.max_batch_tokens = int(max_batch_tokens)
+        self.prefill_budget = prefill_budget
         self.eos_ids = eos_ids(model, tokenizer)
         self._token_text: dict[int, str] = {}
         self._text_lock = threading.Lock()
@@ -204,7 +208,8 @@ class Completions:
         if generate:
             def generation(ids: list[int], i: int) -> GreedyGeneration:
                 gen = GreedyGeneration(self.model, self.tokenizer, ids, max_tokens, top_n,
-                                       stops, bias, self.eos_ids)
+                                       stops, bias, self.eos_ids,
+                                       prefill_chunk=self.prefill_budget)
                 gen.on_step = feed.hook(i) if feed is not None else None
                 return gen
 

@@ -4,7 +4,8 @@
 ``stop_strings`` build a table over the whole vocabulary for every request (10,000 stop strings
 held the worker for minutes). Here a generation is a :class:`GreedyGeneration`: each
 :meth:`~GreedyGeneration.step` is one forward (the prompt first, then one new token against the
-KV cache) and the choice of one token, so the queue serves other requests between tokens and
+KV cache; a prompt longer than ``prefill_chunk`` in chunks over several steps) and the choice
+of one token, so the queue serves other requests between tokens and
 drops the generation between any two of them when its request ends. Stop strings
 (:class:`StopStrings`) are searched only in the text the last token added (and the characters
 before it that a stop string could span).
@@ -73,6 +74,10 @@ class GreedyGeneration:
         bias: token id -> logit bias added to the logits that choose each token; the log-probs
             are of that biased distribution.
         eos_ids: token ids that end the generation (kept as its last token).
+        prefill_chunk: most prompt tokens per forward (None: the whole prompt in one): a longer
+            prompt runs over several steps, a chunk each against the KV cache of the chunks
+            before, so that no worker step carries more than the server's prefill budget; the
+            first token comes with the step of the last chunk.
 
     Attributes:
         on_step: None, or called on the worker thread with each generated token's
@@ -82,7 +87,7 @@ class GreedyGeneration:
     def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int], max_new: int,
                  top_n: int = 0, stops: StopStrings | None = None,
                  bias: dict[int, float] | None = None,
-                 eos_ids: Iterable[int] = ()) -> None:
+                 eos_ids: Iterable[int] = (), prefill_chunk: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in ids]
@@ -97,6 +102,8 @@ class GreedyGeneration:
             self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
             for tid, b in bias.items():
                 self.bias_vec[tid] = b
+        self.prefill_chunk = None if prefill_chunk is None else max(1, int(prefill_chunk))
+        self._fed = 0  # prompt tokens in the KV cache (chunked prefill)
         self.on_step: Callable[[GenStep], None] | None = None
         self.steps: list[GenStep] = []
         self._past: Any = None
@@ -109,15 +116,23 @@ class GreedyGeneration:
         """fp32 logits ``[V]`` of the next token: the prompt's forward first, then the last
         token's against the cache."""
         new = [t for t, _, _ in self.steps]
-        if self._past is None or not self._cached:
+        if not self._cached or (self._past is None and not self._fed):
             inp = torch.tensor([self.ids + new], dtype=torch.long, device=self.dev)
             out = self.model(input_ids=inp, attention_mask=torch.ones_like(inp),
                              use_cache=self._cached)
+        elif not new:  # the prompt's last chunk
+            out = self._forward(self.ids[self._fed:])
         else:
             inp = torch.tensor([new[-1:]], dtype=torch.long, device=self.dev)
             mask = torch.ones((1, len(self.ids) + len(new)), dtype=torch.long, device=self.dev)
             out = self.model(input_ids=inp, attention_mask=mask, use_cache=True,
                              **cache_kwarg(self.model, self._past))
+        self._keep_cache(out)
+        return out.logits[0, -1].float()
+
+    def _keep_cache(self, out: Any) -> bool:
+        """Keep the KV cache ``out`` returned; False (and full forwards from now on) when the
+        model returned none."""
         # transformers >= 5.24 names the returned cache "cache", older ones "past_key_values".
         past = getattr(out, "cache", None)
         if past is None:
@@ -125,13 +140,33 @@ class GreedyGeneration:
         if past is None:
             self._cached = False
         self._past = past
-        return out.logits[0, -1].float()
+        return past is not None
+
+    def _forward(self, chunk: list[int]) -> Any:
+        """``chunk``, the prompt's tokens after the ``_fed`` in the cache, against the cache
+        (none yet: a new one)."""
+        inp = torch.tensor([chunk], dtype=torch.long, device=self.dev)
+        mask = torch.ones((1, self._fed + len(chunk)), dtype=torch.long, device=self.dev)
+        return self.model(input_ids=inp, attention_mask=mask, use_cache=True,
+                          **cache_kwarg(self.model, self._past))
+
+    @torch.no_grad()
+    def _prefill(self) -> None:
+        """The prompt's next ``prefill_chunk`` tokens into the KV cache (no token chosen)."""
+        chunk = self.ids[self._fed: self._fed + self.prefill_chunk]
+        if self._keep_cache(self._forward(chunk)):  # else the next step runs the whole prompt
+            self._fed += len(chunk)
 
     def step(self) -> bool:
-        """One forward and one chosen token; True when the generation is done (``max_new``
-        tokens, an end-of-sequence token or a stop string)."""
+        """One forward and one chosen token (in a chunked prefill, before the prompt's last
+        chunk: one chunk and no token); True when the generation is done (``max_new`` tokens,
+        an end-of-sequence token or a stop string)."""
         if self.done:
             return True
+        if (self.prefill_chunk is not None and self._cached and not self.steps
+                and len(self.ids) - self._fed > self.prefill_chunk):
+            self._prefill()
+            return False
         row = self._logits()
         if self.bias_vec is not None:
             row = row + self.bias_vec[: row.shape[-1]]

@@ -3,12 +3,13 @@ request) and glass-box features of posted records.
 
 The request is priced before it is queued (:func:`icqs_fast.serve.admission.score_price`:
 each record read once per ICQS context and calibration baseline and once for the features, the
-contexts' demonstration prefixes once) and cut into chunks of about ``--max-batch-tokens``
-token-passes (a record whose work is larger is a chunk of its own). The demonstration prefixes
-are one unit before the records'. Every forward checks whether the request has ended
-(deadline, disconnect, shutdown), so a record's work stops part-way; the server's own scorer,
-whose prefixes it keeps between requests, is then rebuilt on its next use, since its caches may
-hold work that was cut.
+contexts' demonstration prefixes once) and cut into chunks of about ``--prefill-budget``
+token-passes (at most ``--max-batch-tokens``; a record whose work is larger is a chunk of its
+own): a chunk is the slice of a worker step beside the live generations' tokens. The
+demonstration prefixes are one unit before the records'. Every forward checks whether the
+request has ended (deadline, disconnect, shutdown), so a record's work stops part-way; the
+server's own scorer, whose prefixes it keeps between requests, is then rebuilt on its next use,
+since its caches may hold work that was cut.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class Scoring:
         model, tokenizer: the served model.
         admission: the server's limits.
         dispatcher: puts the request's work on the queue and waits for it.
-        config: the server's settings (its model id, the chunk ``max_batch_tokens`` in
-            token-passes, the ICQS engine's ``backend`` and ``token_budget``).
+        config: the server's settings (its model id, the chunk: ``prefill_budget`` token-passes,
+            at most ``max_batch_tokens``; the ICQS engine's ``backend`` and ``token_budget``).
         good, bad: the server's demonstrations (None: none).
         settings: the server's ICQS settings, its engine options (``backend``,
             ``token_budget``) included; a request's ``icqs_options`` replace some of them.
@@ -85,7 +86,9 @@ class Scoring:
         self.model, self.tokenizer = model, tokenizer
         self.admission, self.dispatcher = admission, dispatcher
         self.model_name = config.model_name
-        self.max_batch_tokens = int(config.max_batch_tokens)
+        # A chunk of records is a worker step's slice beside the live generations' tokens, so
+        # it holds at most the step's budget (a record whose work is larger: alone).
+        self.chunk_cost = min(int(config.max_batch_tokens), int(config.prefill_budget))
         self.backend = config.backend
         self.good, self.bad = good, bad
         self.settings = settings
@@ -295,7 +298,7 @@ class Scoring:
         start = 0
         while start < len(records):
             end, total = start + 1, cost(start)
-            while end < len(records) and total + cost(end) <= self.max_batch_tokens:
+            while end < len(records) and total + cost(end) <= self.chunk_cost:
                 total += cost(end)
                 end += 1
             units.append(Unit("call", total, lambda a=start, b=end: self.score_chunk(
