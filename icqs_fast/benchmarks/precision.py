@@ -27,11 +27,16 @@ between the two, and against float32's alone (per token and summed over the pass
 
 ``python -m icqs_fast.benchmarks.precision --json --out FILE``; exit 1 when the default (``auto``)
 misses its promises (:func:`default_failures`).
+
+``--rounding``: the rounding study instead (:func:`rounding_study`): the echo passage through the
+bf16-mixed model with the input activations of chosen linears rounded to bf16 (what a one-pass
+bf16 matmul does: "plan B"), against float32 and alone vs inside the request.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -101,16 +106,63 @@ def echo_passage(tok) -> tuple[list[int], list[list[int]]]:
     return ids, [fox[:9], ids[:40] + fox[:20], ids, fox[:50], ids[:120] + fox[:3]]
 
 
-def echo_logprobs(model, tok) -> tuple[torch.Tensor, torch.Tensor]:
-    """The passage's echo log-probs ``[ECHO_TOKENS - 1]`` fp32: alone, and inside the request."""
+def echo_logprobs(model, tok, passage: tuple[list[int], list[list[int]]] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passage's echo log-probs ``[len(ids) - 1]`` fp32: alone, and inside the request
+    (``passage``: ``(ids, request)`` with the passage at index 2; default :func:`echo_passage`)."""
     from icqs_fast.serve.logprobs import prompt_logprobs
 
-    ids, request = echo_passage(tok)
+    ids, request = passage if passage is not None else echo_passage(tok)
     pad = tok.pad_token_id
     with torch.no_grad():
         alone = prompt_logprobs(model, [ids], pad_id=pad)[0].token_logprobs
         inside = prompt_logprobs(model, request, pad_id=pad)[2].token_logprobs
     return torch.tensor(alone), torch.tensor(inside)
+
+
+# The decoder's linear layers by name (Llama-style), for the rounding study.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The rounding study's rows: a label and the linears whose input activations are rounded.
+ROUNDING_ROWS = (("none", ()), ("every decoder linear (plan B)", LINEARS),
+                 *((f"{n} only", (n,)) for n in LINEARS),
+                 ("q + k + v", LINEARS[:3]), ("gate + up", LINEARS[4:6]),
+                 ("q + k + v + gate + up", LINEARS[:3] + LINEARS[4:6]))
+
+
+@contextlib.contextmanager
+def rounded_inputs(model, names):
+    """Inside: the input activations of ``model``'s ``nn.Linear`` layers whose name ends with one
+    of ``names`` are rounded to bf16 values (one rounding, kept fp32), what a one-pass bf16
+    matmul does to them ("plan B"); the weights and the product are untouched. Hooks removed
+    on exit."""
+    def hook(_m, args):
+        return (args[0].bfloat16().float(),) + tuple(args[1:])
+
+    hooks = [m.register_forward_pre_hook(hook) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in names]
+    try:
+        yield len(hooks)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def rounding_study(fp32, mixed, tok, rows=ROUNDING_ROWS, passage=None) -> list[dict[str, Any]]:
+    """Which matmul inputs a bf16 product could round: per row of ``rows`` (label, linear
+    names), the echo log-probs of ``mixed`` (a bf16-mixed model) with those linears' input
+    activations rounded to bf16 (:func:`rounded_inputs`): the largest per-token difference
+    against ``fp32``'s alone, its sum over the passage, and alone vs inside the request (the
+    batch-invariance promise, :data:`ECHO_INVARIANCE_TOL`)."""
+    ref = echo_logprobs(fp32, tok, passage)[0]
+    out = []
+    for label, names in rows:
+        with rounded_inputs(mixed, names) as n:
+            alone, inside = echo_logprobs(mixed, tok, passage)
+        out.append({"rounded": label, "linears": n,
+                    "echo_vs_fp32_max_per_token": float((alone - ref).abs().max()),
+                    "echo_vs_fp32_passage_sum": float((alone - ref).sum()),
+                    "echo_alone_vs_request_max_per_token": float((alone - inside).abs().max())})
+    return out
 
 
 def bench(n_answers: int = 32, repeats: int = 3, variants=VARIANTS,
@@ -224,7 +276,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print the record as JSON")
     p.add_argument("--out", default=None, help="also write the JSON record here")
+    p.add_argument("--rounding", action="store_true",
+                   help="instead: the rounding study (rounding_study: which linears' inputs "
+                        "a one-pass bf16 matmul could round, on the echo passage)")
     a = p.parse_args(argv)
+    if a.rounding:
+        if a.threads is not None:
+            torch.set_num_threads(a.threads)
+        fp32, tok, _ = load_variant("float32")
+        mixed, _, _ = load_variant("bf16-mixed")
+        rows = rounding_study(fp32, mixed, tok)
+        text = json.dumps({"bench": "precision-rounding", "rows": rows}, indent=1)
+        if a.out:
+            with open(a.out, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        for r in rows:
+            print(f"{r['rounded']:32s} vs fp32 {r['echo_vs_fp32_max_per_token']:.4f}/token "
+                  f"(sum {r['echo_vs_fp32_passage_sum']:+.3f})  alone vs request "
+                  f"{r['echo_alone_vs_request_max_per_token']:.2e}")
+        return 0
     rec = bench(a.answers, a.repeats, tuple(a.variants.split(",")), a.threads,
                 tuple(a.data.split(",")))
     text = json.dumps(rec, indent=1)
