@@ -205,6 +205,35 @@ def test_a_cancelled_chunked_prompt_releases_its_cache():
     assert closed == [12] and sum(chunks) < 12
 
 
+def test_the_step_log_says_what_each_step_carried_and_the_soak_sums_it_up():
+    """Each step's record holds its live tokens, starts, prompt tokens and calls; the soak's
+    summary groups the times by kind and lists the longest step first."""
+    from icqs_fast.benchmarks.serve_soak import step_summary
+
+    log: list[str] = []
+    q = WorkQueue(lambda p, n: [0] * len(p), batch_wait_s=0.0, prefill_tokens=8)
+    gen = q.submit([Unit("steps", 4, lambda: Counter("g", 3, log))], 1)
+    lp = q.submit_logprobs([[1] * 5], 0)
+    call = q.submit([Unit("call", 7, lambda: time.sleep(0.2))], 1)
+    q.start()
+    try:
+        for f in (gen.future, lp, call.future):
+            f.result(timeout=10)
+    finally:
+        q.stop()
+    recs = list(q.step_log)
+    assert len(recs) == q.steps == 3
+    assert (recs[0].starts, recs[0].prefill_tokens, recs[0].carried) == (1, 5, "start+echo")
+    assert (recs[1].decode, recs[1].calls, recs[1].call_cost, recs[1].carried) == (1, 1, 7,
+                                                                                 "call")
+    assert (recs[2].decode, recs[2].carried) == (1, "decode")
+    assert abs(q.step_seconds - sum(r.seconds for r in recs)) < 1e-9
+    summary = step_summary(recs)
+    assert summary["all"]["n"] == 3 and summary["beside_decode"]["n"] == 2
+    assert set(summary["by_kind"]) == {"start+echo", "call", "decode"}
+    assert summary["longest"][0][:3] == [1, round(recs[1].seconds, 4), "call"]
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -280,6 +309,7 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
     assert health["decode_tokens"] == srv.queue.decode_tokens > 0
     assert f"_steps_total {float(srv.queue.steps)}" in metrics
     assert f"_decode_tokens_total {float(srv.queue.decode_tokens)}" in metrics
+    assert "icqs_serve_step_seconds_total " in metrics and srv.queue.step_seconds > 0
     assert out["gen"]["choices"][0]["text"] == alone_gen["choices"][0]["text"]
     assert out["gen"]["choices"][0]["logprobs"]["token_logprobs"] == \
         alone_gen["choices"][0]["logprobs"]["token_logprobs"]

@@ -26,6 +26,10 @@ the log-probs of 32 echo prompts like the clients' computed in-process right bef
 after the load (batches of the server's ``--max-batch-tokens``, nothing else running in this
 process), and ``server_vs_engine`` their ratio.
 
+``steps``: the worker's step times by what each step carried (:func:`step_summary`: per kind,
+beside a live generation, the longest steps) and ``malloc_trims`` / ``malloc_trim_s``, the
+allocator trims (:mod:`icqs_fast.serve.memory`) and their time.
+
 ``rss_growth_pct_min2_to_end``: the last sample vs the first one at 120 s or later (the issue's
 "minute 2 to minute 10" on a 10-minute soak; None on a run shorter than 3 minutes).
 

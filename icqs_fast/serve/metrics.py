@@ -82,7 +82,9 @@ class _QueueCollector:
                 ("steps", "worker steps (one token of every live generation and one slice of "
                  "other work each)", q.steps),
                 ("decode_tokens", "tokens of started generations, run beside the slices",
-                 q.decode_tokens)):
+                 q.decode_tokens),
+                ("step_seconds", "wall time of the worker's steps (over steps_total: the mean "
+                 "step, a generation's time between tokens)", q.step_seconds)):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value)
 
     def describe(self) -> Iterable[Any]:
