@@ -286,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         fp32, tok, _ = load_variant("float32")
         mixed, _, _ = load_variant("bf16-mixed")
         rows = rounding_study(fp32, mixed, tok)
-        text = json.dumps({"bench": "precision-rounding", "rows": rows}, indent=1)
+        from icqs_fast.benchmarks import environment
+
+        text = json.dumps({"bench": "precision-rounding", "echo_passage": ECHO_TOKENS, "rows": rows,
+                           **environment("cpu")}, indent=1)
         if a.out:
             with open(a.out, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
