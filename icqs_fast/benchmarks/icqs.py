@@ -428,7 +428,7 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
                                                          settings).score(resp)))
     # The model's dtype (``dtype``, the argument, stays what the memory children load).
     model_dtype = next(model.parameters()).dtype
-    # The probe runs the matmuls the model runs (bf16-mixed: fp32 with bf16 products).
+    # The probe runs the matmuls the model runs (bf16-mixed: fp32 on oneDNN's kernels).
     computes = dtype_name(model)
     probes = [roofline.matmul_probe(flops, computes, dev)]
 

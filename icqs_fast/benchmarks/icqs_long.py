@@ -146,7 +146,7 @@ def bench_long(n_queries: int = 2, device: str | torch.device = "auto",
     from icqs_fast.models import dtype_name
 
     model_dtype = next(model.parameters()).dtype
-    # The probe runs the matmuls the model runs (bf16-mixed: fp32 with bf16 products).
+    # The probe runs the matmuls the model runs (bf16-mixed: fp32 on oneDNN's kernels).
     computes = dtype_name(model)
 
     # Warm-up of both paths (lazy imports, kernels, allocator) on one response, untimed.

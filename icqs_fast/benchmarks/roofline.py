@@ -161,7 +161,7 @@ def matmul_probe(count: FlopCount, dtype: torch.dtype | str, device: torch.devic
     with the current thread count, at ``rows`` rows (the FLOP-weighted median of the counted
     calls if None). ``dtype`` is a torch dtype or how a model computes by name
     (:func:`icqs_fast.models.dtype_name`): ``"bf16-mixed"`` probes the mode that model's linear
-    layers run in (fp32 operands, bf16-valued weights, bf16 products:
+    layers run in (fp32 operands, bf16-valued weights, oneDNN's fp32 kernels:
     :func:`icqs_fast.models.bf16_matmuls`), so its limit is the rate of the matmuls it actually
     runs. Returns ``{"limit_gflops", "limit_gflops_cpu", "probe_rows",
     "probe_shapes": [{"k", "n", "share", "gflops"}]}``: the rates are the FLOP-weighted harmonic

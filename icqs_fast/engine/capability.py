@@ -172,7 +172,7 @@ class ModelPlan:
 def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets: torch.Tensor,
                backend: str = "auto") -> TokenStats:
     """:func:`icqs_fast.ops.linear_token_stats` through a linear ``head`` and its epilogue (the
-    head of a ``bf16-mixed`` model with bf16 products, as its linear layers:
+    head of a ``bf16-mixed`` model on oneDNN's fp32 kernels, as its linear layers:
     :func:`icqs_fast.models.bf16_matmuls`)."""
     kw: dict[str, Any] = {}
     if epilogue.logit_scale != 1.0:
