@@ -417,12 +417,15 @@ ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, const floa
         for (int c = 0; c < NC; ++c) astore<W>(o + r * dvp + c * W, acc[r][c]);
 }
 
+// Rows [0, n) of the block hold queries: only their tiles run (a block's last tile may be part
+// padding, whose probabilities are 0); rows past the last tile are never read.
 template <int W>
 ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, const float* alpha,
-                        float* o) {
+                        float* o, int n) {
     constexpr int RP = Tile<W>::RP, BK = Tile<W>::BK;
     const int64_t nv = dvp / W;
-    for (int r = 0; r < kBQ; r += RP) {
+    const int nr = (n + RP - 1) / RP * RP;
+    for (int r = 0; r < nr; r += RP) {
         int64_t c = 0;
         for (; c + 4 <= nv; c += 4)
             pv_tile<W, RP, 4>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W);
@@ -481,7 +484,7 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         for (int64_t kb = 0; kb < nkb; ++kb) {
             const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
             if (mode == 0) continue;
-            K::scores(s, qb, dq, kb, sb);
+            K::scores(s, qb, dq, kb, sb, n);
             const int32_t* kp = s.kp.data() + kb * BK;
             for (int rr = 0; rr < n; ++rr)
                 bm[rr] = row_scores<W, BK>(a, sb + rr * BK, kp, qr.pos[rr], mode);
@@ -520,17 +523,19 @@ struct KF32 {
     ATTN_INLINE static void load_q(const Args& a, int64_t qo, float* qd) {
         for (int64_t d = 0; d < a.D; ++d) qd[d] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
     }
+    // The tiles that hold the block's n query rows (short suffixes leave most of a block empty).
     ATTN_INLINE static void scores(const Scratch& s, const float* qb, int64_t D, int64_t kb,
-                                   float* sb) {
+                                   float* sb, int n) {
         constexpr int RS = Tile<W>::RS;
         const float* kt = s.kt.data() + kb * D * BK;
-        for (int rr = 0; rr < kBQ; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
+        const int nr = (n + RS - 1) / RS * RS;
+        for (int rr = 0; rr < nr; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
     }
     // Rows past n (no query) get probability 0, so they add nothing.
     ATTN_INLINE static void pv(const Scratch& s, float* sb, int n, int64_t kb, int64_t dvp,
                                const float* alpha, float* ob) {
         std::fill(sb + n * BK, sb + kBQ * BK, 0.f);
-        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, alpha, ob);
+        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, alpha, ob, n);
     }
 };
 
@@ -650,9 +655,10 @@ struct KBf16 {
         }
     }
     ICQS_BF16_TARGET __attribute__((noinline)) static void scores(
-        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb) {
+        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb, int n) {
         const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
-        for (int rr = 0; rr < kBQ; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
+        const int nr = (n + R - 1) / R * R;
+        for (int rr = 0; rr < nr; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
     }
     // Probabilities as bf16 in key order (consecutive pairs are dpbf16's pairs); rows past n
     // (no query) 0, so they add nothing.
@@ -660,7 +666,8 @@ struct KBf16 {
         Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, const float* alpha,
         float* ob) {
         uint32_t* pb = s.pb2.data();
-        for (int rr = 0; rr < kBQ; ++rr) {
+        const int nr = (n + R - 1) / R * R;  // the tiles holding the block's query rows
+        for (int rr = 0; rr < nr; ++rr) {
             uint32_t* prow = pb + rr * (kBK2 / 2);
             if (rr >= n) {
                 std::fill(prow, prow + kBK2 / 2, 0u);
@@ -673,7 +680,7 @@ struct KBf16 {
         }
         const uint32_t* vp = s.vp2.data() + kb * (kBK2 / 2) * dvp;
         const int64_t nv = dvp / 16;
-        for (int rr = 0; rr < kBQ; rr += R) {
+        for (int rr = 0; rr < nr; rr += R) {
             const uint32_t* p2 = pb + rr * (kBK2 / 2);
             int64_t c = 0;
             for (; c + 4 <= nv; c += 4)

@@ -283,3 +283,19 @@ def test_bf16_products_rule():
     assert bf16_products(f32, torch.float32, torch.bfloat16) == torch.bfloat16
     assert bf16_products(bf, torch.bfloat16) is None
     assert bf16_products(torch.nn.Identity(), torch.float32) is None
+
+
+@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("dot", [None, torch.bfloat16])
+def test_rows_do_not_depend_on_the_rows_beside_them(isa, dot, monkeypatch):
+    """A query block computes only the register tiles holding its rows (a short suffix leaves
+    most of a 32-row block empty): each row's output and LSE are bit for bit those of the same
+    row inside a longer call, for every row count around the tile and block sizes (1-4, 5, 31-33,
+    63-65 rows of one key head; non-causal, so key visibility does not depend on Tq)."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    q, k, v = _inputs(2, 1, 1, 65, 70, 64, 64, torch.float32, seed=3)
+    full_o, full_l = ops.attention_lse(q, k, v, backend="cpp", dot_dtype=dot)
+    for n in (1, 2, 3, 4, 5, 31, 32, 33, 63, 64):
+        o, lse = ops.attention_lse(q[:, :, :n], k, v, backend="cpp", dot_dtype=dot)
+        assert torch.equal(o, full_o[:, :, :n]), n
+        assert torch.equal(lse, full_l[:, :, :n]), n
