@@ -1,6 +1,7 @@
 """The server's allocator trim (:mod:`icqs_fast.serve.memory`): when it trims, and that the
 worker calls it between steps with whether the queue went idle."""
 
+import os
 import sys
 
 import pytest
@@ -67,3 +68,14 @@ def test_a_failing_hook_never_stops_the_worker():
         assert q.submit_logprobs([[2]], 0).result(timeout=10) == [0]
     finally:
         q.stop()
+
+
+def test_kernel_caches_are_bounded_unless_the_user_chose(monkeypatch):
+    from icqs_fast.serve.memory import KERNEL_CACHE_VARIABLES, bound_kernel_caches
+
+    first, second = KERNEL_CACHE_VARIABLES
+    monkeypatch.delenv(first, raising=False)
+    monkeypatch.setenv(second, "64")  # the user's value stays
+    got = bound_kernel_caches(16)
+    assert got == {first: "16", second: "64"}
+    assert os.environ[first] == "16" and os.environ[second] == "64"

@@ -363,10 +363,12 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     (``"auto"``, serve's default, is what the issue's targets are stated at)."""
     from icqs_fast.models import dtype_name, load_model
     from icqs_fast.serve.app import ServeConfig, Server
+    from icqs_fast.serve.memory import bound_kernel_caches
     from icqs_fast.serve.runner import ServerThread
 
     if seconds <= 0 or min(echo_clients, gen_clients, score_clients) < 0 or gen_tokens < 1:
         raise ValueError("--soak must be > 0 seconds, client counts >= 0, --gen-tokens >= 1")
+    caches = bound_kernel_caches()  # as serve does, before the model's first forward
     model, tok = load_model(None if model_name in (None, "embedded") else model_name,
                             dtype=dtype, device=device)
     clients = {"echo": echo_clients, "generate": gen_clients, "score": score_clients}
@@ -391,7 +393,7 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     wall = res["wall_s"]
     kinds: dict[str, Kind] = res["kinds"]
     rec: dict[str, Any] = {"model": model_name or "embedded", "dtype": dtype_name(model),
-                           "soak_s": seconds,
+                           "soak_s": seconds, "kernel_caches": caches,
                            "clients": clients, "gen_tokens": gen_tokens,
                            "wall_s": round(wall, 1)}
     for name, kind in kinds.items():
