@@ -71,7 +71,7 @@ def test_a_failing_hook_never_stops_the_worker():
 
 
 def test_kernel_caches_are_bounded_unless_the_user_chose(monkeypatch):
-    from icqs_fast.serve.memory import KERNEL_CACHE_VARIABLES, bound_kernel_caches
+    from icqs_fast.models import KERNEL_CACHE_VARIABLES, bound_kernel_caches
 
     first, second = KERNEL_CACHE_VARIABLES
     monkeypatch.delenv(first, raising=False)
@@ -79,3 +79,16 @@ def test_kernel_caches_are_bounded_unless_the_user_chose(monkeypatch):
     got = bound_kernel_caches(16)
     assert got == {first: "16", second: "64"}
     assert os.environ[first] == "16" and os.environ[second] == "64"
+
+
+def test_load_model_caps_the_kernel_caches_first(monkeypatch, tmp_path):
+    """Every job loads its model through load_model, so every job gets the caps (the varied
+    shapes of a score job grow the caches as the server's did)."""
+    from _helpers import save_tiny_llama
+
+    from icqs_fast.models import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, load_model
+
+    for name in KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    load_model(save_tiny_llama(tmp_path), dtype="float32", device="cpu")
+    assert all(os.environ[n] == str(KERNEL_CACHE_ENTRIES) for n in KERNEL_CACHE_VARIABLES)

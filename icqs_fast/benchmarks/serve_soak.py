@@ -361,14 +361,13 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
          engine_seconds: float = 5.0, seed: int = 0, dtype: str = "auto") -> dict[str, Any]:
     """The soak record (fields: the module docstring). ``dtype``: as ``serve --dtype``
     (``"auto"``, serve's default, is what the issue's targets are stated at)."""
-    from icqs_fast.models import dtype_name, load_model
+    from icqs_fast.models import bound_kernel_caches, dtype_name, load_model
     from icqs_fast.serve.app import ServeConfig, Server
-    from icqs_fast.serve.memory import bound_kernel_caches
     from icqs_fast.serve.runner import ServerThread
 
     if seconds <= 0 or min(echo_clients, gen_clients, score_clients) < 0 or gen_tokens < 1:
         raise ValueError("--soak must be > 0 seconds, client counts >= 0, --gen-tokens >= 1")
-    caches = bound_kernel_caches()  # as serve does, before the model's first forward
+    caches = bound_kernel_caches()  # as load_model does; the values for the record
     model, tok = load_model(None if model_name in (None, "embedded") else model_name,
                             dtype=dtype, device=device)
     clients = {"echo": echo_clients, "generate": gen_clients, "score": score_clients}

@@ -106,9 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
         good, bad = read_examples(args.good), read_examples(args.bad)
     from icqs_fast.models import load_model
-    from icqs_fast.serve.memory import bound_kernel_caches
 
-    bound_kernel_caches()  # before the model's first forward (flat RSS under varied shapes)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tok, cfg, good=good, bad=bad, icqs_options=settings)
     if good is not None:  # before serving: the calibrated probability of the server's pools

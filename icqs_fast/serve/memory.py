@@ -1,16 +1,9 @@
-"""The server's resident memory under a varied load: kernel caches bounded, the allocator
-trimmed.
+"""The server's resident memory under a varied load: the allocator trimmed.
 
-**Kernel caches** (the cause of the growth at bf16-mixed, serve's default on the CPU): in
-oneDNN's bf16 fpmath mode torch runs each linear layer through oneDNN, and both oneDNN's
-primitive cache and ideep's computation cache keep an entry per distinct shape, i.e. per token
-count of a forward (1024 entries each by default). Under the server's varied batches each new
-token count kept about 4.5 MB resident for the embedded model: forwards of 1-399 tokens in a
-shuffled order grew the trimmed RSS by 180 MB every 40 forwards (537 MB after 120), at float32
-or with one repeated length by 8-10 MB. :func:`bound_kernel_caches` caps both at
-:data:`KERNEL_CACHE_ENTRIES` entries (their environment variables, read when the first kernel is
-made, so before the model loads): the same 120 forwards then grew it by 10 MB, in the same time
-(106.8 s vs 107.2 s side by side).
+**Kernel caches** were the main cause of the growth at bf16-mixed (serve's default on the CPU):
+oneDNN's and ideep's per-shape caches, an entry per token count of a forward. They are capped
+when a model loads (:func:`icqs_fast.models.bound_kernel_caches`, for every job, not only the
+server), with the measurement there.
 
 **The allocator**, a second, smaller part: every step allocates activations of a new shape, and
 glibc keeps freed heap memory resident (fragmented between live blocks; its mmap threshold rises
@@ -25,16 +18,10 @@ MB, 1147 -> 1764 MB). Without glibc (macOS, musl) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import time
 from typing import Any
 
-# Entries of oneDNN's primitive cache and of ideep's computation cache (their environment
-# variables). A forward's linear layers use a handful of shapes; 16 kept the speed of the
-# default 1024 on the varied-shape run above.
-KERNEL_CACHE_ENTRIES = 16
-KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 # Seconds between trims while the worker has work (at most; when it goes idle: at once).
 TRIM_EVERY_S = 2.0
 
@@ -54,16 +41,6 @@ def glibc() -> Any:
                 lib = None
         _LIBC.append(lib)
     return _LIBC[0]
-
-
-def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
-    """Cap oneDNN's and ideep's per-shape kernel caches at ``entries`` (see the module
-    docstring), unless their variables are set already (the user's choice wins); call it before
-    the process's first oneDNN matmul (before the model loads: later, the caches keep the size
-    they started with). Returns the variables' values."""
-    for name in KERNEL_CACHE_VARIABLES:
-        os.environ.setdefault(name, str(int(entries)))
-    return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}
 
 
 def malloc_trim() -> bool:
@@ -104,5 +81,4 @@ class Trimmer:
             self._last = done
 
 
-__all__ = ["KERNEL_CACHE_ENTRIES", "KERNEL_CACHE_VARIABLES", "TRIM_EVERY_S", "Trimmer",
-           "bound_kernel_caches", "glibc", "malloc_trim"]
+__all__ = ["TRIM_EVERY_S", "Trimmer", "glibc", "malloc_trim"]
