@@ -36,6 +36,7 @@ from icqs_fast.evals.selfcheck_study import (
     exchange_markdown,
     exchange_null,
     exchange_summary,
+    first_tests,
     markdown,
     run_one,
     shared_inputs,
@@ -116,6 +117,11 @@ def main() -> int:
     # Are held-out items scored like test responses? A permutation null per run with matrices.
     nulls = [exchange_null(r) for r in raws]
     exchange = exchange_summary(rows, nulls)
+    # The same runs with only the test responses scored with them (before --add-test).
+    firsts = [first_tests(r) for r in raws]
+    rows_first = [analyse(r) for r in firsts]
+    per_dataset_first = summarise(rows_first)
+    exchange_first = exchange_summary(rows_first, [exchange_null(r) for r in firsts])
     # Pool items whose input recurs in the pools (the `input` leak rule takes more from them).
     for r, row in zip(raws, rows, strict=True):
         good, bad, _, _ = study_pools(r["dataset"], pool=r.get("pool", a.pool),
@@ -131,6 +137,7 @@ def main() -> int:
         "options": {"pool": a.pool, "n_test_per_class": a.n_test, "threads": a.threads,
                     "seeds": a.seeds, "datasets": a.datasets},
         "per_dataset": per_dataset, "per_dataset_adjusted": per_dataset_adj,
+        "first_tests_only": {"per_dataset": per_dataset_first, "exchange_null": exchange_first},
         "exchange_null": {"summary": exchange,
                           "runs": [{"dataset": r["dataset"], "seed": r["seed"], **n}
                                    for r, n in zip(raws, nulls, strict=True) if n]},
@@ -147,6 +154,9 @@ def main() -> int:
     print("\nheld-out items and test responses exchanged (permutation null, runs with "
           "matrices):")
     print(exchange_markdown(exchange))
+    print("\nthe runs' first test responses only (before --add-test):")
+    print(bias_markdown(per_dataset_first))
+    print(exchange_markdown(exchange_first))
     print("pool items sharing their input:",
           {f"{r['dataset']} s{r['seed']}": r["pool_items_sharing_input"] for r in rows})
     print()

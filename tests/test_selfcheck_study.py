@@ -224,3 +224,13 @@ def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
     with pytest.raises(ValueError, match="settings differ"):
         study.add_test_responses(model, tok, {**raw, "settings": {**raw["settings"],
                                                                    "seed": 9}}, 1)
+
+
+def test_first_tests_gives_back_the_run_before_its_test_set_was_enlarged():
+    raw = toy_study()
+    assert study.first_tests(raw) is raw
+    more = {**raw, "n_test_scored_first": 10, "n_test": 40}
+    first = study.first_tests(more)
+    assert first["n_test"] == 10
+    assert all(v == raw["test"][k][:10] for k, v in first["test"].items())
+    assert first["heldout"] is raw["heldout"]

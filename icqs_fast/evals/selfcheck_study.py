@@ -213,6 +213,17 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
             "seconds": {**raw["seconds"], "test_added": round(sec, 2)}}
 
 
+def first_tests(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with only the test responses scored with the run (the first
+    ``n_test_scored_first``; :func:`add_test_responses` appends the others): the run as it
+    was before its test set was enlarged. ``raw`` itself when it was not."""
+    n = raw.get("n_test_scored_first")
+    if n is None:
+        return raw
+    t = raw["test"]
+    return {**raw, "n_test": n, "test": {k: v[:n] for k, v in t.items()}}
+
+
 def stored_runs(folder: str, seeds: Sequence[int], datasets: Sequence[str],
                 score: Any, *, analyse_only: bool = False) -> list[dict[str, Any]]:
     """The raw run of every (dataset, seed), seed-major (a study stopped early still covers
