@@ -19,8 +19,11 @@ the uncalibrated ``p_good`` and of a constant 0.5 (Brier 0.25), and the test AUC
 test response scored from a held-out item's clean contexts only (:func:`matched_test_auc`: the
 self-check's handicap given to the test responses, to tell "fewer contexts" from "pool items
 are not like responses" when the two AUCs differ). :func:`summarise` gives the per-dataset
-bias table. The cost of the self-check per record is timed in the same run (held-out items and
-test records go through the same scorer and prefix bank).
+bias table; :func:`exchange_null` / :func:`exchange_summary` test whether held-out items are
+scored like test responses at all (a permutation null); :func:`add_test_responses` enlarges a
+stored run's test set with the run's own scorer. The cost of the self-check per record is
+timed in the same run (held-out items and test records go through the same scorer and prefix
+bank).
 """
 
 from __future__ import annotations
