@@ -331,18 +331,19 @@ def test_a_generation_prefills_a_long_prompt_in_chunks(tiny):
     """A 40-token prompt with prefill_chunk 16: two steps of 16 prompt tokens and no token,
     then the last 8 with the first token; the tokens are those of the prompt run whole and
     their log-probs within float32 rounding (1e-4)."""
-    from icqs_fast.serve.generation import GreedyGeneration
+    from icqs_fast.serve.generation import GenerationOptions, GreedyGeneration
 
     model, tok = tiny
     seen: list[int] = []
     hook = model.get_input_embeddings().register_forward_hook(
         lambda _m, args, _out: seen.append(int(args[0].shape[1])))
     try:
-        whole = GreedyGeneration(model, tok, _ids(40, 4), 6, top_n=1)
+        whole = GreedyGeneration(model, tok, _ids(40, 4), GenerationOptions(6, top_n=1))
         while not whole.step():
             pass
         seen.clear()
-        chunked = GreedyGeneration(model, tok, _ids(40, 4), 6, top_n=1, prefill_chunk=16)
+        chunked = GreedyGeneration(model, tok, _ids(40, 4),
+                                  GenerationOptions(6, top_n=1, prefill_chunk=16))
         done = [chunked.step() for _ in range(8)]
     finally:
         hook.remove()

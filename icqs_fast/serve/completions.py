@@ -26,7 +26,12 @@ from starlette.responses import StreamingResponse
 from icqs_fast.serve.admission import Admission, completion_price
 from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
-from icqs_fast.serve.generation import GenStep, GreedyGeneration, StopStrings
+from icqs_fast.serve.generation import (
+    GenerationOptions,
+    GenStep,
+    GreedyGeneration,
+    StopStrings,
+)
 from icqs_fast.serve.queue import Unit, chunk_prompts
 from icqs_fast.serve.schemas import (
     CompletionChoice,
@@ -206,10 +211,11 @@ class Completions:
         feed = TokenFeed(asyncio.get_running_loop()) if (req.stream and generate
                                                          and n_lp is None) else None
         if generate:
+            options = GenerationOptions(max_tokens, top_n, stops, bias, self.eos_ids,
+                                        prefill_chunk=self.prefill_budget)
+
             def generation(ids: list[int], i: int) -> GreedyGeneration:
-                gen = GreedyGeneration(self.model, self.tokenizer, ids, max_tokens, top_n,
-                                       stops, bias, self.eos_ids,
-                                       prefill_chunk=self.prefill_budget)
+                gen = GreedyGeneration(self.model, self.tokenizer, ids, options)
                 gen.on_step = feed.hook(i) if feed is not None else None
                 return gen
 

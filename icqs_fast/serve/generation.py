@@ -14,6 +14,7 @@ before it that a stop string could span).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,14 +61,11 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-class GreedyGeneration:
-    """The greedy continuation of one prompt, a token per :meth:`step` (a
-    :class:`icqs_fast.serve.queue.Stepper`).
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What a request asks of one greedy generation (the same for each of its prompts).
 
     Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer (decodes the text the stop strings are searched in).
-        ids: the prompt's token ids.
         max_new: most tokens to generate (>= 1).
         top_n: alternatives (with log-probs) kept per generated token.
         stops: the request's stop strings (the generation ends at the first one).
@@ -78,23 +76,41 @@ class GreedyGeneration:
             prompt runs over several steps, a chunk each against the KV cache of the chunks
             before, so that no worker step carries more than the server's prefill budget; the
             first token comes with the step of the last chunk.
+    """
+
+    max_new: int
+    top_n: int = 0
+    stops: StopStrings | None = None
+    bias: dict[int, float] | None = None
+    eos_ids: Iterable[int] = ()
+    prefill_chunk: int | None = None
+
+
+class GreedyGeneration:
+    """The greedy continuation of one prompt, a token per :meth:`step` (a
+    :class:`icqs_fast.serve.queue.Stepper`).
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer (decodes the text the stop strings are searched in).
+        ids: the prompt's token ids.
+        options: the request's :class:`GenerationOptions`.
 
     Attributes:
         on_step: None, or called on the worker thread with each generated token's
             :data:`GenStep` right after it is chosen (streaming; it must not block).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int], max_new: int,
-                 top_n: int = 0, stops: StopStrings | None = None,
-                 bias: dict[int, float] | None = None,
-                 eos_ids: Iterable[int] = (), prefill_chunk: int | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int],
+                 options: GenerationOptions) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in ids]
-        self.max_new = int(max_new)
-        self.top_n = int(top_n)
-        self.stops = stops if stops else None
-        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.max_new = int(options.max_new)
+        self.top_n = int(options.top_n)
+        self.stops = options.stops if options.stops else None
+        self.eos_ids = frozenset(int(t) for t in options.eos_ids)
+        bias, prefill_chunk = options.bias, options.prefill_chunk
         self.dev = next(model.parameters()).device
         self.bias_vec: torch.Tensor | None = None
         if bias:
@@ -204,4 +220,4 @@ class GreedyGeneration:
         self._past = None
 
 
-__all__ = ["GenStep", "GreedyGeneration", "StopStrings"]
+__all__ = ["GenStep", "GenerationOptions", "GreedyGeneration", "StopStrings"]
