@@ -137,12 +137,9 @@ class GreedyGeneration:
             out = self.model(input_ids=inp, attention_mask=torch.ones_like(inp),
                              use_cache=self._cached)
         elif not new:  # the prompt's last chunk
-            out = self._forward(self.ids[self._fed:])
-        else:
-            inp = torch.tensor([new[-1:]], dtype=torch.long, device=self.dev)
-            mask = torch.ones((1, len(self.ids) + len(new)), dtype=torch.long, device=self.dev)
-            out = self.model(input_ids=inp, attention_mask=mask, use_cache=True,
-                             **cache_kwarg(self.model, self._past))
+            out = self._forward(self.ids[self._fed:], self._fed)
+        else:  # the last token; the cache holds the prompt and the tokens before it
+            out = self._forward(new[-1:], len(self.ids) + len(new) - 1)
         self._keep_cache(out)
         return out.logits[0, -1].float()
 
@@ -158,11 +155,11 @@ class GreedyGeneration:
         self._past = past
         return past is not None
 
-    def _forward(self, chunk: list[int]) -> Any:
-        """``chunk``, the prompt's tokens after the ``_fed`` in the cache, against the cache
-        (none yet: a new one)."""
-        inp = torch.tensor([chunk], dtype=torch.long, device=self.dev)
-        mask = torch.ones((1, self._fed + len(chunk)), dtype=torch.long, device=self.dev)
+    def _forward(self, tokens: list[int], in_cache: int) -> Any:
+        """``tokens`` against the KV cache of the ``in_cache`` tokens before them (none yet: a
+        new cache)."""
+        inp = torch.tensor([tokens], dtype=torch.long, device=self.dev)
+        mask = torch.ones((1, in_cache + len(tokens)), dtype=torch.long, device=self.dev)
         return self.model(input_ids=inp, attention_mask=mask, use_cache=True,
                           **cache_kwarg(self.model, self._past))
 
@@ -170,7 +167,8 @@ class GreedyGeneration:
     def _prefill(self) -> None:
         """The prompt's next ``prefill_chunk`` tokens into the KV cache (no token chosen)."""
         chunk = self.ids[self._fed: self._fed + self.prefill_chunk]
-        if self._keep_cache(self._forward(chunk)):  # else the next step runs the whole prompt
+        # No cache returned: the next step runs the whole prompt.
+        if self._keep_cache(self._forward(chunk, self._fed)):
             self._fed += len(chunk)
 
     def step(self) -> bool:
