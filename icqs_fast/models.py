@@ -493,21 +493,24 @@ def bf16_mode_is_exact() -> bool:
     (True without AMX: it then only routes matmuls to oneDNN's faster fp32 kernels; False where
     it rounds the operands to bf16, which would break bf16-mixed's batch invariance). Measured
     once per process on a small product."""
-    global _MODE_EXACT
     with _MODE_LOCK:
-        if _MODE_EXACT is None:
-            _MODE_EXACT = _probe_mode_exact()
-        return _MODE_EXACT
+        return _mode_exact_locked()
+
+
+def _mode_exact_locked() -> bool:
+    """:func:`bf16_mode_is_exact`, the caller holding ``_MODE_LOCK``: probed once."""
+    global _MODE_EXACT
+    if _MODE_EXACT is None:
+        _MODE_EXACT = _probe_mode_exact()
+    return _MODE_EXACT
 
 
 def _mode_enter() -> None:
-    global _MODE_DEPTH, _MODE_SAVED, _MODE_EXACT
+    global _MODE_DEPTH, _MODE_SAVED
     with _MODE_LOCK:
         if _MODE_DEPTH == 0:
-            if _MODE_EXACT is None:
-                _MODE_EXACT = _probe_mode_exact()
             _MODE_SAVED = torch.backends.mkldnn.matmul.fp32_precision
-            if _MODE_EXACT:
+            if _mode_exact_locked():
                 torch.backends.mkldnn.matmul.fp32_precision = "bf16"
         _MODE_DEPTH += 1
 
