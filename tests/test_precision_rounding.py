@@ -51,6 +51,7 @@ def test_rounded_inputs_round_only_the_named_linears(tiny):
 
 def test_study_rows(tiny):
     fp32, mixed, tok, passage = tiny
+    base = precision.echo_logprobs(mixed, tok, passage)[0]
     rows = precision.rounding_study(
         fp32, mixed, tok, rows=(("none", ()), ("all", precision.LINEARS)), passage=passage)
     none, every = rows
@@ -59,7 +60,6 @@ def test_study_rows(tiny):
     # passage against float32 further than the weights alone do.
     assert none["echo_alone_vs_request_max_per_token"] <= 1e-4
     assert every["echo_vs_fp32_max_per_token"] > none["echo_vs_fp32_max_per_token"]
-    # The study leaves the model as it was.
+    # The study leaves the model as it was (the same numbers as before it ran).
     again = precision.echo_logprobs(mixed, tok, passage)[0]
-    base = precision.echo_logprobs(mixed, tok, passage)[0]
     assert torch.equal(again, base)
