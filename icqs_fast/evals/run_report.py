@@ -36,6 +36,7 @@ from icqs_fast.evals.run_output import (
     record_texts,
     summarise,
 )
+from icqs_fast.io.files import write_whole
 
 __all__ = ["ReportResult", "write_report", "render_page"]
 
@@ -439,7 +440,5 @@ def write_report(output: str | os.PathLike, page: str | os.PathLike, *,
     p = Path(page)
     p.parent.mkdir(parents=True, exist_ok=True)
     data = html.encode("utf-8")
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, p)
+    write_whole(p, data)
     return ReportResult(p, len(data), s.n, time.perf_counter() - t0, drift)

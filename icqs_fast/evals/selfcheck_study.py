@@ -43,6 +43,7 @@ from icqs_fast.engine.selfcheck import (
     crossfit_score,
     fit_self_check,
 )
+from icqs_fast.io.files import write_whole
 
 DATASETS = ("sst2", "fpb", "chaosnli")
 # Draws of the held-out masks per test response in :func:`matched_test_auc` (averaged).
@@ -247,9 +248,7 @@ def stored_runs(folder: str, seeds: Sequence[int], datasets: Sequence[str],
                     continue
                 t0 = time.perf_counter()
                 raw = score(ds, seed)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(raw, f)
-                os.replace(path + ".tmp", path)
+                write_whole(path, json.dumps(raw))
                 print(f"{ds} s{seed}: {time.perf_counter() - t0:.0f} s -> {path}",
                       file=sys.stderr, flush=True)
             with open(path) as f:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from icqs_fast.io.files import write_whole
 from icqs_fast.io.results import BlockWriter, ResumeState
 from icqs_fast.io.runs import OutputLock
 
@@ -125,11 +126,7 @@ class BlockOutput:
             return
         tmp = f"{final}.tmp.{os.getpid()}"
         if self.local:  # os calls: fsync before the rename (pyarrow's stream does not sync)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            write_whole(final, data, fsync=True, tmp=tmp)
             return
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)

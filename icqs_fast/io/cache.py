@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from icqs_fast.io.files import write_whole
+
 __all__ = ["ENV", "JsonCache", "cache_root", "digest"]
 
 ENV = "ICQS_FAST_CACHE_DIR"
@@ -78,12 +80,9 @@ class JsonCache:
         p = self.path(key)
         if p is None:
             return None
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(doc), encoding="utf-8")
-            os.replace(tmp, p)
+            write_whole(p, json.dumps(doc))
         except OSError:
-            tmp.unlink(missing_ok=True)
             return None
         return p

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from icqs_fast.io.arrow import dataset_files
+from icqs_fast.io.files import write_whole
 from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import (
     InputError,
@@ -126,13 +127,7 @@ def meta_path(output: PathLike) -> Path:
 def write_meta(output: PathLike, meta: dict) -> None:
     """Write ``OUT.meta.json`` whole, then rename it into place (a crash never leaves a
     half-written settings file)."""
-    mp = meta_path(output)
-    tmp = mp.with_name(mp.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, mp)
+    write_whole(meta_path(output), json.dumps(meta, indent=1) + "\n", fsync=True)
 
 
 RUNTIME_KEYS = ("dtype", "device", "backend")
