@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from icqs_fast.io.files import write_whole
+
 VARIANTS = ("float32", "bfloat16", "bf16-mixed", "auto", "int8-dynamic")
 DATASETS = ("sst2", "fpb")
 # The echo passage: the first SummEval article's first tokens (../shared/data/summeval).
@@ -291,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps({"bench": "precision-rounding", "echo_passage": ECHO_TOKENS, "rows": rows,
                            **environment("cpu")}, indent=1)
         if a.out:
-            with open(a.out, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            write_whole(a.out, text + "\n")
         for r in rows:
             print(f"{r['rounded']:32s} vs fp32 {r['echo_vs_fp32_max_per_token']:.4f}/token "
                   f"(sum {r['echo_vs_fp32_passage_sum']:+.3f})  alone vs request "
@@ -302,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(a.data.split(",")))
     text = json.dumps(rec, indent=1)
     if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        write_whole(a.out, text + "\n")
     if a.json:
         print(text)
     else:
