@@ -44,13 +44,15 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
     rc = main(["bench", "serve", "--model", tiny_dir, "--soak", "6", "--echo-clients", "2",
                "--gen-clients", "1", "--score-clients", "1", "--gen-tokens", "8",
                "--rss-every", "1", "--threads", "1", "--json", "--out", str(out),
-               "--soak-as", "after", "--soak-dtype", "float32"])
+               "--soak-as", "after", "--soak-dtype", "float32", "--prefill-budget", "48"])
     capsys.readouterr()
     both = json.loads(out.read_text())
     assert both["before"] == {"kept": True}  # --soak-as keeps the file's other records
     rec = both["after"]
     assert rc == 0 and rec["passed"], rec["checks"]
     assert rec["dtype"] == "float32"  # --soak-dtype reaches the server's model
+    assert rec["prefill_budget"] == 48  # and --prefill-budget its config
+    assert rec["steps"]["beside_decode"]["prefill_tokens_max"] <= 48  # beside a generation
     for kind in ("echo", "generate", "score"):
         assert rec[kind]["ok"] >= 1 and rec[kind]["ok"] == rec[kind]["sent"], rec[kind]
         assert rec[kind]["errors"] == {}
@@ -64,6 +66,15 @@ def test_short_soak_answers_every_kind(tiny_dir, tmp_path, capsys):
     assert len(rec["rss_mb"]) >= 3 and all(mb > 10 for _, mb in rec["rss_mb"])
     assert rec["rss_peak_mb"] >= max(mb for _, mb in rec["rss_mb"])
     assert rec["engine_tokens_per_s"] > 0 and rec["server_vs_engine"] > 0
+    # Every token the worker forwarded: at least the answers' prompt and generated tokens
+    # (the /v1/score work and padding come on top).
+    toks = rec["server_tokens"]
+    assert toks["score_token_passes"] > 0  # the /v1/score work counts in the work tokens
+    assert rec["server_work_tokens_per_s"] > rec["server_tokens_per_s"]
+    assert rec["server_work_vs_engine"] > rec["server_vs_engine"]
+    assert rec["server_forward_tokens"] >= toks["prompt"] + toks["generated"]
+    assert rec["engine_forward_tokens_per_s"] >= rec["engine_tokens_per_s"] > 0
+    assert rec["server_forward_vs_engine"] > 0
     # SIGTERM with a generation streaming: the server stopped within its bound, the request
     # finished (200) or was cut (503).
     sig = rec["sigterm"]
@@ -85,7 +96,7 @@ def test_done_when_reads_the_issue_targets():
     def rec(**kw):
         r = {"checks": {"five_xx": 0, "unanswered": 0, "over_120s": 0},
              "generate": {"latency_s_p99": 30.0, "itl_s_p99": 1.0},
-             "rss_growth_pct_min2_to_end": 10.0, "server_vs_engine": 0.7,
+             "rss_growth_pct_min2_to_end": 10.0, "server_work_vs_engine": 0.7,
              "sigterm": {"ok": True}}
         for k, v in kw.items():
             (r["generate"] if k in ("latency_s_p99", "itl_s_p99") else r)[k] = v
@@ -96,7 +107,7 @@ def test_done_when_reads_the_issue_targets():
     assert rec(itl_s_p99=1.01)["itl_p99_le_1s"] is False
     assert rec(rss_growth_pct_min2_to_end=10.1)["rss_growth_min2_le_10pct"] is False
     assert rec(rss_growth_pct_min2_to_end=None)["rss_growth_min2_le_10pct"] is None
-    assert rec(server_vs_engine=0.69)["throughput_ge_70pct_of_engine"] is False
+    assert rec(server_work_vs_engine=0.69)["throughput_ge_70pct_of_engine"] is False
     assert rec(checks={"five_xx": 1, "unanswered": 0, "over_120s": 0})["no_5xx"] is False
     assert rec(checks={"five_xx": 0, "unanswered": 0, "over_120s": 1})["none_over_120s"] is False
 

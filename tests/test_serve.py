@@ -274,7 +274,7 @@ def test_score_endpoint_equals_in_process(server, tiny):
     from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.features.extract import glassbox
 
-    st, _ = server
+    st, srv = server
     _, model, tok = tiny
     good = [["Review: fine", "positive"], ["Review: awful", "negative"]] * 3
     bad = [["Review: fine", "negative"], ["Review: awful", "positive"]] * 3
@@ -296,9 +296,13 @@ def test_score_endpoint_equals_in_process(server, tiny):
     # Calibrated, continuous scores: the engine's, with the raw loglik kept beside
     # the baseline; a bad option value is a 400 naming it before anything is queued.
     cal = {**opts, "calibration": "content_free", "score": "mean"}
+    before = srv.queue.forward_tokens
     r = httpx.post(st.base_url + "/v1/score", timeout=60, json={
         "records": recs, "good": good, "bad": bad, "icqs_options": cal})
     assert r.status_code == 200, r.text
+    # The ICQS forwards count in icqs_serve_forward_tokens_total: the demonstration prefixes
+    # and at least one token per record under each of the 3 x 2 contexts.
+    assert srv.queue.forward_tokens - before >= len(recs) * 6 + 2 * 4
     ref = list(ICQSScorer(model, tok, [tuple(g) for g in good], [tuple(b) for b in bad],
                           **cal).score([(x["x"], x["y"]) for x in recs]))
     for got, want in zip(r.json()["data"], ref, strict=True):

@@ -309,6 +309,10 @@ def test_mixed_batches_give_what_serving_alone_gives(tiny):
     assert health["decode_tokens"] == srv.queue.decode_tokens > 0
     assert f"_steps_total {float(srv.queue.steps)}" in metrics
     assert f"_decode_tokens_total {float(srv.queue.decode_tokens)}" in metrics
+    # Every token forwarded counts: the echo prompts (the generation's twice: once alone),
+    # each generated token, the generation's prompt.
+    assert f"_forward_tokens_total {float(srv.queue.forward_tokens)}" in metrics
+    assert srv.queue.forward_tokens >= sum(map(len, prompts)) + srv.queue.decode_tokens
     assert "icqs_serve_step_seconds_total " in metrics and srv.queue.step_seconds > 0
     assert out["gen"]["choices"][0]["text"] == alone_gen["choices"][0]["text"]
     assert out["gen"]["choices"][0]["logprobs"]["token_logprobs"] == \

@@ -1,8 +1,9 @@
 """``icqs-fast bench serve --soak SECONDS``: ``icqs-fast serve`` under a steady mixed load.
 
 The server runs in this process (a background thread on 127.0.0.1 and a free port, as in
-``bench serve``); three kinds of clients (asyncio + httpx, real HTTP) send requests back to
-back for ``SECONDS`` seconds, then stop sending and wait for their last answers:
+``bench serve``); three kinds of clients (asyncio + httpx, real HTTP, in a process of their
+own as real clients are) send requests back to back for ``SECONDS`` seconds, then stop sending
+and wait for their last answers:
 
 * ``--echo-clients`` (default 8): ``echo=true, max_tokens=0, logprobs=1`` of a prompt of 5-300
   random words (seeded);
@@ -17,14 +18,24 @@ The record has, per kind (``echo`` / ``generate`` / ``score``): ``sent``, ``ok``
 ``"transport"`` for answers that never came); for ``generate`` also ``ttft_s_p50`` / ``p99`` and
 ``itl_s_p50`` / ``p99`` (inter-token: between consecutive streamed pieces). ``rss_mb``: the
 server's ``process_resident_memory_bytes`` scraped from ``/metrics`` every ``--rss-every``
-seconds (``[seconds, MiB]``; the server shares the process with the clients, whose share is
-small), ``rss_peak_mb`` (``icqs_serve_resident_memory_peak_bytes``) and
+seconds (``[seconds, MiB]``; the server's process: the clients run in another),
+``rss_peak_mb`` (``icqs_serve_resident_memory_peak_bytes``) and
 ``rss_growth_pct_after_1min`` (last sample vs the first one after 60 s, when the run is longer).
 ``server_tokens_per_s``: prompt tokens of ``/v1/completions`` plus generated tokens, per second
 of the run; ``engine_tokens_per_s``: the mean of ``engine_tokens_per_s_before`` / ``_after``,
 the log-probs of 32 echo prompts like the clients' computed in-process right before and right
 after the load (batches of the server's ``--max-batch-tokens``, nothing else running in this
-process), and ``server_vs_engine`` their ratio.
+process), and ``server_vs_engine`` their ratio. That ratio leaves out the ``/v1/score`` work
+(its tokens are in no answer's usage): ``server_tokens["score_token_passes"]`` is that work
+in token-passes (``icqs_serve_call_tokens_total``: each record read once per ICQS row and
+for its features, each demonstration prefix once; what admission prices it at),
+``server_work_tokens_per_s`` the answers' tokens plus those per second, and
+``server_work_vs_engine`` its ratio to the engine's rate: the server's whole throughput under
+the mix, all real tokens on both sides, what the issue's 70 % target reads.
+``server_forward_tokens_per_s`` / ``engine_forward_tokens_per_s`` count the token ids that
+entered the model's forwards (``icqs_serve_forward_tokens_total``), padding included, and
+``server_forward_vs_engine`` their ratio (the engine's batches of prompts of 5-300 words pad
+more than the server's budgeted slices).
 
 ``steps``: the worker's step times by what each step carried (:func:`step_summary`: per kind,
 beside a live generation, the longest steps) and ``malloc_trims`` / ``malloc_trim_s``, the
@@ -47,7 +58,8 @@ its prompt, every stream ended with ``data: [DONE]`` and the SIGTERM stop kept i
 command exits 1 otherwise. ``done_when``: the issue's targets, each true / false (None when the
 run is too short to tell): ``no_5xx``, ``none_over_120s``, ``gen_p99_le_30s`` (the
 generation requests' latency), ``itl_p99_le_1s``, ``rss_growth_min2_le_10pct``,
-``throughput_ge_70pct_of_engine``, ``sigterm_within_bound``; they do not change the exit status
+``throughput_ge_70pct_of_engine`` (``server_work_vs_engine``), ``sigterm_within_bound``;
+they do not change the exit status
 (a busy machine moves them).
 
 ``--soak-as NAME`` with ``--out FILE``: the record is stored as ``FILE[NAME]``, the file's other
@@ -258,6 +270,24 @@ async def _load(base_url: str, seconds: float, clients: dict[str, int], gen_toke
             "rss": rss, "rss_peak_mb": peak[0]}
 
 
+def _load_sync(*args: Any) -> dict[str, Any]:
+    return asyncio.run(_load(*args))
+
+
+def load_in_subprocess(base_url: str, seconds: float, clients: dict[str, int],
+                       gen_tokens: int, max_requests: int, rss_every: float,
+                       seed: int) -> dict[str, Any]:
+    """The clients' load (:func:`_load`) run in a process of its own, as real clients are:
+    their HTTP and JSON work does not share this process's interpreter lock with the server's
+    worker, and the RSS scraped is the server's alone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_load_sync, base_url, seconds, clients, gen_tokens, max_requests,
+                           rss_every, seed).result()
+
+
 async def _stream_first_token(base_url: str, gen_tokens: int, started: threading.Event
                               ) -> int:
     """One streamed generation; ``started`` is set at its first streamed piece; the status it
@@ -311,24 +341,33 @@ def sigterm_stop(st: Any, shutdown_timeout: float, gen_tokens: int) -> dict[str,
 
 
 def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad_id: int,
-                min_seconds: float = 5.0) -> float:
-    """Prompt tokens per second of the server's log-prob engine on ``prompts`` alone, in
-    batches of about ``chunk_tokens`` tokens (what the server's worker runs), repeated for at
-    least ``min_seconds``."""
+                min_seconds: float = 5.0) -> tuple[float, float]:
+    """The server's log-prob engine on ``prompts`` alone, in batches of about ``chunk_tokens``
+    tokens (what the server's worker runs), repeated for at least ``min_seconds``:
+    ``(prompt tokens per second, forward tokens per second)``. Forward tokens are counted as
+    the server counts them (``icqs_serve_forward_tokens_total``: the input ids entering the
+    model's input embeddings, padding included)."""
     from icqs_fast.serve.logprobs import prompt_logprobs
     from icqs_fast.serve.queue import chunk_prompts
 
     ids = [list(tok(p)["input_ids"]) for p in prompts]
     batches = chunk_prompts(ids, chunk_tokens)
     prompt_logprobs(model, batches[0], top_n=1, pad_id=pad_id)  # warm-up
-    n = 0
-    t0 = time.perf_counter()
-    while True:
-        for b in batches:
-            prompt_logprobs(model, b, top_n=1, pad_id=pad_id)
-            n += sum(len(p) for p in b)
-        if time.perf_counter() - t0 >= min_seconds:
-            return n / (time.perf_counter() - t0)
+    fwd = [0]
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda _m, args: fwd.__setitem__(0, fwd[0] + args[0].numel()))
+    try:
+        n = 0
+        t0 = time.perf_counter()
+        while True:
+            for b in batches:
+                prompt_logprobs(model, b, top_n=1, pad_id=pad_id)
+                n += sum(len(p) for p in b)
+            sec = time.perf_counter() - t0
+            if sec >= min_seconds:
+                return n / sec, fwd[0] / sec
+    finally:
+        hook.remove()
 
 
 def step_summary(log: list[Any], longest: int = 8) -> dict[str, Any]:
@@ -358,9 +397,11 @@ def step_summary(log: list[Any], longest: int = 8) -> dict[str, Any]:
 def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
          gen_clients: int = 2, score_clients: int = 2, gen_tokens: int = 32,
          max_requests: int = MAX_REQUESTS, rss_every: float = 5.0, device: str = "cpu",
-         engine_seconds: float = 5.0, seed: int = 0, dtype: str = "auto") -> dict[str, Any]:
+         engine_seconds: float = 5.0, seed: int = 0, dtype: str = "auto",
+         prefill_budget: int | None = None) -> dict[str, Any]:
     """The soak record (fields: the module docstring). ``dtype``: as ``serve --dtype``
-    (``"auto"``, serve's default, is what the issue's targets are stated at)."""
+    (``"auto"``, serve's default, is what the issue's targets are stated at);
+    ``prefill_budget``: the server's ``--prefill-budget`` (None: serve's default)."""
     from icqs_fast.models import bound_kernel_caches, dtype_name, load_model
     from icqs_fast.serve.app import ServeConfig, Server
     from icqs_fast.serve.runner import ServerThread
@@ -371,7 +412,9 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     model, tok = load_model(None if model_name in (None, "embedded") else model_name,
                             dtype=dtype, device=device)
     clients = {"echo": echo_clients, "generate": gen_clients, "score": score_clients}
-    cfg = ServeConfig(model_name="bench", max_queue=max(256, 4 * sum(clients.values())))
+    budget = {} if prefill_budget is None else {"prefill_budget": int(prefill_budget)}
+    cfg = ServeConfig(model_name="bench", max_queue=max(256, 4 * sum(clients.values())),
+                      **budget)
     srv = Server(model, tok, cfg)
     # The engine's rate on echo prompts like the clients', before and after the load (the
     # shared machine's other work moves it; the record keeps both).
@@ -381,8 +424,11 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     st = ServerThread(srv).start()
     try:
         srv.queue.step_log.clear()
-        res = asyncio.run(_load(st.base_url, seconds, clients, gen_tokens, max_requests,
-                                rss_every, seed))
+        fwd0, call0 = srv.queue.forward_tokens, srv.queue.call_tokens
+        res = load_in_subprocess(st.base_url, seconds, clients, gen_tokens, max_requests,
+                                 rss_every, seed)
+        fwd = srv.queue.forward_tokens - fwd0
+        call_tokens = srv.queue.call_tokens - call0
         steps = step_summary(list(srv.queue.step_log))
         steps["malloc_trims"] = srv.trimmer.trims
         steps["malloc_trim_s"] = round(srv.trimmer.seconds, 3)
@@ -394,6 +440,7 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     rec: dict[str, Any] = {"model": model_name or "embedded", "dtype": dtype_name(model),
                            "soak_s": seconds, "kernel_caches": caches,
                            "clients": clients, "gen_tokens": gen_tokens,
+                           "prefill_budget": cfg.prefill_budget,
                            "wall_s": round(wall, 1)}
     for name, kind in kinds.items():
         rec[name] = kind.summary(wall)
@@ -415,15 +462,25 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
                                          if len(later) >= 2 and rss[-1][0] >= 180 else None)
     toks = res["tokens"]
     server_tps = (toks["prompt"] + toks["generated"]) / wall if wall > 0 else 0.0
-    rec["server_tokens"] = toks
+    server_ftps = fwd / wall if wall > 0 else 0.0
+    work = toks["prompt"] + toks["generated"] + call_tokens
+    server_wtps = work / wall if wall > 0 else 0.0
+    rec["server_tokens"] = {**toks, "score_token_passes": call_tokens}
     rec["server_tokens_per_s"] = round(server_tps, 1)
+    rec["server_work_tokens_per_s"] = round(server_wtps, 1)
+    rec["server_forward_tokens"] = fwd
+    rec["server_forward_tokens_per_s"] = round(server_ftps, 1)
     eng_after = engine_rate(model, tok, sample, cfg.max_batch_tokens, srv.pad_id,
                             engine_seconds)
-    eng = (eng_before + eng_after) / 2
-    rec["engine_tokens_per_s_before"] = round(eng_before, 1)
-    rec["engine_tokens_per_s_after"] = round(eng_after, 1)
+    eng = (eng_before[0] + eng_after[0]) / 2
+    eng_f = (eng_before[1] + eng_after[1]) / 2
+    rec["engine_tokens_per_s_before"] = round(eng_before[0], 1)
+    rec["engine_tokens_per_s_after"] = round(eng_after[0], 1)
     rec["engine_tokens_per_s"] = round(eng, 1)
+    rec["engine_forward_tokens_per_s"] = round(eng_f, 1)
     rec["server_vs_engine"] = round(server_tps / eng, 3) if eng > 0 else None
+    rec["server_work_vs_engine"] = round(server_wtps / eng, 3) if eng > 0 else None
+    rec["server_forward_vs_engine"] = round(server_ftps / eng_f, 3) if eng_f > 0 else None
     five_xx = sum(n for k in kinds.values() for s, n in k.errors.items()
                   if s.isdigit() and int(s) >= 500)
     unanswered = sum(n for k in kinds.values() for s, n in k.errors.items()
@@ -447,7 +504,7 @@ def done_when(rec: dict[str, Any]) -> dict[str, bool | None]:
         return None if x is None else x <= bound
 
     gen = rec["generate"]
-    frac = rec["server_vs_engine"]
+    frac = rec["server_work_vs_engine"]
     return {"no_5xx": rec["checks"]["five_xx"] == 0,
             "none_over_120s": rec["checks"]["unanswered"] == 0
             and rec["checks"][f"over_{CLIENT_TIMEOUT_S:g}s"] == 0,
@@ -482,6 +539,8 @@ def add_arguments(p: Any) -> None:
                    help="soak: tokens per generation (default 32)")
     p.add_argument("--rss-every", type=float, default=5.0,
                    help="soak: seconds between RSS samples (default 5)")
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
+                   help="soak: the server's --prefill-budget (default: serve's)")
     p.add_argument("--soak-as", default=None, metavar="NAME",
                    help="soak: with --out, store the record as the file's NAME key (e.g. "
                    "before / after), its other keys kept")
@@ -492,7 +551,8 @@ def run_soak(args: Any) -> dict[str, Any]:
     return soak(args.model, args.soak, echo_clients=args.echo_clients,
                 gen_clients=args.gen_clients, score_clients=args.score_clients,
                 gen_tokens=args.gen_tokens,
-                rss_every=args.rss_every, device=args.device, dtype=args.soak_dtype)
+                rss_every=args.rss_every, device=args.device, dtype=args.soak_dtype,
+                prefill_budget=args.prefill_budget)
 
 
 __all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "percentile", "run_soak",

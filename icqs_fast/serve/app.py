@@ -140,7 +140,10 @@ class Server:
         """One long prompt's echo log-probs, a chunk per worker step (the queue's prefill)."""
         return PromptPrefill(self.model, prompt, top_n)
 
-    def _check_hook(self, _module: Any, _args: Any) -> None:
+    def _check_hook(self, _module: Any, args: Any) -> None:
+        ids = args[0] if args else None
+        if hasattr(ids, "numel"):
+            self.queue.count_forward(ids.numel())
         self.queue.check()
 
     def start(self) -> None:

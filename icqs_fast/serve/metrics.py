@@ -83,6 +83,12 @@ class _QueueCollector:
                  "other work each)", q.steps),
                 ("decode_tokens", "tokens of started generations, run beside the slices",
                  q.decode_tokens),
+                ("forward_tokens", "tokens that entered the model's forwards: every kind of "
+                 "work (echo, prompts, generated tokens, /v1/score), padding included",
+                 q.forward_tokens),
+                ("call_tokens", "token-passes of the /v1/score work run (each record read once "
+                 "per ICQS row and for its features, each demonstration prefix once)",
+                 q.call_tokens),
                 ("step_seconds", "wall time of the worker's steps (over steps_total: the mean "
                  "step, a generation's time between tokens)", q.step_seconds)):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value)

@@ -267,6 +267,11 @@ class WorkQueue:
         self.steps = 0  # worker steps
         self.decode_tokens = 0  # tokens of generations that had started (one per step each)
         self.step_seconds = 0.0  # wall time of all steps
+        # Tokens that entered the model's forwards (every kind of work, padding included),
+        # counted by the server's forward hook (:meth:`count_forward`).
+        self.forward_tokens = 0
+        # Token-passes of the ``call`` units run (``/v1/score`` work: the units' cost).
+        self.call_tokens = 0
         # The latest steps (bench serve --soak reads their time by what they carried).
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LEN)
 
@@ -350,6 +355,11 @@ class WorkQueue:
             return False
         now = time.monotonic()
         return all(t.done or (t.deadline is not None and now >= t.deadline) for t in cur)
+
+    def count_forward(self, tokens: int) -> None:
+        """Count a forward of ``tokens`` tokens (the server's hook on the model's input
+        embeddings; only the worker thread runs forwards, so no lock)."""
+        self.forward_tokens += int(tokens)
 
     def check(self) -> None:
         """Raise :class:`Interrupted` when :meth:`should_interrupt`; the worker's code calls it
@@ -561,6 +571,7 @@ class WorkQueue:
                 self.steps += 1
                 self.step_seconds += seconds
                 self.step_log.append(StepRecord(seconds, *what))
+                self.call_tokens += what[4]
                 self.chunks += len(step)
                 if any(not ok and isinstance(v, Interrupted) for ok, v in results):
                     self.interrupted += 1
