@@ -112,6 +112,24 @@ def test_done_when_reads_the_issue_targets():
     assert rec(checks={"five_xx": 0, "unanswered": 0, "over_120s": 1})["none_over_120s"] is False
 
 
+def test_rss_growth_reads_minute_medians_not_single_samples():
+    """A flat series that swings 20 % between samples has no growth by its minute medians,
+    whatever its single end samples say; a series that rises 1 % a minute reads its rise."""
+    from icqs_fast.benchmarks.serve_soak import rss_growth
+
+    flat = [[5.0 * i, (1000.0, 1100.0, 1200.0)[i % 3]] for i in range(121)]  # 0-600 s
+    flat[-1][1] = 1200.0
+    g = rss_growth(flat)
+    assert g["rss_growth_pct_min2_to_end_samples"] == 20.0  # first at 120 s: 1000, last 1200
+    assert g["rss_growth_pct_min2_to_end"] == 0.0
+    assert abs(g["rss_trend_mb_per_min"]) < 5
+    rising = [[5.0 * i, 1000.0 * (1 + 0.01 * i * 5 / 60)] for i in range(121)]
+    g = rss_growth(rising)
+    assert g["rss_growth_pct_min2_to_end"] == 6.9  # medians at 147.5 s and 570 s: 1024.6, 1095
+    assert g["rss_trend_mb_per_min"] == pytest.approx(10.0, abs=0.01)
+    assert rss_growth(flat[:40])["rss_growth_pct_min2_to_end"] is None  # 195 s: too short
+
+
 def test_soak_refuses_bad_flags(tiny_dir, capsys):
     assert main(["bench", "serve", "--model", tiny_dir, "--soak", "0"]) == 2
     assert "--soak" in capsys.readouterr().err

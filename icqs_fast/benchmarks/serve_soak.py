@@ -41,8 +41,14 @@ more than the server's budgeted slices).
 beside a live generation, the longest steps) and ``malloc_trims`` / ``malloc_trim_s``, the
 allocator trims (:mod:`icqs_fast.serve.memory`) and their time.
 
-``rss_growth_pct_min2_to_end``: the last sample vs the first one at 120 s or later (the issue's
-"minute 2 to minute 10" on a 10-minute soak; None on a run shorter than 3 minutes).
+``rss_growth_pct_min2_to_end`` (:func:`rss_growth`): the median RSS sample of the last minute
+against the median of minute 2 (120-180 s; the issue's "minute 2 to minute 10" on a 10-minute
+soak; None on a run shorter than 4 minutes). Medians of a minute, not single samples: the RSS
+moves by about 10 % between two samples 5 s apart (a sample catches the worker inside a step,
+its activations allocated, or between two), so a single sample at either end measures where in a
+step it fell. ``rss_growth_pct_min2_to_end_samples``: that single-sample comparison (the last
+sample against the first at 120 s or later), kept for comparison with older records;
+``rss_trend_mb_per_min``: the least-squares slope of the samples from 120 s on.
 
 ``sigterm``: after the load, one more streamed generation is sent and, once its first token
 arrived, the server gets what SIGTERM does (uvicorn's signal handler, called in-process: the
@@ -457,9 +463,7 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
     after = [mb for t, mb in rss if t >= 60]
     rec["rss_growth_pct_after_1min"] = (round(100 * (after[-1] / after[0] - 1), 1)
                                         if len(after) >= 2 else None)
-    later = [mb for t, mb in rss if t >= 120]
-    rec["rss_growth_pct_min2_to_end"] = (round(100 * (later[-1] / later[0] - 1), 1)
-                                         if len(later) >= 2 and rss[-1][0] >= 180 else None)
+    rec.update(rss_growth(rss))
     toks = res["tokens"]
     server_tps = (toks["prompt"] + toks["generated"]) / wall if wall > 0 else 0.0
     server_ftps = fwd / wall if wall > 0 else 0.0
@@ -496,6 +500,31 @@ def soak(model_name: str | None, seconds: float, *, echo_clients: int = 8,
         sigterm["ok"]
     rec["done_when"] = done_when(rec)
     return rec
+
+
+def rss_growth(rss: list[list[float]], start_s: float = 120.0,
+               window_s: float = 60.0) -> dict[str, float | None]:
+    """RSS growth from minute 2 to the end of ``rss`` (``[seconds, MiB]`` samples): the
+    ``rss_growth_pct_min2_to_end`` (window medians), ``..._samples`` (single samples) and
+    ``rss_trend_mb_per_min`` fields of the record (the module docstring)."""
+    import statistics
+
+    later = [(t, mb) for t, mb in rss if t >= start_s]
+    end = rss[-1][0] if rss else 0.0
+    out: dict[str, float | None] = {"rss_growth_pct_min2_to_end": None,
+                                    "rss_growth_pct_min2_to_end_samples": None,
+                                    "rss_trend_mb_per_min": None}
+    if len(later) < 2 or end < start_s + 60:
+        return out
+    out["rss_growth_pct_min2_to_end_samples"] = round(100 * (later[-1][1] / later[0][1] - 1), 1)
+    out["rss_trend_mb_per_min"] = round(statistics.linear_regression(
+        [t / 60 for t, _ in later], [mb for _, mb in later]).slope, 2)
+    first = [mb for t, mb in later if t < start_s + window_s]
+    last = [mb for t, mb in later if t >= end - window_s]
+    if end >= start_s + 2 * window_s and first and last:
+        out["rss_growth_pct_min2_to_end"] = round(
+            100 * (statistics.median(last) / statistics.median(first) - 1), 1)
+    return out
 
 
 def done_when(rec: dict[str, Any]) -> dict[str, bool | None]:
@@ -555,5 +584,6 @@ def run_soak(args: Any) -> dict[str, Any]:
                 prefill_budget=args.prefill_budget)
 
 
-__all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "percentile", "run_soak",
-           "sigterm_stop", "soak", "step_summary", "write_record"]
+__all__ = ["add_arguments", "done_when", "echo_prompt", "engine_rate", "load_in_subprocess",
+           "percentile", "rss_growth", "run_soak", "sigterm_stop", "soak", "step_summary",
+           "write_record"]

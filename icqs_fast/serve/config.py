@@ -68,10 +68,13 @@ class ServeConfig:
                                    "requests are cut into chunks served round-robin with the "
                                    "others, so no request waits for more than one chunk of "
                                    "another")
-    # 128: SmolLM2-135M at fp32 scores echo prompts packed 128 tokens at a time at 236 tokens per
-    # CPU-second (one thread), against 174 in 2048-token chunks: a short slice costs no
-    # throughput on a CPU, and keeps a step near half a CPU-second beside the generations.
-    prefill_budget: int = option(128, ge=1, help="prompt tokens (echo, prefill) per worker step "
+    # 256, measured for SmolLM2-135M on a 2-core AMD EPYC at bf16-mixed (a machine-tuned
+    # default: override it with --prefill-budget): `bench serve --soak 150` with the issue-41 mix
+    # at budgets 128 / 256 / 384 / 512 gave the server 0.55 / 0.81 / 0.85 / 0.81 of the
+    # engine's token rate and an inter-token p99 of 0.42 / 0.65 / 0.96 / 1.22 s (each step
+    # carries one forward per live generation beside its slice; a short slice pays them more
+    # often). 256 is the largest with the p99 well under 1 s.
+    prefill_budget: int = option(256, ge=1, help="prompt tokens (echo, prefill) per worker step "
                                  "beside one token of every live generation (continuous "
                                  "batching; with none live a step packs up to "
                                  "--max-batch-tokens): a larger log-prob chunk runs over "
