@@ -45,6 +45,7 @@ from icqs_fast.evals.selfcheck_study import (
     study_pools,
     summarise,
 )
+from icqs_fast.io.files import write_whole
 
 
 def main() -> int:
@@ -95,9 +96,7 @@ def main() -> int:
             t0 = time.perf_counter()
             raws[i] = add_test_responses(model, tok, r, a.add_test - have)
             path = os.path.join(a.work, f"{r['dataset']}_s{r['seed']}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(raws[i], f)
-            os.replace(path + ".tmp", path)
+            write_whole(path, json.dumps(raws[i]))
             print(f"{r['dataset']} s{r['seed']}: +{2 * (a.add_test - have)} test responses, "
                   f"{time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr, flush=True)
     have = {(r["dataset"], r["seed"]) for r in raws}

@@ -221,6 +221,17 @@ def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
     sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=0, template=tpl))
     want = [r.score for r in sc.score([(x, y) for x, y, _ in new])]
     assert t1["scores"][6:] == pytest.approx(want, abs=1e-6)
+    # A second enlargement appends pairs the run does not hold yet, after the first ones
+    # (each call's draw is rebuilt from the record: test_added_per_class).
+    again = study.add_test_responses(model, tok, more, 1)
+    assert again["test_added_per_class"] == [2, 1] and again["n_test"] == 12
+    assert again["test"]["labels"] == t1["labels"] + [1, 0]
+    assert again["test"]["scores"][:10] == t1["scores"]
+    _, _, held = study.scored_tests(again)
+    assert held[:10] == first + new and len(set(held)) == 12
+    # A record written before the list was kept (one enlargement) reads the same.
+    old = {k: v for k, v in more.items() if k != "test_added_per_class"}
+    assert study.added_per_class(old) == [2] and study.scored_tests(old)[2] == held[:10]
     with pytest.raises(ValueError, match="settings differ"):
         study.add_test_responses(model, tok, {**raw, "settings": {**raw["settings"],
                                                                    "seed": 9}}, 1)

@@ -175,20 +175,11 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
 
     ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
     t = raw["test"]
-    n_have = len(t["labels"]) // 2  # per class (right / wrong, or entailment / contradiction)
-    good, bad, test0, tpl = study_pools(ds, pool=pool, n_test=n_have, seed=seed)
-    if [lab for *_, lab in test0] != t["labels"]:
+    good, bad, held = scored_tests(raw)
+    if [lab for *_, lab in held] != t["labels"]:
         raise ValueError(f"{ds} s{seed}: the stored test responses are not study_pools' draw")
-    g2, b2, bigger, _ = study_pools(ds, pool=pool, n_test=n_have + 4 * n_more, seed=seed)
-    if (g2, b2) != (good, bad):
-        raise ValueError(f"{ds} s{seed}: a larger test draw changes the pools")
-    have = set(test0)
-    new = []
-    for lab in (1, 0):
-        more = [r for r in bigger if r[2] == lab and r not in have][:n_more]
-        if len(more) < n_more:
-            raise ValueError(f"{ds} s{seed}: only {len(more)} more test responses of class {lab}")
-        new += more
+    new = more_tests(raw, held, good, bad, n_more)
+    tpl = study_pools(ds, pool=pool, n_test=1, seed=seed)[3]
     sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=seed, template=tpl))
     if sc.settings.asdict() != raw["settings"]:
         raise ValueError(f"{ds} s{seed}: the scoring settings differ from the run's")
@@ -200,7 +191,7 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
                          f"{dtype_name(model)}")
     t0 = time.perf_counter()
     # The run's first test response once more: the same scorer must give its score back.
-    pairs = [(x, y) for x, y, _ in new] + [test0[0][:2]]
+    pairs = [(x, y) for x, y, _ in new] + [held[0][:2]]
     res = list(track(sc.score(pairs), total=len(pairs), desc=f"more tests {ds} s{seed}",
                      unit="item", quiet=quiet))
     again = res.pop()
@@ -214,7 +205,47 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
             "loglik": t["loglik"] + [_matrix(r) for r in res]}
     return {**raw, "test": test, "n_test": len(test["labels"]),
             "n_test_scored_first": raw.get("n_test_scored_first", raw["n_test"]),
+            "test_added_per_class": added_per_class(raw) + [n_more],
             "seconds": {**raw["seconds"], "test_added": round(sec, 2)}}
+
+
+def added_per_class(raw: dict[str, Any]) -> list[int]:
+    """The test responses per class each :func:`add_test_responses` call appended to ``raw``, in
+    order (a record written before the list was kept had at most one such call)."""
+    if "test_added_per_class" in raw:
+        return list(raw["test_added_per_class"])
+    first = raw.get("n_test_scored_first")
+    return [] if first is None or first == raw["n_test"] else [(raw["n_test"] - first) // 2]
+
+
+def more_tests(raw: dict[str, Any], held: list, good: list, bad: list, n_more: int) -> list:
+    """``n_more`` test responses per class (class 1 first) that ``held`` (the run's, in order)
+    lacks, as :func:`study_pools` draws them from a larger draw."""
+    ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
+    g2, b2, bigger, _ = study_pools(ds, pool=pool, n_test=len(held) // 2 + 4 * n_more,
+                                    seed=seed)
+    if (g2, b2) != (good, bad):
+        raise ValueError(f"{ds} s{seed}: a larger test draw changes the pools")
+    have = set(held)
+    new = []
+    for lab in (1, 0):
+        more = [r for r in bigger if r[2] == lab and r not in have][:n_more]
+        if len(more) < n_more:
+            raise ValueError(f"{ds} s{seed}: only {len(more)} more test responses of class {lab}")
+        new += more
+    return new
+
+
+def scored_tests(raw: dict[str, Any]) -> tuple[list, list, list]:
+    """``(good, bad, test)``: the run's pools and the test responses ``(x, y, label)`` it holds,
+    in their stored order: :func:`study_pools`' first draw, then each
+    :func:`add_test_responses` call's (:func:`added_per_class`)."""
+    ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
+    first = raw.get("n_test_scored_first", raw["n_test"])
+    good, bad, held, _ = study_pools(ds, pool=pool, n_test=first // 2, seed=seed)
+    for n in added_per_class(raw):
+        held = held + more_tests(raw, held, good, bad, n)
+    return good, bad, held
 
 
 def first_tests(raw: dict[str, Any]) -> dict[str, Any]:
