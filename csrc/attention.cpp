@@ -16,11 +16,15 @@
 // slot never reaches the output) into thread-local buffers, reused while consecutive items
 // share the key head. Per block of kBQ query rows it walks the key blocks of kBK = 4W keys with
 // an online softmax: S = Q K^T (register tile of R rows x 4 vectors, broadcast q, FMA along the
-// key block), scale / soft cap / mask into log2 units, running max and sum in fp32 (updated W
-// rows at a time, no branch on a row's max changing; probabilities by exp2_neg), O = O alpha +
-// P V (register tile of R rows x up to 4 vectors of value columns, the factor alpha applied as
-// O is loaded). Key blocks a query block cannot see (causal, window, chunk, all padded) are
-// skipped, blocks it sees entirely need no mask. The fp32 and bf16 kernels share that loop
+// key block, each key vector loaded once per step), scale / soft cap / mask into log2 units,
+// running max and sum in fp32 (updated W rows at a time, no branch on a row's max changing;
+// probabilities by exp2_neg), O = O alpha + P V (register tile of R rows x up to 4 vectors of
+// value columns, the factor alpha applied as O is loaded). Key blocks a query block cannot see
+// (causal, window, chunk, all padded) are skipped, blocks it sees entirely need no mask, and of
+// a block it sees in part the fp32 kernel computes only the key vectors up to the last key some
+// row may see (a short suffix's keys, the causal diagonal). With positions to compare a query
+// block holds one query head's rows. None of this changes a row's sums: a row's output is bit
+// for bit the same whatever rows share its block. The fp32 and bf16 kernels share that loop
 // (item_impl) and differ in packing and in the two products (KF32, KBf16).
 //
 // bf16 inputs on CPUs with AVX512_BF16: keys and values are packed as bf16 pairs and both
@@ -45,6 +49,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "simd_math.h"
@@ -76,6 +81,17 @@ ATTN_INLINE typename V<W>::f aload(const float* p) {
 template <int W>
 ATTN_INLINE void astore(float* p, typename V<W>::f x) {
     std::memcpy(p, &x, sizeof(x));
+}
+
+// Keeps a loaded vector in a register: the empty asm "changes" x, so the compiler cannot fold
+// its load into every FMA that uses it (it did: R loads of the same key / value vector per
+// step, 20 loads per 16 FMAs in the 4 x 4 tiles, which made the tiles load-bound).
+template <class T>
+ATTN_INLINE T in_register(T x) {
+#if defined(__x86_64__)
+    asm("" : "+v"(x));
+#endif
+    return x;
 }
 
 // Horizontal max / sum by halving (log2(W) vector steps, not W scalar ones).
@@ -248,18 +264,19 @@ ATTN_INLINE void query_rows(const Args& a, int64_t b, int64_t hk, int64_t r, int
     }
 }
 
-// One row's scores srow[0..BK) of a key block, in place: scaled into log2 units (scale times
-// log2 e in one multiply, so the probabilities are exp2_neg's: fewer operations than e^x), soft
+// One row's scores srow[0..NV W) of a key block (its first NV vectors: the key slots past them
+// are seen by no row of the query block), in place: scaled into log2 units (scale times log2 e
+// in one multiply, so the probabilities are exp2_neg's: fewer operations than e^x), soft
 // capped, masked (-inf) where mode == 1; returns the row's largest.
-template <int W, int BK>
+template <int W, int NV>
 ATTN_INLINE float row_scores(const Args& a, float* srow, const int32_t* kp, int64_t qp,
                              int mode) {
     using F = typename V<W>::f;
     using I = typename V<W>::i;
     const F ninf = splat<W>(-std::numeric_limits<float>::infinity());
-    F s[BK / W];
+    F s[NV];
 #pragma GCC unroll 16
-    for (int c = 0; c < BK / W; ++c) {
+    for (int c = 0; c < NV; ++c) {
         if (a.softcap != 0.f)
             s[c] = tanh_scaled<W>(aload<W>(srow + c * W) * splat<W>(a.scale),
                                   splat<W>(1.0f / a.softcap)) * splat<W>(a.softcap_log2);
@@ -279,19 +296,26 @@ ATTN_INLINE float row_scores(const Args& a, float* srow, const int32_t* kp, int6
             hi = std::min<int64_t>(hi, c0 + a.chunk - 1);
         }
         if (lo > hi) lo = 1, hi = 0;  // no key position: an empty range
-        const I vlo = I{} + static_cast<int32_t>(std::min<int64_t>(lo, INT32_MAX));
-        const I vhi = I{} + static_cast<int32_t>(std::max<int64_t>(hi, -1));
+        // Outside [lo, hi] exactly when kv - lo or hi - kv is negative (lo in [0, 2^31),
+        // hi and kv in [-1, 2^31): the differences fit 32 bits, wrapping only at kv = -1, which
+        // kv - lo rejects). Sign bits and bit masks, not vector compares and selects: GCC
+        // turned those into a compare and a branch per lane (a quarter of the kernel's time
+        // on padded keys).
+        using U = typename V<W>::u;
+        const U ulo = U{} + static_cast<uint32_t>(std::min<int64_t>(lo, INT32_MAX));
+        const U uhi = U{} + static_cast<uint32_t>(std::max<int64_t>(hi, -1));
+        const I ninf_bits = (I)ninf;
 #pragma GCC unroll 16
-        for (int c = 0; c < BK / W; ++c) {
-            I kv;
+        for (int c = 0; c < NV; ++c) {
+            U kv;
             std::memcpy(&kv, kp + c * W, sizeof(kv));
-            const I ok = (kv >= vlo) & (kv <= vhi);
-            s[c] = ok ? s[c] : ninf;
+            const I out = (I)((kv - ulo) | (uhi - kv)) >> 31;  // all ones where masked
+            s[c] = (F)(((I)s[c] & ~out) | (ninf_bits & out));
         }
     }
     F mx = s[0];
 #pragma GCC unroll 16
-    for (int c = 0; c < BK / W; ++c) {
+    for (int c = 0; c < NV; ++c) {
         astore<W>(srow + c * W, s[c]);
         mx = mx > s[c] ? mx : s[c];
     }
@@ -318,15 +342,16 @@ ATTN_INLINE void rescale_rows(float* m, const float* bm, float* alpha, float* ms
     }
 }
 
-// A row's probabilities 2^(s - msub) in place; its running sum lv (W lanes, reduced once at
-// the end: no horizontal sum per key block) becomes lv alpha + their sum.
-template <int W, int BK>
+// A row's probabilities 2^(s - msub) in place (its first NV vectors); its running sum lv (W
+// lanes, reduced once at the end: no horizontal sum per key block) becomes lv alpha + their
+// sum (the vectors past NV would add exact zeros).
+template <int W, int NV>
 ATTN_INLINE void row_probs(float* srow, float msub, float alpha, float* lv) {
     using F = typename V<W>::f;
     const F vm = splat<W>(msub);
     F sum = F{};
 #pragma GCC unroll 16
-    for (int c = 0; c < BK / W; ++c) {
+    for (int c = 0; c < NV; ++c) {
         const F p = exp2_neg<W>(aload<W>(srow + c * W) - vm);
         astore<W>(srow + c * W, p);
         sum += p;
@@ -343,77 +368,150 @@ struct Tile {
     static constexpr int RP = W == 16 ? 4 : 2;  // query rows of the PV register tile
 };
 
+// Interleaves of two vectors' low / high halves: (a0 b0 a1 b1 ...) / (a_{W/2} b_{W/2} ...).
+template <int W, size_t... I>
+ATTN_INLINE typename V<W>::f zip_lo(typename V<W>::f x, typename V<W>::f y,
+                                    std::index_sequence<I...>) {
+    return __builtin_shufflevector(x, y, (I % 2 ? W + I / 2 : I / 2)...);
+}
+template <int W, size_t... I>
+ATTN_INLINE typename V<W>::f zip_hi(typename V<W>::f x, typename V<W>::f y,
+                                    std::index_sequence<I...>) {
+    return __builtin_shufflevector(x, y, (I % 2 ? W + W / 2 + I / 2 : W / 2 + I / 2)...);
+}
+
+// dst[d * dstride + i] = src[i * sstride + d] for a W x W block, in registers: log2(W) rounds
+// of zipping row i with row i + W/2 (each round moves one bit of the row index into the column
+// index), then one store per column (a scalar transposition stores every element alone).
+template <int W>
+ATTN_INLINE void transpose_block(const float* src, int64_t sstride, float* dst,
+                                 int64_t dstride) {
+    using F = typename V<W>::f;
+    constexpr auto idx = std::make_index_sequence<W>{};
+    F r[W], t[W];
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) r[i] = aload<W>(src + i * sstride);
+#pragma GCC unroll 4
+    for (int h = 1; h < W; h *= 2) {
+#pragma GCC unroll 8
+        for (int i = 0; i < W / 2; ++i) {
+            t[2 * i] = zip_lo<W>(r[i], r[i + W / 2], idx);
+            t[2 * i + 1] = zip_hi<W>(r[i], r[i + W / 2], idx);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) r[i] = t[i];
+    }
+#pragma GCC unroll 16
+    for (int d = 0; d < W; ++d) astore<W>(dst + d * dstride, r[d]);
+}
+
+// Keys transposed as [block][D][BK] and values as [key slot][dvp], fp32; every slot past Tk or
+// masked is zero (so a NaN in an unused bank slot never reaches the output), as are the value
+// columns past Dv. fp32 inputs that are not rounded are copied as they are, without a dtype
+// dispatch per element: values a row at a time, keys W x W blocks at a time where W
+// consecutive slots all hold real keys.
 template <int W>
 ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
                           int64_t dvp) {
     constexpr int BK = Tile<W>::BK;
-    const int64_t D = a.D, Dv = a.Dv;
+    const int64_t D = a.D, Dv = a.Dv, slots = nkb * BK;
     pack_positions(a, s, b, BK, nkb);
-    s.kt.assign(static_cast<size_t>(nkb * D * BK), 0.f);
-    s.vp.assign(static_cast<size_t>(nkb * BK * dvp), 0.f);
+    s.kt.resize(static_cast<size_t>(slots * D));
+    s.vp.resize(static_cast<size_t>(slots * dvp));
     const int64_t kbase = b * a.ks[0] + hk * a.ks[1], vbase = b * a.vs[0] + hk * a.vs[1];
-    for (int64_t j = 0; j < a.Tk; ++j) {
-        if (s.kp[j] < 0) continue;  // masked: zero key and value
-        const int64_t kb = j / BK, jj = j % BK;
-        float* kt = s.kt.data() + kb * D * BK + jj;
-        const int64_t ko = kbase + j * a.ks[2];
-        for (int64_t d = 0; d < D; ++d) kt[d * BK] = load_f32(a.k, ko + d, a.dt, a.round_bf16);
-        float* vr = s.vp.data() + j * dvp;
-        const int64_t vo = vbase + j * a.vs[2];
-        for (int64_t c = 0; c < Dv; ++c) vr[c] = load_f32(a.v, vo + c, a.dt, a.round_bf16);
+    const bool plain = a.dt == kAF32 && !a.round_bf16;
+    const float* kf = static_cast<const float*>(a.k);
+    for (int64_t j0 = 0; j0 < slots; j0 += W) {
+        float* kt0 = s.kt.data() + (j0 / BK) * D * BK + j0 % BK;
+        bool whole = plain;
+        for (int jj = 0; jj < W && whole; ++jj) whole = s.kp[j0 + jj] >= 0;
+        int64_t d0 = 0;
+        if (whole) {  // W real keys: their whole W-wide dim groups by register transposes
+            for (; d0 + W <= D; d0 += W)
+                transpose_block<W>(kf + kbase + j0 * a.ks[2] + d0, a.ks[2], kt0 + d0 * BK, BK);
+        }
+        for (int jj = 0; jj < W; ++jj) {
+            const int64_t j = j0 + jj;
+            float* kt = kt0 + jj;
+            float* vr = s.vp.data() + j * dvp;
+            if (s.kp[j] < 0) {  // masked or past Tk: zero key and value
+                for (int64_t d = 0; d < D; ++d) kt[d * BK] = 0.f;
+                std::fill(vr, vr + dvp, 0.f);
+                continue;
+            }
+            const int64_t ko = kbase + j * a.ks[2], vo = vbase + j * a.vs[2];
+            if (plain) {
+                for (int64_t d = d0; d < D; ++d) kt[d * BK] = kf[ko + d];
+                std::memcpy(vr, static_cast<const float*>(a.v) + vo, sizeof(float) * Dv);
+            } else {
+                for (int64_t d = 0; d < D; ++d)
+                    kt[d * BK] = load_f32(a.k, ko + d, a.dt, a.round_bf16);
+                for (int64_t c = 0; c < Dv; ++c) vr[c] = load_f32(a.v, vo + c, a.dt, a.round_bf16);
+            }
+            std::fill(vr + Dv, vr + dvp, 0.f);
+        }
     }
 }
 
-// S[R rows][BK] = Q[R rows] . Kt (D x BK), register tile.
-template <int W, int R>
+// S[R rows][NK vectors of keys] = Q . Kt (D x BK), register tile. q is the tile's rows
+// interleaved, q[d * R + r] (one pointer, small offsets, for the R broadcasts of a step); each
+// key vector is loaded once per step and kept in a register for its R FMAs. Each score is the
+// same d-ordered FMA chain whatever R, NK or the other rows.
+template <int W, int R, int NK>
 ATTN_INLINE void qk_tile(const float* q, int64_t D, const float* kt, float* srow) {
     using F = typename V<W>::f;
     constexpr int BK = Tile<W>::BK;
-    F acc[R][4];
+    F acc[R][NK];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = F{};
+#pragma GCC unroll 4
+        for (int c = 0; c < NK; ++c) acc[r][c] = F{};
     for (int64_t d = 0; d < D; ++d) {
         const float* kr = kt + d * BK;
-        const F k0 = aload<W>(kr), k1 = aload<W>(kr + W), k2 = aload<W>(kr + 2 * W),
-                k3 = aload<W>(kr + 3 * W);
+        F kv[NK];
+#pragma GCC unroll 4
+        for (int c = 0; c < NK; ++c) kv[c] = in_register(aload<W>(kr + c * W));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            const float qv = q[r * D + d];  // scalar * vector: one broadcast (no 0 + q)
-            acc[r][0] += qv * k0;
-            acc[r][1] += qv * k1;
-            acc[r][2] += qv * k2;
-            acc[r][3] += qv * k3;
+            const float qv = q[d * R + r];  // scalar * vector: one broadcast (no 0 + q)
+#pragma GCC unroll 4
+            for (int c = 0; c < NK; ++c) acc[r][c] += qv * kv[c];
         }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) astore<W>(srow + r * BK + c * W, acc[r][c]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NK; ++c) astore<W>(srow + r * BK + c * W, acc[r][c]);
 }
 
-// O[R rows][NC vectors at column c0] = O alpha + P[R rows][BK] . V[BK][c0..], register tile
-// (alpha: each row's online-softmax factor, applied as O is loaded).
+// O[R rows][NC vectors at column c0] = O alpha + P[R rows][0..nj) . V[0..nj)[c0..], register
+// tile (alpha: each row's online-softmax factor, applied as O is loaded; the key slots past nj
+// have probability 0 for every row of the block, so leaving them out changes no sum). Each
+// value vector is loaded once per key and kept in a register for its R FMAs.
 template <int W, int R, int NC>
 ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, const float* alpha,
-                         float* o) {
+                         float* o, int nj) {
     using F = typename V<W>::f;
     constexpr int BK = Tile<W>::BK;
     F acc[R][NC];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
         for (int c = 0; c < NC; ++c) acc[r][c] = aload<W>(o + r * dvp + c * W) * splat<W>(alpha[r]);
-    for (int j = 0; j < BK; ++j) {
+    for (int j = 0; j < nj; ++j) {
         F vv[NC];
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; ++c) vv[c] = aload<W>(v + j * dvp + c * W);
+        for (int c = 0; c < NC; ++c) vv[c] = in_register(aload<W>(v + j * dvp + c * W));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             const float pr = p[r * BK + j];
+#pragma GCC unroll 4
             for (int c = 0; c < NC; ++c) acc[r][c] += pr * vv[c];
         }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
         for (int c = 0; c < NC; ++c) astore<W>(o + r * dvp + c * W, acc[r][c]);
 }
 
@@ -421,18 +519,19 @@ ATTN_INLINE void pv_tile(const float* p, const float* v, int64_t dvp, const floa
 // padding, whose probabilities are 0); rows past the last tile are never read.
 template <int W>
 ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, const float* alpha,
-                        float* o, int n) {
+                         float* o, int n, int nj) {
     constexpr int RP = Tile<W>::RP, BK = Tile<W>::BK;
     const int64_t nv = dvp / W;
     const int nr = (n + RP - 1) / RP * RP;
     for (int r = 0; r < nr; r += RP) {
+        const float *pr = p + r * BK, *al = alpha + r;
+        float* orow = o + r * dvp;
         int64_t c = 0;
-        for (; c + 4 <= nv; c += 4)
-            pv_tile<W, RP, 4>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W);
+        for (; c + 4 <= nv; c += 4) pv_tile<W, RP, 4>(pr, v + c * W, dvp, al, orow + c * W, nj);
         switch (nv - c) {
-            case 3: pv_tile<W, RP, 3>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
-            case 2: pv_tile<W, RP, 2>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
-            case 1: pv_tile<W, RP, 1>(p + r * BK, v + c * W, dvp, alpha + r, o + r * dvp + c * W); break;
+            case 3: pv_tile<W, RP, 3>(pr, v + c * W, dvp, al, orow + c * W, nj); break;
+            case 2: pv_tile<W, RP, 2>(pr, v + c * W, dvp, al, orow + c * W, nj); break;
+            case 1: pv_tile<W, RP, 1>(pr, v + c * W, dvp, al, orow + c * W, nj); break;
             default: break;
         }
     }
@@ -440,10 +539,37 @@ ATTN_INLINE void pv_rows(const float* p, const float* v, int64_t dvp, const floa
 
 // ------------------------------------------------------------------ one loop, both kernels
 
+// The softmax part of a query block against one key block whose first NV vectors of key slots
+// some row sees: scores into log2 units (masked where mode == 1), the online rescale, the
+// probabilities and running sums (rows [0, n)).
+template <int W, int NV>
+ATTN_INLINE void softmax_block(const Args& a, float* sb, int BK, const int32_t* kp,
+                               const QRows& qr, int mode, float* m, float* bm, float* alpha,
+                               float* msub, float* lv) {
+    const int n = qr.n;
+    for (int rr = 0; rr < n; ++rr)
+        bm[rr] = row_scores<W, NV>(a, sb + rr * BK, kp, qr.pos[rr], mode);
+    rescale_rows<W>(m, bm, alpha, msub);
+    for (int rr = 0; rr < n; ++rr) row_probs<W, NV>(sb + rr * BK, msub[rr], alpha[rr], lv + rr * W);
+}
+
+// The key slots [0, extent) of a block that a query block needs: past the last slot holding a
+// real key that some row of the block may see (causal: position <= the block's largest), every
+// row's probability is 0 (a short suffix's block past Tk, the causal diagonal). Only skips work:
+// it depends on the block's rows, but a row's sums are the same with or without those zeros.
+ATTN_INLINE int key_extent(const Args& a, const int32_t* kp, int BK, int64_t qmax) {
+    int e = BK;
+    while (e > 0 && (kp[e - 1] < 0 || (a.causal && kp[e - 1] > qmax))) --e;
+    return e;
+}
+
 // Rows [r0, r1) of key head hk of batch b, for a kernel K (KF32<W>, KBf16): K packs the keys
-// and values of (b, hk) and one query row, computes a query block's scores against a key block
+// and values of (b, hk) and the query rows, computes a query block's scores against a key block
 // (S, kBQ x BK fp32), turns the block's probabilities into its PV operand and accumulates
 // O += P V; this loop does the rest (blocks to skip or mask, the online softmax, the output).
+// With positions to compare (causal, window, chunk) a query block holds one query head's rows
+// only (a block spanning two heads' positions would see the union of their keys). K::kExtent:
+// K computes a block's first key vectors only (key_extent), else all of them.
 template <class K>
 ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
     constexpr int W = K::W, BK = K::BK;
@@ -463,20 +589,21 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     K::prepare(s);
     auto* qb = qbuf.data();
     float *sb = s.sb.data(), *ob = s.ob.data();
+    const bool by_head = a.causal || a.window || a.chunk;
     // Per query row: running max (log2 units), running sum (W lanes); per key block: the
     // rows' block max, output factor, max to subtract (rows past n: -inf, 1, 0).
     alignas(64) float m[kBQ], bm[kBQ], alpha[kBQ], msub[kBQ];
     alignas(64) float lv[kBQ * W];
     QRows qr;
-    for (int64_t r = r0; r < r1; r += kBQ) {
-        const int n = static_cast<int>(std::min<int64_t>(kBQ, r1 - r));
-        query_rows(a, b, hk, r, n, qr);
+    for (int64_t r = r0, n = 0; r < r1; r += n) {
+        n = std::min<int64_t>(kBQ, r1 - r);
+        if (by_head) n = std::min<int64_t>(n, a.Tq - r % a.Tq);
+        query_rows(a, b, hk, r, static_cast<int>(n), qr);
+        std::fill(qb, qb + kBQ * dq, 0);
         for (int rr = 0; rr < kBQ; ++rr) {
-            auto* qd = qb + rr * dq;
             if (rr < n)
-                K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qd);
-            else
-                std::fill(qd, qd + dq, 0);
+                K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qb, rr,
+                          dq);
             m[rr] = bm[rr] = -std::numeric_limits<float>::infinity();
             std::fill(lv + rr * W, lv + (rr + 1) * W, 0.f);
         }
@@ -484,14 +611,18 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         for (int64_t kb = 0; kb < nkb; ++kb) {
             const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
             if (mode == 0) continue;
-            K::scores(s, qb, dq, kb, sb, n);
             const int32_t* kp = s.kp.data() + kb * BK;
-            for (int rr = 0; rr < n; ++rr)
-                bm[rr] = row_scores<W, BK>(a, sb + rr * BK, kp, qr.pos[rr], mode);
-            rescale_rows<W>(m, bm, alpha, msub);
-            for (int rr = 0; rr < n; ++rr)
-                row_probs<W, BK>(sb + rr * BK, msub[rr], alpha[rr], lv + rr * W);
-            K::pv(s, sb, n, kb, dvp, alpha, ob);
+            const int ext = K::kExtent && mode == 1 ? key_extent(a, kp, BK, qr.qmax) : BK;
+            if (ext == 0) continue;  // no row sees a key of this block: the same as skipping
+            const int nv = (ext + W - 1) / W;
+            K::scores(s, qb, dq, kb, sb, qr.n, nv);
+            switch (nv) {
+                case 1: softmax_block<W, 1>(a, sb, BK, kp, qr, mode, m, bm, alpha, msub, lv); break;
+                case 2: softmax_block<W, 2>(a, sb, BK, kp, qr, mode, m, bm, alpha, msub, lv); break;
+                case 3: softmax_block<W, 3>(a, sb, BK, kp, qr, mode, m, bm, alpha, msub, lv); break;
+                default: softmax_block<W, 4>(a, sb, BK, kp, qr, mode, m, bm, alpha, msub, lv); break;
+            }
+            K::pv(s, sb, qr.n, kb, dvp, alpha, ob, ext);
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
@@ -510,9 +641,12 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
 }
 
 // The fp32 kernel's parts for item_impl (generic vector code: compiled for each ISA level).
+// The query block is held as its S tiles' rows interleaved (qk_tile's layout).
 template <int W_>
 struct KF32 {
-    static constexpr int W = W_, BK = Tile<W>::BK;
+    static constexpr int W = W_, BK = Tile<W>::BK, RS = Tile<W>::RS;
+    static constexpr bool kExtent = true;
+    static_assert(BK == 4 * W && kBQ % RS == 0, "4 key vectors per block, whole S tiles");
     static int64_t q_len(int64_t D) { return D; }
     static std::vector<float>& q_buf(Scratch& s) { return s.qb; }
     static void prepare(Scratch&) {}
@@ -520,22 +654,40 @@ struct KF32 {
                                  int64_t dvp) {
         pack_f32<W>(a, s, b, hk, nkb, dvp);
     }
-    ATTN_INLINE static void load_q(const Args& a, int64_t qo, float* qd) {
-        for (int64_t d = 0; d < a.D; ++d) qd[d] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
+    ATTN_INLINE static void load_q(const Args& a, int64_t qo, float* qb, int rr, int64_t D) {
+        float* qd = qb + (rr / RS) * RS * D + rr % RS;
+        if (a.dt == kAF32 && !a.round_bf16) {
+            const float* src = static_cast<const float*>(a.q) + qo;
+            for (int64_t d = 0; d < D; ++d) qd[d * RS] = src[d];
+        } else {
+            for (int64_t d = 0; d < D; ++d) qd[d * RS] = load_f32(a.q, qo + d, a.dt, a.round_bf16);
+        }
     }
-    // The tiles that hold the block's n query rows (short suffixes leave most of a block empty).
+    // The tiles that hold the block's n query rows (short suffixes leave most of a block
+    // empty), against the block's first nv key vectors.
     ATTN_INLINE static void scores(const Scratch& s, const float* qb, int64_t D, int64_t kb,
-                                   float* sb, int n) {
-        constexpr int RS = Tile<W>::RS;
+                                   float* sb, int n, int nv) {
         const float* kt = s.kt.data() + kb * D * BK;
         const int nr = (n + RS - 1) / RS * RS;
-        for (int rr = 0; rr < nr; rr += RS) qk_tile<W, RS>(qb + rr * D, D, kt, sb + rr * BK);
+        for (int rr = 0; rr < nr; rr += RS) {
+            const float* q = qb + rr * D;
+            float* srow = sb + rr * BK;
+            switch (nv) {
+                case 1: qk_tile<W, RS, 1>(q, D, kt, srow); break;
+                case 2: qk_tile<W, RS, 2>(q, D, kt, srow); break;
+                case 3: qk_tile<W, RS, 3>(q, D, kt, srow); break;
+                default: qk_tile<W, RS, 4>(q, D, kt, srow); break;
+            }
+        }
     }
-    // Rows past n (no query) get probability 0, so they add nothing.
+    // Rows past n (no query) of the last tile get probability 0, so they add nothing; key
+    // slots past nj are left out (probability 0 for every row).
     ATTN_INLINE static void pv(const Scratch& s, float* sb, int n, int64_t kb, int64_t dvp,
-                               const float* alpha, float* ob) {
-        std::fill(sb + n * BK, sb + kBQ * BK, 0.f);
-        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, alpha, ob, n);
+                               const float* alpha, float* ob, int nj) {
+        constexpr int RP = Tile<W>::RP;
+        const int nr = (n + RP - 1) / RP * RP;
+        std::fill(sb + n * BK, sb + nr * BK, 0.f);
+        pv_rows<W>(sb, s.vp.data() + kb * BK * dvp, dvp, alpha, ob, n, nj);
     }
 };
 
@@ -641,6 +793,7 @@ ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_
 // which is inlined into item_bf16 and so compiled for the same target).
 struct KBf16 {
     static constexpr int W = 16, BK = kBK2, R = 4;
+    static constexpr bool kExtent = false;  // pv converts every slot's probability to bf16
     static int64_t q_len(int64_t D) { return (D + 1) / 2; }
     static std::vector<uint32_t>& q_buf(Scratch& s) { return s.qb2; }
     static void prepare(Scratch& s) { s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2)); }
@@ -648,14 +801,16 @@ struct KBf16 {
                                  int64_t dvp) {
         pack_bf16(a, s, b, hk, nkb, q_len(a.D), dvp);
     }
-    ATTN_INLINE static void load_q(const Args& a, int64_t qo, uint32_t* qd) {
+    ATTN_INLINE static void load_q(const Args& a, int64_t qo, uint32_t* qb, int rr,
+                                   int64_t d2) {
+        uint32_t* qd = qb + rr * d2;
         for (int64_t p = 0; p < q_len(a.D); ++p) {
             const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.q, qo + 2 * p + 1, a.dt) : 0u;
             qd[p] = bf16_bits(a.q, qo + 2 * p, a.dt) | (hi << 16);
         }
     }
     ICQS_BF16_TARGET __attribute__((noinline)) static void scores(
-        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb, int n) {
+        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb, int n, int) {
         const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
         const int nr = (n + R - 1) / R * R;
         for (int rr = 0; rr < nr; rr += R) qk_tile_bf16<R>(qb + rr * d2, d2, kt, sb + rr * kBK2);
@@ -664,7 +819,7 @@ struct KBf16 {
     // (no query) 0, so they add nothing.
     ICQS_BF16_TARGET __attribute__((noinline)) static void pv(
         Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, const float* alpha,
-        float* ob) {
+        float* ob, int) {
         uint32_t* pb = s.pb2.data();
         const int nr = (n + R - 1) / R * R;  // the tiles holding the block's query rows
         for (int rr = 0; rr < nr; ++rr) {
