@@ -405,9 +405,11 @@ ATTN_INLINE void transpose_block(const float* src, int64_t sstride, float* dst,
     for (int d = 0; d < W; ++d) astore<W>(dst + d * dstride, r[d]);
 }
 
-// Keys transposed as [block][D][BK] and values as [key slot][dvp], fp32; every slot past Tk or
-// masked is zero (so a NaN in an unused bank slot never reaches the output), as are the value
-// columns past Dv. fp32 inputs that are not rounded are copied as they are, without a dtype
+// Keys transposed as [block][D][BK] and values as [key slot][dvp], fp32. The value of every
+// slot past Tk or masked is zero (so a NaN in an unused bank slot never reaches the output:
+// its probability 0 times it adds nothing), as are the value columns past Dv; such a slot's
+// key is not written (a block with one is masked, and the mask replaces its score's bits,
+// whatever they were: zeroing it cost a strided store per dimension). fp32 inputs that are not rounded are copied as they are, without a dtype
 // dispatch per element: values a row at a time, keys W x W blocks at a time where W
 // consecutive slots all hold real keys.
 template <int W>
@@ -434,8 +436,7 @@ ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int6
             const int64_t j = j0 + jj;
             float* kt = kt0 + jj;
             float* vr = s.vp.data() + j * dvp;
-            if (s.kp[j] < 0) {  // masked or past Tk: zero key and value
-                for (int64_t d = 0; d < D; ++d) kt[d * BK] = 0.f;
+            if (s.kp[j] < 0) {  // masked or past Tk: zero value, key left as it was
                 std::fill(vr, vr + dvp, 0.f);
                 continue;
             }
