@@ -600,15 +600,16 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         n = std::min<int64_t>(kBQ, r1 - r);
         if (by_head) n = std::min<int64_t>(n, a.Tq - r % a.Tq);
         query_rows(a, b, hk, r, static_cast<int>(n), qr);
-        std::fill(qb, qb + kBQ * dq, 0);
-        for (int rr = 0; rr < kBQ; ++rr) {
-            if (rr < n)
-                K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qb, rr,
-                          dq);
-            m[rr] = bm[rr] = -std::numeric_limits<float>::infinity();
-            std::fill(lv + rr * W, lv + (rr + 1) * W, 0.f);
-        }
-        std::fill(ob, ob + kBQ * dvp, 0.f);
+        // Only what the block's rows read is cleared: the padding rows of its last tile (up to
+        // a multiple of 4) keep stale queries, whose scores are never used and whose
+        // probabilities K::pv sets to 0.
+        const int n4 = static_cast<int>(std::min<int64_t>(kBQ, (n + 3) / 4 * 4));
+        for (int rr = 0; rr < n; ++rr)
+            K::load_q(a, b * a.qs[0] + qr.head[rr] * a.qs[1] + qr.i[rr] * a.qs[2], qb, rr, dq);
+        std::fill(m, m + kBQ, -std::numeric_limits<float>::infinity());
+        std::fill(bm, bm + kBQ, -std::numeric_limits<float>::infinity());
+        std::fill(lv, lv + n * W, 0.f);
+        std::fill(ob, ob + n4 * dvp, 0.f);
         for (int64_t kb = 0; kb < nkb; ++kb) {
             const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
             if (mode == 0) continue;
@@ -647,7 +648,8 @@ template <int W_>
 struct KF32 {
     static constexpr int W = W_, BK = Tile<W>::BK, RS = Tile<W>::RS;
     static constexpr bool kExtent = true;
-    static_assert(BK == 4 * W && kBQ % RS == 0, "4 key vectors per block, whole S tiles");
+    static_assert(BK == 4 * W && kBQ % RS == 0 && 4 % RS == 0 && 4 % Tile<W>::RP == 0,
+                  "4 key vectors per block, whole tiles of at most 4 rows (item_impl clears 4)");
     static int64_t q_len(int64_t D) { return D; }
     static std::vector<float>& q_buf(Scratch& s) { return s.qb; }
     static void prepare(Scratch&) {}
@@ -795,6 +797,7 @@ ICQS_BF16_TARGET ATTN_INLINE void pv_tile_bf16(const uint32_t* p2, const uint32_
 struct KBf16 {
     static constexpr int W = 16, BK = kBK2, R = 4;
     static constexpr bool kExtent = false;  // pv converts every slot's probability to bf16
+    static_assert(4 % R == 0 && kBQ % R == 0, "tiles of at most 4 rows (item_impl clears 4)");
     static int64_t q_len(int64_t D) { return (D + 1) / 2; }
     static std::vector<uint32_t>& q_buf(Scratch& s) { return s.qb2; }
     static void prepare(Scratch& s) { s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2)); }
