@@ -353,15 +353,16 @@ def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad
     ``(prompt tokens per second, forward tokens per second)``. Forward tokens are counted as
     the server counts them (``icqs_serve_forward_tokens_total``: the input ids entering the
     model's input embeddings, padding included)."""
+    from icqs_fast.serve.app import input_ids_count
     from icqs_fast.serve.logprobs import prompt_logprobs
     from icqs_fast.serve.queue import chunk_prompts
 
     ids = [list(tok(p)["input_ids"]) for p in prompts]
     batches = chunk_prompts(ids, chunk_tokens)
     prompt_logprobs(model, batches[0], top_n=1, pad_id=pad_id)  # warm-up
-    fwd = [0]
+    counts: list[int] = []
     hook = model.get_input_embeddings().register_forward_pre_hook(
-        lambda _m, args: fwd.__setitem__(0, fwd[0] + args[0].numel()))
+        lambda _m, args: counts.append(input_ids_count(args)))
     try:
         n = 0
         t0 = time.perf_counter()
@@ -371,7 +372,7 @@ def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad
                 n += sum(len(p) for p in b)
             sec = time.perf_counter() - t0
             if sec >= min_seconds:
-                return n / sec, fwd[0] / sec
+                return n / sec, sum(counts) / sec
     finally:
         hook.remove()
 

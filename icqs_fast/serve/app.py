@@ -63,6 +63,14 @@ from icqs_fast.serve.scoring import Scoring
 ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "/openapi.json")
 
 
+def input_ids_count(args: tuple) -> int:
+    """Token ids entering a forward, padding included, from the positional arguments of a
+    forward pre-hook on the model's input embeddings (``args[0]``: ``[batch, tokens]`` ids;
+    0 when there are none): what ``icqs_serve_forward_tokens_total`` counts."""
+    ids = args[0] if args else None
+    return int(ids.numel()) if hasattr(ids, "numel") else 0
+
+
 class Server:
     """The model, its tokenizer, the work queue, the metrics and the route handlers
     (:class:`Completions`, :class:`Scoring`); :meth:`app` is the ASGI application.
@@ -141,9 +149,7 @@ class Server:
         return PromptPrefill(self.model, prompt, top_n)
 
     def _check_hook(self, _module: Any, args: Any) -> None:
-        ids = args[0] if args else None
-        if hasattr(ids, "numel"):
-            self.queue.count_forward(ids.numel())
+        self.queue.count_forward(input_ids_count(args))
         self.queue.check()
 
     def start(self) -> None:
@@ -334,5 +340,5 @@ def openapi_without_422(api: FastAPI, plain_openapi: Callable[[], dict]) -> dict
     return api.openapi_schema
 
 
-__all__ = ["APIError", "Guard", "ServeConfig", "Server", "error_body", "router", "server_of",
-           "validation_error"]
+__all__ = ["APIError", "Guard", "ServeConfig", "Server", "error_body", "input_ids_count",
+           "router", "server_of", "validation_error"]

@@ -570,8 +570,9 @@ class WorkQueue:
                 self._current = []
                 self.steps += 1
                 self.step_seconds += seconds
-                self.step_log.append(StepRecord(seconds, *what))
-                self.call_tokens += what[4]
+                rec = StepRecord(seconds, *what)
+                self.step_log.append(rec)
+                self.call_tokens += rec.call_cost
                 self.chunks += len(step)
                 if any(not ok and isinstance(v, Interrupted) for ok, v in results):
                     self.interrupted += 1
