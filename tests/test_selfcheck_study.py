@@ -227,7 +227,7 @@ def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
     assert again["test_added_per_class"] == [2, 1] and again["n_test"] == 12
     assert again["test"]["labels"] == t1["labels"] + [1, 0]
     assert again["test"]["scores"][:10] == t1["scores"]
-    _, _, held = study.scored_tests(again)
+    _, _, held, _ = study.scored_tests(again)
     assert held[:10] == first + new and len(set(held)) == 12
     # A record written before the list was kept (one enlargement) reads the same.
     old = {k: v for k, v in more.items() if k != "test_added_per_class"}

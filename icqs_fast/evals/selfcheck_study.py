@@ -173,13 +173,12 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
     from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.engine.settings import ScoringSettings
 
-    ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
+    ds, seed = raw["dataset"], raw["seed"]
     t = raw["test"]
-    good, bad, held = scored_tests(raw)
+    good, bad, held, tpl = scored_tests(raw)
     if [lab for *_, lab in held] != t["labels"]:
         raise ValueError(f"{ds} s{seed}: the stored test responses are not study_pools' draw")
     new = more_tests(raw, held, good, bad, n_more)
-    tpl = study_pools(ds, pool=pool, n_test=1, seed=seed)[3]
     sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=seed, template=tpl))
     if sc.settings.asdict() != raw["settings"]:
         raise ValueError(f"{ds} s{seed}: the scoring settings differ from the run's")
@@ -236,16 +235,16 @@ def more_tests(raw: dict[str, Any], held: list, good: list, bad: list, n_more: i
     return new
 
 
-def scored_tests(raw: dict[str, Any]) -> tuple[list, list, list]:
-    """``(good, bad, test)``: the run's pools and the test responses ``(x, y, label)`` it holds,
-    in their stored order: :func:`study_pools`' first draw, then each
-    :func:`add_test_responses` call's (:func:`added_per_class`)."""
+def scored_tests(raw: dict[str, Any]) -> tuple[list, list, list, Any]:
+    """``(good, bad, test, template)`` as :func:`study_pools` gives them, with the test
+    responses ``(x, y, label)`` the run holds, in their stored order: :func:`study_pools`' first
+    draw, then each :func:`add_test_responses` call's (:func:`added_per_class`)."""
     ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
     first = raw.get("n_test_scored_first", raw["n_test"])
-    good, bad, held, _ = study_pools(ds, pool=pool, n_test=first // 2, seed=seed)
+    good, bad, held, tpl = study_pools(ds, pool=pool, n_test=first // 2, seed=seed)
     for n in added_per_class(raw):
         held = held + more_tests(raw, held, good, bad, n)
-    return good, bad, held
+    return good, bad, held, tpl
 
 
 def first_tests(raw: dict[str, Any]) -> dict[str, Any]:
