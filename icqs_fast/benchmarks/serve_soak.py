@@ -546,11 +546,14 @@ def done_when(rec: dict[str, Any]) -> dict[str, bool | None]:
 
 
 def write_record(rec: dict[str, Any], out: str, key: str) -> None:
-    """Store ``rec`` as ``out[key]`` (indented JSON), the file's other keys kept."""
+    """Store ``rec`` as ``out[key]`` (indented JSON), the file's other keys kept (written
+    whole: a crash mid-write never loses the records already there)."""
+    from icqs_fast.io.files import write_whole
+
     path = Path(out)
     data = json.loads(path.read_text()) if path.exists() else {}
     data[key] = rec
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_whole(path, json.dumps(data, indent=2) + "\n")
 
 
 def add_arguments(p: Any) -> None:
