@@ -515,7 +515,7 @@ def rss_growth(rss: list[list[float]], start_s: float = 120.0,
     out: dict[str, float | None] = {"rss_growth_pct_min2_to_end": None,
                                     "rss_growth_pct_min2_to_end_samples": None,
                                     "rss_trend_mb_per_min": None}
-    if len(later) < 2 or end < start_s + 60:
+    if len(later) < 2 or end < start_s + window_s:
         return out
     out["rss_growth_pct_min2_to_end_samples"] = round(100 * (later[-1][1] / later[0][1] - 1), 1)
     out["rss_trend_mb_per_min"] = round(statistics.linear_regression(
