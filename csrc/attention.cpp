@@ -409,9 +409,9 @@ ATTN_INLINE void transpose_block(const float* src, int64_t sstride, float* dst,
 // slot past Tk or masked is zero (so a NaN in an unused bank slot never reaches the output:
 // its probability 0 times it adds nothing), as are the value columns past Dv; such a slot's
 // key is not written (a block with one is masked, and the mask replaces its score's bits,
-// whatever they were: zeroing it cost a strided store per dimension). fp32 inputs that are not rounded are copied as they are, without a dtype
-// dispatch per element: values a row at a time, keys W x W blocks at a time where W
-// consecutive slots all hold real keys.
+// whatever they were: zeroing it cost a strided store per dimension). fp32 inputs that are not
+// rounded are copied as they are, without a dtype dispatch per element: values a row at a time,
+// keys W x W blocks at a time where W consecutive slots all hold real keys.
 template <int W>
 ATTN_INLINE void pack_f32(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
                           int64_t dvp) {
