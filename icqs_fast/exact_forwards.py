@@ -1,0 +1,123 @@
+"""Faster forwards, bit for bit equal, for a model's RMSNorm and gated-MLP modules.
+
+transformers' RMSNorm runs five passes over the activations (``pow``, ``mean``, ``rsqrt``
+of the variance plus eps, two products) and its gated MLP allocates the SiLU output and the
+product anew. With fp32 activations on the CPU (bf16-mixed) those passes are a tenth of the
+engine's time (docs/RESULTS.md, "Precision on the CPU"). Here the norm is torch's fused
+``F.rms_norm`` (one kernel) and the MLP computes SiLU and the product in place on the gate
+projection's output: the same operations in the same order, so the same bits, with fewer
+passes and no new buffers.
+
+Each replacement is switched on for a module only after a probe finds that it gives that
+module's own output exactly (``torch.equal``) on a random input, so a family whose norm or MLP
+computes differently (Gemma's ``1 + weight``, another activation, a bias, a cast) keeps its
+own forward. Calls the probe did not cover (more arguments than the input, a dtype other than
+fp32, a norm's input of another width than its weight, a tensor that autograd tracks) take
+the module's own forward too.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# The instance attribute that marks a module whose forward this module replaced.
+_MARK = "_icqs_exact_forward"
+
+
+def _norm_eps(module: Any) -> float | None:
+    """The module's epsilon under transformers' names (None: not one we know)."""
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def _is_rms_norm(module: Any) -> bool:
+    w = getattr(module, "weight", None)
+    return ("RMSNorm" in type(module).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1
+            and _norm_eps(module) is not None)
+
+
+def _is_gated_silu_mlp(module: Any) -> bool:
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return (all(isinstance(p, torch.nn.Linear) for p in parts)
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def _fast_norm(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    w = self.weight
+    if (args or kwargs or x.dtype != torch.float32 or w.dtype != torch.float32
+            or x.shape[-1:] != w.shape
+            or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        # Not the probed call: e.g. a gated norm's gate, another width than the weight's.
+        return type(self).forward(self, x, *args, **kwargs)
+    return F.rms_norm(x, w.shape, w, _norm_eps(self))
+
+
+def _fast_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled():
+        # Other arguments: not the probed call; autograd: the in-place SiLU would break it.
+        return type(self).forward(self, x, *args, **kwargs)
+    g = self.gate_proj(x)
+    F.silu(g, inplace=True)
+    g.mul_(self.up_proj(x))
+    return self.down_proj(g)
+
+
+def _probe_input(width: int, device: torch.device) -> torch.Tensor:
+    """``[2, 5, width]`` fp32: rows of different scales (1e-3 to 1e3) and signs."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, width, generator=gen, dtype=torch.float64)
+    scale = torch.logspace(-3, 3, 10, dtype=torch.float64).reshape(2, 5, 1)
+    return (x * scale).float().to(device)
+
+
+def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) -> bool:
+    x = _probe_input(width, device)
+    with torch.no_grad():
+        try:
+            want = type(module).forward(module, x)
+            got = fast(module, x)
+        except Exception:  # noqa: BLE001 - a forward that cannot take the probe stays as it is
+            return False
+    return isinstance(want, torch.Tensor) and torch.equal(want, got)
+
+
+def use_exact_forwards(model: Any) -> dict[str, int]:
+    """Replace the forward of each RMSNorm and gated-SiLU MLP module of ``model`` whose fp32
+    parameters pass the probe (the same output bits on a random fp32 input) by its faster
+    equal; in place, on the module instances only (the classes are untouched, so other models
+    keep theirs). Calling it again changes nothing.
+
+    Returns:
+        ``{"rms_norm": n, "gated_mlp": m, "kept": k}``: the modules switched and those kept
+        (their probe differed).
+    """
+    counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
+    for module in model.modules():
+        if getattr(module, _MARK, False):
+            continue
+        if _is_rms_norm(module):
+            kind, fast, w = "rms_norm", _fast_norm, module.weight
+        elif _is_gated_silu_mlp(module):
+            kind, fast, w = "gated_mlp", _fast_mlp, module.gate_proj.weight
+        else:
+            continue
+        # The weight, not the parameters: a norm may hold its weight as a buffer.
+        if w.dtype != torch.float32 or not _equal_on_probe(module, fast, w.shape[-1], w.device):
+            counts["kept"] += 1
+            continue
+        module.forward = types.MethodType(fast, module)
+        setattr(module, _MARK, True)
+        counts[kind] += 1
+    return counts
+
+
+def uses_exact_forwards(module: Any) -> bool:
+    """Whether :func:`use_exact_forwards` replaced ``module``'s forward."""
+    return bool(getattr(module, _MARK, False))

@@ -1,0 +1,132 @@
+"""The faster RMSNorm / gated-MLP forwards (:mod:`icqs_fast.exact_forwards`): the same bits as the
+modules' own forwards, switched on only where a probe finds them equal, and left alone where
+the input is not what the probe covered (another dtype, autograd). Every family of the model
+matrix keeps its logits bit for bit (matrix tier)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from model_matrix import EXCLUDED, causal_lm_types, tiny_model
+
+from icqs_fast.exact_forwards import use_exact_forwards, uses_exact_forwards
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+VOCAB = 320
+
+
+def _ids(n: int = 2, t: int = 37) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_llama_switched_and_bit_identical():
+    model = tiny_model("llama", VOCAB)
+    ids = _ids()
+    want = _logits(model, ids)
+    counts = use_exact_forwards(model)
+    layers = model.config.num_hidden_layers
+    assert counts == {"rms_norm": 2 * layers + 1, "gated_mlp": layers, "kept": 0}
+    assert uses_exact_forwards(model.model.norm) and uses_exact_forwards(model.model.layers[0].mlp)
+    assert torch.equal(_logits(model, ids), want)
+    # Rows of very different scales, one token, a batch of one: still the same bits.
+    for x in (_ids(1, 1), _ids(3, 5) % 7):
+        fresh = tiny_model("llama", VOCAB)
+        assert torch.equal(_logits(model, x), _logits(fresh, x))
+    assert use_exact_forwards(model) == {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
+
+
+def test_a_norm_that_computes_otherwise_keeps_its_forward():
+    model = tiny_model("llama", VOCAB)
+    norm = model.model.norm
+
+    def plus_one(self, x):  # Gemma's kind of norm: weight applied as 1 + w
+        v = x.pow(2).mean(-1, keepdim=True)
+        return (1.0 + self.weight) * (x * torch.rsqrt(v + self.variance_epsilon))
+
+    cls = type("OffsetRMSNorm", (type(norm),), {"forward": plus_one})
+    norm.__class__ = cls
+    counts = use_exact_forwards(model)
+    assert counts["kept"] == 1 and not uses_exact_forwards(norm)
+    assert counts["rms_norm"] == 2 * model.config.num_hidden_layers
+
+
+def test_a_call_with_more_arguments_takes_the_modules_own_forward():
+    model = tiny_model("llama", VOCAB)
+    norm = model.model.norm
+    base = type(norm)
+
+    def gated(self, x, gate=None):  # a gated norm (Mamba-2's kind): the gate is an argument
+        out = base.forward(self, x)
+        return out if gate is None else out * torch.sigmoid(gate)
+
+    norm.__class__ = type("GatedRMSNorm", (base,), {"forward": gated})
+    use_exact_forwards(model)
+    assert uses_exact_forwards(norm)  # equal on the probe: the gate-free call
+    x, g = torch.randn(2, 3, model.config.hidden_size), torch.randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(norm(x, g), gated(norm, x, g))
+        assert torch.equal(norm(x, gate=g), gated(norm, x, g))
+        assert torch.equal(norm(x), gated(norm, x))
+
+
+def test_gemma_keeps_its_own_norm_and_mlp():
+    model = tiny_model("gemma", VOCAB)
+    ids = _ids()
+    want = _logits(model, ids)
+    counts = use_exact_forwards(model)
+    assert counts["rms_norm"] == 0 and counts["gated_mlp"] == 0  # 1 + w, GELU
+    assert torch.equal(_logits(model, ids), want)
+
+
+def test_autograd_and_other_dtypes_take_the_modules_own_forward():
+    model = tiny_model("llama", VOCAB)
+    use_exact_forwards(model)
+    mlp, norm = model.model.layers[0].mlp, model.model.norm
+    x = torch.randn(3, model.config.hidden_size, requires_grad=True)
+    y = mlp(x)  # grad on: no in-place SiLU on a tensor autograd needs
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    ref = type(mlp).forward(mlp, x.detach())
+    assert torch.equal(y.detach(), ref)
+    xb = torch.randn(3, model.config.hidden_size).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(norm(xb), type(norm).forward(norm, xb))
+
+
+def test_bf16_mixed_models_use_them(tiny_llama_dir):
+    from icqs_fast import models
+
+    mixed, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
+    assert uses_exact_forwards(mixed.model.norm)
+    assert all(uses_exact_forwards(layer.mlp) for layer in mixed.model.layers)
+    fp32, _ = models.load_model(tiny_llama_dir(layers=2), dtype="float32", device="cpu")
+    assert not uses_exact_forwards(fp32.model.norm)
+
+
+def test_instance_not_class_is_changed():
+    a, b = tiny_model("llama", VOCAB), tiny_model("llama", VOCAB)
+    use_exact_forwards(a)
+    assert isinstance(a.model.norm.forward, types.MethodType)
+    assert not uses_exact_forwards(b.model.norm) and "forward" not in vars(b.model.norm)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("model_type", [t for t in causal_lm_types() if t not in EXCLUDED])
+def test_every_family_keeps_its_logits(model_type):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model(model_type, VOCAB)
+        ids = _ids(2, 19)
+        want = _logits(model, ids)
+        use_exact_forwards(model)
+        got = _logits(model, ids)
+    assert torch.equal(got, want), model_type
