@@ -227,6 +227,24 @@ def test_self_check_estimates_on_synthetic_scores():
     assert len(chk.lines()) == 2
 
 
+def test_repeated_partitions_average_the_single_ones():
+    """The expected accuracy, Brier and ECE are the means over ``cv_repeats`` partitions, the
+    r-th being the single-partition fit seeded ``seed + r``; the diagram is the first one's."""
+    from icqs_fast.engine.selfcheck import CV_REPEATS
+
+    s, y = synthetic(64, a=3.0, b=-1.5, seed=4)
+    singles = [fit_self_check(s, y, seed=7 + r, cv_repeats=1) for r in range(4)]
+    many = fit_self_check(s, y, seed=7, cv_repeats=4)
+    assert many.expected_accuracy == pytest.approx(
+        np.mean([c.expected_accuracy for c in singles]), abs=1e-12)
+    assert many.brier == pytest.approx(np.mean([c.brier for c in singles]), abs=1e-12)
+    assert many.ece == pytest.approx(np.mean([c.ece for c in singles]), abs=1e-12)
+    assert many.reliability == singles[0].reliability
+    assert len({round(c.expected_accuracy, 9) for c in singles}) > 1  # the partitions differ
+    assert many.config["cv_repeats"] == 4
+    assert fit_self_check(s, y, seed=7).config["cv_repeats"] == CV_REPEATS > 1
+
+
 def test_too_small_pools_give_the_plain_verdict():
     s, y = synthetic(400, a=8.0, b=-4.0, seed=4)
     pos, neg = np.flatnonzero(y == 1)[:MIN_PER_CLASS - 1], np.flatnonzero(y == 0)[:30]
