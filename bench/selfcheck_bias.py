@@ -9,7 +9,10 @@ scores, log-likelihood matrices, clean-context masks, timings; a run whose file 
 scored again, so a cut-short study resumes), then ``--out``: the command, the settings, dtype,
 machine and date, every raw run, the analysed row of each run and the per-dataset summary
 (:mod:`icqs_fast.evals.selfcheck_study`); the bias table and the per-run table on stdout.
-``--analyse-only`` refits from the raw files. Runs go seed-major, so a study stopped early
+``--analyse-only`` refits from the raw files. ``--outside`` also scores each run's held-out
+items as outside responses with the next seed's scorer (``outside_run``: the same items without
+the cross-fitting), to tell a gap that comes from being in the pool from one that comes from the
+items. Runs go seed-major, so a study stopped early
 still covers every data set. ``--extra-runs DIR`` adds the raw files of an earlier study
 (``bench/results/selfcheck``: same pools and settings, without stored matrices) for the
 (dataset, seed) pairs not scored here. Runs with stored matrices are analysed a second time
@@ -38,6 +41,8 @@ from icqs_fast.evals.selfcheck_study import (
     exchange_summary,
     first_tests,
     markdown,
+    outside_run,
+    outside_summary,
     run_one,
     shared_inputs,
     simulate_expected_accuracy,
@@ -66,6 +71,10 @@ def main() -> int:
                    help="score more test responses, up to N per class, for the runs in --work "
                         "with stored matrices (rewrites their raw files; the held-out part is "
                         "kept)")
+    p.add_argument("--outside", action="store_true",
+                   help="also score each run's held-out items as outside responses with the "
+                        "next seed's scorer (--work/{dataset}_s{seed}_outside.json, kept): is "
+                        "a self-check / test gap from the cross-fitting or from the items?")
     p.add_argument("--extra-runs", default=None,
                    help="folder of an earlier study's raw files to add (pairs not scored here)")
     a = p.parse_args()
@@ -107,6 +116,22 @@ def main() -> int:
                 if (ds, seed) not in have and os.path.exists(path):
                     with open(path) as f:
                         raws.append({**json.load(f), "source": path})
+    outs = []
+    if a.outside:
+        for r in raws:
+            seeds = sorted(q["seed"] for q in raws if q["dataset"] == r["dataset"])
+            if len(seeds) < 2:
+                continue
+            nxt = seeds[(seeds.index(r["seed"]) + 1) % len(seeds)]
+            other = next(q for q in raws if q["dataset"] == r["dataset"] and q["seed"] == nxt)
+            path = os.path.join(a.work, f"{r['dataset']}_s{r['seed']}_outside.json")
+            if not os.path.exists(path):
+                if a.analyse_only:
+                    continue
+                load()
+                write_whole(path, json.dumps(outside_run(model, tok, r, other)))
+            with open(path) as f:
+                outs.append(json.load(f))
     rows = [analyse(r) for r in raws]
     per_dataset = summarise(rows)
     adj_rows = [analyse(r, adjust=True) for r in raws if "loglik" in r["heldout"]]
@@ -141,6 +166,7 @@ def main() -> int:
                           "runs": [{"dataset": r["dataset"], "seed": r["seed"], **n}
                                    for r, n in zip(raws, nulls, strict=True) if n]},
         "expected_accuracy_simulation": sim,
+        "outside": {"summary": outside_summary(raws, outs), "runs": outs} if outs else None,
         "rows": rows, "rows_adjusted": adj_rows, "runs": raws,
     }
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
@@ -156,6 +182,9 @@ def main() -> int:
     print("\nthe runs' first test responses only (before --add-test):")
     print(bias_markdown(per_dataset_first))
     print(exchange_markdown(exchange_first))
+    if outs:
+        print("\nheld-out items cross-fitted / as outside responses / the outside scorer's "
+              "test AUC:", json.dumps(outside_summary(raws, outs), indent=1))
     print("pool items sharing their input:",
           {f"{r['dataset']} s{r['seed']}": r["pool_items_sharing_input"] for r in rows})
     print()

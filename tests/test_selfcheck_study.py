@@ -237,6 +237,38 @@ def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
                                                                    "seed": 9}}, 1)
 
 
+def test_outside_run_scores_the_held_out_items_with_another_seeds_scorer():
+    from _helpers import skip_unless_in_ci
+
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.engine.selfcheck import select_heldout
+    from icqs_fast.io.datasets import eval_dataset
+
+    if not eval_dataset("chaosnli").default_path().exists():
+        skip_unless_in_ci("ChaosNLI data (../shared/data) missing")
+    model, tok = tiny_llama(device="cpu")
+    # Pools of 16: the default sets (8 demonstrations, 4 per ratio) leave each item clean sets.
+    r0 = study.run_one(model, tok, "chaosnli", 0, pool=16, n_test=2, max_heldout=6)
+    r1 = study.run_one(model, tok, "chaosnli", 1, pool=16, n_test=2, max_heldout=6)
+    out = study.outside_run(model, tok, r0, r1)
+    assert out["scorer_seed"] == 1 and len(out["labels"]) + out["left_out"] == 6
+    # The items: run 0's held-out ones minus those whose input is in run 1's pools, scored by
+    # a scorer built as run 1's.
+    good, bad, _, tpl = study.study_pools("chaosnli", pool=16, n_test=1, seed=0)
+    ig, ib = select_heldout(16, 16, 6, 0)
+    g1, b1, _, _ = study.study_pools("chaosnli", pool=16, n_test=1, seed=1)
+    seen = {x for x, _ in g1 + b1}
+    items = [it for it in [good[i] for i in ig] + [bad[i] for i in ib] if it[0] not in seen]
+    sc = ICQSScorer(model, tok, g1, b1, ScoringSettings(seed=1, template=tpl))
+    assert out["scores"] == pytest.approx([r.score for r in sc.score(items)], abs=1e-6)
+    summ = study.outside_summary([r0, r1], [out])["chaosnli"]
+    assert summ["runs"] == 1 and np.isfinite(summ["crossfit_auc"])
+    assert summ["in_pool_step"] == pytest.approx(summ["crossfit_auc"] - summ["outside_auc"])
+    assert summ["items_step"] == pytest.approx(summ["outside_auc"] - summ["test_auc"])
+    with pytest.raises(ValueError, match="another seed"):
+        study.outside_run(model, tok, r0, r0)
+
+
 def test_first_tests_gives_back_the_run_before_its_test_set_was_enlarged():
     raw = toy_study()
     assert study.first_tests(raw) is raw
