@@ -593,7 +593,11 @@ def to_bf16_mixed(model: Any) -> Any:
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2 and param.is_floating_point():
-                param.copy_(param.to(torch.bfloat16))
+                # A fresh tensor, not a copy into the loaded one: weights read from a
+                # memory-mapped file sit at its offsets (here 8 bytes past a 64-byte line),
+                # which oneDNN's per-call weight reorder reads more slowly; torch's allocator
+                # aligns to 64 bytes. Tied parameters are one object, so they stay tied.
+                param.data = param.to(torch.bfloat16).float()
     entries = [model] + [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList)
                          for m in lst]
     for m in entries:

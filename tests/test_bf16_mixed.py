@@ -38,11 +38,26 @@ def test_weights_rounded_norms_kept(tiny):
     ref = dict(fp32.named_parameters())
     for name, p in mixed.named_parameters():
         assert p.dtype == torch.float32
-        if p.dim() >= 2:  # bf16 values held in fp32
+        if p.dim() >= 2:  # bf16 values held in fp32, on 64-byte lines
             assert torch.equal(p, p.bfloat16().float()), name
+            assert p.data_ptr() % 64 == 0, name
             assert torch.equal(p, ref[name].bfloat16().float()), name
         else:  # norms stay as loaded
             assert torch.equal(p, ref[name]), name
+
+
+def test_tied_embeddings_stay_tied():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    models.to_bf16_mixed(model)
+    head, emb = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head is emb and head.data_ptr() == emb.data_ptr() and head.data_ptr() % 64 == 0
 
 
 def test_mode_on_only_inside_the_forward(tiny, monkeypatch):
