@@ -239,3 +239,53 @@ def test_probe_of_the_mixed_mode():
     out = roofline.matmul_probe(count, "bf16-mixed", seconds=0.01)
     assert out["limit_gflops"] > 0 and out["probe_rows"] == 8
     assert torch.backends.mkldnn.matmul.fp32_precision == old
+
+
+def test_packed_decoder_weights_give_the_same_bits(tiny_llama_dir, monkeypatch):
+    d = tiny_llama_dir(layers=2)
+    packed, tok = models.load_model(d, dtype="bf16-mixed", device="cpu")
+    monkeypatch.setenv(models.PREPACK_ENV, "0")
+    plain, _ = models.load_model(d, dtype="bf16-mixed", device="cpu")
+    lins = [m for m in packed.model.layers.modules() if type(m) is torch.nn.Linear]
+    if not models.bf16_mode_is_exact():
+        pytest.skip("the mode rounds on this CPU: nothing is packed")
+    assert lins and all(models.uses_packed_weights(m) for m in lins)
+    assert not models.uses_packed_weights(packed.get_output_embeddings())
+    assert not any(models.uses_packed_weights(m) for m in plain.modules())
+    ids = tok([PROMPT, "Sentiment:"], return_tensors="pt", padding=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(packed(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_packed_weights_step_aside(tiny_llama_dir, monkeypatch):
+    """Outside the model's forward, with autograd, or once the weight changed, a packed layer
+    computes the plain product."""
+    model, tok = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
+    lin = model.model.layers[0].mlp.up_proj
+    if not models.uses_packed_weights(lin):
+        pytest.skip("nothing packed on this CPU")
+    x = torch.randn(2, 5, lin.in_features)
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))  # mode off
+        lin.weight.mul_(2.0)  # in place: the packed copy is stale now
+        ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+        seen = []
+        h = lin.register_forward_hook(lambda m, a, out: seen.append(
+            torch.equal(out, torch.nn.functional.linear(a[0], m.weight))))
+        with models.bf16_matmuls():
+            model(input_ids=ids)
+        h.remove()
+    assert seen == [True]
+    xg = torch.randn(3, lin.in_features, requires_grad=True)
+    lin(xg).sum().backward()
+    assert xg.grad is not None
+
+
+def test_prepack_budget(tiny_llama_dir, monkeypatch):
+    d = tiny_llama_dir(layers=2)
+    monkeypatch.setenv(models.PREPACK_ENV, "0.001")  # smaller than the tiny model's weights
+    model, _ = models.load_model(d, dtype="bf16-mixed", device="cpu")
+    assert not any(models.uses_packed_weights(m) for m in model.modules())
+    monkeypatch.setenv(models.PREPACK_ENV, "lots")
+    with pytest.raises(ValueError, match="ICQS_FAST_PREPACK_MB"):
+        models.load_model(d, dtype="bf16-mixed", device="cpu")
