@@ -40,6 +40,23 @@ def test_body_forward_flops_match_the_shapes(tiny_llama_model):
     assert all(rows == [b * t] * len(rows) for rows in count.linear_rows.values())
 
 
+def test_packed_linears_are_counted_as_linears(tiny_llama_dir):
+    """A bf16-mixed model's prepacked decoder linears (``mkldnn::_linear_pointwise``) count as
+    the plain ones did."""
+    from icqs_fast import models
+
+    model, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
+    if not any(models.uses_packed_weights(m) for m in model.modules()):
+        pytest.skip("nothing packed on this CPU")
+    b, t = 2, 11
+    ids = torch.randint(0, model.config.vocab_size, (b, t),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        count, _ = roofline.count_flops(lambda: model.model(input_ids=ids))
+    assert count.linear == 2 * b * t * _linear_params(model.model)
+    assert all(rows == [b * t] * len(rows) for rows in count.linear_rows.values())
+
+
 def test_head_statistics_count_as_head():
     n, h, v = 5, 16, 40
     g = torch.Generator().manual_seed(0)

@@ -44,6 +44,9 @@ PROBE_SECONDS = 0.25
 _A = torch.ops.aten
 _MM = {_A.mm.default, _A.addmm.default}
 _BMM = {_A.bmm.default, _A.baddbmm.default}
+# A linear layer with a prepacked weight (bf16-mixed: ``models.prepack_linears``).
+_PACKED_LINEAR = ({torch.ops.mkldnn._linear_pointwise.default}
+                  if hasattr(torch.ops.mkldnn, "_linear_pointwise") else set())
 _SDPA = {getattr(_A, n).default for n in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
@@ -92,6 +95,14 @@ class _Counter(TorchDispatchMode):
                 self.count.linear_rows[(int(k), int(n))].append(int(m))
             else:
                 self.count.head += flops
+        elif func in _PACKED_LINEAR:
+            k, n = args[0].shape[-1], out.shape[-1]
+            m = args[0].numel() // max(k, 1)
+            if self.depth[0] > 0:
+                self.count.linear += 2 * m * k * n
+                self.count.linear_rows[(int(k), int(n))].append(int(m))
+            else:
+                self.count.head += 2 * m * k * n
         elif func in _BMM:
             a, b = (args[0], args[1]) if func is _A.bmm.default else (args[1], args[2])
             bs, m, k = a.shape
