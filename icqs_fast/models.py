@@ -619,7 +619,7 @@ def to_bf16_mixed(model: Any) -> Any:
 # Decoder linear layers of a bf16-mixed model multiply with their weights packed once in
 # oneDNN's blocked layout (:func:`prepack_linears`) while the packed copies take at most this
 # many MiB; the plain weights stay, so this is extra memory. Measured on the embedded model (2-core
-# AMD EPYC, 1 thread): the engine 6.5 % faster for 424 MiB. Overridden by $ICQS_FAST_PREPACK_MB
+# AMD EPYC, 1 thread): the engine 6.7 % faster for 424 MiB. Overridden by $ICQS_FAST_PREPACK_MB
 # (0: never pack).
 PREPACK_MAX_MB = 1024
 PREPACK_ENV = "ICQS_FAST_PREPACK_MB"
