@@ -59,9 +59,16 @@ def _fast_norm(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.T
     return F.rms_norm(x, w.shape, w, _norm_eps(self))
 
 
+def _hooked(module: Any) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _fast_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled():
-        # Other arguments: not the probed call; autograd: the in-place SiLU would break it.
+    if (args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled()
+            or _hooked(self.gate_proj) or _hooked(self.act_fn)):
+        # Other arguments: not the probed call; autograd: the in-place SiLU would break it; a
+        # hook on the gate projection may keep its output (which SiLU would overwrite in place)
+        # and one on the activation expects it to be called.
         return type(self).forward(self, x, *args, **kwargs)
     g = self.gate_proj(x)
     F.silu(g, inplace=True)

@@ -76,6 +76,25 @@ def test_a_call_with_more_arguments_takes_the_modules_own_forward():
         assert torch.equal(norm(x), gated(norm, x))
 
 
+def test_hooks_on_the_gate_or_the_activation_see_what_they_saw():
+    model = tiny_model("llama", VOCAB)
+    use_exact_forwards(model)
+    mlp = model.model.layers[0].mlp
+    kept, acts = [], []
+    h1 = mlp.gate_proj.register_forward_hook(lambda m, a, out: kept.append(out))
+    h2 = mlp.act_fn.register_forward_hook(lambda m, a, out: acts.append(out))
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        y = mlp(x)
+        want = torch.nn.functional.linear(x, mlp.gate_proj.weight)
+    h1.remove()
+    h2.remove()
+    assert len(kept) == 1 and torch.equal(kept[0], want)  # not overwritten by an in-place SiLU
+    assert len(acts) == 1
+    with torch.no_grad():
+        assert torch.equal(y, type(mlp).forward(mlp, x))
+
+
 def test_gemma_keeps_its_own_norm_and_mlp():
     model = tiny_model("gemma", VOCAB)
     ids = _ids()
