@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from icqs_fast.io.files import write_whole
+
 if TYPE_CHECKING:
     import torch
 
@@ -96,7 +98,7 @@ def emit_record(rec: dict, *, out: str | None, as_json: bool) -> None:
     import json
 
     if out:
-        Path(out).write_text(json.dumps(rec, indent=2) + "\n")
+        write_whole(out, json.dumps(rec, indent=2) + "\n")
     if as_json:
         print(json.dumps(rec))
     else:

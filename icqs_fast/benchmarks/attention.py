@@ -41,13 +41,13 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from icqs_fast.benchmarks import at_most, check_fields, environment, peak_growth_mb, report_failures
 from icqs_fast.benchmarks.kernels import side_by_side
 from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
+from icqs_fast.io.files import write_whole
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     rec.update(environment(device))
     text = json.dumps(rec, indent=2)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_whole(args.out, text + "\n")
     if args.json:
         print(text)
     else:

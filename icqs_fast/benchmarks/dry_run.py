@@ -55,12 +55,12 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from icqs_fast.benchmarks.fake_cuda import CUDA0, FakeCuda, Recorder
+from icqs_fast.io.files import write_whole
 
 PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval")
 
@@ -367,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
     r["gpu_run_expected"] = expected_duration(getattr(args, "quick", False),
                                               not getattr(args, "no_end_to_end", False))
     if args.out:
-        Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
+        write_whole(args.out, json.dumps(r, indent=1) + "\n")
     if args.json:
         print(json.dumps(r, indent=1))
     else:

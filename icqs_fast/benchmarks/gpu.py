@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from icqs_fast.benchmarks import environment
+from icqs_fast.io.files import write_whole
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -268,7 +269,8 @@ class _Progress:
                                      "estimate_s": SECTION_ESTIMATE_S.get(name),
                                      "file": None if file is None else file.name, **extra})
         self.doc["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
-        self.path.write_text(json.dumps(self.doc, indent=1) + "\n")
+        # Whole, each time: the file holds every section so far (a crash keeps them).
+        write_whole(self.path, json.dumps(self.doc, indent=1) + "\n")
 
 
 def _run_child(argv: list[str], log: Path, timeout: float) -> int | None:
@@ -284,7 +286,7 @@ def _run_child(argv: list[str], log: Path, timeout: float) -> int | None:
 
 
 def _write_model_check(path: Path, head: dict, records: list[dict]) -> None:
-    path.write_text(json.dumps({**head, "records": records}, indent=1) + "\n")
+    write_whole(path, json.dumps({**head, "records": records}, indent=1) + "\n")
 
 
 def run(args: argparse.Namespace) -> int:

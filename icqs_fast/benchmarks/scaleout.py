@@ -47,6 +47,8 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
+from icqs_fast.io.files import write_whole
+
 ICQS_ARGS = ["--num-ratios", "3", "--demos-per-set", "4", "--sets-per-ratio", "2", "--seed",
              "0", "--dtype", "float32", "--device", "cpu"]
 # The same settings for the Ray job's config (ScoreJobConfig).
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(rec, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+        write_whole(args.out, text + "\n")
     if args.json:
         print(text)
     else:
