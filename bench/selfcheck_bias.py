@@ -33,6 +33,7 @@ import time
 
 from icqs_fast.evals.selfcheck_study import (
     DATASETS,
+    NULL_CV_REPEATS,
     add_test_responses,
     analyse,
     bias_markdown,
@@ -51,6 +52,20 @@ from icqs_fast.evals.selfcheck_study import (
     summarise,
 )
 from icqs_fast.io.files import write_whole
+
+
+def cached_null(work: str, raw: dict) -> dict | None:
+    """``exchange_null(raw)``, kept in ``work`` per run and test-set size (it is seeded by the
+    run, so the same raw run gives the same null; minutes per run, so a re-analysis reads it)."""
+    path = os.path.join(work, f"{raw['dataset']}_s{raw['seed']}_null_n{raw['n_test']}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        if got is None or got.get("cv_repeats") == NULL_CV_REPEATS:
+            return got
+    got = exchange_null(raw)
+    write_whole(path, json.dumps(got))
+    return got
 
 
 def main() -> int:
@@ -139,13 +154,13 @@ def main() -> int:
     sim = [simulate_expected_accuracy(auc, n_per_class=a.pool) for auc in (0.6, 0.7, 0.8)]
     per_dataset_adj = summarise(adj_rows)
     # Are held-out items scored like test responses? A permutation null per run with matrices.
-    nulls = [exchange_null(r) for r in raws]
+    nulls = [cached_null(a.work, r) for r in raws]
     exchange = exchange_summary(rows, nulls)
     # The same runs with only the test responses scored with them (before --add-test).
-    firsts = [first_tests(r) for r in raws]
+    firsts = [first_tests(r) for r in raws if "n_test_scored_first" in r]
     rows_first = [analyse(r) for r in firsts]
     per_dataset_first = summarise(rows_first)
-    exchange_first = exchange_summary(rows_first, [exchange_null(r) for r in firsts])
+    exchange_first = exchange_summary(rows_first, [cached_null(a.work, r) for r in firsts])
     # Pool items whose input recurs in the pools (the `input` leak rule takes more from them).
     for r, row in zip(raws, rows, strict=True):
         good, bad, _, _ = study_pools(r["dataset"], pool=r.get("pool", a.pool),
