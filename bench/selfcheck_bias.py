@@ -173,8 +173,9 @@ def main() -> int:
                     "cpus": os.cpu_count(), "note": "shared with other sessions"},
         "model": a.model or "embedded SmolLM2-135M-Instruct",
         "dtype": sorted({r.get("dtype", "?") for r in raws}),
-        "options": {"pool": a.pool, "n_test_per_class": a.n_test, "threads": a.threads,
-                    "seeds": a.seeds, "datasets": a.datasets},
+        # The runs' own test-set sizes (--n-test only sizes runs scored by this call).
+        "options": {"pool": a.pool, "n_test_per_class": sorted({r["n_test"] // 2 for r in raws}),
+                    "threads": a.threads, "seeds": a.seeds, "datasets": a.datasets},
         "per_dataset": per_dataset, "per_dataset_adjusted": per_dataset_adj,
         "first_tests_only": {"per_dataset": per_dataset_first, "exchange_null": exchange_first},
         "exchange_null": {"summary": exchange,
