@@ -597,7 +597,7 @@ def to_bf16_mixed(model: Any) -> Any:
         for param in model.parameters():
             if param.dim() >= 2 and param.is_floating_point():
                 # A fresh tensor, not a copy into the loaded one: weights read from a
-                # memory-mapped file sit at its offsets (here 8 bytes past a 64-byte line),
+                # memory-mapped file sit at its offsets (here 40 bytes past a 64-byte line),
                 # which oneDNN's per-call weight reorder reads more slowly; torch's allocator
                 # aligns to 64 bytes. Tied parameters are one object, so they stay tied.
                 param.data = param.to(torch.bfloat16).float()
