@@ -31,6 +31,7 @@ import platform
 import sys
 import time
 
+from icqs_fast.evals.selfcheck_outside import outside_run, outside_summary
 from icqs_fast.evals.selfcheck_study import (
     DATASETS,
     NULL_CV_REPEATS,
@@ -42,8 +43,6 @@ from icqs_fast.evals.selfcheck_study import (
     exchange_summary,
     first_tests,
     markdown,
-    outside_run,
-    outside_summary,
     run_one,
     shared_inputs,
     simulate_expected_accuracy,
@@ -147,6 +146,7 @@ def main() -> int:
                 write_whole(path, json.dumps(outside_run(model, tok, r, other)))
             with open(path) as f:
                 outs.append(json.load(f))
+    outside = outside_summary(raws, outs) if outs else None
     rows = [analyse(r) for r in raws]
     per_dataset = summarise(rows)
     adj_rows = [analyse(r, adjust=True) for r in raws if "loglik" in r["heldout"]]
@@ -182,7 +182,7 @@ def main() -> int:
                           "runs": [{"dataset": r["dataset"], "seed": r["seed"], **n}
                                    for r, n in zip(raws, nulls, strict=True) if n]},
         "expected_accuracy_simulation": sim,
-        "outside": {"summary": outside_summary(raws, outs), "runs": outs} if outs else None,
+        "outside": {"summary": outside, "runs": outs} if outs else None,
         "rows": rows, "rows_adjusted": adj_rows, "runs": raws,
     }
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
@@ -200,7 +200,7 @@ def main() -> int:
     print(exchange_markdown(exchange_first))
     if outs:
         print("\nheld-out items cross-fitted / as outside responses / the outside scorer's "
-              "test AUC:", json.dumps(outside_summary(raws, outs), indent=1))
+              "test AUC:", json.dumps(outside, indent=1))
     print("pool items sharing their input:",
           {f"{r['dataset']} s{r['seed']}": r["pool_items_sharing_input"] for r in rows})
     print()

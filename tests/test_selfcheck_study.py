@@ -13,6 +13,7 @@ from _helpers import tiny_llama
 from icqs_fast import metrics
 from icqs_fast.engine.selfcheck import crossfit_score
 from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.evals import selfcheck_outside as outside
 from icqs_fast.evals import selfcheck_study as study
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -250,7 +251,7 @@ def test_outside_run_scores_the_held_out_items_with_another_seeds_scorer():
     # Pools of 16: the default sets (8 demonstrations, 4 per ratio) leave each item clean sets.
     r0 = study.run_one(model, tok, "chaosnli", 0, pool=16, n_test=2, max_heldout=6)
     r1 = study.run_one(model, tok, "chaosnli", 1, pool=16, n_test=2, max_heldout=6)
-    out = study.outside_run(model, tok, r0, r1)
+    out = outside.outside_run(model, tok, r0, r1)
     assert out["scorer_seed"] == 1 and len(out["labels"]) + out["left_out"] == 6
     # The items: run 0's held-out ones minus those whose input is in run 1's pools, scored by
     # a scorer built as run 1's.
@@ -261,12 +262,12 @@ def test_outside_run_scores_the_held_out_items_with_another_seeds_scorer():
     items = [it for it in [good[i] for i in ig] + [bad[i] for i in ib] if it[0] not in seen]
     sc = ICQSScorer(model, tok, g1, b1, ScoringSettings(seed=1, template=tpl))
     assert out["scores"] == pytest.approx([r.score for r in sc.score(items)], abs=1e-6)
-    summ = study.outside_summary([r0, r1], [out])["chaosnli"]
+    summ = outside.outside_summary([r0, r1], [out])["chaosnli"]
     assert summ["runs"] == 1 and np.isfinite(summ["crossfit_auc"])
     assert summ["in_pool_step"] == pytest.approx(summ["crossfit_auc"] - summ["outside_auc"])
     assert summ["items_step"] == pytest.approx(summ["outside_auc"] - summ["test_auc"])
     with pytest.raises(ValueError, match="another seed"):
-        study.outside_run(model, tok, r0, r0)
+        outside.outside_run(model, tok, r0, r0)
 
 
 def test_first_tests_gives_back_the_run_before_its_test_set_was_enlarged():

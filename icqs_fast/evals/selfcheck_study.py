@@ -42,7 +42,6 @@ from icqs_fast.engine.selfcheck import (
     crossfit_heldout,
     crossfit_score,
     fit_self_check,
-    select_heldout,
 )
 from icqs_fast.io.files import write_whole
 
@@ -177,24 +176,15 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
     larger draw, leaving out those the run holds already; ``n_test_scored_first`` keeps the
     run's first count. A smaller test set gives the test AUC as much sampling error as the
     self-check's own, so larger ones are what can show the interval's coverage."""
-    from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.engine.settings import ScoringSettings
-
     ds, seed = raw["dataset"], raw["seed"]
     t = raw["test"]
     good, bad, held, tpl = scored_tests(raw)
     if [lab for *_, lab in held] != t["labels"]:
         raise ValueError(f"{ds} s{seed}: the stored test responses are not study_pools' draw")
     new = more_tests(raw, held, good, bad, n_more)
-    sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=seed, template=tpl))
-    if sc.settings.asdict() != raw["settings"]:
-        raise ValueError(f"{ds} s{seed}: the scoring settings differ from the run's")
-    from icqs_fast.models import dtype_name
+    sc = run_scorer(model, tok, raw, good, bad, tpl)
     from icqs_fast.progress import track
 
-    if dtype_name(model) != raw["dtype"]:
-        raise ValueError(f"{ds} s{seed}: the run was scored at {raw['dtype']}, the model is "
-                         f"{dtype_name(model)}")
     t0 = time.perf_counter()
     # The run's first test response once more: the same scorer must give its score back.
     pairs = [(x, y) for x, y, _ in new] + [held[0][:2]]
@@ -215,66 +205,23 @@ def add_test_responses(model: Any, tok: Any, raw: dict[str, Any], n_more: int, *
             "seconds": {**raw["seconds"], "test_added": round(sec, 2)}}
 
 
-def outside_run(model: Any, tok: Any, raw: dict[str, Any], other: dict[str, Any], *,
-                quiet: bool = True) -> dict[str, Any]:
-    """``raw``'s held-out pool items scored as outside responses by ``other``'s scorer (another
-    seed's pools and demonstration sets, rebuilt as :func:`run_one` built them; items whose
-    input is in those pools are left out): the same items without the cross-fitting. Their AUC
-    against ``raw``'s self-check AUC (the same items cross-fitted) and ``other``'s test AUC
-    (the same scorer, test responses) splits a self-check / test gap into "being in the pool"
-    and "pool items are not like the test responses" (:func:`outside_summary`)."""
+def run_scorer(model: Any, tok: Any, raw: dict[str, Any], good: Sequence, bad: Sequence,
+               template: Any) -> Any:
+    """The :class:`~icqs_fast.engine.scorer.ICQSScorer` of ``raw`` (a :func:`run_one` record)
+    rebuilt from its pools ``good`` / ``bad`` and ``template`` as :func:`run_one` built it,
+    after checking that it is the run's: the same scoring settings and the model's dtype."""
     from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.engine.settings import ScoringSettings
-    from icqs_fast.progress import track
+    from icqs_fast.models import dtype_name
 
-    ds, seed, pool = raw["dataset"], raw["seed"], raw["pool"]
-    if other["dataset"] != ds or other["seed"] == seed:
-        raise ValueError(f"outside_run: {ds} s{seed} needs another seed's run of {ds}")
-    good, bad, _, _ = study_pools(ds, pool=pool, n_test=1, seed=seed)
-    ig, ib = select_heldout(len(good), len(bad), raw["max_heldout"], seed)
-    items = [good[i] for i in ig] + [bad[i] for i in ib]
-    labels = [1] * len(ig) + [0] * len(ib)
-    if labels != raw["heldout"]["labels"]:
-        raise ValueError(f"{ds} s{seed}: the stored held-out items are not select_heldout's")
-    g2, b2, _, tpl2 = study_pools(ds, pool=other["pool"], n_test=1, seed=other["seed"])
-    seen = {x for x, _ in g2 + b2}
-    keep = [(it, lab) for it, lab in zip(items, labels, strict=True) if it[0] not in seen]
-    sc = ICQSScorer(model, tok, g2, b2, ScoringSettings(seed=other["seed"], template=tpl2))
-    if sc.settings.asdict() != other["settings"]:
-        raise ValueError(f"{ds} s{other['seed']}: the scoring settings differ from the run's")
-    t0 = time.perf_counter()
-    res = list(track(sc.score([it for it, _ in keep]), total=len(keep),
-                     desc=f"outside {ds} s{seed} by s{other['seed']}", unit="item", quiet=quiet))
-    return {"dataset": ds, "seed": seed, "scorer_seed": other["seed"],
-            "labels": [lab for _, lab in keep], "scores": [r.score for r in res],
-            "left_out": len(items) - len(keep), "seconds": round(time.perf_counter() - t0, 2)}
-
-
-def outside_summary(raws: Sequence[dict[str, Any]], outs: Sequence[dict[str, Any]]
-                    ) -> dict[str, Any]:
-    """Per dataset, over the :func:`outside_run` records ``outs``: the mean AUC of the held-out
-    items cross-fitted by their own run (the self-check), of the same items scored as outside
-    responses, and of the outside scorer's test responses, with the two steps between them."""
-    by = {(r["dataset"], r["seed"]): r for r in raws}
-    per: dict[str, dict[str, list[float]]] = {}
-    for o in outs:
-        own, oth = by[(o["dataset"], o["seed"])], by[(o["dataset"], o["scorer_seed"])]
-        h = own["heldout"]
-        hs, hy = _arr(h["scores"]), np.asarray(h["labels"])
-        ok = np.isfinite(hs)
-        d = per.setdefault(o["dataset"], {"crossfit": [], "outside": [], "test": []})
-        d["crossfit"].append(metrics.auc(hy[ok], hs[ok]))
-        d["outside"].append(metrics.auc(np.asarray(o["labels"]), np.asarray(o["scores"])))
-        d["test"].append(metrics.auc(np.asarray(oth["test"]["labels"]),
-                                     np.asarray(oth["test"]["scores"])))
-    out = {}
-    for ds, d in per.items():
-        c, o, t = (np.asarray(d[k]) for k in ("crossfit", "outside", "test"))
-        out[ds] = {"runs": len(c), "crossfit_auc": float(c.mean()),
-                   "outside_auc": float(o.mean()), "test_auc": float(t.mean()),
-                   "in_pool_step": float((c - o).mean()), "in_pool_step_se": _se(c - o),
-                   "items_step": float((o - t).mean()), "items_step_se": _se(o - t)}
-    return out
+    ds, seed = raw["dataset"], raw["seed"]
+    sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=seed, template=template))
+    if sc.settings.asdict() != raw["settings"]:
+        raise ValueError(f"{ds} s{seed}: the scoring settings differ from the run's")
+    if dtype_name(model) != raw["dtype"]:
+        raise ValueError(f"{ds} s{seed}: the run was scored at {raw['dtype']}, the model is "
+                         f"{dtype_name(model)}")
+    return sc
 
 
 def added_per_class(raw: dict[str, Any]) -> list[int]:
@@ -456,7 +403,7 @@ def matched_score_table(raw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     self-check's handicap), ``y`` ``[n_test]`` its 0/1 label. Needs the stored matrices."""
     h, t = raw["heldout"], raw["test"]
     hy = np.asarray(h["labels"])
-    ok = np.isfinite(_arr(h["scores"]))  # a skipped item's mask leaves a ratio empty
+    ok = np.isfinite(nan_array(h["scores"]))  # a skipped item's mask leaves a ratio empty
     masks = {lab: [np.asarray(m, dtype=bool) for m, y, o in zip(h["clean"], hy, ok, strict=True)
                    if y == lab and o] for lab in (0, 1)}
     ty = np.asarray(t["labels"], dtype=np.int64)
@@ -490,11 +437,11 @@ def exchange_null(raw: dict[str, Any], *, perms: int = PERMUTATIONS, n_boot: int
     if "loglik" not in raw["test"] or "clean" not in raw["heldout"]:
         return None
     h = raw["heldout"]
-    hs, hy = _arr(h["scores"]), np.asarray(h["labels"], dtype=np.int64)
+    hs, hy = nan_array(h["scores"]), np.asarray(h["labels"], dtype=np.int64)
     fin = np.isfinite(hs)
     hs, hy = hs[fin], hy[fin]
     table, ty = matched_score_table(raw)
-    ts = _arr(raw["test"]["scores"])
+    ts = nan_array(raw["test"]["scores"])
     rng = np.random.default_rng([raw["seed"], 40])
     out: dict[str, list[float]] = {k: [] for k in ("gap", "auc_diff", "inside", "shift_good",
                                                    "shift_bad", "spread")}
@@ -614,12 +561,8 @@ def _nan_none(a: np.ndarray) -> list[float | None]:
     return [None if not math.isfinite(v) else float(v) for v in a.tolist()]
 
 
-def _se(v: np.ndarray) -> float:
-    """The standard error of ``v``'s mean (NaN for fewer than two values)."""
-    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
-
-
-def _arr(v: Sequence) -> np.ndarray:
+def nan_array(v: Sequence) -> np.ndarray:
+    """``v`` as float64, None (a skipped item's score in a stored run) as NaN."""
     return np.asarray([math.nan if x is None else x for x in v], dtype=np.float64)
 
 
@@ -630,15 +573,15 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000,
     with the set effects removed (:func:`set_effects`, :func:`adjusted_scores`; needs the
     stored matrices), the matched test AUC likewise."""
     h, t = raw["heldout"], raw["test"]
-    hs = _arr(h["scores"])
+    hs = nan_array(h["scores"])
     effects = None
     if adjust:
         effects = set_effects(h["loglik"], h["clean"])
         hs = adjusted_scores(raw, h["loglik"], h["clean"], effects)
     chk = fit_self_check(hs, h["labels"], method=method, seed=raw["seed"], n_boot=n_boot)
     y = np.asarray(t["labels"], dtype=np.int64)
-    s = _arr(t["scores"])
-    p_raw = _arr(t["p_good"])
+    s = nan_array(t["scores"])
+    p_raw = nan_array(t["p_good"])
     test_auc = metrics.auc(y, s)
     row: dict[str, Any] = {
         "dataset": raw["dataset"], "seed": raw["seed"], "adjusted": adjust,
@@ -646,7 +589,7 @@ def analyse(raw: dict[str, Any], *, method: str = "auto", n_boot: int = 1000,
         "n_heldout": chk.n_good + chk.n_bad, "n_skipped": chk.n_skipped, "n_test": int(y.size),
         "selfcheck_auc": chk.auc, "auc_lo": chk.auc_lo, "auc_hi": chk.auc_hi,
         "test_auc": test_auc,
-        "leaky_auc": metrics.auc(np.asarray(h["labels"]), _arr(h["full_scores"])),
+        "leaky_auc": metrics.auc(np.asarray(h["labels"]), nan_array(h["full_scores"])),
         "selfcheck_brier": chk.brier, "selfcheck_ece": chk.ece,
         "expected_accuracy": chk.expected_accuracy,
         "method": chk.config.get("method_used"),
