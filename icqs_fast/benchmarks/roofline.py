@@ -81,28 +81,25 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.count, self.depth = count, depth
 
+    def _matmul(self, m: int, k: int, n: int) -> None:
+        """An ``[m, k] x [k, n]`` product: a linear layer's inside a module, else the head's."""
+        flops = 2 * m * k * n
+        if self.depth[0] > 0:
+            self.count.linear += flops
+            self.count.linear_rows[(int(k), int(n))].append(int(m))
+        else:
+            self.count.head += flops
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.depth[1] > 0:  # inside an attention_lse call, already counted whole
             return out
         if func in _MM:
             a, b = (args[0], args[1]) if func is _A.mm.default else (args[1], args[2])
-            m, k = a.shape
-            n = b.shape[1]
-            flops = 2 * m * k * n
-            if self.depth[0] > 0:
-                self.count.linear += flops
-                self.count.linear_rows[(int(k), int(n))].append(int(m))
-            else:
-                self.count.head += flops
+            self._matmul(*a.shape, b.shape[1])
         elif func in _PACKED_LINEAR:
-            k, n = args[0].shape[-1], out.shape[-1]
-            m = args[0].numel() // max(k, 1)
-            if self.depth[0] > 0:
-                self.count.linear += 2 * m * k * n
-                self.count.linear_rows[(int(k), int(n))].append(int(m))
-            else:
-                self.count.head += 2 * m * k * n
+            k = args[0].shape[-1]
+            self._matmul(args[0].numel() // max(k, 1), k, out.shape[-1])
         elif func in _BMM:
             a, b = (args[0], args[1]) if func is _A.bmm.default else (args[1], args[2])
             bs, m, k = a.shape
