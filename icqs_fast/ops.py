@@ -377,8 +377,9 @@ def attention_entropy(
     take a share of each row's softmax mass, so the output shrinks by ``1 / (1 + e^(sink - lse))``;
     the entropy, renormalised over the key range, is unchanged). Positions are key slots:
     queries at the last ``Tq`` slots, right padding only. These variants (and a value head size
-    other than ``D``) run on the torch backend (``"auto"`` picks it for them on every device;
-    the table of :mod:`icqs_fast.backends.support` says so).
+    other than ``D``) run on the torch backend, and all but ``softcap`` on the cpp one
+    (``"auto"`` picks a backend that has the call's variant; the table of
+    :mod:`icqs_fast.backends.support` says which).
 
     Args:
         q: ``[B, Hq, Tq, D]`` float32/float16/bfloat16.
@@ -389,9 +390,10 @@ def attention_entropy(
         attention_mask: ``[B, Tk]`` bool (True = real token, False = padding) or None.
         causal: causal masking with queries at the last ``Tq`` positions.
         scale: score multiplier, ``1 / sqrt(D)`` if None.
-        backend: ``"auto"`` (triton on CUDA, torch otherwise), ``"triton"`` (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``) or ``"torch"``; a backend named for a variant it lacks is a
-            ValueError.
+        backend: ``"auto"`` (triton on CUDA, cpp on the CPU when the extension is built, else
+            torch), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cpp"`` (CPU:
+            two calls of the C++ flash kernel of :func:`attention_lse`, fp32 arithmetic) or
+            ``"torch"``; a backend named for a variant it lacks is a ValueError.
         window, chunk, softcap, sinks: the layer's attention variant (see above), or None.
 
     Returns:

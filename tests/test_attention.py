@@ -12,12 +12,18 @@ from icqs_fast import backends, ops
 from icqs_fast.backends.torch_ref import attention_entropy_torch
 from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "cpp"]
 
 
 def _need(backend: str) -> None:
     if backend == "triton" and DEVICE == "cpu" and not backends.triton_interpreting():
         pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    if backend == "cpp":
+        if DEVICE != "cpu":
+            pytest.skip("the cpp backend runs on CPU tensors")
+        ok, why = backends.available("cpp")
+        if not ok:
+            skip_unless_in_ci(f"cpp backend unavailable: {why}")
 
 
 def reference64(q, k, v, key_range, query_mask, attention_mask, causal, scale):
@@ -175,7 +181,7 @@ def test_attention_sink_far_above_the_range(backend):
     assert torch.allclose(out.double().cpu(), ro, atol=2e-5)
     err = (ent.double().cpu() - re).abs()
     assert float(err[0].max()) < 1e-4, float(err[0].max())
-    if backend == "torch":
+    if backend in ("torch", "cpp"):  # cpp: the range's own softmax, without the sink
         assert float(err[1].max()) < 1e-4
     else:
         assert bool((ent[1] == 0).all())
@@ -323,7 +329,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="Tq <= Tk"):
         ops.attention_entropy(q, k[:, :, :4], v[:, :, :4], key_range=kr, query_mask=qm)
     with pytest.raises(ValueError, match="backend"):
-        ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, backend="cpp")
+        ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm, backend="cpp", softcap=5.0)
 
 
 # --------------------------------------------------------------------------- embedded model
@@ -372,7 +378,7 @@ def _padded_batch(tok, side):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("side,backend", [("left", "torch"), ("right", "torch"),
-                                          ("left", "triton")])
+                                          ("left", "triton"), ("right", "cpp")])
 def test_hf_hook_matches_eager(model_tok, side, backend):
     _need(backend)
     model, tok = model_tok
@@ -499,11 +505,14 @@ def _tiny_variant(kind):
     return model.to(DEVICE).eval()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss", "llama4_text"])
-def test_hf_hook_follows_each_layers_own_mask(kind):
+def test_hf_hook_follows_each_layers_own_mask(kind, backend):
     """Windows, chunks, score softcapping and sinks: the captured entropies equal eager
     ``output_attentions=True`` (which applies each layer's own mask; sinks drop out of the
-    range-renormalised entropy) and the logits are unchanged, so the outputs are right too."""
+    range-renormalised entropy) and the logits are unchanged, so the outputs are right too.
+    On cpp, gemma2's soft-capped layers fall back to "auto" (torch)."""
+    _need(backend)
     model = _tiny_variant(kind)
     batch = _random_padded_batch(97, "right", torch.Generator().manual_seed(2))
-    _assert_hook_matches_eager(model, *batch, "torch", atol=1e-5)
+    _assert_hook_matches_eager(model, *batch, backend, atol=1e-5)

@@ -47,7 +47,7 @@ EPS32 = 2.0**-24  # fp32 unit roundoff
 EPS_OUT = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 TOKEN_BACKENDS = [b for b in ("torch", "cpp", "triton") if backends.availability()[b][0]]
-ATTN_BACKENDS = ["torch"] + (["triton"] if "triton" in TOKEN_BACKENDS else [])
+ATTN_BACKENDS = ["torch"] + [b for b in ("triton", "cpp") if b in TOKEN_BACKENDS]
 # Example budgets and shape limits per backend. The Triton interpreter costs ~0.05-0.1 s per
 # program (one row of token_stats, one 16-row x 128-column tile of linear_token_stats, one
 # 16-query block of attention) on the shared 2-core machine: few rows and examples there.
@@ -62,6 +62,7 @@ LINEAR_LIMITS = {"torch": dict(n=200, v=3000, h=80, elems=60_000, examples=30),
 # per-row rounding terms below).
 BASE_TOL = {"torch": 2e-6, "cpp": 2e-6, "triton": 5e-6}
 ATTN_LIMITS = {"torch": dict(b=2, hk=2, tq=40, elems=600_000, examples=40),
+               "cpp": dict(b=2, hk=2, tq=40, elems=600_000, examples=40),
                "triton": dict(b=1, hk=1, tq=16, elems=60_000, examples=8)}
 
 

@@ -312,12 +312,13 @@ def test_support_table_walk(op, backend):
 
 def test_auto_follows_the_table():
     """"auto" picks by the table: the fused kernels on CUDA, the C++ extension on the CPU for
-    the token ops and attention_lse (torch for the attention entropy, which it lacks), never
-    Triton's interpreter; a named backend on a device it lacks is an error saying so."""
+    every operation (the attention entropy's soft cap on torch, which has it), never Triton's
+    interpreter; a named backend on a device it lacks is an error saying so."""
     cpu_token = "cpp" if backends.available("cpp")[0] else "torch"
     for op in support.TABLE:
-        name = backends.choose(op, "auto", "cpu", torch.float32)
-        assert name == (cpu_token if op != "attention_entropy" else "torch")
+        assert backends.choose(op, "auto", "cpu", torch.float32) == cpu_token
+    assert backends.choose("attention_entropy", "auto", "cpu", torch.float32,
+                           {"softcap"}) == "torch"
     if DEVICE == "cuda" and backends.available("triton")[0]:
         for op in support.TABLE:
             assert backends.choose(op, "auto", "cuda", torch.float32) == "triton"
@@ -325,7 +326,8 @@ def test_auto_follows_the_table():
             ops.token_stats(torch.randn(2, 5, device="cuda"), torch.zeros(2, dtype=torch.long,
                                                                          device="cuda"),
                             backend="cpp")
-    assert backends.fallback("attention_entropy", "cpp") == "auto"
+    assert backends.fallback("attention_entropy", "cpp") == "cpp"
+    assert backends.fallback("attention_entropy", "cpp", {"softcap"}) == "auto"
     assert backends.fallback("attention_entropy", "triton", {"window"}) == "auto"
     assert backends.fallback("attention_entropy", "triton") == "triton"
     with pytest.raises(ValueError, match="unknown backend 'magic'"):

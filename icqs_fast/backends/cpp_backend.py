@@ -232,3 +232,77 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
                      BF16_DOT, dot_dtype == torch.bfloat16)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+
+
+# ------------------------------------------------------------------ attention entropy (C++)
+
+
+ROUNDING_FLOOR = 16
+"""Entropies up to this many fp32 epsilons of the magnitudes they are the difference of (the
+range's LSE, and the mean score's bound ``scale |q| |mean key|``) are rounding, and read 0."""
+
+
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      key_range: torch.Tensor, query_mask: torch.Tensor,
+                      attention_mask: torch.Tensor | None, causal: bool, scale: float, *,
+                      window: int | None = None, chunk: int | None = None,
+                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cpp backend of :func:`icqs_fast.ops.attention_entropy` (arguments validated there):
+    two calls of the C++ flash kernel (:func:`attention_lse`), never the attention matrix.
+
+    A score is linear in its key (``s_ij = scale q_i . k_j``), so the mean score of a row's
+    distribution over the key range is ``scale q_i . sum_j p_ij k_j``: the kernel, given the
+    values ``[v, k]`` and only the range's keys, returns the range's output, its log-sum-exp
+    ``lse_r`` and that mean, and the entropy is ``lse_r - mean``. A second call over the other
+    allowed keys gives their output and LSE, and the two outputs merge exactly by their LSEs
+    (as cascade attention's parts; sinks join the merge's denominator). Cost: one attention
+    plus ``D`` value columns more on the range's keys. A soft cap makes the score non-linear in
+    the key, so it is not supported (the support table sends it to the torch backend).
+
+    Arithmetic is fp32 throughout (16-bit inputs widened: the bf16 kernel rounds the
+    probabilities to bf16, too coarse for the mean score). The entropy's error is fp32
+    rounding of ``lse_r`` and the mean, ~1e-7 of the scores' magnitude; an entropy below
+    :data:`ROUNDING_FLOOR` times that rounding reads 0 (a row with one key in the range is
+    exactly 0, as on the other backends).
+
+    Args:
+        q: ``[B, Hq, Tq, D]`` fp32/fp16/bf16; k ``[B, Hk, Tk, D]``; v ``[B, Hk, Tk, Dv]``;
+            key_range ``[B, 2]`` int64; query_mask ``[B, Tq]`` bool; attention_mask ``[B, Tk]``
+            bool or None; causal; scale; window / chunk (a local layer) or None; sinks ``[Hq]``
+            or None.
+
+    Returns:
+        ``out [B, Hq, Tq, Dv]`` in q's dtype and ``entropy [B, Hq, Tq]`` fp32 (0 where
+        ``query_mask`` is False or no allowed key lies in the range).
+    """
+    bsz, hq, tq, d = q.shape
+    tk, dv = k.shape[2], v.shape[3]
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    slots = torch.arange(tk)
+    span = key_range.clamp(0, tk)
+    in_range = (slots[None] >= span[:, :1]) & (slots[None] < span[:, 1:])
+    allowed = torch.ones(bsz, tk, dtype=torch.bool) if attention_mask is None else \
+        attention_mask.bool()
+    local = {"window": window, "chunk": chunk}
+    o_r, l_r = attention_lse(qf, kf, torch.cat([vf, kf], dim=-1), allowed & in_range, causal,
+                             scale, **local)
+    out = o_r[..., :dv]
+    rest = allowed & ~in_range
+    lse = l_r
+    if bool(rest.any()):  # merge the other keys' part by the two LSEs (both -inf: output 0)
+        o_c, l_c = attention_lse(qf, kf, vf, rest, causal, scale, **local)
+        out = torch.lerp(o_c, out, torch.sigmoid(l_r - l_c).nan_to_num_(0.0)[..., None])
+        lse = torch.logaddexp(l_r, l_c)
+    if sinks is not None:  # the sinks' share of the denominator
+        out = out * torch.sigmoid(lse - sinks.float().view(1, hq, 1))[..., None]
+    # lse_r - mean score; a difference within fp32 rounding of its terms (the kernel's LSE, the
+    # dot product; bounded by |lse_r| + scale |q| |mean key|) is no information: it reads 0, as
+    # one key in the range must.
+    mean_key = o_r[..., dv:]
+    mean = torch.linalg.vecdot(qf, mean_key) * scale
+    floor = (torch.linalg.vector_norm(qf, dim=-1) * torch.linalg.vector_norm(mean_key, dim=-1)
+             * scale + l_r.abs()) * (ROUNDING_FLOOR * torch.finfo(torch.float32).eps)
+    ent = l_r - mean
+    keep = (ent > floor) & query_mask[:, None, :]  # False where l_r = -inf (no key in range)
+    ent = torch.where(keep, ent, torch.zeros((), dtype=ent.dtype))
+    return out.to(q.dtype).contiguous(), ent

@@ -96,10 +96,12 @@ TABLE: dict[str, dict[str, Support]] = {
         "cpp": Support(FLOAT16_32, ("cpu",), _LINEAR, chunked=True),
         "torch": Support(FLOAT16_32, None, _LINEAR, chunked=True),
     },
-    # The fused kernel takes key padding and plain causality (GQA included); the layer variants
-    # run on the torch backend. No C++ attention.
+    # The Triton kernel takes key padding and plain causality (GQA included). The cpp backend
+    # (two calls of the C++ flash kernel) takes every variant but the soft cap, which makes a
+    # score non-linear in its key; the torch backend runs everything.
     "attention_entropy": {
         "triton": Support(FLOAT16_32, ("cuda",), interpreted=("cpu",)),
+        "cpp": Support(FLOAT16_32, ("cpu",), _ATTENTION_VARIANTS - {"softcap"}),
         "torch": Support(FLOAT16_32, None, _ATTENTION_VARIANTS),
     },
     # The C++ kernel (csrc/attention.cpp) and the Triton one (kernels/attention_entropy.py,
