@@ -196,6 +196,23 @@ def _probe(fn_name: str, owner: Any) -> bool | None:
         return None
 
 
+ONEDNN_ISA_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's variables capping the ISA its kernels may use (the second is the legacy name)."""
+ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                               "AVX512_CORE_VNNI"})
+"""oneDNN ISA caps below its bf16 dot-product kernels (``AVX512_CORE_BF16`` and up)."""
+
+
+def onednn_isa_cap() -> str | None:
+    """``"VAR=VALUE"`` when the environment caps oneDNN below its bf16 dot products (e.g.
+    ``ONEDNN_MAX_CPU_ISA=AVX2``: an AVX2-only CPU emulated on an AVX-512 one), else None."""
+    for var in ONEDNN_ISA_ENVS:
+        value = os.environ.get(var, "").strip().upper()
+        if value:
+            return f"{var}={value}" if value in ONEDNN_BELOW_BF16 else None
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_support() -> tuple[bool, str]:
     """Whether this CPU runs bf16 matmuls natively (faster than fp32), and the evidence.
@@ -203,8 +220,9 @@ def cpu_bf16_support() -> tuple[bool, str]:
     Native means bf16 dot-product instructions (x86: ``avx512_bf16`` or AMX; ARM: the ``bf16``
     extension), as torch sees them (``torch.cpu._is_avx512_bf16_supported``,
     ``_is_amx_tile_supported``; ``/proc/cpuinfo`` when torch does not say), *and* torch's
-    oneDNN path on (its bf16 matmuls go there; without it they run a slow generic loop).
-    AVX-512 alone is not enough: oneDNN then emulates bf16 (torch's own
+    oneDNN path on (its bf16 matmuls go there; without it they run a slow generic loop) and not
+    capped below its bf16 kernels (:func:`onednn_isa_cap`: then the machine behaves as one
+    without them). AVX-512 alone is not enough: oneDNN then emulates bf16 (torch's own
     ``_is_mkldnn_bf16_supported`` answers yes there). Decided once per process.
     """
     import platform
@@ -215,6 +233,9 @@ def cpu_bf16_support() -> tuple[bool, str]:
         return False, "torch's oneDNN (mkldnn) path is off, so bf16 matmuls have no fast path"
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
+        cap = onednn_isa_cap()
+        if cap is not None:
+            return False, f"{cap} caps oneDNN below its bf16 dot products"
         found = []
         avx = _probe("_is_avx512_bf16_supported", torch.cpu)
         amx = _probe("_is_amx_tile_supported", torch.cpu)
@@ -282,7 +303,7 @@ def choose_dtype(dtype: str | torch.dtype = "auto",
         choice = (DtypeChoice(torch.float32, "auto",
                               f"auto: this CPU has {why}: bf16-valued weights, fp32 "
                               "activations and arithmetic", mixed=True) if native
-                  else DtypeChoice(torch.float32, "auto", f"auto: this CPU has {why}"))
+                  else DtypeChoice(torch.float32, "auto", f"auto: float32 ({why})"))
     if choice.mixed and dev.type != "cpu":
         raise ValueError(f"{MIXED_NAME} is a CPU mode (oneDNN's matmuls); on {dev.type} "
                          "use bfloat16 or float32")

@@ -132,6 +132,29 @@ def test_detection_reads_torch_and_needs_onednn(monkeypatch):
     assert not native and "oneDNN" in why
 
 
+def test_onednn_capped_below_bf16_is_not_native(monkeypatch):
+    """oneDNN's ISA cap (how an AVX2-only CPU is emulated on this one) below its bf16 kernels
+    makes bf16 not native, naming the variable; a cap at or above them, or none, does not."""
+    import platform
+
+    detect = models.cpu_bf16_support.__wrapped__
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    for var in models.ONEDNN_ISA_ENVS:
+        monkeypatch.delenv(var, raising=False)
+    assert detect()[0]
+    for value, want in (("avx2", False), ("AVX512_CORE", False), ("avx512_core_bf16", True),
+                        ("AVX512_CORE_AMX", True), ("ALL", True)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", value)
+        native, why = detect()
+        assert native is want, (value, why)
+        if not want:
+            assert f"ONEDNN_MAX_CPU_ISA={value.upper()}" in why
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert detect() == (False, "DNNL_MAX_CPU_ISA=AVX2 caps oneDNN below its bf16 dot products")
+
+
 def test_cli_dtype_names_match_models():
     from icqs_fast.cli.options import DTYPE_NAMES
 
