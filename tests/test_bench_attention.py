@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from icqs_fast import backends
 from icqs_fast.benchmarks import attention as bench_attention
 from icqs_fast.benchmarks import peak_growth_mb
 from icqs_fast.cli import bench_attention as cli_bench_attention
@@ -69,6 +70,14 @@ def test_record_fields_and_accuracy(record):
     # A float64 reference of the same model: a wrong renormalisation, key range, head or layer
     # order gives errors of order 0.1-1 nats.
     assert isinstance(record["max_abs_err"], float) and record["max_abs_err"] < 1e-4
+    # Ours ran on "auto"'s backend; off the torch backend it is compared with it, side by side.
+    assert record["backend"] == ("cpp" if backends.available("cpp")[0] else "torch")
+    if record["backend"] == "torch":
+        assert record["torch_backend_ms"] is None and record["backend_max_diff"] is None
+    else:
+        assert isinstance(record["torch_backend_ms"], float)
+        assert isinstance(record["backend_speedup"], float)
+        assert record["backend_max_diff"] < 1e-4
     assert isinstance(record["commit"], str) and len(record["commit"]) == 40
     assert record["date"].endswith("+00:00") and record["cpu_count"] >= 1
 
@@ -91,6 +100,8 @@ def test_record_arithmetic_on_known_inputs(monkeypatch, one_thread):
     rec = bench_attention.bench(8, 1, torch.device("cpu"), measure_memory=True,
                                 random_weights=True, config="tiny")
     assert (rec["time_ms"], rec["eager_ms"], rec["speedup"]) == (2.0, 5.0, 2.5)
+    if rec["backend"] != "torch":  # the second pair: ours against ours on the torch backend
+        assert (rec["torch_backend_ms"], rec["backend_speedup"]) == (5.0, 2.5)
     assert (rec["peak_mem_mb"], rec["eager_peak_mem_mb"], rec["mem_ratio"]) == (3.0, 12.2, 4.0)
     assert sorted(calls) == [("eager", 8, "cpu", True, "tiny"), ("ours", 8, "cpu", True, "tiny")]
     assert rec["max_abs_err"] < 1e-4
@@ -175,3 +186,38 @@ def test_lse_section(one_thread):
         ["attention_lse.cases[0].max_out_diff = 0.5 (want <= 0.0001)"]
     with pytest.raises(ValueError, match="--lse-keys must be a comma-separated list"):
         bench_attention._int_list("12,x", "--lse-keys")
+
+
+def test_entropy_op_section(one_thread, monkeypatch):
+    """``--entropy-op``: ops.attention_entropy's cpp backend against its torch backend per token
+    count and thread count, the two sides' differences checked; a failing one is reported; the
+    CLI adds the section and its list flag is checked."""
+    from icqs_fast.backends import cpp_backend
+
+    if not cpp_backend.available()[0]:
+        pytest.skip("cpp backend unavailable")
+    sec = bench_attention.entropy_op_section([37, 64], [1], 1)
+    assert [(c["tokens"], c["threads"]) for c in sec["cases"]] == [(37, 1), (64, 1)]
+    for c in sec["cases"]:
+        assert c["shape"] == [1, 9, 3, c["tokens"], 64]
+        assert c["cpp_ms"] > 0 and c["torch_ms"] > 0
+        assert c["speedup"] == pytest.approx(c["torch_ms"] / c["cpp_ms"], rel=0.01, abs=2e-3)
+        assert c["max_entropy_diff"] <= 1e-5 and c["max_out_diff"] <= 1e-5
+    assert bench_attention.entropy_op_failures(sec) == []
+    bad = {"cases": [dict(sec["cases"][1], max_entropy_diff=0.5)]}
+    assert bench_attention.entropy_op_failures(bad) == \
+        ["attention_entropy_op.cases[0].max_entropy_diff = 0.5 (want <= 0.0001)"]
+    from icqs_fast.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(ARGS + ["--entropy-op", "--entropy-op-tokens", "40", "--lse-threads", "1"]) == 0
+    rec = json.loads(buf.getvalue())
+    assert [c["tokens"] for c in rec["attention_entropy_op"]["cases"]] == [40]
+    # A bad list is refused before anything is measured.
+    monkeypatch.setattr(bench_attention, "bench", lambda *a, **k: pytest.fail("measured"))
+    err = io.StringIO()
+    for flag in ("--entropy-op-tokens", "--lse-keys", "--lse-threads"):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert main(ARGS + ["--entropy-op", "--lse", flag, "0"]) == 2
+        assert f"{flag} must be a comma-separated list" in err.getvalue()

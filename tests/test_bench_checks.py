@@ -41,6 +41,8 @@ def test_each_command_names_its_fields():
     assert set(bench_kernels.checks("token_stats")) == {"max_abs_err", "int_fields_exact"}
     assert set(bench_kernels.checks("linear_token_stats")) == {"max_abs_err"}
     assert set(bench_attention.checks("float32")) == {"max_abs_err"}
+    assert set(bench_attention.checks("float32", backends_compared=True)) == {
+        "max_abs_err", "backend_max_diff"}
     assert check_fields({"max_abs_err": 1e-2}, bench_attention.checks("bfloat16")) == []
     assert check_fields({"max_abs_err": 1e-2}, bench_attention.checks("float32")) != []
     assert set(bench_lm_eval.checks()) == {"max_abs_diff", "is_greedy_agreement",

@@ -69,13 +69,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+"""Environment variables that cap the vector ISA of oneDNN, ATen and MKL (our C++ kernels':
+:data:`icqs_fast.backends.cpp_backend.ISA_ENV`)."""
+
+
 def environment(device: torch.device | str | None = None) -> dict:
     """Where and when a benchmark ran: ``commit`` (git HEAD of the source tree, or None),
     ``date`` (UTC, ISO 8601), ``device_name`` (GPU name on CUDA, else the CPU model),
-    ``cpu_count``, ``torch`` version and ``threads`` (torch CPU threads)."""
+    ``cpu_count``, ``torch`` version, ``threads`` (torch CPU threads), ``cpu_capability``
+    (ATen's vector ISA, e.g. ``AVX512``) and ``isa_caps``: the variables that cap a library's ISA
+    (:data:`ISA_CAP_VARIABLES`) that are set, so a run emulating an AVX2-only CPU says so."""
     import os
 
     import torch
+
+    from icqs_fast.backends.cpp_backend import ISA_ENV
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
@@ -89,6 +98,8 @@ def environment(device: torch.device | str | None = None) -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {k: os.environ[k] for k in (*ISA_CAP_VARIABLES, ISA_ENV) if os.environ.get(k)},
     }
 
 

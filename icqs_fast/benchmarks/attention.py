@@ -5,9 +5,9 @@ Both sides run one forward of the embedded model over a ``seq_len``-token input 
 first half, response = second half) and produce the same ``[B, layers, heads, T]`` entropies of
 each response row's attention renormalised over the instruction keys:
 
-* ours: :func:`icqs_fast.features.attention.capture_attention_entropy` (``ops.attention_entropy``:
-  the
-  chunked torch path on the CPU, the Triton kernel on CUDA);
+* ours: :func:`icqs_fast.features.attention.capture_attention_entropy` (``ops.attention_entropy``
+  on its ``"auto"`` backend, recorded as ``backend``: the C++ flash kernel on the CPU, the
+  Triton kernel on CUDA);
 * eager: ``attn_implementation="eager"`` with ``output_attentions=True``, then the entropies from
   the returned ``[B, heads, T, T]`` matrices (fp32, the way a user would write it).
 
@@ -16,8 +16,11 @@ dominate time and memory equally on both sides). Times are medians of alternated
 warm-up. Peak memory is measured per side in a fresh subprocess as the growth of peak RSS over the
 measured forward (CPU; the peak is reset through ``/proc/self/clear_refs``), or as
 ``torch.cuda.max_memory_allocated`` growth on CUDA. ``max_abs_err`` compares our entropies to the
-float64 entropies of the eager attention matrices. On CUDA the record also times one attention
-call of the Triton forward-with-entropy against plain SDPA (``triton_vs_sdpa``).
+float64 entropies of the eager attention matrices. When ours is not the torch backend, ours is
+also timed side by side with the same capture on the torch backend (``torch_backend_ms``,
+``backend_speedup``; ``backend_max_diff``: the largest entropy difference between the two). On
+CUDA the record also times one attention call of the Triton forward-with-entropy against plain
+SDPA (``triton_vs_sdpa``).
 
 ``--lse`` adds ``attention_lse``: the cascade's CPU attention with log-sum-exp on its prefix-part
 shape (``[entries, kv heads, rows, D]`` queries against each entry's padded keys, llama-1b's
@@ -28,6 +31,12 @@ key count of ``--lse-keys``, fp32 and bf16, at each thread count of ``--lse-thre
 alternated repeats, GFLOP/s (4 x rows x keys x D per head), the speedup and the largest
 output / LSE difference between the two (checked: the same attention within the dtype's
 rounding).
+
+``--entropy-op`` adds ``attention_entropy_op``: ``ops.attention_entropy`` alone, its cpp backend
+against its torch backend (CPU, fp32), on one layer of the capture's shape (9 query / 3 key
+heads of 64, causal, the second half of the tokens flagged, the first half the key range) per
+token count of ``--entropy-op-tokens`` and thread count of ``--lse-threads``: medians of
+alternated repeats and the largest entropy / output difference (checked: within 1e-4).
 
 ``--random-weights --config tiny`` runs the same comparison on a tiny random-weight Llama (2
 layers; for tests), ``--config llama-1b`` on a ~1.1B-parameter one (the shapes of
@@ -44,6 +53,7 @@ import time
 
 import torch
 
+from icqs_fast import backends
 from icqs_fast.benchmarks import at_most, check_fields, environment, peak_growth_mb, report_failures
 from icqs_fast.benchmarks.kernels import side_by_side
 from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
@@ -86,9 +96,10 @@ def eager_entropies(attentions, key_range: torch.Tensor, query_mask: torch.Tenso
     return torch.stack(per_layer, dim=1)
 
 
-def run_ours(model, ids, qm, kr) -> torch.Tensor:
-    """Our side: one forward inside the capture; returns ``[B, layers, H, T]`` fp32."""
-    with torch.no_grad(), capture_attention_entropy(model, qm, kr) as cap:
+def run_ours(model, ids, qm, kr, backend: str = "auto") -> torch.Tensor:
+    """Our side: one forward inside the capture (on ``backend``); returns ``[B, layers, H, T]``
+    fp32."""
+    with torch.no_grad(), capture_attention_entropy(model, qm, kr, backend=backend) as cap:
         model(ids, use_cache=False, logits_to_keep=1)
     return cap.entropy
 
@@ -155,10 +166,11 @@ ERR_TOL = {"float32": 1e-3, "float64": 1e-3}
 ERR_TOL_HALF = 5e-2
 
 
-def checks(dtype: str, tolerance: float | None = None) -> dict:
-    """The record's correctness fields (for a model of ``dtype``) and what each must be."""
-    return {"max_abs_err": at_most(tolerance if tolerance is not None
-                                   else ERR_TOL.get(dtype, ERR_TOL_HALF))}
+def checks(dtype: str, tolerance: float | None = None, backends_compared: bool = False) -> dict:
+    """The record's correctness fields (for a model of ``dtype``; ``backends_compared``: the
+    record has the torch backend's side) and what each must be."""
+    tol = at_most(tolerance if tolerance is not None else ERR_TOL.get(dtype, ERR_TOL_HALF))
+    return {"max_abs_err": tol} | ({"backend_max_diff": tol} if backends_compared else {})
 
 
 def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> dict:
@@ -250,6 +262,65 @@ def lse_failures(section: dict) -> list[str]:
     return failed
 
 
+# Largest |cpp - torch| of the entropy-op section (fp32 both sides; entropies of ~1-7 nats).
+ENTROPY_OP_TOL = 1e-4
+
+
+def entropy_op_case(tokens: int, threads: int, repeat: int, *, heads: int = 9,
+                    kv_heads: int = 3, d: int = 64, seed: int = 0) -> dict:
+    """One side-by-side timing of ``ops.attention_entropy`` itself, cpp against torch, on one
+    layer of the capture's shape (the embedded model's 9 query / 3 key heads of 64, causal,
+    the second half of ``tokens`` flagged, the first half the key range), fp32, random inputs."""
+    from icqs_fast import ops
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, tokens, d, generator=g)
+    k = torch.randn(1, kv_heads, tokens, d, generator=g)
+    v = torch.randn(1, kv_heads, tokens, d, generator=g)
+    qm = torch.zeros(1, tokens, dtype=torch.bool)
+    qm[:, tokens // 2:] = True
+    kr = torch.tensor([[0, tokens // 2]])
+    sides = [lambda b=b: ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm,
+                                               scale=d ** -0.5, backend=b)
+             for b in ("cpp", "torch")]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        c_ms, t_ms = side_by_side(sides[0], sides[1], repeat, torch.device("cpu"))
+        (o1, e1), (o2, e2) = sides[0](), sides[1]()
+    finally:
+        torch.set_num_threads(prev)
+    return {"tokens": tokens, "threads": threads, "shape": [1, heads, kv_heads, tokens, d],
+            "cpp_ms": round(c_ms, 3), "torch_ms": round(t_ms, 3),
+            "speedup": round(t_ms / c_ms, 3),
+            "max_entropy_diff": float((e1 - e2).abs().max()),
+            "max_out_diff": float((o1 - o2).abs().max())}
+
+
+def entropy_op_section(tokens: list[int], threads: list[int], repeat: int) -> dict:
+    """The ``attention_entropy_op`` record section: :func:`entropy_op_case` per token count and
+    thread count, and what the kernel ran on."""
+    from icqs_fast.backends import cpp_backend
+
+    ok, why = cpp_backend.available()
+    if not ok:
+        raise RuntimeError(f"--entropy-op needs the cpp backend: {why}")
+    return {"kernel": why, "baseline": "the torch backend (SDPA, then the flagged rows' "
+                                       "softmax over the key range)",
+            "cases": [entropy_op_case(n, t, repeat) for t in threads for n in tokens]}
+
+
+def entropy_op_failures(section: dict) -> list[str]:
+    """The failed correctness fields of the entropy-op section (cpp and torch agree within
+    :data:`ENTROPY_OP_TOL`), one message each."""
+    failed = []
+    tol = at_most(ENTROPY_OP_TOL)
+    for i, c in enumerate(section["cases"]):
+        failed += check_fields(c, {"max_entropy_diff": tol, "max_out_diff": tol},
+                               prefix=f"attention_entropy_op.cases[{i}].")
+    return failed
+
+
 def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool = True,
           random_weights: bool = False, config: str = "tiny") -> dict:
     """The benchmark record (see the module docstring for the fields)."""
@@ -265,18 +336,27 @@ def bench(seq_len: int, repeat: int, device: torch.device, measure_memory: bool 
     ours = run_ours(model, ids, qm, kr).double().cpu()
     ref = run_eager(model, ids, qm, kr, prec64=True).double().cpu()
     err = float((ours - ref).abs().max())
+    dtype = next(model.parameters()).dtype
+    backend = backends.choose("attention_entropy", "auto", device, dtype)
     rec = {
-        "model": name, "device": device.type, "seq_len": seq_len,
+        "model": name, "device": device.type, "seq_len": seq_len, "backend": backend,
         "time_ms": round(t_ms, 2), "eager_ms": round(e_ms, 2), "speedup": round(e_ms / t_ms, 3),
+        "torch_backend_ms": None, "backend_speedup": None, "backend_max_diff": None,
         "peak_mem_mb": None, "eager_peak_mem_mb": None, "mem_ratio": None,
         "max_abs_err": err,
         "instruction_tokens": int(kr[0, 1]), "response_tokens": seq_len - int(kr[0, 1]),
         "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "repeat": repeat,
         "note": "both sides skip the LM head (logits_to_keep=1); peak memory = growth over one "
                 "forward in a fresh process",
     }
+    if backend != "torch":
+        o_ms, r_ms = side_by_side(lambda: run_ours(model, ids, qm, kr),
+                                  lambda: run_ours(model, ids, qm, kr, "torch"), repeat, device)
+        diff = (ours - run_ours(model, ids, qm, kr, "torch").double().cpu()).abs().max()
+        rec.update(torch_backend_ms=round(r_ms, 2), backend_speedup=round(r_ms / o_ms, 3),
+                   backend_max_diff=float(diff))
     if measure_memory:
         dev = str(device)
         p_ours = _peak_in_subprocess("ours", seq_len, dev, random_weights, config)
@@ -301,15 +381,25 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    # The sections' lists are read before anything runs: a bad one costs no measurement.
+    lse, entropy_op = getattr(args, "lse", False), getattr(args, "entropy_op", False)
+    if lse or entropy_op:
+        threads = _int_list(args.lse_threads, "--lse-threads")
+    if lse:
+        keys = [128] if args.quick else _int_list(args.lse_keys, "--lse-keys")
+    if entropy_op:
+        tokens = [128] if args.quick else _int_list(args.entropy_op_tokens,
+                                                    "--entropy-op-tokens")
     t0 = time.perf_counter()
     rec = bench(seq_len, repeat, device, measure_memory=not args.no_memory,
                 random_weights=args.random_weights, config=args.config)
-    lse_failed: list[str] = []
-    if getattr(args, "lse", False):
-        keys = [128] if args.quick else _int_list(args.lse_keys, "--lse-keys")
-        threads = _int_list(args.lse_threads, "--lse-threads")
+    section_failed: list[str] = []
+    if lse:
         rec["attention_lse"] = lse_section(keys, threads, repeat)
-        lse_failed = lse_failures(rec["attention_lse"])
+        section_failed += lse_failures(rec["attention_lse"])
+    if entropy_op:
+        rec["attention_entropy_op"] = entropy_op_section(tokens, threads, repeat)
+        section_failed += entropy_op_failures(rec["attention_entropy_op"])
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(device))
     text = json.dumps(rec, indent=2)
@@ -321,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
         for key, val in rec.items():
             print(f"{key:>20}: {val}")
     return report_failures("attention", check_fields(
-        rec, checks(rec["dtype"], getattr(args, "tolerance", None))) + lse_failed)
+        rec, checks(rec["dtype"], getattr(args, "tolerance", None),
+                    rec.get("backend_max_diff") is not None)) + section_failed)
 
 
 def _int_list(text: str, flag: str) -> list[int]:

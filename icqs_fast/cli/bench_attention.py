@@ -26,7 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lse-keys", default="512,2048,4096,5120",
                    help="key counts of --lse (comma-separated; --quick: 128)")
     p.add_argument("--lse-threads", default="1,2",
-                   help="thread counts of --lse (comma-separated)")
+                   help="thread counts of --lse and --entropy-op (comma-separated)")
+    p.add_argument("--entropy-op", action="store_true",
+                   help="also time ops.attention_entropy alone, its cpp backend against its "
+                        "torch backend (CPU, fp32), on one layer of the capture's shape")
+    p.add_argument("--entropy-op-tokens", default="256,1024,2048",
+                   help="token counts of --entropy-op (comma-separated; --quick: 128)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest max_abs_err that passes (default 1e-3 for fp32 models, 5e-2 "
                         "for half precision); the command exits 1, naming the field, on a "
