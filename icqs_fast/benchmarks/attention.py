@@ -192,6 +192,30 @@ def triton_vs_sdpa(repeat: int, heads: int, kv_heads: int, t: int, d: int) -> di
             "sdpa_ms": round(s_ms, 4), "ratio": round(t_ms / s_ms, 3)}
 
 
+def _cpu_pair(ours, theirs, threads: int, repeat: int) -> tuple[float, float, object, object]:
+    """``ours`` and ``theirs`` timed side by side on the CPU at ``threads`` torch threads (the
+    previous count restored), then run once more for their results: ``(ours_ms, theirs_ms,
+    ours(), theirs())``."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o_ms, t_ms = side_by_side(ours, theirs, repeat, torch.device("cpu"))
+        return o_ms, t_ms, ours(), theirs()
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _cpp_kernel(flag: str) -> str:
+    """What the cpp backend runs on (``cpp_backend.available``'s text), or a RuntimeError naming
+    ``flag``, which needs it."""
+    from icqs_fast.backends import cpp_backend
+
+    ok, why = cpp_backend.available()
+    if not ok:
+        raise RuntimeError(f"{flag} needs the cpp backend: {why}")
+    return why
+
+
 # Largest |cpp - torch path| of attention_lse outputs (values ~N(0, 1)) per input dtype: fp32
 # accumulation on both sides; bf16 rounds the probabilities (and, on AVX512_BF16, the products
 # are summed in a different order).
@@ -213,16 +237,9 @@ def lse_case(keys: int, dtype: torch.dtype, threads: int, repeat: int, *, entrie
     key_ok = torch.arange(keys)[None, :] < lens[:, None]
     allow = key_ok[:, None, None, :]
     scale = d ** -0.5
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        ours = lambda: ops.attention_lse(q, k, v, scale=scale, attention_mask=key_ok,  # noqa: E731
-                                         backend="cpp")
-        theirs = lambda: attn_lse(q, k, v, allow, scale)  # noqa: E731
-        c_ms, t_ms = side_by_side(ours, theirs, repeat, torch.device("cpu"))
-        (o1, l1), (o2, l2) = ours(), theirs()
-    finally:
-        torch.set_num_threads(prev)
+    c_ms, t_ms, (o1, l1), (o2, l2) = _cpu_pair(
+        lambda: ops.attention_lse(q, k, v, scale=scale, attention_mask=key_ok, backend="cpp"),
+        lambda: attn_lse(q, k, v, allow, scale), threads, repeat)
     flop = 4.0 * entries * kv_heads * rows * d * float(lens.sum()) / entries
     name = str(dtype).removeprefix("torch.")
     return {"keys": keys, "dtype": name, "threads": threads,
@@ -237,11 +254,7 @@ def lse_case(keys: int, dtype: torch.dtype, threads: int, repeat: int, *, entrie
 def lse_section(keys: list[int], threads: list[int], repeat: int) -> dict:
     """The ``attention_lse`` record section: :func:`lse_case` for every key count, dtype and
     thread count, and what the kernel ran on."""
-    from icqs_fast.backends import cpp_backend
-
-    ok, why = cpp_backend.available()
-    if not ok:
-        raise RuntimeError(f"--lse needs the cpp backend: {why}")
+    why = _cpp_kernel("--lse")
     cases = [lse_case(n, dt, t, repeat) for t in threads for dt in (torch.float32, torch.bfloat16)
              for n in keys]
     from icqs_fast import _C
@@ -280,16 +293,10 @@ def entropy_op_case(tokens: int, threads: int, repeat: int, *, heads: int = 9,
     qm = torch.zeros(1, tokens, dtype=torch.bool)
     qm[:, tokens // 2:] = True
     kr = torch.tensor([[0, tokens // 2]])
-    sides = [lambda b=b: ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm,
-                                               scale=d ** -0.5, backend=b)
-             for b in ("cpp", "torch")]
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        c_ms, t_ms = side_by_side(sides[0], sides[1], repeat, torch.device("cpu"))
-        (o1, e1), (o2, e2) = sides[0](), sides[1]()
-    finally:
-        torch.set_num_threads(prev)
+    cpp, ref = (lambda b=b: ops.attention_entropy(q, k, v, key_range=kr, query_mask=qm,
+                                                  scale=d ** -0.5, backend=b)
+                for b in ("cpp", "torch"))
+    c_ms, t_ms, (o1, e1), (o2, e2) = _cpu_pair(cpp, ref, threads, repeat)
     return {"tokens": tokens, "threads": threads, "shape": [1, heads, kv_heads, tokens, d],
             "cpp_ms": round(c_ms, 3), "torch_ms": round(t_ms, 3),
             "speedup": round(t_ms / c_ms, 3),
@@ -300,13 +307,9 @@ def entropy_op_case(tokens: int, threads: int, repeat: int, *, heads: int = 9,
 def entropy_op_section(tokens: list[int], threads: list[int], repeat: int) -> dict:
     """The ``attention_entropy_op`` record section: :func:`entropy_op_case` per token count and
     thread count, and what the kernel ran on."""
-    from icqs_fast.backends import cpp_backend
-
-    ok, why = cpp_backend.available()
-    if not ok:
-        raise RuntimeError(f"--entropy-op needs the cpp backend: {why}")
-    return {"kernel": why, "baseline": "the torch backend (SDPA, then the flagged rows' "
-                                       "softmax over the key range)",
+    return {"kernel": _cpp_kernel("--entropy-op"),
+            "baseline": "the torch backend (SDPA, then the flagged rows' softmax over the key "
+                        "range)",
             "cases": [entropy_op_case(n, t, repeat) for t in threads for n in tokens]}
 
 
