@@ -120,6 +120,8 @@ def test_detection_reads_torch_and_needs_onednn(monkeypatch):
 
     detect = models.cpu_bf16_support.__wrapped__
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for var in models.ONEDNN_ISA_ENVS:  # a run emulating an AVX2-only CPU sets one
+        monkeypatch.delenv(var, raising=False)
     for avx, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
