@@ -87,21 +87,22 @@ def test_record_arithmetic_on_known_inputs(monkeypatch, one_thread):
     them in the right fields with the right ratios (eager / ours, both for time and memory)."""
     calls = []
 
-    def fake_times(ours, eager, repeat, device):
-        ours(), eager()  # both sides still run
-        return 2.0, 5.0
+    def fake_times(fns, repeat, device):
+        for f in fns:  # every side still runs
+            f()
+        return [2.0, 5.0, 8.0][:len(fns)]
 
     def fake_peak(side, seq_len, device, random_weights=False, config="tiny"):
         calls.append((side, seq_len, device, random_weights, config))
         return {"ours": 3.04, "eager": 12.16}[side]
 
-    monkeypatch.setattr(bench_attention, "side_by_side", fake_times)
+    monkeypatch.setattr(bench_attention, "alternated", fake_times)
     monkeypatch.setattr(bench_attention, "_peak_in_subprocess", fake_peak)
     rec = bench_attention.bench(8, 1, torch.device("cpu"), measure_memory=True,
                                 random_weights=True, config="tiny")
     assert (rec["time_ms"], rec["eager_ms"], rec["speedup"]) == (2.0, 5.0, 2.5)
-    if rec["backend"] != "torch":  # the second pair: ours against ours on the torch backend
-        assert (rec["torch_backend_ms"], rec["backend_speedup"]) == (5.0, 2.5)
+    if rec["backend"] != "torch":  # the third side: ours on the torch backend
+        assert (rec["torch_backend_ms"], rec["backend_speedup"]) == (8.0, 4.0)
     assert (rec["peak_mem_mb"], rec["eager_peak_mem_mb"], rec["mem_ratio"]) == (3.0, 12.2, 4.0)
     assert sorted(calls) == [("eager", 8, "cpu", True, "tiny"), ("ours", 8, "cpu", True, "tiny")]
     assert rec["max_abs_err"] < 1e-4

@@ -92,7 +92,13 @@ def side_by_side(cand: Callable[[], object], base: Callable[[], object] | None, 
                  device: torch.device) -> tuple[float, float | None]:
     """Median milliseconds of ``cand`` and ``base``, alternated in each repeat after a warm-up,
     so both see the same machine load."""
-    fns = [cand] + ([base] if base is not None else [])
+    med = alternated([cand] + ([base] if base is not None else []), repeat, device)
+    return med[0], (med[1] if base is not None else None)
+
+
+def alternated(fns: list[Callable[[], object]], repeat: int, device: torch.device) -> list[float]:
+    """Median milliseconds of each of ``fns``, run in turn in each repeat after a warm-up, so
+    all see the same machine load (:func:`side_by_side` for two)."""
     times: list[list[float]] = [[] for _ in fns]
     for f in fns:  # warm-up: lazy imports, allocator, autotuning
         f()
@@ -103,8 +109,7 @@ def side_by_side(cand: Callable[[], object], base: Callable[[], object] | None, 
             f()
             _sync(device)
             times[i].append((time.perf_counter() - t0) * 1e3)
-    med = [statistics.median(t) for t in times]
-    return med[0], (med[1] if base is not None else None)
+    return [statistics.median(t) for t in times]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeat: int = 5) -> float:
