@@ -408,10 +408,10 @@ def pack_linear(weight: torch.Tensor, products: str = "fp32", *, backend: str = 
     """
     if products not in PRODUCTS:
         raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
-    if weight.dim() != 2 or weight.dtype not in _LINEAR_DTYPES:
-        raise ValueError(f"weight must be a 2-D float32/float16/bfloat16 tensor, got "
-                         f"{weight.dtype} {list(weight.shape)}")
-    name = backends.choose("linear", backend, weight.device, torch.float32)
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    name = backends.choose("linear", backend, weight.device, weight.dtype)
     key = (0, int(weight.shape[0]), products, name)
     if cache:
         hit = _cached_pack(weight, key)
@@ -458,7 +458,8 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
     row count). The products are ``weight.products``; the accumulation is fp32.
 
     Args:
-        x: ``[..., K]`` float32 / bfloat16 / float16 (16-bit inputs widen exactly).
+        x: ``[..., K]`` float32 / bfloat16 / float16 (16-bit inputs widen exactly; float64 on
+            the torch backend).
         weight: the :class:`icqs_fast.types.PackedLinear`.
         bias: optional ``[N]`` (added in fp32 after the sum).
 
@@ -470,8 +471,9 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
         raise ValueError(f"x must be [..., {k}], got {list(x.shape)}")
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"bias must be [{weight.out_features}], got {list(bias.shape)}")
+    backends.choose("linear", weight.backend, x.device, x.dtype)  # the backend takes x's dtype
     lead = x.shape[:-1]
-    rows = x.reshape(-1, k).float()
+    rows = x.reshape(-1, k) if x.dtype == torch.float64 else x.reshape(-1, k).float()
     out = backends.module(weight.backend).linear(rows, weight.data, weight.out_features,
                                                  weight.products, bias)
     return out.reshape(*lead, weight.out_features)

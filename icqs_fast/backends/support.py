@@ -89,7 +89,7 @@ TABLE: dict[str, dict[str, Support]] = {
     # The batch-invariant linear layer (csrc/linear.cpp): the C++ kernel on the CPU; the torch
     # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
     "linear": {
-        "cpp": Support((torch.float32,), ("cpu",)),
+        "cpp": Support(FLOAT16_32, ("cpu",)),
         "torch": Support(FLOATS, None),
     },
     # float64 logits: the cpp and triton backends hand them to the reference (their kernels read
