@@ -26,6 +26,7 @@ from icqs_fast.engine.selfcheck import (
     SelfCheck,
     fit_self_check,
     run_self_check,
+    select_heldout,
     sized_max_heldout,
 )
 from icqs_fast.io.cache import ENV, JsonCache, digest
@@ -193,14 +194,52 @@ def test_a_second_self_check_reuses_the_cached_scores(scorer, tmp_path, monkeypa
     assert second.scored == 0 and b.config["cache"] == "hit"
     assert "reused from the cache" in b.message
     assert (b.auc, b.brier, b.threshold) == (a.auc, a.brier, a.threshold)
-    # Other held-out options, pools or settings: another key, scored again.
+    # Another draw of the same items (another seed) reuses them: a score depends on the item,
+    # not on the draw.
+    seeded = Counting(sc)
+    run_self_check(seeded, good, bad, max_heldout=48, seed=1, cache=cache)
+    assert seeded.scored == 0
+    # Another leak rule, pools or settings: another key, scored again.
     third = Counting(sc)
-    run_self_check(third, good, bad, max_heldout=48, seed=1, cache=cache)
+    run_self_check(third, good, bad, max_heldout=48, leak="pair", cache=cache)
     assert third.scored == 48
+    fewer = Counting(sc)
+    run_self_check(fewer, good[:-1], bad, max_heldout=48, cache=cache)
+    assert fewer.scored == 46
     # Turned off: nothing stored, nothing read.
     monkeypatch.setenv(ENV, "off")
     off = JsonCache("selfcheck")
     assert not off.enabled and off.put("k", {}) is None and off.get("k") is None
+
+
+def test_a_check_after_a_capped_self_check_scores_only_the_items_it_lacks(
+        scorer, tmp_path, monkeypatch):
+    """A job of 40 records caps its self-check to 40 items (20 per class); ``check`` (no job)
+    then draws all 24 + 24: the 40 are reused from the cache, only the 8 others are scored."""
+    sc, good, bad = scorer
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    cache = JsonCache("selfcheck")
+    job = Counting(sc)
+    a = run_self_check(job, good, bad, job_records=40, cache=cache)
+    assert job.scored == 40 and a.config["scored"] == 40 and a.config["cache"] == "stored"
+    check = Counting(sc)
+    b = run_self_check(check, good, bad, cache=cache)
+    assert check.scored == 8 and (b.config["reused"], b.config["scored"]) == (40, 8)
+    assert b.n_good + b.n_bad + b.n_skipped == 48
+    assert "40 of 48 held-out scores reused from the cache" in b.message
+    again = Counting(sc)
+    c = run_self_check(again, good, bad, cache=cache)
+    assert again.scored == 0 and c.config["cache"] == "hit" and c.auc == b.auc
+    # The reused scores are the ones scoring them anew gives (no cache).
+    fresh = run_self_check(sc, good, bad)
+    assert (fresh.auc, fresh.brier) == (b.auc, b.brier)
+
+
+def test_a_larger_draw_holds_every_item_of_a_smaller_one():
+    for n_good, n_bad, seed in ((24, 24, 0), (50, 30, 3), (200, 200, 1)):
+        small = select_heldout(n_good, n_bad, 40, seed)
+        large = select_heldout(n_good, n_bad, 256, seed)
+        assert set(small[0]) <= set(large[0]) and set(small[1]) <= set(large[1])
 
 
 def test_cache_entries_are_keyed_by_content_and_survive_damage(tmp_path):

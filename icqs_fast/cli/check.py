@@ -116,6 +116,9 @@ def show(check: Any, args: argparse.Namespace) -> int:
                if check.n_skipped else "")
     if check.config.get("cache") == "hit":
         skipped += "; their scores reused from the cache"
+    elif check.config.get("reused"):
+        skipped += (f"; {check.config['reused']} of their scores reused from the cache, "
+                    f"{check.config.get('scored', 0)} scored")
     rows = [
         ("held out", f"{check.n_good} good + {check.n_bad} bad demonstrations{skipped}"),
         ("AUC", f"{_f(check.auc)} [{_f(check.auc_lo)}, {_f(check.auc_hi)}] "

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.abstain import AbstainBand, abstain_band
 from icqs_fast.engine.prompts import DemoSet, Example, check_pool
-from icqs_fast.engine.selfcheck_cache import crossfit_key, load_crossfit, store_crossfit
+from icqs_fast.engine.selfcheck_cache import item_id, items_key, load_items, store_items
 
 if TYPE_CHECKING:
     import numpy as np
@@ -152,13 +152,17 @@ def heldout_per_class(n_good: int, n_bad: int, max_heldout: int) -> int:
 def select_heldout(n_good: int, n_bad: int, max_heldout: int, seed: int
                    ) -> tuple[list[int], list[int]]:
     """Pool indices of the held-out items: ``k = min(max_heldout // 2, n_good, n_bad)`` of each
-    pool (the same count of each, so the calibrated probability is for an even mix), drawn with
-    ``random.Random(seed)``, in pool order."""
+    pool (the same count of each, so the calibrated probability is for an even mix), in pool
+    order: the first ``k`` of a seeded order of each pool (``random.Random(seed)``), so a
+    larger draw holds every item of a smaller one with the same seed (a ``check`` after a
+    ``score`` whose self-check the job capped scores only the items it adds: the cache holds
+    scores per item)."""
     if not isinstance(max_heldout, int) or max_heldout < 0:
         raise ValueError(f"max_heldout must be an int >= 0, got {max_heldout!r}")
     k = heldout_per_class(n_good, n_bad, max_heldout)
     rng = random.Random(seed)
-    return sorted(rng.sample(range(n_good), k)), sorted(rng.sample(range(n_bad), k))
+    order_good, order_bad = rng.sample(range(n_good), n_good), rng.sample(range(n_bad), n_bad)
+    return sorted(order_good[:k]), sorted(order_bad[:k])
 
 
 def heldout_items(good: Sequence, bad: Sequence, max_heldout: int, seed: int
@@ -214,10 +218,20 @@ def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
         leak: see :func:`clean_contexts`.
         progress: wraps the result stream (e.g. a progress bar): ``progress(iterable, total)``.
     """
+    items, labels = heldout_items(good, bad, max_heldout, seed)
+    return crossfit_items(scorer, items, labels, leak=leak, progress=progress)
+
+
+def crossfit_items(scorer: Any, items: Sequence[Example], labels: np.ndarray, *,
+                   leak: str = "input",
+                   progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
+    """Score ``items`` (pool members, with their 0/1 ``labels``) with ``scorer`` and cross-fit
+    each one's score (:func:`clean_contexts`, :func:`crossfit_score`): the step of
+    :func:`crossfit_heldout` after the draw."""
     import numpy as np
     import torch
 
-    items, labels = heldout_items(good, bad, max_heldout, seed)
+    items = list(items)
     masks = [clean_contexts(scorer.sets, it, leak) for it in items]
     stream: Iterable = scorer.score(items)
     if progress is not None:
@@ -779,22 +793,46 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
-    key = (crossfit_key(scorer, good, bad, seed=seed, leak=leak,
-                        per_class=heldout_per_class(n_good, n_bad, max_heldout))
-           if cache is not None and cache.enabled else None)
-    hit = load_crossfit(cache, key) if key is not None else None
-    if hit is not None:
-        scores, labels = hit
-        cfg["cache"] = "hit"
-    else:
-        cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed,
-                              leak=leak, progress=progress)
-        scores, labels = cf.scores, cf.labels
-        if key is not None and store_crossfit(cache, key, scores, labels):
-            cfg["cache"] = "stored"
+    scores, labels, reused = cached_crossfit(scorer, good, bad, max_heldout=max_heldout,
+                                             seed=seed, leak=leak, cache=cache,
+                                             progress=progress, config=cfg)
     check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
                            target_precision=target_precision,
                            target_accuracy=target_accuracy, config=cfg)
-    if hit is not None:
+    if reused == len(labels):
         check.message += " (held-out scores reused from the cache)"
+    elif reused:
+        check.message += f" ({reused} of {len(labels)} held-out scores reused from the cache)"
     return check
+
+
+def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int,
+                    seed: int, leak: str, cache: Any = None,
+                    progress: Callable[[Iterable, int], Iterable] | None = None,
+                    config: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """The cross-fitted scores and labels of the held-out draw (:func:`heldout_items`), each
+    item's score read from ``cache`` when it holds it and scored otherwise (only the items it
+    lacks, then stored with the rest: :mod:`icqs_fast.engine.selfcheck_cache`); and how many
+    were reused. ``config`` gets ``"cache"``: ``"hit"`` (all reused), ``"stored"`` (some
+    scored and stored) and ``"reused"`` / ``"scored"``: the counts."""
+    import numpy as np
+
+    items, labels = heldout_items(good, bad, max_heldout, seed)
+    key = (items_key(scorer, good, bad, leak=leak)
+           if cache is not None and cache.enabled else None)
+    known = load_items(cache, key) if key is not None else {}
+    ids = [item_id(it) for it in items]
+    missing = [i for i, k in enumerate(ids) if k not in known]
+    if missing:
+        cf = crossfit_items(scorer, [items[i] for i in missing], labels[missing], leak=leak,
+                            progress=progress)
+        known.update({ids[i]: float(v) for i, v in zip(missing, cf.scores, strict=True)})
+    scores = np.array([known[k] for k in ids], dtype=np.float64)
+    reused = len(items) - len(missing)
+    if config is not None and key is not None:
+        config["reused"], config["scored"] = reused, len(missing)
+        if not missing:
+            config["cache"] = "hit"
+        elif store_items(cache, key, known):
+            config["cache"] = "stored"
+    return scores, labels, reused
