@@ -417,6 +417,18 @@ ADVICE = ("try a larger --model, more or cleaner pool items (--good / --bad), or
           "demonstrations per set (--demos-per-set)")
 
 
+# The opening words of every "do not trust" warning (a page giving them as its own heading
+# strips them from the warning: :func:`warning_reason`).
+DISTRUST = "do not trust these scores on this task"
+
+
+def warning_reason(warning: str) -> str:
+    """A :func:`distrust` warning without its opening :data:`DISTRUST` words (the reason and
+    the advice), for a page or table that says those words itself."""
+    rest = warning[len(DISTRUST):] if warning.startswith(DISTRUST) else warning
+    return rest.lstrip(":; ").strip()
+
+
 def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) -> str:
     """Why the self-check's scores should not be trusted on this task, in plain words with what
     to try (:data:`ADVICE`); "" when nothing says so. Untrusted: the AUC interval holds 0.5 (or
@@ -431,7 +443,7 @@ def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) 
                    f"({brier_constant:.3f})")
     if not why:
         return ""
-    return ("do not trust these scores on this task: the scorer does not separate the held-out "
+    return (f"{DISTRUST}: the scorer does not separate the held-out "
             f"good and bad demonstrations: {'; '.join(why)}; {ADVICE}")
 
 
