@@ -151,6 +151,7 @@ class Counting:
     def __init__(self, scorer):
         self.inner, self.scored = scorer, 0
         self.sets, self.settings, self.model = scorer.sets, scorer.settings, scorer.model
+        self.tokens, self.template = scorer.tokens, scorer.template
 
     def score(self, items):
         for res in self.inner.score(items):
@@ -188,7 +189,8 @@ def test_a_second_self_check_reuses_the_cached_scores(scorer, tmp_path, monkeypa
     first = Counting(sc)
     a = run_self_check(first, good, bad, max_heldout=48, cache=cache)
     assert first.scored == 48 and a.config["cache"] == "stored"
-    assert len(list((tmp_path / "cache" / "selfcheck").glob("*.json"))) == 1
+    # one entry of scores, one of the baselines' values
+    assert len(list((tmp_path / "cache" / "selfcheck").glob("*.json"))) == 2
     second = Counting(sc)
     b = run_self_check(second, good, bad, max_heldout=48, cache=cache, target_accuracy=0.8)
     assert second.scored == 0 and b.config["cache"] == "hit"
@@ -251,3 +253,68 @@ def test_cache_entries_are_keyed_by_content_and_survive_damage(tmp_path):
     assert c.get("k") == {"v": 1}
     c.path("k").write_text("{cut off", encoding="utf-8")
     assert c.get("k") is None  # unreadable: computed again, never an error
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def shorter_is_good_pools(n: int = 24):
+    """A made-up task whose good answers are exactly the shorter ones (1-3 words against
+    6-12), on inputs of their own (nothing leaks between the classes)."""
+    import random
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river stone cloud paper light green".split()
+    good = [(f"question {i}", " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))))
+            for i in range(n)]
+    bad = [(f"request {i}", " ".join(rng.choice(words) for _ in range(rng.randint(6, 12))))
+           for i in range(n)]
+    return good, bad
+
+
+def test_the_self_check_says_when_length_beats_icqs(tmp_path, monkeypatch):
+    model, tok = tiny_llama(device="cpu")
+    good, bad = shorter_is_good_pools()
+    sc = ICQSScorer(model, tok, good, bad, num_ratios=3, demos_per_set=4, sets_per_ratio=3,
+                    seed=1)
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    chk = run_self_check(sc, good, bad, cache=JsonCache("selfcheck"))
+    by = {b["name"]: b for b in chk.baselines}
+    assert list(by) == ["length_tokens", "length_chars", "logprob_sum", "logprob_mean",
+                        "entropy_mean"]
+    assert by["length_chars"]["auc"] == pytest.approx(1.0)
+    assert by["length_chars"]["direction"] == "lower"
+    assert by["length_tokens"]["auc_lo"] > chk.auc_hi  # the case in question
+    assert chk.beaten.startswith("response length in tokens beats ICQS on these pools (the "
+                                 "shorter answer is the good one): AUC 1.000")
+    assert f"against ICQS's {chk.auc:.3f} [{chk.auc_lo:.3f}, {chk.auc_hi:.3f}]" in chk.beaten
+    assert "length-balanced pool" in chk.beaten and "features" in chk.beaten
+    assert "--model" in chk.beaten
+    lines = chk.lines()
+    assert f"self-check WARNING: {chk.beaten}" in lines
+    assert any(ln.startswith("self-check: baselines on the same held-out items") for ln in lines)
+    # The meta file's dict carries them, and reads back.
+    back = SelfCheck.from_dict(json.loads(json.dumps(chk.to_dict())))
+    assert back.baselines == chk.baselines and back.beaten == chk.beaten
+    # A second self-check reads the baselines' values from the cache: no forward at all.
+    import icqs_fast.engine.continuations as cont
+
+    def no_forward(*a, **k):
+        raise AssertionError("a forward")
+
+    monkeypatch.setattr(cont, "score_continuations", no_forward)
+    counted = Counting(sc)
+    again = run_self_check(counted, good, bad, cache=JsonCache("selfcheck"))
+    assert counted.scored == 0 and again.baselines == chk.baselines
+
+
+def test_no_baseline_beats_a_scorer_that_separates():
+    rng = np.random.default_rng(0)
+    s, y = gaussians(40, 3.0, rng)
+    values = [{"length_tokens": float(rng.integers(1, 9)), "length_chars": float(i % 7)}
+              for i in range(80)]
+    chk = fit_self_check(s, y, baseline_values=values)
+    assert [b["name"] for b in chk.baselines] == ["length_tokens", "length_chars"]
+    assert chk.beaten == "" and all(b["auc_hi"] < chk.auc_lo for b in chk.baselines)
+    lm = chk.length_matched
+    assert lm is not None and lm["strata"] >= 2 and lm["auc"] > 0.9  # not length's doing

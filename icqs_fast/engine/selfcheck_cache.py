@@ -42,14 +42,16 @@ def scorer_identity(scorer: Any) -> dict[str, Any]:
             "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
 
 
-def items_key(scorer: Any, good: Sequence, bad: Sequence, *, leak: str) -> str:
+def items_key(scorer: Any, good: Sequence, bad: Sequence, *, leak: str,
+              part: str = "scores") -> str:
     """The cache key of the per-item cross-fitted scores: a hash of the pools' items, the
     scorer (:func:`scorer_identity`) and the leak rule - what decides an item's score. Not
     the draw (seed, ``--self-check-max``, the job's cap): those pick items, whose scores the
-    entry holds one by one (:func:`item_id`)."""
+    entry holds one by one (:func:`item_id`). ``part``: ``"scores"`` (the cross-fitted
+    scores) or ``"baselines"`` (the trivial scorers' values of the same items)."""
     return digest({"version": KEY_VERSION, "good": [list(e) for e in check_pool(good, "good")],
                    "bad": [list(e) for e in check_pool(bad, "bad")],
-                   "scorer": scorer_identity(scorer), "leak": leak})
+                   "scorer": scorer_identity(scorer), "leak": leak, "part": part})
 
 
 def item_id(item: Sequence[str]) -> str:
@@ -57,17 +59,32 @@ def item_id(item: Sequence[str]) -> str:
     return digest(list(item))
 
 
-def store_items(cache: Any, key: str, items: Mapping[str, float]) -> bool:
-    """Store the cross-fitted score of each item (:func:`item_id` -> score; NaN: skipped)
-    under ``key``; whether it was stored."""
-    doc = {"items": {k: None if not math.isfinite(v) else float(v) for k, v in items.items()}}
+def _json(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _json(u) for k, u in v.items()}
+    return None if not math.isfinite(v) else float(v)
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _value(u) for k, u in v.items()}
+    return math.nan if v is None else float(v)
+
+
+def store_items(cache: Any, key: str, items: Mapping[str, Any]) -> bool:
+    """Store each item's value (:func:`item_id` -> a score, or a dict of named values; NaN:
+    none) under ``key``; whether it was stored."""
+    doc = {"items": {k: _json(v) for k, v in items.items()}}
     return cache.put(key, doc) is not None
 
 
-def load_items(cache: Any, key: str) -> dict[str, float]:
-    """The per-item scores stored under ``key`` (empty: absent or malformed)."""
+def load_items(cache: Any, key: str, *, values: bool = False) -> dict[str, Any]:
+    """The per-item values stored under ``key``: scores, or with ``values`` dicts of named
+    values (empty: absent or malformed)."""
     doc = cache.get(key)
     try:
-        return {str(k): math.nan if v is None else float(v) for k, v in doc["items"].items()}
+        out = {str(k): _value(v) for k, v in doc["items"].items()}
     except (TypeError, KeyError, ValueError, AttributeError):
         return {}
+    kind = dict if values else float
+    return out if all(isinstance(v, kind) for v in out.values()) else {}
