@@ -515,3 +515,18 @@ def test_a_psi_within_noise_is_not_called_moderate_or_major(tmp_path):
     assert "PSI" in item.text and "within noise" in item.text, item.text
     html = write_report(a, tmp_path / "r.html", baseline=b).path.read_text(encoding="utf-8")
     assert "within noise: KS p" in html
+
+
+def test_baselines_beside_icqs_and_the_sentence_when_one_beats_it(tmp_path):
+    rng = random.Random(1)
+    scores = [0.5 + 0.1 * rng.gauss(0, 1) for _ in range(80)]  # ICQS: chance
+    labels = [1] * 40 + [0] * 40
+    values = [{"length_tokens": float(i % 5 + (0 if i < 40 else 10)),
+               "length_chars": float(i % 7)} for i in range(80)]  # good: shorter
+    check = fit_self_check(scores, labels, n_boot=200, baseline_values=values).to_dict()
+    assert check["beaten"].startswith("response length in tokens beats ICQS")
+    out = write_output(tmp_path / "o.jsonl", make_records(20, check=check), meta_for(check))
+    html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
+    assert "Baselines on the same held-out items" in html
+    assert "A baseline beats ICQS:</b> response length in tokens beats ICQS" in html
+    assert ">length_chars<" in html and ">ICQS within length strata<" not in html  # no stratum

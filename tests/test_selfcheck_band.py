@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from _helpers import sentiment_pools as pools
-from _helpers import tiny_llama
+from _helpers import shorter_is_good_pools, tiny_llama
 
 from icqs_fast.engine.abstain import (
     AbstainBand,
@@ -256,20 +256,6 @@ def test_cache_entries_are_keyed_by_content_and_survive_damage(tmp_path):
 
 
 # --------------------------------------------------------------------------- baselines
-
-
-def shorter_is_good_pools(n: int = 24):
-    """A made-up task whose good answers are exactly the shorter ones (1-3 words against
-    6-12), on inputs of their own (nothing leaks between the classes)."""
-    import random
-
-    rng = random.Random(0)
-    words = "alpha beta gamma delta river stone cloud paper light green".split()
-    good = [(f"question {i}", " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))))
-            for i in range(n)]
-    bad = [(f"request {i}", " ".join(rng.choice(words) for _ in range(rng.randint(6, 12))))
-           for i in range(n)]
-    return good, bad
 
 
 def test_the_self_check_says_when_length_beats_icqs(tmp_path, monkeypatch):

@@ -200,8 +200,31 @@ def _self_check(check: Any) -> str:
             + "<figcaption>reliability diagram: fraction of good answers against the mean "
             "calibrated probability per bin (held out, out of fold; bars: items per bin)"
             "</figcaption></figure></div>")
+    if check.baselines:
+        out.append(_baselines(check))
     if check.band is not None:
         out.append(_band(check.band))
+    return "".join(out)
+
+
+def _baselines(check: Any) -> str:
+    """The trivial scorers beside ICQS on the same held-out items
+    (:mod:`icqs_fast.engine.selfcheck_baselines`), and the sentence when one beats it."""
+    def iv(d: dict) -> list[str]:
+        return [_num(d["auc"]), f"[{_num(d['auc_lo'])}, {_num(d['auc_hi'])}]"]
+
+    rows = [["<b>ICQS</b>", *iv(check.__dict__), "the score"]]
+    lm = check.length_matched
+    if lm is not None:
+        rows.append(["ICQS within length strata", *iv(lm),
+                     f"good / bad pairs of like length only ({lm['strata']} strata)"])
+    rows += [[escape(b["name"]), *iv(b), escape(f"{b['text']}; {b['direction']} is good on "
+                                                "the pools (fitted out of fold)")]
+             for b in check.baselines]
+    out = ["<h3>Baselines on the same held-out items</h3>"]
+    if check.beaten:
+        out.append(f'<p class="warn"><b>A baseline beats ICQS:</b> {escape(check.beaten)}.</p>')
+    out.append(_table(["scorer", "AUC", "interval", "what"], rows, {1}))
     return "".join(out)
 
 
