@@ -314,6 +314,10 @@ def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) 
 
 # --------------------------------------------------------------------------- the result
 
+# The self-check's fields a scoring response carries (:meth:`SelfCheck.summary_dict`).
+SUMMARY_FIELDS = ("status", "message", "auc", "auc_lo", "auc_hi", "level", "warning",
+                  "baselines", "length_matched", "beaten")
+
 
 @dataclass
 class SelfCheck:
@@ -447,6 +451,13 @@ class SelfCheck:
         d["config"] = dict(self.config)
         d["version"] = VERSION
         return d
+
+    def summary_dict(self) -> dict[str, Any]:
+        """What a response that carries the self-check gives (``/v1/score``): the
+        :data:`SUMMARY_FIELDS` of :meth:`to_dict` - ICQS's AUC and interval beside the
+        baselines', the warnings."""
+        d = self.to_dict()
+        return {k: d[k] for k in SUMMARY_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelfCheck:
