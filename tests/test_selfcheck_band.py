@@ -267,7 +267,7 @@ def test_the_self_check_says_when_length_beats_icqs(tmp_path, monkeypatch):
     chk = run_self_check(sc, good, bad, cache=JsonCache("selfcheck"))
     by = {b["name"]: b for b in chk.baselines}
     assert list(by) == ["length_tokens", "length_chars", "logprob_sum", "logprob_mean",
-                        "entropy_mean"]
+                        "entropy_mean", "loglik_good_sum", "loglik_good_mean"]
     assert by["length_chars"]["auc"] == pytest.approx(1.0)
     assert by["length_chars"]["direction"] == "lower"
     assert by["length_tokens"]["auc_lo"] > chk.auc_hi  # the case in question

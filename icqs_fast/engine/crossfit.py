@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.prompts import DemoSet, Example, check_pool
@@ -124,6 +124,8 @@ class CrossFit:
         full_scores: ``[n]`` float64, the item's score from every context (leaky; kept to
             show what the cross-fitting changes).
         clean: ``[n, M+1, L]`` bool, the contexts each score used.
+        free: per item, what ICQS's own forward gives a baseline at no extra cost
+            (:func:`free_values`).
     """
 
     items: list[Example]
@@ -131,6 +133,7 @@ class CrossFit:
     scores: np.ndarray
     full_scores: np.ndarray
     clean: np.ndarray
+    free: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def n_skipped(self) -> int:
@@ -172,39 +175,53 @@ def crossfit_items(scorer: Any, items: Sequence[Example], labels: np.ndarray, *,
     stream: Iterable = scorer.score(items)
     if progress is not None:
         stream = progress(stream, len(items))
-    scores, full = [], []
+    scores, full, free = [], [], []
     for res, mask in zip(stream, masks, strict=True):
         scores.append(crossfit_score(res, mask))
         full.append(float(res.score))
+        free.append(free_values(res, mask))
     m1, ls = len(scorer.sets), len(scorer.sets[0])
     clean = (torch.stack(masks).numpy() if masks else np.zeros((0, m1, ls), dtype=bool))
     return CrossFit(items, labels, np.asarray(scores, dtype=np.float64),
-                    np.asarray(full, dtype=np.float64), clean)
+                    np.asarray(full, dtype=np.float64), clean, free)
+
+
+def free_values(res: Any, clean: torch.Tensor) -> dict[str, float]:
+    """The baselines ICQS's own forward already holds for one item: the raw log-likelihood of
+    the response under the all-good demonstration sets (ratio 1, the clean sets only, mean
+    over them), summed and per response token (NaN without a clean all-good set)."""
+    row, keep = res.loglik[-1].double(), clean[-1]
+    total = float(row[keep].mean()) if bool(keep.any()) else math.nan
+    return {"loglik_good_sum": total,
+            "loglik_good_mean": total / max(int(res.n_response_tokens), 1)}
 
 
 def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int,
                     seed: int, leak: str, cache: Any = None,
                     progress: Callable[[Iterable, int], Iterable] | None = None,
                     config: dict[str, Any] | None = None
-                    ) -> tuple[list[Example], np.ndarray, np.ndarray, int]:
+                    ) -> tuple[list[Example], np.ndarray, np.ndarray, int, list[dict]]:
     """The held-out draw (:func:`heldout_items`) and its cross-fitted scores and labels, each
     item's score read from ``cache`` when it holds it and scored otherwise (only the items it
-    lacks, then stored with the rest: :mod:`icqs_fast.engine.selfcheck_cache`); and how many
-    were reused. ``config`` gets ``"cache"``: ``"hit"`` (all reused), ``"stored"`` (some
-    scored and stored) and ``"reused"`` / ``"scored"``: the counts."""
+    lacks, then stored with the rest: :mod:`icqs_fast.engine.selfcheck_cache`); how many were
+    reused; and each item's :func:`free_values` (stored beside its score). ``config`` gets
+    ``"cache"``: ``"hit"`` (all reused), ``"stored"`` (some scored and stored) and
+    ``"reused"`` / ``"scored"``: the counts."""
     import numpy as np
 
     items, labels = heldout_items(good, bad, max_heldout, seed)
     key = (items_key(scorer, good, bad, leak=leak)
            if cache is not None and cache.enabled else None)
-    known = load_items(cache, key) if key is not None else {}
+    known = load_items(cache, key, values=True) if key is not None else {}
     ids = [item_id(it) for it in items]
-    missing = [i for i, k in enumerate(ids) if k not in known]
+    missing = [i for i, k in enumerate(ids) if k not in known or "score" not in known[k]]
     if missing:
         cf = crossfit_items(scorer, [items[i] for i in missing], labels[missing], leak=leak,
                             progress=progress)
-        known.update({ids[i]: float(v) for i, v in zip(missing, cf.scores, strict=True)})
-    scores = np.array([known[k] for k in ids], dtype=np.float64)
+        known.update({ids[i]: {"score": float(v), **f}
+                      for i, v, f in zip(missing, cf.scores, cf.free, strict=True)})
+    scores = np.array([known[k]["score"] for k in ids], dtype=np.float64)
+    free = [{n: v for n, v in known[k].items() if n != "score"} for k in ids]
     reused = len(items) - len(missing)
     if config is not None and key is not None:
         config["reused"], config["scored"] = reused, len(missing)
@@ -212,7 +229,7 @@ def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: 
             config["cache"] = "hit"
         elif store_items(cache, key, known):
             config["cache"] = "stored"
-    return items, scores, labels, reused
+    return items, scores, labels, reused, free
 
 
 def cached_baselines(scorer: Any, good: Sequence, bad: Sequence, items: Sequence[Example], *,

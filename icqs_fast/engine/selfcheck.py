@@ -741,10 +741,11 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
-    items, scores, labels, reused = cached_crossfit(
+    items, scores, labels, reused, free = cached_crossfit(
         scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak, cache=cache,
         progress=progress, config=cfg)
-    values = (cached_baselines(scorer, good, bad, items, leak=leak, cache=cache)
+    values = ([{**v, **f} for v, f in zip(
+        cached_baselines(scorer, good, bad, items, leak=leak, cache=cache), free, strict=True)]
               if baselines else None)
     check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
                            target_precision=target_precision,

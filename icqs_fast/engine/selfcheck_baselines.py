@@ -10,7 +10,10 @@ scores the same held-out items with each baseline of :data:`BASELINES`:
 * ``logprob_sum`` / ``logprob_mean``: the response's summed and per-token log-probability
   with **no demonstrations** (the template's query alone before it: one short forward per
   item, :func:`item_values`), and ``entropy_mean``, the mean next-token entropy over the
-  response, from the same forward (a glass-box feature at no extra forward).
+  response, from the same forward (a glass-box feature at no extra forward);
+* ``loglik_good_sum`` / ``loglik_good_mean``: the response's raw log-likelihood under the
+  all-good demonstration sets (the clean ones), which ICQS's own forward already holds
+  (:func:`icqs_fast.engine.crossfit.free_values`: no forward at all).
 
 A baseline has no known direction (longer may be better or worse), so its direction is fitted
 out of fold: per fold of the self-check's stratified folds, the sign that gives the larger AUC
@@ -57,6 +60,10 @@ BASELINES = (
     Baseline("logprob_mean", "mean log-prob per response token, no demonstrations", True),
     Baseline("entropy_mean", "mean next-token entropy over the response, no demonstrations",
              True),
+    Baseline("loglik_good_sum", "summed log-likelihood under the all-good demonstration "
+             "sets (ICQS's own forward)", False),
+    Baseline("loglik_good_mean", "log-likelihood per response token under the all-good "
+             "demonstration sets (ICQS's own forward)", False),
 )
 # Length strata of the length-matched AUC: quantile bins of the held-out items' token length.
 LENGTH_STRATA = 4

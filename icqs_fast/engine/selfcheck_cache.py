@@ -25,8 +25,9 @@ __all__ = ["KEY_VERSION", "item_id", "items_key", "load_items", "scorer_identity
            "store_items"]
 
 # The layout of a cached entry and of its key; a change makes old entries unreachable.
-# 2: one entry of per-item scores per pools + scorer + leak rule (1: one list per draw).
-KEY_VERSION = 2
+# 3: per item a dict (its score and the free baselines' values); 2: per item a score;
+# 1: one list per draw.
+KEY_VERSION = 3
 
 
 def scorer_identity(scorer: Any) -> dict[str, Any]:
