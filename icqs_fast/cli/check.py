@@ -138,7 +138,8 @@ def show(check: Any, args: argparse.Namespace) -> int:
     if check.baselines:
         rows.append(("AUC within length strata",
                      f"{_f(lm['auc'])} [{_f(lm['auc_lo'])}, {_f(lm['auc_hi'])}] (ICQS over good "
-                     f"/ bad pairs of like length, {lm['strata']} strata)" if lm is not None
+                     f"/ bad pairs of like length, {lm['strata']} "
+                     f"{'stratum' if lm['strata'] == 1 else 'strata'})" if lm is not None
                      else "n/a (no length stratum holds both good and bad items)"))
     if check.beaten:
         rows.append(("WARNING", check.beaten))
