@@ -43,7 +43,6 @@ from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
-from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
@@ -254,17 +253,14 @@ class ScoreStrategy:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
         (dtype, device, backend) added to ``meta``."""
         from icqs_fast.engine.scorer import ICQSScorer
-        from icqs_fast.models import load_model
+        from icqs_fast.models import runtime_settings
 
         c = self.config
         if not hasattr(self, "settings"):
             self.prepare(log)
         good, bad = self.good, self.bad
         t_load = time.perf_counter()
-        model, tok = load_model(None if c.model == "embedded" else c.model,
-                                dtype=resumed_dtype(policy, c.dtype),
-                                device=c.device, load_in_8bit=c.load_in_8bit,
-                                load_in_4bit=c.load_in_4bit)
+        model, tok = c.load_model(resumed_dtype(policy, c.dtype))
         t_load = time.perf_counter() - t_load
         meta.update(runtime_settings(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
