@@ -13,7 +13,7 @@ import torch
 from _gguf import write_tiny_gguf
 from _helpers import write_jsonl
 
-from icqs_fast import models
+from icqs_fast import model_files, models
 from icqs_fast.cli import main
 from icqs_fast.models import ModelLoadError
 
@@ -81,7 +81,7 @@ def test_converted_once_keyed_by_hash(gguf_file, converted, cache_env, tmp_path,
     def no_conversion(*a, **k):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(model_files, "_convert_gguf", no_conversion)
     assert models.resolve_model(copy).path == str(folder)
     assert models.resolve_model(copy.parent).path == str(folder)
     assert (folder / ".complete").stat().st_mtime_ns == stamp
@@ -184,3 +184,20 @@ def test_score_exits_2_before_writing(kind, gguf_file, tmp_path, cache_env, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot load model {model}: " in err[0], err
     assert set(os.listdir(tmp_path)) == before  # no output, lock or meta file
+
+
+def test_models_command_lists_names_and_cache(converted, cache_env, capsys):
+    import json
+
+    folder, _ = converted
+    assert main(["models", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in doc["packaged"]] == list(models.PACKAGED_MODELS)
+    assert all(set(m) >= {"installed", "converted", "install"} for m in doc["packaged"])
+    assert doc["cache_dir"] == str(cache_env)
+    entry = next(c for c in doc["cache"] if c["path"] == str(folder))
+    assert entry["kind"] == "converted" and entry["gguf"] == "tiny-llama.gguf"
+    assert entry["bytes"] == sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert main(["models"]) == 0
+    text = capsys.readouterr().out
+    assert "smollm2-135m" in text and "gemma3-270m" in text and str(folder) in text
