@@ -246,8 +246,10 @@ def _convert_gguf(gguf: Path, target: Path, stamp: dict, quiet: bool | None) -> 
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / ".complete").write_text(json.dumps(stamp, sort_keys=True))
+        if _complete(target):
+            return target  # another process converted it meanwhile: it may be reading it
         if target.exists():
-            shutil.rmtree(target)
+            shutil.rmtree(target)  # an incomplete leftover (no marker)
         os.replace(tmp, target)  # atomic: concurrent loaders never see half a folder
     finally:
         if tmp.exists():
