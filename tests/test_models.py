@@ -49,11 +49,15 @@ def test_embedded_logits_equal_gguf(embedded):
 
 
 def test_missing_models_give_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a local folder nor a cached hub id"):
+    with pytest.raises(FileNotFoundError, match="neither a local folder, a GGUF file, a "
+                       "packaged model .* nor a cached hub id"):
         load_model("no-such-model-icqs-test")
-    with pytest.raises(FileNotFoundError, match="could not load model 'no-org/no-such-model'"):
+    with pytest.raises(FileNotFoundError, match="cannot load model no-org/no-such-model: not "
+                       "found in local files") as exc:
         load_model("no-org/no-such-model")
-    with pytest.raises(FileNotFoundError, match="could not load model"):
+    assert "\n" not in str(exc.value)
+    with pytest.raises(FileNotFoundError, match="cannot load model .*: the folder has no "
+                       "config.json"):
         load_model(tmp_path)  # an existing but empty folder
 
 

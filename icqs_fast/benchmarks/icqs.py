@@ -183,10 +183,12 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def load(device: torch.device, random_weights: bool = False, config: str = "llama-1b",
-         dtype: str | None = None):
-    """``(model, tokenizer, name)``: the embedded model (fp32 on the CPU, bf16 on CUDA, unless
-    ``dtype`` names one: ``"auto"`` is :func:`icqs_fast.models.choose_dtype`'s choice), or a
-    random-weight Llama of ``config`` with the embedded model's tokenizer."""
+         dtype: str | None = None, model: str | None = None):
+    """``(model, tokenizer, name)``: the embedded model, or ``model`` (anything ``--model``
+    takes: a folder, a GGUF file, a packaged name such as ``gemma3-270m``), fp32 on the CPU,
+    bf16 on CUDA, unless ``dtype`` names one (``"auto"`` is
+    :func:`icqs_fast.models.choose_dtype`'s choice); or a random-weight Llama of ``config``
+    with the embedded model's tokenizer."""
     from icqs_fast.models import choose_dtype, embedded_model_dir, load_model, to_bf16_mixed
 
     if dtype is None:
@@ -198,8 +200,9 @@ def load(device: torch.device, random_weights: bool = False, config: str = "llam
         model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
         return as_mistral(model, MISTRAL_WINDOW[config]), tok, "SmolLM2-135M-as-Mistral-w64"
     if not random_weights:
-        model, tok = load_model(None, dtype=dtype, device=device, attn_implementation="sdpa")
-        return model, tok, "SmolLM2-135M-Instruct"
+        name = None if model in (None, "embedded") else model
+        m, tok = load_model(name, dtype=dtype, device=device, attn_implementation="sdpa")
+        return m, tok, "SmolLM2-135M-Instruct" if name is None else name
     from transformers import AutoTokenizer
 
     if config not in CONFIGS:
@@ -308,12 +311,12 @@ def _naive(model, tok, good, bad, resp, settings=None):
 
 def measure_peak_child(side: str, n: int, device: str, random_weights: bool,
                        config: str, settings: dict | None = None,
-                       dtype: str | None = None) -> dict:
+                       dtype: str | None = None, model_name: str | None = None) -> dict:
     """Run in a fresh process: load the model, warm up (one response, tiny settings), then the
     peak memory growth of scoring ``n`` responses with ``side`` ("fast" or "naive") under
     ``settings`` (ICQS settings; the benchmark's ``SETTINGS`` if None)."""
     dev = torch.device(device)
-    model, tok, _ = load(dev, random_weights, config, dtype)
+    model, tok, _ = load(dev, random_weights, config, dtype, model_name)
     good, bad = demos()
     resp = responses(n)
     from icqs_fast.data import TEMPLATE
@@ -348,11 +351,12 @@ _CHILD_CODE = ("import json, sys; from icqs_fast.benchmarks.icqs import measure_
 
 
 def _peak_in_subprocess(side: str, n: int, device: str, random_weights: bool,
-                        config: str, dtype: str | torch.dtype | None = None) -> float:
+                        config: str, dtype: str | torch.dtype | None = None,
+                        model_name: str | None = None) -> float:
     """:func:`measure_peak_child` in a fresh interpreter (its own peak RSS); the peak in MiB."""
     params = {"side": side, "n": int(n), "device": str(device),
               "random_weights": bool(random_weights), "config": config,
-              "dtype": _dtype_name(dtype)}
+              "dtype": _dtype_name(dtype), "model_name": model_name}
     res = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(params)],
                          capture_output=True, text=True, check=False, timeout=3600)
     if res.returncode != 0:
@@ -368,19 +372,21 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
           measure_memory: bool = True, mem_responses: int = 16,
           settings: dict | None = None, cold_repeats: int = 3,
           calibrate: str | None = None, answers: str = "labels",
-          dtype: str | None = None) -> dict:
+          dtype: str | None = None, model: str | None = None) -> dict:
     """The benchmark record (fields: see the module docstring). ``settings`` overrides the
     ICQS settings (``num_ratios``, ``demos_per_set``, ``sets_per_ratio``, ``seed``; tests use
     small ones); the memory subprocesses always use the default settings. ``answers``:
     "labels" (positive / negative) or "free-text" (:func:`free_text_answer`). ``dtype``: the
-    model's (None: fp32 on the CPU, bf16 on CUDA; see :func:`load`)."""
+    model's (None: fp32 on the CPU, bf16 on CUDA; see :func:`load`). ``model``: what
+    ``--model`` names (None: the embedded model)."""
     settings = dict(SETTINGS, **(settings or {}))
     if n_responses < 1:
         raise ValueError(f"--responses must be >= 1, got {n_responses}")
     if cold_repeats < 1:
         raise ValueError(f"--cold-repeats must be >= 1, got {cold_repeats}")
     dev = _resolve_device(str(device))
-    model, tok, name = load(dev, random_weights, config, dtype)
+    model_name = model
+    model, tok, name = load(dev, random_weights, config, dtype, model_name)
     good, bad = demos()
     resp = responses(n_responses, answers)
 
@@ -523,8 +529,10 @@ def bench(n_responses: int = 64, device: str | torch.device = "auto",
                                  config))
     if measure_memory:
         m = min(n_responses, mem_responses)
-        pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config, dtype)
-        pn = _peak_in_subprocess("naive", min(m, 2), str(dev), random_weights, config, dtype)
+        pf = _peak_in_subprocess("fast", m, str(dev), random_weights, config, dtype,
+                                 model_name)
+        pn = _peak_in_subprocess("naive", min(m, 2), str(dev), random_weights, config, dtype,
+                                 model_name)
         rec.update(peak_mem_fast_mb=round(pf, 1), peak_mem_naive_mb=round(pn, 1),
                    mem_ratio=round(pn / pf, 3) if pf > 0 else None,
                    mem_responses={"fast": m, "naive": min(m, 2)})
@@ -584,7 +592,8 @@ def run(args: argparse.Namespace) -> int:
                 cold_repeats=_or(args.cold_repeats, 3), calibrate=getattr(args, "calibrate", None),
                 answers=getattr(args, "answers", "labels"), dtype=getattr(args, "dtype", None),
                 settings=(None if getattr(args, "token_budget", None) is None
-                          else {"token_budget": args.token_budget}))
+                          else {"token_budget": args.token_budget}),
+                model=getattr(args, "model", None))
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)

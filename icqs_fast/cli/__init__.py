@@ -14,6 +14,8 @@ import sys
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("info",), "icqs_fast.cli.info", "versions, device and available backends"),
+    (("models",), "icqs_fast.cli.models",
+     "models loadable by name (installed or not) and the model cache, with sizes"),
     (("demo",), "icqs_fast.cli.demo", "score a small built-in set with the embedded model"),
     (("score",), "icqs_fast.cli.score", "score responses from a JSONL/CSV/TSV file with ICQS"),
     (("check",), "icqs_fast.cli.check",

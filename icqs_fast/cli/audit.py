@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.cli.options import add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.io.runs import OutputLock, check_run_paths, output_policy, start_output
 from icqs_fast.io.strict_json import finite_or_none
 
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--calibrate; default none)")
     p.add_argument("--icqs-score", default="argmax", choices=list(SCORE_KINDS),
                    help="ICQS evaluator: argmax ratio (default) or posterior-mean score")
-    p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")

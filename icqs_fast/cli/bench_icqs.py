@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from icqs_fast.cli.options import DTYPE_NAMES
+from icqs_fast.cli.options import DTYPE_NAMES, MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses", type=int, default=None,
                    help="responses to score (default 64; 2 with --inputs long)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--random-weights", action="store_true",
                    help="a random-weight model of --config instead of the embedded model")
     p.add_argument("--config", default="llama-1b",

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from icqs_fast.cli.options import add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.data import TEMPLATE, data_file
 from icqs_fast.io.datasets import fpb_examples
 from icqs_fast.io.readers import RecordFields, read_examples, read_records
@@ -31,8 +31,7 @@ from icqs_fast.io.readers import RecordFields, read_examples, read_records
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--num-ratios", type=int, default=5, help="M+1 (default 5)")
     p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.cli.options import add_calibration_arguments, add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_calibration_arguments, add_dtype_argument
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None,
                    help="the dataset file, or a folder holding it (directly or in a "
                         f"{folders} subfolder); default ../shared/data/...")
-    p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="write the PNG figures to DIR (with --pool-json: the pooled "

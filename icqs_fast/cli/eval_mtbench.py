@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from icqs_fast.cli.options import add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.evals.mtbench import ENSEMBLE_FEATURES
 from icqs_fast.io.datasets import eval_dataset
 
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--limit", type=int, default=None,
                    help="score N judged answers spread evenly over the set (default: all)")
-    p.add_argument("--model", default=None, help="evaluator folder (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="evaluator: " + MODEL_HELP)
     p.add_argument("--features", nargs="+", default=list(ALL_FEATURES),
                    choices=list(ALL_FEATURES) + list(ENSEMBLE_FEATURES), metavar="FEATURE",
                    help=f"features (default all of {' '.join(ALL_FEATURES)}; "

@@ -228,6 +228,11 @@ def score_config(args: argparse.Namespace, **job: Any) -> Any:
 
 # The names icqs_fast.models.choose_dtype accepts (written out: the models module imports torch,
 # which `--help` must not; tests/test_dtype_choice.py checks that the two agree).
+# The help of a command's own --model flag (score and features declare theirs in jobs/config.py).
+MODEL_HELP = ("a Hugging Face model folder, a GGUF file (or a folder holding one), or a packaged "
+              "model's name (icqs-fast models; default: the embedded SmolLM2-135M)")
+
+
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed",
                "bf16-products", "float16", "fp16")
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from icqs_fast.cli.options import add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,8 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.serve.config import ServeConfig
 
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--host", default="127.0.0.1",

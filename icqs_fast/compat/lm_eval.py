@@ -64,9 +64,10 @@ class ICQSFastLM(TemplateLM):
     shared-prefix computation and fused token statistics.
 
     Args:
-        pretrained: ``"embedded"`` (or None) for the embedded SmolLM2-135M-Instruct, or a local
-            Hugging Face folder / cached hub id (:func:`icqs_fast.models.load_model`). Ignored
-            when ``model`` is given.
+        pretrained: ``"embedded"`` (or None) for the embedded SmolLM2-135M-Instruct, a local
+            Hugging Face folder, a GGUF file (or a folder holding one), a packaged model's
+            name (``gemma3-270m``) or a cached hub id (:func:`icqs_fast.models.load_model`).
+            Ignored when ``model`` is given.
         model, tokenizer: an already-loaded causal LM and its tokenizer (both or neither), e.g.
             the same objects given to lm-eval's ``HFLM(pretrained=model, tokenizer=tok)``.
         dtype, device: as :func:`icqs_fast.models.load_model` (``"auto"``: bf16 on CUDA, fp32

@@ -46,8 +46,16 @@ def file_sha256(path: str) -> str:
 
 
 def model_name(model: str | None) -> str:
-    """The model as the resume key records it: an absolute folder, or the embedded model."""
-    return EMBEDDED_MODEL if model in (None, "embedded") else os.path.abspath(model)
+    """The model as the resume key records it: an absolute path (folder or GGUF file), the
+    embedded model, or ``packaged:NAME`` for a packaged model named as such
+    (:data:`icqs_fast.models.PACKAGED_MODELS`; a local path of that name wins)."""
+    from icqs_fast.models import EMBEDDED_NAMES, PACKAGED_MODELS
+
+    if model is None or model in EMBEDDED_NAMES:
+        return EMBEDDED_MODEL
+    if model in PACKAGED_MODELS and not os.path.exists(model):
+        return f"packaged:{model}"
+    return os.path.abspath(model)
 
 
 class ModelLoadError(ValueError):
@@ -171,8 +179,10 @@ class JobConfig:
     resume: bool = option(False, result=False, help="continue an existing OUTPUT after its "
                           "last record")
     overwrite: bool = option(False, result=False, help="replace an existing non-empty OUTPUT")
-    model: str | None = option(None, kind="str", help="local Hugging Face model folder, or "
-                               "'embedded' (none: the embedded SmolLM2-135M)")
+    model: str | None = option(None, kind="str", help="local Hugging Face model folder, a "
+                               "GGUF file (or a folder holding one), a packaged model's name "
+                               "(icqs-fast models), or 'embedded' (none: the embedded "
+                               "SmolLM2-135M)")
     # The command line's --dtype has its own help (cli/options.add_dtype_argument).
     dtype: str = option("auto", flag=False, help="model weights' dtype")
     device: str = option("auto", help="auto, cpu, cuda, ...")
@@ -200,11 +210,17 @@ class JobConfig:
         return "<stdin>" if self.input == "-" else self.input
 
     def check(self) -> None:
-        """Checks that need a file but no model."""
+        """Checks that need a file but no model: the shard spec, and ``--model`` as far as
+        reading no weights tells (:func:`icqs_fast.models.check_model_source`: a missing
+        path, a truncated GGUF file or one of an unknown architecture, a packaged model not
+        installed), so a bad model fails before any output is touched."""
         if self.shard is not None:
             from icqs_fast.io.records import parse_shard
 
             parse_shard(self.shard)  # a bad spec fails before anything is loaded
+        from icqs_fast.models import check_model_source
+
+        check_model_source(self.model)
 
     def load_model(self, dtype: str) -> tuple[Any, Any]:
         """``(model, tokenizer)`` of :attr:`model` in ``dtype`` (a resumed output's, or
