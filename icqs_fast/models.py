@@ -606,6 +606,8 @@ def to_bf16_mixed(model: Any, bf16_products: bool = False) -> Any:
     use_invariant_linears(model, "bf16" if bf16_products else exact_bf16_products())
     _MIXED.add(model)
     _FAST[model] = bf16_products
+    if bf16_products:
+        _FAST_PARTS.update(model.modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         _MIXED.add(head)
@@ -613,6 +615,16 @@ def to_bf16_mixed(model: Any, bf16_products: bool = False) -> Any:
 
 
 _FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bf16-mixed model -> fast?
+_FAST_PARTS: weakref.WeakSet = weakref.WeakSet()  # every module of a bf16-products model
+
+
+def uses_bf16_products(module: Any) -> bool:
+    """Whether ``module`` belongs to a bf16-products model (:func:`to_bf16_mixed` with
+    ``bf16_products``): its attention products take bf16 inputs too (fp32 accumulation)."""
+    try:
+        return module in _FAST_PARTS
+    except TypeError:
+        return False
 # module -> its PackedLinear (ops.pack_linear), for use_invariant_linears' forward
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -241,11 +241,13 @@ def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> Non
     """``--dtype``, as every command that loads a model takes it."""
     p.add_argument("--dtype", default=default, choices=DTYPE_NAMES,
                    help="how the model computes. auto (default): bf16 on CUDA; on a CPU with "
-                        "native bf16 dot products (avx512_bf16 / AMX) bf16-mixed (weights "
-                        "rounded to bf16, fp32 activations and matmul arithmetic: "
-                        "batch-invariant, within ~0.08 nats/token of float32, ~1.4x faster), "
-                        "else float32; bfloat16: the pure bf16 forward (fastest, not "
-                        "batch-invariant); "
+                        "native bf16 dot products (avx512_bf16 / AMX) bf16-products (bf16 "
+                        "weights and products, fp32 accumulation, activations, norms and "
+                        "softmax: within ~0.11 nats/token of float32 on the embedded model), "
+                        "else float32; bf16-mixed: bf16 weights, products at fp32 precision "
+                        "(within ~0.06); bfloat16: the pure bf16 forward. On the CPU every dtype "
+                        "is batch-invariant (a row's numbers the same bits whatever shares its "
+                        "forward); "
                         "$ICQS_FAST_CPU_DTYPE overrides that choice; `icqs-fast info` shows it "
                         "and why. An explicit 16-bit dtype the CPU has no native dot product "
                         "for warns (about 5x slower than float32)")

@@ -495,7 +495,7 @@ def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: 
     causal model computes each row as it would alone; a model for which that does not hold
     (``pad_safe=False``, found by the capability check) runs each sequence alone.
 
-    With ``layers`` (the model's layer descriptions) and a fused kernel that takes token
+    On the CPU, with ``layers`` (the model's layer descriptions) and a fused kernel that takes token
     positions (the cpp attention on the CPU: :func:`~icqs_fast.engine.cascade.positional_kernel`),
     the attention runs through that kernel on positions, as the prefix bank's forwards and the
     cascade do: a sequence's numbers are then the same bits here, alone, and continued from a
@@ -513,7 +513,7 @@ def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: 
 def _plain_forward(run: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
                    pad_safe: bool, model: Any = None,
                    layers: Sequence[LayerAttention] | None = None) -> torch.Tensor:
-    if layers:
+    if layers and torch.device(device).type == "cpu":
         from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 
         if positional_kernel(model, device):

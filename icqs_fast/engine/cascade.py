@@ -55,6 +55,7 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import LayerAttention
+from icqs_fast.models import uses_bf16_products
 
 IMPL_NAME = "icqs_cascade"
 # The positional-mask attention of prefix-bank builds and KV-copy suffix forwards of models with
@@ -302,7 +303,7 @@ def bf16_products(module: Any, dtype: torch.dtype,
     (fp32 models stay exact, bf16 ones are bf16 already)."""
     if dtype != torch.float32:
         return None
-    if bank_dtype == torch.bfloat16:
+    if bank_dtype == torch.bfloat16 or uses_bf16_products(module):
         return torch.bfloat16
     weight = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
     return torch.bfloat16 if weight is not None and weight.dtype == torch.bfloat16 else None
@@ -696,7 +697,9 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
                                  positions=True)
     if kernel is not None and plan.k_pos.shape[1] == tk:
         k_pos = plan.k_pos
-        moved = plan.compaction()
+        # Slot = position is what makes the CPU's forwards batch-invariant; a GPU kernel keeps
+        # the slots (the check reads the host).
+        moved = plan.compaction() if key.device.type == "cpu" else None
         if moved is not None:  # slot = position, as in a plain forward (see compaction)
             dest, k_pos, p = moved
             idx = dest[:, None, :, None]

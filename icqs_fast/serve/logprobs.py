@@ -281,7 +281,7 @@ class PromptPrefill:
             input_ids=ids, position_ids=pos,
             attention_mask=torch.ones((1, b), dtype=torch.long, device=self.dev),
             use_cache=True, **cache_kwarg(body, self.cache))
-        if self.plan.layers and positional_kernel(body, self.dev):
+        if self.plan.layers and self.dev.type == "cpu" and positional_kernel(body, self.dev):
             # The kernel the whole prompt's forward takes, on positions: the chunks' numbers
             # are then that forward's bits.
             keys = torch.arange(b, device=self.dev)[None]
