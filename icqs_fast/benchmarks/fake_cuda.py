@@ -13,7 +13,9 @@ present (``torch.cuda.is_available`` and a few ``torch.cuda`` queries,
 :class:`Recorder` collects:
 
 * every Triton launch (``JITFunction.run`` intercepted): its arguments must all be CUDA tensors
-  or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's runtime
+  or scalars, its grid, threads and (once compiled) shared memory within the device's limits
+  (:func:`icqs_fast.kernels.launch.limit_problems`; :class:`DeviceLimitError` names the
+  kernel), its signature, constexprs and 16-divisibility are derived the way Triton's runtime
   specialises them (:func:`launch_of`), and the kernel is compiled for ``rec.arch`` with
   ``triton.compile`` (:class:`icqs_fast.benchmarks.compiler.Compiler`) instead of launched;
 * host syncs (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``.numpy()``, ``nonzero``, a
@@ -188,9 +190,16 @@ class KernelArgumentError(RuntimeError):
     """A Triton launch whose arguments a GPU run would reject (e.g. a CPU tensor)."""
 
 
+class DeviceLimitError(KernelArgumentError):
+    """A Triton launch past the device's grid, block or shared-memory limits (Triton's own
+    launcher does not check them: the GPU answers "invalid argument" mid-job)."""
+
+
 def _intercept_run(rec: Recorder):
     def run(self, *args, grid, warmup, **kwargs):
         from icqs_fast.benchmarks.compiler import compile_key
+        from icqs_fast.benchmarks.gpu_model import hardware
+        from icqs_fast.kernels.launch import limit_problems
 
         launch, problems = launch_of(self, args, kwargs, grid)
         entry = {"path": rec.path, "phase": "setup" if in_setup() else "batch",
@@ -206,6 +215,10 @@ def _intercept_run(rec: Recorder):
         if problems:
             entry["error"] = "; ".join(problems)
             raise KernelArgumentError(entry["error"])
+        limits = limit_problems(self.__name__, launch.grid, launch.num_warps)
+        if limits:
+            entry["error"] = "; ".join(limits)
+            raise DeviceLimitError(entry["error"])
         if rec.compile:
             out = rec.compiler(launch, rec.arch)
             entry["compiled"] = "error" not in out
@@ -214,6 +227,13 @@ def _intercept_run(rec: Recorder):
             else:
                 entry["regs"] = out["res"]["regs"]
                 entry["spill_bytes"] = out["res"]["stack"] + out["res"]["local"]
+                entry["shared_bytes"] = out["res"]["static_smem"] + out["dynamic_smem"]
+                limits = limit_problems(self.__name__, launch.grid, launch.num_warps,
+                                        entry["shared_bytes"],
+                                        hardware(rec.arch).smem_per_block)
+                if limits:
+                    entry["error"] = "; ".join(limits)
+                    raise DeviceLimitError(entry["error"])
         return None
 
     return run
