@@ -90,6 +90,9 @@ class ModelPlan:
             prompt runs in a forward of its own).
         reason: why the path is not the prefix bank (empty when it is).
         probe_diff: the bank probe's relative hidden-state difference (None when not probed).
+        probe_errors: each probe that raised, as ``"path: Type: message"`` (a Triton compile
+            or launch error, an out-of-memory error): why a faster path was not taken.
+        slower_because: on the KV-copy path, what the cascade probe gave instead.
     """
 
     model_type: str
@@ -101,7 +104,32 @@ class ModelPlan:
     pad_safe: bool = True
     reason: str = ""
     probe_diff: float | None = None
+    probe_errors: tuple[str, ...] = ()
+    slower_because: str = ""
     signature: tuple = field(default=(), repr=False)
+
+    @property
+    def fastest(self) -> bool:
+        """Whether this is the fastest path (cascade attention over the prefix bank)."""
+        return self.path == "cascade"
+
+    @property
+    def why_not_fastest(self) -> str:
+        """Why the path is not cascade attention ("" when it is): the probes' errors or
+        differences and, on the plain path, its reason."""
+        if self.fastest:
+            return ""
+        why = self.slower_because or self.reason or "; ".join(self.probe_errors)
+        return why or "the cascade probe did not match the plain forward"
+
+    def as_meta(self, backend: str) -> dict[str, Any]:
+        """The plan for a run's meta file: the path, the kernel ``backend`` of the head
+        statistics (resolved, not ``auto``), what the path uses, and why it is not the fastest
+        one (empty when it is)."""
+        return {"path": self.path, "backend": backend, "model_type": self.model_type,
+                "uses": self.uses, "fastest": self.fastest, "why": self.why_not_fastest,
+                "probe_diff": self.probe_diff, "probe_errors": list(self.probe_errors),
+                "message": self.message}
 
     @property
     def bank(self) -> bool:
@@ -219,7 +247,13 @@ def model_plan(model: Any) -> ModelPlan:
         plan.signature = sig
         plan._model = weakref.ref(model)
         _PLANS[model] = plan
-        log.info("%s", plan.message)
+        # A slower path than cascade attention is said where the CLI shows it (WARNING):
+        # a compile, launch or out-of-memory error in a probe must not pass as a quiet step down.
+        if plan.fastest:
+            log.info("%s", plan.message)
+        else:
+            log.warning("%s (not the fastest path, cascade attention: %s)", plan.message,
+                        plan.why_not_fastest)
         return plan
 
 
@@ -418,13 +452,21 @@ def _pad_probe(model: Any, body: Any) -> bool:
     return True
 
 
-def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any, **kw: Any
-           ) -> ModelPlan:
+def _error(path: str, exc: BaseException) -> str:
+    """A probe's exception as ``"path: Type: first line"`` (for the plan and the log)."""
+    first = (str(exc).splitlines() or [""])[0][:160]
+    return f"{path}: {type(exc).__name__}: {first}"
+
+
+def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any,
+           probe_errors: tuple[str, ...] = (), **kw: Any) -> ModelPlan:
     try:
         safe = _pad_probe(model, body)
-    except Exception:  # noqa: BLE001 - a model that fails padded batches runs rows alone
+    except Exception as exc:  # noqa: BLE001 - a model that fails padded batches runs rows alone
         safe = False
-    return ModelPlan(mt, "plain", layers, ep, body, pad_safe=safe, **kw)
+        probe_errors = (*probe_errors, _error("padding", exc))
+    return ModelPlan(mt, "plain", layers, ep, body, pad_safe=safe, probe_errors=probe_errors,
+                     **kw)
 
 
 def _decide(model: Any) -> ModelPlan:
@@ -441,16 +483,18 @@ def _decide(model: Any) -> ModelPlan:
     dtype = next(model.parameters()).dtype
     tol = PROBE_RTOL.get(dtype, 6e-2)
     reasons = []
+    errors: list[str] = []
     diff = None
     for path in ("cascade", "kv-copy"):
         try:
             diff = _probe(model, body, layers, cascade=path == "cascade")
-        except Exception as exc:  # noqa: BLE001 - any failure means: not this path
-            first = (str(exc).splitlines() or [""])[0][:160]
-            reasons.append(f"{path}: {type(exc).__name__}: {first}")
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this path (reported)
+            errors.append(_error(path, exc))
+            reasons.append(errors[-1])
             continue
         if diff <= tol:
-            return ModelPlan(mt, path, layers, ep, body, probe_diff=diff)
+            return ModelPlan(mt, path, layers, ep, body, probe_diff=diff,
+                             probe_errors=tuple(errors), slower_because="; ".join(reasons))
         reasons.append(f"{path}: differs from a plain forward by {diff:.2g} (relative)")
-    return _plain(mt, layers, ep, body, model, probe_diff=diff,
+    return _plain(mt, layers, ep, body, model, probe_diff=diff, probe_errors=tuple(errors),
                   reason="the prefix-bank probe failed (" + "; ".join(reasons) + ")")

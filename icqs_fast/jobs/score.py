@@ -197,6 +197,27 @@ def load_template(path: str | None):
     return Template(**spec), spec
 
 
+def checked_runtime(model: Any, backend: str) -> dict:
+    """:func:`~icqs_fast.models.runtime_settings` with a backend that cannot run here (named
+    ``--backend triton`` without CUDA or the interpreter, or its kernels failing to import) as
+    bad input (ValueError naming the flag: exit 2), never a quiet fallback."""
+    try:
+        return runtime_settings(model, backend)
+    except RuntimeError as exc:
+        raise ValueError(f"--backend {backend}: {exc}") from exc
+
+
+def engine_meta(scorer: Any, backend: str) -> dict:
+    """The engine's plan for the meta file (:meth:`ModelPlan.as_meta`), with the path the
+    scorer actually takes (cascade off by its settings runs the KV copies)."""
+    plan = scorer.plan.as_meta(backend)
+    if plan["path"] == "cascade" and not scorer.cascade:
+        plan.update(path="kv-copy", fastest=False, why="cascade attention switched off "
+                    "(cascade=False)", message=plan["message"].replace(
+                        "cascade attention", "per-row KV copies (cascade switched off)"))
+    return plan
+
+
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
     the records, one :func:`icqs_fast.io.schema.icqs_row` line each, a :class:`Summary` with
@@ -266,8 +287,12 @@ class ScoreStrategy:
                                 device=c.device, load_in_8bit=c.load_in_8bit,
                                 load_in_4bit=c.load_in_4bit)
         t_load = time.perf_counter() - t_load
-        meta.update(runtime_settings(model, self.settings.backend))  # checked by the runner
+        meta.update(checked_runtime(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
+        meta["engine"] = engine_meta(self.scorer, meta["backend"])
+        e = meta["engine"]
+        log(f"icqs-fast: engine: {e['message']}; backend {e['backend']}"
+            + ("" if e["fastest"] else " (not the fastest path)"))
         s = self.settings
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
             f"demonstrations, {s.num_ratios} ratios x {s.sets_per_ratio} sets of "
