@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import MAX_GRID, Launch, ptr, triton_interpreting
+from .launch import Launch, ptr, triton_interpreting
 
 _MASKED = tl.constexpr(-1.0e30)  # masked score (log2 units): finite, far below any real score
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -270,14 +270,10 @@ def _attn_entropy_fwd(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    # One flat grid axis: CUDA caps grid y / z at 65,535 programs and b * hq passes that with
-    # short suffixes (16,384 one-token rows x 32 heads). Query blocks vary fastest, so the
-    # programs start in the order of a (query block, b * hq) grid.
+    # One flat grid axis (CUDA caps y at 65,535: rows x heads pass it), query blocks fastest.
     n_mblocks = tl.cdiv(Tq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_bh = pid // n_mblocks
-    # Causal: the last query blocks have the most keys; launch them first (less tail).
-    pid_m = (n_mblocks - 1 - pid % n_mblocks) if CAUSAL else pid % n_mblocks
+    pid_bh, pid_m = tl.program_id(0) // n_mblocks, tl.program_id(0) % n_mblocks
+    pid_m = (n_mblocks - 1 - pid_m) if CAUSAL else pid_m  # causal: most keys first (less tail)
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
     hk = h // GROUP
@@ -431,7 +427,6 @@ class AttentionSettings:
     fp32_dot: bool
     precision: str
     even_n: bool
-    m_blocks: int  # query blocks per (batch, head)
     grid: tuple[int, int, int]
 
     @property
@@ -492,7 +487,6 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
                              block_dv=block_dv, num_warps=warps, num_stages=stages,
                              fp32_dot=fp32_dot, even_n=even_n,
                              precision="ieee" if fp32_dot else "tf32",
-                             m_blocks=triton.cdiv(tq, block_m),
                              grid=(triton.cdiv(tq, block_m) * b * hq, 1, 1))
 
 
@@ -547,7 +541,7 @@ def _key_blocks(cfg: AttentionSettings, tq: int, tk: int, causal: bool,
     """Key blocks each query block visits (the kernel's loop bounds, positions not given)."""
     out = []
     bn = cfg.block_n
-    for i in range(cfg.m_blocks):
+    for i in range(triton.cdiv(tq, cfg.block_m)):
         q_lo = tk - tq + i * cfg.block_m
         q_hi = q_lo + cfg.block_m - 1
         stop = max(min(tk, q_hi + 1), 0) if causal else tk
@@ -599,7 +593,7 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
     hbm += ((b * hq * tq * 4 if lse else 0) + (b * tk if keyok else 0)
             + (b * (tq + tk) * 4 if positions else 0))
     hbm += hq * 4 if sinks else 0
-    blocks = ([triton.cdiv(tk, cfg.block_n)] * cfg.m_blocks if positions
+    blocks = ([triton.cdiv(tk, cfg.block_n)] * triton.cdiv(tq, cfg.block_m) if positions
               else _key_blocks(cfg, tq, tk, causal, window, chunk))
     sq, sk, sv, so = ((hq * tq * d, tq * d, d), (hk * tk * d, tk * d, d),
                       (hk * tk * dv, tk * dv, dv), (hq * tq * dv, tq * dv, dv))
@@ -720,10 +714,6 @@ def launch_attention(
                              local=window is not None or chunk is not None,
                              dot_bf16=dot_bf16, softcap=softcap is not None)
     # Scores in log2 units; with a cap, s = (c log2 e) tanh(q.k scale / c).
-    if cfg.grid[0] > MAX_GRID[0]:
-        raise ValueError(f"attention: {bsz} x {hq} heads x {cfg.m_blocks} query blocks = "
-                         f"{cfg.grid[0]} programs pass CUDA's grid limit of {MAX_GRID[0]}; "
-                         "lower --token-budget")
     qk_scale = float(scale) * (math.log2(math.e) if softcap is None else 1.0 / float(softcap))
     cap_out = 1.0 if softcap is None else float(softcap) * math.log2(math.e)
     _attn_entropy_fwd[cfg.grid](

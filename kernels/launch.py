@@ -85,7 +85,8 @@ def ptr(dtype) -> str:
 
 # CUDA's launch limits (CUDA C++ Programming Guide, "Technical Specifications per Compute
 # Capability", cc 7.0 - 9.0): Triton's launcher checks none of them, so a grid past them fails
-# mid-job with "invalid argument".
+# mid-job with "invalid argument". The kernels put rows x heads on axis x, whose 2^31 - 1
+# programs no tensor that fits a GPU reaches (2^31 rows of 64 bf16 values are 256 GiB).
 MAX_GRID = (2 ** 31 - 1, 65535, 65535)
 MAX_THREADS_PER_BLOCK = 1024
 
@@ -112,3 +113,4 @@ def limit_problems(kernel: str, grid: tuple[int, ...], num_warps: int,
         problems.append(f"{kernel}: {shared_bytes} bytes of shared memory per block, the "
                         f"device's limit is {shared_limit}")
     return problems
+

@@ -40,9 +40,9 @@ def test_cascade_suffix_grid_within_limits(budget, heads, suffix):
         (ln,) = ak.gpu_launches(rows, heads, 8, suffix, suffix, 128, dtype, True, lse=True)
         assert limit_problems(ln.kernel, ln.grid, ln.num_warps) == [], ln.grid
         cfg = ak.attention_settings(rows, heads, suffix, suffix, 128, dtype)
-        assert cfg.grid == (cfg.m_blocks * rows * heads, 1, 1) == ln.grid
-    assert rows * heads * ak.attention_settings(rows, heads, suffix, suffix, 128,
-                                                torch.float32).m_blocks <= MAX_GRID[0]
+        m_blocks = -(-suffix // cfg.block_m)
+        assert cfg.grid == (m_blocks * rows * heads, 1, 1) == ln.grid
+        assert cfg.grid[0] <= MAX_GRID[0]
 
 
 _FAKE = r'''
@@ -56,7 +56,7 @@ if sys.argv[4] == "unfolded":  # the launch before the fold: rows x heads on gri
     orig = ak.attention_settings
     def unfolded(b, hq, tq, *a, **k):
         cfg = orig(b, hq, tq, *a, **k)
-        return dataclasses.replace(cfg, grid=(cfg.m_blocks, b * hq, 1))
+        return dataclasses.replace(cfg, grid=(-(-tq // cfg.block_m), b * hq, 1))
     ak.attention_settings = unfolded
 rec = Recorder(compile=False)
 out = {}
