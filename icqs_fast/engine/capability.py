@@ -208,8 +208,44 @@ def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets:
     if epilogue.softcap is not None:
         kw["softcap"] = epilogue.softcap
     with bf16_matmuls() if is_bf16_mixed(head) else contextlib.nullcontext():
-        return ops.linear_token_stats(hidden, head.weight, targets,
+        return ops.linear_token_stats(hidden, dense_head_weight(head), targets,
                                       bias=getattr(head, "bias", None), backend=backend, **kw)
+
+
+# The attribute of a quantised head weight that holds its dense copy (made once; a reloaded or
+# re-quantised head is a new parameter without it).
+_DENSE_ATTR = "_icqs_fast_dense"
+
+
+DENSE_ROWS = 1024  # identity rows per forward of the quantised head (bounds its peak memory)
+
+
+@torch.no_grad()
+def dense_head_weight(head: Any) -> torch.Tensor:
+    """The ``[V, H]`` weight of the LM ``head`` as the fused statistics read it: the weight
+    itself, or for a bitsandbytes head (``Int8Params``, ``Params4bit``) its dense copy, made
+    once per weight (a 7B model's 32000 x 4096 head: 250 MiB in fp16). The copy is the head's
+    own forward of the identity, ``head(I) - bias = W^T``: exactly what bitsandbytes multiplies
+    by, whatever its storage layout (the CPU's repacked NF4, LLM.int8's row scales; an identity
+    row quantises exactly, below the outlier threshold), so the head probe matches the model's
+    logits and the prefix bank keeps serving a quantised head."""
+    w = head.weight
+    if type(w).__name__ not in ("Int8Params", "Params4bit"):
+        return w
+    dense = getattr(w, _DENSE_ATTR, None)
+    if dense is None:
+        h = int(head.in_features)
+        dt = getattr(head, "compute_dtype", None) or torch.float16
+        bias = getattr(head, "bias", None)
+        parts = []
+        for a in range(0, h, DENSE_ROWS):
+            eye = torch.zeros(min(DENSE_ROWS, h - a), h, dtype=dt, device=w.device)
+            eye.diagonal(a).fill_(1)
+            out = head(eye)
+            parts.append(out if bias is None else out - bias.to(out.dtype))
+        dense = torch.cat(parts).t().contiguous()
+        setattr(w, _DENSE_ATTR, dense)
+    return dense
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -360,7 +396,7 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise TypeError(f"{type(model).__name__} has no linear output embeddings (LM head)")
-    w = head.weight
+    w = dense_head_weight(head)
     v = int(w.shape[0])
     ids = _check_ids(model, v)
     seen: list[torch.Tensor] = []
@@ -401,7 +437,7 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
 def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: bool) -> float:
     """Relative max difference of the bank path's suffix hidden states from the body's plain
     forward over the whole texts, on shared, padded prefixes that cross short windows."""
-    v = int(model.get_output_embeddings().weight.shape[0])
+    v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
     spans = [la.window or la.chunk or 0 for la in layers if la.local]
     base = min(max([24] + [2 * s + 5 for s in spans]), PROBE_MAX_TOKENS)
     g = torch.Generator().manual_seed(0)
@@ -432,7 +468,7 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
 def _pad_probe(model: Any, body: Any) -> bool:
     """Whether a right-padded batch gives each real token the states (or logits) it has alone:
     two rows of 12 and 7 tokens, the shorter padded, against each run alone."""
-    v = int(model.get_output_embeddings().weight.shape[0])
+    v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
     g = torch.Generator().manual_seed(1)
     hi = max(2, min(v, 32000))
     rows = [torch.randint(1, hi, (n,), generator=g).tolist() for n in (12, 7)]

@@ -28,7 +28,7 @@ from icqs_fast.engine.batching import (
     plain_logits,
     suffix_hidden,
 )
-from icqs_fast.engine.capability import ModelPlan, model_plan
+from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.types import TokenStats
 
@@ -137,7 +137,7 @@ def score_continuations(
         cfg = model.config
         pad = getattr(cfg, "pad_token_id", None)
         pad = pad if isinstance(pad, int) else getattr(cfg, "eos_token_id", None)
-        vocab = int(model.get_output_embeddings().weight.shape[0])
+        vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
         pad_id = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
     cascade = plan.path == "cascade" and cascade is not False
     budget = token_budget

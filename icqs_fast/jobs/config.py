@@ -24,6 +24,7 @@ from typing import Any
 from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.records import FORMATS
+from icqs_fast.models import QUANTIZATIONS
 from icqs_fast.options import check_declared, declared, option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -143,8 +144,9 @@ class JobConfig:
     # The command line's --dtype has its own help (cli/options.add_dtype_argument).
     dtype: str = option("auto", flag=False, help="model weights' dtype")
     device: str = option("auto", help="auto, cpu, cuda, ...")
-    load_in_8bit: bool = option(False, flag=False, help="load the model in 8 bits")
-    load_in_4bit: bool = option(False, flag=False, help="load the model in 4 bits")
+    quantization: str = option("none", choices=QUANTIZATIONS, help="bitsandbytes weights: "
+                               "int8 (LLM.int8, computes in float16: the paper's setting) or "
+                               "nf4 (4-bit NormalFloat); needs a CUDA device")
     threads: int | None = option(None, kind="int", ge=1, result=False, help="torch CPU "
                                  "threads (none: the cores other processes leave free, "
                                  "re-fitted while the job runs; OMP_NUM_THREADS when set)")
@@ -172,6 +174,10 @@ class JobConfig:
             from icqs_fast.io.records import parse_shard
 
             parse_shard(self.shard)  # a bad spec fails before anything is loaded
+        if self.ray is None:  # with --ray the actors' devices decide (ModelSpec.load)
+            from icqs_fast.models import quantization_kwargs
+
+            quantization_kwargs(self.quantization, self.device)  # int8 / nf4 need CUDA
 
     def record_key(self) -> dict[str, Any]:
         """What decides which records are read and what they carry into a result line."""
@@ -181,6 +187,11 @@ class JobConfig:
     def resume_key(self) -> dict[str, Any]:
         """The resume key of the job (see the module docstring)."""
         raise NotImplementedError
+
+    def quantization_key(self) -> dict[str, Any]:
+        """``--quantization`` for the resume key: quantised weights give other scores. Only
+        when set, so that outputs written before the option still resume."""
+        return {} if self.quantization == "none" else {"quantization": self.quantization}
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of an output written by an earlier version, in today's terms (the
@@ -256,7 +267,7 @@ class ScoreJobConfig(JobConfig):
         if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
             # Only when they differ, so that outputs written before the option still resume.
             key.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
-        return key | ({"shard": self.shard} if self.shard else {})
+        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of a ``score`` output written by an earlier version, in today's terms,
@@ -362,4 +373,4 @@ class FeatureJobConfig(JobConfig):
             key["combo_scale"] = self.combo_scale
         if self.deterministic:
             key["deterministic"] = True
-        return key | ({"shard": self.shard} if self.shard else {})
+        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})

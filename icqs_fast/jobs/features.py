@@ -42,6 +42,7 @@ from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.jobs.score import checked_runtime
+from icqs_fast.models import quantization_kwargs
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -278,7 +279,7 @@ class FeatureStrategy:
         self.model, self.tokenizer = load_model(
             None if c.model == "embedded" else c.model, dtype=resumed_dtype(policy, c.dtype),
             device=c.device,
-            load_in_8bit=c.load_in_8bit, load_in_4bit=c.load_in_4bit)
+            **quantization_kwargs(c.quantization, c.device))
         t_load = time.perf_counter() - t_load
         self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None
                       else ComboScale.intrinsic(vocab_size(self.model)))

@@ -37,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from icqs_fast.engine.capability import dense_head_weight
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.options import declaration
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
@@ -97,7 +98,7 @@ class Server:
         if (good is None) != (bad is None):
             raise ValueError("give both good and bad demonstrations, or neither")
         lim = model_max_length(model, None)
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab else 0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from icqs_fast.engine.batching import cache_kwarg
+from icqs_fast.engine.capability import dense_head_weight
 
 # (token id, log-prob, [(token id, log-prob)] of the top-N) of one generated token.
 GenStep = tuple[int, float, list[tuple[int, float]]]
@@ -114,7 +115,7 @@ class GreedyGeneration:
         self.dev = next(model.parameters()).device
         self.bias_vec: torch.Tensor | None = None
         if bias:
-            vocab = int(model.get_output_embeddings().weight.shape[0])
+            vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
             self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
             for tid, b in bias.items():
                 self.bias_vec[tid] = b
