@@ -57,7 +57,9 @@ class RayOptions:
     address: str | None = option(None, kind="str", help="Ray cluster: 'auto', "
                                  "ray://host:10001, host:6379 (none: start a local one)")
     workers: int = option(1, ge=1, help="actors, each with its own model (one per GPU)")
-    gpus_per_worker: float = option(0.0, ge=0, help="GPUs per actor (1 = one actor per GPU)")
+    gpus_per_worker: float | None = option(None, kind="float", ge=0, help="GPUs per actor "
+                                           "(1 = one actor per GPU; none: 1 when the cluster "
+                                           "reports GPUs and --device is not cpu, else 0)")
     cpus_per_worker: float = option(1.0, ge=0, help="CPU cores per actor (Ray sets its "
                                     "OMP_NUM_THREADS to this)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, ge=1, help="records per input block and "
