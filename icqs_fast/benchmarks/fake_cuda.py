@@ -126,7 +126,8 @@ def _is_cuda(t: torch.Tensor) -> bool:
 def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
     """The :class:`~icqs_fast.kernels.launch.Launch` Triton's runtime would compile for this
     call (signature and constexprs specialised as the JIT does: an int equal to 1 and None
-    become constexprs, pointers and multiples of 16 are 16-divisible) and the problems of its
+    become constexprs, pointers and multiples of 16 are 16-divisible, except the ints of the
+    kernel's ``do_not_specialize``) and the problems of its
     arguments (a CPU tensor passed to a CUDA kernel, a missing argument)."""
     from icqs_fast.kernels.launch import Launch
 
@@ -165,11 +166,13 @@ def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
-            if v == 1:
+            nospec = getattr(p, "do_not_specialize", False)  # @triton.jit(do_not_specialize=)
+            if v == 1 and not nospec:
                 sig[p.name], const[p.name] = "constexpr", 1
                 continue
             sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if v % 16 == 0:
+            if v % 16 == 0 and not nospec and not getattr(
+                    p, "do_not_specialize_on_alignment", False):
                 div16.append(p.name)
         elif isinstance(v, float):
             sig[p.name] = "fp32"
