@@ -41,6 +41,7 @@ def test_a_failed_cascade_probe_is_reported_and_warned(monkeypatch, caplog):
     assert rec.levelno == logging.WARNING and "OutOfMemoryError" in rec.message
 
 
+@pytest.mark.slow  # a second tiny model (~3 s here)
 def test_the_cascade_plan_is_logged_quietly(caplog):
     model, _ = tiny_llama(device="cpu")
     with caplog.at_level(logging.INFO, logger="icqs_fast"):

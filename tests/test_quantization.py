@@ -123,6 +123,7 @@ def _quantised_head(kind: str):
     return model
 
 
+@pytest.mark.slow  # a tiny model per kind, its plan's probes (~4 s each here)
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_a_quantised_head_keeps_the_fused_path(kind):
     """Before, the head probe read the packed weight (a 4-bit head's ``[V H / 2, 1]`` bytes) and
