@@ -132,3 +132,16 @@ def test_missing_private_triton_combines_are_reported():
     out = p.stdout.split("@@", 1)[1]
     assert out.startswith(" True") and "lacks the private combines" in out
     assert "@@W 1" in p.stdout  # warned once, at the import
+
+
+@pytest.mark.slow  # a tiny model and a server object (~4 s here)
+def test_metrics_name_the_served_path():
+    from icqs_fast.serve.app import Server
+
+    model, tok = tiny_llama(device="cpu")
+    server = Server(model, tok)
+    text = server.metrics.render()[0].decode()
+    want = backends.resolve("auto", torch.device("cpu"))
+    assert (f'icqs_serve_engine_path{{backend="{want}",fastest="true",path="cascade"}} 1.0'
+            in text), [ln for ln in text.splitlines() if "engine" in ln]
+    assert server.plan["path"] == "cascade"

@@ -37,7 +37,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from icqs_fast.engine.capability import dense_head_weight
+from icqs_fast import backends
+from icqs_fast.engine.batching import model_device
+from icqs_fast.engine.capability import dense_head_weight, model_plan
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.options import declaration
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
@@ -113,6 +115,12 @@ class Server:
                                if PromptPrefill.supported(model) else None,
                                between_steps=self.trimmer)
         self.metrics = ServeMetrics(self.queue, ROUTES)
+        try:  # a --backend that cannot run here is bad input (exit 2), not a fallback
+            backend = backends.resolve(cfg.backend, model_device(model))
+        except RuntimeError as exc:
+            raise ValueError(f"--backend {cfg.backend}: {exc}") from exc
+        self.plan = model_plan(model).as_meta(backend)  # in /metrics
+        self.metrics.engine_plan(self.plan)
         self.admission = Admission(tokenizer, cfg, self.vocab, lim, count_tokens=lambda r, n:
                                    self.metrics.prompt_tokens.labels(r).inc(n))
         self.max_prompt_tokens = self.admission.max_prompt_tokens
