@@ -74,6 +74,9 @@ def test_meta_file_names_the_path_and_backend(tmp_path, tiny_llama_dir):
     assert e["path"] == "cascade" and e["fastest"] and e["why"] == ""
     assert e["backend"] == meta["backend"] == backends.resolve("auto", torch.device("cpu"))
     assert e["message"].startswith("llama: prefix bank, cascade attention")
+    m = meta["memory_plan"]  # the CPU reads no free memory: reported, not split
+    assert m["free_bytes"] is None and m["token_budget"] == m["asked_budget"]
+    assert m["bank_bytes"] > 0 and m["per_token_bytes"] > 0
 
 
 def test_backend_triton_that_cannot_run_is_an_error(monkeypatch):

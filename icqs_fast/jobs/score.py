@@ -274,6 +274,8 @@ class ScoreStrategy:
     def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
         (dtype, device, backend) added to ``meta``."""
+        from icqs_fast.engine.batching import model_device
+        from icqs_fast.engine.memory_plan import free_device_bytes, scorer_memory_plan
         from icqs_fast.engine.scorer import ICQSScorer
         from icqs_fast.models import load_model
 
@@ -290,6 +292,12 @@ class ScoreStrategy:
         meta.update(checked_runtime(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
         meta["engine"] = engine_meta(self.scorer, meta["backend"])
+        # Before the first forward: a bank that cannot fit is refused with its numbers, and
+        # forwards too large for what is left are split (a lower token budget).
+        mem = scorer_memory_plan(self.scorer, free_device_bytes(model_device(model)))
+        self.scorer.token_budget = mem.token_budget
+        meta["memory_plan"] = mem.as_dict()
+        log(f"icqs-fast: {mem.line()}")
         e = meta["engine"]
         log(f"icqs-fast: engine: {e['message']}; backend {e['backend']}"
             + ("" if e["fastest"] else " (not the fastest path)"))
