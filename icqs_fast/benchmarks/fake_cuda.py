@@ -584,6 +584,8 @@ def FakeCuda(rec: Recorder):  # noqa: N802 - reads as a mode
         (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
         (torch.cuda, "max_memory_allocated", lambda device=None: 0),
         (torch.cuda, "memory_allocated", lambda device=None: 0),
+        # The memory plan reads the free memory (80 GB, 70 GB of it free).
+        (torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, props.total_memory)),
         (torch, "Generator", _FakeGenerator),
         (FakeTensor, "tolist", fake_tolist),
         (torch.nn.Module, "_apply", _module_apply),
