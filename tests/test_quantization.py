@@ -12,7 +12,8 @@ from _helpers import tiny_llama, write_jsonl
 
 from icqs_fast.cli import main
 from icqs_fast.engine import capability
-from icqs_fast.models import QUANTIZATIONS, quantization_kwargs
+from icqs_fast.models import quantization_kwargs
+from icqs_fast.options import QUANTIZATIONS
 
 
 def _help(cmd: list[str]) -> str:

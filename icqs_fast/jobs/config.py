@@ -24,8 +24,7 @@ from typing import Any
 from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.records import FORMATS
-from icqs_fast.models import QUANTIZATIONS
-from icqs_fast.options import check_declared, declared, option
+from icqs_fast.options import QUANTIZATIONS, check_declared, declared, option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
