@@ -343,6 +343,7 @@ def _warn_if_slow(choice: DtypeChoice) -> None:
 # What load_model chose for each model it returned (read by runtime_settings).
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+
 def quantization_kwargs(quantization: str, device: str | torch.device = "auto"
                         ) -> dict[str, bool]:
     """:func:`load_model`'s ``load_in_8bit`` / ``load_in_4bit`` for a ``--quantization`` name.
