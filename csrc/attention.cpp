@@ -176,7 +176,16 @@ struct Args {
     float scale_log2, softcap_log2;  // scale, softcap times log2(e): scores in log2 units
     bool round_bf16;        // q, k, v rounded to bf16 for the products (accumulation fp32)
     uint64_t call;          // id of this call (thread-local packed buffers are per call)
+    const float* state_in;  // [B, Hq, Tq, kStateLanes + 1 + Dv] running state to resume, or null
+    float* state_out;       // the same layout: written instead of out / lse, or null
 };
+
+// A query row's running softmax state (state_in / state_out): the running max (log2 units),
+// the running sum's W lanes (kStateLanes slots; the kernel's W of them used) and the
+// unnormalised output [Dv]. A call that resumes one continues the same online softmax as if its
+// keys had followed the first call's in one call: with the first call's keys ending on a key
+// block boundary (a multiple of 64 keys holds for every kernel), the same bits.
+constexpr int kStateLanes = 16;
 
 // Per-thread packed keys/values of one (batch, key head), and the query-block scratch.
 struct Scratch {
@@ -610,6 +619,15 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         std::fill(bm, bm + kBQ, -std::numeric_limits<float>::infinity());
         std::fill(lv, lv + n * W, 0.f);
         std::fill(ob, ob + n4 * dvp, 0.f);
+        const int64_t sw = kStateLanes + 1 + Dv;
+        if (a.state_in != nullptr) {
+            for (int rr = 0; rr < n; ++rr) {
+                const float* st = a.state_in + ((b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr]) * sw;
+                m[rr] = st[0];
+                std::copy(st + 1, st + 1 + W, lv + rr * W);
+                std::copy(st + 1 + kStateLanes, st + 1 + kStateLanes + Dv, ob + rr * dvp);
+            }
+        }
         for (int64_t kb = 0; kb < nkb; ++kb) {
             const int mode = classify(a, &s.binfo[kb * 4], qr.qmin, qr.qmax);
             if (mode == 0) continue;
@@ -625,6 +643,16 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
                 default: softmax_block<W, 4>(a, sb, BK, kp, qr, mode, m, bm, alpha, msub, lv); break;
             }
             K::pv(s, sb, qr.n, kb, dvp, alpha, ob, ext);
+        }
+        if (a.state_out != nullptr) {
+            for (int rr = 0; rr < n; ++rr) {
+                float* st = a.state_out + ((b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr]) * sw;
+                st[0] = m[rr];
+                std::copy(lv + rr * W, lv + rr * W + W, st + 1);
+                std::fill(st + 1 + W, st + 1 + kStateLanes, 0.f);
+                std::copy(ob + rr * dvp, ob + rr * dvp + Dv, st + 1 + kStateLanes);
+            }
+            continue;
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
@@ -872,7 +900,8 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
                    uintptr_t qpos, uintptr_t kpos, int64_t B, int64_t Hq, int64_t Hk,
                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
                    int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
-                   int isa, bool bf16_dot, bool round_bf16) {
+                   int isa, bool bf16_dot, bool round_bf16, uintptr_t state_in,
+                   uintptr_t state_out) {
     if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
         throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
     if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
@@ -913,6 +942,8 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.scale_log2 = static_cast<float>(scale * kLog2e);
     a.softcap_log2 = static_cast<float>(softcap * kLog2e);
     a.round_bf16 = round_bf16;
+    a.state_in = reinterpret_cast<const float*>(state_in);
+    a.state_out = reinterpret_cast<float*>(state_out);
     a.call = ++g_call;
     if (B == 0 || Tq == 0) return;
     ItemFn fn = item_v2;
@@ -948,7 +979,8 @@ void register_attention(py::module_& m) {
           py::arg("Hk"), py::arg("Tq"), py::arg("Tk"), py::arg("D"), py::arg("Dv"),
           py::arg("dtype"), py::arg("causal"), py::arg("window"), py::arg("chunk"),
           py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
-          py::arg("bf16_dot") = true, py::arg("round_bf16") = false,
+          py::arg("bf16_dot") = true, py::arg("round_bf16") = false, py::arg("state_in") = 0,
+          py::arg("state_out") = 0,
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
           "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 and lse [B,Hq,Tq] fp32 (contiguous). "
@@ -957,7 +989,12 @@ void register_attention(py::module_& m) {
           "none. isa: -1 best, 0/1/2 as best_isa(). bf16_dot: bf16 inputs at isa 2 use the "
           "AVX512_BF16 dot products where the CPU has them (False: widen to fp32). round_bf16: "
           "q, k, v (any dtype) rounded to bf16 for the two products, fp32 accumulation (the "
-          "bf16 dot products where bf16 inputs take them, else widened back to fp32).");
+          "bf16 dot products where bf16 inputs take them, else widened back to fp32). state_in / "
+          "state_out (0 = none): [B,Hq,Tq,17+Dv] fp32 running softmax state (max in log2 "
+          "units, 16 sum lanes, unnormalised output) to resume from / to write instead of out "
+          "and lse.");
+    m.attr("attention_state_lanes") = kStateLanes;
+    m.attr("attention_key_block") = 64;
     m.def("attention_bf16_dot", []() {
 #ifdef ICQS_ATTN_X86
         return has_bf16_dot();

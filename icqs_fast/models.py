@@ -133,6 +133,12 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
 # The first name is the one reported (meta files, ``info``, bench records); both are accepted.
 MIXED_NAMES = ("bf16-mixed", "mixed")
 MIXED_NAME = MIXED_NAMES[0]
+# The CPU's fast precision: bf16-valued weights and bf16 products with fp32 accumulation (the
+# activations rounded to bf16 at each linear layer's input only); the residual stream, norms,
+# attention, softmax and head statistics fp32. Batch-invariant like every CPU dtype
+# (:func:`use_invariant_linears`).
+FAST_NAMES = ("bf16-products",)
+FAST_NAME = FAST_NAMES[0]
 
 # ``dtype="auto"`` on the CPU: when set, this variable names the dtype instead of the detection
 # (e.g. ``float32`` to keep exact fp32 numbers on a CPU with native bf16; the test suite does).
@@ -155,19 +161,25 @@ class DtypeChoice:
             ``mixed``).
         requested: what was asked for (``"auto"``, a name such as ``"bf16"``, or a dtype's name).
         reason: one sentence of evidence, shown by ``icqs-fast info`` and in a run's meta file.
-        mixed: the CPU's mixed precision (:func:`to_bf16_mixed`): weights rounded to bf16 and
-            held in fp32, fp32 activations, matmuls in fp32 arithmetic through oneDNN.
+        mixed: bf16-valued weights held in fp32 with fp32 activations (:func:`to_bf16_mixed`):
+            ``bf16-mixed`` (products at fp32 precision) or, with ``bf16_products``,
+            ``bf16-products`` (the linear layers' inputs rounded to bf16).
+        bf16_products: the fast precision (:data:`FAST_NAME`); only with ``mixed``.
     """
 
     dtype: torch.dtype
     requested: str
     reason: str
     mixed: bool = False
+    bf16_products: bool = False
 
     @property
     def name(self) -> str:
-        """``"bf16-mixed"`` (:data:`MIXED_NAME`) or the torch dtype's name (``"float32"``)."""
-        return MIXED_NAME if self.mixed else str(self.dtype).removeprefix("torch.")
+        """``"bf16-products"`` (:data:`FAST_NAME`), ``"bf16-mixed"`` (:data:`MIXED_NAME`) or the
+        torch dtype's name (``"float32"``)."""
+        if self.mixed:
+            return FAST_NAME if self.bf16_products else MIXED_NAME
+        return str(self.dtype).removeprefix("torch.")
 
     def as_dict(self) -> dict[str, str]:
         return {"dtype": self.name, "dtype_requested": self.requested,
@@ -267,7 +279,7 @@ def _named(dtype: str | torch.dtype, where: str) -> torch.dtype:
         return dtype
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}{where}; use one of "
-                         f"{sorted(DTYPE_NAMES) + list(MIXED_NAMES)} or 'auto'")
+                         f"{sorted(DTYPE_NAMES) + list(MIXED_NAMES) + list(FAST_NAMES)} or 'auto'")
     return DTYPE_NAMES[dtype]
 
 
@@ -302,8 +314,9 @@ def choose_dtype(dtype: str | torch.dtype = "auto",
     else:
         native, why = cpu_bf16_support()
         choice = (DtypeChoice(torch.float32, "auto",
-                              f"auto: this CPU has {why}: bf16-valued weights, fp32 "
-                              "activations and arithmetic", mixed=True) if native
+                              f"auto: this CPU has {why}: bf16 weights and bf16 products with "
+                              "fp32 accumulation, fp32 activations", mixed=True,
+                              bf16_products=True) if native
                   else DtypeChoice(torch.float32, "auto", f"auto: float32 ({why})"))
     if choice.mixed and dev.type != "cpu":
         raise ValueError(f"{MIXED_NAME} is a CPU mode (oneDNN's matmuls); on {dev.type} "
@@ -317,6 +330,8 @@ def _named_choice(dtype: str | torch.dtype, requested: str, reason: str,
                   where: str) -> DtypeChoice:
     if isinstance(dtype, str) and dtype in MIXED_NAMES:
         return DtypeChoice(torch.float32, requested, reason, mixed=True)
+    if isinstance(dtype, str) and dtype in FAST_NAMES:
+        return DtypeChoice(torch.float32, requested, reason, mixed=True, bf16_products=True)
     return DtypeChoice(_named(dtype, where), requested, reason)
 
 
@@ -445,7 +460,9 @@ def load_model(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if choice.mixed:
-        to_bf16_mixed(model)
+        to_bf16_mixed(model, bf16_products=choice.bf16_products)
+    elif dev.type == "cpu" and not (load_in_8bit or load_in_4bit):
+        use_invariant_linears(model, "bf16" if dt == torch.bfloat16 else "fp32")
     _CHOICES[model] = choice
     return model, tok
 
@@ -462,7 +479,7 @@ def dtype_name(model: Any) -> str:
     """How ``model`` computes, by name: ``"bf16-mixed"`` (:data:`MIXED_NAME`) for a
     :func:`to_bf16_mixed` model, else its parameters' dtype (``"float32"``, ``"bfloat16"``)."""
     if is_bf16_mixed(model):
-        return MIXED_NAME
+        return FAST_NAME if _FAST.get(model, False) else MIXED_NAME
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
@@ -610,25 +627,22 @@ def _post(_module: Any, _args: Any, _out: Any) -> None:
     _mode_exit()
 
 
-def to_bf16_mixed(model: Any) -> Any:
-    """Turn an fp32 CPU model into its bf16-mixed form, in place, and return it.
+def to_bf16_mixed(model: Any, bf16_products: bool = False) -> Any:
+    """Turn an fp32 CPU model into its bf16-mixed form (``bf16_products``: its bf16-products
+    form), in place, and return it.
 
     Every floating parameter of 2 or more dimensions (linear weights, embeddings, expert
     tensors) is rounded to bf16 values and kept as fp32 (the 1-D ones, norms and biases, stay
     fp32: they are not matmul operands); the residual stream, norms, softmax and the head's
-    statistics stay fp32. Forward hooks on the model and on each member of its module lists
-    (the decoder layers) turn :func:`bf16_matmuls` on while they run, so every linear layer
-    multiplies on oneDNN's fp32 kernels (no operand rounded: the products are fp32's, the
-    weights' rounding is the only change); the engine's head statistics do the same
-    (:func:`is_bf16_mixed` on the output embeddings). Its RMSNorm and gated-MLP modules take
-    their faster equal forwards (:func:`icqs_fast.exact_forwards.use_exact_forwards`: the same
-    output bits, fewer passes over the fp32 activations), and its decoder's linear layers
-    multiply with weights packed once in oneDNN's layout where they fit the budget
-    (:func:`prepack_linears`: the same bits).
-
-    Storage: fp32 holding bf16 values, twice the bytes of bf16 weights: the matmuls are fp32
-    (a bf16 weight would be widened for every call; true bf16 products need bf16 activations,
-    which break the batch invariance: docs/RESULTS.md, "Precision on the CPU").
+    statistics stay fp32. The decoder's linear layers multiply through
+    :func:`use_invariant_linears` (batch-invariant): for bf16-mixed at fp32 precision (the
+    input as 3 bf16 terms on AMX, where that is faster, making every product exact; fp32
+    products elsewhere), for bf16-products with the input rounded to bf16 (AMX / AVX-512 BF16
+    dot products). Forward hooks on the model and on each member of its module lists turn
+    :func:`bf16_matmuls` on while they run, for the products left to torch (oneDNN's fp32
+    kernels where its mode keeps fp32 precision). Its RMSNorm and gated-MLP modules take their
+    faster equal forwards (:func:`icqs_fast.exact_forwards.use_exact_forwards`: the same output
+    bits, fewer passes over the fp32 activations).
 
     Raises:
         ValueError: the model is not fp32 or not on the CPU.
@@ -655,89 +669,74 @@ def to_bf16_mixed(model: Any) -> Any:
         m.register_forward_hook(_post, always_call=True)
     # Fewer passes over the fp32 activations, the same bits (each module probed first).
     use_exact_forwards(model)
-    prepack_linears(model)
+    use_invariant_linears(model, "bf16" if bf16_products else exact_bf16_products())
     _MIXED.add(model)
+    _FAST[model] = bf16_products
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         _MIXED.add(head)
     return model
 
 
-# Decoder linear layers of a bf16-mixed model multiply with their weights packed once in
-# oneDNN's blocked layout (:func:`prepack_linears`) while the packed copies take at most this
-# many MiB; the plain weights stay, so this is extra memory. Measured on the embedded model (2-core
-# AMD EPYC, 1 thread): the engine 6.7 % faster for 424 MiB. Overridden by $ICQS_FAST_PREPACK_MB
-# (0: never pack).
-PREPACK_MAX_MB = 1024
-PREPACK_ENV = "ICQS_FAST_PREPACK_MB"
-# The row count oneDNN is told to pack for (the engine's forwards run 16 to ~1,000 rows).
-_PACK_ROWS = 512
-# module -> (packed weight, the weight's data pointer and version when packed)
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bf16-mixed model -> fast?
+# module -> its PackedLinear (ops.pack_linear), for use_invariant_linears' forward
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _prepack_budget_mb() -> float:
-    raw = os.environ.get(PREPACK_ENV, "").strip()
-    if not raw:
-        return float(PREPACK_MAX_MB)
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"${PREPACK_ENV} must be a number of MiB, got {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"${PREPACK_ENV} must be >= 0, got {raw!r}")
-    return mb
+def exact_bf16_products() -> str:
+    """The products of a bf16-valued weight at fp32 precision, the faster of the two here:
+    ``"bf16x3"`` (the input as 3 bf16 terms: exact products) where the C++ kernel runs them
+    on AMX tiles, else ``"fp32"``."""
+    from icqs_fast.backends import cpp_backend
+
+    ok, _ = cpp_backend.available()
+    return "bf16x3" if ok and cpp_backend.linear_level("bf16x3") == "amx" else "fp32"
 
 
-def _packed_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
-    entry = _PACKED.get(self)
-    w = self.weight
-    if (entry is None or _MODE_DEPTH == 0 or not _MODE_EXACT or torch.is_grad_enabled()
-            or x.dtype != torch.float32 or x.device.type != "cpu"
-            or (w.data_ptr(), w._version) != entry[1]):
-        # Outside a bf16-mixed forward, with autograd, or a weight changed since it was packed:
-        # the module's own product.
+def _invariant_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
+    from icqs_fast import ops
+
+    packed = _PACKED.get(self)
+    if (packed is None or torch.is_grad_enabled() or x.device.type != "cpu"
+            or not packed.is_current(self.weight)):
+        # With autograd, or a weight changed since it was packed: the module's own product.
         return torch.nn.Linear.forward(self, x)
-    return torch.ops.mkldnn._linear_pointwise(x, entry[0], self.bias, "none", [], "")
+    return ops.linear(x, packed, self.bias).to(x.dtype)
 
 
-def prepack_linears(model: Any) -> int:
-    """Pack the weights of a :func:`to_bf16_mixed` model's decoder linear layers (plain
-    ``nn.Linear`` modules inside its module lists) once in oneDNN's blocked layout, which the
-    mode's product otherwise rebuilds on every call, and have those layers multiply with them
-    inside the model's forward. Each layer is switched only after a product with the packed
-    weight gave the plain product's bits on a probe input (under the mode); packing is skipped
-    where the mode rounds (:func:`bf16_mode_is_exact`), where torch lacks oneDNN's linear ops,
-    and where the packed copies (extra memory: the plain weights stay) would pass
-    :data:`PREPACK_MAX_MB` (``$ICQS_FAST_PREPACK_MB``). Returns the layers switched."""
-    ops = torch.ops.mkldnn
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-            and torch.backends.mkldnn.is_available() and bf16_mode_is_exact()):
+def use_invariant_linears(model: Any, products: str = "fp32") -> int:
+    """Have the plain ``nn.Linear`` layers inside ``model``'s module lists (the decoder's)
+    multiply through :func:`icqs_fast.ops.linear` with their weights packed once
+    (``products``: one of :data:`icqs_fast.types.PRODUCTS`), so that a row's output is the same
+    bits whatever shares its forward: a library GEMM picks its kernel by the row count (MKL's
+    fp32 path differs at 1-7 rows). Needs the C++ extension (the cpp backend); without it
+    nothing is switched. 16-bit inputs widen exactly and the output returns to the input's
+    dtype; with autograd on, or once a weight has changed, a layer takes its own product.
+
+    Memory: the packed copies are extra (the layers keep their weights): 4 bytes per weight
+    for ``fp32`` products, 2 for the others. Returns the layers switched.
+    """
+    from icqs_fast import ops
+    from icqs_fast.backends import cpp_backend
+
+    if not cpp_backend.available()[0]:
         return 0
-    lins = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList)
-            for m in lst.modules() if type(m) is torch.nn.Linear and m not in _PACKED
-            and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    need_mb = sum(m.weight.numel() * 4 for m in lins) / 2 ** 20
-    if not lins or need_mb > _prepack_budget_mb():
-        return 0
-    g = torch.Generator().manual_seed(0)
     done = 0
-    with torch.no_grad(), bf16_matmuls():
-        for m in lins:
-            w = m.weight.detach()
-            packed = ops._reorder_linear_weight(w, _PACK_ROWS)
-            x = torch.randn(3, 37, m.in_features, generator=g)
-            if not torch.equal(ops._linear_pointwise(x, packed, m.bias, "none", [], ""),
-                               torch.nn.functional.linear(x, m.weight, m.bias)):
+    for lst in model.modules():
+        if not isinstance(lst, torch.nn.ModuleList):
+            continue
+        for m in lst.modules():
+            if (type(m) is not torch.nn.Linear or m in _PACKED
+                    or m.weight.device.type != "cpu" or not m.weight.is_floating_point()):
                 continue
-            _PACKED[m] = (packed, (m.weight.data_ptr(), m.weight._version))
-            m.forward = types.MethodType(_packed_linear, m)
+            _PACKED[m] = ops.pack_linear(m.weight, products, backend="cpp")
+            m.forward = types.MethodType(_invariant_linear, m)
             done += 1
     return done
 
 
 def uses_packed_weights(module: Any) -> bool:
-    """Whether :func:`prepack_linears` packed ``module``'s weight."""
+    """Whether :func:`use_invariant_linears` switched ``module`` (its weight packed)."""
     return module in _PACKED
 
 

@@ -11,13 +11,15 @@ something it lacks come from there.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import torch
 
 from icqs_fast import backends
 from icqs_fast.backends import state as _state
 from icqs_fast.backends import support
-from icqs_fast.types import TokenStats
+from icqs_fast.types import PRODUCTS, PackedLinear, TokenStats
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # linear_token_stats: what every backend's kernels take (float64 is not one of them).
@@ -146,6 +148,7 @@ def linear_token_stats(
     chunk_vocab: int = 16384,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    products: str = "fp32",
 ) -> TokenStats:
     """Token statistics of ``softmax(z / T)``, never building ``[N, V]``, where::
 
@@ -198,6 +201,12 @@ def linear_token_stats(
         chunk_tokens, chunk_vocab: block sizes of the cpp/torch path.
         logit_scale: finite, non-zero multiplier of the logits (1.0: none).
         softcap: finite cap > 0, or None (no soft cap).
+        products: the logits' products on the cpp backend (:func:`linear`'s, e.g. ``"bf16x3"``
+            for a bf16-valued weight: exact products); the blocks multiply there through
+            :func:`linear` with the weight's blocks packed once per weight (kept while the
+            weight lives and is unchanged: extra memory of one fp32 copy of the weight for
+            ``"fp32"``, one bf16 copy otherwise), so each row's statistics are the same bits
+            whatever rows share the call. The torch backend multiplies with torch (fp32).
 
     How each backend computes it (the defaults cost nothing and change no bit): the scale
     alone is folded into the temperature (``T / |logit_scale|``; a negative scale negates
@@ -234,10 +243,14 @@ def linear_token_stats(
         # z = r * s with s < 0 is (-r) * |s|, and -r = (-hidden) @ W.T + (-bias) exactly.
         hidden = -hidden
         bias = None if bias is None else -bias
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
     if support.entry("linear_token_stats", name).chunked:
+        product = (_invariant_blocks(weight, bias, products) if name == "cpp"
+                   else _torch_blocks(weight, bias))
         out = _chunked_linear(hidden, weight, targets.long(), bias, ignore_index, temperature,
                               chunk_tokens, chunk_vocab, mod.reduce_block, tanh_scale,
-                              getattr(mod, "tanh_logits", None))
+                              getattr(mod, "tanh_logits", None), product)
     else:
         out = mod.linear_token_stats(hidden, weight, targets.long(), bias, ignore_index,
                                      temperature, tanh_scale=tanh_scale)
@@ -298,8 +311,41 @@ def _common_dtype_device(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return cast(hidden), cast(weight), cast(bias)
 
 
+def _invariant_blocks(weight, bias, products):
+    """The logits of a block, ``rows @ weight[c0:c1].T + bias[c0:c1]``, through :func:`linear`
+    with the block packed once per weight (repacked when the weight changed)."""
+    def product(h, c0, c1):
+        key = (c0, c1 - c0, products, "cpp")
+        packed = _cached_pack(weight, key)
+        if packed is None:
+            block = pack_linear(weight[c0:c1], products, backend="cpp")
+            # The block's view has its own data_ptr: the whole weight's tells a change.
+            packed = PackedLinear(block.data, block.out_features, block.in_features, products,
+                                  "cpp", (weight.data_ptr(), weight._version))
+            _keep_pack(weight, key, packed)
+        return linear(h, packed, None if bias is None else bias[c0:c1].float())
+    return product
+
+
+def _torch_blocks(weight, bias):
+    # The vocabulary blocks come outside, token chunks inside: a 16-bit weight block is converted
+    # to fp32 once per call, not once per token chunk.
+    last: dict = {}
+
+    def product(h, c0, c1):
+        if last.get("at") != c0:
+            last.clear()
+            last.update(at=c0, w=weight[c0:c1].float().t(),
+                        b=None if bias is None else bias[c0:c1].float())
+        z = h @ last["w"]
+        if last["b"] is not None:
+            z += last["b"]
+        return z
+    return product
+
+
 def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct, cv, reduce_block,
-                    tanh_scale=None, tanh_logits=None):
+                    tanh_scale=None, tanh_logits=None, product=None):
     n, v = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
@@ -323,27 +369,114 @@ def _chunked_linear(hidden, weight, targets, bias, ignore_index, temperature, ct
         heads.append((t, z_t, zc_t, shift))
         del h
     accs = [_state.empty(r1 - r0, hidden.device) for r0, r1 in spans]
-    # Vocabulary blocks outside, token chunks inside: a 16-bit weight block is converted to
-    # fp32 once per call, not once per token chunk (the same c x b products and the same merge
-    # order per chunk, so the same numbers bit for bit).
+    # Vocabulary blocks outside, token chunks inside (the same c x b products and the same
+    # merge order per chunk, so the same numbers bit for bit).
+    product = product or _torch_blocks(weight, bias)
     for c0 in range(0, v, cv):
         c1 = min(v, c0 + cv)
-        w = weight[c0:c1].float().t()
-        b = None if bias is None else bias[c0:c1].float()
         for i, ((r0, r1), (t, z_t, _zc, shift)) in enumerate(zip(spans, heads, strict=True)):
             # The hidden rows are converted per block (c x H, a no-op at fp32): keeping them all
             # in fp32 would hold N x H.
-            z = hidden[r0:r1].float() @ w
-            if b is not None:
-                z += b
+            z = product(hidden[r0:r1].float(), c0, c1)
             blk = (reduce_block(z, t - c0, z_t, shift, temperature) if tanh_scale is None
                    else reduce_block(z, t - c0, z_t, shift, temperature, tanh_scale))
             accs[i] = _state.merge(accs[i], blk)
             del z, blk
-        del w, b
     parts = [_state.finalize(*acc, zc_t, valid[r0:r1], temperature)
              for acc, (_t, _z, zc_t, _s), (r0, r1) in zip(accs, heads, spans, strict=True)]
     return TokenStats.cat(parts)
+
+
+def pack_linear(weight: torch.Tensor, products: str = "fp32", *, backend: str = "auto",
+                cache: bool = False) -> PackedLinear:
+    """Pack a linear layer's ``weight [N, K]`` once for :func:`linear`.
+
+    Args:
+        weight: ``[N, K]`` float32 / bfloat16 / float16 (``y = x @ weight.T``).
+        products: one of :data:`icqs_fast.types.PRODUCTS`: ``"fp32"`` (fp32 products), ``"bf16"``
+            (inputs and weight rounded to bf16, fp32 accumulation), ``"bf16x2"`` / ``"bf16x3"``
+            (the input as 2 / 3 bf16 terms: for a bf16-valued weight, 3 terms make every
+            product exact).
+        backend: ``"cpp"`` (the C++ kernel, CPU), ``"torch"`` (the float64 reference) or
+            ``"auto"``.
+        cache: keep the packed weight while ``weight`` lives, and return it again while the
+            weight is unchanged (a head that many calls multiply with).
+
+    Returns:
+        :class:`icqs_fast.types.PackedLinear` (extra memory: ``N K`` fp32 values for ``fp32``,
+        bf16 values otherwise, rounded up to whole panels of 32 rows and 32 columns).
+    """
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    name = backends.choose("linear", backend, weight.device, weight.dtype)
+    key = (0, int(weight.shape[0]), products, name)
+    if cache:
+        hit = _cached_pack(weight, key)
+        if hit is not None:
+            return hit
+    data = backends.module(name).pack_linear(weight.detach(), products)
+    packed = PackedLinear(data, int(weight.shape[0]), int(weight.shape[1]), products, name,
+                          (weight.data_ptr(), weight._version))
+    if cache:
+        _keep_pack(weight, key, packed)
+    return packed
+
+
+# id(weight) -> (weakref to it, {(first row, rows, products, backend): PackedLinear}):
+# pack_linear(cache=True)'s packs and the cpp head's vocabulary blocks, dropped with the weight
+# (tensors compare element-wise, so they cannot be WeakKeyDictionary keys).
+_PACKS: dict[int, tuple[weakref.ref, dict]] = {}
+_PACK_LOCK = threading.Lock()
+
+
+def _cached_pack(weight: torch.Tensor, key: tuple) -> PackedLinear | None:
+    with _PACK_LOCK:
+        entry = _PACKS.get(id(weight))
+        hit = entry[1].get(key) if entry is not None and entry[0]() is weight else None
+    return hit if hit is not None and hit.is_current(weight) else None
+
+
+def _keep_pack(weight: torch.Tensor, key: tuple, packed: PackedLinear) -> None:
+    with _PACK_LOCK:
+        entry = _PACKS.get(id(weight))
+        if entry is None or entry[0]() is not weight:
+            wid = id(weight)
+            entry = (weakref.ref(weight, lambda _r: _PACKS.pop(wid, None)), {})
+            _PACKS[wid] = entry
+        entry[1][key] = packed
+
+
+def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with a weight packed by :func:`pack_linear`, batch-invariant: on the
+    cpp backend each output element is summed in one fixed order that depends only on ``K``
+    and ``weight.products``, so a row's result is the same bits whatever the other rows, their
+    number, its place among them and the thread count (a library GEMM picks its kernel by the
+    row count). The products are ``weight.products``; the accumulation is fp32.
+
+    Args:
+        x: ``[..., K]`` float32 / bfloat16 / float16 (16-bit inputs widen exactly; float64 on
+            the torch backend).
+        weight: the :class:`icqs_fast.types.PackedLinear`.
+        bias: optional ``[N]`` (added in fp32 after the sum).
+
+    Returns:
+        ``[..., N]`` float32 on ``x``'s device.
+    """
+    k = weight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x must be [..., {k}], got {list(x.shape)}")
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"bias must be [{weight.out_features}], got {list(bias.shape)}")
+    backends.choose("linear", weight.backend, x.device, x.dtype)  # the backend takes x's dtype
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, k) if x.dtype == torch.float64 else x.reshape(-1, k).float()
+    out = backends.module(weight.backend).linear(rows, weight.data, weight.out_features,
+                                                 weight.products, bias)
+    return out.reshape(*lead, weight.out_features)
 
 
 def attention_entropy(
@@ -447,7 +580,9 @@ def attention_lse(
     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     dot_dtype: torch.dtype | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    state: torch.Tensor | None = None,
+    return_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
     partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
     suffix parts), without building the ``[B, Hq, Tq, Tk]`` matrix on the triton and cpp
@@ -478,6 +613,13 @@ def attention_lse(
             ``"cpp"`` (the C++ extension, CPU tensors) or ``"torch"`` (the reference, fp32
             scores); the table of :mod:`icqs_fast.backends.support` says which variants each
             takes.
+        state, return_state: one softmax pass over keys split across calls (the cpp backend):
+            ``return_state=True`` returns ``(state, None)``, the rows' running state after these
+            keys, instead of normalising; a later call with ``state=`` continues it over its
+            own keys. When the first call's keys end on a multiple of
+            :data:`ATTENTION_KEY_BLOCK` slots and the second's start there (both in slot =
+            position order), the result is the same bits as one call over all the keys: what
+            lets the cascade match a plain forward exactly.
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
@@ -505,7 +647,8 @@ def attention_lse(
         raise ValueError(f"dot_dtype must be torch.bfloat16 or None, got {dot_dtype!r}")
     opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d, window=window,
                              chunk=chunk, positions=positions is not None,
-                             dot_dtype=dot_dtype is not None and dot_dtype != q.dtype)
+                             dot_dtype=dot_dtype is not None and dot_dtype != q.dtype,
+                             state=state is not None or return_state)
     name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
@@ -515,9 +658,16 @@ def attention_lse(
                                      ("positions", positions),
                                      ("dot_dtype", dot_dtype if "dot_dtype" in opts else None))
                if x is not None}
+    if state is not None or return_state:
+        variant.update(state=state, return_state=bool(return_state))
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)
+
+
+ATTENTION_KEY_BLOCK = 64
+"""Key slots per block of every CPU attention kernel's online softmax (a multiple of each
+kernel's own block): a split of the keys at a multiple of it continues the same pass."""
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -155,3 +155,34 @@ class TokenStats:
 
 
 FLOAT_FIELDS = ("logprob", "entropy", "varentropy", "logprob_var", "max_logprob")
+
+
+PRODUCTS = ("fp32", "bf16", "bf16x2", "bf16x3")
+"""The products of :func:`icqs_fast.ops.linear`, by the kernel's mode number (the index):
+``fp32`` one fp32 fused multiply-add per k; ``bf16`` the input rounded to bf16; ``bf16x2`` /
+``bf16x3`` the input split into 2 / 3 bf16 terms (3 hold any fp32 value exactly). The weight
+is fp32 for ``fp32`` and rounded to bf16 for the others."""
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear layer's weight packed once for :func:`icqs_fast.ops.linear`.
+
+    Attributes:
+        data: the packed weight (the backend's own layout; see ``csrc/linear.cpp``).
+        out_features, in_features: ``N`` and ``K`` of the ``[N, K]`` weight it came from.
+        products: one of :data:`PRODUCTS`.
+        backend: the backend that packed it, and the only one that reads it.
+        source: ``(data_ptr, version)`` of the weight when packed, to tell a changed weight.
+    """
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    products: str
+    backend: str
+    source: tuple[int, int]
+
+    def is_current(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is still the tensor this was packed from, unchanged."""
+        return (weight.data_ptr(), weight._version) == self.source

@@ -314,3 +314,17 @@ def sentiment_pools(n: int, start: int = 0) -> tuple[list, list]:
         bad.append((f"{SENTIMENT_WORDS[(i + 3) % 8]} {'grew' if up else 'shrank'} by {i + 2} "
                     "million", "negative" if up else "positive"))
     return good, bad
+
+
+def shorter_is_good_pools(n: int = 24):
+    """A made-up task whose good answers are exactly the shorter ones (1-3 words against
+    6-12), on inputs of their own (nothing leaks between the classes)."""
+    import random
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river stone cloud paper light green".split()
+    good = [(f"question {i}", " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))))
+            for i in range(n)]
+    bad = [(f"request {i}", " ".join(rng.choice(words) for _ in range(rng.randint(6, 12))))
+           for i in range(n)]
+    return good, bad

@@ -346,3 +346,90 @@ def test_eval_mtbench_empty_answer_is_a_record(tmp_path):
     assert [(r["question_id"], r["turn"], r["item"]["response"]) for r in recs] == [
         (81, 1, "Answer 81."), (81, 2, "More 81."), (82, 1, ""), (82, 2, "More 82.")]
     assert recs[3]["item"]["history"] == [("Question 82?", "")]
+
+
+# --------------------------------------------------------------------------- before the model
+
+# A bad first record, as a file of one format: (file name, content, line, field, message).
+FIRST_RECORD = [
+    ("no_y.jsonl", '{"x": "a"}\n{"x": "b", "y": "c"}\n', 1, "y",
+     r"field 'y': missing \(this record's keys: x\)"),
+    ("int_y.jsonl", '{"x": "a", "y": 5}\n', 1, "y", r"field 'y': must be a string, got int 5"),
+    ("blank_y.jsonl", '{"x": "a", "y": ""}\n', 1, "y",
+     r"field 'y': empty response \(nothing to score\)"),
+    ("list.jsonl", '["a", "b"]\n', 1, None, r"expected a JSON object, got list"),
+    ("empty_cell.csv", "x,y\na,\nb,c\n", 2, "y", r"field 'y': empty response"),
+]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """A model load that fails the test: these errors must come before any model."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("command", ["score", "features"])
+@pytest.mark.parametrize("name, text, line, field, msg", FIRST_RECORD)
+def test_bad_first_record_fails_before_the_model_and_leaves_nothing(
+        command, name, text, line, field, msg, no_model, tmp_path, capsys):
+    inp = tmp_path / "in" / name
+    inp.parent.mkdir()
+    inp.write_text(text, encoding="utf-8")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    good = write_jsonl(tmp_path / "in" / "good.jsonl", GOOD_DEMOS)
+    bad = write_jsonl(tmp_path / "in" / "bad.jsonl", BAD_DEMOS)
+    extra = (["--good", str(good), "--bad", str(bad), *KW] if command == "score" else FKW)
+    assert main([command, str(inp), "-o", str(out_dir / "out.jsonl"), "--model", "nosuchmodel",
+                 *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"icqs-fast: error: {inp}:{line}: ") and re.search(msg, err), err
+    assert field is None or f"field '{field}'" in err
+    assert "results before the bad record" not in err and "--resume" not in err, err
+    assert list(out_dir.iterdir()) == []  # no output, meta or lock file
+
+
+def test_bad_first_record_with_skip_is_skipped(score, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": "a"}, {"x": "sales up", "y": "positive"}])
+    out = tmp_path / "out.jsonl"
+    assert score(inp, out, "--on-error", "skip") == 0
+    assert [sorted(r) for r in _rows(out)][0] == ["error", "index", "line"]
+
+
+def test_first_record_the_scorer_rejects_leaves_nothing(score, tmp_path, capsys):
+    """A first record that passes the reader but not the scorer's check (it needs the
+    tokenizer, so the model): exit 2 naming it, no 'results before' line, no file left."""
+    (tmp_path / "in").mkdir()
+    inp = write_jsonl(tmp_path / "in" / "in.jsonl", [{"x": "sales " * 2000, "y": "up"}])
+    out = tmp_path / "out" / "out.jsonl"
+    out.parent.mkdir()
+    assert score(inp, out, "--max-length", "64") == 2
+    err = capsys.readouterr().err
+    assert f"icqs-fast: error: {inp}:1: " in err, err
+    assert "results before the bad record" not in err, err
+    assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["score", "features"])
+@pytest.mark.parametrize("model, reason", [
+    ("nosuchmodel", "no such model folder or file"),
+    ("missing/folder", "no such model folder or file"),
+    ("", "no config.json"),  # a folder that is no model
+])
+def test_unloadable_model_says_so_and_leaves_nothing(command, model, reason, tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": "sales up", "y": "positive"}])
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD_DEMOS)
+    bad = write_jsonl(tmp_path / "bad.jsonl", BAD_DEMOS)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    name = str(tmp_path / model) if model != "nosuchmodel" else model
+    extra = (["--good", str(good), "--bad", str(bad), *KW] if command == "score" else FKW)
+    assert main([command, str(inp), "-o", str(out_dir / "o.jsonl"), "--model", name,
+                 *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"icqs-fast: error: cannot load model {name}: "), err
+    assert reason in err and "huggingface.co" not in err and "cannot write" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert list(out_dir.iterdir()) == []  # no lock, output or meta file

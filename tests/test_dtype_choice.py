@@ -43,20 +43,22 @@ def tiny_dir(tiny_llama_dir):
     return tiny_llama_dir()
 
 
-def test_auto_picks_bf16_mixed_with_native_bf16(detect):
+def test_auto_picks_bf16_products_with_native_bf16(detect):
     detect(True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the automatic choice must not warn
         c = models.choose_dtype("auto", "cpu")
-    # bf16-mixed: fp32 activations and parameters holding bf16 weights, fp32 arithmetic.
-    assert c.dtype == torch.float32 and c.mixed and c.requested == "auto"
-    assert c.name == models.MIXED_NAME == "bf16-mixed"
+    # bf16-products: fp32 activations and parameters holding bf16 weights, bf16 products.
+    assert c.dtype == torch.float32 and c.mixed and c.bf16_products and c.requested == "auto"
+    assert c.name == models.FAST_NAME == "bf16-products"
     assert "native bf16" in c.reason and "avx512_bf16" in c.reason
-    assert c.as_dict() == {"dtype": "bf16-mixed", "dtype_requested": "auto",
+    assert c.as_dict() == {"dtype": "bf16-products", "dtype_requested": "auto",
                            "dtype_reason": c.reason}
     # An explicit bfloat16 stays the pure bf16 forward; bf16-mixed is a CPU mode.
     assert not models.choose_dtype("bfloat16", "cpu").mixed
-    assert models.choose_dtype("mixed", "cpu").mixed
+    mixed = models.choose_dtype("mixed", "cpu")
+    assert mixed.mixed and not mixed.bf16_products and mixed.name == "bf16-mixed"
+    assert models.choose_dtype("bf16-products", "cpu").name == "bf16-products"
     with pytest.raises(ValueError, match="CPU mode"):
         models.choose_dtype("bf16-mixed", "cuda")
 
@@ -160,8 +162,9 @@ def test_onednn_capped_below_bf16_is_not_native(monkeypatch):
 def test_cli_dtype_names_match_models():
     from icqs_fast.cli.options import DTYPE_NAMES
 
-    # The CLI may also offer bf16-mixed by name (models.MIXED_NAMES).
-    assert set(DTYPE_NAMES) - set(models.MIXED_NAMES) == {"auto"} | set(models.DTYPE_NAMES)
+    # The CLI may also offer bf16-mixed and bf16-products by name (models.MIXED_NAMES, FAST_NAMES).
+    assert (set(DTYPE_NAMES) - set(models.MIXED_NAMES) - set(models.FAST_NAMES)
+            == {"auto"} | set(models.DTYPE_NAMES))
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -171,7 +174,7 @@ def test_load_model_and_runtime_settings_take_the_choice(detect, tiny_dir, nativ
     assert next(model.parameters()).dtype == torch.float32
     assert models.is_bf16_mixed(model) is native
     rt = models.runtime_settings(model, "auto")
-    assert rt["dtype"] == ("bf16-mixed" if native else "float32")
+    assert rt["dtype"] == ("bf16-products" if native else "float32")
     assert rt["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
     assert models.dtype_choice_of(model).mixed is native
     # A model changed after loading reports its own dtype, said as such.
@@ -196,10 +199,10 @@ def test_score_meta_and_lm_eval_model_take_the_same_choice(detect, tiny_dir, tmp
             "--demos-per-set", "1", "--sets-per-ratio", "1", "--quiet"]
     assert main(argv) == 0
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
-    assert meta["dtype"] == "bf16-mixed"
+    assert meta["dtype"] == "bf16-products"
     assert meta["dtype_reason"] == models.choose_dtype("auto", "cpu").reason
     lm = ICQSFastLM(pretrained=str(tiny_dir), device="cpu")
-    assert models.dtype_name(lm.model) == "bf16-mixed"
+    assert models.dtype_name(lm.model) == "bf16-products"
 
 
 def test_info_shows_the_choice(detect):

@@ -254,10 +254,21 @@ def _lse_call(backend, dtype, opts):
         ref_am = am.clone()
         ref_am[0, 2] = False
     dot = torch.bfloat16 if "dot_dtype" in opts else None
-    out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=0.3,
-                                 causal=True, attention_mask=am.to(DEVICE),
-                                 softcap=var["softcap"], backend=backend, positions=positions,
-                                 dot_dtype=dot, **local)
+    kw = dict(scale=0.3, causal=True, softcap=var["softcap"], backend=backend, dot_dtype=dot,
+              **local)
+    if "state" in opts:  # one pass in two calls: the first 64 keys, then the rest
+        tq, tk = q.shape[2], k.shape[2]
+        cut = min(64, tk)
+        q_pos = (tk - tq + torch.arange(tq)).expand(q.shape[0], tq)
+        k_pos = torch.where(am, torch.arange(tk), -1)
+        st, _ = ops.attention_lse(q.to(DEVICE), k[:, :, :cut].to(DEVICE), v[:, :, :cut].to(DEVICE),
+                                  positions=(q_pos, k_pos[:, :cut]), return_state=True, **kw)
+        out, lse = ops.attention_lse(q.to(DEVICE), k[:, :, cut:].to(DEVICE),
+                                     v[:, :, cut:].to(DEVICE), positions=(q_pos, k_pos[:, cut:]),
+                                     state=st, **kw)
+    else:
+        out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+                                     attention_mask=am.to(DEVICE), positions=positions, **kw)
     if dot is not None:  # the reference of bf16 products: the inputs rounded to bf16
         q, k, v = (x.to(dot).float() for x in (q, k, v))
     ro, rl = attention_lse64(q, k, v, causal=True, attention_mask=ref_am, scale=0.3,
@@ -270,7 +281,21 @@ def _check_pair(got, want, dtype, what):
         _close(g, w, TOL[dtype], f"{what} {name}")
 
 
-CALLS = {"token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
+def _linear_op_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 70, generator=g).to(dtype)
+    w = torch.randn(45, 70, generator=g).to(dtype)
+    b = torch.randn(45, generator=g)
+    out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b)
+    return out, x.double() @ w.double().T + b.double()
+
+
+def _check_linear(got, want, dtype, what):
+    _close(got, want, TOL[torch.float32], what)  # fp32 products of the (widened) inputs
+
+
+CALLS = {"linear": (_linear_op_call, _check_linear),
+         "token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
                                                                             _check_stats),
          "attention_entropy": (_entropy_call, _check_pair), "attention_lse": (_lse_call,
                                                                               _check_pair)}

@@ -475,3 +475,58 @@ def test_histogram_zooms_into_the_occupied_range():
     spread = [1] * HIST_BINS  # records everywhere: the whole of [0, 1]
     out, xr = _zoom({"a": spread})
     assert xr == (0.0, 1.0) and sum(out["a"]) == HIST_BINS and len(out["a"]) <= DISPLAY_BINS
+
+
+# --------------------------------------------------------------------------- wording and marks
+
+
+def test_do_not_trust_is_said_once(tmp_path):
+    check = self_check_dict(sep=0.0)
+    assert check["warning"].startswith("do not trust these scores on this task")
+    out = write_output(tmp_path / "o.jsonl", make_records(20, check=check), meta_for(check))
+    html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
+    assert html.lower().count("do not trust these scores on this task") == 1, html
+    assert "<b>Do not trust these scores on this task:</b> the scorer does not separate" in html
+
+
+def test_probability_histogram_marks_the_real_threshold(tmp_path):
+    # Good scores spread wider than bad ones: the equal-error point is not where P(good) is 0.5.
+    rng = random.Random(0)
+    scores = ([min(1, max(0, rng.gauss(0.6, 0.1))) for _ in range(60)]
+              + [min(1, max(0, rng.gauss(0.45, 0.03))) for _ in range(60)])
+    check = fit_self_check(scores, [1] * 60 + [0] * 60, n_boot=200).to_dict()
+    p_thr = f"{check['p_at_threshold']:.2f}"
+    assert p_thr != "0.50"  # else the test could not tell the two marks apart
+    out = write_output(tmp_path / "o.jsonl", make_records(400, check=check), meta_for(check))
+    html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
+    assert f">threshold {p_thr}</text>" in html, html
+    assert 'fill="#c00">0.5</text>' not in html  # the old mark
+
+
+def test_a_psi_within_noise_is_not_called_moderate_or_major(tmp_path):
+    check = self_check_dict()
+    a = write_output(tmp_path / "a.jsonl", make_records(20, seed=0, check=check),
+                     meta_for(check))
+    b = write_output(tmp_path / "b.jsonl", make_records(20, seed=1, check=check),
+                     meta_for(check))
+    item = {i.name: i for i in compare_runs(a, b).items}["score_distribution"]
+    assert not item.moved and item.details["psi_band"] != "stable"  # the case in question
+    assert f"({item.details['psi_band']}" not in item.text, item.text
+    assert "PSI" in item.text and "within noise" in item.text, item.text
+    html = write_report(a, tmp_path / "r.html", baseline=b).path.read_text(encoding="utf-8")
+    assert "within noise: KS p" in html
+
+
+def test_baselines_beside_icqs_and_the_sentence_when_one_beats_it(tmp_path):
+    rng = random.Random(1)
+    scores = [0.5 + 0.1 * rng.gauss(0, 1) for _ in range(80)]  # ICQS: chance
+    labels = [1] * 40 + [0] * 40
+    values = [{"length_tokens": float(i % 5 + (0 if i < 40 else 10)),
+               "length_chars": float(i % 7)} for i in range(80)]  # good: shorter
+    check = fit_self_check(scores, labels, n_boot=200, baseline_values=values).to_dict()
+    assert check["beaten"].startswith("response length in tokens beats ICQS")
+    out = write_output(tmp_path / "o.jsonl", make_records(20, check=check), meta_for(check))
+    html = write_report(out, tmp_path / "r.html").path.read_text(encoding="utf-8")
+    assert "Baselines on the same held-out items" in html
+    assert "A baseline beats ICQS:</b> response length in tokens beats ICQS" in html
+    assert ">length_chars<" in html and ">ICQS within length strata<" not in html  # no stratum

@@ -103,7 +103,7 @@ def test_features_declaration_everywhere():
     assert any(f.source == "features" for f in FEATURE_FIELDS)
 
 
-@pytest.mark.parametrize("kind", ["icqs", "features"])
+@pytest.mark.parametrize("kind", ["icqs", "features", "pairs"])
 def test_docs_field_table_is_the_declaration(kind):
     assert markdown_table(kind) in DOCS.read_text(encoding="utf-8"), (
         f"docs/scoring_files.md lacks the current {kind} field table: paste "

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from _helpers import sentiment_pools as pools
-from _helpers import tiny_llama
+from _helpers import shorter_is_good_pools, tiny_llama
 
 from icqs_fast.engine.abstain import (
     AbstainBand,
@@ -26,6 +26,7 @@ from icqs_fast.engine.selfcheck import (
     SelfCheck,
     fit_self_check,
     run_self_check,
+    select_heldout,
     sized_max_heldout,
 )
 from icqs_fast.io.cache import ENV, JsonCache, digest
@@ -150,6 +151,7 @@ class Counting:
     def __init__(self, scorer):
         self.inner, self.scored = scorer, 0
         self.sets, self.settings, self.model = scorer.sets, scorer.settings, scorer.model
+        self.tokens, self.template = scorer.tokens, scorer.template
 
     def score(self, items):
         for res in self.inner.score(items):
@@ -187,20 +189,59 @@ def test_a_second_self_check_reuses_the_cached_scores(scorer, tmp_path, monkeypa
     first = Counting(sc)
     a = run_self_check(first, good, bad, max_heldout=48, cache=cache)
     assert first.scored == 48 and a.config["cache"] == "stored"
-    assert len(list((tmp_path / "cache" / "selfcheck").glob("*.json"))) == 1
+    # one entry of scores, one of the baselines' values
+    assert len(list((tmp_path / "cache" / "selfcheck").glob("*.json"))) == 2
     second = Counting(sc)
     b = run_self_check(second, good, bad, max_heldout=48, cache=cache, target_accuracy=0.8)
     assert second.scored == 0 and b.config["cache"] == "hit"
     assert "reused from the cache" in b.message
     assert (b.auc, b.brier, b.threshold) == (a.auc, a.brier, a.threshold)
-    # Other held-out options, pools or settings: another key, scored again.
+    # Another draw of the same items (another seed) reuses them: a score depends on the item,
+    # not on the draw.
+    seeded = Counting(sc)
+    run_self_check(seeded, good, bad, max_heldout=48, seed=1, cache=cache)
+    assert seeded.scored == 0
+    # Another leak rule, pools or settings: another key, scored again.
     third = Counting(sc)
-    run_self_check(third, good, bad, max_heldout=48, seed=1, cache=cache)
+    run_self_check(third, good, bad, max_heldout=48, leak="pair", cache=cache)
     assert third.scored == 48
+    fewer = Counting(sc)
+    run_self_check(fewer, good[:-1], bad, max_heldout=48, cache=cache)
+    assert fewer.scored == 46
     # Turned off: nothing stored, nothing read.
     monkeypatch.setenv(ENV, "off")
     off = JsonCache("selfcheck")
     assert not off.enabled and off.put("k", {}) is None and off.get("k") is None
+
+
+def test_a_check_after_a_capped_self_check_scores_only_the_items_it_lacks(
+        scorer, tmp_path, monkeypatch):
+    """A job of 40 records caps its self-check to 40 items (20 per class); ``check`` (no job)
+    then draws all 24 + 24: the 40 are reused from the cache, only the 8 others are scored."""
+    sc, good, bad = scorer
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    cache = JsonCache("selfcheck")
+    job = Counting(sc)
+    a = run_self_check(job, good, bad, job_records=40, cache=cache)
+    assert job.scored == 40 and a.config["scored"] == 40 and a.config["cache"] == "stored"
+    check = Counting(sc)
+    b = run_self_check(check, good, bad, cache=cache)
+    assert check.scored == 8 and (b.config["reused"], b.config["scored"]) == (40, 8)
+    assert b.n_good + b.n_bad + b.n_skipped == 48
+    assert "40 of 48 held-out scores reused from the cache" in b.message
+    again = Counting(sc)
+    c = run_self_check(again, good, bad, cache=cache)
+    assert again.scored == 0 and c.config["cache"] == "hit" and c.auc == b.auc
+    # The reused scores are the ones scoring them anew gives (no cache).
+    fresh = run_self_check(sc, good, bad)
+    assert (fresh.auc, fresh.brier) == (b.auc, b.brier)
+
+
+def test_a_larger_draw_holds_every_item_of_a_smaller_one():
+    for n_good, n_bad, seed in ((24, 24, 0), (50, 30, 3), (200, 200, 1)):
+        small = select_heldout(n_good, n_bad, 40, seed)
+        large = select_heldout(n_good, n_bad, 256, seed)
+        assert set(small[0]) <= set(large[0]) and set(small[1]) <= set(large[1])
 
 
 def test_cache_entries_are_keyed_by_content_and_survive_damage(tmp_path):
@@ -212,3 +253,54 @@ def test_cache_entries_are_keyed_by_content_and_survive_damage(tmp_path):
     assert c.get("k") == {"v": 1}
     c.path("k").write_text("{cut off", encoding="utf-8")
     assert c.get("k") is None  # unreadable: computed again, never an error
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_the_self_check_says_when_length_beats_icqs(tmp_path, monkeypatch):
+    model, tok = tiny_llama(device="cpu")
+    good, bad = shorter_is_good_pools()
+    sc = ICQSScorer(model, tok, good, bad, num_ratios=3, demos_per_set=4, sets_per_ratio=3,
+                    seed=1)
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    chk = run_self_check(sc, good, bad, cache=JsonCache("selfcheck"))
+    by = {b["name"]: b for b in chk.baselines}
+    assert list(by) == ["length_tokens", "length_chars", "logprob_sum", "logprob_mean",
+                        "entropy_mean", "loglik_good_sum", "loglik_good_mean"]
+    assert by["length_chars"]["auc"] == pytest.approx(1.0)
+    assert by["length_chars"]["direction"] == "lower"
+    assert by["length_tokens"]["auc_lo"] > chk.auc_hi  # the case in question
+    assert chk.beaten.startswith("response length in tokens beats ICQS on these pools (the "
+                                 "shorter answer is the good one): AUC 1.000")
+    assert f"against ICQS's {chk.auc:.3f} [{chk.auc_lo:.3f}, {chk.auc_hi:.3f}]" in chk.beaten
+    assert "length-balanced pool" in chk.beaten and "features" in chk.beaten
+    assert "--model" in chk.beaten
+    lines = chk.lines()
+    assert f"self-check WARNING: {chk.beaten}" in lines
+    assert any(ln.startswith("self-check: baselines on the same held-out items") for ln in lines)
+    # The meta file's dict carries them, and reads back.
+    back = SelfCheck.from_dict(json.loads(json.dumps(chk.to_dict())))
+    assert back.baselines == chk.baselines and back.beaten == chk.beaten
+    # A second self-check reads the baselines' values from the cache: no forward at all.
+    import icqs_fast.engine.continuations as cont
+
+    def no_forward(*a, **k):
+        raise AssertionError("a forward")
+
+    monkeypatch.setattr(cont, "score_continuations", no_forward)
+    counted = Counting(sc)
+    again = run_self_check(counted, good, bad, cache=JsonCache("selfcheck"))
+    assert counted.scored == 0 and again.baselines == chk.baselines
+
+
+def test_no_baseline_beats_a_scorer_that_separates():
+    rng = np.random.default_rng(0)
+    s, y = gaussians(40, 3.0, rng)
+    values = [{"length_tokens": float(rng.integers(1, 9)), "length_chars": float(i % 7)}
+              for i in range(80)]
+    chk = fit_self_check(s, y, baseline_values=values)
+    assert [b["name"] for b in chk.baselines] == ["length_tokens", "length_chars"]
+    assert chk.beaten == "" and all(b["auc_hi"] < chk.auc_lo for b in chk.baselines)
+    lm = chk.length_matched
+    assert lm is not None and lm["strata"] >= 2 and lm["auc"] > 0.9  # not length's doing

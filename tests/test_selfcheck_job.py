@@ -4,9 +4,10 @@ summary, the "do not trust" warning where the scorer does not separate, the size
 job, the cache reused by a second run, and ``check --from-output`` reading the meta file."""
 
 import json
+import re
 
 import pytest
-from _helpers import read_jsonl, write_jsonl
+from _helpers import read_jsonl, shorter_is_good_pools, write_jsonl
 from _helpers import sentiment_pools as pools
 
 from icqs_fast.cli import main
@@ -91,3 +92,27 @@ def test_a_small_jobs_self_check_costs_no_more_than_the_job(job, capsys):
     assert _score(job, out2, "--self-check-max", "48", n=30) == 0
     chk = json.loads(meta_path(out2).read_text())["self_check"]
     assert chk["status"] == "ok" and "sized_by_job" not in chk["config"]
+
+
+def test_check_and_score_say_length_beats_icqs(tmp_path, tiny_llama_dir, capsys):
+    """The made-up task whose good answers are exactly the shorter ones, through ``check``
+    (its table) and ``score`` (its summary and meta file)."""
+    good, bad = shorter_is_good_pools()
+    g = write_jsonl(tmp_path / "good.jsonl", [{"x": x, "y": y} for x, y in good])
+    b = write_jsonl(tmp_path / "bad.jsonl", [{"x": x, "y": y} for x, y in bad])
+    model = str(tiny_llama_dir())
+    assert main(["check", "--good", str(g), "--bad", str(b), "--model", model, *KW]) == 0
+    out = capsys.readouterr().out
+    assert "baseline length_tokens" in out and "baseline logprob_mean" in out
+    assert re.search(r"WARNING +response length in tokens beats ICQS on these pools", out), out
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"x": f"q {i}", "y": "alpha " * (i % 9 + 1)}
+                                               for i in range(60)])
+    res = tmp_path / "o.jsonl"
+    assert main(["score", str(inp), "-o", str(res), "--good", str(g), "--bad", str(b),
+                 "--model", model, *KW]) == 0
+    err = capsys.readouterr().err
+    assert "self-check WARNING: response length in tokens beats ICQS" in err
+    assert "baselines on the same held-out items" in err
+    chk = json.loads(meta_path(res).read_text())["self_check"]
+    assert [x["name"] for x in chk["baselines"]][:2] == ["length_tokens", "length_chars"]
+    assert chk["beaten"].startswith("response length in tokens beats ICQS")

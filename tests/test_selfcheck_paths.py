@@ -117,3 +117,20 @@ def test_server_kept_scorer_gets_the_map(files):
     # A request's own options: another scorer, no map (null).
     other = server.scoring.new_scorer(None, None, {"seed": 3})
     assert icqs_item(next(other.score([("q", "positive")]))).p_good_calibrated is None
+    # /v1/score carries the server's self-check, the baselines beside ICQS, for records
+    # scored with its own pools and settings; null for a request's own options.
+    import httpx
+
+    from icqs_fast.serve.runner import ServerThread
+
+    with ServerThread(server) as st:
+        recs = [{"x": "q", "y": "positive"}]
+        r = httpx.post(st.base_url + "/v1/score", json={"records": recs}, timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()["self_check"]
+        assert got["auc"] == pytest.approx(check.auc) and got["beaten"] == check.beaten
+        assert [b["name"] for b in got["baselines"]] == [b["name"] for b in check.baselines]
+        assert {"auc", "auc_lo", "auc_hi", "direction"} <= set(got["baselines"][0])
+        r = httpx.post(st.base_url + "/v1/score", timeout=120,
+                       json={"records": recs, "icqs_options": {"seed": 3}})
+        assert r.status_code == 200 and r.json()["self_check"] is None

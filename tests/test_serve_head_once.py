@@ -23,13 +23,20 @@ class _Copies(TorchDispatchMode):
 
 
 @pytest.mark.slow  # a tiny model and a 266-token prompt under a dispatch mode (~9 s here)
-def test_the_head_weight_is_converted_once_per_call():
+def test_the_head_weight_is_converted_once_per_call(monkeypatch):
+    """torch's product (a GPU's path; on the CPU the packed ops.linear needs no conversion, so
+    the C++ backend is switched off for the counted call)."""
+    from icqs_fast import backends
+
     model, _ = tiny_llama(device="cpu")
     model = model.to(torch.bfloat16)
     w = model.get_output_embeddings().weight
     prompt = [int(t) for t in torch.randint(1, 1000, (HEAD_ROWS + 10,),
                                             generator=torch.Generator().manual_seed(0))]
     prompt_logprobs(model, [prompt[:8]])  # the model's plan, decided once, outside the count
+    real = backends.available
+    monkeypatch.setattr(backends, "available", lambda name: (False, "off") if name == "cpp"
+                        else real(name))
     with _Copies(w.shape) as c:
         (out,) = prompt_logprobs(model, [prompt])
     assert c.n == 1  # was one per HEAD_ROWS chunk (2 here)

@@ -190,7 +190,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float | None = None, window: int | None = None,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  dot_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dot_dtype: torch.dtype | None = None, state: torch.Tensor | None = None,
+                  return_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
     backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
 
@@ -203,6 +204,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             last ``Tq`` key slots.
         dot_dtype: ``torch.bfloat16``: q, k, v rounded to bf16 for both products (fp32
             accumulation; the AVX512_BF16 dot products where the CPU has them), or None.
+        state: a running softmax state ``[B, Hq, Tq, 17 + Dv]`` fp32 (of a call with
+            ``return_state``) to continue from, or None.
+        return_state: return ``(state, None)`` instead of normalising.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation) and ``lse [B, Hq, Tq]`` fp32
@@ -213,8 +217,13 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bsz, hq, tq, d = q.shape
     hk, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     q, k, v = _attention_operand(q), _attention_operand(k), _attention_operand(v)
-    out = torch.empty(bsz, hq, tq, dv, dtype=torch.float32)
-    lse = torch.empty(bsz, hq, tq, dtype=torch.float32)
+    width = _C.attention_state_lanes + 1 + dv
+    if state is not None and (state.shape != (bsz, hq, tq, width) or state.dtype != torch.float32
+                              or not state.is_contiguous()):
+        raise ValueError(f"state must be a contiguous fp32 [{bsz}, {hq}, {tq}, {width}] tensor")
+    st_out = torch.empty(bsz, hq, tq, width, dtype=torch.float32) if return_state else None
+    out = torch.empty(0 if return_state else bsz * hq * tq * dv, dtype=torch.float32)
+    lse = torch.empty(0 if return_state else bsz * hq * tq, dtype=torch.float32)
     q_pos = k_pos = None
     if positions is not None:
         q_pos = positions[0].to(torch.int64).contiguous()
@@ -230,7 +239,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      0 if k_pos is None else k_pos.data_ptr(), bsz, hq, hk, tq, tk, d, dv,
                      _DTYPE_CODES[q.dtype], bool(causal), int(window or 0), int(chunk or 0),
                      float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
-                     BF16_DOT, dot_dtype == torch.bfloat16)
+                     BF16_DOT, dot_dtype == torch.bfloat16,
+                     0 if state is None else state.data_ptr(),
+                     0 if st_out is None else st_out.data_ptr())
+    if st_out is not None:
+        return st_out, None
+    out, lse = out.view(bsz, hq, tq, dv), lse.view(bsz, hq, tq)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 
@@ -306,3 +320,57 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keep = (ent > floor) & query_mask[:, None, :]  # False where l_r = -inf (no key in range)
     ent = torch.where(keep, ent, torch.zeros((), dtype=ent.dtype))
     return out.to(q.dtype).contiguous(), ent
+
+
+def linear_level(products: str) -> str:
+    """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
+    ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""
+    from icqs_fast.types import PRODUCTS
+
+    level = isa_setting()
+    return _C.linear_level_name(_C.linear_level(PRODUCTS.index(products),
+                                                -1 if level < 0 else level))
+
+
+def _isa_for_linear() -> int:
+    # ICQS_FAST_CPP_ISA caps the linear kernel too; at "avx512" it leaves AMX out (the AVX-512
+    # BF16 path that CPUs without AMX run).
+    level = isa_setting()
+    return -1 if level < 0 else level
+
+
+def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
+    """``weight [N, K]`` (fp32 / bf16 / fp16, CPU) in the C++ kernel's packed layout for
+    ``products`` (``csrc/linear.cpp``): fp32 panels for ``fp32``, bf16 pair panels else."""
+    from icqs_fast.types import PRODUCTS
+
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"pack_linear needs a 2-D CPU weight, got {list(weight.shape)} on "
+                         f"{weight.device}")
+    kind = 0 if products == PRODUCTS[0] else 1
+    w = weight
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.stride(1) != 1:
+        # fp16 widens exactly; for bf16 products an fp32 copy is rounded by the packer.
+        w = w.float().contiguous()
+    n, k = w.shape
+    out = torch.empty(_C.linear_packed_size(n, k, kind),
+                      dtype=torch.float32 if kind == 0 else torch.bfloat16)
+    _C.linear_pack(w.data_ptr(), w.stride(0), _DTYPE_CODES[w.dtype], n, k, kind, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
+    fp32, each element in one fixed order (``csrc/linear.cpp``)."""
+    from icqs_fast.types import PRODUCTS
+
+    m, k = x.shape
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    _C.linear(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, packed.data_ptr(), out_features,
+              0 if b is None else b.data_ptr(), out.data_ptr(), out_features,
+              PRODUCTS.index(products), torch.get_num_threads(), _isa_for_linear())
+    return out

@@ -56,6 +56,7 @@ class Support:
 
 OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
+    "linear": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
         "logit_scale": "a logit multiplier other than 1",
@@ -75,6 +76,7 @@ OPTIONS: dict[str, dict[str, str]] = {
         "chunk": "chunked attention",
         "positions": "explicit query/key token positions",
         "dot_dtype": "bf16 products of fp32 inputs (mixed precision)",
+        "state": "a running softmax state continued or returned (one pass in several calls)",
     },
 }
 """Each operation's optional features, with what each means (for the error messages)."""
@@ -84,6 +86,12 @@ _LSE_VARIANTS = frozenset(OPTIONS["attention_lse"])
 _LINEAR = frozenset(OPTIONS["linear_token_stats"])
 
 TABLE: dict[str, dict[str, Support]] = {
+    # The batch-invariant linear layer (csrc/linear.cpp): the C++ kernel on the CPU; the torch
+    # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
+    "linear": {
+        "cpp": Support(FLOAT16_32, ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
     # float64 logits: the cpp and triton backends hand them to the reference (their kernels read
     # 16/32-bit floats), so every backend takes them.
     "token_stats": {
@@ -107,10 +115,12 @@ TABLE: dict[str, dict[str, Support]] = {
     # The C++ kernel (csrc/attention.cpp) and the Triton one (kernels/attention_entropy.py,
     # constexpr variants) take every variant the cascade passes them (sinks are added at the
     # cascade's merge, not in the kernel).
+    # Only the C++ kernel hands out and continues its running softmax state (the cascade's
+    # batch-invariant path on the CPU).
     "attention_lse": {
-        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS, interpreted=("cpu",)),
+        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS - {"state"}, interpreted=("cpu",)),
         "cpp": Support(FLOAT16_32, ("cpu",), _LSE_VARIANTS),
-        "torch": Support(FLOAT16_32, None, _LSE_VARIANTS),
+        "torch": Support(FLOAT16_32, None, _LSE_VARIANTS - {"state"}),
     },
 }
 

@@ -326,3 +326,33 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                               allow[:, None], scale, softcap,
                                                               None)
     return out, lse
+
+
+def bf16_terms(x: torch.Tensor, terms: int) -> list[torch.Tensor]:
+    """``x`` (fp32) as ``terms`` bf16-valued fp32 tensors: each the round-to-nearest-even of
+    what the previous ones left (their sum is ``x`` exactly for 3 terms)."""
+    out, rest = [], x.float()
+    for _ in range(terms):
+        t = rest.bfloat16().float()
+        out.append(t)
+        rest = rest - t
+    return out
+
+
+def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
+    """The reference keeps the weight as it computes with it: fp32, or rounded to bf16."""
+    w = weight.float()
+    return w.clone() if products == "fp32" else w.bfloat16().float()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
+    weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
+    every backend's result (not bit for bit)."""
+    terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
+    xs = [x.float()] if terms is None else bf16_terms(x, terms)
+    acc = sum(t.double() @ packed.double().t() for t in xs)
+    if bias is not None:
+        acc = acc + bias.double()
+    return acc.float()

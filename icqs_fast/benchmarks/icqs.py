@@ -582,7 +582,9 @@ def run(args: argparse.Namespace) -> int:
     rec = bench(_or(args.responses, 64), args.device, args.random_weights, args.config,
                 measure_memory=not args.no_memory, mem_responses=args.mem_responses,
                 cold_repeats=_or(args.cold_repeats, 3), calibrate=getattr(args, "calibrate", None),
-                answers=getattr(args, "answers", "labels"), dtype=getattr(args, "dtype", None))
+                answers=getattr(args, "answers", "labels"), dtype=getattr(args, "dtype", None),
+                settings=(None if getattr(args, "token_budget", None) is None
+                          else {"token_budget": args.token_budget}))
     rec["bench_s"] = round(time.perf_counter() - t0, 1)
     rec.update(environment(rec["device"]))
     emit_record(rec, out=args.out, as_json=args.json)

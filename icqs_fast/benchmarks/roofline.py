@@ -44,7 +44,7 @@ PROBE_SECONDS = 0.25
 _A = torch.ops.aten
 _MM = {_A.mm.default, _A.addmm.default}
 _BMM = {_A.bmm.default, _A.baddbmm.default}
-# A linear layer with a prepacked weight (bf16-mixed: ``models.prepack_linears``).
+# A linear layer with a weight prepacked in oneDNN's layout (counted as a linear).
 _PACKED_LINEAR = ({torch.ops.mkldnn._linear_pointwise.default}
                   if hasattr(torch.ops.mkldnn, "_linear_pointwise") else set())
 _SDPA = {getattr(_A, n).default for n in (
@@ -126,6 +126,19 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
         depth[0] -= 1
 
     real = ops.attention_lse
+    real_linear = ops.linear
+
+    def counted_linear(x, weight, bias=None):
+        # The batch-invariant linear (models.use_invariant_linears, the cpp head) runs outside
+        # torch's dispatcher: counted here, as a linear inside a module, else as the head.
+        k, n = weight.in_features, weight.out_features
+        flops = 2 * (x.numel() // max(k, 1)) * k * n
+        if depth[0] > 0:
+            count.linear += flops
+            count.linear_rows[(int(k), int(n))].append(int(x.numel() // max(k, 1)))
+        else:
+            count.head += flops
+        return real_linear(x, weight, bias)
 
     def counted_attention_lse(q, k, v, *a, **kw):
         b, hq, tq, d = q.shape
@@ -140,11 +153,13 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
     hooks = [nn_module.register_module_forward_pre_hook(pre),
              nn_module.register_module_forward_hook(post, always_call=True)]
     ops.attention_lse = counted_attention_lse
+    ops.linear = counted_linear
     try:
         with _Counter(count, depth):
             out = fn()
     finally:
         ops.attention_lse = real
+        ops.linear = real_linear
         for h in hooks:
             h.remove()
     return count, out
@@ -175,11 +190,13 @@ def matmul_probe(count: FlopCount, dtype: torch.dtype | str, device: torch.devic
     "probe_shapes": [{"k", "n", "share", "gflops"}]}``: the rates are the FLOP-weighted harmonic
     mean over the shapes (the time the counted linear FLOPs would take at the probed rates), by
     wall and by process CPU time."""
-    from icqs_fast.models import DTYPE_NAMES, MIXED_NAMES, bf16_matmuls
+    from icqs_fast.models import DTYPE_NAMES, FAST_NAMES, MIXED_NAMES, bf16_matmuls
 
     mixed = isinstance(dtype, str) and dtype in MIXED_NAMES
     if isinstance(dtype, str):
-        dtype = torch.float32 if mixed else DTYPE_NAMES[dtype]
+        # bf16-products: the limit of bf16 products is the library's bf16 rate.
+        dtype = (torch.float32 if mixed else torch.bfloat16 if dtype in FAST_NAMES
+                 else DTYPE_NAMES[dtype])
     mode = bf16_matmuls if mixed else contextlib.nullcontext
     dev = torch.device(device)
     m = rows or weighted_median_rows(count.linear_rows)

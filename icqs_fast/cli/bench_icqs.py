@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "exactness is checked, bf16 on CUDA; auto: what --dtype auto picks "
                         "here). A 16-bit model is checked against the naive method at its own "
                         "precision (scores within 0.01, log-likelihoods within 0.1 per token)")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="the engine's tokens per forward (default: its own); a row's numbers "
+                        "are the same bits at any budget")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |loglik engine - naive| per response token that passes "
                         "(default 1e-4, 0.1 for a 16-bit model); "

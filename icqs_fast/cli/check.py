@@ -116,6 +116,9 @@ def show(check: Any, args: argparse.Namespace) -> int:
                if check.n_skipped else "")
     if check.config.get("cache") == "hit":
         skipped += "; their scores reused from the cache"
+    elif check.config.get("reused"):
+        skipped += (f"; {check.config['reused']} of their scores reused from the cache, "
+                    f"{check.config.get('scored', 0)} scored")
     rows = [
         ("held out", f"{check.n_good} good + {check.n_bad} bad demonstrations{skipped}"),
         ("AUC", f"{_f(check.auc)} [{_f(check.auc_lo)}, {_f(check.auc_hi)}] "
@@ -127,6 +130,19 @@ def show(check: Any, args: argparse.Namespace) -> int:
         ("expected accuracy", f"{_f(check.expected_accuracy, '.2f')} at that threshold"),
         ("calibration map", how),
     ]
+    for b in check.baselines:  # the trivial scorers on the same items (selfcheck_baselines)
+        rows.append((f"baseline {b['name']}",
+                     f"AUC {_f(b['auc'])} [{_f(b['auc_lo'])}, {_f(b['auc_hi'])}] ({b['text']}; "
+                     f"{b['direction']} is good on the pools, fitted out of fold)"))
+    lm = check.length_matched
+    if check.baselines:
+        rows.append(("AUC within length strata",
+                     f"{_f(lm['auc'])} [{_f(lm['auc_lo'])}, {_f(lm['auc_hi'])}] (ICQS over good "
+                     f"/ bad pairs of like length, {lm['strata']} "
+                     f"{'stratum' if lm['strata'] == 1 else 'strata'})" if lm is not None
+                     else "n/a (no length stratum holds both good and bad items)"))
+    if check.beaten:
+        rows.append(("WARNING", check.beaten))
     if check.target_precision is not None:
         rows.append(("precision target", check.precision_text()))
     if check.band is not None:

@@ -228,8 +228,8 @@ def score_config(args: argparse.Namespace, **job: Any) -> Any:
 
 # The names icqs_fast.models.choose_dtype accepts (written out: the models module imports torch,
 # which `--help` must not; tests/test_dtype_choice.py checks that the two agree).
-DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed", "float16",
-               "fp16")
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed",
+               "bf16-products", "float16", "fp16")
 
 
 def add_quantization_argument(p: argparse.ArgumentParser) -> None:

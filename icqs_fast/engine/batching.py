@@ -487,23 +487,44 @@ def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
 
 @torch.no_grad()
 def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                 pad_safe: bool = True) -> torch.Tensor:
+                 pad_safe: bool = True, layers: Sequence[LayerAttention] | None = None
+                 ) -> torch.Tensor:
     """One right-padded forward of whole sequences through ``body`` (no prefix sharing): the
     path of models the prefix bank cannot serve (recurrent / SSM layers, unknown layouts).
     Right padding keeps every real token at its own position and in front of the padding, so a
     causal model computes each row as it would alone; a model for which that does not hold
     (``pad_safe=False``, found by the capability check) runs each sequence alone.
 
+    With ``layers`` (the model's layer descriptions) and a fused kernel that takes token
+    positions (the cpp attention on the CPU: :func:`~icqs_fast.engine.cascade.positional_kernel`),
+    the attention runs through that kernel on positions, as the prefix bank's forwards and the
+    cascade do: a sequence's numbers are then the same bits here, alone, and continued from a
+    shared prefix.
+
     Returns:
         ``[R, T, H]`` final hidden states (model dtype), ``T`` the longest sequence (rows run
         alone are zero past their length).
     """
     return _plain_forward(lambda ids, mask: last_hidden(body(
-        input_ids=ids, attention_mask=mask, use_cache=False)), seqs, pad_id, device, pad_safe)
+        input_ids=ids, attention_mask=mask, use_cache=False)), seqs, pad_id, device, pad_safe,
+        body, layers)
 
 
 def _plain_forward(run: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                   pad_safe: bool) -> torch.Tensor:
+                   pad_safe: bool, model: Any = None,
+                   layers: Sequence[LayerAttention] | None = None) -> torch.Tensor:
+    if layers:
+        from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
+
+        if positional_kernel(model, device):
+            inner = run
+
+            def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                # Right padding: slot j is position j; padding keys masked (position -1).
+                pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+                k_pos = torch.where(mask.bool(), pos, -1)
+                with position_plan(model, PositionPlan(pos, k_pos, tuple(layers))):
+                    return inner(ids, mask)
     ids, mask = right_padded(seqs, pad_id)
     if pad_safe or len(seqs) == 1:
         return run(ids.to(device), mask.to(device))
@@ -531,9 +552,10 @@ def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
 
 @torch.no_grad()
 def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                 pad_safe: bool = True) -> torch.Tensor:
+                 pad_safe: bool = True, layers: Sequence[LayerAttention] | None = None
+                 ) -> torch.Tensor:
     """:func:`plain_hidden` through the whole model: its own logits ``[R, T, V]`` (for heads the
     fused statistics cannot reproduce; the full ``[tokens, vocab]`` tensor is built)."""
     return _plain_forward(lambda ids, mask: model(
         input_ids=ids, attention_mask=mask, use_cache=False).logits, seqs, pad_id, device,
-        pad_safe)
+        pad_safe, model, layers)

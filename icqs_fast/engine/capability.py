@@ -40,6 +40,7 @@ from icqs_fast.engine.batching import (
     PrefixBank,
     last_hidden,
     model_device,
+    plain_hidden,
     right_padded,
     suffix_hidden,
 )
@@ -51,7 +52,7 @@ from icqs_fast.engine.layout import (
     layer_attention,
     text_config,
 )
-from icqs_fast.models import bf16_matmuls, is_bf16_mixed
+from icqs_fast.models import bf16_matmuls, exact_bf16_products, is_bf16_mixed
 from icqs_fast.types import TokenStats
 
 log = logging.getLogger("icqs_fast")
@@ -207,6 +208,9 @@ def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets:
         kw["logit_scale"] = epilogue.logit_scale
     if epilogue.softcap is not None:
         kw["softcap"] = epilogue.softcap
+    if is_bf16_mixed(head):
+        # A bf16-valued head: exact products where they are faster (AMX), fp32 ones elsewhere.
+        kw["products"] = exact_bf16_products()
     with bf16_matmuls() if is_bf16_mixed(head) else contextlib.nullcontext():
         return ops.linear_token_stats(hidden, dense_head_weight(head), targets,
                                       bias=getattr(head, "bias", None), backend=backend, **kw)
@@ -456,8 +460,10 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
     worst = 0.0
     dev = model_device(model)
     for i, (p, s) in enumerate(rows):
-        full = torch.tensor([prefixes[p] + s], device=dev)
-        ref = last_hidden(body(input_ids=full, use_cache=False))[0, len(prefixes[p]):].float()
+        # The plain forward the engine runs (through the positional kernel where one takes
+        # the layers: then a correct bank path matches it bit for bit).
+        ref = plain_hidden(body, [prefixes[p] + s], pad, dev, layers=layers)[
+            0, len(prefixes[p]):].float()
         got = hidden[i, : len(s)].float()
         d = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
         worst = max(worst, d if math.isfinite(d) else math.inf)

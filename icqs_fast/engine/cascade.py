@@ -320,14 +320,9 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``; the layer's
     score ``softcap``). Returns the output in q's dtype and the fp32 natural-log LSE ``[B, Hq,
     L]``."""
-    local = {}
-    if la is not None and la.kind == "sliding" and la.window is not None:
-        local["window"] = int(la.window)
-    if la is not None and la.kind == "chunked" and la.chunk is not None:
-        local["chunk"] = int(la.chunk)
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
                              positions=positions, dot_dtype=dot, softcap=softcap,
-                             backend=backend, **local)
+                             backend=backend, **_local_args(la))
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -421,6 +416,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         kernel = _kernel_backend(dev, dt, softcap, dv != d, la if local else None)
     fused = kernel is not None
     lay = la if local and fused else None
+    if fused and support.entry("attention_lse", kernel).options >= {"state", "positions"}:
+        return _one_pass(plan, query, key, value, kp, vp, scale, kernel, lay, dot, softcap, sinks)
     if local and not fused:
         pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
@@ -509,6 +506,93 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.to(dt).reshape(r, s, hq, dv), None
 
 
+def _one_pass(plan: CascadePlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              kp: torch.Tensor, vp: torch.Tensor, scale: float, kernel: str,
+              lay: LayerAttention | None, dot: torch.dtype | None, softcap: float | None,
+              sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    """The cascade as one softmax pass per row, the same bits as a plain forward's attention over
+    ``[prefix; suffix]`` (:func:`positional_attention`, one call over all keys) on a kernel that
+    continues its running state (:func:`icqs_fast.ops.attention_lse`'s ``state``): the prefix
+    part covers each entry's keys up to the last multiple of
+    :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` below its length (shared by the entry's rows, no
+    copy) and returns the rows' state; the suffix part continues it over the rest of the
+    prefix (at most a block's worth, copied per row) and the row's own keys, in slot =
+    position order. So the key blocks are those of one call over all the keys, and a row's
+    result does not depend on where its prefix was cut or what shares its forward."""
+    r, hq, s, d = query.shape
+    hk, dv = key.shape[1], value.shape[-1]
+    group = hq // hk
+    dev = query.device
+    blk = ops.ATTENTION_KEY_BLOCK
+    lens = torch.tensor(plan.lengths, dtype=torch.long)
+    cuts = lens // blk * blk
+    counts = torch.tensor(plan.counts, dtype=torch.long)
+    rows_g = torch.repeat_interleave(torch.arange(len(plan.counts)), counts)
+    t = torch.arange(s)
+    state = None
+    if int(cuts.max()) > 0:
+        # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
+        # keys up to the cut (the rest of the slots masked by position -1).
+        parts = []
+        c_max = int(cuts.max())
+        for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
+            qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
+            qg = qg.reshape(1, hk, n * group * s, d)
+            j = torch.arange(c_max)
+            k_pos = torch.where(j < cuts[gi], j, -1)[None].to(dev)
+            q_pos = (lens[gi] + torch.arange(n * group * s) % s)[None].to(dev)
+            st, _ = ops.attention_lse(qg, kp[gi:gi + 1, :, :c_max], vp[gi:gi + 1, :, :c_max],
+                                      scale=scale, causal=True, positions=(q_pos, k_pos),
+                                      dot_dtype=dot, softcap=softcap, backend=kernel,
+                                      return_state=True, **_local_args(lay))
+            width = st.shape[-1]
+            # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
+            parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
+                         .reshape(n, hq, s, width))
+        state = torch.cat(parts).contiguous()
+    # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
+    # (tails), then the suffix tokens, then nothing (masked).
+    cut_r, len_r = cuts[rows_g], lens[rows_g]
+    tail_r = len_r - cut_r
+    t_max = int(tail_r.max())
+    if t_max == 0:
+        k2, v2 = key, value
+        k_pos = (len_r[:, None] + t[None, :]).to(dev)
+    else:
+        j = torch.arange(t_max + s)
+        src = torch.where(j[None] < tail_r[:, None], j[None],
+                          t_max + j[None] - tail_r[:, None])  # [R, T2]
+        real = j[None] < (tail_r[:, None] + s)
+        src = torch.where(real, src, 0).to(dev)
+        # The rows' entries' slots from the cut (kp holds the used entries in group order).
+        ent = rows_g.to(dev)
+        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=kp.shape[2] - 1).to(dev)
+        tk = kp[ent[:, None], :, tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
+        tv = vp[ent[:, None], :, tails].permute(0, 2, 1, 3)
+        both_k = torch.cat([tk.to(key.dtype), key], dim=2)
+        both_v = torch.cat([tv.to(value.dtype), value], dim=2)
+        k2 = both_k.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, d))
+        v2 = both_v.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, dv))
+        k_pos = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
+    q_pos = (len_r[:, None] + t[None, :]).to(dev)
+    out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
+                                 positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
+                                 backend=kernel, state=state, **_local_args(lay))
+    if sinks is not None:  # as positional_attention does, so the two stay equal
+        keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
+        out = (out.float() * keep[..., None]).to(out.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _local_args(la: LayerAttention | None) -> dict[str, int]:
+    local = {}
+    if la is not None and la.kind == "sliding" and la.window is not None:
+        local["window"] = int(la.window)
+    if la is not None and la.kind == "chunked" and la.chunk is not None:
+        local["chunk"] = int(la.chunk)
+    return local
+
+
 # --------------------------------------------------------------------------- positional masks
 
 
@@ -524,10 +608,32 @@ class PositionPlan:
 
     def __post_init__(self) -> None:
         self._allow: dict[tuple, Mask] = {}
+        self._compact: tuple[torch.Tensor, torch.Tensor, int] | None | bool = False
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description."""
         return self.layers[layer]
+
+    def compaction(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """None when every key slot holds its own position (or is masked); else ``(dest [B,
+        Tk], k_pos [B, P], P)``: the slot each key moves to so that slot = position (``P``
+        for a masked one, a spare slot dropped after), and the positions after the move. A
+        kernel's key blocks then fall on the same positions as in a plain forward of the
+        sequence, whatever padding the keys had (the bank's padded pasts)."""
+        if self._compact is False:
+            k_pos = self.k_pos
+            slot = torch.arange(k_pos.shape[1], device=k_pos.device)
+            if bool(((k_pos == slot[None]) | (k_pos < 0)).all()):
+                self._compact = None
+            else:
+                p = int(k_pos.max()) + 1
+                dest = torch.where(k_pos >= 0, k_pos, p)
+                filled = torch.zeros(k_pos.shape[0], p + 1, dtype=torch.bool,
+                                     device=k_pos.device)
+                filled.scatter_(1, dest, k_pos >= 0)
+                pos = torch.arange(p, device=k_pos.device)[None].expand(k_pos.shape[0], p)
+                self._compact = (dest, torch.where(filled[:, :p], pos, -1), p)
+        return self._compact
 
     def allow(self, la: LayerAttention, tk: int, group: int = 1) -> Mask:
         """``[B, 1, group * Lq, Tk]`` for a layer like ``la`` whose ``group`` query heads per key
@@ -589,8 +695,17 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
         kernel = _kernel_backend(query.device, query.dtype, softcap, dv != d, lay,
                                  positions=True)
     if kernel is not None and plan.k_pos.shape[1] == tk:
+        k_pos = plan.k_pos
+        moved = plan.compaction()
+        if moved is not None:  # slot = position, as in a plain forward (see compaction)
+            dest, k_pos, p = moved
+            idx = dest[:, None, :, None]
+            key = key.new_zeros(b, hk, p + 1, d).scatter_(2, idx.expand(b, hk, tk, d), key)
+            value = value.new_zeros(b, hk, p + 1, dv).scatter_(2, idx.expand(b, hk, tk, dv),
+                                                               value)
+            key, value = key[:, :, :p], value[:, :, :p]
         out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
-                                   softcap=softcap, positions=(plan.q_pos, plan.k_pos), dot=dot)
+                                   softcap=softcap, positions=(plan.q_pos, k_pos), dot=dot)
     else:
         allow = plan.allow(la, tk, group)
         out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),

@@ -43,18 +43,45 @@ defaults while building its parser, which must not load them.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.abstain import AbstainBand, abstain_band
-from icqs_fast.engine.prompts import DemoSet, Example, check_pool
-from icqs_fast.engine.selfcheck_cache import crossfit_key, load_crossfit, store_crossfit
+from icqs_fast.engine.crossfit import (  # the cross-fitting step, also exported from here
+    DEFAULT_MAX_HELDOUT,
+    cached_baselines,
+    cached_crossfit,
+    heldout_per_class,
+)
+from icqs_fast.engine.crossfit import (
+    LEAKS as LEAKS,
+)
+from icqs_fast.engine.crossfit import (
+    CrossFit as CrossFit,
+)
+from icqs_fast.engine.crossfit import (
+    clean_contexts as clean_contexts,
+)
+from icqs_fast.engine.crossfit import (
+    crossfit_heldout as crossfit_heldout,
+)
+from icqs_fast.engine.crossfit import (
+    crossfit_items as crossfit_items,
+)
+from icqs_fast.engine.crossfit import (
+    crossfit_score as crossfit_score,
+)
+from icqs_fast.engine.crossfit import (
+    heldout_items as heldout_items,
+)
+from icqs_fast.engine.crossfit import (
+    select_heldout as select_heldout,
+)
+from icqs_fast.engine.prompts import check_pool
 
 if TYPE_CHECKING:
     import numpy as np
-    import torch
 
 # The per-record field of the calibrated probability, beside the raw score. Named like
 # ICQSResult.p_good / loglik_calibrated: the same quantity, passed through the fitted map.
@@ -62,11 +89,6 @@ FIELD = "p_good_calibrated"
 # Below this many usable held-out items in either class, no estimate is given (the AUC interval
 # is wider than +-0.15 at AUC 0.75, and a calibration map from fewer points is mostly noise).
 MIN_PER_CLASS = 20
-# Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
-# one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
-# measured); 256 cost 2.4 % of a 10,000-record job (docs/RESULTS.md, "Self-check from the
-# pools", bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
-DEFAULT_MAX_HELDOUT = 256
 # Platt scaling below this many items per class, isotonic regression from it on: isotonic
 # regression overfits small samples (Niculescu-Mizil & Caruana 2005 found it worse than Platt
 # below roughly a thousand points in all; its steps follow each point's noise).
@@ -86,150 +108,7 @@ CV_FOLDS = 5
 # items' own sampling error, which no resampling removes.
 CV_REPEATS = 20
 METHODS = ("auto", "platt", "isotonic")
-LEAKS = ("input", "pair")
 VERSION = 1
-
-
-# --------------------------------------------------------------------------- cross-fitting
-
-
-def clean_contexts(sets: Sequence[Sequence[DemoSet]], item: Example, leak: str = "input"
-                   ) -> torch.Tensor:
-    """``[M+1, L]`` bool: True where demonstration set ``sets[j][l]`` does not hold ``item``.
-
-    ``leak="input"`` (default) counts any demonstration with the item's input ``x`` as holding
-    it (the same question answered either way, e.g. good and bad answers to one prompt, would
-    tell the model the item's answer); ``"pair"`` only the same ``(x, y)`` (for data whose
-    pools share inputs by design, e.g. one fixed instruction).
-    """
-    import torch
-
-    if leak not in LEAKS:
-        raise ValueError(f"leak must be one of {LEAKS}, got {leak!r}")
-    x, y = item
-    if leak == "input":
-        def holds(s: DemoSet) -> bool:
-            return any(ex[0] == x for ex in s.examples)
-    else:
-        def holds(s: DemoSet) -> bool:
-            return any(ex == (x, y) for ex in s.examples)
-    return torch.tensor([[not holds(s) for s in row] for row in sets], dtype=torch.bool)
-
-
-def crossfit_score(res: Any, clean: torch.Tensor) -> float:
-    """The score of ``res`` (an :class:`~icqs_fast.engine.scorer.ICQSResult`) from its clean
-    contexts only: per ratio ``j`` the mean over the clean sets ``l`` of the (calibrated)
-    log-likelihood, then the engine's ICQS-Epistemic score of that column
-    (:func:`~icqs_fast.engine.calibration.icqs_scores`, the result's score kind). Equal to
-    ``res.score`` when every context is clean; NaN when a ratio has no clean set.
-
-    Args:
-        res: the item's result (``loglik`` and ``loglik_baseline`` ``[M+1, L]``).
-        clean: ``[M+1, L]`` bool, from :func:`clean_contexts`.
-    """
-    import torch
-
-    from icqs_fast.engine.calibration import icqs_scores
-
-    ll = res.loglik.double()
-    if res.loglik_baseline is not None:
-        ll = ll - res.loglik_baseline.double()
-    if clean.shape != ll.shape:
-        raise ValueError(f"clean has shape {tuple(clean.shape)}, the result {tuple(ll.shape)}")
-    count = clean.sum(dim=1)
-    if bool((count == 0).any()):
-        return math.nan
-    col = torch.where(clean, ll, torch.zeros_like(ll)).sum(dim=1) / count
-    score, _ = icqs_scores(col[:, None], res.ratios, res.score_kind, res.tie_epsilon)
-    return score
-
-
-def heldout_per_class(n_good: int, n_bad: int, max_heldout: int) -> int:
-    """Held-out items drawn from each pool: ``min(max_heldout // 2, n_good, n_bad)``."""
-    return min(max_heldout // 2, n_good, n_bad)
-
-
-def select_heldout(n_good: int, n_bad: int, max_heldout: int, seed: int
-                   ) -> tuple[list[int], list[int]]:
-    """Pool indices of the held-out items: ``k = min(max_heldout // 2, n_good, n_bad)`` of each
-    pool (the same count of each, so the calibrated probability is for an even mix), drawn with
-    ``random.Random(seed)``, in pool order."""
-    if not isinstance(max_heldout, int) or max_heldout < 0:
-        raise ValueError(f"max_heldout must be an int >= 0, got {max_heldout!r}")
-    k = heldout_per_class(n_good, n_bad, max_heldout)
-    rng = random.Random(seed)
-    return sorted(rng.sample(range(n_good), k)), sorted(rng.sample(range(n_bad), k))
-
-
-def heldout_items(good: Sequence, bad: Sequence, max_heldout: int, seed: int
-                  ) -> tuple[list[Example], np.ndarray]:
-    """The held-out pool members, good ones first, and their labels ``[n]`` int64 (1 = good
-    pool), as :func:`crossfit_heldout` scores them (:func:`select_heldout`'s draw)."""
-    import numpy as np
-
-    g, b = check_pool(good, "good"), check_pool(bad, "bad")
-    ig, ib = select_heldout(len(g), len(b), max_heldout, seed)
-    labels = np.array([1] * len(ig) + [0] * len(ib), dtype=np.int64)
-    return [g[i] for i in ig] + [b[i] for i in ib], labels
-
-
-@dataclass
-class CrossFit:
-    """Cross-fitted scores of the held-out pool members.
-
-    Attributes:
-        items: the held-out (x, y) pairs, good ones first.
-        labels: ``[n]`` int64, 1 for a good-pool item, 0 for a bad one.
-        scores: ``[n]`` float64, each item's score from its clean contexts (NaN: skipped).
-        full_scores: ``[n]`` float64, the item's score from every context (leaky; kept to
-            show what the cross-fitting changes).
-        clean: ``[n, M+1, L]`` bool, the contexts each score used.
-    """
-
-    items: list[Example]
-    labels: np.ndarray
-    scores: np.ndarray
-    full_scores: np.ndarray
-    clean: np.ndarray
-
-    @property
-    def n_skipped(self) -> int:
-        import numpy as np
-
-        return int((~np.isfinite(self.scores)).sum())
-
-
-def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
-                     max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
-                     leak: str = "input",
-                     progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
-    """Score the held-out pool members with ``scorer`` and cross-fit their scores.
-
-    Args:
-        scorer: the run's :class:`~icqs_fast.engine.scorer.ICQSScorer`, built from ``good`` and
-            ``bad`` (its demonstration sets and prefix bank are used as they are).
-        good, bad: the pools the scorer was built from ((x, y) pairs or dicts).
-        max_heldout: at most this many items in all (:func:`select_heldout`).
-        seed: the draw of the held-out items.
-        leak: see :func:`clean_contexts`.
-        progress: wraps the result stream (e.g. a progress bar): ``progress(iterable, total)``.
-    """
-    import numpy as np
-    import torch
-
-    items, labels = heldout_items(good, bad, max_heldout, seed)
-    masks = [clean_contexts(scorer.sets, it, leak) for it in items]
-    stream: Iterable = scorer.score(items)
-    if progress is not None:
-        stream = progress(stream, len(items))
-    scores, full = [], []
-    for res, mask in zip(stream, masks, strict=True):
-        scores.append(crossfit_score(res, mask))
-        full.append(float(res.score))
-    m1, ls = len(scorer.sets), len(scorer.sets[0])
-    clean = (torch.stack(masks).numpy() if masks else np.zeros((0, m1, ls), dtype=bool))
-    return CrossFit(items, labels, np.asarray(scores, dtype=np.float64),
-                    np.asarray(full, dtype=np.float64), clean)
 
 
 # --------------------------------------------------------------------------- the map
@@ -403,6 +282,18 @@ ADVICE = ("try a larger --model, more or cleaner pool items (--good / --bad), or
           "demonstrations per set (--demos-per-set)")
 
 
+# The opening words of every "do not trust" warning (a page giving them as its own heading
+# strips them from the warning: :func:`warning_reason`).
+DISTRUST = "do not trust these scores on this task"
+
+
+def warning_reason(warning: str) -> str:
+    """A :func:`distrust` warning without its opening :data:`DISTRUST` words (the reason and
+    the advice), for a page or table that says those words itself."""
+    rest = warning[len(DISTRUST):] if warning.startswith(DISTRUST) else warning
+    return rest.lstrip(":; ").strip()
+
+
 def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) -> str:
     """Why the self-check's scores should not be trusted on this task, in plain words with what
     to try (:data:`ADVICE`); "" when nothing says so. Untrusted: the AUC interval holds 0.5 (or
@@ -417,11 +308,15 @@ def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) 
                    f"({brier_constant:.3f})")
     if not why:
         return ""
-    return ("do not trust these scores on this task: the scorer does not separate the held-out "
+    return (f"{DISTRUST}: the scorer does not separate the held-out "
             f"good and bad demonstrations: {'; '.join(why)}; {ADVICE}")
 
 
 # --------------------------------------------------------------------------- the result
+
+# The self-check's fields a scoring response carries (:meth:`SelfCheck.summary_dict`).
+SUMMARY_FIELDS = ("status", "message", "auc", "auc_lo", "auc_hi", "level", "warning",
+                  "baselines", "length_matched", "beaten")
 
 
 @dataclass
@@ -488,6 +383,9 @@ class SelfCheck:
     warning: str = ""
     target_accuracy: float | None = None
     band: AbstainBand | None = None
+    baselines: list[dict[str, Any]] = field(default_factory=list)
+    length_matched: dict[str, Any] | None = None
+    beaten: str = ""
 
     @property
     def ok(self) -> bool:
@@ -541,7 +439,11 @@ class SelfCheck:
             "status", "message", "n_good", "n_bad", "n_skipped", "needed_per_class", "auc",
             "auc_lo", "auc_hi", "level", "brier", "brier_constant", "ece", "ece_bins",
             "threshold", "p_at_threshold", "expected_accuracy", "target_precision",
-            "precision_threshold", "precision", "recall", "warning", "target_accuracy")}
+            "precision_threshold", "precision", "recall", "warning", "target_accuracy",
+            "beaten")}
+        d["baselines"] = [{k: num(v) for k, v in b.items()} for b in self.baselines]
+        d["length_matched"] = (None if self.length_matched is None else
+                               {k: num(v) for k, v in self.length_matched.items()})
         d["band"] = None if self.band is None else self.band.to_dict()
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
         d["reliability"] = [{k: num(v) for k, v in b.items()} for b in self.reliability]
@@ -549,6 +451,13 @@ class SelfCheck:
         d["config"] = dict(self.config)
         d["version"] = VERSION
         return d
+
+    def summary_dict(self) -> dict[str, Any]:
+        """What a response that carries the self-check gives (``/v1/score``): the
+        :data:`SUMMARY_FIELDS` of :meth:`to_dict` - ICQS's AUC and interval beside the
+        baselines', the warnings."""
+        d = self.to_dict()
+        return {k: d[k] for k in SUMMARY_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelfCheck:
@@ -569,6 +478,9 @@ class SelfCheck:
                 for b in d.get("reliability") or []]
         band = d.get("band")
         kw["warning"] = kw.get("warning") or ""
+        kw["beaten"] = kw.get("beaten") or ""  # absent: written before the baselines
+        kw["baselines"] = [{k: math.nan if v is None else v for k, v in b.items()}
+                           for b in kw.get("baselines") or []]
         if "warning" not in d and d["status"] == "ok":  # written before the warning existed
             kw["warning"] = distrust(*(math.nan if d.get(k) is None else float(d[k])
                                        for k in ("auc_lo", "auc_hi", "brier")), BRIER_CONSTANT)
@@ -583,6 +495,10 @@ class SelfCheck:
         if not self.ok:
             return [self.message]
         out = [self.message]
+        if self.baselines:
+            out.append(f"self-check: {self.baselines_text()}")
+        if self.beaten:
+            out.append(f"self-check WARNING: {self.beaten}")
         if self.warning:
             out.append(f"self-check WARNING: {self.warning}")
         if self.band is not None:
@@ -590,6 +506,22 @@ class SelfCheck:
         if self.target_precision is not None:
             out.append(f"self-check: {self.precision_text()}")
         return out
+
+    def baselines_text(self) -> str:
+        """The baselines' AUCs beside ICQS's in one line ("" without baselines)."""
+        if not self.baselines:
+            return ""
+        def iv(d: dict[str, Any]) -> str:
+            return f"{_fmt(d['auc'])} [{_fmt(d['auc_lo'])}, {_fmt(d['auc_hi'])}]"
+
+        text = ("baselines on the same held-out items (AUC, direction fitted out of fold): "
+                + ", ".join(f"{b['name']} {iv(b)}" for b in self.baselines)
+                + f"; ICQS {iv(self.__dict__)}")
+        if self.length_matched is not None:
+            lm = self.length_matched
+            word = "stratum" if lm["strata"] == 1 else "strata"
+            text += f", within {lm['strata']} length {word} {iv(lm)}"
+        return text
 
     def precision_text(self) -> str:
         """The precision target's threshold in one line ("" without a target)."""
@@ -601,6 +533,10 @@ class SelfCheck:
         return (f"precision >= {self.target_precision:g}: score >= "
                 f"{self.precision_threshold:.4f} (held-out precision {self.precision:.2f}, "
                 f"recall {self.recall:.2f})")
+
+
+def _fmt(v: Any) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.3f}"
 
 
 def auc_sample_size(auc: float = 0.75, half_width: float = 0.1, level: float = LEVEL) -> int:
@@ -654,9 +590,15 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
                    cv_repeats: int = CV_REPEATS,
                    target_precision: float | None = None,
                    target_accuracy: float | None = None,
-                   config: dict[str, Any] | None = None) -> SelfCheck:
+                   config: dict[str, Any] | None = None,
+                   baseline_values: Sequence[dict[str, float]] | None = None) -> SelfCheck:
     """The :class:`SelfCheck` of cross-fitted ``scores`` ``[n]`` (NaN: a skipped item, counted
     with ``n_skipped``) and their 0/1 ``labels`` ``[n]`` (1 = good pool).
+
+    ``baseline_values``: per item, the values of the trivial scorers
+    (:func:`icqs_fast.engine.selfcheck_baselines.item_values`); their AUCs on the same items,
+    folds and intervals, ICQS's length-matched AUC and the sentence when one beats ICQS go
+    into :attr:`SelfCheck.baselines`, ``length_matched`` and ``beaten``.
 
     Everything is seeded by ``seed`` (bootstrap, folds), so the same input gives the same
     result. Fewer than :data:`MIN_PER_CLASS` usable items in a class gives ``status
@@ -675,6 +617,8 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
     ok = np.isfinite(s)
     n_skipped += int((~ok).sum())
     s, y = s[ok], y[ok]
+    values = ([v for v, keep in zip(baseline_values, ok, strict=True) if keep]
+              if baseline_values is not None else None)
     n_good, n_bad = int((y == 1).sum()), int((y == 0).sum())
     cfg = {"method": method, "seed": seed, "n_boot": n_boot, "level": level, "folds": folds,
            "cv_repeats": cv_repeats, **(config or {})}
@@ -709,7 +653,21 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
            f"{cmap.apply(t):.2f}), expected accuracy {acc:.2f}; {FIELD} by {used} map")
     band = (abstain_band(s, y, target_accuracy, folds=folds, seed=seed, n_boot=n_boot,
                          level=level) if target_accuracy is not None else None)
+    base: list[dict[str, Any]] = []
+    matched = None
+    if values:
+        from icqs_fast.engine.selfcheck_baselines import (
+            baseline_aucs,
+            beaten_by,
+            length_matched_auc,
+        )
+
+        base = baseline_aucs(values, y, folds=folds, seed=seed, n_boot=n_boot, level=level)
+        matched = length_matched_auc(s, y, np.array([v["length_tokens"] for v in values]),
+                                     n_boot=n_boot, level=level, seed=seed)
     return SelfCheck(status="ok", message=msg, auc=auc, auc_lo=lo, auc_hi=hi, brier=br,
+                     baselines=base, length_matched=matched,
+                     beaten=beaten_by(base, auc, lo, hi) if base else "",
                      warning=distrust(lo, hi, br, BRIER_CONSTANT), band=band,
                      ece=ec, calibration=cmap, threshold=t, p_at_threshold=cmap.apply(t),
                      expected_accuracy=acc, precision_threshold=pt, precision=prec,
@@ -741,7 +699,8 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
                    target_precision: float | None = None,
                    target_accuracy: float | None = None, n_boot: int = N_BOOT,
                    job_records: int | None = None, cache: Any = None,
-                   progress: Callable[[Iterable, int], Iterable] | None = None) -> SelfCheck:
+                   progress: Callable[[Iterable, int], Iterable] | None = None,
+                   baselines: bool = True) -> SelfCheck:
     """Cross-fit the held-out pool members (:func:`crossfit_heldout`) and fit the
     :class:`SelfCheck` (:func:`fit_self_check`). Pools that cannot give :data:`MIN_PER_CLASS`
     items per class are not scored at all ("too_small" at no cost); ``max_heldout=0`` gives
@@ -755,6 +714,9 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
             from it instead of scored, and stored there when scored; fitting the map, the
             intervals and the band (seconds) is always done again, so a new target or map
             method reuses them too. ``config["cache"]`` says "hit" or "stored".
+        baselines: also score the held-out items with the trivial scorers
+            (:mod:`icqs_fast.engine.selfcheck_baselines`: lengths, log-probs with no
+            demonstrations) and compare them with ICQS.
     """
     if max_heldout == 0:
         return SelfCheck.off("turned off (--self-check-max 0)")
@@ -779,22 +741,18 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
-    key = (crossfit_key(scorer, good, bad, seed=seed, leak=leak,
-                        per_class=heldout_per_class(n_good, n_bad, max_heldout))
-           if cache is not None and cache.enabled else None)
-    hit = load_crossfit(cache, key) if key is not None else None
-    if hit is not None:
-        scores, labels = hit
-        cfg["cache"] = "hit"
-    else:
-        cf = crossfit_heldout(scorer, good, bad, max_heldout=max_heldout, seed=seed,
-                              leak=leak, progress=progress)
-        scores, labels = cf.scores, cf.labels
-        if key is not None and store_crossfit(cache, key, scores, labels):
-            cfg["cache"] = "stored"
+    items, scores, labels, reused, free = cached_crossfit(
+        scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak, cache=cache,
+        progress=progress, config=cfg)
+    values = ([{**v, **f} for v, f in zip(
+        cached_baselines(scorer, good, bad, items, leak=leak, cache=cache), free, strict=True)]
+              if baselines else None)
     check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
                            target_precision=target_precision,
-                           target_accuracy=target_accuracy, config=cfg)
-    if hit is not None:
+                           target_accuracy=target_accuracy, config=cfg,
+                           baseline_values=values)
+    if reused == len(labels):
         check.message += " (held-out scores reused from the cache)"
+    elif reused:
+        check.message += f" ({reused} of {len(labels)} held-out scores reused from the cache)"
     return check

@@ -1,24 +1,33 @@
-"""The self-check's cache: the cross-fitted scores of held-out pool items (minutes of model
-time) stored under a hash of everything that decides them, so that a second ``score`` or
+"""The self-check's cache: the cross-fitted score of each held-out pool item (minutes of model
+time in all) stored under a hash of everything that decides it, so that a second ``score`` or
 ``check`` with the same pools, settings, model and dtype reuses them
 (:func:`icqs_fast.engine.selfcheck.run_self_check`'s ``cache``; where it lives and how to turn
-it off: :mod:`icqs_fast.io.cache`). Only the scores are stored: the map, intervals, threshold
-and abstain band are fitted again from them (seconds), so a new target reuses them too.
+it off: :mod:`icqs_fast.io.cache`).
+
+The entry holds **one score per item**, not one list per draw: an item's cross-fitted score
+depends on the pools (which build the demonstration sets), the scorer and the leak rule, never
+on which other items were drawn. So a ``check`` after a ``score`` whose self-check the job's
+size capped (fewer items drawn: other options, same items) reuses every item it has and scores
+only the held-out items it lacks. Only the scores are stored: the map, intervals, threshold and
+abstain band are fitted again from them (seconds), so a new target reuses them too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from icqs_fast.engine.prompts import check_pool
 from icqs_fast.io.cache import digest
 
-__all__ = ["KEY_VERSION", "crossfit_key", "load_crossfit", "scorer_identity", "store_crossfit"]
+__all__ = ["KEY_VERSION", "item_id", "items_key", "load_items", "scorer_identity",
+           "store_items"]
 
 # The layout of a cached entry and of its key; a change makes old entries unreachable.
-KEY_VERSION = 1
+# 3: per item a dict (its score and the free baselines' values); 2: per item a score;
+# 1: one list per draw.
+KEY_VERSION = 3
 
 
 def scorer_identity(scorer: Any) -> dict[str, Any]:
@@ -34,34 +43,49 @@ def scorer_identity(scorer: Any) -> dict[str, Any]:
             "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
 
 
-def crossfit_key(scorer: Any, good: Sequence, bad: Sequence, *, per_class: int, seed: int,
-                 leak: str) -> str:
-    """The cache key of the self-check's cross-fitted scores: a hash of the pools' items, the
-    scorer (:func:`scorer_identity`) and what picks and cleans the held-out items: the items
-    drawn per class (not the ``--self-check-max`` asked: a job capped to 60 and a ``check``
-    asking 256 of 24 + 24 pools draw the same 24 + 24), the seed and the leak rule."""
+def items_key(scorer: Any, good: Sequence, bad: Sequence, *, leak: str,
+              part: str = "scores") -> str:
+    """The cache key of the per-item cross-fitted scores: a hash of the pools' items, the
+    scorer (:func:`scorer_identity`) and the leak rule - what decides an item's score. Not
+    the draw (seed, ``--self-check-max``, the job's cap): those pick items, whose scores the
+    entry holds one by one (:func:`item_id`). ``part``: ``"scores"`` (the cross-fitted
+    scores) or ``"baselines"`` (the trivial scorers' values of the same items)."""
     return digest({"version": KEY_VERSION, "good": [list(e) for e in check_pool(good, "good")],
                    "bad": [list(e) for e in check_pool(bad, "bad")],
-                   "scorer": scorer_identity(scorer), "per_class": per_class,
-                   "seed": seed, "leak": leak})
+                   "scorer": scorer_identity(scorer), "leak": leak, "part": part})
 
 
-def store_crossfit(cache: Any, key: str, scores: Any, labels: Any) -> bool:
-    """Store cross-fitted ``scores`` ``[n]`` (NaN: skipped) and 0/1 ``labels`` ``[n]`` under
-    ``key``; whether it was stored."""
-    doc = {"scores": [None if not math.isfinite(v) else float(v) for v in scores],
-           "labels": [int(v) for v in labels]}
+def item_id(item: Sequence[str]) -> str:
+    """An item's name in an entry: the hash of its ``(x, y)``."""
+    return digest(list(item))
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _json(u) for k, u in v.items()}
+    return None if not math.isfinite(v) else float(v)
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _value(u) for k, u in v.items()}
+    return math.nan if v is None else float(v)
+
+
+def store_items(cache: Any, key: str, items: Mapping[str, Any]) -> bool:
+    """Store each item's value (:func:`item_id` -> a score, or a dict of named values; NaN:
+    none) under ``key``; whether it was stored."""
+    doc = {"items": {k: _json(v) for k, v in items.items()}}
     return cache.put(key, doc) is not None
 
 
-def load_crossfit(cache: Any, key: str) -> tuple[Any, Any] | None:
-    """``(scores, labels)`` stored under ``key``, or None (absent or malformed)."""
-    import numpy as np
-
+def load_items(cache: Any, key: str, *, values: bool = False) -> dict[str, Any]:
+    """The per-item values stored under ``key``: scores, or with ``values`` dicts of named
+    values (empty: absent or malformed)."""
     doc = cache.get(key)
     try:
-        scores = np.array([math.nan if v is None else float(v) for v in doc["scores"]])
-        labels = np.array([int(v) for v in doc["labels"]], dtype=np.int64)
-    except (TypeError, KeyError, ValueError):
-        return None
-    return (scores, labels) if scores.shape == labels.shape else None
+        out = {str(k): _value(v) for k, v in doc["items"].items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return {}
+    kind = dict if values else float
+    return out if all(isinstance(v, kind) for v in out.values()) else {}

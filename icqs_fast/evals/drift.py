@@ -196,8 +196,12 @@ def _distribution(name: str, what: str, a: RunSummary, b: RunSummary, rules: Dri
     null = (PSI_BINS - 1) * (1 / x.size + 1 / y.size)
     noise = f"; sampling alone gives ~{null:.2f} on average at these sizes" if null >= 0.05 \
         else ""
+    # The band is the usual reading of a PSI alone; a PSI that a test puts within noise is
+    # said so, not called moderate or major beside a "within noise" mark.
+    said = band if moved or band == "stable" else (
+        f"within noise: KS p {ks.pvalue:.2g}; the usual bands alone would say {band}")
     text = (f"{name} distribution: mean {ma:.3f} -> {mb:.3f} ({mb - ma:+.3f}), KS D "
-            f"{ks.statistic:.3f} (p {ks.pvalue:.2g}), PSI {p_i:.3f} ({band}{noise})")
+            f"{ks.statistic:.3f} (p {ks.pvalue:.2g}), PSI {p_i:.3f} ({said}{noise})")
     return DriftItem(f"{name}_distribution", bool(moved), text,
                      {"ks_statistic": float(ks.statistic), "ks_pvalue": float(ks.pvalue),
                       "psi": p_i, "psi_band": band, "psi_sampling": null,

@@ -173,9 +173,11 @@ def _self_check(check: Any) -> str:
         return out[0] + '<p class="note">The meta file holds no self-check.</p>'
     if not check.ok:
         return out[0] + f'<p class="warn">{escape(check.message)}</p>'
-    if check.warning:  # the self-check's own words (engine.selfcheck.distrust)
-        out.append(f'<p class="warn"><b>Do not trust these scores on this task.</b> '
-                   f'{escape(check.warning)}.</p>')
+    if check.warning:  # the self-check's own words (engine.selfcheck.distrust), said once
+        from icqs_fast.engine.selfcheck import DISTRUST, warning_reason
+
+        out.append(f'<p class="warn"><b>{escape(DISTRUST.capitalize())}:</b> '
+                   f'{escape(warning_reason(check.warning))}.</p>')
     n = check.n_good + check.n_bad
     lo, hi = wilson(round(check.expected_accuracy * n), n) if n and math.isfinite(
         check.expected_accuracy) else (math.nan, math.nan)
@@ -198,8 +200,31 @@ def _self_check(check: Any) -> str:
             + "<figcaption>reliability diagram: fraction of good answers against the mean "
             "calibrated probability per bin (held out, out of fold; bars: items per bin)"
             "</figcaption></figure></div>")
+    if check.baselines:
+        out.append(_baselines(check))
     if check.band is not None:
         out.append(_band(check.band))
+    return "".join(out)
+
+
+def _baselines(check: Any) -> str:
+    """The trivial scorers beside ICQS on the same held-out items
+    (:mod:`icqs_fast.engine.selfcheck_baselines`), and the sentence when one beats it."""
+    def iv(d: dict) -> list[str]:
+        return [_num(d["auc"]), f"[{_num(d['auc_lo'])}, {_num(d['auc_hi'])}]"]
+
+    rows = [["<b>ICQS</b>", *iv(check.__dict__), "the score"]]
+    lm = check.length_matched
+    if lm is not None:
+        rows.append(["ICQS within length strata", *iv(lm),
+                     f"good / bad pairs of like length only ({lm['strata']} strata)"])
+    rows += [[escape(b["name"]), *iv(b), escape(f"{b['text']}; {b['direction']} is good on "
+                                                "the pools (fitted out of fold)")]
+             for b in check.baselines]
+    out = ["<h3>Baselines on the same held-out items</h3>"]
+    if check.beaten:
+        out.append(f'<p class="warn"><b>A baseline beats ICQS:</b> {escape(check.beaten)}.</p>')
+    out.append(_table(["scorer", "AUC", "interval", "what"], rows, {1}))
     return "".join(out)
 
 
@@ -265,9 +290,14 @@ def _distributions(s: RunSummary, check: Any) -> str:
     order = sorted(s.labels, key=lambda k: (rank[label_class(k)], -s.labels[k], str(k)))
     figs = []
     thr = s.threshold if math.isfinite(s.threshold) else None
+    # The threshold in probability: the calibrated probability at the score threshold (not
+    # 0.5: a map fitted on the held-out items puts the equal-error point where it falls).
+    p_thr = (float(check.p_at_threshold) if thr is not None and check is not None
+             and check.ok and math.isfinite(check.p_at_threshold) else None)
     for what, name, marker, mlabel in (
             ("score", "score", thr, f"threshold {thr:.3f}" if thr is not None else ""),
-            ("p", "p_good_calibrated", 0.5, "0.5")):
+            ("p", "p_good_calibrated", p_thr,
+             f"threshold {p_thr:.2f}" if p_thr is not None else "")):
         series = {_label_name(k): s.hist[what][k] for k in order if k in s.hist[what]}
         if not series:
             continue

@@ -139,6 +139,18 @@ FEATURE_FIELDS: tuple[ResultField, ...] = (
        "whole-text tokenization", omit="none"),
 )
 
+# One judged pair (icqs_fast.engine.pairs.PairResult): an instruction and its two outputs.
+PAIR_FIELDS: tuple[ResultField, ...] = (
+    _R("score_a", "float", meaning="ICQS score of output a"),
+    _R("score_b", "float", meaning="ICQS score of output b"),
+    _R("preferred", "text", meaning="`a`, `b`, or `tie` when the margin is within the tie "
+       "margin"),
+    _R("margin", "float", meaning="`score_a - score_b`"),
+    _R("p_a_better", "float", meaning="P(a better) from the self-check's calibrated P(good) of "
+       "each output: pa (1 - pb) / (pa (1 - pb) + pb (1 - pa))",
+       when="the self-check gave an estimate", omit="none"),
+)
+
 # A bad record skipped with --on-error skip keeps its place: index, line and this.
 ERROR_FIELD = _R("error", "text", meaning="why a bad record was skipped (`--on-error skip`): "
                  "`field` and `reason`; every other field is then absent", when="skipped",
@@ -221,6 +233,12 @@ def features_row(rec: Any, row: dict[str, Any], features: Sequence[str]) -> dict
     and of ``row`` (one ``glassbox`` row: ``n_tokens``, the features, the diagnostics), the
     features in the order of ``features``."""
     return _row(FEATURE_FIELDS, rec, row, with_label=False, features=features)
+
+
+def pair_row(res: Any) -> dict[str, Any]:
+    """The JSON object of one judged pair: the :data:`PAIR_FIELDS` of ``res`` (a
+    ``PairResult``), in declaration order, absent ones left out."""
+    return _row(PAIR_FIELDS, None, res, with_label=False)
 
 
 # --------------------------------------------------------------------------- tables
@@ -307,8 +325,10 @@ def fill_columns(cols: dict[str, Any], i: int, row: dict[str, Any]) -> None:
 
 
 def markdown_table(kind: str = "icqs") -> str:
-    """The field table of docs/scoring_files.md: ``| field | type | present | meaning |``."""
-    fields = [*(ICQS_FIELDS if kind == "icqs" else FEATURE_FIELDS), ERROR_FIELD]
+    """The field table of docs/scoring_files.md: ``| field | type | present | meaning |``
+    (``kind``: ``"icqs"``, ``"features"`` or ``"pairs"``)."""
+    fields = ([*PAIR_FIELDS] if kind == "pairs" else
+              [*(ICQS_FIELDS if kind == "icqs" else FEATURE_FIELDS), ERROR_FIELD])
     lines = ["| field | type | present | meaning |", "|---|---|---|---|"]
     for f in fields:
         typ = "".join(f"[{d}]" for d in f.shape) + " " + f.type if f.shape else f.type

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,38 @@ def file_sha256(path: str) -> str:
 def model_name(model: str | None) -> str:
     """The model as the resume key records it: an absolute folder, or the embedded model."""
     return EMBEDDED_MODEL if model in (None, "embedded") else os.path.abspath(model)
+
+
+class ModelLoadError(ValueError):
+    """A job's model cannot be loaded: ``cannot load model NAME: reason`` (a usage error, exit
+    code 2), the reason without the hub client's network advice (no network is used)."""
+
+    def __init__(self, model: str | None, exc: BaseException) -> None:
+        self.model = "embedded" if model is None else model
+        self.reason = load_reason(self.model, exc)
+        super().__init__(f"cannot load model {self.model}: {self.reason}")
+
+
+# The prefixes models.load_model puts before its reason (the message here names the model
+# once, first), and the hub client's lines on connecting to the hub, which do not apply: no
+# network is ever used.
+_LOAD_PREFIX = re.compile(r"^(?:could not load model '[^']*'(?: from local files \(no network "
+                          r"access is used\))?: )")
+_HUB_TEXT = ("huggingface.co", "internet connection", "offline mode", "Repo id must be",
+             "repo_type")
+
+
+def load_reason(model: str, exc: BaseException) -> str:
+    """Why ``model`` failed to load, in one line: no such folder or cached id; else the
+    loader's own reason, less its prefix and any hub-client text."""
+    if isinstance(exc, OSError) and model != "embedded" \
+            and not os.path.exists(os.path.expanduser(model)):
+        return ("no such model folder or file, and no cached hub id of that name (no network "
+                "is used: pass a local model folder)")
+    text = _LOAD_PREFIX.sub("", str(exc).strip())
+    lines = [ln for ln in text.splitlines() if not any(h in ln for h in _HUB_TEXT)]
+    text = " ".join(ln.strip() for ln in lines if ln.strip())
+    return text or f"{type(exc).__name__} while loading it"
 
 
 @dataclass(frozen=True)
@@ -179,6 +212,22 @@ class JobConfig:
             from icqs_fast.models import quantization_kwargs
 
             quantization_kwargs(self.quantization, self.device)  # int8 / nf4 need CUDA
+
+    def load_model(self, dtype: str) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` of :attr:`model` in ``dtype`` (a resumed output's, or
+        :attr:`dtype`) on :attr:`device`.
+
+        Raises:
+            ModelLoadError: the model cannot be loaded (``cannot load model NAME: reason``).
+        """
+        from icqs_fast.models import load_model, quantization_kwargs
+
+        try:
+            return load_model(None if self.model == "embedded" else self.model, dtype=dtype,
+                              device=self.device,
+                              **quantization_kwargs(self.quantization, self.device))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(self.model, exc) from None
 
     def record_key(self) -> dict[str, Any]:
         """What decides which records are read and what they carry into a result line."""

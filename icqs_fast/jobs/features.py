@@ -42,7 +42,6 @@ from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.jobs.score import checked_runtime
-from icqs_fast.models import quantization_kwargs
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -272,14 +271,10 @@ class FeatureStrategy:
 
     def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
-        from icqs_fast.models import load_model
 
         c = self.config
         t_load = time.perf_counter()
-        self.model, self.tokenizer = load_model(
-            None if c.model == "embedded" else c.model, dtype=resumed_dtype(policy, c.dtype),
-            device=c.device,
-            **quantization_kwargs(c.quantization, c.device))
+        self.model, self.tokenizer = c.load_model(resumed_dtype(policy, c.dtype))
         t_load = time.perf_counter() - t_load
         self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None
                       else ComboScale.intrinsic(vocab_size(self.model)))

@@ -262,18 +262,21 @@ def make_output_folder(output: str, log: Log) -> None:
 def peek_input(config: JobConfig) -> None:
     """Read the input's first record (files only; standard input cannot be read twice), so
     that what is wrong with the whole file - empty, a header without the fields (a wrong
-    delimiter), unreadable - fails before the model loads and before the output is created.
-    An error in the record itself is left to the run (its earlier records are kept)."""
+    delimiter), unreadable - and a bad first record (``--on-error stop``: no result could
+    come before it) fail before the model loads and before the output is created. An error
+    in a later record is left to the run (its earlier records are kept)."""
     if config.input == "-" or config.resume or config.shard is not None:
         return  # resuming / sharded: the input range is checked by the run
     it = read_records(config.input, record_fields(config), format=config.format,
                       encoding=config.encoding, on_error="yield", allow_empty=False)
     try:
-        next(iter(it), None)
+        first = next(iter(it), None)
     finally:
         close = getattr(it, "close", None)
         if close is not None:
             close()
+    if isinstance(first, RecordError) and config.on_error == "stop":
+        raise first
 
 
 def record_fields(config: JobConfig, *, labels: bool = True) -> RecordFields:
@@ -311,9 +314,15 @@ class LocalExecutor:
         set_threads(config.threads)
         if config.quiet:
             quiet_transformers()
-        strategy.load(policy, meta, job.log)
-        check_runtime(policy, meta)
-        check = strategy.self_check(policy, job.log)
+        try:
+            strategy.load(policy, meta, job.log)
+            check_runtime(policy, meta)
+            check = strategy.self_check(policy, job.log)
+        except BaseException:
+            # The output is not touched before start_output: only the lock file is new here
+            # (an unloadable model, other settings, Ctrl-C during the self-check).
+            remove_lock(Path(config.output))
+            raise
         if check is not None:
             meta["self_check"] = check
         start_output(policy, meta, job.log)
@@ -337,20 +346,32 @@ class LocalExecutor:
         summary = strategy.summary()
         try:
             return _write_results(job, records, summary, start, total)
-        except InputError as exc:
-            if not isinstance(exc, RecordError) and not policy.append and summary.n == 0 \
-                    and summary.skipped == 0:
+        except InputError:
+            if nothing_written(policy, summary):
                 remove_output(Path(config.output))  # nothing was written: leave nothing
             raise
 
 
+def nothing_written(policy: OutputPolicy, summary: JobSummary) -> bool:
+    """Whether a run's output holds nothing: new (not appended to) and no line written."""
+    return not policy.append and summary.n == 0 and summary.skipped == 0
+
+
 def remove_output(out: Path) -> None:
     """Remove a new output that holds nothing, its settings file and its lock file."""
-    for p in (out, meta_path(out), Path(f"{out}.lock")):
+    for p in (out, meta_path(out)):
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
     if output_format(out) == "parquet":
         remove_parquet_output(out)
+    remove_lock(out)
+
+
+def remove_lock(out: Path) -> None:
+    """Remove ``out``'s lock file (held by this process: no other writer can be between
+    taking it and now), so that a run that wrote nothing leaves no file behind."""
+    with contextlib.suppress(FileNotFoundError):
+        Path(f"{out}.lock").unlink()
 
 
 def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary: JobSummary,
@@ -371,6 +392,8 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
         except InputError as exc:
             if not isinstance(exc, RecordError):  # the whole input (e.g. empty standard input)
                 raise
+            if nothing_written(job.policy, summary):
+                raise  # the first record scored is the bad one: nothing to resume from
             log(summary.text("icqs-fast: stopped: "))
             log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
                 "with --resume" + (", or pass --on-error skip" if config.on_error == "stop"

@@ -43,7 +43,7 @@ from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
-from icqs_fast.models import quantization_kwargs, runtime_settings
+from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
@@ -277,17 +277,13 @@ class ScoreStrategy:
         from icqs_fast.engine.batching import model_device
         from icqs_fast.engine.memory_plan import free_device_bytes, scorer_memory_plan
         from icqs_fast.engine.scorer import ICQSScorer
-        from icqs_fast.models import load_model
 
         c = self.config
         if not hasattr(self, "settings"):
             self.prepare(log)
         good, bad = self.good, self.bad
         t_load = time.perf_counter()
-        model, tok = load_model(None if c.model == "embedded" else c.model,
-                                dtype=resumed_dtype(policy, c.dtype),
-                                device=c.device,
-                                **quantization_kwargs(c.quantization, c.device))
+        model, tok = c.load_model(resumed_dtype(policy, c.dtype))
         t_load = time.perf_counter() - t_load
         meta.update(checked_runtime(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)

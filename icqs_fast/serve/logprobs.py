@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from icqs_fast import backends, ops
 from icqs_fast.engine.batching import (
     PrefixBank,
     model_device,
@@ -27,7 +28,9 @@ from icqs_fast.engine.batching import (
     suffix_hidden,
 )
 from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
+from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
+from icqs_fast.models import exact_bf16_products, is_bf16_mixed
 
 # Rows of fp32 logits materialised at once (x vocabulary size).
 HEAD_ROWS = 256
@@ -110,20 +113,28 @@ def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_
     """LM head (fp32, with the model's logit epilogue) over one segment's hidden states
     ``[len, H]``, or the model's own logits ``[len, V]`` when the plan scores from those."""
     head = model.get_output_embeddings()
-    # fp32 once per call, not per HEAD_ROWS chunk (a 7B head: 0.5 GB in fp32, 1 GB for 256k
-    # vocabularies); a quantised head's dense copy (dense_head_weight) is made once per model.
-    wt = None if plan.own_logits else dense_head_weight(head).float().t()
+    w = dense_head_weight(head)  # a quantised head's dense copy, made once per model
     bias = getattr(head, "bias", None)
-    bias = None if bias is None else bias.float()
     n = hidden.shape[0]
+    # On the CPU the head multiplies through ops.linear (packed once per weight): a prompt's
+    # log-probs are then the same bits alone and inside any batch; torch's product elsewhere.
+    packed = (None if plan.own_logits or w.device.type != "cpu"
+              or not backends.available("cpp")[0]
+              else ops.pack_linear(w, exact_bf16_products() if is_bf16_mixed(head) else "fp32",
+                                   backend="cpp", cache=True))
+    wf = None
     for a in range(0, n, HEAD_ROWS):
         h = hidden[a: a + HEAD_ROWS].float()
         if plan.own_logits:
             logits = h
+        elif packed is not None:
+            logits = plan.head.apply(ops.linear(h, packed, bias))
         else:
-            logits = h @ wt
+            if wf is None:
+                wf = w.float().t()  # once per call, not once per chunk
+            logits = h @ wf
             if bias is not None:
-                logits = logits + bias
+                logits = logits + bias.float()
             logits = plan.head.apply(logits)
         lp = torch.log_softmax(logits, dim=-1)
         rows = range(a, a + h.shape[0])
@@ -177,8 +188,9 @@ def prompt_logprobs(
     stored = sorted((s for s in segs.values() if s.start > 0), key=lambda s: s.path)
     for batch in _batches(plain, lambda s: len(s.path), budget):
         seqs = [s.path for s in batch]
-        out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe) if plan.own_logits else \
-            plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe)
+        out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe, plan.layers) \
+            if plan.own_logits else \
+            plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe, plan.layers)
         for b, s in enumerate(batch):
             _head(model, plan, s, out[b, : len(s.path)], top_n)
     if stored:
@@ -264,9 +276,19 @@ class PromptPrefill:
         a, b = self.pos, min(len(self.prompt), self.pos + max(1, int(tokens)))
         ids = torch.tensor([self.prompt[a:b]], dtype=torch.long, device=self.dev)
         body = self.plan.body
-        out = body(input_ids=ids, position_ids=torch.arange(a, b, device=self.dev)[None],
-                   attention_mask=torch.ones((1, b), dtype=torch.long, device=self.dev),
-                   use_cache=True, **cache_kwarg(body, self.cache))
+        pos = torch.arange(a, b, device=self.dev)[None]
+        run = lambda: body(  # noqa: E731
+            input_ids=ids, position_ids=pos,
+            attention_mask=torch.ones((1, b), dtype=torch.long, device=self.dev),
+            use_cache=True, **cache_kwarg(body, self.cache))
+        if self.plan.layers and positional_kernel(body, self.dev):
+            # The kernel the whole prompt's forward takes, on positions: the chunks' numbers
+            # are then that forward's bits.
+            keys = torch.arange(b, device=self.dev)[None]
+            with position_plan(body, PositionPlan(pos, keys, tuple(self.plan.layers))):
+                out = run()
+        else:
+            out = run()
         seg = _Segment(a, self.prompt[:b])
         _head(self.model, self.plan, seg, last_hidden(out)[0], self.top_n)
         self.segs.append(seg)

@@ -246,6 +246,10 @@ class ScoreResponse(BaseModel):
     object: Literal["list"]
     model: str
     data: list[ScoreItem]
+    # The server's self-check (engine.selfcheck.SelfCheck.summary_dict: ICQS's AUC beside the
+    # baselines', the warnings) when the records were scored with its own pools and settings,
+    # whose map gave them p_good_calibrated; null otherwise.
+    self_check: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- the rest

@@ -306,7 +306,10 @@ class Scoring:
             start = end
         parts = await self.dispatcher.run(units, len(records), request)
         data = [o for part in parts[1 if want_icqs else 0:] for o in part]
-        return ScoreResponse(object="list", model=self.model_name, data=data)
+        own = (want_icqs and good is None and settings == self.settings
+               and self.check is not None)
+        return ScoreResponse(object="list", model=self.model_name, data=data,
+                             self_check=self.check.summary_dict() if own else None)
 
 
 __all__ = ["Scoring", "icqs_item", "plain_path"]
