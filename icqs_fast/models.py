@@ -42,6 +42,7 @@ from icqs_fast.model_files import (  # noqa: F401
     packaged_status,
     resolve_model,
 )
+from icqs_fast.options import QUANTIZATIONS  # bitsandbytes' LLM.int8 or 4-bit NF4 layers
 
 # Entries of oneDNN's primitive cache and of ideep's computation cache (their environment
 # variables; 1024 each by default). bf16-mixed and bf16 run every linear through oneDNN, and
@@ -306,6 +307,25 @@ _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def quantization_kwargs(quantization: str, device: str | torch.device = "auto"
+                        ) -> dict[str, bool]:
+    """:func:`load_model`'s ``load_in_8bit`` / ``load_in_4bit`` for a ``--quantization`` name.
+
+    Raises:
+        ValueError: an unknown name, or int8 / nf4 without a CUDA device (bitsandbytes' CPU
+            kernels dequantise the weights at every call: slower than float32 and not the
+            measured setting; the Python API's ``load_model`` still takes them for tests).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                         f"{quantization!r}")
+    if quantization != "none" and _resolve_device(device).type != "cuda":
+        raise ValueError(f"--quantization {quantization} (bitsandbytes) needs a CUDA device; "
+                         f"this run's device is {_resolve_device(device)} (drop the flag to "
+                         "run unquantised)")
+    return {"load_in_8bit": quantization == "int8", "load_in_4bit": quantization == "nf4"}
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
@@ -365,6 +385,12 @@ def load_model(
     if load_in_8bit or load_in_4bit:
         from transformers import BitsAndBytesConfig
 
+        if load_in_8bit and dev.type == "cuda" and dt != torch.float16:
+            # LLM.int8's CUDA matmul runs in fp16: other activations are cast (and warned about)
+            # at every call, ~224 lines per forward of a 7B model.
+            choice = DtypeChoice(torch.float16, choice.requested, "8-bit (LLM.int8) computes in "
+                                 f"float16 on CUDA ({choice.name} would be cast at every call)")
+            dt = kwargs["dtype"] = torch.float16
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_8bit=load_in_8bit,
             load_in_4bit=load_in_4bit,

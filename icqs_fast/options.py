@@ -25,6 +25,10 @@ from typing import Any
 # The key of an option's declaration in its dataclass field's metadata.
 OPTION_KEY = "icqs_fast.option"
 KINDS = ("int", "float", "bool", "str", "strs", "any")
+# --quantization's names (the option is declared in jobs/config.py JobConfig; load_model's
+# quantization_kwargs, serve, eval and the lm-eval adapter take the same names). Here, not in
+# models.py, because `--help` must not import torch.
+QUANTIZATIONS = ("none", "int8", "nf4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,5 +262,6 @@ def metavar(d: Declared) -> str:
     return {"int": "N", "float": "X", "strs": "TEXT"}.get(d.option.kind, "TEXT")
 
 
-__all__ = ["OPTION_KEY", "Declared", "Option", "bounds_text", "check_declared", "check_value",
-           "declaration", "declared", "default_text", "metavar", "option", "options_table"]
+__all__ = ["OPTION_KEY", "QUANTIZATIONS", "Declared", "Option", "bounds_text", "check_declared",
+           "check_value", "declaration", "declared", "default_text", "metavar", "option",
+           "options_table"]

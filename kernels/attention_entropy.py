@@ -270,10 +270,10 @@ def _attn_entropy_fwd(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    # Causal: the last query blocks have the most keys; launch them first (less tail).
-    n_mblocks = tl.num_programs(0)
-    pid_m = (n_mblocks - 1 - tl.program_id(0)) if CAUSAL else tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One flat grid axis (CUDA caps y at 65,535: rows x heads pass it), query blocks fastest.
+    n_mblocks = tl.cdiv(Tq, BLOCK_M)
+    pid_bh, pid_m = tl.program_id(0) // n_mblocks, tl.program_id(0) % n_mblocks
+    pid_m = (n_mblocks - 1 - pid_m) if CAUSAL else pid_m  # causal: most keys first (less tail)
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
     hk = h // GROUP
@@ -487,7 +487,7 @@ def attention_settings(b: int, hq: int, tq: int, tk: int, d: int, dtype: torch.d
                              block_dv=block_dv, num_warps=warps, num_stages=stages,
                              fp32_dot=fp32_dot, even_n=even_n,
                              precision="ieee" if fp32_dot else "tf32",
-                             grid=(triton.cdiv(tq, block_m), b * hq, 1))
+                             grid=(triton.cdiv(tq, block_m) * b * hq, 1, 1))
 
 
 def _int_type(v: int) -> str:
@@ -541,7 +541,7 @@ def _key_blocks(cfg: AttentionSettings, tq: int, tk: int, causal: bool,
     """Key blocks each query block visits (the kernel's loop bounds, positions not given)."""
     out = []
     bn = cfg.block_n
-    for i in range(cfg.grid[0]):
+    for i in range(triton.cdiv(tq, cfg.block_m)):
         q_lo = tk - tq + i * cfg.block_m
         q_hi = q_lo + cfg.block_m - 1
         stop = max(min(tk, q_hi + 1), 0) if causal else tk
@@ -593,7 +593,7 @@ def gpu_launches(b: int, hq: int, hk: int, tq: int, tk: int, d: int, dtype: torc
     hbm += ((b * hq * tq * 4 if lse else 0) + (b * tk if keyok else 0)
             + (b * (tq + tk) * 4 if positions else 0))
     hbm += hq * 4 if sinks else 0
-    blocks = ([triton.cdiv(tk, cfg.block_n)] * cfg.grid[0] if positions
+    blocks = ([triton.cdiv(tk, cfg.block_n)] * triton.cdiv(tq, cfg.block_m) if positions
               else _key_blocks(cfg, tq, tk, causal, window, chunk))
     sq, sk, sv, so = ((hq * tq * d, tq * d, d), (hk * tk * d, tk * d, d),
                       (hk * tk * dv, tk * dv, dv), (hq * tq * dv, tq * dv, dv))

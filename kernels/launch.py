@@ -81,3 +81,36 @@ TRITON_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 def ptr(dtype) -> str:
     """Triton pointer type of a torch float dtype (``torch.bfloat16`` -> ``"*bf16"``)."""
     return TRITON_PTR[str(dtype).split(".")[-1]]
+
+
+# CUDA's launch limits (CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability", cc 7.0 - 9.0): Triton's launcher checks none of them, so a grid past them fails
+# mid-job with "invalid argument". The kernels put rows x heads on axis x, whose 2^31 - 1
+# programs no tensor that fits a GPU reaches (2^31 rows of 64 bf16 values are 256 GiB).
+MAX_GRID = (2 ** 31 - 1, 65535, 65535)
+MAX_THREADS_PER_BLOCK = 1024
+
+
+def limit_problems(kernel: str, grid: tuple[int, ...], num_warps: int,
+                   shared_bytes: int | None = None,
+                   shared_limit: int | None = None) -> list[str]:
+    """What a launch of ``kernel`` with ``grid`` (programs per axis), ``num_warps`` and
+    ``shared_bytes`` of shared memory per program (None: not known yet) breaks of CUDA's limits
+    (:data:`MAX_GRID`, :data:`MAX_THREADS_PER_BLOCK`, ``shared_limit`` bytes per block); empty
+    when nothing. Each problem names the kernel, the value and the limit."""
+    problems = []
+    for axis, (g, top) in enumerate(zip(tuple(grid) + (1,) * (3 - len(grid)), MAX_GRID,
+                                        strict=True)):
+        if g > top:
+            problems.append(f"{kernel}: grid axis {'xyz'[axis]} has {g} programs, CUDA's limit "
+                            f"is {top}")
+        elif g < 0:
+            problems.append(f"{kernel}: grid axis {'xyz'[axis]} has {g} programs")
+    if num_warps * 32 > MAX_THREADS_PER_BLOCK:
+        problems.append(f"{kernel}: {num_warps} warps = {num_warps * 32} threads per block, "
+                        f"CUDA's limit is {MAX_THREADS_PER_BLOCK}")
+    if shared_bytes is not None and shared_limit is not None and shared_bytes > shared_limit:
+        problems.append(f"{kernel}: {shared_bytes} bytes of shared memory per block, the "
+                        f"device's limit is {shared_limit}")
+    return problems
+

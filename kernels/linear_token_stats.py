@@ -45,6 +45,7 @@ polynomial per logit, on the tile in registers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +181,10 @@ def _tile_logits(
     return acc
 
 
-@triton.jit
+# N is not specialised (no N == 1 / N % 16 == 0 variants: it only bounds rows) and TILES takes
+# at most TILE_CANDIDATES values up to N = 16,384 (_tiles_per_program): a few compiles per model,
+# not ~31 x 2 (~3 s each for sm_90, again in every Ray actor).
+@triton.jit(do_not_specialize=["N"])
 def _linear_token_stats_kernel(
     hid_ptr,
     w_ptr,
@@ -372,13 +376,23 @@ PARTIAL_PEAK_BYTES = 140  # per chunk and row while merge_partials folds them in
 PARTIAL_BUDGET = 64 << 20  # most extra memory the partial states may take (unless 64 tiles)
 
 
+# TILES is a constexpr: each value is a compile. Up to TILE_BUCKET_N rows it is one of the
+# best counts at these row counts (in row blocks), so a model compiles at most len(...) fused
+# kernels there (tests/test_compile_keys.py); longer inputs search every count.
+TILE_BUCKET_N = 16384
+TILE_CANDIDATE_BLOCKS = (1, 4)  # and TILE_BUCKET_N rows: predicted <= 1.12x the best time
+
+
 def _tiles_per_program(n: int, h: int, row_blocks: int, vocab_tiles: int, block_m: int,
-                       block_n: int, max_tiles: int = 64) -> int:
+                       block_n: int, max_tiles: int = 64,
+                       candidates: tuple[int, ...] | None = None) -> int:
     """Tiles per program with the least predicted time at one program per SM: whole waves of
     ``tiles`` tile-times, a tile-time being the larger of its product at tensor peak and its
     weight tile at a per-SM share of HBM bandwidth, plus writing and merging ``chunks x N``
     partial states; their peak memory stays within :data:`PARTIAL_BUDGET` (unless 64 tiles
-    cannot). Ties go to more tiles."""
+    cannot). Ties go to more tiles. Up to :data:`TILE_BUCKET_N` rows the choice is among
+    :func:`_tile_candidates` (each is the best at one row count; the best of them at this
+    one); ``candidates`` given: among those."""
     tile_s = max(2 * block_m * block_n * max(h, 1) / (989e12 / SMS),
                  block_n * max(h, 1) * 2 / (3.0e12 / SMS))
 
@@ -388,9 +402,25 @@ def _tiles_per_program(n: int, h: int, row_blocks: int, vocab_tiles: int, block_
         return waves * t * tile_s + chunks * n * (44 + PARTIAL_PEAK_BYTES) / 3.0e12, -t
 
     top = max(1, min(max_tiles, vocab_tiles))
-    ok = [t for t in range(1, top + 1)
+    if candidates is None and n <= TILE_BUCKET_N:
+        candidates = _tile_candidates(h, vocab_tiles, block_m, block_n, max_tiles)
+    ok = [t for t in (candidates or range(1, top + 1))
           if triton.cdiv(vocab_tiles, t) * n * PARTIAL_PEAK_BYTES <= PARTIAL_BUDGET]
     return min(ok or [top], key=cost)
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_candidates(h: int, vocab_tiles: int, block_m: int, block_n: int,
+                     max_tiles: int) -> tuple[int, ...]:
+    """The best tile counts (full search) at 1 and 4 row blocks and at
+    :data:`TILE_BUCKET_N` rows: every one is within the partial-state budget at any smaller
+    row count, the last at every row count up to the bucket's end."""
+    ns = [b * block_m for b in TILE_CANDIDATE_BLOCKS if b * block_m < TILE_BUCKET_N]
+    return tuple(sorted({
+        _tiles_per_program(n, h, triton.cdiv(n, block_m), vocab_tiles, block_m, block_n,
+                           max_tiles, candidates=tuple(range(1, max(1, min(max_tiles,
+                                                                           vocab_tiles)) + 1)))
+        for n in (*ns, TILE_BUCKET_N)}))
 
 
 def launch_settings(n: int, h: int, v: int, dtype: torch.dtype, *, interpret: bool = False,
@@ -466,7 +496,7 @@ def launch(hidden, weight, bias, targets, z_t, temperature: float, pstate, pcoun
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every N (see the fused kernel)
 def _target_logits_kernel(
     HID, W, BIAS, T, ZT, ZRAW,
     N, H,
@@ -518,18 +548,21 @@ def target_logits(hidden, weight, bias, targets, out, tanh_scale: float | None =
     )
 
 
-def _signature(params: dict[str, str], ints: dict[str, int], consts: dict
-               ) -> tuple[dict[str, str], dict, list[str]]:
+def _signature(params: dict[str, str], ints: dict[str, int], consts: dict,
+               nospec: tuple[str, ...] = ("N",)) -> tuple[dict[str, str], dict, list[str]]:
     """Signature, constexprs and 16-divisible parameters as Triton's JIT specialises them for
     these argument values: an int equal to 1 becomes a constexpr; pointers (torch allocations
     are 256-byte aligned) and ints that are multiples of 16 get ``tt.divisibility`` 16, which
     lets loads vectorise (pass them as ``attrs`` to ``ASTSource`` to compile the same code).
     A parameter named in ``consts`` too is a constexpr of that value (None: an argument passed
-    as None)."""
+    as None). ``nospec``: the kernels' ``do_not_specialize`` ints (neither)."""
     sig, const, div16 = {}, {}, []
     for name, kind in params.items():
         if name in consts:
             sig[name], const[name] = "constexpr", consts[name]
+            continue
+        if name in nospec:
+            sig[name] = kind
             continue
         if kind == "i32" and ints[name] == 1:
             sig[name], const[name] = "constexpr", 1

@@ -33,9 +33,31 @@ import triton.language as tl
 # same code on a GPU, but Triton's CPU interpreter runs these combines with numpy directly while
 # every call of a jit function such as tl.sum re-patches triton.language (~8 ms per call, which
 # made the interpreter tests 10x slower).
-from triton.language.standard import _elementwise_max as _max_combine
-from triton.language.standard import _elementwise_min as _min_combine
-from triton.language.standard import _sum_combine
+try:
+    from triton.language.standard import _elementwise_max as _max_combine
+    from triton.language.standard import _elementwise_min as _min_combine
+    from triton.language.standard import _sum_combine
+
+    COMBINE_NOTE = ""
+except ImportError as _exc:  # another Triton version: the same combines of our own, said once
+    import warnings
+
+    COMBINE_NOTE = (f"triton {triton.__version__} lacks the private combines "
+                    f"(triton.language.standard: {_exc}); kernels/token_stats.py uses its own "
+                    "(the same code on a GPU; slower under the interpreter)")
+    warnings.warn(COMBINE_NOTE, RuntimeWarning, stacklevel=2)
+
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _min_combine(a, b):
+        return tl.minimum(a, b)
+
+    @triton.jit
+    def _sum_combine(a, b):
+        return a + b
 
 from .launch import Launch, ptr
 

@@ -285,7 +285,7 @@ def test_gpu_launches_describe_the_launch(causal):
     for ent in (True, False):
         (ln,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, causal, entropy=ent)
         cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16, causal=causal)
-        assert ln.grid == cfg.grid == (math.ceil(tq / cfg.block_m), b * hq, 1)
+        assert ln.grid == cfg.grid == (math.ceil(tq / cfg.block_m) * b * hq, 1, 1)
         assert (ln.num_warps, ln.num_stages, ln.label) == (cfg.num_warps, cfg.num_stages,
                                                            cfg.label)
         assert ln.tensor_flops == 4 * d * b * hq * pairs and ln.elements == b * hq * pairs

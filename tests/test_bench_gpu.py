@@ -60,7 +60,7 @@ def test_attention_ratios():
 
 # --- bench gpu --dry-run: the CUDA code paths on fake CUDA tensors (no GPU) --------------------
 
-_DRY_PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval")
+_DRY_PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval", "score", "serve", "ray")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,14 @@ def test_dry_run_covers_every_cuda_path(dry_report):
     assert rep["paths"]["engine"]["model_device"] == "cuda:0"
     assert rep["paths"]["engine"]["cascade"] is True
     assert rep["paths"]["lm_eval"]["device"] == "cuda:0"
+    # The score job's meta file names the path and backend; the server's three routes; a
+    # --ray actor on a GPU (one per GPU by default on a GPU cluster).
+    assert (rep["paths"]["score"]["engine"], rep["paths"]["score"]["backend"]) == (
+        "cascade", "triton") and rep["paths"]["score"]["records"] == 3
+    assert rep["paths"]["score"]["memory_plan"]["free_bytes"] == 70 * 2**30
+    s = rep["paths"]["serve"]
+    assert (s["echo"], s["generated_steps"], s["scored"], s["engine"]) == (2, 3, 2, "cascade")
+    assert rep["paths"]["ray"]["runtime"] == "cuda" and rep["paths"]["ray"]["gpus_per_actor"] == 1
     assert "_attn_entropy_fwd" in rep["paths"]["features"]["kernels"]
     assert "_linear_token_stats_kernel" in rep["paths"]["engine"]["kernels"]
     assert rep["compiles"] >= 3 and all(k["compiled"] for k in rep["kernels"])
@@ -117,6 +125,11 @@ def test_dry_run_sync_budgets(dry_report):
         if name != "bench_gpu":
             assert e["forwards"] >= 1 and e["launches_batch"]["per_layer"] > 0, (name, e)
     assert rep["paths"]["bench_gpu"]["syncs_batch"] == 0  # the ops themselves never sync
+    # Greedy generation reads the host once per token (the token, its log-prob and the top-N
+    # in one copy; four reads before).
+    gen = [s for s in rep["host_syncs"] if s["path"] == "serve" and s["phase"] == "batch"
+           and "serve/generation.py" in s["site"].split(" < ")[0]]
+    assert sum(s["count"] for s in gen) == rep["paths"]["serve"]["generated_steps"], gen
     # The capture's mask checks: no sync per layer (its causality once per model, "setup").
     assert not [s for s in rep["host_syncs"] if "features/attention.py" in s["site"].split(
         " < ")[0] and s["phase"] != "setup"]

@@ -93,7 +93,8 @@ def test_below_its_bound_is_refused_naming_the_flag(name):
     d = declaration(ServeConfig, name)
     low = d.option.ge - (1 if d.option.kind == "int" else 0.5)
     other = {"max_prompts": 1} if name == "max_queue" else {}  # at most --max-queue
-    with pytest.raises(ValueError, match=f"^{d.flag} must be .* >= {int(d.option.ge)}, got"):
+    bound = rf"(>= {int(d.option.ge)}|in \[{int(d.option.ge)}, .*\])"  # [ge, le] when both
+    with pytest.raises(ValueError, match=f"^{d.flag} must be .* {bound}, got"):
         ServeConfig(**{name: low, **other})
     assert getattr(ServeConfig(**{name: d.option.ge, **other}), name) == d.option.ge
 

@@ -14,6 +14,7 @@ answer the callers that pick a path themselves.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -26,6 +27,7 @@ from icqs_fast.backends.support import PREFERENCE, REFERENCE, refusal
 from icqs_fast.kernels.launch import triton_interpreting  # noqa: F401
 
 BACKENDS = PREFERENCE
+log = logging.getLogger("icqs_fast")
 _MODULES = {
     "torch": "icqs_fast.backends.torch_ref",
     "cpp": "icqs_fast.backends.cpp_backend",
@@ -91,13 +93,33 @@ def choose(op: str, backend: str, device: torch.device | str,
         if why is not None:
             raise why[0](why[1])
         return backend
+    unavailable = []
     for name in PREFERENCE:
         # The table first (no import), then whether the backend runs here at all.
-        if refusal(op, name, device, dtype, options, auto=True) is None and available(name)[0]:
-            return name
+        if refusal(op, name, device, dtype, options, auto=True) is None:
+            ok, reason = available(name)
+            if ok:
+                _say_skipped(op, name, unavailable)
+                return name
+            if name == "triton":  # the GPU path; a CPU without the extension is expected
+                unavailable.append((name, reason))
     # Not reached for what ops accept: the reference runs every declared option and dtype.
     raise ValueError(f"{op}: no backend runs {torch.device(device).type} {dtype} inputs with "
                      f"{sorted(options)}")
+
+
+_SAID: set[tuple[str, str, str]] = set()
+
+
+def _say_skipped(op: str, chosen: str, unavailable: list[tuple[str, str]]) -> None:
+    """Warn once per (op, backend, reason) when ``"auto"`` steps past a backend the table
+    prefers for the call because it does not run here (e.g. the Triton kernels failing to
+    import on another Triton version: a CUDA run on the torch reference, many times slower)."""
+    for name, reason in unavailable:
+        if (op, name, reason) not in _SAID:
+            _SAID.add((op, name, reason))
+            log.warning("%s: backend %r would run this call but is not available (%s); "
+                        "'auto' uses %r", op, name, reason, chosen)
 
 
 def fallback(op: str, backend: str, options: Iterable[str] = ()) -> str:

@@ -30,10 +30,11 @@ def available() -> tuple[bool, str]:
         from icqs_fast.kernels import linear_token_stats, token_stats  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return False, f"icqs_fast.kernels does not import: {exc}"
+    note = f"; {token_stats.COMBINE_NOTE}" if token_stats.COMBINE_NOTE else ""
     if torch.cuda.is_available():
-        return True, f"ok (triton {triton.__version__}, CUDA)"
+        return True, f"ok (triton {triton.__version__}, CUDA{note})"
     if triton_interpreting():
-        return True, f"ok (triton {triton.__version__}, CPU interpreter: slow, for tests)"
+        return True, f"ok (triton {triton.__version__}, CPU interpreter: slow, for tests{note})"
     return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
 
 

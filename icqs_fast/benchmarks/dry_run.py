@@ -16,7 +16,18 @@ with a CPU tensor raises as it would on a GPU), :func:`dry_run` runs, on device 
   ``attention_entropy``) and :class:`~icqs_fast.allure.evaluators.ICQSEvaluator`;
 * ``lm_eval``: :class:`~icqs_fast.compat.lm_eval.ICQSFastLM` built with ``device="cuda"``
   (``loglikelihood``, ``loglikelihood_rolling``; not ``generate_until``, whose Hugging Face
-  ``generate`` loop stops on token values).
+  ``generate`` loop stops on token values);
+* ``score``: the ``icqs-fast score`` job end to end (:func:`icqs_fast.jobs.runner.run_job`: the
+  memory plan, the engine's plan in the meta file, the results file), the tiny Llama in place
+  of ``load_model``'s checkpoint;
+* ``serve``: the :class:`~icqs_fast.serve.app.Server`'s three routes' engine work (echo
+  log-probs, greedy generation a token per step, ``/v1/score``'s ICQS), without HTTP;
+* ``ray``: a ``--ray`` :class:`~icqs_fast.jobs.ray_executor.BlockActor` built and called in
+  this process (its model load, one block and its block file), the actors' GPUs from
+  :func:`~icqs_fast.jobs.ray_executor.actor_plan` on an 8-GPU cluster's resources.
+
+Every launch is checked against the device's grid, block and shared-memory limits
+(:class:`~icqs_fast.benchmarks.fake_cuda.DeviceLimitError` names the kernel).
 
 Every Triton launch is intercepted (``JITFunction.run``): its arguments must all be CUDA
 tensors or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's
@@ -62,7 +73,7 @@ import torch
 from icqs_fast.benchmarks.fake_cuda import CUDA0, FakeCuda, Recorder
 from icqs_fast.io.files import write_whole
 
-PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval")
+PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval", "score", "serve", "ray")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,8 +176,134 @@ def _path_lm_eval(rec: Recorder, device: torch.device) -> dict:
     return {"loglikelihood": len(ll), "rolling": len(rl), "device": str(lm.device)}
 
 
+def _job_files(tmp: str) -> tuple[str, str, str]:
+    """Demonstration pools and an input of the ``score`` paths, written under ``tmp``."""
+    from icqs_fast.benchmarks.icqs import demos, responses
+
+    good, bad = demos()
+    paths = []
+    for name, rows in (("good", good), ("bad", bad),
+                       ("input", [{"x": x, "y": y} for x, y in responses(3)])):
+        path = os.path.join(tmp, f"{name}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for r in rows:
+                row = r if isinstance(r, dict) else {"x": r[0], "y": r[1]}
+                f.write(json.dumps(row) + "\n")
+        paths.append(path)
+    return paths[0], paths[1], paths[2]
+
+
+def _score_config(tmp: str, output: str, **kw: Any) -> Any:
+    from icqs_fast.engine.settings import ScoringSettings
+    from icqs_fast.jobs.config import ScoreJobConfig, SelfCheckOptions
+
+    good, bad, inp = _job_files(tmp)
+    return ScoreJobConfig(input=inp, output=os.path.join(tmp, output), good=good, bad=bad,
+                          device="cuda", quiet=True,
+                          scoring=ScoringSettings(num_ratios=2, demos_per_set=2,
+                                                  sets_per_ratio=2),
+                          self_check=SelfCheckOptions(max_heldout=0), **kw)
+
+
+def _tiny_loader(device: torch.device):
+    """A ``load_model`` stand-in giving the tiny random Llama on the fake GPU (the jobs load
+    their model by name; the dry run has no checkpoint to load onto fake tensors)."""
+    def load(name, **kw):
+        return _tiny(device)
+
+    return load
+
+
+def _path_score(rec: Recorder, device: torch.device) -> dict:
+    """``icqs-fast score`` end to end (the job runner, its memory plan, the engine's plan in
+    the meta file, the results file) on the fake GPU."""
+    import tempfile
+    from unittest import mock
+
+    from icqs_fast import models
+    from icqs_fast.jobs.runner import run_job
+
+    with tempfile.TemporaryDirectory() as tmp, \
+            mock.patch.object(models, "load_model", _tiny_loader(device)):
+        cfg = _score_config(tmp, "out.jsonl")
+        assert run_job(cfg, log=lambda *a: None) == 0
+        with open(cfg.output + ".meta.json", encoding="utf-8") as f:
+            meta = json.load(f)
+        with open(cfg.output, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+    return {"records": lines, "engine": meta["engine"]["path"],
+            "backend": meta["engine"]["backend"], "memory_plan": meta["memory_plan"]}
+
+
+def _path_serve(rec: Recorder, device: torch.device) -> dict:
+    """The server's three routes' engine work: echo log-probs (``/v1/completions`` with
+    ``echo``), greedy generation (``/v1/completions``) and ``/v1/score``'s ICQS, called on the
+    :class:`~icqs_fast.serve.app.Server`'s own objects (no HTTP)."""
+    from icqs_fast.benchmarks.icqs import demos, responses
+    from icqs_fast.serve.app import Server
+    from icqs_fast.serve.generation import GenerationOptions, GreedyGeneration
+
+    model, tok = _tiny(device)
+    good, bad = demos()
+    server = Server(model, tok, good=good, bad=bad,
+                    icqs_options={"num_ratios": 2, "demos_per_set": 2, "sets_per_ratio": 2})
+    ids = [tok("The sky is blue.")["input_ids"], tok("Two plus two is four.")["input_ids"]]
+    echo = server.run_logprobs(ids, 2)
+    # Token values are placeholders on fake tensors: the stop conditions never fire, so the
+    # generation runs its max_new steps.
+    gen = GreedyGeneration(model, tok, ids[0], GenerationOptions(max_new=3, top_n=1))
+    steps = 0
+    while not gen.done and steps < 3:
+        gen.step()
+        steps += 1
+    scorer = server.scoring.new_scorer(None, None, {})
+    scored = list(scorer.score(responses(2)))
+    return {"echo": len(echo), "generated_steps": steps, "scored": len(scored),
+            "engine": server.plan["path"], "backend": server.plan["backend"]}
+
+
+def _path_ray(rec: Recorder, device: torch.device) -> dict:
+    """A ``--ray`` actor (:class:`~icqs_fast.jobs.ray_executor.BlockActor`, built and called
+    in this process: its model load, one block's results and block file) on the fake GPU."""
+    import tempfile
+    from unittest import mock
+
+    import numpy as np
+
+    from icqs_fast import models
+    from icqs_fast.io.blocks import BlockOutput
+    from icqs_fast.io.records import detect_format
+    from icqs_fast.io.runs import output_policy, start_output
+    from icqs_fast.jobs.config import RayOptions
+    from icqs_fast.jobs.ray_actors import BlockSpec
+    from icqs_fast.jobs.ray_executor import ActorSetup, BlockActor, RayExecutor, actor_plan
+    from icqs_fast.jobs.runner import record_fields, strategy_for
+
+    with tempfile.TemporaryDirectory() as tmp, \
+            mock.patch.object(models, "load_model", _tiny_loader(device)):
+        cfg = _score_config(tmp, "blocks", ray=RayOptions(block_size=8))
+        plan = actor_plan(None, "auto", {"CPU": 16.0, "GPU": 8.0})
+        strategy = strategy_for(cfg)
+        strategy.prepare(lambda *a: None)
+        out = BlockOutput(cfg.output)
+        ex = RayExecutor()
+        meta = {**cfg.resume_key(), **ex.layout_key(cfg)}
+        policy = output_policy(out, meta, resume=False, overwrite=False,
+                               upgrade=cfg.upgrade_meta, labels=cfg.key_labels())
+        start_output(policy, meta, lambda *a: None)  # the block folder, as the driver makes it
+        spec = BlockSpec(cfg.input, detect_format(cfg.input, None), 0, 0, 0,
+                         fields=record_fields(cfg, labels=strategy.read_labels),
+                         encoding=cfg.encoding, name=cfg.input)
+        actor = BlockActor(ActorSetup(strategy, policy, None, out.root, spec))
+        row = actor({"block": np.array([0]), "start": np.array([0]), "end": np.array([3])})
+    assert not row["error"][0], row["error"][0]
+    return {"records": int(row["n"][0]), "gpus_per_actor": plan.gpus,
+            "runtime": json.loads(str(row["runtime"][0])).get("device")}
+
+
 _RUNNERS = {"bench_gpu": _path_bench_gpu, "engine": _path_engine, "features": _path_features,
-            "audit": _path_audit, "lm_eval": _path_lm_eval}
+            "audit": _path_audit, "lm_eval": _path_lm_eval, "score": _path_score,
+            "serve": _path_serve, "ray": _path_ray}
 
 
 def dry_run(paths=PATHS, *, arch: str = "sm_90", compile: bool = True) -> dict:
@@ -242,6 +379,11 @@ SYNC_BUDGETS = {
     "features": 1.0,
     "audit": 1.0,
     "lm_eval": 1.0,
+    # the score job and a --ray actor: the engine's one read per batch, and the results' lines
+    "score": 1.0,
+    "ray": 1.0,
+    # echo log-probs read per segment, a generated token per step, the ICQS batch's read
+    "serve": 2.0,
 }
 # Once per model (the capability check's probes: 11; the capture's mask causality: 1).
 SETUP_SYNC_BUDGET = 12

@@ -13,7 +13,9 @@ present (``torch.cuda.is_available`` and a few ``torch.cuda`` queries,
 :class:`Recorder` collects:
 
 * every Triton launch (``JITFunction.run`` intercepted): its arguments must all be CUDA tensors
-  or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's runtime
+  or scalars, its grid, threads and (once compiled) shared memory within the device's limits
+  (:func:`icqs_fast.kernels.launch.limit_problems`; :class:`DeviceLimitError` names the
+  kernel), its signature, constexprs and 16-divisibility are derived the way Triton's runtime
   specialises them (:func:`launch_of`), and the kernel is compiled for ``rec.arch`` with
   ``triton.compile`` (:class:`icqs_fast.benchmarks.compiler.Compiler`) instead of launched;
 * host syncs (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``.numpy()``, ``nonzero``, a
@@ -124,7 +126,8 @@ def _is_cuda(t: torch.Tensor) -> bool:
 def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
     """The :class:`~icqs_fast.kernels.launch.Launch` Triton's runtime would compile for this
     call (signature and constexprs specialised as the JIT does: an int equal to 1 and None
-    become constexprs, pointers and multiples of 16 are 16-divisible) and the problems of its
+    become constexprs, pointers and multiples of 16 are 16-divisible, except the ints of the
+    kernel's ``do_not_specialize``) and the problems of its
     arguments (a CPU tensor passed to a CUDA kernel, a missing argument)."""
     from icqs_fast.kernels.launch import Launch
 
@@ -163,11 +166,13 @@ def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
-            if v == 1:
+            nospec = getattr(p, "do_not_specialize", False)  # @triton.jit(do_not_specialize=)
+            if v == 1 and not nospec:
                 sig[p.name], const[p.name] = "constexpr", 1
                 continue
             sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if v % 16 == 0:
+            if v % 16 == 0 and not nospec and not getattr(
+                    p, "do_not_specialize_on_alignment", False):
                 div16.append(p.name)
         elif isinstance(v, float):
             sig[p.name] = "fp32"
@@ -188,9 +193,16 @@ class KernelArgumentError(RuntimeError):
     """A Triton launch whose arguments a GPU run would reject (e.g. a CPU tensor)."""
 
 
+class DeviceLimitError(KernelArgumentError):
+    """A Triton launch past the device's grid, block or shared-memory limits (Triton's own
+    launcher does not check them: the GPU answers "invalid argument" mid-job)."""
+
+
 def _intercept_run(rec: Recorder):
     def run(self, *args, grid, warmup, **kwargs):
         from icqs_fast.benchmarks.compiler import compile_key
+        from icqs_fast.benchmarks.gpu_model import hardware
+        from icqs_fast.kernels.launch import limit_problems
 
         launch, problems = launch_of(self, args, kwargs, grid)
         entry = {"path": rec.path, "phase": "setup" if in_setup() else "batch",
@@ -206,6 +218,10 @@ def _intercept_run(rec: Recorder):
         if problems:
             entry["error"] = "; ".join(problems)
             raise KernelArgumentError(entry["error"])
+        limits = limit_problems(self.__name__, launch.grid, launch.num_warps)
+        if limits:
+            entry["error"] = "; ".join(limits)
+            raise DeviceLimitError(entry["error"])
         if rec.compile:
             out = rec.compiler(launch, rec.arch)
             entry["compiled"] = "error" not in out
@@ -214,6 +230,13 @@ def _intercept_run(rec: Recorder):
             else:
                 entry["regs"] = out["res"]["regs"]
                 entry["spill_bytes"] = out["res"]["stack"] + out["res"]["local"]
+                entry["shared_bytes"] = out["res"]["static_smem"] + out["dynamic_smem"]
+                limits = limit_problems(self.__name__, launch.grid, launch.num_warps,
+                                        entry["shared_bytes"],
+                                        hardware(rec.arch).smem_per_block)
+                if limits:
+                    entry["error"] = "; ".join(limits)
+                    raise DeviceLimitError(entry["error"])
         return None
 
     return run
@@ -561,6 +584,8 @@ def FakeCuda(rec: Recorder):  # noqa: N802 - reads as a mode
         (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
         (torch.cuda, "max_memory_allocated", lambda device=None: 0),
         (torch.cuda, "memory_allocated", lambda device=None: 0),
+        # The memory plan reads the free memory (80 GB, 70 GB of it free).
+        (torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, props.total_memory)),
         (torch, "Generator", _FakeGenerator),
         (FakeTensor, "tolist", fake_tolist),
         (torch.nn.Module, "_apply", _module_apply),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -122,11 +123,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+CUDA_ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
 def main(argv: list[str] | None = None) -> int:
     # OpenMP's wait policy is read once, when torch loads: set it before any command imports it.
     from icqs_fast import threads
 
     threads.prepare_openmp()
+    # CUDA's caching allocator reads this at its first allocation: expandable segments keep
+    # the varied shapes of banks and forwards (and the server's bank per request) from
+    # fragmenting GPU memory. A value of one's own stands.
+    os.environ.setdefault(CUDA_ALLOC_ENV, "expandable_segments:True")
     if argv is None:  # the process entry point (not a caller's or a test's in-process call)
         argv = sys.argv[1:]
         threads.enable_governor()

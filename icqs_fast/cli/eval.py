@@ -22,7 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.cli.options import MODEL_HELP, add_calibration_arguments, add_dtype_argument
+from icqs_fast.cli.options import (
+    MODEL_HELP,
+    add_calibration_arguments,
+    add_dtype_argument,
+    add_quantization_argument,
+)
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
 
@@ -77,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     add_dtype_argument(p)
+    add_quantization_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
     p.add_argument("--stability", default=None, metavar="CONFIG",
@@ -137,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
     from icqs_fast.evals import study
     from icqs_fast.evals.study_kinds import study_of
-    from icqs_fast.models import load_model
+    from icqs_fast.models import load_model, quantization_kwargs
+
+    quant = quantization_kwargs(args.quantization)  # before any data or model is read
 
     ds, kind = study_of(args.subcommand)
     if args.pool_json:
@@ -164,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     data: Any = kind.load(ds, path, pool=args.pool, limit=args.limit, seed=args.seed,
                           labels=args.labels)
     t_load = time.perf_counter()
-    model, tok = load_model(args.model, dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype, **quant)
     t_load = time.perf_counter() - t_load
     model_name = _model_name(args)
     if args.stability:

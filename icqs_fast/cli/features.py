@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from icqs_fast.cli.options import (
+    MODEL_OPTIONS,
     add_declared,
     add_dtype_argument,
     add_job_arguments,
@@ -26,7 +27,7 @@ DESCRIPTION = ("Glass-box features (sentence log-prob, softmax entropy and varia
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     add_job_arguments(p, FeatureJobConfig, what="features", exclude=("label_field",))
-    add_declared(p, FeatureJobConfig, names=("encoding", "model", "device"))
+    add_declared(p, FeatureJobConfig, names=("encoding", *MODEL_OPTIONS))
     add_dtype_argument(p)
     p.add_argument("--features", nargs="+", default=[",".join(DEFAULT_FEATURES)],
                    metavar="FEATURE",

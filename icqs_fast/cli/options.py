@@ -143,7 +143,7 @@ def add_scoring_arguments(p: argparse.ArgumentParser, *, record_fields: bool = F
 
 # The ScoreJobConfig fields add_scoring_arguments adds (the input's are add_job_arguments').
 DEMO_OPTIONS = ("good", "bad", "demo_x_field", "demo_y_field", "encoding")
-MODEL_OPTIONS = ("model", "device")
+MODEL_OPTIONS = ("model", "device", "quantization")
 
 
 def scoring_settings(args: argparse.Namespace, config: Any) -> Any:
@@ -235,6 +235,14 @@ MODEL_HELP = ("a Hugging Face model folder, a GGUF file (or a folder holding one
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed",
                "bf16-products", "float16", "fp16")
+
+
+def add_quantization_argument(p: argparse.ArgumentParser) -> None:
+    """``--quantization``, declared once (:class:`~icqs_fast.jobs.config.JobConfig`), for the
+    commands that load a model outside a job (``serve``, ``eval``)."""
+    from icqs_fast.jobs.config import JobConfig
+
+    add_declared(p, JobConfig, names=("quantization",))
 
 
 def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:

@@ -19,8 +19,9 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    "local one)")
     g.add_argument("--workers", type=int, default=1,
                    help="actors, each with its own model (default 1; one per GPU)")
-    g.add_argument("--gpus-per-worker", type=float, default=0.0,
-                   help="GPUs per actor (default 0; 1 = one actor per GPU)")
+    g.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs per actor (1 = one actor per GPU; default: 1 when the cluster "
+                   "reports GPUs and --device is not cpu, else 0)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0,
                    help="CPU cores per actor (default 1; Ray sets its OMP_NUM_THREADS to this)")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
+from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument, add_quantization_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_argument(p)
+    add_quantization_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs --api-key)")
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     check_bind(args.host, cfg.api_key)
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
+    from icqs_fast.models import load_model, quantization_kwargs
+
+    quant = quantization_kwargs(args.quantization, args.device)
     if args.quiet:  # quiet means only errors, transformers' output too (and the GGUF convert)
         from icqs_fast.progress import quiet_transformers
 
@@ -104,9 +108,7 @@ def run(args: argparse.Namespace) -> int:
         from icqs_fast.io.readers import read_examples
 
         good, bad = read_examples(args.good), read_examples(args.bad)
-    from icqs_fast.models import load_model
-
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, **quant)
     server = Server(model, tok, cfg, good=good, bad=bad, icqs_options=settings)
     if good is not None:  # before serving: the calibrated probability of the server's pools
         check = server.scoring.run_self_check(**check_options)

@@ -91,6 +91,9 @@ class ICQSFastLM(TemplateLM):
             (:func:`score_continuations` ``deterministic``), so its log-likelihood is
             bit-identical whatever the other requests, their order, ``chunk_size`` and the
             budgets. Slower (one suffix forward per request).
+        quantization: ``--model_args quantization=int8`` (or ``nf4``): bitsandbytes weights, as
+            ``icqs-fast score --quantization`` (:data:`icqs_fast.models.QUANTIZATIONS`; CUDA
+            only, ValueError otherwise). Ignored when ``model`` is given.
         threads: CPU threads (``--model_args threads=1``). When the backend loads its own
             model (lm-eval's CLI: the backend is the job) or ``threads`` is given, it takes the
             ``icqs-fast`` commands' policy (:func:`icqs_fast.threads.apply_job_threads`: the
@@ -118,6 +121,7 @@ class ICQSFastLM(TemplateLM):
         max_gen_toks: int = 256,
         deterministic: bool | str = False,
         threads: int | None = None,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
         if model is None or threads is not None:
@@ -133,10 +137,12 @@ class ICQSFastLM(TemplateLM):
                           "CPU", stacklevel=2)
             device = "cpu"
         if model is None:
-            from icqs_fast.models import load_model
+            from icqs_fast.models import load_model, quantization_kwargs
 
             name = None if pretrained in (None, "", "embedded") else pretrained
-            model, tokenizer = load_model(name, dtype=dtype, device=device or "auto")
+            model, tokenizer = load_model(name, dtype=dtype, device=device or "auto",
+                                          **quantization_kwargs(str(quantization),
+                                                                device or "auto"))
         elif device not in (None, "auto"):
             model = model.to(device)
         if isinstance(tokenizer, str):

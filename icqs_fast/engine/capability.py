@@ -91,6 +91,9 @@ class ModelPlan:
             prompt runs in a forward of its own).
         reason: why the path is not the prefix bank (empty when it is).
         probe_diff: the bank probe's relative hidden-state difference (None when not probed).
+        probe_errors: each probe that raised, as ``"path: Type: message"`` (a Triton compile
+            or launch error, an out-of-memory error): why a faster path was not taken.
+        slower_because: on the KV-copy path, what the cascade probe gave instead.
     """
 
     model_type: str
@@ -102,7 +105,32 @@ class ModelPlan:
     pad_safe: bool = True
     reason: str = ""
     probe_diff: float | None = None
+    probe_errors: tuple[str, ...] = ()
+    slower_because: str = ""
     signature: tuple = field(default=(), repr=False)
+
+    @property
+    def fastest(self) -> bool:
+        """Whether this is the fastest path (cascade attention over the prefix bank)."""
+        return self.path == "cascade"
+
+    @property
+    def why_not_fastest(self) -> str:
+        """Why the path is not cascade attention ("" when it is): the probes' errors or
+        differences and, on the plain path, its reason."""
+        if self.fastest:
+            return ""
+        why = self.slower_because or self.reason or "; ".join(self.probe_errors)
+        return why or "the cascade probe did not match the plain forward"
+
+    def as_meta(self, backend: str) -> dict[str, Any]:
+        """The plan for a run's meta file: the path, the kernel ``backend`` of the head
+        statistics (resolved, not ``auto``), what the path uses, and why it is not the fastest
+        one (empty when it is)."""
+        return {"path": self.path, "backend": backend, "model_type": self.model_type,
+                "uses": self.uses, "fastest": self.fastest, "why": self.why_not_fastest,
+                "probe_diff": self.probe_diff, "probe_errors": list(self.probe_errors),
+                "message": self.message}
 
     @property
     def bank(self) -> bool:
@@ -184,8 +212,44 @@ def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets:
         # A bf16-valued head: exact products where they are faster (AMX), fp32 ones elsewhere.
         kw["products"] = exact_bf16_products()
     with bf16_matmuls() if is_bf16_mixed(head) else contextlib.nullcontext():
-        return ops.linear_token_stats(hidden, head.weight, targets,
+        return ops.linear_token_stats(hidden, dense_head_weight(head), targets,
                                       bias=getattr(head, "bias", None), backend=backend, **kw)
+
+
+# The attribute of a quantised head weight that holds its dense copy (made once; a reloaded or
+# re-quantised head is a new parameter without it).
+_DENSE_ATTR = "_icqs_fast_dense"
+
+
+DENSE_ROWS = 1024  # identity rows per forward of the quantised head (bounds its peak memory)
+
+
+@torch.no_grad()
+def dense_head_weight(head: Any) -> torch.Tensor:
+    """The ``[V, H]`` weight of the LM ``head`` as the fused statistics read it: the weight
+    itself, or for a bitsandbytes head (``Int8Params``, ``Params4bit``) its dense copy, made
+    once per weight (a 7B model's 32000 x 4096 head: 250 MiB in fp16). The copy is the head's
+    own forward of the identity, ``head(I) - bias = W^T``: exactly what bitsandbytes multiplies
+    by, whatever its storage layout (the CPU's repacked NF4, LLM.int8's row scales; an identity
+    row quantises exactly, below the outlier threshold), so the head probe matches the model's
+    logits and the prefix bank keeps serving a quantised head."""
+    w = head.weight
+    if type(w).__name__ not in ("Int8Params", "Params4bit"):
+        return w
+    dense = getattr(w, _DENSE_ATTR, None)
+    if dense is None:
+        h = int(head.in_features)
+        dt = getattr(head, "compute_dtype", None) or torch.float16
+        bias = getattr(head, "bias", None)
+        parts = []
+        for a in range(0, h, DENSE_ROWS):
+            eye = torch.zeros(min(DENSE_ROWS, h - a), h, dtype=dt, device=w.device)
+            eye.diagonal(a).fill_(1)
+            out = head(eye)
+            parts.append(out if bias is None else out - bias.to(out.dtype))
+        dense = torch.cat(parts).t().contiguous()
+        setattr(w, _DENSE_ATTR, dense)
+    return dense
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -223,7 +287,13 @@ def model_plan(model: Any) -> ModelPlan:
         plan.signature = sig
         plan._model = weakref.ref(model)
         _PLANS[model] = plan
-        log.info("%s", plan.message)
+        # A slower path than cascade attention is said where the CLI shows it (WARNING):
+        # a compile, launch or out-of-memory error in a probe must not pass as a quiet step down.
+        if plan.fastest:
+            log.info("%s", plan.message)
+        else:
+            log.warning("%s (not the fastest path, cascade attention: %s)", plan.message,
+                        plan.why_not_fastest)
         return plan
 
 
@@ -330,7 +400,7 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise TypeError(f"{type(model).__name__} has no linear output embeddings (LM head)")
-    w = head.weight
+    w = dense_head_weight(head)
     v = int(w.shape[0])
     ids = _check_ids(model, v)
     seen: list[torch.Tensor] = []
@@ -371,7 +441,7 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
 def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: bool) -> float:
     """Relative max difference of the bank path's suffix hidden states from the body's plain
     forward over the whole texts, on shared, padded prefixes that cross short windows."""
-    v = int(model.get_output_embeddings().weight.shape[0])
+    v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
     spans = [la.window or la.chunk or 0 for la in layers if la.local]
     base = min(max([24] + [2 * s + 5 for s in spans]), PROBE_MAX_TOKENS)
     g = torch.Generator().manual_seed(0)
@@ -404,7 +474,7 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
 def _pad_probe(model: Any, body: Any) -> bool:
     """Whether a right-padded batch gives each real token the states (or logits) it has alone:
     two rows of 12 and 7 tokens, the shorter padded, against each run alone."""
-    v = int(model.get_output_embeddings().weight.shape[0])
+    v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
     g = torch.Generator().manual_seed(1)
     hi = max(2, min(v, 32000))
     rows = [torch.randint(1, hi, (n,), generator=g).tolist() for n in (12, 7)]
@@ -424,13 +494,21 @@ def _pad_probe(model: Any, body: Any) -> bool:
     return True
 
 
-def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any, **kw: Any
-           ) -> ModelPlan:
+def _error(path: str, exc: BaseException) -> str:
+    """A probe's exception as ``"path: Type: first line"`` (for the plan and the log)."""
+    first = (str(exc).splitlines() or [""])[0][:160]
+    return f"{path}: {type(exc).__name__}: {first}"
+
+
+def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any,
+           probe_errors: tuple[str, ...] = (), **kw: Any) -> ModelPlan:
     try:
         safe = _pad_probe(model, body)
-    except Exception:  # noqa: BLE001 - a model that fails padded batches runs rows alone
+    except Exception as exc:  # noqa: BLE001 - a model that fails padded batches runs rows alone
         safe = False
-    return ModelPlan(mt, "plain", layers, ep, body, pad_safe=safe, **kw)
+        probe_errors = (*probe_errors, _error("padding", exc))
+    return ModelPlan(mt, "plain", layers, ep, body, pad_safe=safe, probe_errors=probe_errors,
+                     **kw)
 
 
 def _decide(model: Any) -> ModelPlan:
@@ -447,16 +525,18 @@ def _decide(model: Any) -> ModelPlan:
     dtype = next(model.parameters()).dtype
     tol = PROBE_RTOL.get(dtype, 6e-2)
     reasons = []
+    errors: list[str] = []
     diff = None
     for path in ("cascade", "kv-copy"):
         try:
             diff = _probe(model, body, layers, cascade=path == "cascade")
-        except Exception as exc:  # noqa: BLE001 - any failure means: not this path
-            first = (str(exc).splitlines() or [""])[0][:160]
-            reasons.append(f"{path}: {type(exc).__name__}: {first}")
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this path (reported)
+            errors.append(_error(path, exc))
+            reasons.append(errors[-1])
             continue
         if diff <= tol:
-            return ModelPlan(mt, path, layers, ep, body, probe_diff=diff)
+            return ModelPlan(mt, path, layers, ep, body, probe_diff=diff,
+                             probe_errors=tuple(errors), slower_because="; ".join(reasons))
         reasons.append(f"{path}: differs from a plain forward by {diff:.2g} (relative)")
-    return _plain(mt, layers, ep, body, model, probe_diff=diff,
+    return _plain(mt, layers, ep, body, model, probe_diff=diff, probe_errors=tuple(errors),
                   reason="the prefix-bank probe failed (" + "; ".join(reasons) + ")")

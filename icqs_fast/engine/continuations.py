@@ -28,14 +28,15 @@ from icqs_fast.engine.batching import (
     plain_logits,
     suffix_hidden,
 )
-from icqs_fast.engine.capability import ModelPlan, model_plan
+from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
+from icqs_fast.engine.memory_plan import bank_cap_bytes
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.types import TokenStats
 
-# KV memory one chunk's prefix bank may hold when ``max_bank_tokens`` is not given. Requests are
-# processed in chunks of consecutive (sorted) contexts whose stored prefixes fit this; a chunk
-# boundary only costs recomputing the runs shared across it. Tuned for a CPU box or one GPU;
-# pass ``max_bank_tokens`` to change it.
+# KV memory one chunk's prefix bank may hold when ``max_bank_tokens`` is not given, on the CPU
+# (a GPU's scales with its free memory: memory_plan.bank_cap_bytes). Requests are processed in
+# chunks of consecutive (sorted) contexts whose stored prefixes fit this; a chunk boundary only
+# costs recomputing the runs shared across it. Pass ``max_bank_tokens`` to change it.
 DEFAULT_BANK_BYTES = 512 * 2**20
 
 
@@ -116,7 +117,8 @@ def score_continuations(
             on the CPU with cascade attention, as in the ICQS engine).
         return_token_stats: attach per-token :class:`TokenStats` to each result.
         max_bank_tokens: most prefix tokens one chunk's bank holds (default:
-            ``DEFAULT_BANK_BYTES`` of KV states for this model).
+            ``DEFAULT_BANK_BYTES`` of KV states for this model on the CPU, a quarter of a
+            GPU's free memory: :func:`icqs_fast.engine.memory_plan.bank_cap_bytes`).
         cascade: as in :func:`icqs_fast.engine.batching.suffix_hidden`.
         deterministic: batch-invariant mode: every distinct context's stored prefix is computed
             in a prefix forward of its own (no trie split that depends on the other contexts;
@@ -137,14 +139,15 @@ def score_continuations(
         cfg = model.config
         pad = getattr(cfg, "pad_token_id", None)
         pad = pad if isinstance(pad, int) else getattr(cfg, "eos_token_id", None)
-        vocab = int(model.get_output_embeddings().weight.shape[0])
+        vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
         pad_id = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
     cascade = plan.path == "cascade" and cascade is not False
     budget = token_budget
     if (cascade or not plan.bank) and model_device(model).type == "cpu":
         budget = min(budget, SUFFIX_CHUNK_CPU)
     if max_bank_tokens is None:
-        max_bank_tokens = max(1, DEFAULT_BANK_BYTES // kv_bytes_per_token(model))
+        max_bank_tokens = max(1, bank_cap_bytes(model_device(model), DEFAULT_BANK_BYTES)
+                              // kv_bytes_per_token(model))
 
     results: list[ContinuationResult | None] = [None] * len(reqs)
     # Rows: (request index, stored prefix, suffix). The suffix starts with the context's last

@@ -17,6 +17,10 @@ from icqs_fast.engine.prompts import Template
 from icqs_fast.options import check_declared, declared, option
 
 DEFAULT_TOKEN_BUDGET = 16384
+# The largest --token-budget: rows x tokens of one forward. At 2^22 tokens and up to 256 query
+# heads the attention grid (rows x heads x query blocks <= tokens x heads) stays within CUDA's
+# 2^31 - 1 programs on grid x (kernels/attention_entropy.py folds rows x heads there).
+MAX_TOKEN_BUDGET = 1 << 22
 
 TEMPLATE_FIELDS = ("demo", "query", "response", "separator", "system")
 CALIBRATIONS = ("none", "content_free", "pmi")
@@ -129,7 +133,7 @@ class ScoringSettings:
     # -- engine-only
     backend: str = option("auto", result=False, help="the engine's backend: auto, "
                           "torch, cpp, triton")
-    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, result=False,
+    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, le=MAX_TOKEN_BUDGET, result=False,
                                help="max rows x tokens per forward")
     cascade: bool | None = option(None, kind="bool", result=False, flag=False,
                                   help="cascade attention (None: the model's plan decides)")

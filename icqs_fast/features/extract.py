@@ -88,7 +88,7 @@ import torch
 
 from icqs_fast import ops
 from icqs_fast.engine.batching import last_hidden, model_device
-from icqs_fast.engine.capability import model_plan
+from icqs_fast.engine.capability import dense_head_weight, model_plan
 from icqs_fast.engine.prompt_tokens import first_response_token, joins_response
 from icqs_fast.engine.prompts import adds_bos
 from icqs_fast.features.names import (  # noqa: F401 (re-exported)
@@ -231,7 +231,7 @@ def _check_features(features: Iterable[str]) -> list[str]:
 def vocab_size(model: Any) -> int:
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is not None:
-        return int(head.weight.shape[0])
+        return int(dense_head_weight(head).shape[0])  # a 4-bit head's weight is packed
     return int(model.config.vocab_size)
 
 

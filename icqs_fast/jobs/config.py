@@ -25,7 +25,7 @@ from typing import Any
 from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.records import FORMATS
-from icqs_fast.options import check_declared, declared, option
+from icqs_fast.options import QUANTIZATIONS, check_declared, declared, option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
@@ -97,7 +97,9 @@ class RayOptions:
     address: str | None = option(None, kind="str", help="Ray cluster: 'auto', "
                                  "ray://host:10001, host:6379 (none: start a local one)")
     workers: int = option(1, ge=1, help="actors, each with its own model (one per GPU)")
-    gpus_per_worker: float = option(0.0, ge=0, help="GPUs per actor (1 = one actor per GPU)")
+    gpus_per_worker: float | None = option(None, kind="float", ge=0, help="GPUs per actor "
+                                           "(1 = one actor per GPU; none: 1 when the cluster "
+                                           "reports GPUs and --device is not cpu, else 0)")
     cpus_per_worker: float = option(1.0, ge=0, help="CPU cores per actor (Ray sets its "
                                     "OMP_NUM_THREADS to this)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, ge=1, help="records per input block and "
@@ -186,8 +188,9 @@ class JobConfig:
     # The command line's --dtype has its own help (cli/options.add_dtype_argument).
     dtype: str = option("auto", flag=False, help="model weights' dtype")
     device: str = option("auto", help="auto, cpu, cuda, ...")
-    load_in_8bit: bool = option(False, flag=False, help="load the model in 8 bits")
-    load_in_4bit: bool = option(False, flag=False, help="load the model in 4 bits")
+    quantization: str = option("none", choices=QUANTIZATIONS, help="bitsandbytes weights: "
+                               "int8 (LLM.int8, computes in float16: the paper's setting) or "
+                               "nf4 (4-bit NormalFloat); needs a CUDA device")
     threads: int | None = option(None, kind="int", ge=1, result=False, help="torch CPU "
                                  "threads (none: the cores other processes leave free, "
                                  "re-fitted while the job runs; OMP_NUM_THREADS when set)")
@@ -221,6 +224,10 @@ class JobConfig:
         from icqs_fast.models import check_model_source
 
         check_model_source(self.model)
+        if self.ray is None:  # with --ray the actors' devices decide (ModelSpec.load)
+            from icqs_fast.models import quantization_kwargs
+
+            quantization_kwargs(self.quantization, self.device)  # int8 / nf4 need CUDA
 
     def load_model(self, dtype: str) -> tuple[Any, Any]:
         """``(model, tokenizer)`` of :attr:`model` in ``dtype`` (a resumed output's, or
@@ -229,12 +236,12 @@ class JobConfig:
         Raises:
             ModelLoadError: the model cannot be loaded (``cannot load model NAME: reason``).
         """
-        from icqs_fast.models import load_model
+        from icqs_fast.models import load_model, quantization_kwargs
 
         try:
             return load_model(None if self.model == "embedded" else self.model, dtype=dtype,
-                              device=self.device, load_in_8bit=self.load_in_8bit,
-                              load_in_4bit=self.load_in_4bit)
+                              device=self.device,
+                              **quantization_kwargs(self.quantization, self.device))
         except (OSError, ValueError) as exc:
             raise ModelLoadError(self.model, exc) from None
 
@@ -246,6 +253,11 @@ class JobConfig:
     def resume_key(self) -> dict[str, Any]:
         """The resume key of the job (see the module docstring)."""
         raise NotImplementedError
+
+    def quantization_key(self) -> dict[str, Any]:
+        """``--quantization`` for the resume key: quantised weights give other scores. Only
+        when set, so that outputs written before the option still resume."""
+        return {} if self.quantization == "none" else {"quantization": self.quantization}
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of an output written by an earlier version, in today's terms (the
@@ -321,7 +333,7 @@ class ScoreJobConfig(JobConfig):
         if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
             # Only when they differ, so that outputs written before the option still resume.
             key.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
-        return key | ({"shard": self.shard} if self.shard else {})
+        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of a ``score`` output written by an earlier version, in today's terms,
@@ -427,4 +439,4 @@ class FeatureJobConfig(JobConfig):
             key["combo_scale"] = self.combo_scale
         if self.deterministic:
             key["deterministic"] = True
-        return key | ({"shard": self.shard} if self.shard else {})
+        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})

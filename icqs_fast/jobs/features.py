@@ -41,6 +41,7 @@ from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
+from icqs_fast.jobs.score import checked_runtime
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -270,7 +271,6 @@ class FeatureStrategy:
 
     def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
-        from icqs_fast.models import runtime_settings
 
         c = self.config
         t_load = time.perf_counter()
@@ -279,7 +279,7 @@ class FeatureStrategy:
         self.scale = (ComboScale.from_dict(c.combo_scale) if c.combo_scale is not None
                       else ComboScale.intrinsic(vocab_size(self.model)))
         meta["combo_scale"] = self.scale.as_dict()
-        meta.update(runtime_settings(self.model, c.backend))
+        meta.update(checked_runtime(self.model, c.backend))
         if policy is not None:  # the runner checks dtype/device/backend; these are known now
             check_runtime(policy, meta, keys=("combo_scale",))
         log(f"icqs-fast: model loaded in {t_load:.1f} s; features {', '.join(c.features)} "

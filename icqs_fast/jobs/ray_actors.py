@@ -65,16 +65,15 @@ class ModelSpec:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
+    quantization: str = "none"  # --quantization: none, int8, nf4
 
     def load(self) -> tuple[Any, Any]:
         """``(model, tokenizer)``."""
-        from icqs_fast.models import load_model
+        from icqs_fast.models import load_model, quantization_kwargs
 
         return load_model(None if self.model in (None, "embedded") else self.model,
-                          dtype=self.dtype, device=self.device, load_in_8bit=self.load_in_8bit,
-                          load_in_4bit=self.load_in_4bit)
+                          dtype=self.dtype, device=self.device,
+                          **quantization_kwargs(self.quantization, self.device))
 
 
 def _model_spec(model: ModelSpec | str | None) -> ModelSpec:

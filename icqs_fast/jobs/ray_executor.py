@@ -245,14 +245,21 @@ class RayExecutor:
         if not pending:
             log(f"icqs-fast: {out.output}: all {n_blocks} blocks complete; nothing to do")
             return 0
-        # Every actor loads its model in the one dtype the driver decides: the prepared
-        # strategy goes to the workers with that dtype in its config.
-        prepared = copy.copy(job.strategy)
-        prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, policy))
-        remote = {"num_gpus": ro.gpus_per_worker or None, "num_cpus": ro.cpus_per_worker,
-                  **self.actor_options}
         started = _init_ray(ro.address)
         try:
+            import ray
+
+            actors = actor_plan(ro.gpus_per_worker, config.device, ray.cluster_resources())
+            for line in actors.warnings:
+                log(f"icqs-fast: warning: {line}")
+            # The prepared strategy goes to the workers with the actors' device and the dtype
+            # (auto: each actor resolves it on its own device; the first block's runtime is
+            # the run's, and a worker that differs stops the run naming --dtype).
+            prepared = copy.copy(job.strategy)
+            prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, policy),
+                                                  device=actors.device)
+            remote = {"num_gpus": actors.gpus or None, "num_cpus": ro.cpus_per_worker,
+                      **self.actor_options}
             check = job.strategy.self_check(
                 policy, log, run=lambda: _remote_self_check(prepared, policy, remote))
             if check is not None and not policy.append:
@@ -319,19 +326,55 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
 
 
 def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:
-    """The dtype every actor loads its model in, decided once by the driver: ``--dtype`` as
-    given, a resumed output's own dtype for ``auto`` (:func:`~icqs_fast.io.runs.
-    resumed_dtype`), else ``auto`` resolved here for CPU actors (on a cluster of mixed CPU
-    kinds each actor choosing for itself would disagree, and the blocks must share one
-    dtype); GPU actors all choose bf16 and keep ``auto``."""
+    """The dtype every actor loads its model in: ``--dtype`` as given, a resumed output's own
+    dtype for ``auto`` (:func:`~icqs_fast.io.runs.resumed_dtype`), else ``auto``, resolved by
+    each actor on its own device. (Resolved on the driver's CPU it gave ``bf16-mixed``, a CPU
+    mode, to GPU actors, or float32 where the driver lacks native bf16.) Actors that resolve it
+    differently (CPUs of mixed kinds) stop the run at the first such block, naming
+    ``--dtype``."""
     from icqs_fast.io.runs import resumed_dtype
 
-    dtype = resumed_dtype(policy, config.dtype)
-    if dtype != "auto" or config.ray.gpus_per_worker or config.device not in ("auto", "cpu"):
-        return dtype
-    from icqs_fast.models import choose_dtype
+    return resumed_dtype(policy, config.dtype)
 
-    return choose_dtype("auto", "cpu").name
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """Where the ``--ray`` actors run (:func:`actor_plan`): GPUs per actor, the device each
+    loads its model on, and what the user should hear about it."""
+
+    gpus: float
+    device: str
+    warnings: tuple[str, ...] = ()
+
+
+def actor_plan(gpus_per_worker: float | None, device: str, resources: dict) -> ActorPlan:
+    """GPUs per actor and the actors' device from ``--gpus-per-worker`` (None: 1 when the
+    cluster's ``resources`` (``ray.cluster_resources()``) report a GPU and ``--device`` is not
+    ``cpu``, else 0) and ``--device``. An actor given no GPU loads on the CPU (``auto`` would
+    take ``cuda:0`` of a GPU Ray did not give it); on a cluster with GPUs that is a warning.
+
+    Raises:
+        ValueError: GPUs asked for on a cluster that reports none (Ray would wait forever),
+            or ``--device cpu`` with GPUs per actor.
+    """
+    have = float(resources.get("GPU", 0) or 0)
+    if gpus_per_worker is None:
+        gpus = 1.0 if have > 0 and device != "cpu" else 0.0
+    else:
+        gpus = float(gpus_per_worker)
+    if gpus > 0 and have == 0:
+        raise ValueError(f"--gpus-per-worker {gpus:g}: the Ray cluster reports no GPU")
+    if gpus > 0 and device == "cpu":
+        raise ValueError(f"--gpus-per-worker {gpus:g} with --device cpu: the actors would hold "
+                         "GPUs they do not use")
+    warnings: list[str] = []
+    if gpus == 0:
+        if have > 0:
+            warnings.append(f"the Ray cluster has {have:g} GPUs but the actors run on the CPU "
+                            f"({'--device cpu' if device == 'cpu' else '--gpus-per-worker 0'});"
+                            " --gpus-per-worker 1 puts one actor on each GPU")
+        return ActorPlan(0.0, "cpu" if device == "auto" else device, tuple(warnings))
+    return ActorPlan(gpus, device, tuple(warnings))
 
 
 def _init_ray(address: str | None) -> bool:
@@ -416,7 +459,8 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
             elif any(p.runtime.get(k) != rt.get(k) for k in RUNTIME_KEYS):
                 raise ValueError(f"worker {row['worker']} runs with {rt}, the run with "
                                  f"{p.runtime}; every worker must use the same dtype, device "
-                                 "and backend")
+                                 "and backend (give --dtype, --device and --backend "
+                                 "explicitly on a cluster of mixed nodes)")
             p.add(row, job.stats)
     except KeyboardInterrupt:
         log(f"icqs-fast: interrupted; complete blocks are in {out.output}; rerun with --resume")

@@ -43,6 +43,7 @@ from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
 from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
+from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
@@ -196,6 +197,27 @@ def load_template(path: str | None):
     return Template(**spec), spec
 
 
+def checked_runtime(model: Any, backend: str) -> dict:
+    """:func:`~icqs_fast.models.runtime_settings` with a backend that cannot run here (named
+    ``--backend triton`` without CUDA or the interpreter, or its kernels failing to import) as
+    bad input (ValueError naming the flag: exit 2), never a quiet fallback."""
+    try:
+        return runtime_settings(model, backend)
+    except RuntimeError as exc:
+        raise ValueError(f"--backend {backend}: {exc}") from exc
+
+
+def engine_meta(scorer: Any, backend: str) -> dict:
+    """The engine's plan for the meta file (:meth:`ModelPlan.as_meta`), with the path the
+    scorer actually takes (cascade off by its settings runs the KV copies)."""
+    plan = scorer.plan.as_meta(backend)
+    if plan["path"] == "cascade" and not scorer.cascade:
+        plan.update(path="kv-copy", fastest=False, why="cascade attention switched off "
+                    "(cascade=False)", message=plan["message"].replace(
+                        "cascade attention", "per-row KV copies (cascade switched off)"))
+    return plan
+
+
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
     the records, one :func:`icqs_fast.io.schema.icqs_row` line each, a :class:`Summary` with
@@ -252,8 +274,9 @@ class ScoreStrategy:
     def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
         (dtype, device, backend) added to ``meta``."""
+        from icqs_fast.engine.batching import model_device
+        from icqs_fast.engine.memory_plan import free_device_bytes, scorer_memory_plan
         from icqs_fast.engine.scorer import ICQSScorer
-        from icqs_fast.models import runtime_settings
 
         c = self.config
         if not hasattr(self, "settings"):
@@ -262,8 +285,18 @@ class ScoreStrategy:
         t_load = time.perf_counter()
         model, tok = c.load_model(resumed_dtype(policy, c.dtype))
         t_load = time.perf_counter() - t_load
-        meta.update(runtime_settings(model, self.settings.backend))  # checked by the runner
+        meta.update(checked_runtime(model, self.settings.backend))  # checked by the runner
         self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
+        meta["engine"] = engine_meta(self.scorer, meta["backend"])
+        # Before the first forward: a bank that cannot fit is refused with its numbers, and
+        # forwards too large for what is left are split (a lower token budget).
+        mem = scorer_memory_plan(self.scorer, free_device_bytes(model_device(model)))
+        self.scorer.token_budget = mem.token_budget
+        meta["memory_plan"] = mem.as_dict()
+        log(f"icqs-fast: {mem.line()}")
+        e = meta["engine"]
+        log(f"icqs-fast: engine: {e['message']}; backend {e['backend']}"
+            + ("" if e["fastest"] else " (not the fastest path)"))
         s = self.settings
         log(f"icqs-fast: model loaded in {t_load:.1f} s; {len(good)} good / {len(bad)} bad "
             f"demonstrations, {s.num_ratios} ratios x {s.sets_per_ratio} sets of "

@@ -37,6 +37,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from icqs_fast import backends
+from icqs_fast.engine.batching import model_device
+from icqs_fast.engine.capability import dense_head_weight, model_plan
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.options import declaration
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
@@ -97,7 +100,7 @@ class Server:
         if (good is None) != (bad is None):
             raise ValueError("give both good and bad demonstrations, or neither")
         lim = model_max_length(model, None)
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab else 0
@@ -112,6 +115,12 @@ class Server:
                                if PromptPrefill.supported(model) else None,
                                between_steps=self.trimmer)
         self.metrics = ServeMetrics(self.queue, ROUTES)
+        try:  # a --backend that cannot run here is bad input (exit 2), not a fallback
+            backend = backends.resolve(cfg.backend, model_device(model))
+        except RuntimeError as exc:
+            raise ValueError(f"--backend {cfg.backend}: {exc}") from exc
+        self.plan = model_plan(model).as_meta(backend)  # in /metrics
+        self.metrics.engine_plan(self.plan)
         self.admission = Admission(tokenizer, cfg, self.vocab, lim, count_tokens=lambda r, n:
                                    self.metrics.prompt_tokens.labels(r).inc(n))
         self.max_prompt_tokens = self.admission.max_prompt_tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET
+from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, MAX_TOKEN_BUDGET
 from icqs_fast.options import check_declared, declaration, option
 
 
@@ -87,8 +87,9 @@ class ServeConfig:
     shutdown_timeout: float = option(5.0, ge=0, unit="s", help="on SIGTERM / SIGINT, seconds "
                                      "the requests in flight have to finish before they get "
                                      "503 and the server exits")
-    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, help="max rows x tokens per forward "
-                               "of the engine (echo log-probs and /v1/score)")
+    token_budget: int = option(DEFAULT_TOKEN_BUDGET, ge=1, le=MAX_TOKEN_BUDGET,
+                               help="max rows x tokens per forward of the engine (echo "
+                               "log-probs and /v1/score)")
     backend: str = option("auto", help="token-statistics backend of /v1/score: auto, torch, "
                           "cpp, triton")
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from icqs_fast.engine.batching import cache_kwarg
+from icqs_fast.engine.capability import dense_head_weight
 
 # (token id, log-prob, [(token id, log-prob)] of the top-N) of one generated token.
 GenStep = tuple[int, float, list[tuple[int, float]]]
@@ -114,7 +115,7 @@ class GreedyGeneration:
         self.dev = next(model.parameters()).device
         self.bias_vec: torch.Tensor | None = None
         if bias:
-            vocab = int(model.get_output_embeddings().weight.shape[0])
+            vocab = int(dense_head_weight(model.get_output_embeddings()).shape[0])
             self.bias_vec = torch.zeros(vocab, dtype=torch.float32, device=self.dev)
             for tid, b in bias.items():
                 self.bias_vec[tid] = b
@@ -185,12 +186,18 @@ class GreedyGeneration:
         if self.bias_vec is not None:
             row = row + self.bias_vec[: row.shape[-1]]
         lp = torch.log_softmax(row, dim=-1)
-        tid = int(torch.argmax(row))
-        top: list[tuple[int, float]] = []
-        if self.top_n > 0:
-            tv, ti = lp.topk(min(self.top_n, lp.shape[-1]))
-            top = list(zip(ti.tolist(), tv.tolist(), strict=True))
-        self.steps.append((tid, float(lp[tid]), top))
+        best = torch.argmax(row)
+        # One host read per token: the token, its log-prob and the top-N, packed in float64
+        # (ids < 2^53 and fp32 values convert exactly), instead of one read each.
+        parts = [best.double().view(1), lp[best].double().view(1)]
+        k = min(self.top_n, lp.shape[-1]) if self.top_n > 0 else 0
+        if k:
+            tv, ti = lp.topk(k)
+            parts += [ti.double(), tv.double()]
+        host = torch.cat(parts).tolist()
+        tid = int(host[0])
+        top = list(zip((int(t) for t in host[2:2 + k]), host[2 + k:], strict=True))
+        self.steps.append((tid, host[1], top))
         if self.on_step is not None:
             self.on_step(self.steps[-1])
         if tid in self.eos_ids or len(self.steps) >= self.max_new:

@@ -27,7 +27,7 @@ from icqs_fast.engine.batching import (
     plain_logits,
     suffix_hidden,
 )
-from icqs_fast.engine.capability import ModelPlan, model_plan
+from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.models import exact_bf16_products, is_bf16_mixed
@@ -113,7 +113,7 @@ def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_
     """LM head (fp32, with the model's logit epilogue) over one segment's hidden states
     ``[len, H]``, or the model's own logits ``[len, V]`` when the plan scores from those."""
     head = model.get_output_embeddings()
-    w = head.weight
+    w = dense_head_weight(head)  # a quantised head's dense copy, made once per model
     bias = getattr(head, "bias", None)
     n = hidden.shape[0]
     # On the CPU the head multiplies through ops.linear (packed once per weight): a prompt's

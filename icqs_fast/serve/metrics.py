@@ -21,6 +21,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
 )
@@ -120,6 +121,15 @@ class ServeMetrics:
         self.registry.register(_QueueCollector(queue))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, ...
         self.registry.register(_MemoryCollector())
+
+    def engine_plan(self, plan: dict) -> None:
+        """``icqs_serve_engine_path{path, backend, fastest} 1``: the engine's plan for the
+        served model (:meth:`icqs_fast.engine.capability.ModelPlan.as_meta`), so a scrape shows
+        a server that runs a slower path than cascade attention, and on which backend."""
+        g = Gauge(f"{PREFIX}_engine_path", "the engine's path for the served model (cascade, "
+                  "kv-copy, plain), its kernel backend and whether it is the fastest path",
+                  ["path", "backend", "fastest"], registry=self.registry)
+        g.labels(plan["path"], plan["backend"], str(bool(plan["fastest"])).lower()).set(1)
 
     def route(self, path: str) -> str:
         """The ``route`` label of ``path``."""
