@@ -604,6 +604,24 @@ def _grouped(plain: Iterator[Any], name: str, fields: PairFields, on_error: Any
         yield item
 
 
+def read_pool_pairs(path: PathLike, fields: PairFields | None = None, *,
+                    format: str | None = None, encoding: str = "utf-8"
+                    ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(good, bad)`` demonstration pools given as pairs (``--good-bad-pairs``): per pair
+    ``(x, better)`` into good and ``(x, worse)`` into bad; the better output is the label's
+    (``fields.label_field``), else a.
+
+    Raises:
+        InputError: a bad pair (file, line, field), or a file without pairs.
+    """
+    good, bad = [], []
+    for p in read_pairs(path, fields, format=format, encoding=encoding, allow_empty=False):
+        better, worse = (p.y_a, p.y_b) if p.label in (None, "a") else (p.y_b, p.y_a)
+        good.append((p.x, better))
+        bad.append((p.x, worse))
+    return good, bad
+
+
 def read_rows(path: PathLike, *, fields: Iterable[str] = (), optional: Iterable[str] = (),
               format: str | None = None, encoding: str = "utf-8",
               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, dict]]:

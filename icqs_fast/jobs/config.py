@@ -328,6 +328,16 @@ class ScoreJobConfig(JobConfig):
         """The pair fields of the input (``--pairs``) and of a ``--good-bad-pairs`` file."""
         return self.pairs or PairOptions()
 
+    def pair_fields(self, *, demos: bool = False) -> Any:
+        """The :class:`~icqs_fast.io.readers.PairFields` of the input (``demos``: of the
+        ``--good-bad-pairs`` file, whose x is ``--demo-x-field`` and which has no ids)."""
+        from icqs_fast.io.readers import PairFields
+
+        p = self.pair_options
+        return PairFields(self.demo_x_field if demos else self.x_field, p.y_a_field,
+                          p.y_b_field, None if demos else self.id_field, self.label_field,
+                          p.pair_field, self.demo_y_field if demos else self.y_field)
+
     @property
     def backend(self) -> str:
         """The engine's backend (the settings' own)."""

@@ -16,7 +16,8 @@ beside the length judge's. The whole input is read once before the model loads, 
 (:meth:`~icqs_fast.jobs.config.ScoreJobConfig.check`).
 
 ``--good-bad-pairs FILE`` (also without ``--pairs``): the pools as pairs, the better output
-into the good pool, the other into the bad pool (:func:`pools_from_pairs`).
+into the good pool, the other into the bad pool
+(:func:`icqs_fast.io.readers.read_pool_pairs`).
 """
 
 from __future__ import annotations
@@ -25,40 +26,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from icqs_fast.io.readers import PairFields, read_pairs
+from icqs_fast.io.readers import read_pairs
 from icqs_fast.io.records import InputError, PairRecord, Record, RecordError
 from icqs_fast.io.schema import arrow_schema, pair_row
 from icqs_fast.jobs.config import ScoreJobConfig
 from icqs_fast.jobs.score import ScoreStrategy, check_record, ordered_results
 
-__all__ = ["PairStrategy", "PairSummary", "pair_fields", "pools_from_pairs"]
-
-
-def pair_fields(config: ScoreJobConfig, *, demos: bool = False) -> PairFields:
-    """The :class:`~icqs_fast.io.readers.PairFields` of ``config``'s input (``demos``: of its
-    ``--good-bad-pairs`` file, whose x is ``--demo-x-field`` and which has no ids)."""
-    p = config.pair_options
-    return PairFields(config.demo_x_field if demos else config.x_field, p.y_a_field,
-                      p.y_b_field, None if demos else config.id_field, config.label_field,
-                      p.pair_field, config.demo_y_field if demos else config.y_field)
-
-
-def pools_from_pairs(config: ScoreJobConfig) -> tuple[list[tuple[str, str]],
-                                                        list[tuple[str, str]]]:
-    """``(good, bad)`` pools of ``config.good_bad_pairs``: per pair ``(x, better)`` into good
-    and ``(x, worse)`` into bad; the better output is the label's (``--label-field``), else a.
-
-    Raises:
-        InputError: a bad pair (file, line, field), or a file without pairs.
-    """
-    path = config.good_bad_pairs
-    good, bad = [], []
-    for p in read_pairs(path, pair_fields(config, demos=True), encoding=config.encoding,
-                        allow_empty=False):
-        better, worse = (p.y_a, p.y_b) if p.label in (None, "a") else (p.y_b, p.y_a)
-        good.append((p.x, better))
-        bad.append((p.x, worse))
-    return good, bad
+__all__ = ["PairStrategy", "PairSummary"]
 
 
 class PairSummary:
@@ -123,6 +97,7 @@ class PairStrategy(ScoreStrategy):
 
     desc = "score pairs"
     done_what = "judged"
+    unit = "pair"  # of the progress bar
 
     @property
     def records_per_result(self) -> int:
@@ -133,7 +108,7 @@ class PairStrategy(ScoreStrategy):
         """The input's pairs (``kw``: :func:`~icqs_fast.io.readers.read_pairs`' skip, stop,
         on_error, allow_empty)."""
         c = self.config
-        return read_pairs(c.input, pair_fields(c), format=c.format, encoding=c.encoding, **kw)
+        return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding, **kw)
 
     def peek_input(self, config: ScoreJobConfig) -> None:
         """Every pair is read before the model loads (reading costs nothing beside scoring):

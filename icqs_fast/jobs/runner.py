@@ -398,7 +398,7 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
 
     def bar(results: Iterable) -> Iterable:
         return track(results, total=total if total >= 0 else None, desc=strategy.desc,
-                     unit="record", quiet=config.quiet)
+                     unit=getattr(strategy, "unit", "record"), quiet=config.quiet)
 
     with open_results(job.policy, schema=strategy.table_schema()) as writer:
         sink = ResultSink(writer, summary, skip=config.on_error == "skip", log=log)

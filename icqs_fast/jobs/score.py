@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.io.readers import read_examples
+from icqs_fast.io.readers import read_examples, read_pool_pairs
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
@@ -233,9 +233,8 @@ class ScoreStrategy:
 
         c = self.config
         if c.good_bad_pairs is not None:
-            from icqs_fast.jobs.pairs import pools_from_pairs
-
-            self.good, self.bad = pools_from_pairs(c)
+            self.good, self.bad = read_pool_pairs(c.good_bad_pairs, c.pair_fields(demos=True),
+                                                  encoding=c.encoding)
         else:
             ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
             self.good = read_examples(c.good, **ex_kw)
