@@ -318,3 +318,49 @@ def test_pairs_refusals_and_a_bad_pool_pair(tmp_path, capsys):
     assert main(["score", str(inp), "-o", str(tmp_path / "p.jsonl"), "--good", str(g),
                  "--bad", str(b), "--pair-field", "k", *KW]) == 2
     assert "pass --pairs" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tiny_llama_dir):
+    """The tiny model with room for LLMBar's long prompts (loaded before `cli` patches the
+    loader)."""
+    from icqs_fast import models
+
+    return models.load_model(tiny_llama_dir(max_positions=4096), dtype="float32", device="cpu")
+
+
+@pytest.mark.slow
+def test_score_pairs_cli_on_llmbar_natural(tiny_long, cli, tmp_path, monkeypatch):
+    """`score --pairs` on LLMBar's natural set as a user runs it: the first 60 pairs as the
+    pools (--good-bad-pairs, label 1 / 2), the other 40 judged; every pair's line, the label
+    read, and the summary's accuracies those of the lines and of the length judge."""
+    from _helpers import read_jsonl, write_jsonl
+
+    if not LLMBAR.exists():
+        skip_unless_in_ci("LLMBar data (../shared/data/llmbar) missing")
+    from icqs_fast import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_long)
+    rows = json.loads(LLMBAR.read_text(encoding="utf-8"))
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:60])
+    test = write_jsonl(tmp_path / "test.jsonl", rows[60:])
+    out = tmp_path / "judged.jsonl"
+    code, err = cli("--pairs", test, "-o", out, "--good-bad-pairs", train, "--x-field", "input",
+                    "--y-a-field", "output_1", "--y-b-field", "output_2", "--label-field",
+                    "label", "--drop-oldest-demos", "--no-self-check", demos=False, quiet=False)
+    assert code == 0, err
+    got = read_jsonl(out)
+    assert [r["index"] for r in got] == list(range(40))
+    truth = ["a" if int(r["label"]) == 1 else "b" for r in rows[60:]]
+    assert [r["label"] for r in got] == truth
+    for r in got:
+        assert r["preferred"] == ("a" if r["margin"] > 0 else "b" if r["margin"] < 0 else "tie")
+    acc, lo, hi = pairwise_accuracy([r["preferred"] for r in got], truth)
+    pairs = [(r["input"], r["output_1"], r["output_2"]) for r in rows[60:]]
+    good = [(r["output_1"] if int(r["label"]) == 1 else r["output_2"]) for r in rows[:60]]
+    bad = [(r["output_2"] if int(r["label"]) == 1 else r["output_1"]) for r in rows[:60]]
+    shorter = sum(map(len, good)) <= sum(map(len, bad))
+    lacc, llo, lhi = pairwise_accuracy(length_preferences(pairs, shorter=shorter), truth)
+    assert (f"pairwise accuracy {acc:.3f} [{lo:.3f}, {hi:.3f}] (95 % interval, 40 pairs); "
+            f"the length judge (the {'shorter' if shorter else 'longer'} output, as the pools "
+            f"favour) {lacc:.3f} [{llo:.3f}, {lhi:.3f}]") in err, err
