@@ -364,3 +364,26 @@ def test_score_pairs_cli_on_llmbar_natural(tiny_long, cli, tmp_path, monkeypatch
     assert (f"pairwise accuracy {acc:.3f} [{lo:.3f}, {hi:.3f}] (95 % interval, 40 pairs); "
             f"the length judge (the {'shorter' if shorter else 'longer'} output, as the pools "
             f"favour) {lacc:.3f} [{llo:.3f}, {lhi:.3f}]") in err, err
+
+
+def test_skip_bad_pairs_and_the_tie_margin(cli, tmp_path):
+    """--on-error skip: a bad pair's error line in its place, the others judged; a tie
+    margin wider than every margin makes every pair a tie."""
+    from _helpers import read_jsonl, write_jsonl
+
+    rows = _test_pairs()[:3]
+    rows.insert(1, {"x": "q", "y_a": "a"})
+    inp = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    code, err = cli("--pairs", inp, "-o", tmp_path / "o.jsonl", "--on-error", "skip",
+                    "--no-self-check")
+    assert code == 0, err
+    got = read_jsonl(tmp_path / "o.jsonl")
+    assert [r["index"] for r in got] == [0, 1, 2, 3]
+    assert got[1] == {"index": 1, "line": 2, "error": {"field": "y_b", "reason": got[1][
+        "error"]["reason"]}} and "missing" in got[1]["error"]["reason"]
+    assert all("preferred" in r for r in got[:1] + got[2:])
+    assert cli("--pairs", inp, "-o", tmp_path / "t.jsonl", "--on-error", "skip",
+               "--no-self-check", "--tie-margin", "1e9")[0] == 0
+    ties = read_jsonl(tmp_path / "t.jsonl")
+    assert [r.get("preferred") for r in ties] == ["tie", None, "tie", "tie"]
+    assert [r.get("score_a") for r in ties] == [r.get("score_a") for r in got]
