@@ -63,7 +63,13 @@ class JobSummary(Protocol):
 
 
 class JobStrategy(Protocol):
-    """What a job kind adds to the runner (built from its config: ``Strategy(config)``)."""
+    """What a job kind adds to the runner (built from its config: ``Strategy(config)``).
+
+    A kind whose records are not plain ones (``score --pairs``: jobs.pairs.PairStrategy) may
+    also have ``peek_input(config)`` (in place of :func:`peek_input`), ``read_input(**kw)``
+    (in place of :func:`~icqs_fast.io.readers.read_records`: :func:`input_records`),
+    ``records_per_result`` and ``unit`` (the progress bar's); the runner looks them up.
+    """
 
     desc: str  # progress bar label
     done_prefix: str  # the final summary line's prefix
