@@ -244,6 +244,15 @@ def test_pair_field_grouping_parquet_and_pools_as_pairs(cli, tmp_path):
                     "--good-bad-pairs", pool_pairs, *common, demos=False)
     assert code == 0, err
     assert read_jsonl(tmp_path / "as_pairs.jsonl") == read_jsonl(tmp_path / "files.jsonl")
+    # ... and so does a plain (one response a record) score job.
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"x": r["x"], "y": r["y_a"]} for r in rows])
+    for name, demos in (("p_files", ["--good", tmp_path / "good.jsonl", "--bad",
+                                     pools_from_files]),
+                        ("p_pairs", ["--good-bad-pairs", pool_pairs, "--demo-label-field",
+                                     "better"])):
+        assert cli(plain, "-o", tmp_path / f"{name}.jsonl", *demos, *common,
+                   demos=False)[0] == 0
+    assert read_jsonl(tmp_path / "p_pairs.jsonl") == read_jsonl(tmp_path / "p_files.jsonl")
 
 
 BAD_PAIRS = [

@@ -254,9 +254,9 @@ DOC_TABLES = (
     ("Input, output and run (`score`, `features`; `--label-field`: `score` only)",
      "icqs_fast.jobs.config:JobConfig",
      (*INPUT_OPTIONS, "encoding", *MODEL_OPTIONS, *RUN_OPTIONS)),
-    ("Demonstrations (`score`, `check`; `--good-bad-pairs`: `score` only)",
-     "icqs_fast.jobs.config:ScoreJobConfig",
-     ("good", "bad", "good_bad_pairs", "demo_x_field", "demo_y_field")),
+    ("Demonstrations (`score`, `check`; `--good-bad-pairs`, `--demo-label-field`: `score` "
+     "only)", "icqs_fast.jobs.config:ScoreJobConfig",
+     ("good", "bad", "good_bad_pairs", "demo_label_field", "demo_x_field", "demo_y_field")),
     ("Pairs (`score --pairs`; the pair fields also read `--good-bad-pairs`)",
      "icqs_fast.jobs.config:PairOptions", None),
     ("ICQS options (`score`, `check`; `--calibrate`, `--score`, `--tie-epsilon` also `eval`, "

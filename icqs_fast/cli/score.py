@@ -24,13 +24,16 @@ DESCRIPTION = ("ICQS scores for the responses of a file (JSONL, CSV, TSV, Parque
 
 # --------------------------------------------------------------------------- command line
 
+# The ScoreJobConfig fields only `score` takes (the pools given as pairs).
+POOL_PAIR_OPTIONS = ("good_bad_pairs", "demo_label_field")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag is derived from a declaration (:mod:`icqs_fast.cli.options`)."""
     p.description = DESCRIPTION
     add_job_arguments(p, ScoreJobConfig, what="results")
     add_scoring_arguments(p, record_fields=True, demos_required=False)
-    add_declared(p, ScoreJobConfig, names=("good_bad_pairs",))
+    add_declared(p, ScoreJobConfig, names=POOL_PAIR_OPTIONS)
     add_self_check_arguments(p)
     g = p.add_argument_group("Pairs (which of two outputs to one instruction is better)")
     g.add_argument("--pairs", action="store_true",
@@ -49,7 +52,7 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
         raise ValueError("--pair-field groups the records of --pairs or --good-bad-pairs: "
                          "pass --pairs")
     return score_config(args, **job_values(args, ScoreJobConfig),
-                        good_bad_pairs=args.good_bad_pairs,
+                        **declared_values(args, ScoreJobConfig, names=POOL_PAIR_OPTIONS),
                         pairs=pairs if args.pairs else None)
 
 

@@ -285,8 +285,12 @@ class ScoreJobConfig(JobConfig):
     good_bad_pairs: str | None = option(None, kind="str", metavar="FILE", help="the pools as "
                                         "pairs instead of --good / --bad: records with "
                                         "--demo-x-field, --y-a-field and --y-b-field; the "
-                                        "better output (by --label-field, else a) goes to the "
+                                        "better output (by --demo-label-field) goes to the "
                                         "good pool, the other to the bad pool")
+    demo_label_field: str | None = option(None, kind="str", help="field of the "
+                                          "--good-bad-pairs file naming the better output, a "
+                                          "or b (or 1 / 2; none: --label-field; without "
+                                          "either, a is the better)")
     demo_x_field: str | None = option(None, kind="str", help="field with the input in the "
                                       "--good / --bad files (none: --x-field)")
     demo_y_field: str | None = option(None, kind="str", help="field with the answer in the "
@@ -335,7 +339,9 @@ class ScoreJobConfig(JobConfig):
 
         p = self.pair_options
         return PairFields(self.demo_x_field if demos else self.x_field, p.y_a_field,
-                          p.y_b_field, None if demos else self.id_field, self.label_field,
+                          p.y_b_field, None if demos else self.id_field,
+                          (self.demo_label_field or self.label_field) if demos
+                          else self.label_field,
                           p.pair_field, self.demo_y_field if demos else self.y_field)
 
     @property
@@ -374,7 +380,8 @@ class ScoreJobConfig(JobConfig):
             # Only when they differ, so that outputs written before the option still resume.
             key.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
         if self.good_bad_pairs is not None:
-            key["good_bad_pairs"] = self.pair_fields_key()
+            key["good_bad_pairs"] = self.pair_fields_key() | {
+                "label_field": self.demo_label_field or self.label_field}
         if self.pairs is not None:
             key["pairs"] = self.pair_fields_key() | {"tie_margin": self.pairs.tie_margin}
         return key | ({"shard": self.shard} if self.shard else {})
