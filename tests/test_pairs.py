@@ -4,6 +4,7 @@ its interval, and the length judge beside it - on LLMBar's natural set."""
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def test_both_outputs_in_one_stream_and_the_declared_fields():
     pa, pb = 0.4, 0.2
     assert got[0].p_a_better == pytest.approx(pa * (1 - pb) / (pa * (1 - pb) + pb * (1 - pa)))
     assert got[2].p_a_better == pytest.approx(0.5)
-    row = pair_row(got[0])
-    assert list(row) == [f.name for f in PAIR_FIELDS]
+    row = pair_row(got[0])  # without a record: the result's fields only
+    assert list(row) == [f.name for f in PAIR_FIELDS if f.source == "result"]
     assert row["preferred"] == "a" and row["score_a"] == 4.0
     # Without a self-check map: no P(a better), and the field is left out.
     plain = next(score_pairs(Fake(), pairs[:1]))
@@ -111,3 +112,287 @@ def test_llmbar_natural_pairs_with_the_length_judge_beside():
     assert s_acc == sum((len(pairs[i][1]) < len(pairs[i][2])) == (better[i] == "a")
                         for i in test) / 40
     assert s_lo <= s_acc <= s_hi
+
+
+# --------------------------------------------------------------------------- score --pairs
+
+KW = ["--num-ratios", "2", "--demos-per-set", "1", "--sets-per-ratio", "1", "--seed", "0",
+      "--dtype", "float32", "--device", "cpu", "--quiet"]
+
+
+def _pools(n=30):
+    from _helpers import sentiment_pools
+
+    good, bad = sentiment_pools(n)
+    return [{"x": x, "y": y} for x, y in good], [{"x": x, "y": y} for x, y in bad]
+
+
+def _test_pairs():
+    """Five a/b pairs (a the right sentiment in the even ones), labelled with the better."""
+    from _helpers import sentiment_pools
+
+    good, bad = sentiment_pools(5, start=40)
+    rows = []
+    for i, ((x, right), (_, wrong)) in enumerate(zip(good, bad, strict=True)):
+        a, b = (right, wrong) if i % 2 == 0 else (wrong, right + " indeed")
+        rows.append({"id": f"p{i}", "x": x, "y_a": a, "y_b": b, "better": "a" if a == right
+                     else "b"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    from icqs_fast import models
+
+    d = tiny_llama_dir()
+    return d, models.load_model(d, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def cli(tiny, tmp_path, monkeypatch, capsys):
+    """``icqs-fast score ...`` with the tiny model (loaded once); ``(exit code, stderr)``."""
+    from _helpers import write_jsonl
+
+    from icqs_fast import models
+    from icqs_fast.cli import main
+
+    model_dir, loaded = tiny
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
+    good, bad = _pools()
+    g = write_jsonl(tmp_path / "good.jsonl", good)
+    b = write_jsonl(tmp_path / "bad.jsonl", bad)
+
+    def run(*args, demos=True, quiet=True):
+        capsys.readouterr()
+        code = main(["score", *map(str, args), *(["--good", str(g), "--bad", str(b)]
+                                                 if demos else []),
+                     "--model", str(model_dir), *(KW if quiet else KW[:-1])])
+        return code, capsys.readouterr().err
+    return run
+
+
+def test_score_pairs_both_outputs_scored_and_every_field(cli, tmp_path):
+    from _helpers import read_jsonl, write_jsonl
+
+    rows = _test_pairs()
+    inp = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    code, err = cli("--pairs", inp, "-o", tmp_path / "judged.jsonl", "--label-field", "better",
+                    "--self-check-max", "60", quiet=False)
+    assert code == 0, err
+    got = read_jsonl(tmp_path / "judged.jsonl")
+    assert len(got) == 5
+    for r, src in zip(got, rows, strict=True):
+        assert set(f.name for f in PAIR_FIELDS) == set(r), r  # the self-check gave P(a better)
+        assert r["id"] == src["id"] and r["label"] == src["better"]
+        assert r["margin"] == pytest.approx(r["score_a"] - r["score_b"])
+        assert r["preferred"] == ("a" if r["margin"] > 0 else "b")  # tie margin 0
+        assert 0 <= r["p_a_better"] <= 1
+        assert (r["p_a_better"] > 0.5) == (r["margin"] > 0)  # the map is monotone
+    # The summary: pairwise accuracy with its interval, the length judge's beside it.
+    assert re.search(r"judged 5 pairs in .*\n  pairwise accuracy \d\.\d{3} \[\d\.\d{3}, "
+                     r"\d\.\d{3}\] \(95 % interval, 5 pairs\); the length judge \(the "
+                     r"(shorter|longer) output, as the pools favour\) \d\.\d{3} \[", err), err
+    acc = sum(r["preferred"] == r["label"] for r in got) / 5
+    assert f"pairwise accuracy {acc:.3f} [" in err, err
+    # Both outputs scored as `score` scores them: the same stream of (x, y_a), (x, y_b).
+    plain = write_jsonl(tmp_path / "plain.jsonl", [
+        {"x": r["x"], "y": y} for r in rows for y in (r["y_a"], r["y_b"])])
+    assert cli(plain, "-o", tmp_path / "plain_out.jsonl", "--no-self-check")[0] == 0
+    scores = [r["score"] for r in read_jsonl(tmp_path / "plain_out.jsonl")]
+    assert [s for r in got for s in (r["score_a"], r["score_b"])] == pytest.approx(scores,
+                                                                                abs=1e-6)
+
+
+def test_pair_field_grouping_parquet_and_pools_as_pairs(cli, tmp_path):
+    """Two records per pair by --pair-field give the a/b records' lines; Parquet holds the
+    same rows; --good-bad-pairs gives the pools of the --good / --bad files."""
+    import pyarrow.parquet as pq
+    from _helpers import read_jsonl, write_jsonl
+
+    rows = _test_pairs()
+    ab = write_jsonl(tmp_path / "ab.jsonl", rows)
+    grouped = write_jsonl(tmp_path / "grouped.jsonl", [
+        {"pid": r["id"], "x": r["x"], "y": r[f"y_{s}"],
+         "ok": "good" if r["better"] == s else "bad"} for r in rows for s in "ab"])
+    common = ("--no-self-check",)
+    assert cli("--pairs", ab, "-o", tmp_path / "ab_out.jsonl", "--label-field", "better",
+               *common)[0] == 0
+    code, err = cli("--pairs", grouped, "-o", tmp_path / "g_out.parquet", "--pair-field", "pid",
+                    "--label-field", "ok", *common)
+    assert code == 0, err
+    want = read_jsonl(tmp_path / "ab_out.jsonl")
+    table = pq.read_table(tmp_path / "g_out.parquet").to_pylist()
+    assert [t["id"] for t in table] == [w["id"] for w in want]
+    assert [t["line"] for t in table] == [1, 3, 5, 7, 9]
+    for t, w in zip(table, want, strict=True):
+        assert t["label"] == w["label"] and t["preferred"] == w["preferred"]
+        assert t["score_a"] == pytest.approx(w["score_a"], abs=1e-6)
+        assert t["score_b"] == pytest.approx(w["score_b"], abs=1e-6)
+        assert t["p_a_better"] is None and t["error"] is None
+    # The pools as pairs: (x, better) good, (x, worse) bad - the same pools as _pools().
+    good, bad = _pools()
+    pool_pairs = write_jsonl(tmp_path / "pool_pairs.jsonl", [
+        {"x": g["x"], "y_a": b["y"], "y_b": g["y"], "better": "b"}
+        for g, b in zip(good, bad, strict=True)])
+    # Pools of distinct inputs per class are paired here by position: the good pool's x.
+    pools_from_files = write_jsonl(tmp_path / "bad_same_x.jsonl", [
+        {"x": g["x"], "y": b["y"]} for g, b in zip(good, bad, strict=True)])
+    assert cli("--pairs", ab, "-o", tmp_path / "files.jsonl", "--label-field", "better",
+               "--good", tmp_path / "good.jsonl", "--bad", pools_from_files, *common,
+               demos=False)[0] == 0
+    code, err = cli("--pairs", ab, "-o", tmp_path / "as_pairs.jsonl", "--label-field", "better",
+                    "--good-bad-pairs", pool_pairs, *common, demos=False)
+    assert code == 0, err
+    assert read_jsonl(tmp_path / "as_pairs.jsonl") == read_jsonl(tmp_path / "files.jsonl")
+    # ... and so does a plain (one response a record) score job.
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"x": r["x"], "y": r["y_a"]} for r in rows])
+    for name, demos in (("p_files", ["--good", tmp_path / "good.jsonl", "--bad",
+                                     pools_from_files]),
+                        ("p_pairs", ["--good-bad-pairs", pool_pairs, "--demo-label-field",
+                                     "better"])):
+        assert cli(plain, "-o", tmp_path / f"{name}.jsonl", *demos, *common,
+                   demos=False)[0] == 0
+    assert read_jsonl(tmp_path / "p_pairs.jsonl") == read_jsonl(tmp_path / "p_files.jsonl")
+
+
+BAD_PAIRS = [
+    # (rows, extra flags, line, field, message)
+    ([{"x": "q", "y_a": "a"}], (), 1, "y_b", r"field 'y_b': missing \(this record's keys: x, "
+     r"y_a\)"),
+    ([{"x": "q", "y_a": "a", "y_b": "b"}, {"x": "r", "y_a": "a", "y_b": 5}], (), 2, "y_b",
+     r"must be a string, got int 5"),
+    ([{"x": "q", "y_a": "a", "y_b": "b", "l": "c"}], ("--label-field", "l"), 1, "l",
+     r"the better output is a or b"),
+    ([{"k": 1, "x": "q", "y": "a"}, {"k": 2, "x": "q", "y": "b"}, {"k": 2, "x": "q", "y": "c"}],
+     ("--pair-field", "k"), 1, "k", r"pair 1 has 1 record"),
+    ([{"k": 1, "x": "q", "y": "a"}, {"k": 1, "x": "q", "y": "b"}, {"k": 1, "x": "q", "y": "c"}],
+     ("--pair-field", "k"), 3, "k", r"pair 1 has a third record"),
+    ([{"k": 1, "x": "q", "y": "a"}, {"k": 1, "x": "other", "y": "b"}], ("--pair-field", "k"),
+     2, "x", r"not the x of its first record \(line 1\)"),
+]
+
+
+@pytest.mark.parametrize("rows, extra, line, field, msg", BAD_PAIRS)
+def test_bad_pairs_exit_2_before_the_model_leaving_nothing(rows, extra, line, field, msg,
+                                                           tmp_path, monkeypatch, capsys):
+    import re
+
+    from _helpers import write_jsonl
+
+    from icqs_fast import models
+    from icqs_fast.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    inp = write_jsonl(tmp_path / "in" / "pairs.jsonl", rows)
+    good, bad = _pools()
+    g = write_jsonl(tmp_path / "in" / "good.jsonl", good)
+    b = write_jsonl(tmp_path / "in" / "bad.jsonl", bad)
+    code = main(["score", "--pairs", str(inp), "-o", str(tmp_path / "out" / "o.jsonl"),
+                 "--good", str(g), "--bad", str(b), *extra, *KW])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"icqs-fast: error: {inp}:{line}: field '{field}': "), err
+    assert re.search(msg, err), err
+    assert list((tmp_path / "out").iterdir()) == []  # no output, meta or lock file
+
+
+def test_pairs_refusals_and_a_bad_pool_pair(tmp_path, capsys):
+    from _helpers import write_jsonl
+
+    from icqs_fast.cli import main
+
+    inp = write_jsonl(tmp_path / "pairs.jsonl", [{"x": "q", "y_a": "a", "y_b": "b"}])
+    good, bad = _pools()
+    g = write_jsonl(tmp_path / "good.jsonl", good)
+    b = write_jsonl(tmp_path / "bad.jsonl", bad)
+    base = ["score", "--pairs", str(inp), "-o", str(tmp_path / "o.jsonl"), *KW]
+    for extra, said in [(["--resume"], "--resume is not supported with --pairs"),
+                        (["--shard", "0/2"], "--shard is not supported with --pairs"),
+                        (["--pair-field", "k", "--id-field", "x"], "leave out --id-field")]:
+        assert main([*base, "--good", str(g), "--bad", str(b), *extra]) == 2
+        assert said in capsys.readouterr().err
+    assert main([*base]) == 2
+    assert "score needs --good and --bad (or --good-bad-pairs FILE)" in capsys.readouterr().err
+    assert main([*base, "--good-bad-pairs", str(inp), "--good", str(g)]) == 2
+    assert "leave out --good and --bad" in capsys.readouterr().err
+    pools = write_jsonl(tmp_path / "pools.jsonl", [{"x": "q", "y_a": "a", "y_b": "b"},
+                                                   {"x": "r", "y_a": "a"}])
+    assert main([*base, "--good-bad-pairs", str(pools)]) == 2
+    assert f"{pools}:2: field 'y_b': missing" in capsys.readouterr().err
+    assert main(["score", str(inp), "-o", str(tmp_path / "p.jsonl"), "--good", str(g),
+                 "--bad", str(b), "--pair-field", "k", *KW]) == 2
+    assert "pass --pairs" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tiny_llama_dir):
+    """The tiny model with room for LLMBar's long prompts (loaded before `cli` patches the
+    loader)."""
+    from icqs_fast import models
+
+    return models.load_model(tiny_llama_dir(max_positions=4096), dtype="float32", device="cpu")
+
+
+@pytest.mark.slow
+def test_score_pairs_cli_on_llmbar_natural(tiny_long, cli, tmp_path, monkeypatch):
+    """`score --pairs` on LLMBar's natural set as a user runs it: the first 60 pairs as the
+    pools (--good-bad-pairs, label 1 / 2), the other 40 judged; every pair's line, the label
+    read, and the summary's accuracies those of the lines and of the length judge."""
+    from _helpers import read_jsonl, write_jsonl
+
+    if not LLMBAR.exists():
+        skip_unless_in_ci("LLMBar data (../shared/data/llmbar) missing")
+    from icqs_fast import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_long)
+    rows = json.loads(LLMBAR.read_text(encoding="utf-8"))
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:60])
+    test = write_jsonl(tmp_path / "test.jsonl", rows[60:])
+    out = tmp_path / "judged.jsonl"
+    code, err = cli("--pairs", test, "-o", out, "--good-bad-pairs", train, "--x-field", "input",
+                    "--y-a-field", "output_1", "--y-b-field", "output_2", "--label-field",
+                    "label", "--drop-oldest-demos", "--no-self-check", demos=False, quiet=False)
+    assert code == 0, err
+    got = read_jsonl(out)
+    assert [r["index"] for r in got] == list(range(40))
+    truth = ["a" if int(r["label"]) == 1 else "b" for r in rows[60:]]
+    assert [r["label"] for r in got] == truth
+    for r in got:
+        assert r["preferred"] == ("a" if r["margin"] > 0 else "b" if r["margin"] < 0 else "tie")
+    acc, lo, hi = pairwise_accuracy([r["preferred"] for r in got], truth)
+    pairs = [(r["input"], r["output_1"], r["output_2"]) for r in rows[60:]]
+    good = [(r["output_1"] if int(r["label"]) == 1 else r["output_2"]) for r in rows[:60]]
+    bad = [(r["output_2"] if int(r["label"]) == 1 else r["output_1"]) for r in rows[:60]]
+    shorter = sum(map(len, good)) <= sum(map(len, bad))
+    lacc, llo, lhi = pairwise_accuracy(length_preferences(pairs, shorter=shorter), truth)
+    assert (f"pairwise accuracy {acc:.3f} [{lo:.3f}, {hi:.3f}] (95 % interval, 40 pairs); "
+            f"the length judge (the {'shorter' if shorter else 'longer'} output, as the pools "
+            f"favour) {lacc:.3f} [{llo:.3f}, {lhi:.3f}]") in err, err
+
+
+def test_skip_bad_pairs_and_the_tie_margin(cli, tmp_path):
+    """--on-error skip: a bad pair's error line in its place, the others judged; a tie
+    margin wider than every margin makes every pair a tie."""
+    from _helpers import read_jsonl, write_jsonl
+
+    rows = _test_pairs()[:3]
+    rows.insert(1, {"x": "q", "y_a": "a"})
+    inp = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    code, err = cli("--pairs", inp, "-o", tmp_path / "o.jsonl", "--on-error", "skip",
+                    "--no-self-check")
+    assert code == 0, err
+    got = read_jsonl(tmp_path / "o.jsonl")
+    assert [r["index"] for r in got] == [0, 1, 2, 3]
+    assert got[1] == {"index": 1, "line": 2, "error": {"field": "y_b", "reason": got[1][
+        "error"]["reason"]}} and "missing" in got[1]["error"]["reason"]
+    assert all("preferred" in r for r in got[:1] + got[2:])
+    assert cli("--pairs", inp, "-o", tmp_path / "t.jsonl", "--on-error", "skip",
+               "--no-self-check", "--tie-margin", "1e9")[0] == 0
+    ties = read_jsonl(tmp_path / "t.jsonl")
+    assert [r.get("preferred") for r in ties] == ["tie", None, "tie", "tie"]
+    assert [r.get("score_a") for r in ties] == [r.get("score_a") for r in got]

@@ -269,8 +269,11 @@ DOC_TABLES = (
     ("Input, output and run (`score`, `features`; `--label-field`: `score` only)",
      "icqs_fast.jobs.config:JobConfig",
      (*INPUT_OPTIONS, "encoding", *MODEL_OPTIONS, *RUN_OPTIONS)),
-    ("Demonstrations (`score`, `check`)", "icqs_fast.jobs.config:ScoreJobConfig",
-     ("good", "bad", "demo_x_field", "demo_y_field")),
+    ("Demonstrations (`score`, `check`; `--good-bad-pairs`, `--demo-label-field`: `score` "
+     "only)", "icqs_fast.jobs.config:ScoreJobConfig",
+     ("good", "bad", "good_bad_pairs", "demo_label_field", "demo_x_field", "demo_y_field")),
+    ("Pairs (`score --pairs`; the pair fields also read `--good-bad-pairs`)",
+     "icqs_fast.jobs.config:PairOptions", None),
     ("ICQS options (`score`, `check`; `--calibrate`, `--score`, `--tie-epsilon` also `eval`, "
      "`demo`, `serve`; `/v1/score`'s `icqs_options` takes those marked request)",
      "icqs_fast.engine.settings:ScoringSettings", None),

@@ -44,6 +44,7 @@ from icqs_fast.io.records import (
     MAX_LINE_BYTES,
     TEXT_FORMATS,
     InputError,
+    PairRecord,
     PathLike,
     Record,
     RecordError,
@@ -313,13 +314,17 @@ def _check_source(path: PathLike, fmt: str, name: str) -> None:
         raise InputError(name, None, None, "is a folder, not an input file")
 
 
-def _records(src: _Source, fields: RecordFields, span: tuple[int, int | None], on_error,
-             allow_empty: bool):
+def _records(src: _Source, fields: Any, span: tuple[int, int | None], on_error,
+             allow_empty: bool, make: Callable[..., Any] | None = None):
     path, fmt, name, encoding = src.path, src.fmt, src.name, src.encoding
     skip, stop = span
     id_field = fields.id_field
-    required = [fields.x_field, fields.y_field] + ([fields.label_field]
-                                                  if fields.label_field else [])
+    if make is None:  # plain records; a pair reader brings its own row check and columns
+        make = row_record
+        required = [fields.x_field, fields.y_field] + ([fields.label_field]
+                                                      if fields.label_field else [])
+    else:
+        required = fields.columns()
     n_rows = 0
     f = None if fmt in ("parquet", "datasets") else open_binary(path)
     try:
@@ -342,7 +347,7 @@ def _records(src: _Source, fields: RecordFields, span: tuple[int, int | None], o
             try:
                 if isinstance(row, RecordError):
                     raise row
-                rec = row_record(row, index, line, name, fields, fmt)
+                rec = make(row, index, line, name, fields, fmt)
             except RecordError as exc:
                 if on_error is None:
                     raise
@@ -434,6 +439,187 @@ def row_record(row: dict, index: int, line: int, name: str,
         if not found or (fmt != "jsonl" and label is None):
             raise err(label_field, f"missing (this record's keys: {field_keys(row)})")
     return Record(index=index, line=line, x=values[x_field], y=y, id=rid, label=label)
+
+
+@dataclass(frozen=True)
+class PairFields:
+    """Which fields of a row make a :class:`~icqs_fast.io.records.PairRecord`: the instruction
+    (``x_field``), the two outputs (``y_a_field``, ``y_b_field``), the id and the label of the
+    better output (``label_field``: ``a`` / ``b``, or ``1`` / ``2`` as LLMBar's
+    ``output_1`` / ``output_2``). With ``pair_field`` set, a pair is instead two consecutive
+    plain records (``x_field``, ``y_field``) sharing that field's value, a then b, each
+    labelled good or bad by ``label_field`` (``good`` / ``bad``, ``1`` / ``0``, ``true`` /
+    ``false``, ``chosen`` / ``rejected``, ``better`` / ``worse``)."""
+
+    x_field: str = "x"
+    y_a_field: str = "y_a"
+    y_b_field: str = "y_b"
+    id_field: str | None = None
+    label_field: str | None = None
+    pair_field: str | None = None
+    y_field: str = "y"
+
+    def columns(self) -> list[str]:
+        """The columns a CSV/TSV header or a Parquet file must have (a/b records)."""
+        return [self.x_field, self.y_a_field, self.y_b_field] + (
+            [self.label_field] if self.label_field else [])
+
+
+# The label values that name the better output of an a/b record, and that mark a grouped
+# record good or bad (text, as CSV gives them, is compared lower-cased).
+BETTER_A = ("a", 1, "1", "output_1")
+BETTER_B = ("b", 2, "2", "output_2")
+GOOD_LABELS = (True, 1, "1", "good", "better", "chosen", "true", "yes")
+BAD_LABELS = (False, 0, "0", "bad", "worse", "rejected", "false", "no")
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, str):
+        return v.strip().lower()
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _label_in(v: Any, values: tuple) -> bool:
+    v = _norm(v)
+    # True == 1 in Python: a bool matches only a bool
+    return any(v == w and isinstance(v, bool) == isinstance(w, bool) for w in values)
+
+
+def row_pair(row: dict, index: int, line: int, name: str, fields: PairFields,
+             fmt: str = "jsonl") -> PairRecord:
+    """The :class:`~icqs_fast.io.records.PairRecord` of one a/b row: x, y_a and y_b checked as
+    :func:`row_record` checks x and y, the label read as the better output.
+
+    Raises:
+        RecordError: what is wrong, naming the field.
+    """
+    a = row_record(row, index, line, name, RecordFields(
+        fields.x_field, fields.y_a_field, fields.id_field, fields.label_field), fmt)
+    b = row_record(row, index, line, name, RecordFields(fields.x_field, fields.y_b_field), fmt)
+    better = None
+    if fields.label_field is not None:
+        if _label_in(a.label, BETTER_A):
+            better = "a"
+        elif _label_in(a.label, BETTER_B):
+            better = "b"
+        else:
+            raise RecordError(name, line, fields.label_field, "the better output is a or b "
+                              f"(or 1 / 2), got {short_repr(a.label)}", index=index)
+    return PairRecord(index, line, a.x, a.y, b.y, a.id, better)
+
+
+def read_pairs(
+    path: PathLike,
+    fields: PairFields | None = None,
+    *,
+    format: str | None = None,
+    encoding: str = "utf-8",
+    skip: int = 0,
+    stop: int | None = None,
+    on_error: Callable[[RecordError], None] | str | None = None,
+    allow_empty: bool = True,
+) -> Iterator[PairRecord]:
+    """Stream the pairs of a file (the formats of :func:`read_records`, whose arguments these
+    are): one a/b record per pair, or (``fields.pair_field``) two consecutive records sharing
+    the pair field's value. A group of another size, or whose two records differ in x, is a
+    :class:`RecordError` naming the pair field (or x) at the line of the record that breaks
+    it; ``skip`` / ``stop`` count records of the file.
+
+    Yields:
+        :class:`~icqs_fast.io.records.PairRecord` s in file order (and
+        :class:`RecordError` s with ``on_error="yield"``).
+    """
+    fields = fields or PairFields()
+    fmt = detect_format(path, format)
+    name = display_name(path)
+    _check_source(path, fmt, name)
+    if isinstance(on_error, str) and on_error != "yield":
+        raise ValueError(f"on_error must be None, a callable or 'yield', got {on_error!r}")
+    src = _Source(path, fmt, name, encoding)
+    if fields.pair_field is None:
+        return _records(src, fields, (skip, stop), on_error, allow_empty, make=row_pair)
+    plain = _records(src, RecordFields(fields.x_field, fields.y_field, fields.pair_field,
+                                       fields.label_field), (skip, stop), "yield", allow_empty)
+    return _grouped(plain, name, fields, on_error)
+
+
+def _grouped(plain: Iterator[Any], name: str, fields: PairFields, on_error: Any
+             ) -> Iterator[Any]:
+    key = fields.pair_field
+
+    def bad(rec: Record, field: str | None, reason: str) -> RecordError:
+        return RecordError(name, rec.line, field, reason, index=rec.index)
+
+    def group_of_one(rec: Record) -> RecordError:
+        return bad(rec, key, f"pair {short_repr(rec.id)} has 1 record (a pair is 2 consecutive "
+                   f"records with the same {key})")
+
+    def pair_of(a: Record, b: Record) -> PairRecord | RecordError:
+        if a.x != b.x:
+            return bad(b, fields.x_field, f"pair {short_repr(a.id)}: not the x of its first "
+                       f"record (line {a.line})")
+        better = None
+        if fields.label_field is not None:
+            la, lb = (_label_in(r.label, GOOD_LABELS) - _label_in(r.label, BAD_LABELS)
+                      for r in (a, b))
+            if {la, lb} != {1, -1}:
+                return bad(b, fields.label_field, f"pair {short_repr(a.id)}: the labels "
+                           f"{short_repr(a.label)} and {short_repr(b.label)} do not mark one "
+                           "output good and the other bad")
+            better = "a" if la == 1 else "b"
+        return PairRecord(a.index, a.line, a.x, a.y, b.y, a.id, better)
+
+    def items() -> Iterator[Any]:
+        pending: Record | None = None
+        closed: Any = object()  # the key of the last complete pair: a third record is bad
+        for rec in plain:
+            if isinstance(rec, RecordError):
+                if pending is not None:
+                    yield group_of_one(pending)
+                    pending = None
+                yield rec
+                continue
+            if pending is not None:
+                if rec.id == pending.id:
+                    yield pair_of(pending, rec)
+                    closed, pending = rec.id, None
+                    continue
+                yield group_of_one(pending)
+                pending = None
+            if rec.id == closed:
+                yield bad(rec, key, f"pair {short_repr(rec.id)} has a third record (a pair is "
+                          f"2 consecutive records with the same {key})")
+                continue
+            pending = rec
+        if pending is not None:
+            yield group_of_one(pending)
+
+    for item in items():
+        if isinstance(item, RecordError):
+            if on_error is None:
+                raise item
+            if on_error != "yield":
+                on_error(item)
+                continue
+        yield item
+
+
+def read_pool_pairs(path: PathLike, fields: PairFields | None = None, *,
+                    format: str | None = None, encoding: str = "utf-8"
+                    ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(good, bad)`` demonstration pools given as pairs (``--good-bad-pairs``): per pair
+    ``(x, better)`` into good and ``(x, worse)`` into bad; the better output is the label's
+    (``fields.label_field``), else a.
+
+    Raises:
+        InputError: a bad pair (file, line, field), or a file without pairs.
+    """
+    good, bad = [], []
+    for p in read_pairs(path, fields, format=format, encoding=encoding, allow_empty=False):
+        better, worse = (p.y_a, p.y_b) if p.label in (None, "a") else (p.y_b, p.y_a)
+        good.append((p.x, better))
+        bad.append((p.x, worse))
+    return good, bad
 
 
 def read_rows(path: PathLike, *, fields: Iterable[str] = (), optional: Iterable[str] = (),

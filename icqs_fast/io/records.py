@@ -95,6 +95,27 @@ class Record:
     label: Any = None
 
 
+@dataclass
+class PairRecord:
+    """One pair read from a file (``score --pairs``): an instruction and two outputs.
+
+    Attributes:
+        index, line: those of the pair's record (grouped by ``--pair-field``: of its first
+            record, output a).
+        x, y_a, y_b: the instruction and its two outputs.
+        id: the record's id (grouped: the pair field's value).
+        label: the better output by the label field, ``"a"`` or ``"b"`` (None without one).
+    """
+
+    index: int
+    line: int
+    x: str
+    y_a: str
+    y_b: str
+    id: Any = None
+    label: Any = None
+
+
 def detect_format(path: PathLike, format: str | None = None) -> str:
     """``format`` if given, else from the extension (``.jsonl``/``.ndjson``/``.csv``/``.tsv``,
     optionally followed by ``.gz``; ``.parquet``/``.pq``), or ``"datasets"`` for a folder

@@ -28,9 +28,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ResultField", "ICQS_FIELDS", "FEATURE_FIELDS", "ERROR_FIELD", "icqs_row", "result_row",
-           "features_row", "arrow_schema", "table_row", "rows_table", "column_arrays",
-           "fill_columns", "markdown_table", "text_value"]
+__all__ = ["ResultField", "ICQS_FIELDS", "FEATURE_FIELDS", "PAIR_FIELDS", "ERROR_FIELD",
+           "icqs_row", "result_row", "features_row", "pair_row", "arrow_schema", "table_row",
+           "rows_table", "column_arrays", "fill_columns", "markdown_table", "text_value"]
 
 # Element types: the Python type of a JSON value and its Arrow / numpy counterparts.
 _TYPES = ("int", "float", "bool", "text")
@@ -141,6 +141,9 @@ FEATURE_FIELDS: tuple[ResultField, ...] = (
 
 # One judged pair (icqs_fast.engine.pairs.PairResult): an instruction and its two outputs.
 PAIR_FIELDS: tuple[ResultField, ...] = (
+    *_RECORD,
+    _R("label", "text", meaning="the better output by `--label-field`, `a` or `b`",
+       when="`--label-field` given", source="record"),
     _R("score_a", "float", meaning="ICQS score of output a"),
     _R("score_b", "float", meaning="ICQS score of output b"),
     _R("preferred", "text", meaning="`a`, `b`, or `tie` when the margin is within the tie "
@@ -235,10 +238,13 @@ def features_row(rec: Any, row: dict[str, Any], features: Sequence[str]) -> dict
     return _row(FEATURE_FIELDS, rec, row, with_label=False, features=features)
 
 
-def pair_row(res: Any) -> dict[str, Any]:
-    """The JSON object of one judged pair: the :data:`PAIR_FIELDS` of ``res`` (a
-    ``PairResult``), in declaration order, absent ones left out."""
-    return _row(PAIR_FIELDS, None, res, with_label=False)
+def pair_row(res: Any, rec: Any = None, *, with_label: bool = False) -> dict[str, Any]:
+    """The JSON object of one judged pair: the :data:`PAIR_FIELDS` of ``rec`` (a
+    :class:`~icqs_fast.io.records.PairRecord`: index, line, id, label; None: only the
+    result's) and ``res`` (a ``PairResult``), in declaration order, absent ones left out."""
+    fields = PAIR_FIELDS if rec is not None else [f for f in PAIR_FIELDS
+                                                  if f.source == "result"]
+    return _row(fields, rec, res, with_label=with_label)
 
 
 # --------------------------------------------------------------------------- tables
@@ -266,14 +272,15 @@ def _expand(fields: Sequence[ResultField], features: Sequence[str]) -> list[Resu
 
 
 def arrow_schema(kind: str = "icqs", features: Sequence[str] = ()) -> Any:
-    """The one ``pyarrow.Schema`` of a results table of ``kind`` (``"icqs"`` or
+    """The one ``pyarrow.Schema`` of a results table of ``kind`` (``"icqs"``, ``"pairs"`` or
     ``"features"``, with the feature names in order): every declared field (absent values
     null), 2-D fields as nested lists, ``id`` / ``label`` as text, and ``error`` last (a
     skipped bad record's row). Local ``-o X.parquet`` and ``--ray`` Parquet blocks of one job
     have exactly this schema."""
     import pyarrow as pa
 
-    fields = _expand(ICQS_FIELDS if kind == "icqs" else FEATURE_FIELDS, features)
+    fields = _expand({"icqs": ICQS_FIELDS, "pairs": PAIR_FIELDS}.get(kind, FEATURE_FIELDS),
+                     features)
     return pa.schema([pa.field(f.name, _arrow_type(f)) for f in [*fields, ERROR_FIELD]])
 
 
@@ -327,7 +334,7 @@ def fill_columns(cols: dict[str, Any], i: int, row: dict[str, Any]) -> None:
 def markdown_table(kind: str = "icqs") -> str:
     """The field table of docs/scoring_files.md: ``| field | type | present | meaning |``
     (``kind``: ``"icqs"``, ``"features"`` or ``"pairs"``)."""
-    fields = ([*PAIR_FIELDS] if kind == "pairs" else
+    fields = ([*PAIR_FIELDS, ERROR_FIELD] if kind == "pairs" else
               [*(ICQS_FIELDS if kind == "icqs" else FEATURE_FIELDS), ERROR_FIELD])
     lines = ["| field | type | present | meaning |", "|---|---|---|---|"]
     for f in fields:

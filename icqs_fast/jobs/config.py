@@ -150,6 +150,25 @@ class SelfCheckOptions:
         return {d.name: getattr(self, d.name) for d in declared(self)}
 
 
+@dataclass(frozen=True)
+class PairOptions:
+    """``score --pairs``: how the input's records make pairs (an instruction and two outputs;
+    :class:`~icqs_fast.io.readers.PairFields`) and when two scores tie. The output fields also
+    read a ``--good-bad-pairs`` file."""
+
+    y_a_field: str = option("y_a", help="field with output a of a pair")
+    y_b_field: str = option("y_b", help="field with output b of a pair")
+    pair_field: str | None = option(None, kind="str", help="instead of a/b records: two "
+                                    "consecutive records (--x-field, --y-field) with the same "
+                                    "value of this field are a pair, a then b; their "
+                                    "--label-field marks one good and one bad")
+    tie_margin: float = option(0.0, ge=0, help="scores of a pair this close or closer are a "
+                               "tie (preferred 'tie')")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+
+
 @dataclass(kw_only=True)
 class JobConfig:
     """What ``score`` and ``features`` share: input, output, fields, errors, resume, model.
@@ -283,21 +302,46 @@ class ScoreJobConfig(JobConfig):
     self-check's options (``max_heldout=0``: off).
     """
 
-    good: str = option(kind="str", metavar="FILE", help="good demonstrations: JSONL/CSV/TSV "
+    # None only with good_bad_pairs (which then names both); __post_init__ checks it.
+    good: str = option(None, kind="str", nullable=False, metavar="FILE",
+                       help="good demonstrations: JSONL/CSV/TSV "
                        "(optionally .gz), Parquet or a datasets folder, with the --demo-x-field "
                        "/ --demo-y-field fields")
-    bad: str = option(kind="str", metavar="FILE", help="bad demonstrations (the same formats "
+    bad: str = option(None, kind="str", nullable=False, metavar="FILE",
+                      help="bad demonstrations (the same formats "
                       "and fields as --good)")
+    good_bad_pairs: str | None = option(None, kind="str", metavar="FILE", help="the pools as "
+                                        "pairs instead of --good / --bad: records with "
+                                        "--demo-x-field, --y-a-field and --y-b-field; the "
+                                        "better output (by --demo-label-field) goes to the "
+                                        "good pool, the other to the bad pool")
+    demo_label_field: str | None = option(None, kind="str", help="field of the "
+                                          "--good-bad-pairs file naming the better output, a "
+                                          "or b (or 1 / 2; none: --label-field; without "
+                                          "either, a is the better)")
     demo_x_field: str | None = option(None, kind="str", help="field with the input in the "
                                       "--good / --bad files (none: --x-field)")
     demo_y_field: str | None = option(None, kind="str", help="field with the answer in the "
                                       "--good / --bad files (none: --y-field)")
     scoring: ScoringSettings = field(default_factory=ScoringSettings)
     self_check: SelfCheckOptions = field(default_factory=SelfCheckOptions)
+    # None: one response per record; set: ``score --pairs`` (jobs.pairs.PairStrategy).
+    pairs: PairOptions | None = None
 
-    kind = "score"
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        """The job's strategy (jobs.runner.STRATEGIES): ``pairs`` with :attr:`pairs`."""
+        return "score" if self.pairs is None else "pairs"
 
     def __post_init__(self) -> None:
+        if self.good_bad_pairs is not None:
+            # (dataclasses.replace passes the good = bad = good_bad_pairs set here again)
+            if {self.good, self.bad} - {None, self.good_bad_pairs}:
+                raise ValueError("--good-bad-pairs gives both pools: leave out --good and "
+                                 "--bad")
+            self.good = self.bad = self.good_bad_pairs  # what the resume key hashes
+        elif self.good is None or self.bad is None:
+            raise ValueError("score needs --good and --bad (or --good-bad-pairs FILE)")
         super().__post_init__()
         self.demo_x_field = self.demo_x_field or self.x_field
         self.demo_y_field = self.demo_y_field or self.y_field
@@ -307,6 +351,26 @@ class ScoreJobConfig(JobConfig):
         if not isinstance(self.self_check, SelfCheckOptions):
             raise TypeError(f"ScoreJobConfig.self_check must be a SelfCheckOptions, got "
                             f"{type(self.self_check).__name__}")
+        if self.pairs is not None and not isinstance(self.pairs, PairOptions):
+            raise TypeError(f"ScoreJobConfig.pairs must be a PairOptions, got "
+                            f"{type(self.pairs).__name__}")
+
+    @property
+    def pair_options(self) -> PairOptions:
+        """The pair fields of the input (``--pairs``) and of a ``--good-bad-pairs`` file."""
+        return self.pairs or PairOptions()
+
+    def pair_fields(self, *, demos: bool = False) -> Any:
+        """The :class:`~icqs_fast.io.readers.PairFields` of the input (``demos``: of the
+        ``--good-bad-pairs`` file, whose x is ``--demo-x-field`` and which has no ids)."""
+        from icqs_fast.io.readers import PairFields
+
+        p = self.pair_options
+        return PairFields(self.demo_x_field if demos else self.x_field, p.y_a_field,
+                          p.y_b_field, None if demos else self.id_field,
+                          (self.demo_label_field or self.label_field) if demos
+                          else self.label_field,
+                          p.pair_field, self.demo_y_field if demos else self.y_field)
 
     @property
     def backend(self) -> str:
@@ -317,7 +381,17 @@ class ScoreJobConfig(JobConfig):
         super().check()
         for name in ("good", "bad"):
             if not os.path.isfile(getattr(self, name)):
-                raise FileNotFoundError(f"no such --{name} file: {getattr(self, name)}")
+                flag = "good-bad-pairs" if self.good_bad_pairs is not None else name
+                raise FileNotFoundError(f"no such --{flag} file: {getattr(self, name)}")
+        if self.pairs is not None:
+            # Not built yet for pairs: each would need its pair-aligned record ranges.
+            for on, flag in ((self.resume, "--resume"), (self.shard, "--shard"),
+                             (self.ray, "--ray")):
+                if on:
+                    raise ValueError(f"{flag} is not supported with --pairs yet (rerun the "
+                                     "whole file, with --overwrite over an earlier output)")
+            if self.pairs.pair_field is not None and self.id_field is not None:
+                raise ValueError("--pair-field is the pair's id: leave out --id-field")
 
     def resume_key(self) -> dict[str, Any]:
         """The model, the demonstration files' hashes, the scoring fingerprint
@@ -333,7 +407,17 @@ class ScoreJobConfig(JobConfig):
         if (self.demo_x_field, self.demo_y_field) != (self.x_field, self.y_field):
             # Only when they differ, so that outputs written before the option still resume.
             key.update(demo_x_field=self.demo_x_field, demo_y_field=self.demo_y_field)
+        if self.good_bad_pairs is not None:
+            key["good_bad_pairs"] = self.pair_fields_key() | {
+                "label_field": self.demo_label_field or self.label_field}
+        if self.pairs is not None:
+            key["pairs"] = self.pair_fields_key() | {"tie_margin": self.pairs.tie_margin}
         return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})
+
+    def pair_fields_key(self) -> dict[str, Any]:
+        """The pair fields, as the resume key holds them."""
+        p = self.pair_options
+        return {"y_a_field": p.y_a_field, "y_b_field": p.y_b_field, "pair_field": p.pair_field}
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of a ``score`` output written by an earlier version, in today's terms,

@@ -63,7 +63,13 @@ class JobSummary(Protocol):
 
 
 class JobStrategy(Protocol):
-    """What a job kind adds to the runner (built from its config: ``Strategy(config)``)."""
+    """What a job kind adds to the runner (built from its config: ``Strategy(config)``).
+
+    A kind whose records are not plain ones (``score --pairs``: jobs.pairs.PairStrategy) may
+    also have ``peek_input(config)`` (in place of :func:`peek_input`), ``read_input(**kw)``
+    (in place of :func:`~icqs_fast.io.readers.read_records`: :func:`input_records`),
+    ``records_per_result`` and ``unit`` (the progress bar's); the runner looks them up.
+    """
 
     desc: str  # progress bar label
     done_prefix: str  # the final summary line's prefix
@@ -103,6 +109,7 @@ class JobStrategy(Protocol):
 
 # The strategy of each job kind (``JobConfig.kind``), imported when a job of that kind runs.
 STRATEGIES = {"score": "icqs_fast.jobs.score:ScoreStrategy",
+              "pairs": "icqs_fast.jobs.pairs:PairStrategy",
               "features": "icqs_fast.jobs.features:FeatureStrategy"}
 
 
@@ -214,8 +221,10 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
     executor.check(config)
     log = log or stderr_log(config.quiet)
     check_run_paths(config.input, config.resume, config.overwrite, config.format)
-    peek_input(config)  # whole-file errors before anything is written or loaded
     strategy = strategy_for(config)
+    # Whole-file errors before anything is written or loaded (a strategy whose records are
+    # not plain ones, such as pairs, reads its own).
+    getattr(strategy, "peek_input", peek_input)(config)
     strategy.prepare(log)  # what needs no model (score: the demonstration sets)
     try:
         target = executor.target(config, log)
@@ -279,6 +288,18 @@ def peek_input(config: JobConfig) -> None:
         raise first
 
 
+def input_records(config: JobConfig, strategy: JobStrategy, **kw: Any
+                  ) -> Iterator[Record | RecordError]:
+    """The input's records as ``strategy`` computes them: its own reader when it has one
+    (``read_input``: pairs), else :func:`~icqs_fast.io.readers.read_records` of the config's
+    fields (``kw``: its skip, stop, on_error, allow_empty)."""
+    read = getattr(strategy, "read_input", None)
+    if read is not None:
+        return read(**kw)
+    return read_records(config.input, record_fields(config, labels=strategy.read_labels),
+                        format=config.format, encoding=config.encoding, **kw)
+
+
 def record_fields(config: JobConfig, *, labels: bool = True) -> RecordFields:
     """The record fields of ``config`` (its label field only with ``labels``)."""
     return RecordFields(config.x_field, config.y_field, config.id_field,
@@ -332,10 +353,8 @@ class LocalExecutor:
         # the last one on disk), and check that the output's last record still has its id.
         first = (start // strategy.align) * strategy.align
         resume_check = resume_check_needed(policy)
-        records: Iterable[Record | RecordError] = read_records(
-            config.input, record_fields(config, labels=strategy.read_labels),
-            format=config.format, encoding=config.encoding,
-            skip=min(first, start - 1) if resume_check else first, stop=stop,
+        records: Iterable[Record | RecordError] = input_records(
+            config, strategy, skip=min(first, start - 1) if resume_check else first, stop=stop,
             on_error="yield",  # strategy.results stops on an error if asked
             allow_empty=start > 0 or stop is not None,
         )
@@ -381,9 +400,11 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
     config, strategy, log = job.config, job.strategy, job.log
     out = job.policy.out
 
+    total //= getattr(strategy, "records_per_result", 1)  # e.g. two records make a pair
+
     def bar(results: Iterable) -> Iterable:
         return track(results, total=total if total >= 0 else None, desc=strategy.desc,
-                     unit="record", quiet=config.quiet)
+                     unit=getattr(strategy, "unit", "record"), quiet=config.quiet)
 
     with open_results(job.policy, schema=strategy.table_schema()) as writer:
         sink = ResultSink(writer, summary, skip=config.on_error == "skip", log=log)

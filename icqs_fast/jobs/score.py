@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.io.readers import read_examples
+from icqs_fast.io.readers import read_examples, read_pool_pairs
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
@@ -47,7 +47,7 @@ from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
 __all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
-           "score_records"]
+           "ordered_results", "score_records"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -108,32 +108,46 @@ def score_records(
     Without, every record before the first bad one (or before an :class:`InputError` the
     ``records`` iterator raises) is still scored and yielded, then the error is raised.
     """
+    return ordered_results(
+        records, lambda r: check_record(scorer, r, path=path, x_field=x_field, y_field=y_field),
+        lambda r: (r.x, r.y), scorer.score, on_error)
+
+
+def ordered_results(records: Iterable[Any], check: Callable[[Any], RecordError | None],
+                    item: Callable[[Any], Any], compute: Callable[[Iterable[Any]], Iterable[Any]],
+                    on_error: Callable[[RecordError], None] | None = None
+                    ) -> Iterator[tuple[Any, Any]]:
+    """The loop of :func:`score_records` for any record kind: ``records`` (and
+    :class:`RecordError` s in their place) checked by ``check`` (its error, or None), each good
+    one's ``item`` fed to ONE ``compute`` stream (a scorer's ``score``, or a pair judge), and
+    ``(record, result)`` yielded in input order, bad records passed to ``on_error`` in their
+    place or raised after the results before them (see :func:`score_records`)."""
     source = iter(records)
-    queue: deque[Record | RecordError] = deque()  # fed records and errors, in input order
+    queue: deque[Any] = deque()  # fed records and errors, in input order
     fatal: list[InputError] = []
 
-    def feed() -> Iterator[tuple[str, str]]:
+    def feed() -> Iterator[Any]:
         while not fatal:
             try:
-                item = next(source)
+                rec = next(source)
             except StopIteration:
                 return
             except InputError as exc:
                 fatal.append(exc)  # end the stream; what came before is still scored
                 return
-            if not isinstance(item, RecordError):
-                bad = check_record(scorer, item, path=path, x_field=x_field, y_field=y_field)
+            if not isinstance(rec, RecordError):
+                bad = check(rec)
                 if bad is None:
-                    queue.append(item)
-                    yield (item.x, item.y)
+                    queue.append(rec)
+                    yield item(rec)
                     continue
-                item = bad
+                rec = bad
             if on_error is None:
-                fatal.append(item)
+                fatal.append(rec)
                 return
-            queue.append(item)
+            queue.append(rec)
 
-    for res in scorer.score(feed()):
+    for res in compute(feed()):
         while isinstance(queue[0], RecordError):
             on_error(queue.popleft())
         yield queue.popleft(), res
@@ -240,9 +254,13 @@ class ScoreStrategy:
         from icqs_fast.engine.prompts import TooFewExamples, build_demo_sets
 
         c = self.config
-        ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
-        self.good = read_examples(c.good, **ex_kw)
-        self.bad = read_examples(c.bad, **ex_kw)
+        if c.good_bad_pairs is not None:
+            self.good, self.bad = read_pool_pairs(c.good_bad_pairs, c.pair_fields(demos=True),
+                                                  encoding=c.encoding)
+        else:
+            ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
+            self.good = read_examples(c.good, **ex_kw)
+            self.bad = read_examples(c.bad, **ex_kw)
         self.settings = c.scoring  # built once by the command, used unchanged
         try:
             self.sets = build_demo_sets(self.good, self.bad,
