@@ -189,3 +189,27 @@ def test_server_echo_logprobs_equal_a_plain_forward(gemma):
         want = full[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         diff = (torch.tensor(got[1:], dtype=torch.float64) - want).abs().max()
         assert float(diff) <= TOL, float(diff)
+
+
+def test_echo_logprobs_are_the_same_bits_whatever_shares_the_forward(gemma):
+    """The invariance matrix's core cases on the real model whose window the prompts cross: a
+    700-token passage's echo log-probs alone, beside other prompts, and sharing its first 100
+    and 600 tokens with two of them (so its suffix continues a bank prefix past the window)
+    are the same bits."""
+    from icqs_fast.serve.logprobs import prompt_logprobs
+
+    model, tok = gemma
+    rng = np.random.default_rng(3)
+    ids = tok(_text(rng, 700))["input_ids"][:700]
+    assert len(ids) == 700 > WINDOW
+    other = tok(_text(rng, 200))["input_ids"]
+
+    def echo(prompts, at):
+        return torch.tensor(prompt_logprobs(model, prompts)[at].token_logprobs)
+
+    alone = echo([ids], 0)
+    cases = {"beside others": echo([other[:40], ids, other], 1),
+             "sharing 100 / 600 tokens": echo([ids[:100] + other[:20], ids,
+                                               ids[:600] + other[:30]], 1)}
+    for name, got in cases.items():
+        assert torch.equal(got, alone), (name, (got - alone).abs().max().item())
