@@ -243,3 +243,22 @@ def test_a_position_plan_moves_to_a_layer_device():
     moved = plan.on(torch.device("meta"))
     assert moved.q_pos.device.type == "meta" and moved.k_pos.device.type == "meta"
     assert plan.on(torch.device("meta")) is moved  # copied once
+
+
+def test_the_head_reads_states_on_its_own_device(monkeypatch):
+    """The last layer and the LM head of a split model may sit on different GPUs: head_stats
+    moves the states to the head's device (``meta`` here: the fused op sees one device)."""
+    from icqs_fast import ops
+    from icqs_fast.engine.capability import head_stats
+    from icqs_fast.engine.layout import HeadEpilogue
+
+    seen = {}
+
+    def fake(hidden, weight, targets, **kw):
+        seen.update(hidden=hidden.device, weight=weight.device, targets=targets.device)
+        return None
+
+    monkeypatch.setattr(ops, "linear_token_stats", fake)
+    head = torch.nn.Linear(4, 10, bias=False, device="meta")
+    head_stats(head, HeadEpilogue(), torch.zeros(3, 4), torch.tensor([1, 2, 3]), "torch")
+    assert {d.type for d in seen.values()} == {"meta"}, seen
