@@ -262,3 +262,28 @@ def test_the_head_reads_states_on_its_own_device(monkeypatch):
     head = torch.nn.Linear(4, 10, bias=False, device="meta")
     head_stats(head, HeadEpilogue(), torch.zeros(3, 4), torch.tensor([1, 2, 3]), "torch")
     assert {d.type for d in seen.values()} == {"meta"}, seen
+
+
+def test_the_memory_plan_counts_every_gpu_of_a_split_model(monkeypatch):
+    """Each layer's bank lives on its layer's device: 3 of 4 layers on a GPU with 30 GiB free
+    and 1 on one with 4 GiB allow a 16 GiB bank (4 * 4), not the first GPU's 30 GiB alone."""
+    from icqs_fast.engine import memory_plan
+
+    gib = 2**30
+    free = {"cuda:0": 30 * gib, "cuda:1": 4 * gib}
+    monkeypatch.setattr(memory_plan, "free_device_bytes", lambda d: free.get(str(d)))
+    devs = [torch.device(d) for d in ("cuda:0", "cuda:0", "cuda:0", "cuda:1")]
+    monkeypatch.setattr(memory_plan, "layer_devices", lambda model: devs)
+    assert memory_plan.model_free_bytes(object()) == 16 * gib
+    free["cuda:1"] = 40 * gib
+    assert memory_plan.model_free_bytes(object()) == 40 * gib  # cuda:0: 30 * 4 / 3
+    devs[:] = devs[:1]
+    assert memory_plan.model_free_bytes(object()) == 30 * gib  # one device: its own
+
+
+def test_layer_devices_reads_each_layer(tiny_llama_dir):
+    from icqs_fast.engine.memory_plan import layer_devices, model_free_bytes
+
+    model, _ = models.load_model(tiny_llama_dir(), dtype="float32", device="cpu")
+    assert [d.type for d in layer_devices(model)] == ["cpu"] * model.config.num_hidden_layers
+    assert model_free_bytes(model) is None  # the CPU: no free-memory reading
