@@ -287,3 +287,16 @@ def test_layer_devices_reads_each_layer(tiny_llama_dir):
     model, _ = models.load_model(tiny_llama_dir(), dtype="float32", device="cpu")
     assert [d.type for d in layer_devices(model)] == ["cpu"] * model.config.num_hidden_layers
     assert model_free_bytes(model) is None  # the CPU: no free-memory reading
+
+
+def test_a_ray_model_spec_carries_it(monkeypatch):
+    from icqs_fast.jobs.ray_actors import ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device-map auto spreads the model over CUDA"):
+        ModelSpec(device_map="auto").load()
+    seen = {}
+    monkeypatch.setattr(models, "check_device_map", lambda *a, **k: None)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: seen.update(kw))
+    ModelSpec(device_map="auto", device="cuda").load()
+    assert seen["device_map"] == "auto"
