@@ -67,12 +67,13 @@ def test_without_cuda_the_flag_exits_2_naming_cuda(tmp_path, monkeypatch):
     assert not out.exists()  # refused before any output is touched
 
 
-def test_load_model_refuses_without_cuda(tiny_llama_dir, monkeypatch):
+def test_load_model_refuses_without_cuda(tmp_path, monkeypatch):
+    """Before any file is read (the folder does not even exist)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device-map auto spreads the model over CUDA"):
-        models.load_model(tiny_llama_dir(), device_map="auto")
+        models.load_model(tmp_path / "none", device_map="auto")
     with pytest.raises(ValueError, match="device_map must be one of none, auto"):
-        models.load_model(tiny_llama_dir(), device_map="balanced")
+        models.load_model(tmp_path / "none", device="cuda", device_map="balanced")
 
 
 def test_the_flag_reaches_load_model_from_every_command(tmp_path, monkeypatch):
