@@ -301,3 +301,45 @@ def test_a_ray_model_spec_carries_it(monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: seen.update(kw))
     ModelSpec(device_map="auto", device="cuda").load()
     assert seen["device_map"] == "auto"
+
+
+def _meta_hook(module, args, kwargs):
+    """Moves a layer's inputs to ``meta``, as accelerate's hooks move them to a layer's GPU."""
+    def mv(t):
+        if isinstance(t, torch.Tensor):
+            return t.to("meta")
+        return tuple(mv(x) for x in t) if isinstance(t, tuple) else t
+
+    return tuple(mv(a) for a in args), {k: mv(v) for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_a_split_tiny_llama_runs_the_bank_and_both_suffix_paths(monkeypatch, cascade):
+    """A tiny Llama with layer 0 on the CPU and layer 1 (and the final norm) on ``meta``: the
+    bank's trie forward (two prefixes sharing three tokens: a continued past), its states per
+    layer device, and the cascade / KV-copy suffix forwards. Before, the trie's and gather's
+    index was built on the first device and the cascade plan's on layer 0's."""
+    from _helpers import tiny_llama
+
+    whole, _ = tiny_llama(device="cpu")  # seeded: the same weights as the split one
+    ref = PrefixBank(whole, 0, 4096)
+    ref.add([[1, 2, 3, 4, 5], [1, 2, 3, 9]])
+    _strict_index_select(monkeypatch)
+    model, _ = tiny_llama(device="cpu")
+    body = model.model
+    body.layers[1].to("meta")
+    body.norm.to("meta")
+    body.layers[1].register_forward_pre_hook(_meta_hook, with_kwargs=True)
+    bank = PrefixBank(model, 0, 4096)
+    assert bank.add([[1, 2, 3, 4, 5], [1, 2, 3, 9]]) == [0, 1]
+    assert [k.device.type for k in bank.keys] == ["cpu", "meta"]
+    assert [v.device.type for v in bank.values] == ["cpu", "meta"]
+    # Layer 0's states (the continued past included) are those of the whole model's bank.
+    torch.testing.assert_close(bank.keys[0], ref.keys[0], rtol=0, atol=0)
+    torch.testing.assert_close(bank.values[0], ref.values[0], rtol=0, atol=0)
+    from icqs_fast.engine.batching import suffix_hidden
+
+    hidden, mask = suffix_hidden(model, bank, [0, 1, 1], [[7, 8], [9], [4, 4, 4]], 0,
+                                 cascade=cascade)
+    assert hidden.shape == (3, 3, 64) and hidden.device.type == "meta"
+    assert mask.device == hidden.device and mask.shape == (3, 3)
