@@ -42,7 +42,9 @@ from icqs_fast.model_files import (  # noqa: F401
     packaged_status,
     resolve_model,
 )
-from icqs_fast.options import QUANTIZATIONS  # bitsandbytes' LLM.int8 or 4-bit NF4 layers
+
+# bitsandbytes' LLM.int8 or 4-bit NF4 layers; --device-map's names.
+from icqs_fast.options import DEVICE_MAPS, QUANTIZATIONS
 
 # Entries of oneDNN's primitive cache and of ideep's computation cache (their environment
 # variables; 1024 each by default). bf16-mixed and bf16 run every linear through oneDNN, and
@@ -326,6 +328,34 @@ def quantization_kwargs(quantization: str, device: str | torch.device = "auto"
     return {"load_in_8bit": quantization == "int8", "load_in_4bit": quantization == "nf4"}
 
 
+def device_map_kwargs(device_map: str, device: str | torch.device = "auto") -> dict[str, str]:
+    """:func:`load_model`'s ``device_map`` for a ``--device-map`` name (``{}`` for ``none``).
+
+    Raises:
+        ValueError: an unknown name, or ``auto`` without a CUDA device (:func:`check_device_map`).
+    """
+    if device_map not in DEVICE_MAPS:
+        raise ValueError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got "
+                         f"{device_map!r}")
+    if device_map == "none":
+        return {}
+    check_device_map(device_map, device)
+    return {"device_map": device_map}
+
+
+def check_device_map(device_map: str, device: str | torch.device = "auto") -> None:
+    """``device_map="auto"`` spreads a model over GPUs: without CUDA it is refused (on the CPU
+    accelerate would put every layer on the one CPU device, or offload them to disk).
+
+    Raises:
+        ValueError: ``device`` does not resolve to CUDA (the message names CUDA).
+    """
+    dev = _resolve_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"--device-map {device_map} spreads the model over CUDA GPUs; this "
+                         f"run's device is {dev} (drop the flag to run on one device)")
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
@@ -334,6 +364,7 @@ def load_model(
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
     attn_implementation: str | None = None,
+    device_map: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -349,6 +380,10 @@ def load_model(
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ...
         load_in_8bit, load_in_4bit: quantise the linear layers with bitsandbytes.
         attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the model default if None.
+        device_map: ``"auto"``: transformers' ``device_map="auto"`` (accelerate) spreads the
+            layers over every visible GPU, for a model larger than one; the model is not moved
+            afterwards. Needs CUDA (:func:`check_device_map`). None / ``"none"``: all on
+            ``device``.
 
     Returns:
         ``(model, tokenizer)``; the tokenizer has a pad token.
@@ -363,6 +398,12 @@ def load_model(
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose at most one of load_in_8bit and load_in_4bit")
     dev = _resolve_device(device)
+    split = device_map not in (None, "none")
+    if split:
+        if device_map not in DEVICE_MAPS:
+            raise ValueError(f"device_map must be one of {', '.join(DEVICE_MAPS)}, got "
+                             f"{device_map!r}")
+        check_device_map(device_map, dev)  # before any file is read
     choice = dtype if isinstance(dtype, DtypeChoice) else choose_dtype(dtype, dev)
     dt = choice.dtype
     if choice.mixed and (load_in_8bit or load_in_4bit):
@@ -397,6 +438,8 @@ def load_model(
             bnb_4bit_compute_dtype=dt if dt != torch.float32 else torch.float32,
         )
         kwargs["device_map"] = {"": dev.index if dev.type == "cuda" and dev.index else str(dev)}
+    if split:
+        kwargs["device_map"] = device_map  # accelerate places each layer; no .to() after
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -405,7 +448,7 @@ def load_model(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(label, f"not found in local files (no network access is used): "
                              f"{first}") from exc
-    if not (load_in_8bit or load_in_4bit):
+    if not (load_in_8bit or load_in_4bit or split):
         model = model.to(dev)
     model.eval()
     if tok.pad_token_id is None:

@@ -29,6 +29,9 @@ KINDS = ("int", "float", "bool", "str", "strs", "any")
 # quantization_kwargs, serve, eval and the lm-eval adapter take the same names). Here, not in
 # models.py, because `--help` must not import torch.
 QUANTIZATIONS = ("none", "int8", "nf4")
+# --device-map's names (declared in jobs/config.py JobConfig, like --quantization): "auto"
+# spreads the layers over every visible GPU (transformers' device_map="auto", accelerate).
+DEVICE_MAPS = ("none", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +265,7 @@ def metavar(d: Declared) -> str:
     return {"int": "N", "float": "X", "strs": "TEXT"}.get(d.option.kind, "TEXT")
 
 
-__all__ = ["OPTION_KEY", "QUANTIZATIONS", "Declared", "Option", "bounds_text", "check_declared",
+__all__ = ["DEVICE_MAPS", "OPTION_KEY", "QUANTIZATIONS",
+           "Declared", "Option", "bounds_text", "check_declared",
            "check_value", "declaration", "declared", "default_text", "metavar", "option",
            "options_table"]

@@ -25,6 +25,7 @@ from typing import Any
 from icqs_fast.cli.options import (
     MODEL_HELP,
     add_calibration_arguments,
+    add_device_map_argument,
     add_dtype_argument,
     add_quantization_argument,
 )
@@ -83,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     add_dtype_argument(p)
     add_quantization_argument(p)
+    add_device_map_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
     p.add_argument("--stability", default=None, metavar="CONFIG",
@@ -143,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
 
     from icqs_fast.evals import study
     from icqs_fast.evals.study_kinds import study_of
-    from icqs_fast.models import load_model, quantization_kwargs
+    from icqs_fast.models import device_map_kwargs, load_model, quantization_kwargs
 
     quant = quantization_kwargs(args.quantization)  # before any data or model is read
+    quant.update(device_map_kwargs(args.device_map))
 
     ds, kind = study_of(args.subcommand)
     if args.pool_json:

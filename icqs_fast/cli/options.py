@@ -143,7 +143,7 @@ def add_scoring_arguments(p: argparse.ArgumentParser, *, record_fields: bool = F
 
 # The ScoreJobConfig fields add_scoring_arguments adds (the input's are add_job_arguments').
 DEMO_OPTIONS = ("good", "bad", "demo_x_field", "demo_y_field", "encoding")
-MODEL_OPTIONS = ("model", "device", "quantization")
+MODEL_OPTIONS = ("model", "device", "quantization", "device_map")
 
 
 def scoring_settings(args: argparse.Namespace, config: Any) -> Any:
@@ -243,6 +243,14 @@ def add_quantization_argument(p: argparse.ArgumentParser) -> None:
     from icqs_fast.jobs.config import JobConfig
 
     add_declared(p, JobConfig, names=("quantization",))
+
+
+def add_device_map_argument(p: argparse.ArgumentParser) -> None:
+    """``--device-map``, declared once (:class:`~icqs_fast.jobs.config.JobConfig`), for the
+    commands that load a model outside a job (``serve``, ``eval``)."""
+    from icqs_fast.jobs.config import JobConfig
+
+    add_declared(p, JobConfig, names=("device_map",))
 
 
 def add_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:

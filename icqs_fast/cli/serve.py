@@ -12,7 +12,12 @@ import os
 import sys
 from typing import Any
 
-from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument, add_quantization_argument
+from icqs_fast.cli.options import (
+    MODEL_HELP,
+    add_device_map_argument,
+    add_dtype_argument,
+    add_quantization_argument,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_argument(p)
     add_quantization_argument(p)
+    add_device_map_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs --api-key)")
@@ -93,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
     check_bind(args.host, cfg.api_key)
     if (args.good is None) != (args.bad is None):
         raise ValueError("give both --good and --bad, or neither")
-    from icqs_fast.models import load_model, quantization_kwargs
+    from icqs_fast.models import device_map_kwargs, load_model, quantization_kwargs
 
     quant = quantization_kwargs(args.quantization, args.device)
+    quant.update(device_map_kwargs(args.device_map, args.device))  # a split model: CUDA too
     if args.quiet:  # quiet means only errors, transformers' output too (and the GGUF convert)
         from icqs_fast.progress import quiet_transformers
 

@@ -122,6 +122,7 @@ class ICQSFastLM(TemplateLM):
         deterministic: bool | str = False,
         threads: int | None = None,
         quantization: str = "none",
+        device_map: str = "none",
     ) -> None:
         super().__init__()
         if model is None or threads is not None:
@@ -137,12 +138,14 @@ class ICQSFastLM(TemplateLM):
                           "CPU", stacklevel=2)
             device = "cpu"
         if model is None:
-            from icqs_fast.models import load_model, quantization_kwargs
+            from icqs_fast.models import device_map_kwargs, load_model, quantization_kwargs
 
             name = None if pretrained in (None, "", "embedded") else pretrained
             model, tokenizer = load_model(name, dtype=dtype, device=device or "auto",
                                           **quantization_kwargs(str(quantization),
-                                                                device or "auto"))
+                                                                device or "auto"),
+                                          **device_map_kwargs(str(device_map),
+                                                              device or "auto"))
         elif device not in (None, "auto"):
             model = model.to(device)
         if isinstance(tokenizer, str):

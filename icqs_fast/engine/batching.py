@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from icqs_fast.engine.layout import LayerAttention
+from icqs_fast.engine.layout import DeviceCopies, LayerAttention
 
 # Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
 # prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
@@ -202,8 +202,10 @@ class PrefixBank:
             pos[i] = d + torch.arange(t_max)
         past = None
         if d_max > 0:
-            src = torch.tensor([build.first + rows[0] for _, _, rows in edges], device=dev)
-            past = [(k[:, :, :d_max].index_select(0, src), v[:, :, :d_max].index_select(0, src))
+            # On each layer's device (a split model's layers live on several).
+            src = DeviceCopies(torch.tensor([build.first + rows[0] for _, _, rows in edges]))
+            past = [(k[:, :, :d_max].index_select(0, src.on(k.device)),
+                     v[:, :, :d_max].index_select(0, src.on(v.device)))
                     for k, v in zip(build.keys, build.values, strict=True)]
         targets = [([build.first + r for r in rows], d, e - d) for d, e, rows in edges]
         self.forward_tokens += n * t_max
@@ -232,11 +234,13 @@ class PrefixBank:
             ``kv``: per layer (keys, values), each ``[R, H_kv, P, D]``; ``prefix_mask``:
             ``[R, P]`` int64, 1 on real prefix slots; ``lengths``: ``[R]`` int64.
         """
-        dev = self.keys[0].device
-        idx = torch.tensor(list(entries), dtype=torch.long, device=dev)
+        # The index on each layer's device: a model split over GPUs (--device-map auto) keeps
+        # each layer's keys/values on that layer's device.
+        idx = DeviceCopies(torch.tensor(list(entries), dtype=torch.long))
         lens = torch.tensor([self.lengths[e] for e in entries], dtype=torch.long)
         p = int(lens.max())
-        kv = [(k.index_select(0, idx)[:, :, :p], v.index_select(0, idx)[:, :, :p])
+        kv = [(k.index_select(0, idx.on(k.device))[:, :, :p],
+               v.index_select(0, idx.on(v.device))[:, :, :p])
               for k, v in zip(self.keys, self.values, strict=True)]
         mask = (torch.arange(p)[None, :] < lens[:, None]).long()
         return kv, mask, lens
@@ -431,7 +435,8 @@ def suffix_hidden(
         input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
         **cache_kwarg(body, cache), use_cache=True)
     if not bank.positional:
-        return last_hidden(run()), smask.bool().to(dev)
+        hidden = last_hidden(run())
+        return hidden, smask.bool().to(hidden.device)  # a split model's last layer's device
     from icqs_fast.engine.cascade import PositionPlan, position_plan
 
     # Key slots: the padded prefix (slot j real when j < length), then the suffix at length + t.
@@ -439,7 +444,8 @@ def suffix_hidden(
     slot = torch.arange(p)
     k_pos = torch.cat([torch.where(slot[None, :] < lens[:, None], slot[None, :], -1), pos], 1)
     with position_plan(model, PositionPlan(pos.to(dev), k_pos.to(dev), bank.layers)):
-        return last_hidden(run()), smask.bool().to(dev)
+        hidden = last_hidden(run())
+    return hidden, smask.bool().to(hidden.device)
 
 
 def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
@@ -480,9 +486,9 @@ def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
     if not ordered:
         inv = torch.empty(r, dtype=torch.long)
         inv[torch.tensor(order)] = torch.arange(r)
-        hidden = hidden.index_select(0, inv.to(dev))
+        hidden = hidden.index_select(0, inv.to(hidden.device))
         smask = smask[inv]
-    return hidden, smask.to(dev)
+    return hidden, smask.to(hidden.device)  # a split model: its last layer's device
 
 
 @torch.no_grad()

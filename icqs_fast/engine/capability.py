@@ -211,8 +211,11 @@ def head_stats(head: Any, epilogue: HeadEpilogue, hidden: torch.Tensor, targets:
     if is_bf16_mixed(head):
         # A bf16-valued head: exact products where they are faster (AMX), fp32 ones elsewhere.
         kw["products"] = exact_bf16_products()
+    w = dense_head_weight(head)
+    if hidden.device != w.device:  # a split model (--device-map auto): the head's own device
+        hidden, targets = hidden.to(w.device), targets.to(w.device)
     with bf16_matmuls() if is_bf16_mixed(head) else contextlib.nullcontext():
-        return ops.linear_token_stats(hidden, dense_head_weight(head), targets,
+        return ops.linear_token_stats(hidden, w, targets,
                                       bias=getattr(head, "bias", None), backend=backend, **kw)
 
 

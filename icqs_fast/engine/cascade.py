@@ -54,7 +54,7 @@ import torch
 
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
-from icqs_fast.engine.layout import LayerAttention
+from icqs_fast.engine.layout import DeviceCopies, LayerAttention
 from icqs_fast.models import uses_bf16_products
 
 IMPL_NAME = "icqs_cascade"
@@ -93,14 +93,15 @@ class CascadePlan:
 
     def __post_init__(self) -> None:
         self.uniform = len(set(self.counts)) == 1
-        dev = self.keys[0].device
-        self._idx = torch.tensor(self.entries, dtype=torch.long, device=dev)
+        # The entries' index, copied once to each layer's device: a model split over GPUs
+        # (``--device-map auto``) keeps each layer's bank states on that layer's device.
+        self._idx = DeviceCopies(torch.tensor(self.entries, dtype=torch.long))
         # Contiguous run of bank entries: a plain slice view, no copy at all.
         e0 = self.entries[0]
         self._slice = self.entries == list(range(e0, e0 + len(self.entries)))
         self.p_max = max(self.lengths)
-        self._mask: Mask | None = None
-        self._key_ok: torch.Tensor | None = None
+        self._mask: dict[str, Mask] = {}  # per device (a split model's layers)
+        self._key_ok: dict[str, torch.Tensor] = {}
         self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._expanded: dict[tuple, Mask] = {}
         self._positions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -118,32 +119,38 @@ class CascadePlan:
             e0 = self.entries[0]
             sl = slice(e0, e0 + len(self.entries))
             return k[sl, :, : self.p_max], v[sl, :, : self.p_max]
-        return (k.index_select(0, self._idx)[:, :, : self.p_max],
-                v.index_select(0, self._idx)[:, :, : self.p_max])
+        idx = self._idx.on(k.device)
+        return (k.index_select(0, idx)[:, :, : self.p_max],
+                v.index_select(0, self._idx.on(v.device))[:, :, : self.p_max])
 
     def prefix_allow(self, device: torch.device) -> Mask | None:
         """Key mask ``[G, 1, 1, P_max]`` (False on padded slots), None if no padding."""
         if all(p == self.p_max for p in self.lengths):
             return None
-        if self._mask is None:
+        m = self._mask.get(str(device))
+        if m is None:
             lens = torch.tensor(self.lengths, device=device)
             ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
-            self._mask = Mask(ok[:, None, None, :])
-        return self._mask
+            m = self._mask[str(device)] = Mask(ok[:, None, None, :])
+        return m
 
     def prefix_key_ok(self, device: torch.device) -> torch.Tensor | None:
         """Key mask ``[G, P_max]`` bool (False on padded slots) for the fused path, None if no
         padding."""
         if all(p == self.p_max for p in self.lengths):
             return None
-        if self._key_ok is None:
+        ok = self._key_ok.get(str(device))
+        if ok is None:
             lens = torch.tensor(self.lengths, device=device)
-            self._key_ok = torch.arange(self.p_max, device=device)[None, :] < lens[:, None]
-        return self._key_ok
+            ok = self._key_ok[str(device)] = (torch.arange(self.p_max, device=device)[None, :]
+                                              < lens[:, None])
+        return ok
 
-    def expanded(self, key: tuple, build: Any) -> Mask:
-        """The :class:`Mask` of ``key``, built once per plan (one suffix forward): every layer of
-        the same kind reuses it instead of expanding and converting it again."""
+    def expanded(self, key: tuple, build: Any, device: torch.device | None = None) -> Mask:
+        """The :class:`Mask` of ``key``, built once per plan (one suffix forward) and device:
+        every layer of the same kind on that device reuses it instead of expanding and
+        converting it again."""
+        key = (*key, str(device))
         m = self._expanded.get(key)
         if m is None:
             m = self._expanded[key] = Mask(build())
@@ -438,7 +445,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 allow = plan.expanded(("pre", la.kind, la.window, la.chunk, s, n * group),
                                       lambda: pre_m[:, :, None].expand(
                                           g_n, 1, n * group, s, plan.p_max).reshape(
-                                          g_n, 1, n * group * s, plan.p_max))
+                                          g_n, 1, n * group * s, plan.p_max), dev)
             o1, l1 = attn_lse(qg, kp, vp, allow, scale, softcap)
         # -> row layout [R, S, Hk, group, Dv] / [R, S, Hk, group]
         o1 = o1.view(g_n, hk, n, group, s, dv).permute(0, 2, 4, 1, 3, 5).reshape(
@@ -463,7 +470,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                     allow = plan.expanded(
                         ("pre", gi, la.kind, la.window, la.chunk, s, n * group),
                         lambda gi=gi, n=n, p=p: pre_m[gi:gi + 1, :, None, :, :p].expand(
-                            1, 1, n * group, s, p).reshape(1, 1, n * group * s, p))
+                            1, 1, n * group, s, p).reshape(1, 1, n * group * s, p), dev)
                 og, lg = attn_lse(qg, kg, vg, allow, scale, softcap)
             o1[r0:r0 + n] = og.view(hk, n, group, s, dv).permute(1, 3, 0, 2, 4)
             l1[r0:r0 + n] = lg.view(hk, n, group, s).permute(1, 3, 0, 2)
@@ -489,7 +496,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 m = suf_m.index_select(0, rows_g)[:, :, None].expand(r, 1, group, s, s)
                 return m.reshape(r, 1, group * s, s)
 
-            allow = plan.expanded(("suf", la.kind, la.window, la.chunk, s, group), build)
+            allow = plan.expanded(("suf", la.kind, la.window, la.chunk, s, group), build,
+                                  dev)
         o2, l2 = attn_lse(q2, key.contiguous(), value.contiguous(), allow, scale, softcap)
         o2 = o2.view(r, hk, group, s, dv).permute(0, 3, 1, 2, 4)
         l2 = l2.view(r, hk, group, s).permute(0, 3, 1, 2)
@@ -610,6 +618,19 @@ class PositionPlan:
     def __post_init__(self) -> None:
         self._allow: dict[tuple, Mask] = {}
         self._compact: tuple[torch.Tensor, torch.Tensor, int] | None | bool = False
+        self._copies: dict[str, PositionPlan] = {}
+
+    def on(self, device: torch.device) -> PositionPlan:
+        """This plan with its positions on ``device``: itself when they are there, else a copy
+        made once (with its own masks). A model split over GPUs (``--device-map auto``) runs
+        each layer on its own device."""
+        if self.q_pos.device == device:
+            return self
+        got = self._copies.get(str(device))
+        if got is None:
+            got = self._copies[str(device)] = PositionPlan(
+                self.q_pos.to(device), self.k_pos.to(device), self.layers)
+        return got
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description."""
@@ -683,6 +704,7 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
     take their share of the denominator."""
     plan, _, la, softcap, sinks = _active_layer("positions", POSITIONAL_IMPL, "position_plan",
                                                 module, kwargs)
+    plan = plan.on(query.device)  # a split model's layer on another device
     b, hq, lq, d = query.shape
     hk, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hk

@@ -178,3 +178,21 @@ def describe_layers(layers: tuple[LayerAttention, ...]) -> list[str]:
         kinds = sorted({la.mixer or "?" for la in none})
         parts.append(f"{len(none)} of {n} layers without attention ({', '.join(kinds)})")
     return parts
+
+
+class DeviceCopies:
+    """One small tensor (an index, built on the host) and its copy on each device that asks
+    for it, made once: a model split over GPUs (``--device-map auto``) keeps each layer's
+    states on that layer's device, so an index into them must be on that device too."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self._on: dict[str, torch.Tensor] = {}
+
+    def on(self, device: torch.device | str) -> torch.Tensor:
+        """The tensor on ``device`` (copied at the first call for that device)."""
+        key = str(device)
+        t = self._on.get(key)
+        if t is None:
+            t = self._on[key] = self.host.to(device)
+        return t

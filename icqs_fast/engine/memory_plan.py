@@ -133,6 +133,36 @@ def free_device_bytes(device: Any) -> int | None:
     return int(free)
 
 
+def layer_devices(model: Any) -> list[Any]:
+    """The device of each decoder layer of ``model`` (its first parameter's), in order; empty
+    when its body has no ``layers`` list."""
+    body = getattr(model, "base_model", model)
+    out = []
+    for layer in getattr(body, "layers", None) or ():
+        p = next(layer.parameters(), None)
+        if p is not None:
+            out.append(p.device)
+    return out
+
+
+def model_free_bytes(model: Any) -> int | None:
+    """The free memory the prefix bank and forwards of ``model`` can count on: its device's
+    (:func:`free_device_bytes`), or for a model split over GPUs (``--device-map auto``) the
+    least any of them allows. Each layer's bank lives on its layer's device, so a device with
+    ``n`` of the ``L`` layers holds ``n / L`` of the bank: it fits when ``bank * n / L <=
+    free``, i.e. ``bank <= free * L / n`` on every device. None off CUDA."""
+    devices = layer_devices(model)
+    if len({str(d) for d in devices}) <= 1:
+        return free_device_bytes(devices[0] if devices else next(model.parameters()).device)
+    counts: dict[str, int] = {}
+    for d in devices:
+        counts[str(d)] = counts.get(str(d), 0) + 1
+    frees = {d: free_device_bytes(d) for d in counts}
+    if any(f is None for f in frees.values()):
+        return None
+    return min(int(frees[d]) * len(devices) // n for d, n in counts.items())
+
+
 def scorer_memory_plan(scorer: Any, free_bytes: int | None) -> MemoryPlan:
     """:func:`plan_memory` for an :class:`~icqs_fast.engine.scorer.ICQSScorer` before its first
     forward: its demonstration contexts' prefixes (tokenized, not run; none on the plain path,

@@ -25,7 +25,7 @@ from typing import Any
 from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.records import FORMATS
-from icqs_fast.options import QUANTIZATIONS, check_declared, declared, option
+from icqs_fast.options import DEVICE_MAPS, QUANTIZATIONS, check_declared, declared, option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
@@ -210,6 +210,9 @@ class JobConfig:
     quantization: str = option("none", choices=QUANTIZATIONS, help="bitsandbytes weights: "
                                "int8 (LLM.int8, computes in float16: the paper's setting) or "
                                "nf4 (4-bit NormalFloat); needs a CUDA device")
+    device_map: str = option("none", choices=DEVICE_MAPS, help="auto: the model's layers "
+                             "spread over every visible GPU (for a model larger than one; "
+                             "needs CUDA); none: the whole model on --device")
     threads: int | None = option(None, kind="int", ge=1, result=False, help="torch CPU "
                                  "threads (none: the cores other processes leave free, "
                                  "re-fitted while the job runs; OMP_NUM_THREADS when set)")
@@ -244,9 +247,10 @@ class JobConfig:
 
         check_model_source(self.model)
         if self.ray is None:  # with --ray the actors' devices decide (ModelSpec.load)
-            from icqs_fast.models import quantization_kwargs
+            from icqs_fast.models import device_map_kwargs, quantization_kwargs
 
             quantization_kwargs(self.quantization, self.device)  # int8 / nf4 need CUDA
+            device_map_kwargs(self.device_map, self.device)  # so does a split model
 
     def load_model(self, dtype: str) -> tuple[Any, Any]:
         """``(model, tokenizer)`` of :attr:`model` in ``dtype`` (a resumed output's, or
@@ -255,12 +259,13 @@ class JobConfig:
         Raises:
             ModelLoadError: the model cannot be loaded (``cannot load model NAME: reason``).
         """
-        from icqs_fast.models import load_model, quantization_kwargs
+        from icqs_fast.models import device_map_kwargs, load_model, quantization_kwargs
 
         try:
             return load_model(None if self.model == "embedded" else self.model, dtype=dtype,
                               device=self.device,
-                              **quantization_kwargs(self.quantization, self.device))
+                              **quantization_kwargs(self.quantization, self.device),
+                              **device_map_kwargs(self.device_map, self.device))
         except (OSError, ValueError) as exc:
             raise ModelLoadError(self.model, exc) from None
 
@@ -277,6 +282,11 @@ class JobConfig:
         """``--quantization`` for the resume key: quantised weights give other scores. Only
         when set, so that outputs written before the option still resume."""
         return {} if self.quantization == "none" else {"quantization": self.quantization}
+
+    def device_map_key(self) -> dict[str, Any]:
+        """``--device-map`` for the resume key (a split model runs each layer on its own GPU:
+        other kernels, other last bits). Only when set, so that older outputs still resume."""
+        return {} if self.device_map == "none" else {"device_map": self.device_map}
 
     def upgrade_meta(self, old: dict) -> dict:
         """The metadata of an output written by an earlier version, in today's terms (the
@@ -412,7 +422,8 @@ class ScoreJobConfig(JobConfig):
                 "label_field": self.demo_label_field or self.label_field}
         if self.pairs is not None:
             key["pairs"] = self.pair_fields_key() | {"tie_margin": self.pairs.tie_margin}
-        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})
+        return (key | self.quantization_key() | self.device_map_key()
+                | ({"shard": self.shard} if self.shard else {}))
 
     def pair_fields_key(self) -> dict[str, Any]:
         """The pair fields, as the resume key holds them."""
@@ -523,4 +534,5 @@ class FeatureJobConfig(JobConfig):
             key["combo_scale"] = self.combo_scale
         if self.deterministic:
             key["deterministic"] = True
-        return key | self.quantization_key() | ({"shard": self.shard} if self.shard else {})
+        return (key | self.quantization_key() | self.device_map_key()
+                | ({"shard": self.shard} if self.shard else {}))

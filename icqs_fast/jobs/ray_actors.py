@@ -66,14 +66,16 @@ class ModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "none"  # --quantization: none, int8, nf4
+    device_map: str = "none"  # --device-map: none, auto (the actor's GPUs)
 
     def load(self) -> tuple[Any, Any]:
         """``(model, tokenizer)``."""
-        from icqs_fast.models import load_model, quantization_kwargs
+        from icqs_fast.models import device_map_kwargs, load_model, quantization_kwargs
 
         return load_model(None if self.model in (None, "embedded") else self.model,
                           dtype=self.dtype, device=self.device,
-                          **quantization_kwargs(self.quantization, self.device))
+                          **quantization_kwargs(self.quantization, self.device),
+                          **device_map_kwargs(self.device_map, self.device))
 
 
 def _model_spec(model: ModelSpec | str | None) -> ModelSpec:

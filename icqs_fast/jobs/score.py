@@ -292,8 +292,7 @@ class ScoreStrategy:
     def load(self, policy: Any, meta: dict, log: Callable[..., None]) -> None:
         """The model and the scorer (on the sets of :meth:`prepare`); the runtime settings
         (dtype, device, backend) added to ``meta``."""
-        from icqs_fast.engine.batching import model_device
-        from icqs_fast.engine.memory_plan import free_device_bytes, scorer_memory_plan
+        from icqs_fast.engine.memory_plan import model_free_bytes, scorer_memory_plan
         from icqs_fast.engine.scorer import ICQSScorer
 
         c = self.config
@@ -308,7 +307,7 @@ class ScoreStrategy:
         meta["engine"] = engine_meta(self.scorer, meta["backend"])
         # Before the first forward: a bank that cannot fit is refused with its numbers, and
         # forwards too large for what is left are split (a lower token budget).
-        mem = scorer_memory_plan(self.scorer, free_device_bytes(model_device(model)))
+        mem = scorer_memory_plan(self.scorer, model_free_bytes(model))  # a split model: all GPUs
         self.scorer.token_budget = mem.token_budget
         meta["memory_plan"] = mem.as_dict()
         log(f"icqs-fast: {mem.line()}")

@@ -125,6 +125,8 @@ def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_
     wf = None
     for a in range(0, n, HEAD_ROWS):
         h = hidden[a: a + HEAD_ROWS].float()
+        if not plan.own_logits:
+            h = h.to(w.device)  # a split model (--device-map auto): the head's own device
         if plan.own_logits:
             logits = h
         elif packed is not None:
