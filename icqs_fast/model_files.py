@@ -376,7 +376,7 @@ def check_model_source(name_or_path: str | os.PathLike | None) -> None:
             raise ModelLoadError(name, f"no such file: {p}")
         check_gguf(p, name)
     elif not p.exists() and (name.endswith(("/", os.sep)) or name.startswith((".", os.sep))):
-        raise ModelLoadError(name, f"no such folder or file: {p}")
+        raise ModelLoadError(name, f"no such model folder or file: {p}")
 
 
 def resolve_model(name_or_path: str | os.PathLike | None, quiet: bool | None = None
