@@ -89,7 +89,7 @@ def test_comparison_sees_a_known_difference(monkeypatch):
             out[0] = dataclasses.replace(r, loglik=ll, score=r.score + 1.0)
         return out
 
-    def fake_peak(side, n, device, random_weights, config, dtype=None):
+    def fake_peak(side, n, device, random_weights, config, dtype=None, model_name=None):
         calls.append((side, n))
         return {"fast": 10.0, "naive": 25.0}[side]
 

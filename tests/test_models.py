@@ -43,9 +43,14 @@ def test_embedded_logits_equal_gguf(embedded):
     gguf = embedded_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                dtype=torch.float32).eval()
+    # The converted weights are the GGUF's (bit for bit); the logits differ only by the order of
+    # the fp32 sums (load_model's batch-invariant linear layers, not the library GEMM's).
+    ours = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(ours[name], p), name
     for text in PROMPTS:
         torch.testing.assert_close(_logits(model, tok, text), _logits(ref, tok, text),
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=2e-4, rtol=1e-4)
 
 
 def test_missing_models_give_clear_errors(tmp_path):

@@ -40,7 +40,6 @@ from icqs_fast.engine.batching import (
     PrefixBank,
     last_hidden,
     model_device,
-    plain_hidden,
     right_padded,
     suffix_hidden,
 )
@@ -52,7 +51,12 @@ from icqs_fast.engine.layout import (
     layer_attention,
     text_config,
 )
-from icqs_fast.models import bf16_matmuls, exact_bf16_products, is_bf16_mixed
+from icqs_fast.models import (
+    bf16_matmuls,
+    exact_bf16_products,
+    is_bf16_mixed,
+    uses_bf16_products,
+)
 from icqs_fast.types import TokenStats
 
 log = logging.getLogger("icqs_fast")
@@ -136,6 +140,15 @@ class ModelPlan:
     def bank(self) -> bool:
         """Whether the prefix bank serves this model (cascade or KV-copy path)."""
         return self.path != "plain"
+
+    @property
+    def positional_layers(self) -> tuple[LayerAttention, ...] | None:
+        """The layer descriptions the engine's plain forwards run their attention on
+        (:func:`icqs_fast.engine.batching.plain_hidden`: the positional kernel, as the bank's
+        forwards, so a row's bits do not depend on its prefix being shared) for a model the
+        bank serves; None for a plain-path model, which keeps its own attention (the probes
+        found the bank's forwards do not reproduce it)."""
+        return tuple(self.layers) if self.bank and self.layers else None
 
     @property
     def uses(self) -> str:
@@ -463,10 +476,10 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
     worst = 0.0
     dev = model_device(model)
     for i, (p, s) in enumerate(rows):
-        # The plain forward the engine runs (through the positional kernel where one takes
-        # the layers: then a correct bank path matches it bit for bit).
-        ref = plain_hidden(body, [prefixes[p] + s], pad, dev, layers=layers)[
-            0, len(prefixes[p]):].float()
+        # The model's own forward: an independent check of the bank path (and of the positional
+        # kernel it shares with the engine's plain forwards of bank-path models).
+        full = torch.tensor([prefixes[p] + s], device=dev)
+        ref = last_hidden(body(input_ids=full, use_cache=False))[0, len(prefixes[p]):].float()
         got = hidden[i, : len(s)].float()
         d = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
         worst = max(worst, d if math.isfinite(d) else math.inf)
@@ -526,7 +539,9 @@ def _decide(model: Any) -> ModelPlan:
         return _plain(mt, layers, ep, body, model,
                       reason="the prefix bank holds attention keys/values only")
     dtype = next(model.parameters()).dtype
-    tol = PROBE_RTOL.get(dtype, 6e-2)
+    # bf16-products rounds its products' inputs to bf16 (the model's own forward takes fp32
+    # attention): its bank path is held to bf16's tolerance.
+    tol = PROBE_RTOL.get(torch.bfloat16 if uses_bf16_products(model) else dtype, 6e-2)
     reasons = []
     errors: list[str] = []
     diff = None

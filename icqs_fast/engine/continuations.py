@@ -222,9 +222,9 @@ def score_plain(model, batch, reqs, results, pad_id, backend, want_stats,
     plan = model_plan(model) if plan is None else plan
     dev = model_device(model)
     seqs = [r[2] for r in batch]
-    out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe, plan.layers) \
+    out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe, plan.positional_layers) \
         if plan.own_logits else \
-        plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe, plan.layers)
+        plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe, plan.positional_layers)
     _head(plan, out, batch, reqs, results, backend, want_stats)
 
 

@@ -595,10 +595,10 @@ class ICQSScorer:
         if self.plain:
             if self.plan.own_logits:
                 out = plain_logits(self.model, suffixes, self.pad_id, dev,
-                                   self.plan.pad_safe, self.plan.layers)
+                                   self.plan.pad_safe, self.plan.positional_layers)
             else:
                 out = plain_hidden(self.plan.body, suffixes, self.pad_id, dev,
-                                   self.plan.pad_safe, self.plan.layers)
+                                   self.plan.pad_safe, self.plan.positional_layers)
         else:
             out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
                                    cascade=self.cascade)

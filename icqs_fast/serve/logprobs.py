@@ -190,9 +190,9 @@ def prompt_logprobs(
     stored = sorted((s for s in segs.values() if s.start > 0), key=lambda s: s.path)
     for batch in _batches(plain, lambda s: len(s.path), budget):
         seqs = [s.path for s in batch]
-        out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe, plan.layers) \
+        out = plain_logits(model, seqs, pad_id, dev, plan.pad_safe, plan.positional_layers) \
             if plan.own_logits else \
-            plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe, plan.layers)
+            plain_hidden(plan.body, seqs, pad_id, dev, plan.pad_safe, plan.positional_layers)
         for b, s in enumerate(batch):
             _head(model, plan, s, out[b, : len(s.path)], top_n)
     if stored:
