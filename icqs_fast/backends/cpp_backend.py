@@ -327,16 +327,7 @@ def linear_level(products: str) -> str:
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""
     from icqs_fast.types import PRODUCTS
 
-    level = isa_setting()
-    return _C.linear_level_name(_C.linear_level(PRODUCTS.index(products),
-                                                -1 if level < 0 else level))
-
-
-def _isa_for_linear() -> int:
-    # ICQS_FAST_CPP_ISA caps the linear kernel too; at "avx512" it leaves AMX out (the AVX-512
-    # BF16 path that CPUs without AMX run).
-    level = isa_setting()
-    return -1 if level < 0 else level
+    return _C.linear_level_name(_C.linear_level(PRODUCTS.index(products), isa_setting()))
 
 
 def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
@@ -372,5 +363,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
     out = torch.empty(m, out_features, dtype=torch.float32)
     _C.linear(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, packed.data_ptr(), out_features,
               0 if b is None else b.data_ptr(), out.data_ptr(), out_features,
-              PRODUCTS.index(products), torch.get_num_threads(), _isa_for_linear())
+              # ICQS_FAST_CPP_ISA caps this kernel too: "avx512" leaves AMX out (the AVX-512
+              # BF16 path of CPUs without AMX).
+              PRODUCTS.index(products), torch.get_num_threads(), isa_setting())
     return out

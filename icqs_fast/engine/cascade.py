@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -682,16 +683,24 @@ def positional_kernel(model: Any, device: torch.device | str) -> bool:
     own attention, e.g. ALiBi in Bloom's)."""
     if _kernel_backend(torch.device(device), torch.float32, None, False, positions=True) is None:
         return False
-    _register()
-    previous = model.config._attn_implementation
-    try:
-        model.set_attn_implementation(POSITIONAL_IMPL)
-        ok = model.config._attn_implementation == POSITIONAL_IMPL
-    except Exception:  # noqa: BLE001 - any refusal means: keep the model's own attention
-        ok = False
-    finally:  # always: a composite model sets its sub-models' configs too
-        model.set_attn_implementation(previous)
+    # Whether the model can switch is its own fact: tried once per model, not at every plain
+    # forward or prefill chunk that asks.
+    ok = _SWITCHES.get(model)
+    if ok is None:
+        _register()
+        previous = model.config._attn_implementation
+        try:
+            model.set_attn_implementation(POSITIONAL_IMPL)
+            ok = model.config._attn_implementation == POSITIONAL_IMPL
+        except Exception:  # noqa: BLE001 - any refusal means: keep the model's own attention
+            ok = False
+        finally:  # always: a composite model sets its sub-models' configs too
+            model.set_attn_implementation(previous)
+        _SWITCHES[model] = ok
     return ok
+
+
+_SWITCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> can it switch
 
 
 def positional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
