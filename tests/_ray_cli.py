@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in KINDS:
         print(f"usage: python tests/_ray_cli.py {{{','.join(KINDS)}}} ARGS", file=sys.stderr)
         return 2
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     return run_job(build_config(argv[0], build_parser(argv[0]).parse_args(argv[1:])),
                    executor="ray")

@@ -20,7 +20,8 @@ def test_plain_text_drops_sphinx_roles_and_double_backticks():
     assert plain_text(None) is None
 
 
-@pytest.mark.parametrize("path", [p for p, _, _ in COMMANDS], ids=" ".join)
+@pytest.mark.parametrize("path", [tuple(n.split()) for n in COMMANDS],
+                         ids=" ".join)
 def test_no_sphinx_markup_in_any_help(path):
     parser = build_parser([*path])
     text = parser.commands[path].format_help()

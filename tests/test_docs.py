@@ -12,7 +12,7 @@ from icqs_fast.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PATHS = {path for path, _, _ in COMMANDS}
+PATHS = {tuple(name.split()) for name in COMMANDS}
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w])")
 # A command line ends where prose or a table cell starts again.
 ENDS = re.compile(r"`|\|(?!\|)\s|\s\|\s|;|\.\s|, then ")

@@ -55,7 +55,7 @@ def test_meta_file_names_the_path_and_backend(tmp_path, tiny_llama_dir):
     from icqs_fast.engine.settings import ScoringSettings
     from icqs_fast.io.runs import meta_path
     from icqs_fast.jobs.config import ScoreJobConfig, SelfCheckOptions
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     good = [{"x": f"profit rose {i}%", "y": "positive"} for i in range(3)] + [
         {"x": f"loss widened by {i} million", "y": "negative"} for i in range(3)]

@@ -137,7 +137,7 @@ def test_resume_key_is_json_and_holds_every_record_option(files):
 def test_executor_is_chosen_by_name(files, monkeypatch):
     """run_job: "local" | "ray" (default from the config); an unknown name is refused."""
     import icqs_fast.jobs.ray_executor as rex
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     c = ScoreJobConfig(input=str(files["input"]), output=str(files["dir"] / "o.jsonl"),
                        good=str(files["good"]), bad=str(files["bad"]))

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Low to high. A room is a module or a sub-package (prefix); the longest matching prefix wins.
 LAYERS: list[tuple[str, ...]] = [
-    ("icqs_fast.version", "icqs_fast.options", "icqs_fast.types", "icqs_fast.kernels",
-     "icqs_fast._C", "icqs_fast.model_files"),
+    ("icqs_fast.version", "icqs_fast.options", "icqs_fast.registry", "icqs_fast.types",
+     "icqs_fast.kernels", "icqs_fast._C", "icqs_fast.model_files"),
     ("icqs_fast.backends",),
     ("icqs_fast.ops", "icqs_fast.exact_forwards"),
     ("icqs_fast.torch_ops", "icqs_fast.metrics", "icqs_fast.progress", "icqs_fast.models",

@@ -37,7 +37,8 @@ def test_registry_is_what_eval_offers():
     from icqs_fast.cli import COMMANDS, build_parser
     from icqs_fast.evals.study_kinds import STUDY_KINDS
 
-    evals = [(path[1], mod, help_) for path, mod, help_ in COMMANDS if path[0] == "eval"]
+    evals = [(name.split()[1], COMMANDS.get(name).__name__, COMMANDS.about[name])
+             for name in COMMANDS if name.startswith("eval ")]
     assert [name for name, _, _ in evals] == list(datasets.EVAL_DATASETS)
     for name, mod, help_ in evals:
         ds = datasets.eval_dataset(name)

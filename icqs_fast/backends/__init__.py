@@ -13,7 +13,6 @@ answer the callers that pick a path themselves.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Iterable
 from types import ModuleType
@@ -25,22 +24,38 @@ from icqs_fast.backends.support import PREFERENCE, REFERENCE, refusal
 # Re-exported: the one "is Triton interpreting" check lives with the kernels (the lowest layer
 # that needs it).
 from icqs_fast.kernels.launch import triton_interpreting  # noqa: F401
+from icqs_fast.registry import Registry
 
 BACKENDS = PREFERENCE
 log = logging.getLogger("icqs_fast")
-_MODULES = {
-    "torch": "icqs_fast.backends.torch_ref",
-    "cpp": "icqs_fast.backends.cpp_backend",
-    "triton": "icqs_fast.backends.triton_backend",
-}
+# Each backend's module, imported on first use (Triton's only where it is asked about).
+MODULES: Registry[ModuleType] = Registry("backend")
+
+
+@MODULES.add("torch")
+def _torch_ref() -> ModuleType:
+    from icqs_fast.backends import torch_ref
+    return torch_ref
+
+
+@MODULES.add("cpp")
+def _cpp_backend() -> ModuleType:
+    from icqs_fast.backends import cpp_backend
+    return cpp_backend
+
+
+@MODULES.add("triton")
+def _triton_backend() -> ModuleType:
+    from icqs_fast.backends import triton_backend
+    return triton_backend
 
 
 def available(name: str) -> tuple[bool, str]:
     """``(available, reason)`` of one backend; the reason says why it is not."""
-    if name not in _MODULES:
+    if name not in MODULES:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS} or 'auto'")
     try:
-        mod = importlib.import_module(_MODULES[name])
+        mod = MODULES.get(name)
     except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
         return False, f"import failed: {exc}"
     check = getattr(mod, "available", None)
@@ -53,9 +68,9 @@ def availability() -> dict[str, tuple[bool, str]]:
 
 
 def module(name: str) -> ModuleType:
-    if name not in _MODULES:
+    if name not in MODULES:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS} or 'auto'")
-    return importlib.import_module(_MODULES[name])
+    return MODULES.get(name)
 
 
 def resolve(backend: str, device: torch.device, op: str = "linear_token_stats") -> str:

@@ -20,7 +20,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def available() -> tuple[bool, str]:
     """(True, version) when triton imports and can run here (a CUDA device or the interpreter)."""
-    from icqs_fast.backends import triton_interpreting
+    from icqs_fast.kernels.launch import triton_interpreting
 
     try:
         import triton
@@ -124,7 +124,7 @@ def token_stats(
         st, counts = _state.empty(0, device=z.device)
         return _state.finalize(st, counts, z_t.double(), valid, temperature)
     if splits is None and z.device.type != "cuda":
-        from icqs_fast.backends import triton_interpreting
+        from icqs_fast.kernels.launch import triton_interpreting
 
         # The CPU interpreter pays per program, not per SM: one program per row there.
         splits = 1 if triton_interpreting() else None
@@ -208,7 +208,7 @@ def linear_token_stats(
     the peak while :func:`merge_partials` folds them in float64, plus ``O(N)`` per-row vectors;
     never ``[N, V]`` nor ``[N, H]``.
     """
-    from icqs_fast.backends import triton_interpreting
+    from icqs_fast.kernels.launch import triton_interpreting
     from icqs_fast.kernels import linear_token_stats as _k
 
     if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:

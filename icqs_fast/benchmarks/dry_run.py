@@ -221,7 +221,7 @@ def _path_score(rec: Recorder, device: torch.device) -> dict:
     from unittest import mock
 
     from icqs_fast import models
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     with tempfile.TemporaryDirectory() as tmp, \
             mock.patch.object(models, "load_model", _tiny_loader(device)):

@@ -7,48 +7,155 @@ Each subcommand lives in the module that owns it; that module exposes
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import sys
+from types import ModuleType
 
-# (command path, module, help)
-COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("info",), "icqs_fast.cli.info", "versions, device and available backends"),
-    (("models",), "icqs_fast.cli.models",
-     "models loadable by name (installed or not) and the model cache, with sizes"),
-    (("demo",), "icqs_fast.cli.demo", "score a small built-in set with the embedded model"),
-    (("score",), "icqs_fast.cli.score", "score responses from a JSONL/CSV/TSV file with ICQS"),
-    (("check",), "icqs_fast.cli.check",
-     "self-check from the demonstration pools: expected AUC, calibration, threshold"),
-    (("features",), "icqs_fast.cli.features", "glass-box features of a file's responses"),
-    (("rank",), "icqs_fast.cli.rank", "rank models by mean score, with bootstrap intervals"),
-    (("report",), "icqs_fast.cli.report",
-     "one HTML page of a run's output; --baseline: drift between two runs"),
-    (("audit",), "icqs_fast.cli.audit", "ALLURE: audit an LLM evaluator, round by round"),
-    (("serve",), "icqs_fast.cli.serve",
-     "OpenAI-compatible scoring server (/v1/completions echo+logprobs, /v1/score)"),
-    (("bench", "kernels"), "icqs_fast.cli.bench_kernels", "token-statistics kernels vs torch"),
-    (("bench", "icqs"), "icqs_fast.cli.bench_icqs", "ICQS engine vs the naive method"),
-    (("bench", "attention"), "icqs_fast.cli.bench_attention", "attention entropy vs eager"),
-    (("bench", "static"), "icqs_fast.benchmarks.static",
-     "compile the Triton kernels for sm_90/sm_80 and predict their GPU time"),
-    (("bench", "gpu"), "icqs_fast.cli.bench_gpu",
-     "measured GPU times beside the static model's predictions (needs CUDA; --dry-run: "
-     "the CUDA code paths on fake tensors, no GPU)"),
-    (("bench", "lm-eval"), "icqs_fast.benchmarks.lm_eval",
-     "lm-eval's HF model vs the icqs-fast lm-eval model on a local task"),
-    (("bench", "scaleout"), "icqs_fast.benchmarks.scaleout",
-     "records/s on Ray Data with 1..n workers vs the single-process CLI"),
-    (("bench", "serve"), "icqs_fast.benchmarks.serve",
-     "load test of 'serve' on 127.0.0.1: throughput, latency percentiles, no lost answers"),
-    (("bench", "startup"), "icqs_fast.benchmarks.startup",
-     "wall time of --help of every command (lazy imports: under 1 s)"),
-    (("eval", "mtbench"), "icqs_fast.cli.eval_mtbench", "glass-box features vs GPT-4 on MT-Bench"),
-    (("eval", "fpb"), "icqs_fast.cli.eval", "ICQS study on Financial PhraseBank"),
-    (("eval", "sst2"), "icqs_fast.cli.eval", "ICQS study on SST-2"),
-    (("eval", "chaosnli"), "icqs_fast.cli.eval", "ICQS study on ChaosNLI distributions"),
-]
+from icqs_fast.registry import Registry
+
+# Every command (its words joined by a space) -> its module, imported only when the command is
+# asked for; each module has add_arguments(parser) and run(args) -> int.
+COMMANDS: Registry[ModuleType] = Registry("command")
+
+
+@COMMANDS.add("info", "versions, device and available backends")
+def _info() -> ModuleType:
+    from icqs_fast.cli import info
+    return info
+
+
+@COMMANDS.add("models",
+              "models loadable by name (installed or not) and the model cache, with sizes")
+def _models() -> ModuleType:
+    from icqs_fast.cli import models
+    return models
+
+
+@COMMANDS.add("demo", "score a small built-in set with the embedded model")
+def _demo() -> ModuleType:
+    from icqs_fast.cli import demo
+    return demo
+
+
+@COMMANDS.add("score", "score responses from a JSONL/CSV/TSV file with ICQS")
+def _score() -> ModuleType:
+    from icqs_fast.cli import score
+    return score
+
+
+@COMMANDS.add("check",
+              "self-check from the demonstration pools: expected AUC, calibration, threshold")
+def _check() -> ModuleType:
+    from icqs_fast.cli import check
+    return check
+
+
+@COMMANDS.add("features", "glass-box features of a file's responses")
+def _features() -> ModuleType:
+    from icqs_fast.cli import features
+    return features
+
+
+@COMMANDS.add("rank", "rank models by mean score, with bootstrap intervals")
+def _rank() -> ModuleType:
+    from icqs_fast.cli import rank
+    return rank
+
+
+@COMMANDS.add("report", "one HTML page of a run's output; --baseline: drift between two runs")
+def _report() -> ModuleType:
+    from icqs_fast.cli import report
+    return report
+
+
+@COMMANDS.add("audit", "ALLURE: audit an LLM evaluator, round by round")
+def _audit() -> ModuleType:
+    from icqs_fast.cli import audit
+    return audit
+
+
+@COMMANDS.add("serve",
+              "OpenAI-compatible scoring server (/v1/completions echo+logprobs, /v1/score)")
+def _serve() -> ModuleType:
+    from icqs_fast.cli import serve
+    return serve
+
+
+@COMMANDS.add("bench kernels", "token-statistics kernels vs torch")
+def _bench_kernels() -> ModuleType:
+    from icqs_fast.cli import bench_kernels
+    return bench_kernels
+
+
+@COMMANDS.add("bench icqs", "ICQS engine vs the naive method")
+def _bench_icqs() -> ModuleType:
+    from icqs_fast.cli import bench_icqs
+    return bench_icqs
+
+
+@COMMANDS.add("bench attention", "attention entropy vs eager")
+def _bench_attention() -> ModuleType:
+    from icqs_fast.cli import bench_attention
+    return bench_attention
+
+
+@COMMANDS.add("bench static",
+              "compile the Triton kernels for sm_90/sm_80 and predict their GPU time")
+def _bench_static() -> ModuleType:
+    from icqs_fast.benchmarks import static
+    return static
+
+
+@COMMANDS.add("bench gpu",
+              "measured GPU times beside the static model's predictions (needs CUDA; --dry-run:"
+              " the CUDA code paths on fake tensors, no GPU)")
+def _bench_gpu() -> ModuleType:
+    from icqs_fast.cli import bench_gpu
+    return bench_gpu
+
+
+@COMMANDS.add("bench lm-eval", "lm-eval's HF model vs the icqs-fast lm-eval model on a local task")
+def _bench_lm_eval() -> ModuleType:
+    from icqs_fast.benchmarks import lm_eval
+    return lm_eval
+
+
+@COMMANDS.add("bench scaleout", "records/s on Ray Data with 1..n workers vs the single-process CLI")
+def _bench_scaleout() -> ModuleType:
+    from icqs_fast.benchmarks import scaleout
+    return scaleout
+
+
+@COMMANDS.add("bench serve",
+              "load test of 'serve' on 127.0.0.1: throughput, latency percentiles, no lost "
+              "answers")
+def _bench_serve() -> ModuleType:
+    from icqs_fast.benchmarks import serve
+    return serve
+
+
+@COMMANDS.add("bench startup", "wall time of --help of every command (lazy imports: under 1 s)")
+def _bench_startup() -> ModuleType:
+    from icqs_fast.benchmarks import startup
+    return startup
+
+
+@COMMANDS.add("eval mtbench", "glass-box features vs GPT-4 on MT-Bench")
+def _eval_mtbench() -> ModuleType:
+    from icqs_fast.cli import eval_mtbench
+    return eval_mtbench
+
+
+def _eval_study() -> ModuleType:
+    from icqs_fast.cli import eval as study
+    return study
+
+
+# One module runs the ICQS study of every data set (read from the command's words).
+COMMANDS.add("eval fpb", "ICQS study on Financial PhraseBank")(_eval_study)
+COMMANDS.add("eval sst2", "ICQS study on SST-2")(_eval_study)
+COMMANDS.add("eval chaosnli", "ICQS study on ChaosNLI distributions")(_eval_study)
 
 
 # Sphinx markup in docstrings reused as help: ":class:`~a.b.C`" -> "C", ":func:`a.b`" -> "a.b",
@@ -100,7 +207,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.commands = commands  # type: ignore[attr-defined]
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for path, modname, help_ in COMMANDS:
+    for name in COMMANDS:
+        path, help_ = tuple(name.split()), COMMANDS.about[name]
         if len(path) == 1:
             p = sub.add_parser(path[0], help=help_)
         else:
@@ -108,12 +216,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                 g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
                 groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_)
-        p.set_defaults(_module=modname, _path=path)
+        p.set_defaults(_command=name, _path=path)
         commands[path] = p
         if selected is not None and selected[:len(path)] != path:
             continue  # not the command asked for: its arguments are never parsed
         try:
-            mod = importlib.import_module(modname)
+            mod = COMMANDS.get(name)
         except ImportError as exc:
             # A missing optional piece should break only its own subcommand.
             p.set_defaults(_import_error=str(exc))
@@ -147,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if err:
         print(f"icqs-fast: this command is unavailable: {err}", file=sys.stderr)
         return 2
-    mod = importlib.import_module(args._module)
+    mod = COMMANDS.get(args._command)
     try:
         return int(mod.run(args) or 0)
     # Bad input (a file, a field, an option value) is a ValueError or a missing file: one line,

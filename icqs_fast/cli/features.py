@@ -58,6 +58,6 @@ def build_config(args: argparse.Namespace) -> FeatureJobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     return run_job(build_config(args))

@@ -57,6 +57,6 @@ def build_config(args: argparse.Namespace) -> ScoreJobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     return run_job(build_config(args))

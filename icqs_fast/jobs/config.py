@@ -340,7 +340,7 @@ class ScoreJobConfig(JobConfig):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        """The job's strategy (jobs.runner.STRATEGIES): ``pairs`` with :attr:`pairs`."""
+        """The job's strategy (jobs.kinds.STRATEGIES): ``pairs`` with :attr:`pairs`."""
         return "score" if self.pairs is None else "pairs"
 
     def __post_init__(self) -> None:

@@ -297,7 +297,7 @@ def _dataset(blocks: list[dict], setup: ActorSetup, workers: int, remote: dict) 
 
 
 def run_ray(config: JobConfig, *, stats: dict | None = None,
-            actor_options: dict | None = None) -> int:
+            actor_options: dict | None = None, log: Callable[..., None] | None = None) -> int:
     """Run a ``score`` (:class:`ScoreJobConfig`) or ``features`` job on Ray Data with
     ``config.ray``'s options: see the module docstring. Returns the exit code (0; 130 on
     Ctrl-C).
@@ -322,7 +322,7 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
         InputError: a bad record with ``--on-error stop`` (file, line, field), a bad input.
         ValueError: other settings in a resumed output, bad options.
     """
-    return run_with(config, RayExecutor(actor_options), stats=stats)
+    return run_with(config, RayExecutor(actor_options), log=log, stats=stats)
 
 
 def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:

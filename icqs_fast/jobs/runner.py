@@ -3,12 +3,12 @@ score -> write, with the output policy, lock, resume, metadata, self-check, bad-
 progress and a summary.
 
     from icqs_fast.jobs.config import ScoreJobConfig
-    from icqs_fast.jobs.runner import run_job
+    from icqs_fast.jobs.run import run_job
 
     run_job(ScoreJobConfig(input="in.jsonl", output="out.jsonl", good="g.jsonl", bad="b.jsonl"))
 
 A job kind is a strategy object (:class:`JobStrategy`, found by the config's ``kind`` in
-:data:`STRATEGIES`: ``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the
+:data:`~icqs_fast.jobs.kinds.STRATEGIES`: ``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the
 engine, the self-check step, compute the results of a record stream, turn one result into an
 output line, count it in the summary. An executor (:class:`Executor`) decides only where the
 forward runs and so what the output is: :class:`LocalExecutor` (this process, a results file)
@@ -21,7 +21,6 @@ output_policy`), lock, metadata and resume rules - and both write results with
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -47,79 +46,9 @@ from icqs_fast.io.runs import (
     resume_check_needed,
     start_output,
 )
-from icqs_fast.jobs.config import EXECUTORS, JobConfig
+from icqs_fast.jobs.config import JobConfig
+from icqs_fast.jobs.kinds import JobStrategy, JobSummary, Log, strategy_for
 from icqs_fast.progress import quiet_transformers
-
-Log = Callable[..., None]
-
-
-class JobSummary(Protocol):
-    n: int
-    skipped: int
-
-    def add(self, rec: Record, res: Any) -> None: ...
-
-    def text(self, prefix: str = "") -> str: ...
-
-
-class JobStrategy(Protocol):
-    """What a job kind adds to the runner (built from its config: ``Strategy(config)``).
-
-    A kind whose records are not plain ones (``score --pairs``: jobs.pairs.PairStrategy) may
-    also have ``peek_input(config)`` (in place of :func:`peek_input`), ``read_input(**kw)``
-    (in place of :func:`~icqs_fast.io.readers.read_records`: :func:`input_records`),
-    ``records_per_result`` and ``unit`` (the progress bar's); the runner looks them up.
-    """
-
-    desc: str  # progress bar label
-    done_prefix: str  # the final summary line's prefix
-    done_what: str  # what the run did to its responses, in a summary line ("scored")
-    align: int  # shard boundaries and resume restarts are multiples of this (chunked jobs)
-    read_labels: bool  # read the label field into the records (and summarise by label)
-
-    def prepare(self, log: Log) -> None:
-        """What needs no model (score: the demonstration sets), before the output is touched."""
-
-    def load(self, policy: OutputPolicy | None, meta: dict, log: Log) -> None:
-        """Load the model and build the engine; add what is known only now (dtype, device,
-        backend, ...) to ``meta`` (the runner checks it against a resumed output)."""
-
-    def self_check(self, policy: OutputPolicy | None, log: Log,
-                   run: Callable[[], dict] | None = None) -> dict | None:
-        """The run's self-check (a dict for the metadata; None for a kind without one): a
-        resumed output's, else computed - by ``run`` when given (elsewhere), else here."""
-
-    def use_self_check(self, check: dict) -> None:
-        """Apply a self-check computed elsewhere (a ``--ray`` actor gets the driver's)."""
-
-    def results(self, records: Iterable[Record | RecordError], *, write_from: int,
-                on_error: Callable[[RecordError], None] | None
-                ) -> Iterator[tuple[Record, Any]]:
-        """``(record, result)`` in input order (records before ``write_from`` are computed
-        only as context, not yielded); bad records go to ``on_error`` or are raised."""
-
-    def line(self, rec: Record, res: Any) -> dict:
-        """The output line of one result."""
-
-    def table_schema(self) -> Any:
-        """The ``pyarrow.Schema`` of a Parquet output (:func:`icqs_fast.io.schema.arrow_schema`)."""
-
-    def summary(self) -> JobSummary: ...
-
-
-# The strategy of each job kind (``JobConfig.kind``), imported when a job of that kind runs.
-STRATEGIES = {"score": "icqs_fast.jobs.score:ScoreStrategy",
-              "pairs": "icqs_fast.jobs.pairs:PairStrategy",
-              "features": "icqs_fast.jobs.features:FeatureStrategy"}
-
-
-def strategy_for(config: JobConfig) -> JobStrategy:
-    """The strategy of ``config``'s job kind (:data:`STRATEGIES`)."""
-    spec = STRATEGIES.get(config.kind)
-    if spec is None:
-        raise TypeError(f"no job for {type(config).__name__} (kind {config.kind!r})")
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)(config)
 
 
 @dataclass
@@ -184,33 +113,8 @@ def stream_results(strategy: JobStrategy, records: Iterable[Record | RecordError
         sink.summary.add(rec, res)
 
 
-# The entry points of the executors other than the local one, imported when a job asks for
-# one (so that Ray is imported only for a Ray run; the executor's module builds on this one).
-RUNNERS = {"ray": "icqs_fast.jobs.ray_executor:run_ray"}
-
-
 def stderr_log(quiet: bool) -> Log:
     return (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
-
-
-def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None = None,
-            stats: dict | None = None) -> int:
-    """Run a ``score`` or ``features`` job; the exit code (0; 130 on Ctrl-C).
-
-    ``executor``: ``"local"`` or ``"ray"`` (default: ``config.executor``). ``stats``: the Ray
-    executor's run figures (see :func:`icqs_fast.jobs.ray_executor.run_ray`).
-
-    Raises:
-        InputError: a bad record with ``on_error="stop"`` (file, line, field), a bad input.
-        ValueError / FileNotFoundError: bad options, other settings in a resumed output.
-    """
-    executor = executor or config.executor
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    if executor == "local":
-        return run_with(config, LocalExecutor(), log=log, stats=stats)
-    module, name = RUNNERS[executor].split(":")
-    return getattr(importlib.import_module(module), name)(config, stats=stats)
 
 
 def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
@@ -237,8 +141,8 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
             policy = output_policy(target, meta, resume=config.resume,
                                overwrite=config.overwrite, upgrade=config.upgrade_meta,
                                labels=config.key_labels())
-            return executor.run(JobRun(config, strategy, policy, meta, log,
-                                       stats if stats is not None else {}))
+            job = JobRun(config, strategy, policy, meta, log, stats if stats is not None else {})
+            return executor.run(job)
     except OSError as exc:
         if not is_output_error(exc, config.output):
             raise
@@ -312,6 +216,11 @@ def set_threads(threads: int | None) -> None:
     from icqs_fast.threads import apply_threads
 
     apply_threads(threads)
+
+
+def run_local(config: JobConfig, *, log: Log | None = None, stats: dict | None = None) -> int:
+    """Run ``config``'s job in this process (:class:`LocalExecutor`); the exit code."""
+    return run_with(config, LocalExecutor(), log=log, stats=stats)
 
 
 class LocalExecutor:
