@@ -22,6 +22,7 @@ import torch
 from icqs_fast import ICQSScorer
 from icqs_fast.engine.continuations import score_continuations
 from icqs_fast.models import load_model
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 GOOD = [(f"profit rose {i}% in the quarter", "positive") for i in range(6)] + [
     (f"the loss widened by {i} million", "negative") for i in range(6)]
@@ -38,10 +39,10 @@ def main() -> None:
     p.add_argument("--model", default="embedded")
     p.add_argument("--n", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_argument(p, default=1)
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    apply_threads(a.threads)
     model, tok = load_model(None if a.model == "embedded" else a.model, dtype="float32",
                             device="cpu")
     kw = dict(num_ratios=3, demos_per_set=4, sets_per_ratio=2, seed=0)

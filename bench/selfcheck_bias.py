@@ -51,6 +51,7 @@ from icqs_fast.evals.selfcheck_study import (
     summarise,
 )
 from icqs_fast.io.files import write_whole
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def cached_null(work: str, raw: dict) -> dict | None:
@@ -75,7 +76,7 @@ def main() -> int:
     p.add_argument("--n-test", type=int, default=20,
                    help="test responses per class and run (SST-2 / FPB: sentences, each "
                         "answered right and flipped)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_argument(p, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--model", default=None)
     p.add_argument("--work", default="/tmp/icqs_selfcheck_bias")
@@ -97,11 +98,9 @@ def main() -> int:
     def load() -> None:
         nonlocal model, tok
         if model is None:
-            import torch
-
             from icqs_fast.models import load_model
 
-            torch.set_num_threads(a.threads)
+            apply_threads(a.threads)
             model, tok = load_model(a.model, dtype=a.dtype)
 
     def score(ds: str, seed: int) -> dict:

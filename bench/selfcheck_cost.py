@@ -35,6 +35,7 @@ from icqs_fast.engine.selfcheck import (
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.evals.selfcheck_study import JOB_RECORDS, study_pools
 from icqs_fast.models import load_model
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def main() -> None:
@@ -42,10 +43,10 @@ def main() -> None:
     p.add_argument("--dataset", default="sst2", choices=["sst2", "fpb"])
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_argument(p, default=1)
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    apply_threads(a.threads)
     model, tok = load_model(None)
     good, bad, test = study_pools(a.dataset, pool=32, n_test=200, seed=0)
     sc = ICQSScorer(model, tok, good, bad, ScoringSettings(seed=0))

@@ -25,6 +25,7 @@ from icqs_fast.evals.selfcheck_study import (
     stored_runs,
     summarise,
 )
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def main() -> int:
@@ -34,7 +35,7 @@ def main() -> int:
     p.add_argument("--pool", type=int, default=32)
     p.add_argument("--n-test", type=int, default=100,
                    help="test sentences per run, each answered right and flipped (2x records)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_argument(p, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="bench/results/selfcheck")
     p.add_argument("--analyse-only", action="store_true")
@@ -45,11 +46,9 @@ def main() -> int:
     def score(ds: str, seed: int) -> dict:
         nonlocal model, tok
         if model is None:
-            import torch
-
             from icqs_fast.models import load_model
 
-            torch.set_num_threads(a.threads)
+            apply_threads(a.threads)
             model, tok = load_model(a.model)
         raw = run_one(model, tok, ds, seed, pool=a.pool, n_test=a.n_test, quiet=False)
         raw["machine"] = {"platform": platform.platform(), "processor": platform.processor(),

@@ -8,7 +8,7 @@
             check_declared(self)  # ValueError: "--demos-per-set must be an int >= 1, got 0"
 
 Everything else is derived from the declarations (:func:`declared`): the command-line flags
-(``icqs_fast.cli.options.add_declared``), the server's request models (``icqs_fast.serve.
+(:func:`add_declared`), the server's request models (``icqs_fast.serve.
 schemas``), the docs' option tables (:func:`options_table`), the resume fingerprint (the
 ``result`` options) and the flag an error message names. Standard library only, so every layer
 may declare its options here.
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import MISSING
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the flags take a parser; the declarations need no argparse
+    import argparse
 
 # The key of an option's declaration in its dataclass field's metadata.
 OPTION_KEY = "icqs_fast.option"
@@ -265,7 +268,66 @@ def metavar(d: Declared) -> str:
     return {"int": "N", "float": "X", "strs": "TEXT"}.get(d.option.kind, "TEXT")
 
 
+# --------------------------------------------------------------------------- flags
+
+
+def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
+                 names: Collection[str] | None = None, exclude: Collection[str] = (),
+                 defaults: dict[str, Any] | None = None, required: bool = True,
+                 helps: dict[str, str] | None = None) -> None:
+    """Add the declared options of the dataclass ``cls`` (:func:`option`) that have
+    a flag to ``p`` (a parser or an argument group): ``dest`` is the flag's (``--calibrate``:
+    ``args.calibrate``; read them back by field name with :func:`declared_values`), the type,
+    choices, default and help come from the declaration. ``names``: only these fields;
+    ``exclude``: not these; ``defaults``: other defaults for this command; ``required``
+    False: an option without a default is optional here (the command checks it); ``helps``:
+    this command's own words for an option (what its ``--json`` prints), in place of the
+    declared help. A bool option is a switch that turns it on; a ``strs`` option is repeated
+    (unset: the declared default)."""
+    for d in declared(cls):
+        if d.flag is None or d.name in exclude or (names is not None and d.name not in names):
+            continue
+        default = (defaults or {}).get(d.name, d.default)
+        opt = d.option
+        # A None default is explained by the help itself ("none: the model's").
+        shown = "" if default is None else (default_text(d) if default == d.default
+                                            else str(default))
+        text = (helps or {}).get(d.name, opt.help).replace("%", "%%") + (
+            f" (default {shown})" if shown else "")
+        kw: dict[str, Any] = dict(dest=d.dest, help=text)
+        if d.default is MISSING:
+            kw["required"] = required
+        if opt.kind == "bool":
+            kw.update(action="store_true", default=bool(default))
+        elif opt.kind == "strs":
+            kw.update(action="append", default=None, metavar=metavar(d))
+        else:
+            kw.update(type={"int": int, "float": float}.get(opt.kind, str), default=default)
+            if opt.choices is not None:
+                kw["choices"] = list(opt.choices)
+            else:
+                kw["metavar"] = metavar(d)
+        p.add_argument(d.flag, **kw)
+
+
+def declared_values(args: argparse.Namespace, cls: Any, *,
+                    names: Collection[str] | None = None) -> dict[str, Any]:
+    """The parsed values of the options :func:`add_declared` added for ``cls`` (by field
+    name; a repeated option given no time is left out, so the declared default holds)."""
+    out = {}
+    for d in declared(cls):
+        if d.flag is None or (names is not None and d.name not in names) \
+                or not hasattr(args, d.dest):
+            continue
+        v = getattr(args, d.dest)
+        if d.option.kind == "strs" and v is None:
+            continue
+        out[d.name] = v
+    return out
+
+
 __all__ = ["DEVICE_MAPS", "OPTION_KEY", "QUANTIZATIONS",
-           "Declared", "Option", "bounds_text", "check_declared",
-           "check_value", "declaration", "declared", "default_text", "metavar", "option",
+           "Declared", "Option", "add_declared", "bounds_text", "check_declared",
+           "check_value", "declaration", "declared", "declared_values", "default_text",
+           "metavar", "option",
            "options_table"]

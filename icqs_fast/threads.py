@@ -16,10 +16,11 @@ The policy (:func:`apply_threads`):
   CPU time other processes used over a short sample of ``/proc/stat`` (this process's own
   time excluded), rounded to the nearest core and at least one. Alone on the machine: every
   core, as before. Beside a job that keeps one core busy: one thread.
-* Every job entry point takes this policy: ``score``, ``features``, ``check``, ``demo``,
-  ``serve``, ``bench icqs`` (short and long inputs), ``bench kernels`` through the CLI, and the
-  lm-eval backend when it loads its own model (:func:`apply_job_threads`; lm-eval's CLI is
-  the process entry point there).
+* Every entry point that runs a model takes this policy, with ``--threads`` declared once
+  (:func:`threads_option`; :func:`add_threads_argument`): ``score``, ``features``, ``check``,
+  ``demo``, ``serve``, ``audit``, ``eval``, the ``bench`` commands, the bench scripts (their
+  default 1), and the lm-eval backend when it loads its own model (:func:`apply_job_threads`;
+  lm-eval's CLI is the process entry point there).
 * While a job runs, :class:`ThreadGovernor` re-fits the count to the free cores (a sampler
   thread measures the other processes' CPU time every :data:`GOVERN_SECONDS`; the change is
   made between two module forwards, on the thread that runs them, because OpenMP's thread
@@ -43,11 +44,14 @@ Layer 3 (no torch at import: :func:`prepare_openmp` runs before torch is importe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from icqs_fast.options import add_declared, option
 
 # libgomp's spin iterations before a waiting thread sleeps (its default with OMP_WAIT_POLICY
 # unset is 300,000: ~0.1-1 ms of a core per wait, which starve the other job's threads).
@@ -61,6 +65,28 @@ GOVERN_SECONDS = 1.0
 # Set by the command-line entry point (:func:`enable_governor`): only then does
 # :func:`apply_threads` start a :class:`ThreadGovernor`.
 _GOVERN = {"enabled": False, "governor": None}
+
+
+def threads_option() -> Any:
+    """The one declaration of ``--threads`` (a dataclass field): :class:`ThreadOptions`' and
+    the jobs' (``JobConfig.threads``)."""
+    return option(None, kind="int", ge=1, result=False, help="torch CPU threads (none: the "
+                  "cores other processes leave free, re-fitted while the job runs; "
+                  "OMP_NUM_THREADS when set)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadOptions:
+    """``--threads`` for a command or script that is not a job (:func:`add_threads_argument`)."""
+
+    threads: int | None = threads_option()
+
+
+def add_threads_argument(p: Any, default: int | None = None) -> None:
+    """Add ``--threads`` (:func:`threads_option`) to the parser or group ``p``; ``default``:
+    this command's own (a bench script's 1). Apply the parsed value with
+    :func:`apply_threads`."""
+    add_declared(p, ThreadOptions, defaults={"threads": default})
 
 
 def prepare_openmp(environ: dict[str, str] | None = None) -> dict[str, str]:

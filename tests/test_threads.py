@@ -2,10 +2,14 @@
 environments: the default is the cores other processes leave free, an explicit count or
 OMP_NUM_THREADS is kept, and the OpenMP wait settings never override the user's."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from icqs_fast import threads
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -232,3 +236,79 @@ def test_lm_eval_backend_takes_the_policy(monkeypatch):
     with pytest.raises(Exception) as err:  # past the policy (no tokenizer to speak of)
         ICQSFastLM(model=model, tokenizer=object())
     assert not isinstance(err.value, _PolicyCalled) and len(calls) == 2
+
+
+def _threads_declarations(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(hand-written ``add_argument("--threads", ...)`` calls, ``option(...)`` declarations of a
+    ``threads`` field or of the flag) across ``root``'s icqs_fast/ and bench/."""
+    import ast
+
+    by_hand, declared = [], []
+    for p in [*sorted((root / "icqs_fast").rglob("*.py")), *sorted((root / "bench").rglob("*.py"))]:
+        where = str(p.relative_to(root))
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "add_argument" and any(
+                        isinstance(a, ast.Constant) and a.value == "--threads" for a in node.args):
+                by_hand.append(f"{where}:{node.lineno}")
+            if isinstance(node, ast.FunctionDef):
+                for call in ast.walk(node):
+                    if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "option" \
+                            and "threads" in node.name:
+                        declared.append(f"{where}:{call.lineno}")
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "threads" \
+                    and isinstance(node.value, ast.Call) \
+                    and getattr(node.value.func, "id", None) == "option":
+                declared.append(f"{where}:{node.lineno}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "option" and any(
+                    k.arg == "flag" and isinstance(k.value, ast.Constant)
+                    and k.value.value == "--threads" for k in node.keywords):
+                declared.append(f"{where}:{node.lineno}")
+    return by_hand, sorted(set(declared))
+
+
+def test_threads_is_declared_once():
+    """One declaration of --threads (threads.threads_option) for the jobs, every other command
+    and the bench scripts: no add_argument("--threads") written by hand anywhere."""
+    by_hand, declared = _threads_declarations()
+    assert by_hand == [], by_hand
+    assert len(declared) == 1 and declared[0].startswith("icqs_fast/threads.py:"), declared
+    # The jobs' field is that declaration.
+    from icqs_fast.jobs.config import JobConfig
+    from icqs_fast.options import declaration
+
+    assert declaration(JobConfig, "threads").option == declaration(
+        threads.ThreadOptions, "threads").option
+
+
+def test_the_check_finds_a_hand_written_threads_flag(tmp_path):
+    """The scan itself can fail: a bench script declaring --threads by hand is named."""
+    (tmp_path / "icqs_fast").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text(
+        'import argparse\np = argparse.ArgumentParser()\np.add_argument("--threads", type=int)\n')
+    by_hand, declared = _threads_declarations(tmp_path)
+    assert by_hand == ["bench/x.py:3"] and declared == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["audit", "--task", "summeval", "--debias", "--data", "{data}", "--threads", "1"],
+    ["eval", "sst2", "--data", "{data}", "--threads", "1"]])
+def test_a_commands_threads_reach_torch(argv, tmp_path, capsys, monkeypatch, restore_threads):
+    """audit and eval (which once called torch.set_num_threads themselves) apply --threads
+    through the one policy: the count is in force before their input is read (an empty data
+    file: exit 2 after it); without the flag, the policy's default (the free cores)."""
+    from icqs_fast import cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    data = tmp_path / "data.jsonl"
+    data.write_text("")
+    argv = [a.format(data=data) for a in argv]
+    torch.set_num_threads(2)
+    assert cli.main(argv) == 2
+    assert torch.get_num_threads() == 1
+    assert "error" in capsys.readouterr().err
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "free_cpus", lambda: 1)
+    assert cli.main(argv[:-2]) == 2 and torch.get_num_threads() == 1

@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from icqs_fast.benchmarks.roofline import count_flops, limit_fields, matmul_probe, module_times
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def profile_engine(dtype: str = "float32", n_responses: int = 16,
@@ -33,7 +32,7 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
         return ICQSScorer(model, tok, good, bad, scoring_settings(settings))
 
     if threads is not None:
-        torch.set_num_threads(threads)
+        apply_threads(threads)
     model, tok = load_model(None, dtype=dtype, device="cpu", attn_implementation="sdpa")
     good, bad = demos()
     resp = responses(n_responses)
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="where the ICQS engine's time goes on this CPU")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--responses", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None)
+    add_threads_argument(p)
     p.add_argument("--out", default=None, help="write the JSON records here")
     a = p.parse_args(argv)
     recs = [profile_engine(d, a.responses, a.threads) for d in a.dtypes.split(",")]

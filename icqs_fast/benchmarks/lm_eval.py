@@ -56,6 +56,7 @@ from icqs_fast.benchmarks import (
     equals,
     report_failures,
 )
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 TASK_NAME = "icqs_sst2_local"
 # Correctness: largest |loglik ours - HFLM| that passes (fp32 CPU records ~4e-5; --tolerance
@@ -337,8 +338,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=8, help="HFLM's batch size (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--backend", default="auto", help="token-statistics backend of ours")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; 1 is much faster on a busy box)")
+    add_threads_argument(p)
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     p.add_argument("--tolerance", type=float, default=LOGLIK_TOL,
                    help="largest max_abs_diff that passes (default %(default)g); the command "
@@ -352,12 +352,7 @@ def checks(tolerance: float = LOGLIK_TOL) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     t0 = time.perf_counter()
     rec = bench(args.limit, args.shots, args.model, data=args.data,
                 hf_batch_size=args.hf_batch_size, device=args.device, backend=args.backend)

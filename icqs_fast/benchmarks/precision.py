@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from icqs_fast.io.files import write_whole
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 VARIANTS = ("float32", "bfloat16", "bf16-mixed", "auto", "int8-dynamic")
 DATASETS = ("sst2", "fpb")
@@ -171,7 +172,7 @@ def bench(n_answers: int = 32, repeats: int = 3, variants=VARIANTS,
           threads: int | None = None, datasets=("sst2",)) -> dict[str, Any]:
     """The record (see the module docstring)."""
     if threads is not None:
-        torch.set_num_threads(threads)
+        apply_threads(threads)
     unknown = set(variants) - set(VARIANTS)
     if unknown or "float32" not in variants:
         raise ValueError(f"variants must include float32 and come from {VARIANTS}")
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)} (float32 required)")
     p.add_argument("--data", default="sst2",
                    help=f"comma-separated subset of {','.join(DATASETS)} (default sst2)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print the record as JSON")
     p.add_argument("--out", default=None, help="also write the JSON record here")
     p.add_argument("--rounding", action="store_true",
@@ -283,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         "a one-pass bf16 matmul could round, on the echo passage)")
     a = p.parse_args(argv)
     if a.rounding:
-        if a.threads is not None:
-            torch.set_num_threads(a.threads)
+        apply_threads(a.threads)
         fp32, tok, _ = load_variant("float32")
         mixed, _, _ = load_variant("bf16-mixed")
         rows = rounding_study(fp32, mixed, tok)

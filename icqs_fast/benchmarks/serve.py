@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from icqs_fast.benchmarks import emit_record, environment, serve_soak
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 TOL = 1e-4
 QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
@@ -267,16 +268,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server's chunk (default: serve's)")
     p.add_argument("--compare-unchunked", action="store_true",
                    help="run the load again without chunking: the chunk's throughput cost")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_argument(p)
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     serve_soak.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.threads))
+    apply_threads(args.threads)
     if args.soak is not None:
         try:
             rec = serve_soak.run_soak(args)

@@ -41,6 +41,7 @@ from typing import Any
 from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.io.runs import OutputLock, check_run_paths, output_policy, start_output
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 TASKS = ("summeval", "llmbar", "custom")
 
@@ -87,8 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
+    add_threads_argument(p)
     p.add_argument("--bank-mib", type=int, default=1024,
                    help="KV memory of one scoring call (default 1024)")
     p.add_argument("--sweep-seeds", type=int, default=3, help="seeds of the sweep (0: no sweep)")
@@ -229,12 +229,7 @@ def _run(args: argparse.Namespace, data: str, log) -> int:
     from icqs_fast.models import load_model, runtime_settings
 
     t0 = time.perf_counter()
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     settings = _settings(args, data)
     policy = None
     if args.memory:

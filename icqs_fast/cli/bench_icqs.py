@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from icqs_fast.cli.options import DTYPE_NAMES, MODEL_HELP
+from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,9 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "2-5k tokens), the engine with torch's attention (torch_attention_s) "
                         "against the fused kernel (fast_s), scores compared")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores other processes leave free; "
-                        "OMP_NUM_THREADS when set)")
+    add_threads_argument(p)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--cold-repeats", type=int, default=None,
                    help="runs of each side of the cold single-response comparison (median; "

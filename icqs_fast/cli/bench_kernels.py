@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.threads import add_threads_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the records as a JSON list")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per side (median)")
     p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     p.add_argument("--out", default=None, help="also write the JSON records to this file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (the cpp backend follows torch's count; default: the cores "
-                        "other processes leave free; OMP_NUM_THREADS when set)")
+    add_threads_argument(p)  # the cpp backend follows torch's count
     p.add_argument("--no-cuda", action="store_true", help="CPU records only")
     p.add_argument("--no-cpu", action="store_true",
                    help="CUDA records only (bench gpu: the CPU ones are measured elsewhere)")

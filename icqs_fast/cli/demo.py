@@ -27,6 +27,7 @@ from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.data import TEMPLATE, data_file
 from icqs_fast.io.datasets import fpb_examples
 from icqs_fast.io.readers import RecordFields, read_examples, read_records
+from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,9 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
     p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
     add_dtype_argument(p)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores other processes leave free; "
-                        "OMP_NUM_THREADS when set)")
+    add_threads_argument(p)
     p.add_argument("--fpb", action="store_true",
                    help="demonstrations from ../shared/data/fpb (Financial PhraseBank)")
     from icqs_fast.cli.options import add_calibration_arguments, add_self_check_arguments

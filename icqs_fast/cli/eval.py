@@ -31,6 +31,7 @@ from icqs_fast.cli.options import (
 )
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p)
     add_quantization_argument(p)
     add_device_map_argument(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
     p.add_argument("--stability", default=None, metavar="CONFIG",
                    help="score the test responses (largest --demos-per-set) under this run's "
@@ -157,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     ns = parse_ns(args.demos_per_set)
     if max(ns) > args.pool:
         raise ValueError(f"--demos-per-set {max(ns)} exceeds --pool {args.pool}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     path = data_path(ds, args.data)
     st = study.StudySettings(
         demos_per_set=ns, num_ratios=args.num_ratios, sets_per_ratio=args.sets, seed=args.seed,

@@ -13,6 +13,7 @@ from pathlib import Path
 from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
 from icqs_fast.evals.mtbench import ENSEMBLE_FEATURES
 from icqs_fast.io.datasets import eval_dataset
+from icqs_fast.threads import add_threads_argument, apply_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,9 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar / status lines on stderr")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is much faster on an "
-                        "oversubscribed machine)")
+    add_threads_argument(p)
 
 
 def _fmt(v: float) -> str:
@@ -65,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from icqs_fast.models import load_model
     from icqs_fast.progress import Progress
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     ds = eval_dataset("mtbench")
     data = Path(args.data) if args.data is not None else ds.default_path()
     if not data.is_dir():

@@ -12,62 +12,9 @@ from typing import Any
 
 from icqs_fast.engine.settings import DEFAULT_SCORE
 
-
-def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
-                 names: Collection[str] | None = None, exclude: Collection[str] = (),
-                 defaults: dict[str, Any] | None = None, required: bool = True) -> None:
-    """Add the declared options of the dataclass ``cls`` (:mod:`icqs_fast.options`) that have
-    a flag to ``p`` (a parser or an argument group): ``dest`` is the flag's (``--calibrate``:
-    ``args.calibrate``; read them back by field name with :func:`declared_values`), the type,
-    choices, default and help come from the declaration. ``names``: only these fields;
-    ``exclude``: not these; ``defaults``: other defaults for this command; ``required``
-    False: an option without a default is optional here (the command checks it). A bool option is a
-    switch that turns it on; a ``strs`` option is repeated (unset: the declared default)."""
-    from dataclasses import MISSING
-
-    from icqs_fast.options import declared, default_text, metavar
-
-    for d in declared(cls):
-        if d.flag is None or d.name in exclude or (names is not None and d.name not in names):
-            continue
-        default = (defaults or {}).get(d.name, d.default)
-        opt = d.option
-        # A None default is explained by the help itself ("none: the model's").
-        shown = "" if default is None else (default_text(d) if default == d.default
-                                            else str(default))
-        text = opt.help.replace("%", "%%") + (f" (default {shown})" if shown else "")
-        kw: dict[str, Any] = dict(dest=d.dest, help=text)
-        if d.default is MISSING:
-            kw["required"] = required
-        if opt.kind == "bool":
-            kw.update(action="store_true", default=bool(default))
-        elif opt.kind == "strs":
-            kw.update(action="append", default=None, metavar=metavar(d))
-        else:
-            kw.update(type={"int": int, "float": float}.get(opt.kind, str), default=default)
-            if opt.choices is not None:
-                kw["choices"] = list(opt.choices)
-            else:
-                kw["metavar"] = metavar(d)
-        p.add_argument(d.flag, **kw)
-
-
-def declared_values(args: argparse.Namespace, cls: Any, *,
-                    names: Collection[str] | None = None) -> dict[str, Any]:
-    """The parsed values of the options :func:`add_declared` added for ``cls`` (by field
-    name; a repeated option given no time is left out, so the declared default holds)."""
-    from icqs_fast.options import declared
-
-    out = {}
-    for d in declared(cls):
-        if d.flag is None or (names is not None and d.name not in names) \
-                or not hasattr(args, d.dest):
-            continue
-        v = getattr(args, d.dest)
-        if d.option.kind == "strs" and v is None:
-            continue
-        out[d.name] = v
-    return out
+# The flags of the declarations are derived in icqs_fast/options.py (bench scripts and the
+# benchmarks use them too, which may not import the CLI); the commands import them from here.
+from icqs_fast.options import add_declared, declared_values  # noqa: F401
 
 
 def add_calibration_arguments(p: argparse.ArgumentParser, default_score: str = DEFAULT_SCORE

@@ -18,6 +18,7 @@ from icqs_fast.cli.options import (
     add_dtype_argument,
     add_quantization_argument,
 )
+from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,9 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the self-check (with --good / --bad: run once before serving)"))
     add_declared(p.add_argument_group("the server (limits, scheduling)"), ServeConfig,
                  defaults={"model_name": None})  # None: --model, or 'embedded'
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores other processes leave free; "
-                   "OMP_NUM_THREADS when set)")
+    add_threads_argument(p)
     p.add_argument("--log-level", default=None,
                    help="uvicorn log level (default info; warning with --quiet)")
     p.add_argument("--quiet", action="store_true",

@@ -26,6 +26,7 @@ from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.records import FORMATS
 from icqs_fast.options import DEVICE_MAPS, QUANTIZATIONS, check_declared, declared, option
+from icqs_fast.threads import threads_option
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 ON_ERROR = ("stop", "skip")
@@ -213,9 +214,7 @@ class JobConfig:
     device_map: str = option("none", choices=DEVICE_MAPS, help="auto: the model's layers "
                              "spread over every visible GPU (for a model larger than one; "
                              "needs CUDA); none: the whole model on --device")
-    threads: int | None = option(None, kind="int", ge=1, result=False, help="torch CPU "
-                                 "threads (none: the cores other processes leave free, "
-                                 "re-fitted while the job runs; OMP_NUM_THREADS when set)")
+    threads: int | None = threads_option()
     quiet: bool = option(False, result=False, help="no progress bar / status lines / summary "
                          "on stderr")
     ray: RayOptions | None = option(None, kind="any", flag=False, result=False,
