@@ -480,8 +480,11 @@ def test_scores_stay_exact_when_a_request_sharing_the_scorer_is_cut(tiny):
     its baseline rows ran (what the deadline / disconnect check does); the second is still
     scored exactly as in-process: no chunk reuses a scorer whose caches hold work that never
     ran."""
+    import copy
+
     from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.serve.queue import Interrupted
+    from icqs_fast.serve.scoring import RequestScorer
 
     _, model, tok = tiny
     opts = {**SMALL_ICQS, "calibration": "content_free"}
@@ -491,9 +494,9 @@ def test_scores_stay_exact_when_a_request_sharing_the_scorer_is_cut(tiny):
     y = "fine " * 12
     first = [{"x": "Review: a", "y": y, "reference": None}]
     second = [{"x": f"Review: b{i}", "y": y, "reference": None} for i in range(2)]
-    held = {"make": lambda: srv.scoring.new_scorer(None, None, {})}
-    held["scorer"] = held["make"]()
-    other = dict(held)  # the second request holds the same scorer
+    held = RequestScorer(lambda: srv.scoring.new_scorer(None, None, {}))
+    held.build()
+    other = copy.copy(held)  # the second request holds the same scorer
     calls = {"n": 0}
 
     def cut_at_third(_module, _args):

@@ -35,13 +35,14 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
-from icqs_fast.jobs.score import checked_runtime
+from icqs_fast.jobs.score import checked_runtime, output_summary
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -304,3 +305,7 @@ class FeatureStrategy:
 
     def summary(self) -> FeatureSummary:
         return FeatureSummary()
+
+    def output_summary(self, out: Path) -> str:
+        """One line on the whole output after a resumed run: its records and bad records."""
+        return output_summary(out)

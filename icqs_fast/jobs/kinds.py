@@ -5,6 +5,7 @@ there are (:data:`STRATEGIES`: ``score``, ``pairs``, ``features``), found by a c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from icqs_fast.io.records import Record, RecordError
@@ -67,6 +68,9 @@ class JobStrategy(Protocol):
         """The ``pyarrow.Schema`` of a Parquet output (:func:`icqs_fast.io.schema.arrow_schema`)."""
 
     def summary(self) -> JobSummary: ...
+
+    def output_summary(self, out: Path) -> str:
+        """One line on the whole output ``out`` after a resumed run (what it holds)."""
 
 
 

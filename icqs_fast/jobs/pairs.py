@@ -164,8 +164,8 @@ class PairStrategy(ScoreStrategy):
         return arrow_schema("pairs")
 
     def summary(self) -> PairSummary:
-        check = getattr(self, "check", None)
-        good, bad = getattr(self, "good", ()), getattr(self, "bad", ())
+        check = self.check
+        good, bad = (self.demos.good, self.demos.bad) if self.demos is not None else ((), ())
         mean = [sum(len(y) for _, y in pool) / max(len(pool), 1) for pool in (good, bad)]
         return PairSummary(with_label=self.config.label_field is not None,
                            notes=check.lines() if check is not None and check.ok else (),

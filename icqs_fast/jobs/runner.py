@@ -7,10 +7,11 @@ progress and a summary.
 
     run_job(ScoreJobConfig(input="in.jsonl", output="out.jsonl", good="g.jsonl", bad="b.jsonl"))
 
-A job kind is a strategy object (:class:`JobStrategy`, found by the config's ``kind`` in
-:data:`~icqs_fast.jobs.kinds.STRATEGIES`: ``jobs.score.ScoreStrategy``, ``jobs.features.FeatureStrategy``): load the
-engine, the self-check step, compute the results of a record stream, turn one result into an
-output line, count it in the summary. An executor (:class:`Executor`) decides only where the
+A job kind is a strategy object (:class:`~icqs_fast.jobs.kinds.JobStrategy`, found by the
+config's ``kind`` in :data:`~icqs_fast.jobs.kinds.STRATEGIES`: ``jobs.score.ScoreStrategy``,
+``jobs.features.FeatureStrategy``): load the engine, the self-check step, compute the results
+of a record stream, turn one result into an output line, count it in the summary. An executor
+(:class:`Executor`) decides only where the
 forward runs and so what the output is: :class:`LocalExecutor` (this process, a results file)
 or ``jobs.ray_executor.RayExecutor`` (Ray Data actors, a folder of block files; Ray is imported
 only there). Both go through :func:`run_with` - the same policy (:func:`icqs_fast.io.runs.
@@ -21,7 +22,6 @@ output_policy`), lock, metadata and resume rules - and both write results with
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from icqs_fast.io.readers import RecordFields, read_records, read_rows
+from icqs_fast.io.readers import RecordFields, read_records
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.results import output_format, remove_parquet_output, skipped_record
 from icqs_fast.io.runs import (
@@ -335,40 +335,5 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
             return 130
     log(summary.text(strategy.done_prefix))
     if job.policy.append:  # the lines above cover this run only: say what the whole output holds
-        log(output_summary(out, label=config.label_field is not None
-                           and strategy.read_labels))
+        log(strategy.output_summary(out))
     return 0
-
-
-def output_summary(out: Path, *, label: bool = False) -> str:
-    """One line on a whole results file (after a resumed run): its records, the bad records
-    skipped in it and, for ``score`` output, the mean score (per label with ``label``)."""
-    n = skipped = 0
-    total = 0.0
-    scored = 0
-    by_label: dict[str, list[float]] = {}
-    for _, _, row in read_rows(out, optional=("score", "label", "error", "n_tokens")):
-        if "error" in row and "score" not in row and "n_tokens" not in row:
-            skipped += 1
-            continue
-        n += 1
-        score = row.get("score")
-        if isinstance(score, (int, float)):
-            scored += 1
-            total += score
-            if label:
-                key = row.get("label")
-                key = key if isinstance(key, str) else json.dumps(key)
-                s = by_label.setdefault(key, [0, 0.0])
-                s[0] += 1
-                s[1] += score
-    line = f"icqs-fast: the whole output {out} holds {n} records"
-    if scored:
-        line += f", mean score {total / scored:.4f}"
-    if skipped:
-        line += f", {skipped} bad records skipped"
-    if by_label:
-        line += "\n  mean score by label: " + ", ".join(
-            f"{k}: {v[1] / v[0]:.4f} (n={v[0]})" for k, v in sorted(by_label.items()))
-    return line
-

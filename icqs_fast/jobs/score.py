@@ -35,10 +35,12 @@ import json
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.io.readers import read_examples, read_pool_pairs
+from icqs_fast.io.readers import read_examples, read_pool_pairs, read_rows
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import resumed_dtype, resumed_meta
 from icqs_fast.io.schema import arrow_schema, icqs_row
@@ -46,8 +48,8 @@ from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
-__all__ = ["ON_ERROR", "ScoreStrategy", "Summary", "check_record", "load_template",
-           "ordered_results", "score_records"]
+__all__ = ["ON_ERROR", "DemoSets", "ScoreStrategy", "Summary", "check_record", "load_template",
+           "ordered_results", "output_summary", "score_records"]
 
 
 # --------------------------------------------------------------------------- library part
@@ -232,6 +234,51 @@ def engine_meta(scorer: Any, backend: str) -> dict:
     return plan
 
 
+@dataclass(frozen=True)
+class DemoSets:
+    """What :meth:`ScoreStrategy.prepare` reads and builds before a model loads: the
+    demonstration pools (``(x, y)`` pairs), their demonstration sets (``[M+1][L]``, the
+    scorer's ``sets``) and how they were stratified, as the run says it."""
+
+    good: list[tuple[str, str]]
+    bad: list[tuple[str, str]]
+    sets: Any
+    stratification: str
+
+
+def output_summary(out: Path, *, label: bool = False) -> str:
+    """One line on a whole results file (after a resumed run): its records, the bad records
+    skipped in it and, for ``score`` output, the mean score (per label with ``label``)."""
+    n = skipped = 0
+    total = 0.0
+    scored = 0
+    by_label: dict[str, list[float]] = {}
+    for _, _, row in read_rows(out, optional=("score", "label", "error", "n_tokens")):
+        if "error" in row and "score" not in row and "n_tokens" not in row:
+            skipped += 1
+            continue
+        n += 1
+        score = row.get("score")
+        if isinstance(score, (int, float)):
+            scored += 1
+            total += score
+            if label:
+                key = row.get("label")
+                key = key if isinstance(key, str) else json.dumps(key)
+                s = by_label.setdefault(key, [0, 0.0])
+                s[0] += 1
+                s[1] += score
+    line = f"icqs-fast: the whole output {out} holds {n} records"
+    if scored:
+        line += f", mean score {total / scored:.4f}"
+    if skipped:
+        line += f", {skipped} bad records skipped"
+    if by_label:
+        line += "\n  mean score by label: " + ", ".join(
+            f"{k}: {v[1] / v[0]:.4f} (n={v[0]})" for k, v in sorted(by_label.items()))
+    return line
+
+
 class ScoreStrategy:
     """``score``'s part of the job runner (:mod:`icqs_fast.jobs.runner`): an ICQSScorer over
     the records, one :func:`icqs_fast.io.schema.icqs_row` line each, a :class:`Summary` with
@@ -246,28 +293,33 @@ class ScoreStrategy:
     def __init__(self, config: ScoreJobConfig) -> None:
         self.config = config
         self.scorer: Any = None
+        self.demos: DemoSets | None = None  # prepare's (a Ray actor gets the driver's)
+        self.check: Any = None  # the SelfCheck in force (use_self_check)
 
-    def prepare(self, log: Callable[..., None]) -> None:
-        """What needs no model: read the demonstration files, build the settings and the
-        demonstration sets (pool sizes, strata: errors before the model loads; the scorer
-        takes these sets), and say which stratification was used."""
+    @property
+    def settings(self) -> ScoringSettings:
+        """The run's one ScoringSettings: built once by the command, used unchanged."""
+        return self.config.scoring
+
+    def prepare(self, log: Callable[..., None]) -> DemoSets:
+        """What needs no model: read the demonstration files and build the demonstration
+        sets (pool sizes, strata: errors before the model loads; the scorer takes these sets),
+        and say which stratification was used; kept as :attr:`demos`."""
         from icqs_fast.engine.prompts import TooFewExamples, build_demo_sets
 
         c = self.config
         if c.good_bad_pairs is not None:
-            self.good, self.bad = read_pool_pairs(c.good_bad_pairs, c.pair_fields(demos=True),
-                                                  encoding=c.encoding)
+            good, bad = read_pool_pairs(c.good_bad_pairs, c.pair_fields(demos=True),
+                                        encoding=c.encoding)
         else:
             ex_kw = dict(x_field=c.demo_x_field, y_field=c.demo_y_field, encoding=c.encoding)
-            self.good = read_examples(c.good, **ex_kw)
-            self.bad = read_examples(c.bad, **ex_kw)
-        self.settings = c.scoring  # built once by the command, used unchanged
+            good = read_examples(c.good, **ex_kw)
+            bad = read_examples(c.bad, **ex_kw)
         try:
-            self.sets = build_demo_sets(self.good, self.bad,
-                                        **self.settings.demo_set_options())
+            sets = build_demo_sets(good, bad, **self.settings.demo_set_options())
         except TooFewExamples as exc:  # said with the flags the user gave them by
             raise ValueError(exc.say(self.flag_of)) from None
-        strata = self.sets[0][0].strata
+        strata = sets[0][0].strata
         chosen = self.settings.stratify
         if strata is None:
             how = "unstratified"
@@ -280,8 +332,9 @@ class ScoreStrategy:
         # The --stratify-field value this setting comes from (a field name is resolved into
         # its values by the command).
         spec = chosen if chosen in ("auto", "y") else "none" if chosen is None else "FIELD"
-        self.stratification = f"{how} (--stratify-field {spec})"
-        log(f"icqs-fast: demonstration sets {self.stratification}")
+        self.demos = DemoSets(good, bad, sets, f"{how} (--stratify-field {spec})")
+        log(f"icqs-fast: demonstration sets {self.demos.stratification}")
+        return self.demos
 
     def flag_of(self, name: str, value: Any) -> str:
         """The scoring option ``name`` set to ``value`` as a command line gives it
@@ -296,14 +349,13 @@ class ScoreStrategy:
         from icqs_fast.engine.scorer import ICQSScorer
 
         c = self.config
-        if not hasattr(self, "settings"):
-            self.prepare(log)
-        good, bad = self.good, self.bad
+        demos = self.demos if self.demos is not None else self.prepare(log)
+        good, bad = demos.good, demos.bad
         t_load = time.perf_counter()
         model, tok = c.load_model(resumed_dtype(policy, c.dtype))
         t_load = time.perf_counter() - t_load
         meta.update(checked_runtime(model, self.settings.backend))  # checked by the runner
-        self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=self.sets)
+        self.scorer = ICQSScorer(model, tok, good, bad, self.settings, sets=demos.sets)
         meta["engine"] = engine_meta(self.scorer, meta["backend"])
         # Before the first forward: a bank that cannot fit is refused with its numbers, and
         # forwards too large for what is left are split (a lower token budget).
@@ -339,6 +391,7 @@ class ScoreStrategy:
         from icqs_fast.progress import track
 
         c = self.config
+        demos = self.demos if self.demos is not None else self.prepare(log)
         old = resumed_meta(policy)
         if old is not None:
             if "self_check" not in old:
@@ -352,8 +405,8 @@ class ScoreStrategy:
             kw["job_records"] = (self.job_records(policy, kw["max_heldout"])
                                  if kw["max_heldout"] == DEFAULT_MAX_HELDOUT else None)
             n = sized_max_heldout(kw["max_heldout"], kw["job_records"])
-            if n == 0 or too_small(len(self.good), len(self.bad), n):
-                check = run_self_check(None, self.good, self.bad, **kw)  # scores nothing
+            if n == 0 or too_small(len(demos.good), len(demos.bad), n):
+                check = run_self_check(None, demos.good, demos.bad, **kw)  # scores nothing
             elif run is not None:
                 check = SelfCheck.from_dict(run())
             else:
@@ -361,7 +414,7 @@ class ScoreStrategy:
                     return track(it, total=total, desc="self-check", unit="item",
                                  quiet=c.quiet)
 
-                check = run_self_check(self.scorer, self.good, self.bad, progress=bar,
+                check = run_self_check(self.scorer, demos.good, demos.bad, progress=bar,
                                        cache=JsonCache("selfcheck"), **kw)
             for line in check.lines():
                 log(f"icqs-fast: {line}")
@@ -415,6 +468,12 @@ class ScoreStrategy:
         return arrow_schema("icqs")
 
     def summary(self) -> Summary:
-        check = getattr(self, "check", None)
+        check = self.check
         return Summary(with_label=self.config.label_field is not None,
                        notes=check.lines() if check is not None and check.ok else ())
+
+    def output_summary(self, out: Path) -> str:
+        """One line on the whole output after a resumed run (:func:`output_summary`: the
+        mean score, per label with ``--label-field``)."""
+        return output_summary(out, label=self.config.label_field is not None
+                              and self.read_labels)

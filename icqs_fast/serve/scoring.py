@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -62,6 +62,26 @@ def plain_path(model: Any) -> bool:
 
 def _pool(items: list) -> list[tuple[str, str]]:
     return [(it[0], it[1]) if isinstance(it, list) else (it.x, it.y) for it in items]
+
+
+class RequestScorer:
+    """One ``/v1/score`` request's ICQS scorer: built by the request's first unit (its
+    demonstration prefixes) and used by each of its chunks; made again (``make``) when another
+    request's chunk cut it mid-forward (its bank is then freed)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.scorer: Any = None
+
+    def build(self) -> None:
+        """Make the scorer (the request's first unit)."""
+        self.scorer = self.make()
+
+    def current(self, cut: Container[Any]) -> Any:
+        """The scorer, made first when there is none yet or it is in ``cut``."""
+        if self.scorer is None or self.scorer in cut:
+            self.scorer = self.make()
+        return self.scorer
 
 
 class Scoring:
@@ -159,18 +179,15 @@ class Scoring:
             if scorer is self._scorer:
                 self._scorer = None
 
-    def score_chunk(self, records: list[dict], offset: int, held: dict | None,
+    def score_chunk(self, records: list[dict], offset: int, held: RequestScorer | None,
                     features: list[str] | None) -> list[ScoreItem]:
         """Scores and features of one chunk of records (``offset``: the first one's index;
-        ``held``: the request's ``scorer`` and how to ``make`` one again, None without
-        ICQS)."""
+        ``held``: the request's scorer, None without ICQS)."""
         icqs: list[IcqsScore | None] = [None] * len(records)
         feats: list[dict | None] = [None] * len(records)
         scorer = None
         if held is not None:
-            scorer = held.get("scorer")
-            if scorer is None or scorer in self._cut:  # another request's chunk cut it
-                scorer = held["scorer"] = held["make"]()
+            scorer = held.current(self._cut)  # made again if another request's chunk cut it
             try:
                 icqs = [icqs_item(res) for res in scorer.score([(r["x"], r["y"])
                                                                 for r in records])]
@@ -288,13 +305,11 @@ class Scoring:
             return score_price([rec_tokens[i]], rows, bool(feats), context_tokens, 0,
                                self.plain)
 
-        held: dict[str, Any] | None = None
+        scorer: RequestScorer | None = None
         units: list[Unit] = []
         if want_icqs:  # the demonstration prefixes: once, before the records' chunks
-            box: dict[str, Any] = {"make": lambda: self.new_scorer(good, bad, options)}
-            units.append(Unit("call", context_tokens * n_contexts,
-                              lambda: box.update(scorer=box["make"]())))
-            held = box
+            scorer = RequestScorer(lambda: self.new_scorer(good, bad, options))
+            units.append(Unit("call", context_tokens * n_contexts, scorer.build))
         start = 0
         while start < len(records):
             end, total = start + 1, cost(start)
@@ -302,7 +317,7 @@ class Scoring:
                 total += cost(end)
                 end += 1
             units.append(Unit("call", total, lambda a=start, b=end: self.score_chunk(
-                records[a:b], a, held, feats), end - start))
+                records[a:b], a, scorer, feats), end - start))
             start = end
         parts = await self.dispatcher.run(units, len(records), request)
         data = [o for part in parts[1 if want_icqs else 0:] for o in part]
@@ -312,4 +327,4 @@ class Scoring:
                              self_check=self.check.summary_dict() if own else None)
 
 
-__all__ = ["Scoring", "icqs_item", "plain_path"]
+__all__ = ["RequestScorer", "Scoring", "icqs_item", "plain_path"]
