@@ -6,8 +6,9 @@
     run_job(ScoreJobConfig(input="in.jsonl", output="out.jsonl", good="g.jsonl", bad="b.jsonl"))
 
 Here, above :mod:`icqs_fast.jobs.runner`, because each executor's module builds on the runner
-(:mod:`icqs_fast.jobs.ray_executor` uses its loop): the registry of executors
-(:data:`EXECUTOR_RUNS`) imports them, and Ray only when a job asks for it.
+(:mod:`icqs_fast.jobs.ray_executor` uses its loop): the local run is called directly, the
+other executors are imported from their registry (:data:`EXECUTOR_RUNS`) when a job asks for
+one (Ray only then).
 """
 
 from __future__ import annotations
@@ -15,18 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from icqs_fast.jobs.config import EXECUTORS, JobConfig
-from icqs_fast.jobs.runner import Log
+from icqs_fast.jobs.runner import Log, run_local
 from icqs_fast.registry import Registry
 
-# Each executor's entry point (``JobConfig.executor``) by name, imported when a job asks for it:
-# ``(config, *, log, stats) -> exit code``.
+# The entry point of each executor but the local one (``JobConfig.executor``), imported when a
+# job asks for it: ``(config, *, log, stats) -> exit code``.
 EXECUTOR_RUNS: Registry[Callable[..., int]] = Registry("executor")
-
-
-@EXECUTOR_RUNS.add("local")
-def _local() -> Callable[..., int]:
-    from icqs_fast.jobs.runner import run_local
-    return run_local
 
 
 @EXECUTOR_RUNS.add("ray")
@@ -49,4 +44,6 @@ def run_job(config: JobConfig, *, executor: str | None = None, log: Log | None =
     executor = executor or config.executor
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if executor == "local":  # this process: the runner, imported already (a direct call)
+        return run_local(config, log=log, stats=stats)
     return EXECUTOR_RUNS.get(executor)(config, log=log, stats=stats)
