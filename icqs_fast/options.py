@@ -271,6 +271,21 @@ def metavar(d: Declared) -> str:
 # --------------------------------------------------------------------------- flags
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputOptions:
+    """A flag of many commands that belongs to no settings object, declared once:
+    :func:`add_json_argument` adds it (``args.json``)."""
+
+    json: bool = option(False, result=False, help="print one JSON document instead")
+
+
+def add_json_argument(p: argparse.ArgumentParser | Any, help: str | None = None  # noqa: A002
+                      ) -> None:
+    """``--json`` (:class:`OutputOptions`); ``help``: what this command prints, in place of
+    "print one JSON document instead"."""
+    add_declared(p, OutputOptions, helps=None if help is None else {"json": help})
+
+
 def add_declared(p: argparse.ArgumentParser | Any, cls: Any, *,
                  names: Collection[str] | None = None, exclude: Collection[str] = (),
                  defaults: dict[str, Any] | None = None, required: bool = True,
@@ -327,7 +342,8 @@ def declared_values(args: argparse.Namespace, cls: Any, *,
 
 
 __all__ = ["DEVICE_MAPS", "OPTION_KEY", "QUANTIZATIONS",
-           "Declared", "Option", "add_declared", "bounds_text", "check_declared",
+           "Declared", "Option", "OutputOptions", "add_declared", "add_json_argument",
+           "bounds_text", "check_declared",
            "check_value", "declaration", "declared", "declared_values", "default_text",
            "metavar", "option",
            "options_table"]

@@ -208,8 +208,8 @@ def linear_token_stats(
     the peak while :func:`merge_partials` folds them in float64, plus ``O(N)`` per-row vectors;
     never ``[N, V]`` nor ``[N, H]``.
     """
-    from icqs_fast.kernels.launch import triton_interpreting
     from icqs_fast.kernels import linear_token_stats as _k
+    from icqs_fast.kernels.launch import triton_interpreting
 
     if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
         raise TypeError(f"hidden and weight must share a float32/float16/bfloat16 dtype, got "

@@ -56,6 +56,7 @@ from icqs_fast.benchmarks import (
     equals,
     report_failures,
 )
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 TASK_NAME = "icqs_sst2_local"
@@ -328,7 +329,7 @@ def _distance_to_limit(ours: Any, calls: list, times: dict[str, float], model: A
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "").replace(":class:", "")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    add_json_argument(p, "print the record as one JSON object")
     p.add_argument("--limit", type=int, default=60, help="documents (default 60; 2 requests each)")
     p.add_argument("--shots", type=int, default=5, help="few-shot examples (default 5)")
     p.add_argument("--model", default="embedded",

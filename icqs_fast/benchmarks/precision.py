@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from icqs_fast.io.files import write_whole
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 VARIANTS = ("float32", "bfloat16", "bf16-mixed", "auto", "int8-dynamic")
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="sst2",
                    help=f"comma-separated subset of {','.join(DATASETS)} (default sst2)")
     add_threads_argument(p)
-    p.add_argument("--json", action="store_true", help="print the record as JSON")
+    add_json_argument(p, "print the record as JSON")
     p.add_argument("--out", default=None, help="also write the JSON record here")
     p.add_argument("--rounding", action="store_true",
                    help="instead: the rounding study (rounding_study: which linears' inputs "

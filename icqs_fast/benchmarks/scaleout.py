@@ -48,6 +48,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from icqs_fast.io.files import write_whole
+from icqs_fast.options import add_json_argument
 
 ICQS_ARGS = ["--num-ratios", "3", "--demos-per-set", "4", "--sets-per-ratio", "2", "--seed",
              "0", "--dtype", "float32", "--device", "cpu"]
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="records per block (default: n / (4 x max workers), >= 1)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="cores per Ray actor")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    add_json_argument(p, "print the record as one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     p.add_argument("--cluster", type=int, default=0, metavar="K",
                    help="also run on a local K-worker-node Ray cluster (all on 127.0.0.1), "

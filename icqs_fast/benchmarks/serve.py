@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from icqs_fast.benchmarks import emit_record, environment, serve_soak
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 TOL = 1e-4
@@ -247,7 +248,7 @@ def _round(x: float | None) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    add_json_argument(p, "print the record as one JSON object")
     p.add_argument("--model", default="embedded",
                    help="'embedded' (default) or a local Hugging Face model folder")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from icqs_fast.options import add_json_argument
+
 
 def _env(pythonpath: str | None) -> dict[str, str]:
     env = dict(os.environ)
@@ -100,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pythonpath", default=None,
                    help="PYTHONPATH of the measured processes (another checkout; default: "
                         "this one's environment)")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON line")
+    add_json_argument(p, "print the record as one JSON line")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 
 from icqs_fast.benchmarks.compiler import Compiler, analyze, clean_env, interpreting
 from icqs_fast.benchmarks.peer_validation import validation_records
+from icqs_fast.options import add_json_argument
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 ARCHS = ("sm_90", "sm_80")
@@ -235,7 +236,7 @@ def _softcap_costs(records: list[dict]) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="all", choices=("sm_90", "sm_80", "all"),
                    help="target architecture (default: both)")
-    p.add_argument("--json", action="store_true", help="print the records as a JSON list")
+    add_json_argument(p, "print the records as a JSON list")
     p.add_argument("--out", default=None,
                    help="write the JSON records here (one arch) or to FILE with _sm90/_sm80 "
                         "inserted before the suffix (--arch all); default: print only")

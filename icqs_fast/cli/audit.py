@@ -38,9 +38,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
+from icqs_fast.cli.options import (
+    add_backend_argument,
+    add_dtype_argument,
+    add_model_arguments,
+    add_quiet_argument,
+)
 from icqs_fast.io.runs import OutputLock, check_run_paths, output_policy, start_output
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 TASKS = ("summeval", "llmbar", "custom")
@@ -84,10 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--calibrate; default none)")
     p.add_argument("--icqs-score", default="argmax", choices=list(SCORE_KINDS),
                    help="ICQS evaluator: argmax ratio (default) or posterior-mean score")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(p)
     add_dtype_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    add_model_arguments(p, ("device",))
+    add_backend_argument(p)
     add_threads_argument(p)
     p.add_argument("--bank-mib", type=int, default=1024,
                    help="KV memory of one scoring call (default 1024)")
@@ -105,12 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pairwise tasks: do not judge the held-out pairs swapped (no flip rate)")
     p.add_argument("--bootstrap", type=int, default=1000,
                    help="bootstrap resamples of the judge-bias intervals (default 1000)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    add_json_argument(p, "print the report as JSON on stdout")
     p.add_argument("--plot", default=None, help="folder for PNG plots")
     p.add_argument("--resume", action="store_true", help="continue the rounds of --memory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --memory")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bar / status lines on stderr")
+    add_quiet_argument(p, "no progress bar / status lines on stderr")
     g = p.add_argument_group("custom task")
     g.add_argument("--task-field", default="x", help="field with the task (default x)")
     g.add_argument("--response-field", default="y", help="field with the response (default y)")

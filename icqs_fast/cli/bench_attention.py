@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the record as JSON")
+    add_json_argument(p, "print the record as JSON")
     p.add_argument("--seq-len", type=int, default=1024,
                    help="input tokens (instruction = first half, response = second half)")
     p.add_argument("--repeat", type=int, default=3, help="timed repeats per side (median)")

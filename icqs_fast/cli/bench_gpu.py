@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.options import add_json_argument
+
 
 def _gpu_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None,
@@ -32,7 +34,7 @@ def _dry_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", default=None,
                    help="with --dry-run: comma-separated subset of bench_gpu,engine,features,"
                         "audit,lm_eval (default: all)")
-    p.add_argument("--json", action="store_true", help="with --dry-run: print the JSON report")
+    add_json_argument(p, "with --dry-run: print the JSON report")
     p.add_argument("--out", default=None, help="with --dry-run: also write the JSON report here")
 
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import argparse
 
-from icqs_fast.cli.options import DTYPE_NAMES, MODEL_HELP
+from icqs_fast.cli.options import DTYPE_NAMES, add_model_arguments
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("icqs-fast bench icqs: the ICQS engine (ICQSScorer) against the naive method "
                      "(one full forward per response and demonstration set), side by side")
-    p.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    add_json_argument(p, "print the record as one JSON object")
     p.add_argument("--responses", type=int, default=None,
                    help="responses to score (default 64; 2 with --inputs long)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(p)
     p.add_argument("--random-weights", action="store_true",
                    help="a random-weight model of --config instead of the embedded model")
     p.add_argument("--config", default="llama-1b",

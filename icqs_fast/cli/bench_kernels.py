@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the records as a JSON list")
+    add_json_argument(p, "print the records as a JSON list")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per side (median)")
     p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     p.add_argument("--out", default=None, help="also write the JSON records to this file")

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.cli.options import (
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scoring_arguments(p, demos_required=False)  # not with --from-output
     add_self_check_arguments(p, switch=False)
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json_argument(p)
     p.add_argument("--from-output", default=None, metavar="OUT",
                    help="show the self-check a score run stored in the meta file of its output "
                    "OUT (a results file or a --ray folder) instead of running one; no model "

@@ -23,22 +23,21 @@ import json
 import sys
 import time
 
-from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
+from icqs_fast.cli.options import add_declared, add_dtype_argument, add_model_arguments
 from icqs_fast.data import TEMPLATE, data_file
+from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.datasets import fpb_examples
 from icqs_fast.io.readers import RecordFields, read_examples, read_records
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
-    p.add_argument("--num-ratios", type=int, default=5, help="M+1 (default 5)")
-    p.add_argument("--demos-per-set", type=int, default=8, help="N (default 8)")
-    p.add_argument("--sets-per-ratio", type=int, default=4, help="L (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration sets (default 0)")
-    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    add_model_arguments(p)
+    add_json_argument(p)
+    add_declared(p, ScoringSettings, names=("num_ratios", "demos_per_set", "sets_per_ratio",
+                                            "seed", "backend"))
     add_dtype_argument(p)
     add_threads_argument(p)
     p.add_argument("--fpb", action="store_true",

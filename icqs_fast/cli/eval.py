@@ -23,14 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from icqs_fast.cli.options import (
-    MODEL_HELP,
+    add_backend_argument,
     add_calibration_arguments,
     add_device_map_argument,
     add_dtype_argument,
+    add_model_arguments,
     add_quantization_argument,
+    add_quiet_argument,
 )
 from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 
@@ -41,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None,
                    help="the dataset file, or a folder holding it (directly or in a "
                         f"{folders} subfolder); default ../shared/data/...")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_model_arguments(p)
+    add_json_argument(p, "print one JSON document")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="write the PNG figures to DIR (with --pool-json: the pooled "
                         "comparison's figure)")
@@ -82,12 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baselines", action="store_true", help="ICQS only (no ICL, Ask LLM)")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples for the 95%% intervals (default 1000)")
-    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    add_backend_argument(p)
     add_dtype_argument(p)
     add_quantization_argument(p)
     add_device_map_argument(p)
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress report on stderr")
+    add_quiet_argument(p, "no progress report on stderr")
     p.add_argument("--stability", default=None, metavar="CONFIG",
                    help="score the test responses (largest --demos-per-set) under this run's "
                         "--dtype/--backend and again under CONFIG, and print how every score "

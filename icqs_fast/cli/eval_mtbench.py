@@ -10,9 +10,16 @@ import sys
 import time
 from pathlib import Path
 
-from icqs_fast.cli.options import MODEL_HELP, add_dtype_argument
+from icqs_fast.cli.options import (
+    add_declared,
+    add_dtype_argument,
+    add_model_arguments,
+    add_quiet_argument,
+)
 from icqs_fast.evals.mtbench import ENSEMBLE_FEATURES
 from icqs_fast.io.datasets import eval_dataset
+from icqs_fast.jobs.config import FeatureJobConfig
+from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 
@@ -22,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ds = eval_dataset("mtbench")
     p.add_argument("--data", default=None,
                    help=f"MT-Bench folder (default ../shared/data/{ds.default})")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json_argument(p)
     p.add_argument("--limit", type=int, default=None,
                    help="score N judged answers spread evenly over the set (default: all)")
-    p.add_argument("--model", default=None, help="evaluator: " + MODEL_HELP)
+    add_model_arguments(p, what="evaluator: ")
     p.add_argument("--features", nargs="+", default=list(ALL_FEATURES),
                    choices=list(ALL_FEATURES) + list(ENSEMBLE_FEATURES), metavar="FEATURE",
                    help=f"features (default all of {' '.join(ALL_FEATURES)}; "
@@ -40,10 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=4,
                    help="answers per padded forward for the glass-box features (default 4); "
                         "the prompt ensemble puts one answer's members in each forward")
-    p.add_argument("--backend", default="auto", help="auto, torch, cpp, triton")
+    add_declared(p, FeatureJobConfig, names=("backend",))
     add_dtype_argument(p)
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bar / status lines on stderr")
+    add_quiet_argument(p, "no progress bar / status lines on stderr")
     add_threads_argument(p)
 
 

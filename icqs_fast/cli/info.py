@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "versions, device, available backends and the dtype --dtype auto picks"
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json_argument(p, "print JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("the packaged models --model takes by name (installed or not, converted "
                      "or not) and the model cache's contents, with sizes")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json_argument(p)
 
 
 def _mb(n: int) -> str:

@@ -173,13 +173,37 @@ def score_config(args: argparse.Namespace, **job: Any) -> Any:
     return dataclasses.replace(config, scoring=scoring_settings(args, config))
 
 
+def add_model_arguments(p: argparse.ArgumentParser, names: Collection[str] = ("model",), *,
+                        what: str = "") -> None:
+    """The model options of a command that loads a model outside a job (``demo``, ``eval``,
+    ``audit``, ``serve``, ``bench icqs``), declared once with the jobs' (``--model``,
+    ``--device``: :class:`~icqs_fast.jobs.config.JobConfig`); ``what``: what the model is here
+    ("evaluator: "), said before ``--model``'s help."""
+    from icqs_fast.jobs.config import JobConfig
+    from icqs_fast.options import declaration
+
+    helps = {"model": what + declaration(JobConfig, "model").option.help} if what else None
+    add_declared(p, JobConfig, names=names, helps=helps)
+
+
+def add_quiet_argument(p: argparse.ArgumentParser, help: str) -> None:  # noqa: A002
+    """``--quiet``, declared once (:class:`~icqs_fast.jobs.config.JobConfig`), with ``help``:
+    what this command then leaves unsaid."""
+    from icqs_fast.jobs.config import JobConfig
+
+    add_declared(p, JobConfig, names=("quiet",), helps={"quiet": help})
+
+
+def add_backend_argument(p: argparse.ArgumentParser) -> None:
+    """``--backend``, the engine's (:class:`~icqs_fast.engine.settings.ScoringSettings`), for
+    the commands that build a scorer outside a job (``demo``, ``eval``, ``audit``)."""
+    from icqs_fast.engine import settings
+
+    add_declared(p, settings.ScoringSettings, names=("backend",))
+
+
 # The names icqs_fast.models.choose_dtype accepts (written out: the models module imports torch,
 # which `--help` must not; tests/test_dtype_choice.py checks that the two agree).
-# The help of a command's own --model flag (score and features declare theirs in jobs/config.py).
-MODEL_HELP = ("a Hugging Face model folder, a GGUF file (or a folder holding one), or a packaged "
-              "model's name (icqs-fast models; default: the embedded SmolLM2-135M)")
-
-
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "bf16-mixed", "mixed",
                "bf16-products", "float16", "fp16")
 

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from icqs_fast.cli.options import add_quiet_argument
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.io.records import FORMATS
@@ -39,12 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truth-field", default="truth",
                    help="field with the true quality in a --truth table (default: truth)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/ranking.png")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json_argument(p)
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     p.add_argument("--encoding", default="utf-8", help="text encoding (default: utf-8)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar / status lines")
+    add_quiet_argument(p, "no progress bar / status lines")
 
 
 def _f(v: float | None, spec: str = ".4f") -> str:

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from icqs_fast.options import add_json_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0].replace("``", "")
@@ -29,8 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "probability distributions (KS, PSI), self-checks, and the records in both")
     p.add_argument("--fail-on-drift", action="store_true",
                    help="exit 1 when the runs differ beyond noise (needs --baseline)")
-    p.add_argument("--json", action="store_true",
-                   help="print the drift comparison (or the page's figures) as JSON")
+    add_json_argument(p, "print the drift comparison (or the page's figures) as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,10 +13,11 @@ import sys
 from typing import Any
 
 from icqs_fast.cli.options import (
-    MODEL_HELP,
     add_device_map_argument,
     add_dtype_argument,
+    add_model_arguments,
     add_quantization_argument,
+    add_quiet_argument,
 )
 from icqs_fast.threads import add_threads_argument
 
@@ -27,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from icqs_fast.serve.config import ServeConfig
 
     p.description = __doc__.split("\n\n")[0].replace("``", "")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(p)
     add_dtype_argument(p)
     add_quantization_argument(p)
     add_device_map_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    add_model_arguments(p, ("device",))
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs --api-key)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -47,9 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_argument(p)
     p.add_argument("--log-level", default=None,
                    help="uvicorn log level (default info; warning with --quiet)")
-    p.add_argument("--quiet", action="store_true",
-                   help="only errors on stderr: no access log, no start-up lines, no model "
-                   "loading or conversion progress")
+    add_quiet_argument(p, "only errors on stderr: no access log, no start-up lines, no model "
+                       "loading or conversion progress")
 
 
 def served_options() -> tuple[str, ...]:
