@@ -10,13 +10,13 @@ progress and a summary.
 A job kind is a strategy object (:class:`~icqs_fast.jobs.kinds.JobStrategy`, found by the
 config's ``kind`` in :data:`~icqs_fast.jobs.kinds.STRATEGIES`: ``jobs.score.ScoreStrategy``,
 ``jobs.features.FeatureStrategy``): load the engine, the self-check step, compute the results
-of a record stream, turn one result into an output line, count it in the summary. An executor
-(:class:`Executor`) decides only where the
-forward runs and so what the output is: :class:`LocalExecutor` (this process, a results file)
-or ``jobs.ray_executor.RayExecutor`` (Ray Data actors, a folder of block files; Ray is imported
-only there). Both go through :func:`run_with` - the same policy (:func:`icqs_fast.io.runs.
-output_policy`), lock, metadata and resume rules - and both write results with
-:func:`stream_results` into the writers of :mod:`icqs_fast.io.results`.
+of a record stream, turn one result into an output line, count it in the summary. Where the
+forward runs decides only what the output is: :func:`run_local` (this process, a results file:
+:class:`LocalOutput`) or an :class:`Executor` through :func:`run_with`
+(``jobs.ray_executor.RayExecutor``: Ray Data actors, a folder of block files; Ray is imported
+only there). Both start with :func:`start_job` and :func:`locked_output` - the same checks,
+policy (:func:`icqs_fast.io.runs.output_policy`), lock, metadata and resume rules - and both
+write results with :func:`stream_results` into the writers of :mod:`icqs_fast.io.results`.
 """
 
 from __future__ import annotations
@@ -63,17 +63,22 @@ class JobRun:
     stats: dict  # the executor's run figures (filled by the Ray executor)
 
 
-class Executor(Protocol):
-    """Where a job's forward runs (see the module docstring)."""
+class OutputPlace(Protocol):
+    """Where a job's results go: this process's results file (:class:`LocalOutput`) or an
+    executor's (see the module docstring)."""
 
     def check(self, config: JobConfig) -> None:
-        """Refuse options this executor cannot run, before anything is read."""
+        """Refuse options this place cannot run, before anything is read."""
 
     def target(self, config: JobConfig, log: Log) -> RunTarget:
         """The output (an :class:`~icqs_fast.io.runs.RunTarget`)."""
 
     def layout_key(self, config: JobConfig) -> dict:
-        """Keys this executor adds to the job's resume key (its output layout)."""
+        """Keys this place adds to the job's resume key (its output layout)."""
+
+
+class Executor(OutputPlace, Protocol):
+    """Where a job's forward runs when not in this process (see the module docstring)."""
 
     def run(self, job: JobRun) -> int:
         """Compute and write the results; the exit code."""
@@ -119,17 +124,39 @@ def stderr_log(quiet: bool) -> Log:
 
 def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
              stats: dict | None = None) -> int:
-    """Run ``config``'s job with ``executor``: the checks, the strategy's preparation, the
-    output's lock and policy (new, resumed or replaced: :func:`~icqs_fast.io.runs.output_policy`),
-    then :meth:`Executor.run`. An OS error on the output is an :class:`OutputError`."""
+    """Run ``config``'s job with ``executor``: the checks and the strategy's preparation
+    (:func:`start_job`), the output's lock and policy (:func:`locked_output`), then
+    :meth:`Executor.run`. An OS error on the output is an :class:`OutputError`."""
+    strategy = strategy_for(config)
+    log = start_job(config, strategy, executor, log)
+    with locked_output(config, executor, log) as (policy, meta):
+        return executor.run(JobRun(config, strategy, policy, meta, log,
+                                   stats if stats is not None else {}))
+
+
+def start_job(config: JobConfig, strategy: JobStrategy, executor: OutputPlace,
+              log: Log | None) -> Log:
+    """What every run of ``config`` with the ``strategy`` of its job kind
+    (:func:`~icqs_fast.jobs.kinds.strategy_for`) does first, before the output is touched: the
+    executor's and the paths' checks, the input's first record and the strategy's preparation
+    (what needs no model: score's demonstration sets). Returns the log (``log`` or
+    stderr's)."""
     executor.check(config)
     log = log or stderr_log(config.quiet)
     check_run_paths(config.input, config.resume, config.overwrite, config.format)
-    strategy = strategy_for(config)
     # Whole-file errors before anything is written or loaded (a strategy whose records are
     # not plain ones, such as pairs, reads its own).
     getattr(strategy, "peek_input", peek_input)(config)
-    strategy.prepare(log)  # what needs no model (score: the demonstration sets)
+    strategy.prepare(log)
+    return log
+
+
+@contextlib.contextmanager
+def locked_output(config: JobConfig, executor: OutputPlace, log: Log
+                  ) -> Iterator[tuple[OutputPolicy, dict]]:
+    """The output's lock held, and its policy (new, resumed or replaced:
+    :func:`~icqs_fast.io.runs.output_policy`) with the metadata it was decided on; an OS
+    error on the output, here or in the body, is an :class:`OutputError`."""
     try:
         target = executor.target(config, log)
         # Held until this process ends (or crashes: the OS drops it), before the output is
@@ -139,10 +166,9 @@ def run_with(config: JobConfig, executor: Executor, *, log: Log | None = None,
             # Fail fast on other settings, before the model is loaded; the rest is checked
             # once it is.
             policy = output_policy(target, meta, resume=config.resume,
-                               overwrite=config.overwrite, upgrade=config.upgrade_meta,
-                               labels=config.key_labels())
-            job = JobRun(config, strategy, policy, meta, log, stats if stats is not None else {})
-            return executor.run(job)
+                                   overwrite=config.overwrite, upgrade=config.upgrade_meta,
+                                   labels=config.key_labels())
+            yield policy, meta
     except OSError as exc:
         if not is_output_error(exc, config.output):
             raise
@@ -219,35 +245,24 @@ def set_threads(threads: int | None) -> None:
 
 
 def run_local(config: JobConfig, *, log: Log | None = None, stats: dict | None = None) -> int:
-    """Run ``config``'s job in this process (:class:`LocalExecutor`); the exit code."""
-    return run_with(config, LocalExecutor(), log=log, stats=stats)
-
-
-class LocalExecutor:
-    """The forward in this process; the output is a results file (JSONL or Parquet)."""
-
-    def check(self, config: JobConfig) -> None:
-        config.check()
-
-    def target(self, config: JobConfig, log: Log) -> RunTarget:
-        make_output_folder(config.output, log)
-        return FileTarget(config.output)
-
-    def layout_key(self, config: JobConfig) -> dict:
-        return {}
-
-    def run(self, job: JobRun) -> int:
-        """The job in this process, its output lock held."""
-        config, strategy, policy, meta = job.config, job.strategy, job.policy, job.meta
+    """Run ``config``'s job in this process (the output a results file: :class:`LocalOutput`);
+    the exit code (``stats``: an executor's figures, none here). The steps of :func:`run_with`
+    (the job kind's strategy, :func:`start_job`, :func:`locked_output`), then the model, the
+    self-check and the results here, in one function a reader (or a static walk) follows from
+    the job's options into the engine."""
+    place = LocalOutput()
+    strategy = strategy_for(config)
+    log = start_job(config, strategy, place, log)
+    with locked_output(config, place, log) as (policy, meta):
         start, stop, total = input_range(config.input, config.format, config.encoding,
                                          config.shard, policy, align=strategy.align)
         set_threads(config.threads)
         if config.quiet:
             quiet_transformers()
         try:
-            strategy.load(policy, meta, job.log)
+            strategy.load(policy, meta, log)
             check_runtime(policy, meta)
-            check = strategy.self_check(policy, job.log)
+            check = strategy.self_check(policy, log)
         except BaseException:
             # The output is not touched before start_output: only the lock file is new here
             # (an unloadable model, other settings, Ctrl-C during the self-check).
@@ -255,7 +270,7 @@ class LocalExecutor:
             raise
         if check is not None:
             meta["self_check"] = check
-        start_output(policy, meta, job.log)
+        start_output(policy, meta, log)
 
         # Resuming: read again from the first record of the chunk the run stopped in (a
         # chunked job recomputes its records in the same batches, writing only those after
@@ -273,11 +288,26 @@ class LocalExecutor:
 
         summary = strategy.summary()
         try:
-            return _write_results(job, records, summary, start, total)
+            return _write_results(config, strategy, policy, log, records, summary, start, total)
         except InputError:
             if nothing_written(policy, summary):
                 remove_output(Path(config.output))  # nothing was written: leave nothing
             raise
+
+
+class LocalOutput:
+    """The output of a job run in this process (:func:`run_local`): a results file (JSONL or
+    Parquet)."""
+
+    def check(self, config: JobConfig) -> None:
+        config.check()
+
+    def target(self, config: JobConfig, log: Log) -> RunTarget:
+        make_output_folder(config.output, log)
+        return FileTarget(config.output)
+
+    def layout_key(self, config: JobConfig) -> dict:
+        return {}
 
 
 def nothing_written(policy: OutputPolicy, summary: JobSummary) -> bool:
@@ -302,12 +332,12 @@ def remove_lock(out: Path) -> None:
         Path(f"{out}.lock").unlink()
 
 
-def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary: JobSummary,
-                   start: int, total: int) -> int:
+def _write_results(config: JobConfig, strategy: JobStrategy, policy: OutputPolicy, log: Log,
+                   records: Iterable[Record | RecordError], summary: JobSummary, start: int,
+                   total: int) -> int:
     from icqs_fast.progress import track
 
-    config, strategy, log = job.config, job.strategy, job.log
-    out = job.policy.out
+    out = policy.out
 
     total //= getattr(strategy, "records_per_result", 1)  # e.g. two records make a pair
 
@@ -315,14 +345,14 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
         return track(results, total=total if total >= 0 else None, desc=strategy.desc,
                      unit=getattr(strategy, "unit", "record"), quiet=config.quiet)
 
-    with open_results(job.policy, schema=strategy.table_schema()) as writer:
+    with open_results(policy, schema=strategy.table_schema()) as writer:
         sink = ResultSink(writer, summary, skip=config.on_error == "skip", log=log)
         try:
             stream_results(strategy, records, sink, write_from=start, progress=bar)
         except InputError as exc:
             if not isinstance(exc, RecordError):  # the whole input (e.g. empty standard input)
                 raise
-            if nothing_written(job.policy, summary):
+            if nothing_written(policy, summary):
                 raise  # the first record scored is the bad one: nothing to resume from
             log(summary.text("icqs-fast: stopped: "))
             log(f"icqs-fast: the results before the bad record are in {out}; fix it and rerun "
@@ -334,6 +364,6 @@ def _write_results(job: JobRun, records: Iterable[Record | RecordError], summary
             log(f"icqs-fast: results so far are in {out}; rerun with --resume to continue")
             return 130
     log(summary.text(strategy.done_prefix))
-    if job.policy.append:  # the lines above cover this run only: say what the whole output holds
+    if policy.append:  # the lines above cover this run only: say what the whole output holds
         log(strategy.output_summary(out))
     return 0
