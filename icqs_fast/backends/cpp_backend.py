@@ -350,6 +350,19 @@ def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
     return out
 
 
+def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.Tensor:
+    """The ``[n, k]`` weight back out of its :func:`pack_linear` layout (a copy: fp32 for
+    ``fp32`` products, bf16 values otherwise; exact, the layout only moves elements)."""
+    from icqs_fast.types import PRODUCTS
+
+    if products == PRODUCTS[0]:  # [Np/32][K][32]
+        panels = packed.view(-1, k, 32).permute(0, 2, 1)
+        return panels.reshape(-1, k)[:n].clone()
+    kp = -(-k // 32) * 32  # [Np/32][Kp/2][32][2]
+    panels = packed.view(-1, kp // 2, 32, 2).permute(0, 2, 1, 3)
+    return panels.reshape(-1, kp)[:n, :k].clone()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``

@@ -381,9 +381,9 @@ class ICQSFastLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
-        from icqs_fast.models import dtype_name
+        from icqs_fast.models import dtype_name, parameter_count
 
-        n = sum(p.numel() for p in self._model.parameters())
+        n = parameter_count(self._model)
         return {"model_num_parameters": n,
                 "model_dtype": dtype_name(self._model),
                 "model_name": str(getattr(self._model, "name_or_path", "")),

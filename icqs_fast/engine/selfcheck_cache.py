@@ -35,11 +35,13 @@ def scorer_identity(scorer: Any) -> dict[str, Any]:
     scores: its settings' fingerprint, the model's name or path, its parameter count and dtype
     (a model re-written in place under the same path and size is not told apart: clear the
     cache, ``icqs_fast.io.cache``)."""
+    from icqs_fast.models import parameter_count  # torch: only once a scorer exists
+
     model = scorer.model
     p = next(model.parameters())
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return {"settings": scorer.settings.fingerprint(), "model": str(name),
-            "n_params": int(sum(q.numel() for q in model.parameters())),
+            "n_params": parameter_count(model),
             "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
 
 
