@@ -96,7 +96,8 @@ CPU_DTYPE_ENV = "ICQS_FAST_CPU_DTYPE"
 # native dot product for it. Measured on one machine each (so named, and used only in the
 # warning's text, never to decide): an AVX2-only CPU, 32 answers x 20 contexts, 2 threads, bf16
 # 284.2 s vs fp32 51.9 s; fp16 from its matmul rate on the model's shapes against fp32's on an
-# AVX-512 CPU without avx512_fp16 / AMX-FP16 (docs/RESULTS.md, "Precision on the CPU").
+# AVX-512 CPU without avx512_fp16 / AMX-FP16 (docs/DECISIONS.md, "No bf16 without native dot
+# products").
 SLOWDOWN_WITHOUT_NATIVE = {torch.bfloat16: 5.5, torch.float16: 5.0}
 
 
@@ -517,19 +518,18 @@ def runtime_settings(model: Any, backend: str) -> dict:
 # --------------------------------------------------------------------------- bf16-mixed
 
 # oneDNN's fp32 "bf16 fpmath" mode (torch.backends.mkldnn.matmul.fp32_precision = "bf16") sends
-# fp32 F.linear / matmul to oneDNN instead of MKL's sgemm. The mode *allows* oneDNN to round
-# the operands to bf16; oneDNN 3.x does that on AMX (its "bf32" path; not measured here). On a
-# CPU with avx512_bf16 and no AMX (the AMD EPYC of docs/RESULTS.md) it rounds nothing: the
-# products are plain fp32 on oneDNN's AVX-512 kernels (relative error 3.9e-7 against float64
-# with arbitrary fp32 weights, IEEE fp32 2.5e-7; bf16-rounded activations would give 1.7e-3),
-# about 2.3x MKL's fp32 rate there (250-265 against 110 GFLOP/s, 1 thread) and half the
-# pure-bf16 rate (470-495). So bf16-mixed is bf16-valued weights in fp32 arithmetic, and its
+# fp32 F.linear / matmul to oneDNN instead of MKL's sgemm. The mode *allows* oneDNN to round the
+# operands to bf16; oneDNN 3.x does that on AMX (its "bf32" path; not measured here). On a CPU
+# with avx512_bf16 and no AMX (the AMD EPYC of bench/reports/2026-11-28-cpu-precision.md) it
+# rounds nothing: the products are plain fp32 on oneDNN's AVX-512 kernels (relative error 3.9e-7
+# against float64 with arbitrary fp32 weights, IEEE fp32 2.5e-7; bf16-rounded activations would
+# give 1.7e-3), about 2.3x MKL's fp32 rate there (250-265 against 110 GFLOP/s, 1 thread) and half
+# the pure-bf16 rate (470-495). So bf16-mixed is bf16-valued weights in fp32 arithmetic, and its
 # fidelity (the echo passage alone vs inside a request within 1e-3 nats/token) rests on that:
-# rounding any linear's activations to bf16 breaks it (measured: 5e-3 to 0.16; docs/RESULTS.md
-# "Precision on the CPU"). Where the mode would round (:func:`bf16_mode_is_exact` False), it
-# stays off and the model runs IEEE fp32. torch's setting is process-wide, so it is on only
-# while a bf16-mixed model runs (a depth count: nested and concurrent forwards share one
-# switch).
+# rounding any linear's activations to bf16 breaks it (measured: 5e-3 to 0.16; docs/DECISIONS.md,
+# "bf16-mixed"). Where the mode would round (:func:`bf16_mode_is_exact` False), it stays off and
+# the model runs IEEE fp32. torch's setting is process-wide, so it is on only while a bf16-mixed
+# model runs (a depth count: nested and concurrent forwards share one switch).
 _MODE_LOCK = threading.Lock()
 _MODE_DEPTH = 0
 _MODE_SAVED = "none"

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 # Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
 # one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
-# measured); 256 cost 2.4 % of a 10,000-record job (docs/RESULTS.md, "Self-check from the
-# pools", bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
+# measured); 256 cost 2.4 % of a 10,000-record job (docs/DECISIONS.md, "Self-check size",
+# bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
 DEFAULT_MAX_HELDOUT = 256
 LEAKS = ("input", "pair")
 

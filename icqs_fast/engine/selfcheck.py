@@ -103,9 +103,10 @@ CV_FOLDS = 5
 # Stratified partitions into CV_FOLDS folds whose out-of-fold accuracy, Brier and ECE are
 # averaged. One partition's figures move with where its fold boundaries fall, on top of the
 # sampling noise of ~64 items; averaging partitions removes that part (repeated k-fold
-# cross-validation). Bias study (docs/RESULTS.md): mean |expected - test accuracy| 0.053 with
-# one partition, 0.049 with 20 (first 18 runs; 0.046 on 12 later ones); the rest is the held-out
-# items' own sampling error, which no resampling removes.
+# cross-validation). Bias study (docs/DECISIONS.md, "Self-check folds and repeats"): mean
+# |expected - test accuracy| 0.053 with one partition, 0.049 with 20 (first 18 runs; 0.046 on
+# 12 later ones); the rest is the held-out items' own sampling error, which no resampling
+# removes.
 CV_REPEATS = 20
 METHODS = ("auto", "platt", "isotonic")
 VERSION = 1
