@@ -67,6 +67,60 @@ POSITIONAL_IMPL = "icqs_positional"
 _ACTIVE = threading.local()
 
 
+@dataclass(frozen=True)
+class OnePassIndices:
+    """The layer-independent part of :func:`_one_pass` for one plan: each entry's prefix cut at
+    the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` (``c_max`` the largest),
+    the prefix part's positions (``q_pre [G, n_max * group * S]``, ``k_pre [G, c_max]``, -1
+    past an entry's cut), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
+    ``ent [R]`` each row's entry, ``tails [R, t_max]`` the slots it copies, ``src [R, t_max + S]``
+    the gather from ``[tails; suffix]`` into position order, ``q_suf [R, S]`` and
+    ``k_suf [R, t_max + S]`` (-1: masked)."""
+
+    c_max: int
+    q_pre: torch.Tensor
+    k_pre: torch.Tensor
+    t_max: int
+    ent: torch.Tensor
+    tails: torch.Tensor
+    src: torch.Tensor
+    q_suf: torch.Tensor
+    k_suf: torch.Tensor
+
+    @staticmethod
+    def of(plan: CascadePlan, s: int, group: int, dev: torch.device) -> OnePassIndices:
+        """The indices of ``plan`` for suffixes of ``s`` tokens, ``group`` heads per key head."""
+        blk = ops.ATTENTION_KEY_BLOCK
+        lens = torch.tensor(plan.lengths, dtype=torch.long)
+        cuts = lens // blk * blk
+        counts = torch.tensor(plan.counts, dtype=torch.long)
+        rows_g = torch.repeat_interleave(torch.arange(len(plan.counts)), counts)
+        t = torch.arange(s)
+        c_max = int(cuts.max())
+        j = torch.arange(c_max)
+        k_pre = torch.where(j[None] < cuts[:, None], j[None], -1).to(dev)
+        q_pre = (lens[:, None] + torch.arange(max(plan.counts) * group * s)[None] % s).to(dev)
+        cut_r, len_r = cuts[rows_g], lens[rows_g]
+        tail_r = len_r - cut_r
+        t_max = int(tail_r.max())
+        ent = rows_g.to(dev)
+        q_suf = (len_r[:, None] + t[None, :]).to(dev)
+        if t_max == 0:
+            empty = torch.empty(0, dtype=torch.long, device=dev)
+            return OnePassIndices(c_max, q_pre, k_pre, 0, ent, empty, empty, q_suf,
+                                  (len_r[:, None] + t[None, :]).to(dev))
+        j = torch.arange(t_max + s)
+        src = torch.where(j[None] < tail_r[:, None], j[None],
+                          t_max + j[None] - tail_r[:, None])  # [R, T2]
+        real = j[None] < (tail_r[:, None] + s)
+        src = torch.where(real, src, 0).to(dev)
+        # The rows' entries' slots from the cut (kp holds the used entries in group order),
+        # clamped into the bank's slots (past them only masked slots are read).
+        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=plan.p_max - 1).to(dev)
+        k_suf = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
+        return OnePassIndices(c_max, q_pre, k_pre, t_max, ent, tails, src, q_suf, k_suf)
+
+
 @dataclass
 class CascadePlan:
     """What the attention function needs besides q/k/v.
@@ -106,12 +160,22 @@ class CascadePlan:
         self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._expanded: dict[tuple, Mask] = {}
         self._positions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._one_pass: dict[tuple, OnePassIndices] = {}
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description (full causal when none was given)."""
         if self.layers is None:
             return _FULL_LAYER
         return self.layers[layer]
+
+    def one_pass_indices(self, s: int, group: int, device: torch.device) -> OnePassIndices:
+        """:func:`_one_pass`'s positions and gather indices for suffixes of ``s`` tokens and
+        ``group`` query heads per key head: the same for every layer, so made once."""
+        key = (s, group, str(device))
+        got = self._one_pass.get(key)
+        if got is None:
+            got = self._one_pass[key] = OnePassIndices.of(self, s, group, device)
+        return got
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The used entries' keys/values ``[G, H_kv, P_max, D]`` (a view when possible)."""
@@ -533,58 +597,52 @@ def _one_pass(plan: CascadePlan, query: torch.Tensor, key: torch.Tensor, value: 
     hk, dv = key.shape[1], value.shape[-1]
     group = hq // hk
     dev = query.device
-    blk = ops.ATTENTION_KEY_BLOCK
-    lens = torch.tensor(plan.lengths, dtype=torch.long)
-    cuts = lens // blk * blk
-    counts = torch.tensor(plan.counts, dtype=torch.long)
-    rows_g = torch.repeat_interleave(torch.arange(len(plan.counts)), counts)
-    t = torch.arange(s)
+    ix = plan.one_pass_indices(s, group, dev)
     state = None
-    if int(cuts.max()) > 0:
+    if ix.c_max > 0:
         # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
-        # keys up to the cut (the rest of the slots masked by position -1).
-        parts = []
-        c_max = int(cuts.max())
-        for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
-            qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
-            qg = qg.reshape(1, hk, n * group * s, d)
-            j = torch.arange(c_max)
-            k_pos = torch.where(j < cuts[gi], j, -1)[None].to(dev)
-            q_pos = (lens[gi] + torch.arange(n * group * s) % s)[None].to(dev)
-            st, _ = ops.attention_lse(qg, kp[gi:gi + 1, :, :c_max], vp[gi:gi + 1, :, :c_max],
-                                      scale=scale, causal=True, positions=(q_pos, k_pos),
-                                      dot_dtype=dot, softcap=softcap, backend=kernel,
-                                      return_state=True, **_local_args(lay))
+        # keys up to the cut (the rest of the slots masked by position -1). Entries with the
+        # same number of rows go in one call (a row's sums do not depend on the batch).
+        kc, vc = kp[:, :, :ix.c_max], vp[:, :, :ix.c_max]
+        if plan.uniform:
+            g, n = len(plan.counts), plan.counts[0]
+            qg = query.reshape(g, n, hk, group, s, d).transpose(1, 2).reshape(
+                g, hk, n * group * s, d)
+            st, _ = ops.attention_lse(qg, kc, vc, scale=scale, causal=True,
+                                      positions=(ix.q_pre, ix.k_pre), dot_dtype=dot,
+                                      softcap=softcap, backend=kernel, return_state=True,
+                                      **_local_args(lay))
             width = st.shape[-1]
-            # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
-            parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
-                         .reshape(n, hq, s, width))
-        state = torch.cat(parts).contiguous()
+            state = (st.view(g, hk, n, group, s, width).transpose(1, 2)
+                     .reshape(r, hq, s, width).contiguous())
+        else:
+            parts = []
+            for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
+                qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
+                qg = qg.reshape(1, hk, n * group * s, d)
+                st, _ = ops.attention_lse(
+                    qg, kc[gi:gi + 1], vc[gi:gi + 1], scale=scale, causal=True,
+                    positions=(ix.q_pre[gi:gi + 1, :n * group * s], ix.k_pre[gi:gi + 1]),
+                    dot_dtype=dot, softcap=softcap, backend=kernel, return_state=True,
+                    **_local_args(lay))
+                width = st.shape[-1]
+                # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
+                parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
+                             .reshape(n, hq, s, width))
+            state = torch.cat(parts).contiguous()
     # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
     # (tails), then the suffix tokens, then nothing (masked).
-    cut_r, len_r = cuts[rows_g], lens[rows_g]
-    tail_r = len_r - cut_r
-    t_max = int(tail_r.max())
-    if t_max == 0:
+    if ix.t_max == 0:
         k2, v2 = key, value
-        k_pos = (len_r[:, None] + t[None, :]).to(dev)
     else:
-        j = torch.arange(t_max + s)
-        src = torch.where(j[None] < tail_r[:, None], j[None],
-                          t_max + j[None] - tail_r[:, None])  # [R, T2]
-        real = j[None] < (tail_r[:, None] + s)
-        src = torch.where(real, src, 0).to(dev)
-        # The rows' entries' slots from the cut (kp holds the used entries in group order).
-        ent = rows_g.to(dev)
-        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=kp.shape[2] - 1).to(dev)
-        tk = kp[ent[:, None], :, tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
-        tv = vp[ent[:, None], :, tails].permute(0, 2, 1, 3)
+        t_max = ix.t_max
+        tk = kp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
+        tv = vp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)
         both_k = torch.cat([tk.to(key.dtype), key], dim=2)
         both_v = torch.cat([tv.to(value.dtype), value], dim=2)
-        k2 = both_k.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, d))
-        v2 = both_v.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, dv))
-        k_pos = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-    q_pos = (len_r[:, None] + t[None, :]).to(dev)
+        k2 = both_k.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, d))
+        v2 = both_v.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, dv))
+    k_pos, q_pos = ix.k_suf, ix.q_suf
     out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
                                  positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
                                  backend=kernel, state=state, **_local_args(lay))
