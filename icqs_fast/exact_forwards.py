@@ -95,7 +95,7 @@ def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) ->
     return isinstance(want, torch.Tensor) and torch.equal(want, got)
 
 
-def use_exact_forwards(model: Any) -> dict[str, int]:
+def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
     """Replace the forward of each RMSNorm and gated-SiLU MLP module of ``model`` whose fp32
     parameters pass the probe (the same output bits on a random fp32 input) by its faster
     equal; in place, on the module instances only (the classes are untouched, so other models

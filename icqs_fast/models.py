@@ -464,7 +464,7 @@ def load_model(
     return model, tok
 
 
-def dtype_choice_of(model: Any) -> DtypeChoice | None:
+def dtype_choice_of(model: torch.nn.Module) -> DtypeChoice | None:
     """What :func:`load_model` chose for ``model`` (None for a model it did not load)."""
     try:
         return _CHOICES.get(model)
@@ -472,7 +472,7 @@ def dtype_choice_of(model: Any) -> DtypeChoice | None:
         return None
 
 
-def dtype_name(model: Any) -> str:
+def dtype_name(model: torch.nn.Module) -> str:
     """How ``model`` computes, by name: ``"bf16-mixed"`` (:data:`MIXED_NAME`) for a
     :func:`to_bf16_mixed` model, else its parameters' dtype (``"float32"``, ``"bfloat16"``)."""
     if is_bf16_mixed(model):
@@ -489,7 +489,7 @@ def _in_hf_cache(name: str) -> bool:
         return False
 
 
-def runtime_settings(model: Any, backend: str) -> dict:
+def runtime_settings(model: torch.nn.Module, backend: str) -> dict:
     """The model-side part of the resume fingerprint: the weights' dtype (``bf16-mixed`` for a
     :func:`to_bf16_mixed` model), the device type and
     the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
@@ -630,7 +630,7 @@ def _post(_module: Any, _args: Any, _out: Any) -> None:
     _mode_exit()
 
 
-def to_bf16_mixed(model: Any, bf16_products: bool = False) -> Any:
+def to_bf16_mixed(model: torch.nn.Module, bf16_products: bool = False) -> Any:
     """Turn an fp32 CPU model into its bf16-mixed form (``bf16_products``: its bf16-products
     form), in place, and return it.
 
@@ -778,8 +778,8 @@ def _hold_weight_again(m: torch.nn.Module) -> None:
     _PACKED[m] = replace(packed, source=(weight.data_ptr(), weight._version))
 
 
-def use_invariant_linears(model: Any, products: str = "fp32", *, hold_once: bool = True
-                          ) -> int:
+def use_invariant_linears(model: torch.nn.Module, products: str = "fp32", *,
+                          hold_once: bool = True) -> int:
     """Have the plain ``nn.Linear`` layers inside ``model``'s module lists (the decoder's)
     multiply through :func:`icqs_fast.ops.linear` with their weights packed once
     (``products``: one of :data:`icqs_fast.types.PRODUCTS`), so that a row's output is the same

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length
 from icqs_fast.engine.continuations import kv_bytes_per_token, score_continuations
 from icqs_fast.engine.prompts import adds_bos
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,8 @@ class LikelihoodEvaluator:
         ValueError: a prompt longer than the model takes (naming the record and the lengths).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *, backend: str = "auto",
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: TaskSpec,
+                 *, backend: str = "auto",
                  bank_mib: int = 1024, max_length: int | None = None,
                  use_chat_template: bool | None = None) -> None:
         self.model, self.tok, self.spec = model, tokenizer, spec
@@ -454,7 +458,8 @@ class ICQSEvaluator:
     explains the response), so AUC ranks records by it.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: TaskSpec,
+                 *,
                  seed_good: Sequence[AuditRecord], seed_bad: Sequence[AuditRecord],
                  good: str | None = None, threshold: float = 0.5, num_ratios: int = 3,
                  demos_per_set: int = 2, sets_per_ratio: int = 2, seed: int = 0,

@@ -33,7 +33,7 @@ import copy
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lm_eval.models  # noqa: F401 - built-ins first: see register()
 import torch
@@ -50,6 +50,9 @@ from lm_eval.models.utils import (
     resolve_max_length,
 )
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_NAME = "icqs-fast"
 # Requests per score_continuations call (it bounds its prefix bank by KV bytes itself; this
@@ -105,8 +108,8 @@ class ICQSFastLM(TemplateLM):
         self,
         pretrained: str | None = "embedded",
         *,
-        model: Any = None,
-        tokenizer: Any = None,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | None = "auto",
         backend: str = "auto",

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
 # prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
@@ -53,7 +56,7 @@ def cache_kwarg(body: Any, cache: Any) -> dict[str, Any]:
     return {name: cache}
 
 
-def decoder_body(model: Any) -> Any:
+def decoder_body(model: PreTrainedModel) -> Any:
     """The decoder without the LM head (``model.model`` for Llama, ``model.transformer`` for
     GPT-2); its output hidden states are already final-normed for these architectures."""
     body = getattr(model, "base_model", None)
@@ -62,7 +65,7 @@ def decoder_body(model: Any) -> Any:
     return body
 
 
-def model_device(model: Any) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -87,7 +90,7 @@ class PrefixBank:
     cannot change them (rows past ``E`` are not part of the views).
     """
 
-    def __init__(self, model: Any, pad_id: int, token_budget: int, *, body: Any = None,
+    def __init__(self, model: PreTrainedModel, pad_id: int, token_budget: int, *, body: Any = None,
                  layers: Sequence[LayerAttention] | None = None) -> None:
         self.model = model
         self.body = decoder_body(model) if body is None else body
@@ -396,7 +399,7 @@ def last_hidden(out: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def suffix_hidden(
-    model: Any,
+    model: PreTrainedModel,
     bank: PrefixBank,
     entries: Sequence[int],
     suffixes: Sequence[Sequence[int]],
@@ -448,7 +451,7 @@ def suffix_hidden(
     return hidden, smask.bool().to(hidden.device)
 
 
-def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
+def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Sequence[int],
                            suffixes: Sequence[Sequence[int]], pad_id: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`suffix_hidden` through :func:`icqs_fast.engine.cascade.cascade_attention`: the forward
@@ -517,7 +520,7 @@ def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: 
 
 
 def _plain_forward(run: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                   pad_safe: bool, model: Any = None,
+                   pad_safe: bool, model: PreTrainedModel | None = None,
                    layers: Sequence[LayerAttention] | None = None) -> torch.Tensor:
     if layers and torch.device(device).type == "cpu":
         from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
@@ -557,7 +560,8 @@ def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+def plain_logits(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
+                 device: torch.device,
                  pad_safe: bool = True, layers: Sequence[LayerAttention] | None = None
                  ) -> torch.Tensor:
     """:func:`plain_hidden` through the whole model: its own logits ``[R, T, V]`` (for heads the

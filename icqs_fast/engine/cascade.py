@@ -49,7 +49,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,9 @@ from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
 from icqs_fast.models import uses_bf16_products
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPL_NAME = "icqs_cascade"
 # The positional-mask attention of prefix-bank builds and KV-copy suffix forwards of models with
@@ -732,7 +735,7 @@ class PositionPlan:
         return m
 
 
-def positional_kernel(model: Any, device: torch.device | str) -> bool:
+def positional_kernel(model: PreTrainedModel, device: torch.device | str) -> bool:
     """Whether :func:`positional_attention` runs ``model``'s full layers through a fused kernel
     on ``device`` (token positions in the kernel, no mask tensors): then the prefix bank's trie
     forwards and the KV-copy suffix forwards of every such model take it, not only of models
@@ -818,7 +821,7 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def _attention_impl(model, name: str, attr: str, value) -> Iterator[None]:
+def _attention_impl(model: PreTrainedModel, name: str, attr: str, value) -> Iterator[None]:
     if getattr(_ACTIVE, attr, None) is not None:
         raise RuntimeError(f"{name} blocks cannot be nested")
     _register()
@@ -836,7 +839,7 @@ def _attention_impl(model, name: str, attr: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cascade_plan(model, plan: CascadePlan) -> Iterator[None]:
+def cascade_plan(model: PreTrainedModel, plan: CascadePlan) -> Iterator[None]:
     """Run the model's attention through :func:`cascade_attention` with ``plan`` inside the
     block (one suffix forward, no KV cache); the previous implementation is restored on exit."""
     with _attention_impl(model, IMPL_NAME, "plan", plan):
@@ -844,7 +847,7 @@ def cascade_plan(model, plan: CascadePlan) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def position_plan(model, plan: PositionPlan) -> Iterator[None]:
+def position_plan(model: PreTrainedModel, plan: PositionPlan) -> Iterator[None]:
     """Run the model's attention through :func:`positional_attention` with ``plan`` inside the
     block; the previous implementation is restored on exit."""
     with _attention_impl(model, POSITIONAL_IMPL, "positions", plan):

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from icqs_fast.engine.scorer import ICQSScorer
+
 # Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
 # one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
 # measured); 256 cost 2.4 % of a 10,000-record job (docs/DECISIONS.md, "Self-check size",
@@ -142,7 +144,7 @@ class CrossFit:
         return int((~np.isfinite(self.scores)).sum())
 
 
-def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
+def crossfit_heldout(scorer: ICQSScorer, good: Sequence, bad: Sequence, *,
                      max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                      leak: str = "input",
                      progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
@@ -161,7 +163,7 @@ def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
     return crossfit_items(scorer, items, labels, leak=leak, progress=progress)
 
 
-def crossfit_items(scorer: Any, items: Sequence[Example], labels: np.ndarray, *,
+def crossfit_items(scorer: ICQSScorer, items: Sequence[Example], labels: np.ndarray, *,
                    leak: str = "input",
                    progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
     """Score ``items`` (pool members, with their 0/1 ``labels``) with ``scorer`` and cross-fit
@@ -196,7 +198,7 @@ def free_values(res: Any, clean: torch.Tensor) -> dict[str, float]:
             "loglik_good_mean": total / max(int(res.n_response_tokens), 1)}
 
 
-def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int,
+def cached_crossfit(scorer: ICQSScorer, good: Sequence, bad: Sequence, *, max_heldout: int,
                     seed: int, leak: str, cache: Any = None,
                     progress: Callable[[Iterable, int], Iterable] | None = None,
                     config: dict[str, Any] | None = None
@@ -232,7 +234,7 @@ def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: 
     return items, scores, labels, reused, free
 
 
-def cached_baselines(scorer: Any, good: Sequence, bad: Sequence, items: Sequence[Example], *,
+def cached_baselines(scorer: ICQSScorer, good: Sequence, bad: Sequence, items: Sequence[Example], *,
                      leak: str, cache: Any = None) -> list[dict[str, float]]:
     """The trivial scorers' values of ``items``
     (:func:`icqs_fast.engine.selfcheck_baselines.item_values`), read from ``cache`` per item

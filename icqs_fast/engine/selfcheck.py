@@ -83,6 +83,8 @@ from icqs_fast.engine.prompts import check_pool
 if TYPE_CHECKING:
     import numpy as np
 
+    from icqs_fast.engine.scorer import ICQSScorer
+
 # The per-record field of the calibrated probability, beside the raw score. Named like
 # ICQSResult.p_good / loglik_calibrated: the same quantity, passed through the fitted map.
 FIELD = "p_good_calibrated"
@@ -694,7 +696,7 @@ def sized_max_heldout(max_heldout: int, job_records: int | None) -> int:
     return min(max_heldout, max(0, int(job_records)))
 
 
-def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
+def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
                    max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                    method: str = "auto", leak: str = "input",
                    target_precision: float | None = None,
@@ -708,6 +710,7 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
     "off".
 
     Args:
+        scorer: None only where nothing is scored (pools too small, or ``max_heldout=0``).
         job_records: the job's record count when known: at most that many held-out items
             (:func:`sized_max_heldout`).
         cache: an :class:`icqs_fast.io.cache.JsonCache` (None: none): the cross-fitted scores

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from icqs_fast.engine.scorer import ICQSScorer
+
 __all__ = ["BASELINES", "LENGTH_STRATA", "Baseline", "baseline_aucs", "beaten_by",
            "item_values", "length_matched_auc", "out_of_fold_signs"]
 
@@ -72,7 +74,7 @@ TRY = ("try a length-balanced pool (good and bad answers of like lengths), the g
        "features ('icqs-fast features'), or a larger --model")
 
 
-def item_values(scorer: Any, items: Sequence[tuple[str, str]]) -> list[dict[str, float]]:
+def item_values(scorer: ICQSScorer, items: Sequence[tuple[str, str]]) -> list[dict[str, float]]:
     """Per item, the value of every baseline of :data:`BASELINES` (:func:`baseline_aucs` fits
     their directions): lengths from the scorer's tokenizer, log-probs and entropy from one
     forward of ``template prefix (no demonstrations) + query + response`` tokenized whole

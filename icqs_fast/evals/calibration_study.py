@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from icqs_fast.engine.calibration import icqs_scores
 from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 VARIANTS = [f"{c}/{k}" for c in CALIBRATIONS for k in SCORE_KINDS]
 THRESHOLD = 0.5
@@ -33,7 +36,8 @@ EXPECTED = {"correct": True, "incorrect": False, "labeled_neutral": False,
             "semantic_neutral": True}
 
 
-def score_variants(model: Any, tok: Any, good: Sequence, bad: Sequence,
+def score_variants(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence,
+                   bad: Sequence,
                    responses: Sequence[tuple[str, str]], settings: Any, *, desc: str = "ICQS",
                    quiet: bool = False) -> tuple[dict[str, list], dict[str, float]]:
     """``({"cal/kind": [ICQSResult per response]}, timing)`` for every variant, from one run

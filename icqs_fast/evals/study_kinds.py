@@ -17,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.io.datasets import EvalDataset, eval_dataset
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ def _load_labels(ds: EvalDataset, path: Path | None, *, pool: int, limit: int | 
     return sentiment_data(ds, path, pool=pool, limit=limit, seed=seed, labels=labels)
 
 
-def _run_labels(model: Any, tok: Any, data: Any, st: Any) -> dict[str, Any]:
+def _run_labels(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Any,
+                st: Any) -> dict[str, Any]:
     from icqs_fast.evals.study import run_sentiment
 
     return run_sentiment(model, tok, data, st)
@@ -124,7 +128,8 @@ def _load_distributions(ds: EvalDataset, path: Path | None, *, pool: int, limit:
     return chaosnli_data(path, pool=pool, limit=limit, seed=seed, dataset=ds)
 
 
-def _run_distributions(model: Any, tok: Any, data: Any, st: Any) -> dict[str, Any]:
+def _run_distributions(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Any,
+                       st: Any) -> dict[str, Any]:
     from icqs_fast.evals.study import run_chaosnli
 
     return run_chaosnli(model, tok, data, st)

@@ -14,8 +14,12 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPL_NAME = "icqs_entropy"
 
@@ -27,7 +31,7 @@ class _Capture:
     """State of one :func:`capture_attention_entropy` block; ``entropy`` is set on exit."""
 
     def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str,
-                 layers: tuple = (), model=None):
+                 layers: tuple = (), model: PreTrainedModel | None = None):
         self.query_mask = query_mask
         self.key_range = key_range
         self.backend = backend
@@ -103,7 +107,8 @@ def _mask_checks(mask: torch.Tensor, tq: int, tk: int, la=None
     return key_ok, oks[0], oks[1]
 
 
-def mask_causality(model, rule: tuple, ok_causal: torch.Tensor, ok_full: torch.Tensor) -> bool:
+def mask_causality(model: PreTrainedModel | None, rule: tuple, ok_causal: torch.Tensor,
+                   ok_full: torch.Tensor) -> bool:
     """Whether ``model``'s masks for layers of ``rule`` are causal: read from the first mask
     (one host sync per model and rule, like the capability check), remembered after."""
     known = _CAUSAL.get(model, {}) if model is not None else {}
@@ -195,7 +200,7 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def capture_attention_entropy(
-    model,
+    model: PreTrainedModel,
     query_mask: torch.Tensor,
     key_range: torch.Tensor,
     *,

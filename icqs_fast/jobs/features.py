@@ -35,13 +35,16 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.jobs.score import checked_runtime
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -60,7 +63,7 @@ class RecordNames:
     y_field: str = "y"
 
 
-def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
+def check_feature_record(tokenizer: PreTrainedTokenizerBase, rec: Record, *, max_length: int | None,
                          system_prompt: str | None = None,
                          names: RecordNames = RecordNames()) -> RecordError | None:
     """What :func:`~icqs_fast.features.glassbox` would reject or compute wrongly for ``rec``, or
@@ -88,8 +91,8 @@ def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
 
 
 def feature_records(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     records: Iterable[Record | RecordError],
     *,
     chunk_size: int = 128,

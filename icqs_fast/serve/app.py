@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,6 +63,9 @@ from icqs_fast.serve.schemas import (
 )
 from icqs_fast.serve.scoring import Scoring
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "/openapi.json")
 
 
@@ -89,7 +92,8 @@ class Server:
             the config's.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: ServeConfig | None = None, *,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 config: ServeConfig | None = None, *,
                  good: Sequence | None = None, bad: Sequence | None = None,
                  icqs_options: ScoringSettings | Mapping[str, Any] | None = None) -> None:
         from icqs_fast.engine.checks import model_max_length

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.models import exact_bf16_products, is_bf16_mixed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Rows of fp32 logits materialised at once (x vocabulary size).
 HEAD_ROWS = 256
@@ -108,7 +111,7 @@ def _batches(items: list, length, budget: int) -> list[list]:
     return out
 
 
-def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_n: int
+def _head(model: PreTrainedModel, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_n: int
           ) -> None:
     """LM head (fp32, with the model's logit epilogue) over one segment's hidden states
     ``[len, H]``, or the model's own logits ``[len, V]`` when the plan scores from those."""
@@ -157,7 +160,7 @@ def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: Any,
+    model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     *,
     top_n: int = 0,
@@ -241,7 +244,7 @@ class PromptPrefill:
         top_n: alternatives kept per position.
     """
 
-    def __init__(self, model: Any, prompt: Sequence[int], top_n: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, prompt: Sequence[int], top_n: int = 0) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -256,7 +259,7 @@ class PromptPrefill:
         self.pos = 0
 
     @staticmethod
-    def supported(model: Any) -> bool:
+    def supported(model: PreTrainedModel) -> bool:
         """True when a prompt of ``model`` can be run in chunks: the prefix bank serves it (a
         KV cache continues a prefix exactly), its head is the engine's and no layer is local (a
         sliding window over cache slots)."""
