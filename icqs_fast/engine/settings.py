@@ -42,6 +42,16 @@ DEFAULT_SCORE = "mean"
 # "[MASK]"); each is put in the template's query in place of x.
 DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
 
+# The self-check's declared choices (icqs_fast.engine.selfcheck / crossfit), here so that the job
+# config and the command line read them without loading the numerical modules.
+# Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
+# one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
+# measured); 256 cost 2.4 % of a 10,000-record job (docs/DECISIONS.md, "Self-check size",
+# bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
+DEFAULT_MAX_HELDOUT = 256
+SELF_CHECK_LEAKS = ("input", "pair")
+SELF_CHECK_MAPS = ("auto", "platt", "isotonic")
+
 
 def _strata_tuple(v: Any) -> Any:
     """``stratify`` as a hashable value: None, "auto", "y", a tuple of str, or a pair of such."""
