@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import threading
 import types
 import warnings
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from icqs_fast import ops
 from icqs_fast.exact_forwards import use_exact_forwards
 
 # Where a model is read from (re-exported: callers name them icqs_fast.models.*).
@@ -187,8 +189,6 @@ def cpu_bf16_support() -> tuple[bool, str]:
     without them). AVX-512 alone is not enough: oneDNN then emulates bf16 (torch's own
     ``_is_mkldnn_bf16_supported`` answers yes there). Decided once per process.
     """
-    import platform
-
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
     if not mkldnn:
@@ -709,8 +709,6 @@ def exact_bf16_products() -> str:
 
 
 def _invariant_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
-    from icqs_fast import ops
-
     packed = _PACKED.get(self)
     held = isinstance(self, _PackedOnlyLinear)  # its weight is the packed copy: current
     if (packed is None or torch.is_grad_enabled() or x.device.type != "cpu"
@@ -795,7 +793,6 @@ def use_invariant_linears(model: torch.nn.Module, products: str = "fp32", *,
     weight that ties the layer to another module, or one the packing rounds, is kept, and
     the packed copy is extra. Returns the layers switched.
     """
-    from icqs_fast import ops
     from icqs_fast.backends import cpp_backend
 
     if not cpp_backend.available()[0]:

@@ -32,6 +32,8 @@ from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length
 from icqs_fast.engine.continuations import kv_bytes_per_token, score_continuations
 from icqs_fast.engine.prompts import adds_bos
+from icqs_fast.engine.scorer import ICQSScorer
+from icqs_fast.features.attention import capture_attention_entropy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -408,8 +410,6 @@ class LikelihoodEvaluator:
         (:func:`icqs_fast.features.attention.capture_attention_entropy`): that capture needs a full
         forward without a KV cache, so it is not the bank's forward and costs one more prompt
         forward per record; the studies run it on a few held-out records."""
-        from icqs_fast.features.attention import capture_attention_entropy
-
         dev = model_device(self.model)
         # The capture only needs the attention layers to run: the body, or the whole model
         # where the capability check found no separate body.
@@ -495,8 +495,6 @@ class ICQSEvaluator:
         return x, y
 
     def _scorer_for(self, memory: Sequence[MemoryItem]):
-        from icqs_fast.engine.scorer import ICQSScorer
-
         key = tuple(m.record.id for m in memory)
         if self._scorer is None or key != self._key:
             recs = self.seed_good + self.seed_bad + [m.record for m in memory]

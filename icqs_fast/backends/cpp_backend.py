@@ -16,7 +16,7 @@ import os
 import torch
 
 from icqs_fast.backends import state as _state
-from icqs_fast.types import TokenStats
+from icqs_fast.types import PRODUCTS, TokenStats
 
 try:
     from icqs_fast import _C
@@ -325,16 +325,12 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def linear_level(products: str) -> str:
     """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""
-    from icqs_fast.types import PRODUCTS
-
     return _C.linear_level_name(_C.linear_level(PRODUCTS.index(products), isa_setting()))
 
 
 def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
     """``weight [N, K]`` (fp32 / bf16 / fp16, CPU) in the C++ kernel's packed layout for
     ``products`` (``csrc/linear.cpp``): fp32 panels for ``fp32``, bf16 pair panels else."""
-    from icqs_fast.types import PRODUCTS
-
     if weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"pack_linear needs a 2-D CPU weight, got {list(weight.shape)} on "
                          f"{weight.device}")
@@ -367,8 +363,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
     fp32, each element in one fixed order (``csrc/linear.cpp``)."""
-    from icqs_fast.types import PRODUCTS
-
     m, k = x.shape
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()

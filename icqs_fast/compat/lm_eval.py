@@ -51,6 +51,8 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
+from icqs_fast.models import dtype_name, parameter_count
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -384,8 +386,6 @@ class ICQSFastLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
-        from icqs_fast.models import dtype_name, parameter_count
-
         n = parameter_count(self._model)
         return {"model_num_parameters": n,
                 "model_dtype": dtype_name(self._model),

@@ -22,6 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from icqs_fast.engine.cascade import (
+    CascadePlan,
+    PositionPlan,
+    cascade_plan,
+    position_plan,
+    positional_kernel,
+)
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
 
 if TYPE_CHECKING:
@@ -99,7 +106,6 @@ class PrefixBank:
         # are padded, and transformers' window masks count cache slots.
         # So do every model's where a fused kernel takes positions (the cpp attention on the CPU):
         # no [rows, keys] mask tensors, and the kernel's speed for the bank's long prefixes.
-        from icqs_fast.engine.cascade import positional_kernel
 
         self.layers = tuple(layers) if layers is not None else None
         self.positional = bool(self.layers) and (any(la.local for la in self.layers)
@@ -218,7 +224,6 @@ class PrefixBank:
         if not self.positional:
             run()
             return
-        from icqs_fast.engine.cascade import PositionPlan, position_plan
 
         # Key slots: the padded past (slot j is position j of a real token when j < depth_i),
         # then the new tokens at depth_i + t.
@@ -440,7 +445,6 @@ def suffix_hidden(
     if not bank.positional:
         hidden = last_hidden(run())
         return hidden, smask.bool().to(hidden.device)  # a split model's last layer's device
-    from icqs_fast.engine.cascade import PositionPlan, position_plan
 
     # Key slots: the padded prefix (slot j real when j < length), then the suffix at length + t.
     p = prefix_mask.shape[1]
@@ -457,8 +461,6 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
     """:func:`suffix_hidden` through :func:`icqs_fast.engine.cascade.cascade_attention`: the forward
     sees only the suffix tokens (no KV cache, explicit position ids ``p_i + t``); rows are put
     in entry-major order for the attention (and back afterwards, when they were not)."""
-    from icqs_fast.engine.cascade import CascadePlan, cascade_plan
-
     dev = model_device(model)
     r = len(suffixes)
     order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry

@@ -56,7 +56,7 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
-from icqs_fast.models import uses_bf16_products
+from icqs_fast.models import register_attention, uses_bf16_products
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -814,8 +814,6 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 
 def _register() -> None:
-    from icqs_fast.models import register_attention
-
     register_attention(IMPL_NAME, cascade_attention)
     register_attention(POSITIONAL_IMPL, positional_attention)
 

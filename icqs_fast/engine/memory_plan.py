@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from icqs_fast.engine.layout import text_config
 
 if TYPE_CHECKING:
-    import torch
-
     from icqs_fast.engine.scorer import ICQSScorer
 
 MIN_TOKEN_BUDGET = 256  # fewer tokens per forward than this: refused, not crawled through
@@ -129,8 +129,6 @@ def plan_memory(config: Any, *, entries: int, p_max: int, token_budget: int,
 
 def free_device_bytes(device: Any) -> int | None:
     """The free memory of a CUDA ``device`` (``torch.cuda.mem_get_info``), None elsewhere."""
-    import torch
-
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return None

@@ -39,13 +39,18 @@ ICQS-Epistemic), and on their own, one JSON line per record::
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from icqs_fast.engine.checks import parse_response
-from icqs_fast.engine.prompts import Example, Template, adds_bos, check_pool, fill_template
+from icqs_fast.engine.checks import model_max_length, parse_response
+from icqs_fast.engine.prompt_tokens import PromptTokens
+from icqs_fast.engine.prompts import DemoSet, Example, Template, adds_bos, check_pool, fill_template
+from icqs_fast.io.readers import RecordFields, read_examples, read_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -179,8 +184,6 @@ def _logsumexp(xs: Sequence[float]) -> float:
 
 
 def _check_length(model: PreTrainedModel, n: int, what: str) -> None:
-    from icqs_fast.engine.checks import model_max_length
-
     lim = model_max_length(model, None)
     if lim is not None and n > lim:
         raise ValueError(f"{what}: prompt of {n} tokens exceeds the model's max length {lim}")
@@ -362,9 +365,6 @@ def icl_request_ids(tokenizer: PreTrainedTokenizerBase, demos: Sequence[Example]
 
 def _icl_tokens(tokenizer: PreTrainedTokenizerBase, demos: Sequence[Example],
                 template: Template) -> Any:
-    from icqs_fast.engine.prompt_tokens import PromptTokens
-    from icqs_fast.engine.prompts import DemoSet
-
     ds = DemoSet(ratio=1.0, examples=tuple(demos), is_good=(True,) * len(demos))
     return PromptTokens(tokenizer, template, [[ds]])
 
@@ -429,7 +429,6 @@ def icl_label(
     xs = [_parse_x(i, it) for i, it in enumerate(items)]
     if not xs:
         return []
-    from icqs_fast.engine.checks import model_max_length
 
     max_len = model_max_length(model, None)
     tokens = _icl_tokens(tokenizer, d, tpl)
@@ -467,11 +466,6 @@ def icl_label(
 def main(argv: list[str] | None = None) -> int:
     """``python -m icqs_fast.evals.baselines ask-llm|icl ...``: one JSON line per input record on
     standard output (or ``-o FILE``); exit code 2 with a message on bad input."""
-    import argparse
-    import json
-    import sys
-
-    from icqs_fast.io.readers import RecordFields, read_examples, read_records
     from icqs_fast.models import load_model
 
     p = argparse.ArgumentParser(prog="python -m icqs_fast.evals.baselines",

@@ -22,6 +22,7 @@ import torch
 from icqs_fast.backends import BACKENDS
 from icqs_fast.engine.calibration import icqs_margins, icqs_scores
 from icqs_fast.engine.settings import SCORE_KINDS
+from icqs_fast.progress import track
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -63,7 +64,6 @@ def score_side(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Seque
     """Score ``responses`` with ``settings`` changed by ``config`` (a dtype makes a copy of the
     model in that dtype): ``(results, seconds, label)``."""
     from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.progress import track
 
     config = dict(config or {})
     m = model

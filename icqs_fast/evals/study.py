@@ -82,6 +82,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.baselines import ask_llm, icl_label
 from icqs_fast.evals.study_data import (
     NLI_LABELS,
     NLIData,
@@ -97,9 +99,11 @@ from icqs_fast.evals.study_metrics import (
     icqs_distribution,
     icqs_item_accuracy,
     synthetic_ranking,
+    tent,
 )
 from icqs_fast.io.datasets import NLIItem, eval_dataset
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.progress import track
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -163,8 +167,6 @@ def _icqs_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Seq
                  responses: Sequence[tuple[str, str]], n: int, st: StudySettings,
                  template: Any = None, desc: str = "ICQS") -> list:
     """ICQSResult per response (dedupe left to the caller), with a progress report."""
-    from icqs_fast.progress import track
-
     sc = make_scorer(model, tok, good, bad, n, st, template)
     return list(track(sc.score(responses), total=len(responses), desc=f"{desc} N={n}",
                       unit="response", quiet=st.quiet))
@@ -219,8 +221,6 @@ def run_sentiment(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Se
         "items": {N: {g: {"score": [...], "score_per_set": [[...]], "loglik": [n, M+1, L]}}},
         "ratios": [...]}`` - the summaries and the per-item values the plots use.
     """
-    from icqs_fast.evals.baselines import ask_llm, icl_label
-
     groups = data.groups
     responses = _unique((r.x, r.y) for g in groups.values() for r in g)
     ask: dict[tuple[str, str], float] = {}
@@ -382,9 +382,6 @@ def run_chaosnli(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: NLI
         {method: [n, 3]}, "score": [...], "loglik": [n, M+1, L], "majority": [...]}},
         "human": [n, 3], "ratios": [...]}``.
     """
-    from icqs_fast.engine.prompts import Template
-    from icqs_fast.evals.baselines import icl_label
-
     tpl = Template(**NLI_ICQS_TEMPLATE)
     good = [(it.premise, it.hypothesis) for it in data.good]
     bad = [(it.premise, it.hypothesis) for it in data.bad]
@@ -435,8 +432,6 @@ def _nli_preds(results: Sequence[Any]) -> dict[str, np.ndarray]:
     """ICQS and ICQS-Epistemic (e, n, c) distributions of (calibrated) results: the tent of each
     set's score averaged; Epistemic: the posterior over ratios pushed through the tent
     (``score="argmax"``), or the tent of the posterior-mean score (``score="mean"``)."""
-    from icqs_fast.evals.study_metrics import tent
-
     def epi(r: Any) -> np.ndarray:
         if r.score_kind == "mean":
             return tent(r.score)

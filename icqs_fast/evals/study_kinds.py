@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.study_report import distribution_report, label_report
 from icqs_fast.io.datasets import EvalDataset, eval_dataset
 
 if TYPE_CHECKING:
@@ -113,8 +115,6 @@ def _compare_labels(cmp: dict[str, Any]) -> str:
 
 
 def _report_labels(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    from icqs_fast.evals.study_report import label_report
-
     return label_report(doc, path, ds)
 
 
@@ -143,7 +143,6 @@ def _document_distributions(out: dict[str, Any], *, ds: EvalDataset, model: str,
 
 
 def _pair_responses(data: Any) -> tuple[Any, list, list, list, dict[str, list]]:
-    from icqs_fast.engine.prompts import Template
     from icqs_fast.evals.study import NLI_ICQS_TEMPLATE
 
     good = [(it.premise, it.hypothesis) for it in data.good]
@@ -171,8 +170,6 @@ def _compare_distributions(cmp: dict[str, Any]) -> str:
 
 
 def _report_distributions(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    from icqs_fast.evals.study_report import distribution_report
-
     return distribution_report(doc, path, ds)
 
 

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from icqs_fast.engine.layout import layer_attention
+from icqs_fast.models import register_attention
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -193,8 +196,6 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _register() -> None:
-    from icqs_fast.models import register_attention
-
     register_attention(IMPL_NAME, _attention_forward)
 
 
@@ -246,7 +247,6 @@ def capture_attention_entropy(
     if getattr(_ACTIVE, "cap", None) is not None:
         raise RuntimeError("capture_attention_entropy blocks cannot be nested")
     _register()
-    from icqs_fast.engine.layout import layer_attention
 
     previous = model.config._attn_implementation
     cap = _Capture(query_mask, key_range.long(), backend, layer_attention(model.config), model)

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from icqs_fast.engine.checks import model_max_length
+from icqs_fast.features.names import ALL_FEATURES
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
@@ -118,7 +120,6 @@ def feature_records(
     :class:`InputError` the iterator raises) are computed and yielded, then the error is
     raised.
     """
-    from icqs_fast.engine.checks import model_max_length
     from icqs_fast.features.extract import GlassboxItem, encode, glassbox
 
     if chunk_size < 1:
@@ -191,8 +192,6 @@ def feature_line(rec: Record, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_features(spec: str) -> list[str]:
-    from icqs_fast.features.names import ALL_FEATURES
-
     feats = [f.strip() for f in spec.split(",") if f.strip()]
     bad = [f for f in feats if f not in ALL_FEATURES]
     if not feats or bad:

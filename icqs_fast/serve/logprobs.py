@@ -22,6 +22,8 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.engine.batching import (
     PrefixBank,
+    cache_kwarg,
+    last_hidden,
     model_device,
     plain_hidden,
     plain_logits,
@@ -274,8 +276,6 @@ class PromptPrefill:
     @torch.no_grad()
     def step(self, tokens: int) -> bool:
         """Run the next ``tokens`` (>= 1) tokens; True once the whole prompt ran."""
-        from icqs_fast.engine.batching import cache_kwarg, last_hidden
-
         if self.cache is None:
             raise RuntimeError("the prefill was closed")
         a, b = self.pos, min(len(self.prompt), self.pos + max(1, int(tokens)))
