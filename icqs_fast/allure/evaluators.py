@@ -458,8 +458,8 @@ class ICQSEvaluator:
     explains the response), so AUC ranks records by it.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: TaskSpec,
-                 *,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 spec: TaskSpec, *,
                  seed_good: Sequence[AuditRecord], seed_bad: Sequence[AuditRecord],
                  good: str | None = None, threshold: float = 0.5, num_ratios: int = 3,
                  demos_per_set: int = 2, sets_per_ratio: int = 2, seed: int = 0,

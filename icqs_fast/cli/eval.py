@@ -203,8 +203,7 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any,
-               model: PreTrainedModel,
-               tok: PreTrainedTokenizerBase, st: Any) -> int:
+               model: PreTrainedModel, tok: PreTrainedTokenizerBase, st: Any) -> int:
     """``--stability CONFIG``: both sides over the study's test responses (at the largest
     ``--demos-per-set`` of ``st``) and the table."""
     from icqs_fast.evals import stability, study
