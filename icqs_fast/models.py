@@ -737,8 +737,6 @@ class _PackedOnlyLinear(torch.nn.Linear):
         torch.nn.Module.__setattr__(self, name, value)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        from icqs_fast import ops
-
         super()._save_to_state_dict(destination, prefix, keep_vars)
         d = self.__dict__
         destination[prefix + "weight"] = ops.unpack_linear(d["_packed"]).to(d["_weight_dtype"])
@@ -766,7 +764,6 @@ def _hold_weight_again(m: torch.nn.Module) -> None:
     (unpacked: equal), its packed copy current for that weight; anything else is left alone."""
     if not isinstance(m, _PackedOnlyLinear):
         return
-    from icqs_fast import ops
 
     d = m.__dict__
     packed, dtype, grad = d.pop("_packed"), d.pop("_weight_dtype"), d.pop("_weight_grad")

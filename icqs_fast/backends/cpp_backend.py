@@ -349,8 +349,6 @@ def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
 def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.Tensor:
     """The ``[n, k]`` weight back out of its :func:`pack_linear` layout (a copy: fp32 for
     ``fp32`` products, bf16 values otherwise; exact, the layout only moves elements)."""
-    from icqs_fast.types import PRODUCTS
-
     if products == PRODUCTS[0]:  # [Np/32][K][32]
         panels = packed.view(-1, k, 32).permute(0, 2, 1)
         return panels.reshape(-1, k)[:n].clone()
