@@ -429,7 +429,7 @@ def unpack_linear(weight: PackedLinear) -> torch.Tensor:
     """The ``[N, K]`` weight a :func:`pack_linear` result holds, as a new tensor: float32 for
     ``"fp32"`` products, the bf16-rounded values (bfloat16 on the cpp backend) otherwise. Exact:
     a weight that the packing did not round comes back equal (what lets
-    :func:`icqs_fast.models.use_invariant_linears` drop the layer's own copy)."""
+    :func:`icqs_fast.invariant_linears.use_invariant_linears` drop the layer's own copy)."""
     return backends.module(weight.backend).unpack_linear(
         weight.data, weight.out_features, weight.in_features, weight.products)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icqs_fast import models
+from icqs_fast import invariant_linears, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -252,8 +252,8 @@ def test_decoder_linears_take_the_invariant_product(tiny_llama_dir):
     for dtype in ("float32", "bf16-mixed", "bf16-products", "bfloat16"):
         model, tok = models.load_model(d, dtype=dtype, device="cpu")
         lins = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-        assert lins and all(models.uses_packed_weights(m) for m in lins), dtype
-        assert not models.uses_packed_weights(model.get_output_embeddings())
+        assert lins and all(invariant_linears.uses_packed_weights(m) for m in lins), dtype
+        assert not invariant_linears.uses_packed_weights(model.get_output_embeddings())
         long_ids, short = tok(PROMPT)["input_ids"], tok("Sentiment:")["input_ids"]
         plan = model_plan(model)
         both = plain_hidden(model.model, [long_ids, short], 0, torch.device("cpu"),
@@ -288,7 +288,7 @@ def test_switched_layers_hold_their_weight_once(tiny_llama_dir):
                 model.parameters()).dtype, (dtype, n)
         name, lin = next(iter(lins.items()))
         w = lin.weight  # asked for: held again, equal, the packed copy still current
-        assert "weight" in lin._parameters and models.uses_packed_weights(lin), dtype
+        assert "weight" in lin._parameters and invariant_linears.uses_packed_weights(lin), dtype
         assert torch.equal(w, sd[name + ".weight"])
         with torch.no_grad():
             assert torch.equal(model(ids).logits, before), dtype
@@ -301,7 +301,7 @@ def test_packed_weights_step_aside(tiny_llama_dir):
     otherwise ops.linear's, within fp32 rounding of it."""
     model, tok = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
     lin = model.model.layers[0].mlp.up_proj
-    assert models.uses_packed_weights(lin)
+    assert invariant_linears.uses_packed_weights(lin)
     x = torch.randn(2, 5, lin.in_features)
     with torch.no_grad():
         ref = x.double() @ lin.weight.double().T

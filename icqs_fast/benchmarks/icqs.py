@@ -225,7 +225,8 @@ def _as_loaded(model: PreTrainedModel, choice=None):
     """A model built here computing as :func:`icqs_fast.models.load_model` would have it:
     bf16-mixed / bf16-products by ``choice`` (a DtypeChoice), batch-invariant linear layers
     on the CPU."""
-    from icqs_fast.models import to_bf16_mixed, use_invariant_linears
+    from icqs_fast.invariant_linears import use_invariant_linears
+    from icqs_fast.models import to_bf16_mixed
 
     if choice is not None and choice.mixed:
         return to_bf16_mixed(model, bf16_products=choice.bf16_products)

@@ -51,7 +51,8 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from icqs_fast.models import dtype_name, parameter_count
+from icqs_fast.invariant_linears import parameter_count
+from icqs_fast.models import dtype_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -51,12 +51,8 @@ from icqs_fast.engine.layout import (
     layer_attention,
     text_config,
 )
-from icqs_fast.models import (
-    bf16_matmuls,
-    exact_bf16_products,
-    is_bf16_mixed,
-    uses_bf16_products,
-)
+from icqs_fast.invariant_linears import exact_bf16_products
+from icqs_fast.models import bf16_matmuls, is_bf16_mixed, uses_bf16_products
 from icqs_fast.types import TokenStats
 
 if TYPE_CHECKING:

@@ -56,6 +56,7 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
+from icqs_fast.engine.one_pass import OnePassIndices
 from icqs_fast.models import register_attention, uses_bf16_products
 
 if TYPE_CHECKING:
@@ -68,60 +69,6 @@ IMPL_NAME = "icqs_cascade"
 POSITIONAL_IMPL = "icqs_positional"
 
 _ACTIVE = threading.local()
-
-
-@dataclass(frozen=True)
-class OnePassIndices:
-    """The layer-independent part of :func:`_one_pass` for one plan: each entry's prefix cut at
-    the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` (``c_max`` the largest),
-    the prefix part's positions (``q_pre [G, n_max * group * S]``, ``k_pre [G, c_max]``, -1
-    past an entry's cut), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
-    ``ent [R]`` each row's entry, ``tails [R, t_max]`` the slots it copies, ``src [R, t_max + S]``
-    the gather from ``[tails; suffix]`` into position order, ``q_suf [R, S]`` and
-    ``k_suf [R, t_max + S]`` (-1: masked)."""
-
-    c_max: int
-    q_pre: torch.Tensor
-    k_pre: torch.Tensor
-    t_max: int
-    ent: torch.Tensor
-    tails: torch.Tensor
-    src: torch.Tensor
-    q_suf: torch.Tensor
-    k_suf: torch.Tensor
-
-    @staticmethod
-    def of(plan: CascadePlan, s: int, group: int, dev: torch.device) -> OnePassIndices:
-        """The indices of ``plan`` for suffixes of ``s`` tokens, ``group`` heads per key head."""
-        blk = ops.ATTENTION_KEY_BLOCK
-        lens = torch.tensor(plan.lengths, dtype=torch.long)
-        cuts = lens // blk * blk
-        counts = torch.tensor(plan.counts, dtype=torch.long)
-        rows_g = torch.repeat_interleave(torch.arange(len(plan.counts)), counts)
-        t = torch.arange(s)
-        c_max = int(cuts.max())
-        j = torch.arange(c_max)
-        k_pre = torch.where(j[None] < cuts[:, None], j[None], -1).to(dev)
-        q_pre = (lens[:, None] + torch.arange(max(plan.counts) * group * s)[None] % s).to(dev)
-        cut_r, len_r = cuts[rows_g], lens[rows_g]
-        tail_r = len_r - cut_r
-        t_max = int(tail_r.max())
-        ent = rows_g.to(dev)
-        q_suf = (len_r[:, None] + t[None, :]).to(dev)
-        if t_max == 0:
-            empty = torch.empty(0, dtype=torch.long, device=dev)
-            return OnePassIndices(c_max, q_pre, k_pre, 0, ent, empty, empty, q_suf,
-                                  (len_r[:, None] + t[None, :]).to(dev))
-        j = torch.arange(t_max + s)
-        src = torch.where(j[None] < tail_r[:, None], j[None],
-                          t_max + j[None] - tail_r[:, None])  # [R, T2]
-        real = j[None] < (tail_r[:, None] + s)
-        src = torch.where(real, src, 0).to(dev)
-        # The rows' entries' slots from the cut (kp holds the used entries in group order),
-        # clamped into the bank's slots (past them only masked slots are read).
-        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=plan.p_max - 1).to(dev)
-        k_suf = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-        return OnePassIndices(c_max, q_pre, k_pre, t_max, ent, tails, src, q_suf, k_suf)
 
 
 @dataclass
@@ -177,7 +124,8 @@ class CascadePlan:
         key = (s, group, str(device))
         got = self._one_pass.get(key)
         if got is None:
-            got = self._one_pass[key] = OnePassIndices.of(self, s, group, device)
+            got = self._one_pass[key] = OnePassIndices.of(self.lengths, self.counts, s, group,
+                                                          device)
         return got
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

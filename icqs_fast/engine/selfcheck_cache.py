@@ -38,7 +38,7 @@ def scorer_identity(scorer: ICQSScorer) -> dict[str, Any]:
     scores: its settings' fingerprint, the model's name or path, its parameter count and dtype
     (a model re-written in place under the same path and size is not told apart: clear the
     cache, ``icqs_fast.io.cache``)."""
-    from icqs_fast.models import parameter_count  # torch: only once a scorer exists
+    from icqs_fast.invariant_linears import parameter_count  # torch: only once a scorer exists
 
     model = scorer.model
     p = next(model.parameters())

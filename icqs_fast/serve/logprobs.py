@@ -32,7 +32,8 @@ from icqs_fast.engine.batching import (
 from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
-from icqs_fast.models import exact_bf16_products, is_bf16_mixed
+from icqs_fast.invariant_linears import exact_bf16_products
+from icqs_fast.models import is_bf16_mixed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
