@@ -3,7 +3,7 @@
 transformers' RMSNorm runs five passes over the activations (``pow``, ``mean``, ``rsqrt``
 of the variance plus eps, two products) and its gated MLP allocates the SiLU output and the
 product anew. With fp32 activations on the CPU (bf16-mixed) those passes are a tenth of the
-engine's time (docs/RESULTS.md, "Precision on the CPU"). Here the norm is torch's fused
+engine's time (docs/DECISIONS.md, "Exact forwards"). Here the norm is torch's fused
 ``F.rms_norm`` (one kernel) and the MLP computes SiLU and the product in place on the gate
 projection's output: the same operations in the same order, so the same bits, with fewer
 passes and no new buffers.
@@ -95,7 +95,7 @@ def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) ->
     return isinstance(want, torch.Tensor) and torch.equal(want, got)
 
 
-def use_exact_forwards(model: Any) -> dict[str, int]:
+def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
     """Replace the forward of each RMSNorm and gated-SiLU MLP module of ``model`` whose fp32
     parameters pass the probe (the same output bits on a random fp32 input) by its faster
     equal; in place, on the module instances only (the classes are untouched, so other models

@@ -8,8 +8,10 @@ Hugging Face checkpoint folder; the model cache's contents; one-line errors
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -139,7 +141,6 @@ def _packaged_module(pm: PackagedModel) -> Any:
     """
     if not pm.installed():
         raise ModelLoadError(pm.name, f"its package is not installed: {pm.install_hint()}")
-    import importlib
 
     return importlib.import_module(pm.module)
 
@@ -155,8 +156,6 @@ def _complete(folder: Path) -> bool:
 
 def file_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a file, read in 1 MiB blocks (a model file never sits in memory whole)."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -221,7 +220,6 @@ def _convert_gguf(gguf: Path, target: Path, stamp: dict, quiet: bool | None) -> 
     marker (JSON). A folder already complete is returned as it is."""
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
-    import json
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -326,8 +324,6 @@ class ModelSource:
 
 def _stamped(folder: Path) -> ModelSource:
     """The converted ``folder`` with its GGUF file's name and hash from its marker."""
-    import json
-
     try:
         stamp = json.loads((folder / ".complete").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -425,8 +421,6 @@ def packaged_status() -> list[dict[str, Any]]:
     """Each packaged model (:data:`PACKAGED_MODELS`): its name, what it is, whether its
     package is installed, whether it is converted in the model cache already, and the
     command installing it."""
-    import importlib
-
     out = []
     for pm in PACKAGED_MODELS.values():
         installed = pm.installed()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import threading
-import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from icqs_fast.exact_forwards import use_exact_forwards
+from icqs_fast.invariant_linears import exact_bf16_products, use_invariant_linears
 
 # Where a model is read from (re-exported: callers name them icqs_fast.models.*).
 from icqs_fast.model_files import (  # noqa: F401
@@ -96,7 +97,8 @@ CPU_DTYPE_ENV = "ICQS_FAST_CPU_DTYPE"
 # native dot product for it. Measured on one machine each (so named, and used only in the
 # warning's text, never to decide): an AVX2-only CPU, 32 answers x 20 contexts, 2 threads, bf16
 # 284.2 s vs fp32 51.9 s; fp16 from its matmul rate on the model's shapes against fp32's on an
-# AVX-512 CPU without avx512_fp16 / AMX-FP16 (docs/RESULTS.md, "Precision on the CPU").
+# AVX-512 CPU without avx512_fp16 / AMX-FP16 (docs/DECISIONS.md, "No bf16 without native dot
+# products").
 SLOWDOWN_WITHOUT_NATIVE = {torch.bfloat16: 5.5, torch.float16: 5.0}
 
 
@@ -186,8 +188,6 @@ def cpu_bf16_support() -> tuple[bool, str]:
     without them). AVX-512 alone is not enough: oneDNN then emulates bf16 (torch's own
     ``_is_mkldnn_bf16_supported`` answers yes there). Decided once per process.
     """
-    import platform
-
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
     if not mkldnn:
@@ -463,7 +463,7 @@ def load_model(
     return model, tok
 
 
-def dtype_choice_of(model: Any) -> DtypeChoice | None:
+def dtype_choice_of(model: torch.nn.Module) -> DtypeChoice | None:
     """What :func:`load_model` chose for ``model`` (None for a model it did not load)."""
     try:
         return _CHOICES.get(model)
@@ -471,7 +471,7 @@ def dtype_choice_of(model: Any) -> DtypeChoice | None:
         return None
 
 
-def dtype_name(model: Any) -> str:
+def dtype_name(model: torch.nn.Module) -> str:
     """How ``model`` computes, by name: ``"bf16-mixed"`` (:data:`MIXED_NAME`) for a
     :func:`to_bf16_mixed` model, else its parameters' dtype (``"float32"``, ``"bfloat16"``)."""
     if is_bf16_mixed(model):
@@ -488,7 +488,7 @@ def _in_hf_cache(name: str) -> bool:
         return False
 
 
-def runtime_settings(model: Any, backend: str) -> dict:
+def runtime_settings(model: torch.nn.Module, backend: str) -> dict:
     """The model-side part of the resume fingerprint: the weights' dtype (``bf16-mixed`` for a
     :func:`to_bf16_mixed` model), the device type and
     the resolved kernel backend (``"auto"`` resolved, so ``auto`` and ``cpp`` on a CPU agree),
@@ -517,19 +517,18 @@ def runtime_settings(model: Any, backend: str) -> dict:
 # --------------------------------------------------------------------------- bf16-mixed
 
 # oneDNN's fp32 "bf16 fpmath" mode (torch.backends.mkldnn.matmul.fp32_precision = "bf16") sends
-# fp32 F.linear / matmul to oneDNN instead of MKL's sgemm. The mode *allows* oneDNN to round
-# the operands to bf16; oneDNN 3.x does that on AMX (its "bf32" path; not measured here). On a
-# CPU with avx512_bf16 and no AMX (the AMD EPYC of docs/RESULTS.md) it rounds nothing: the
-# products are plain fp32 on oneDNN's AVX-512 kernels (relative error 3.9e-7 against float64
-# with arbitrary fp32 weights, IEEE fp32 2.5e-7; bf16-rounded activations would give 1.7e-3),
-# about 2.3x MKL's fp32 rate there (250-265 against 110 GFLOP/s, 1 thread) and half the
-# pure-bf16 rate (470-495). So bf16-mixed is bf16-valued weights in fp32 arithmetic, and its
+# fp32 F.linear / matmul to oneDNN instead of MKL's sgemm. The mode *allows* oneDNN to round the
+# operands to bf16; oneDNN 3.x does that on AMX (its "bf32" path; not measured here). On a CPU
+# with avx512_bf16 and no AMX (the AMD EPYC of bench/reports/2026-11-28-cpu-precision.md) it
+# rounds nothing: the products are plain fp32 on oneDNN's AVX-512 kernels (relative error 3.9e-7
+# against float64 with arbitrary fp32 weights, IEEE fp32 2.5e-7; bf16-rounded activations would
+# give 1.7e-3), about 2.3x MKL's fp32 rate there (250-265 against 110 GFLOP/s, 1 thread) and half
+# the pure-bf16 rate (470-495). So bf16-mixed is bf16-valued weights in fp32 arithmetic, and its
 # fidelity (the echo passage alone vs inside a request within 1e-3 nats/token) rests on that:
-# rounding any linear's activations to bf16 breaks it (measured: 5e-3 to 0.16; docs/RESULTS.md
-# "Precision on the CPU"). Where the mode would round (:func:`bf16_mode_is_exact` False), it
-# stays off and the model runs IEEE fp32. torch's setting is process-wide, so it is on only
-# while a bf16-mixed model runs (a depth count: nested and concurrent forwards share one
-# switch).
+# rounding any linear's activations to bf16 breaks it (measured: 5e-3 to 0.16; docs/DECISIONS.md,
+# "bf16-mixed"). Where the mode would round (:func:`bf16_mode_is_exact` False), it stays off and
+# the model runs IEEE fp32. torch's setting is process-wide, so it is on only while a bf16-mixed
+# model runs (a depth count: nested and concurrent forwards share one switch).
 _MODE_LOCK = threading.Lock()
 _MODE_DEPTH = 0
 _MODE_SAVED = "none"
@@ -630,7 +629,7 @@ def _post(_module: Any, _args: Any, _out: Any) -> None:
     _mode_exit()
 
 
-def to_bf16_mixed(model: Any, bf16_products: bool = False) -> Any:
+def to_bf16_mixed(model: torch.nn.Module, bf16_products: bool = False) -> Any:
     """Turn an fp32 CPU model into its bf16-mixed form (``bf16_products``: its bf16-products
     form), in place, and return it.
 
@@ -694,67 +693,6 @@ def uses_bf16_products(module: Any) -> bool:
         return module in _FAST_PARTS
     except TypeError:
         return False
-# module -> its PackedLinear (ops.pack_linear), for use_invariant_linears' forward
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def exact_bf16_products() -> str:
-    """The products of a bf16-valued weight at fp32 precision, the faster of the two here:
-    ``"bf16x3"`` (the input as 3 bf16 terms: exact products) where the C++ kernel runs them
-    on AMX tiles, else ``"fp32"``."""
-    from icqs_fast.backends import cpp_backend
-
-    ok, _ = cpp_backend.available()
-    return "bf16x3" if ok and cpp_backend.linear_level("bf16x3") == "amx" else "fp32"
-
-
-def _invariant_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
-    from icqs_fast import ops
-
-    packed = _PACKED.get(self)
-    if (packed is None or torch.is_grad_enabled() or x.device.type != "cpu"
-            or not packed.is_current(self.weight)):
-        # With autograd, or a weight changed since it was packed: the module's own product.
-        return torch.nn.Linear.forward(self, x)
-    return ops.linear(x, packed, self.bias).to(x.dtype)
-
-
-def use_invariant_linears(model: Any, products: str = "fp32") -> int:
-    """Have the plain ``nn.Linear`` layers inside ``model``'s module lists (the decoder's)
-    multiply through :func:`icqs_fast.ops.linear` with their weights packed once
-    (``products``: one of :data:`icqs_fast.types.PRODUCTS`), so that a row's output is the same
-    bits whatever shares its forward: a library GEMM picks its kernel by the row count (MKL's
-    fp32 path differs at 1-7 rows). Needs the C++ extension (the cpp backend); without it
-    nothing is switched. 16-bit inputs widen exactly and the output returns to the input's
-    dtype; with autograd on, or once a weight has changed, a layer takes its own product.
-
-    Memory: the packed copies are extra (the layers keep their weights): 4 bytes per weight
-    for ``fp32`` products, 2 for the others. Returns the layers switched.
-    """
-    from icqs_fast import ops
-    from icqs_fast.backends import cpp_backend
-
-    if not cpp_backend.available()[0]:
-        return 0
-    done = 0
-    for lst in model.modules():
-        if not isinstance(lst, torch.nn.ModuleList):
-            continue
-        for m in lst.modules():
-            if (type(m) is not torch.nn.Linear or m in _PACKED
-                    or m.weight.device.type != "cpu" or not m.weight.is_floating_point()):
-                continue
-            _PACKED[m] = ops.pack_linear(m.weight, products, backend="cpp")
-            m.forward = types.MethodType(_invariant_linear, m)
-            done += 1
-    return done
-
-
-def uses_packed_weights(module: Any) -> bool:
-    """Whether :func:`use_invariant_linears` switched ``module`` (its weight packed)."""
-    return module in _PACKED
-
-
 _ATTN_LOCK = threading.Lock()
 _ATTN_REGISTERED: set[str] = set()
 

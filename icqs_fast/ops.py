@@ -425,6 +425,15 @@ def pack_linear(weight: torch.Tensor, products: str = "fp32", *, backend: str = 
     return packed
 
 
+def unpack_linear(weight: PackedLinear) -> torch.Tensor:
+    """The ``[N, K]`` weight a :func:`pack_linear` result holds, as a new tensor: float32 for
+    ``"fp32"`` products, the bf16-rounded values (bfloat16 on the cpp backend) otherwise. Exact:
+    a weight that the packing did not round comes back equal (what lets
+    :func:`icqs_fast.invariant_linears.use_invariant_linears` drop the layer's own copy)."""
+    return backends.module(weight.backend).unpack_linear(
+        weight.data, weight.out_features, weight.in_features, weight.products)
+
+
 # id(weight) -> (weakref to it, {(first row, rows, products, backend): PackedLinear}):
 # pack_linear(cache=True)'s packs and the cpp head's vocabulary blocks, dropped with the weight
 # (tensors compare element-wise, so they cannot be WeakKeyDictionary keys).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icqs_fast import models
+from icqs_fast import invariant_linears, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -251,9 +251,9 @@ def test_decoder_linears_take_the_invariant_product(tiny_llama_dir):
     d = tiny_llama_dir(layers=2)
     for dtype in ("float32", "bf16-mixed", "bf16-products", "bfloat16"):
         model, tok = models.load_model(d, dtype=dtype, device="cpu")
-        lins = [m for m in model.model.layers.modules() if type(m) is torch.nn.Linear]
-        assert lins and all(models.uses_packed_weights(m) for m in lins), dtype
-        assert not models.uses_packed_weights(model.get_output_embeddings())
+        lins = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        assert lins and all(invariant_linears.uses_packed_weights(m) for m in lins), dtype
+        assert not invariant_linears.uses_packed_weights(model.get_output_embeddings())
         long_ids, short = tok(PROMPT)["input_ids"], tok("Sentiment:")["input_ids"]
         plan = model_plan(model)
         both = plain_hidden(model.model, [long_ids, short], 0, torch.device("cpu"),
@@ -262,12 +262,46 @@ def test_decoder_linears_take_the_invariant_product(tiny_llama_dir):
         assert torch.equal(both[1, :len(short)], one[0]), dtype
 
 
+def test_switched_layers_hold_their_weight_once(tiny_llama_dir):
+    """At every CPU dtype a switched decoder layer keeps only its packed weight (no weight
+    parameter of its own: the packing holds it exactly) until something asks for the weight;
+    then it holds an equal one again, its packed product unchanged. The state dict carries the
+    weights the dtype computes with, and loads into a plain model."""
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_llama_dir(layers=2)
+    plain = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).state_dict()
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    for dtype in ("float32", "bf16-mixed", "bf16-products", "bfloat16"):
+        model, _ = models.load_model(d, dtype=dtype, device="cpu")
+        lins = {n: m for n, m in model.named_modules() if ".layers." in n
+                and isinstance(m, torch.nn.Linear)}
+        assert lins and all("weight" not in m._parameters for m in lins.values()), dtype
+        with torch.no_grad():
+            before = model(ids).logits
+        sd = model.state_dict()
+        for n in lins:
+            want = plain[n + ".weight"]
+            want = want if dtype == "float32" else want.bfloat16()
+            got = sd[n + ".weight"]
+            assert torch.equal(got.to(want.dtype), want) and got.dtype == next(
+                model.parameters()).dtype, (dtype, n)
+        name, lin = next(iter(lins.items()))
+        w = lin.weight  # asked for: held again, equal, the packed copy still current
+        assert "weight" in lin._parameters and invariant_linears.uses_packed_weights(lin), dtype
+        assert torch.equal(w, sd[name + ".weight"])
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, before), dtype
+        fresh = AutoModelForCausalLM.from_pretrained(d, torch_dtype=sd[name + ".weight"].dtype)
+        fresh.load_state_dict(sd)  # strict: every key there
+
+
 def test_packed_weights_step_aside(tiny_llama_dir):
     """With autograd, or once the weight changed, a switched layer computes its own product;
     otherwise ops.linear's, within fp32 rounding of it."""
     model, tok = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
     lin = model.model.layers[0].mlp.up_proj
-    assert models.uses_packed_weights(lin)
+    assert invariant_linears.uses_packed_weights(lin)
     x = torch.randn(2, 5, lin.in_features)
     with torch.no_grad():
         ref = x.double() @ lin.weight.double().T

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icqs_fast import models
+from icqs_fast import invariant_linears, models
 from icqs_fast.backends import cpp_backend
 
 DTYPES = ("float32", "bf16-mixed", "bf16-products", "bfloat16")
@@ -138,14 +138,14 @@ def test_lm_eval_logliks_are_the_same_bits_alone_and_batched(loaded, dtype):
 
 def test_the_amx_branch_of_bf16_mixed_through_a_patched_probe(tiny_llama_dir, monkeypatch):
     """bf16-mixed multiplies with 3 bf16 terms where the kernel runs them on AMX
-    (models.exact_bf16_products); on a CPU without AMX the probe is patched so that branch
-    runs (the kernel then takes the same products on its AVX-512 / AVX2 paths) and keeps the
-    invariance."""
+    (invariant_linears.exact_bf16_products); on a CPU without AMX the probe is patched so that
+    branch runs (the kernel then takes the same products on its AVX-512 / AVX2 paths) and keeps
+    the invariance."""
     monkeypatch.setattr(cpp_backend, "linear_level", lambda products: "amx")
-    assert models.exact_bf16_products() == "bf16x3"
+    assert invariant_linears.exact_bf16_products() == "bf16x3"
     model, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
     lin = model.model.layers[0].self_attn.q_proj
-    assert models.uses_packed_weights(lin)
+    assert invariant_linears.uses_packed_weights(lin)
     target = _ids(100, 7)
     alone = _echo(model, [target])[0]
     inside = _echo(model, [target[:70] + _ids(20, 8), target, _ids(33, 9)])[1]

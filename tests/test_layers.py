@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
      "icqs_fast.kernels", "icqs_fast._C", "icqs_fast.model_files"),
     ("icqs_fast.backends",),
     ("icqs_fast.ops", "icqs_fast.exact_forwards"),
+    ("icqs_fast.invariant_linears",),
     ("icqs_fast.torch_ops", "icqs_fast.metrics", "icqs_fast.progress", "icqs_fast.models",
      "icqs_fast.threads", "icqs_fast.io"),
     ("icqs_fast.engine",),

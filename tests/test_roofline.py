@@ -43,10 +43,10 @@ def test_body_forward_flops_match_the_shapes(tiny_llama_model):
 def test_packed_linears_are_counted_as_linears(tiny_llama_dir):
     """A bf16-mixed model's prepacked decoder linears (``mkldnn::_linear_pointwise``) count as
     the plain ones did."""
-    from icqs_fast import models
+    from icqs_fast import invariant_linears, models
 
     model, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
-    if not any(models.uses_packed_weights(m) for m in model.modules()):
+    if not any(invariant_linears.uses_packed_weights(m) for m in model.modules()):
         pytest.skip("nothing packed on this CPU")
     b, t = 2, 11
     ids = torch.randint(0, model.config.vocab_size, (b, t),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,11 @@ from icqs_fast.engine.capability import model_plan
 from icqs_fast.engine.checks import model_max_length
 from icqs_fast.engine.continuations import kv_bytes_per_token, score_continuations
 from icqs_fast.engine.prompts import adds_bos
+from icqs_fast.engine.scorer import ICQSScorer
+from icqs_fast.features.attention import capture_attention_entropy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,8 @@ class LikelihoodEvaluator:
         ValueError: a prompt longer than the model takes (naming the record and the lengths).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *, backend: str = "auto",
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: TaskSpec,
+                 *, backend: str = "auto",
                  bank_mib: int = 1024, max_length: int | None = None,
                  use_chat_template: bool | None = None) -> None:
         self.model, self.tok, self.spec = model, tokenizer, spec
@@ -404,8 +410,6 @@ class LikelihoodEvaluator:
         (:func:`icqs_fast.features.attention.capture_attention_entropy`): that capture needs a full
         forward without a KV cache, so it is not the bank's forward and costs one more prompt
         forward per record; the studies run it on a few held-out records."""
-        from icqs_fast.features.attention import capture_attention_entropy
-
         dev = model_device(self.model)
         # The capture only needs the attention layers to run: the body, or the whole model
         # where the capability check found no separate body.
@@ -454,7 +458,8 @@ class ICQSEvaluator:
     explains the response), so AUC ranks records by it.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, spec: TaskSpec, *,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 spec: TaskSpec, *,
                  seed_good: Sequence[AuditRecord], seed_bad: Sequence[AuditRecord],
                  good: str | None = None, threshold: float = 0.5, num_ratios: int = 3,
                  demos_per_set: int = 2, sets_per_ratio: int = 2, seed: int = 0,
@@ -490,8 +495,6 @@ class ICQSEvaluator:
         return x, y
 
     def _scorer_for(self, memory: Sequence[MemoryItem]):
-        from icqs_fast.engine.scorer import ICQSScorer
-
         key = tuple(m.record.id for m in memory)
         if self._scorer is None or key != self._key:
             recs = self.seed_good + self.seed_bad + [m.record for m in memory]

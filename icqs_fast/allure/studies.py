@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from icqs_fast import metrics as M
+from icqs_fast.allure.bias import Verdicts, judge_bias
 from icqs_fast.allure.data import AuditRecord, TaskSpec
 from icqs_fast.allure.evaluators import Evaluator
 from icqs_fast.allure.loop import RoundResult, score_judgments
@@ -242,8 +243,6 @@ def round_bias(spec: TaskSpec, heldout: Sequence[AuditRecord], rnd: RoundResult,
     verdicts: agreement with the truth, length bias (:meth:`TaskSpec.length`, characters) and,
     for a pairwise task whose held-out pairs were judged in both orders (``audit(swap=True)``),
     position-swap consistency. Returns a :class:`~icqs_fast.allure.bias.JudgeBias`."""
-    from icqs_fast.allure.bias import Verdicts, judge_bias
-
     recs = [r for r in heldout if r.id in rnd.heldout_pred]
     if spec.pairwise:
         labels = list(spec.options)  # first option: "the first output is better"

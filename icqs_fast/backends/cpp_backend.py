@@ -16,7 +16,7 @@ import os
 import torch
 
 from icqs_fast.backends import state as _state
-from icqs_fast.types import TokenStats
+from icqs_fast.types import PRODUCTS, TokenStats
 
 try:
     from icqs_fast import _C
@@ -325,16 +325,12 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def linear_level(products: str) -> str:
     """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""
-    from icqs_fast.types import PRODUCTS
-
     return _C.linear_level_name(_C.linear_level(PRODUCTS.index(products), isa_setting()))
 
 
 def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
     """``weight [N, K]`` (fp32 / bf16 / fp16, CPU) in the C++ kernel's packed layout for
     ``products`` (``csrc/linear.cpp``): fp32 panels for ``fp32``, bf16 pair panels else."""
-    from icqs_fast.types import PRODUCTS
-
     if weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"pack_linear needs a 2-D CPU weight, got {list(weight.shape)} on "
                          f"{weight.device}")
@@ -350,12 +346,21 @@ def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
     return out
 
 
+def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.Tensor:
+    """The ``[n, k]`` weight back out of its :func:`pack_linear` layout (a copy: fp32 for
+    ``fp32`` products, bf16 values otherwise; exact, the layout only moves elements)."""
+    if products == PRODUCTS[0]:  # [Np/32][K][32]
+        panels = packed.view(-1, k, 32).permute(0, 2, 1)
+        return panels.reshape(-1, k)[:n].clone()
+    kp = -(-k // 32) * 32  # [Np/32][Kp/2][32][2]
+    panels = packed.view(-1, kp // 2, 32, 2).permute(0, 2, 1, 3)
+    return panels.reshape(-1, kp)[:n, :k].clone()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
     fp32, each element in one fixed order (``csrc/linear.cpp``)."""
-    from icqs_fast.types import PRODUCTS
-
     m, k = x.shape
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()

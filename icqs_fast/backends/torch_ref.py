@@ -345,6 +345,11 @@ def pack_linear(weight: torch.Tensor, products: str) -> torch.Tensor:
     return w.clone() if products == "fp32" else w.bfloat16().float()
 
 
+def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.Tensor:
+    """The reference's packed weight is the ``[n, k]`` weight itself."""
+    return packed.clone()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the

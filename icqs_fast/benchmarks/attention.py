@@ -51,6 +51,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +60,9 @@ from icqs_fast.benchmarks import at_most, check_fields, environment, peak_growth
 from icqs_fast.benchmarks.kernels import alternated, side_by_side
 from icqs_fast.features.attention import capture_attention_entropy, eager_range_entropy
 from icqs_fast.io.files import write_whole
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -97,7 +101,7 @@ def eager_entropies(attentions, key_range: torch.Tensor, query_mask: torch.Tenso
     return torch.stack(per_layer, dim=1)
 
 
-def run_ours(model, ids, qm, kr, backend: str = "auto") -> torch.Tensor:
+def run_ours(model: PreTrainedModel, ids, qm, kr, backend: str = "auto") -> torch.Tensor:
     """Our side: one forward inside the capture (on ``backend``); returns ``[B, layers, H, T]``
     fp32."""
     with torch.no_grad(), capture_attention_entropy(model, qm, kr, backend=backend) as cap:
@@ -105,7 +109,7 @@ def run_ours(model, ids, qm, kr, backend: str = "auto") -> torch.Tensor:
     return cap.entropy
 
 
-def run_eager(model, ids, qm, kr, prec64: bool = False) -> torch.Tensor:
+def run_eager(model: PreTrainedModel, ids, qm, kr, prec64: bool = False) -> torch.Tensor:
     """Eager side: ``output_attentions=True`` then entropies from the matrices."""
     prev = model.config._attn_implementation
     model.set_attn_implementation("eager")

@@ -3,8 +3,8 @@ settings, the embedded model) with its FLOPs counted, a plain timed run, a run w
 every module and on the fused LM-head statistics
 (:func:`icqs_fast.benchmarks.roofline.module_times`), and this machine's matmul rate on the
 model's linear shapes. ``python -m icqs_fast.benchmarks.engine_profile --dtypes
-float32,bfloat16 --out FILE``; docs/RESULTS.md ("The engine against the machine's limit")
-reads it.
+float32,bfloat16 --out FILE``; bench/reports/2026-11-27-engine-limit.md ("The engine against
+the machine's limit") reads it.
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -91,6 +92,9 @@ from icqs_fast.benchmarks import (
     peak_growth_mb,
     report_failures,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Short financial-news headlines (written for this benchmark). Each is scored with both answers.
 HEADLINES = [
@@ -217,11 +221,12 @@ def load(device: torch.device, random_weights: bool = False, config: str = "llam
     return _as_loaded(model, choice), tok, f"random-{config}"
 
 
-def _as_loaded(model, choice=None):
+def _as_loaded(model: PreTrainedModel, choice=None):
     """A model built here computing as :func:`icqs_fast.models.load_model` would have it:
     bf16-mixed / bf16-products by ``choice`` (a DtypeChoice), batch-invariant linear layers
     on the CPU."""
-    from icqs_fast.models import to_bf16_mixed, use_invariant_linears
+    from icqs_fast.invariant_linears import use_invariant_linears
+    from icqs_fast.models import to_bf16_mixed
 
     if choice is not None and choice.mixed:
         return to_bf16_mixed(model, bf16_products=choice.bf16_products)
@@ -254,7 +259,7 @@ def model_for(config: str, vocab: int, *, window: bool = True):
     return cls(cfg)
 
 
-def as_mistral(model, window: int | None):
+def as_mistral(model: PreTrainedModel, window: int | None):
     """The Llama ``model``'s weights in a Mistral with sliding window ``window`` (None: none):
     the two share every parameter name, so with no window it computes what the Llama does."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -277,7 +282,8 @@ def as_mistral(model, window: int | None):
     return _as_loaded(out, choice)
 
 
-def window_timing(model, tok, good, bad, resp, settings: dict, repeats: int,
+def window_timing(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good, bad, resp,
+                  settings: dict, repeats: int,
                   dev: torch.device, config: str) -> dict:
     """Fresh engines on ``model`` (windowed) and on the same weights without the window,
     interleaved ``repeats`` times: medians and their ratio."""
@@ -311,13 +317,13 @@ def scoring_settings(settings: dict | None = None):
     return ScoringSettings(template=TEMPLATE, **(settings or SETTINGS))
 
 
-def _scorer(model, tok, good, bad, settings=None):
+def _scorer(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good, bad, settings=None):
     from icqs_fast.engine.scorer import ICQSScorer
 
     return ICQSScorer(model, tok, good, bad, scoring_settings(settings))
 
 
-def _naive(model, tok, good, bad, resp, settings=None):
+def _naive(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good, bad, resp, settings=None):
     from icqs_fast.engine.reference import icqs_naive
 
     return icqs_naive(model, tok, good, bad, resp, scoring_settings(settings))
@@ -576,7 +582,8 @@ def scores_agree(a, b, tol: float = SCORE_TOL, per_set: bool = True) -> bool:
         abs(x - y) <= tol for x, y in zip(a.score_per_set, b.score_per_set, strict=True)))
 
 
-def calibration_timing(model, tok, good, bad, resp, settings: dict, calibrate: str,
+def calibration_timing(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good, bad, resp,
+                       settings: dict, calibrate: str,
                        repeats: int, dev: torch.device) -> tuple[dict, list]:
     """Fresh engines without and with ``calibrate`` over ``resp``, interleaved ``repeats``
     times: the medians and their ratio (see the module docstring), and the last calibrated

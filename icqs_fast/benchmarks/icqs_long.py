@@ -36,11 +36,15 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from icqs_fast.benchmarks import check_fields, emit_record, environment, report_failures
 from icqs_fast.benchmarks import icqs as short
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # 3 demonstrations per set (~700-1000 tokens each from the longest articles), the all-bad and
 # all-good ratios, one set each: 2 contexts whose prefixes hold ~2.5-3k tokens, plus the query
@@ -117,7 +121,7 @@ def cascade_attention(path: str) -> Iterator[None]:
             os.environ[ATTENTION_ENV] = old
 
 
-def _scorer(model, tok, good, bad, settings: dict):
+def _scorer(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good, bad, settings: dict):
     from icqs_fast.engine.scorer import ICQSScorer
     from icqs_fast.engine.settings import ScoringSettings
 

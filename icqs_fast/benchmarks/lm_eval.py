@@ -46,7 +46,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.benchmarks import (
     at_most,
@@ -58,6 +58,9 @@ from icqs_fast.benchmarks import (
 )
 from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TASK_NAME = "icqs_sst2_local"
 # Correctness: largest |loglik ours - HFLM| that passes (fp32 CPU records ~4e-5; --tolerance
@@ -162,11 +165,11 @@ def _count_ours(counts: dict[str, int]) -> Iterator[None]:
             counts["ours_prefix_tokens"] += self.forward_tokens - before
             return out
 
-    def suffix_hidden(model, bank, entries, suffixes, *a, **k):
+    def suffix_hidden(model: PreTrainedModel, bank, entries, suffixes, *a, **k):
         counts["ours_suffix_tokens"] += len(suffixes) * max(len(s) for s in suffixes)
         return suffix(model, bank, entries, suffixes, *a, **k)
 
-    def score_plain(model, batch, *a, **k):
+    def score_plain(model: PreTrainedModel, batch, *a, **k):
         counts["ours_suffix_tokens"] += len(batch) * max(len(r[2]) for r in batch)
         return plain(model, batch, *a, **k)
 
@@ -304,7 +307,7 @@ def bench(limit: int = 60, shots: int = 5, model: str = "embedded", *, data: str
     }
 
 
-def _distance_to_limit(ours: Any, calls: list, times: dict[str, float], model: Any,
+def _distance_to_limit(ours: Any, calls: list, times: dict[str, float], model: PreTrainedModel,
                        device: str) -> dict[str, Any]:
     """The FLOPs of our side's ``loglikelihood`` work (the same requests again, counted, untimed)
     against ``ours_s``, and this machine's matmul rate on the model's linear shapes

@@ -82,7 +82,10 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from "
          "at which but have an they you were her she there one all we their").split()
@@ -346,7 +349,8 @@ def sigterm_stop(st: Any, shutdown_timeout: float, gen_tokens: int) -> dict[str,
             "ok": not st.thread.is_alive() and stopped <= bound and status in (200, 503)}
 
 
-def engine_rate(model: Any, tok: Any, prompts: list[str], chunk_tokens: int, pad_id: int,
+def engine_rate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str],
+                chunk_tokens: int, pad_id: int,
                 min_seconds: float = 5.0) -> tuple[float, float]:
     """The server's log-prob engine on ``prompts`` alone, in batches of about ``chunk_tokens``
     tokens (what the server's worker runs), repeated for at least ``min_seconds``:

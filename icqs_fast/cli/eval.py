@@ -20,7 +20,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.cli.options import (
     add_backend_argument,
@@ -35,6 +35,9 @@ from icqs_fast.io.datasets import EvalDataset, eval_dataset, eval_datasets
 from icqs_fast.io.strict_json import finite_or_none
 from icqs_fast.options import add_json_argument
 from icqs_fast.threads import add_threads_argument, apply_threads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -202,8 +205,8 @@ def _model_name(args: argparse.Namespace) -> str:
     return args.model or "embedded SmolLM2-135M-Instruct"
 
 
-def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any, model: Any,
-               tok: Any, st: Any) -> int:
+def _stability(args: argparse.Namespace, ds: EvalDataset, kind: Any, data: Any,
+               model: PreTrainedModel, tok: PreTrainedTokenizerBase, st: Any) -> int:
     """``--stability CONFIG``: both sides over the study's test responses (at the largest
     ``--demos-per-set`` of ``st``) and the table."""
     from icqs_fast.evals import stability, study

@@ -33,7 +33,7 @@ import copy
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lm_eval.models  # noqa: F401 - built-ins first: see register()
 import torch
@@ -50,6 +50,12 @@ from lm_eval.models.utils import (
     resolve_max_length,
 )
 from tqdm import tqdm
+
+from icqs_fast.invariant_linears import parameter_count
+from icqs_fast.models import dtype_name
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_NAME = "icqs-fast"
 # Requests per score_continuations call (it bounds its prefix bank by KV bytes itself; this
@@ -105,8 +111,8 @@ class ICQSFastLM(TemplateLM):
         self,
         pretrained: str | None = "embedded",
         *,
-        model: Any = None,
-        tokenizer: Any = None,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | None = "auto",
         backend: str = "auto",
@@ -381,9 +387,7 @@ class ICQSFastLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
-        from icqs_fast.models import dtype_name
-
-        n = sum(p.numel() for p in self._model.parameters())
+        n = parameter_count(self._model)
         return {"model_num_parameters": n,
                 "model_dtype": dtype_name(self._model),
                 "model_name": str(getattr(self._model, "name_or_path", "")),

@@ -10,8 +10,7 @@ out of fold - each fold judged by a band fitted on the other folds, so the fitte
 optimism is not reported - with seeded percentile bootstrap intervals
 (:func:`icqs_fast.metrics.bootstrap_distribution`, ``scipy.stats.bootstrap`` underneath).
 
-numpy, scipy and scikit-learn are imported where used (see selfcheck's docstring: the command
-line reads defaults without loading them).
+scipy and scikit-learn are imported where used (see selfcheck's docstring).
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 __all__ = ["MIN_COVERED", "AbstainBand", "abstain_band", "band_verdicts", "coverage_curve",
            "fit_band"]
@@ -31,8 +29,6 @@ __all__ = ["MIN_COVERED", "AbstainBand", "abstain_band", "band_verdicts", "cover
 def _cut_values(u: np.ndarray) -> np.ndarray:
     """``[k+1]`` cut points of ``k`` sorted distinct scores ``u``: -inf, the midpoints, +inf
     (cut ``i`` has the ``i`` lowest scores below it)."""
-    import numpy as np
-
     return np.concatenate([[-np.inf], (u[1:] + u[:-1]) / 2, [np.inf]])
 
 
@@ -42,8 +38,6 @@ def _band_counts(scores: np.ndarray, labels: np.ndarray
     ``P`` pairs of cuts ``a <= b`` ("bad" below cut ``a``, "good" from cut ``b`` on, abstain
     between), from prefix counts of each class over the sorted distinct scores (O(k^2) numpy,
     k <= the held-out items)."""
-    import numpy as np
-
     u, inv = np.unique(scores, return_inverse=True)
     k = u.size
     n0 = np.bincount(inv[labels == 0], minlength=k)
@@ -63,8 +57,6 @@ def fit_band(scores: Sequence[float], labels: Sequence[int], target: float
     ``scores`` ``[n]`` / 0/1 ``labels`` ``[n]`` with the largest coverage (ties: the higher
     accuracy); ``lo = -inf`` says nothing is "bad", ``hi = +inf`` nothing "good"; ``lo == hi``:
     no abstention. None when no band with any coverage reaches ``target``."""
-    import numpy as np
-
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels, dtype=np.int64)
     cuts, a, b, covered, correct = _band_counts(s, y)
@@ -79,8 +71,6 @@ def fit_band(scores: Sequence[float], labels: Sequence[int], target: float
 def band_verdicts(scores: Any, lo: float, hi: float) -> np.ndarray:
     """``[n]`` str: "bad" below ``lo``, "good" at or above ``hi``, "abstain" between or for a
     NaN score."""
-    import numpy as np
-
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     return np.where(s < lo, "bad", np.where(s >= hi, "good", "abstain"))
 
@@ -90,8 +80,6 @@ def coverage_curve(scores: Sequence[float], labels: Sequence[int], max_points: i
     """The best accuracy outside a band at each coverage, ``[(coverage, accuracy), ...]`` by
     rising coverage (accuracy at coverage >= c: non-increasing), at most ``max_points`` points;
     on the given items (in sample)."""
-    import numpy as np
-
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels, dtype=np.int64)
     n = s.size
@@ -220,7 +208,6 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
     (:func:`icqs_fast.metrics.bootstrap_distribution`, paired over items, ``n_boot``
     resamples, seeded by ``seed``).
     """
-    import numpy as np
     from sklearn.model_selection import StratifiedKFold
 
     from icqs_fast import metrics

@@ -17,12 +17,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
+from icqs_fast.engine.cascade import (
+    CascadePlan,
+    PositionPlan,
+    cascade_plan,
+    position_plan,
+    positional_kernel,
+)
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
 # prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
@@ -53,7 +63,7 @@ def cache_kwarg(body: Any, cache: Any) -> dict[str, Any]:
     return {name: cache}
 
 
-def decoder_body(model: Any) -> Any:
+def decoder_body(model: PreTrainedModel) -> Any:
     """The decoder without the LM head (``model.model`` for Llama, ``model.transformer`` for
     GPT-2); its output hidden states are already final-normed for these architectures."""
     body = getattr(model, "base_model", None)
@@ -62,7 +72,7 @@ def decoder_body(model: Any) -> Any:
     return body
 
 
-def model_device(model: Any) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -87,7 +97,7 @@ class PrefixBank:
     cannot change them (rows past ``E`` are not part of the views).
     """
 
-    def __init__(self, model: Any, pad_id: int, token_budget: int, *, body: Any = None,
+    def __init__(self, model: PreTrainedModel, pad_id: int, token_budget: int, *, body: Any = None,
                  layers: Sequence[LayerAttention] | None = None) -> None:
         self.model = model
         self.body = decoder_body(model) if body is None else body
@@ -96,7 +106,6 @@ class PrefixBank:
         # are padded, and transformers' window masks count cache slots.
         # So do every model's where a fused kernel takes positions (the cpp attention on the CPU):
         # no [rows, keys] mask tensors, and the kernel's speed for the bank's long prefixes.
-        from icqs_fast.engine.cascade import positional_kernel
 
         self.layers = tuple(layers) if layers is not None else None
         self.positional = bool(self.layers) and (any(la.local for la in self.layers)
@@ -215,7 +224,6 @@ class PrefixBank:
         if not self.positional:
             run()
             return
-        from icqs_fast.engine.cascade import PositionPlan, position_plan
 
         # Key slots: the padded past (slot j is position j of a real token when j < depth_i),
         # then the new tokens at depth_i + t.
@@ -396,7 +404,7 @@ def last_hidden(out: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def suffix_hidden(
-    model: Any,
+    model: PreTrainedModel,
     bank: PrefixBank,
     entries: Sequence[int],
     suffixes: Sequence[Sequence[int]],
@@ -437,7 +445,6 @@ def suffix_hidden(
     if not bank.positional:
         hidden = last_hidden(run())
         return hidden, smask.bool().to(hidden.device)  # a split model's last layer's device
-    from icqs_fast.engine.cascade import PositionPlan, position_plan
 
     # Key slots: the padded prefix (slot j real when j < length), then the suffix at length + t.
     p = prefix_mask.shape[1]
@@ -448,14 +455,12 @@ def suffix_hidden(
     return hidden, smask.bool().to(hidden.device)
 
 
-def _suffix_hidden_cascade(model: Any, bank: PrefixBank, entries: Sequence[int],
+def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Sequence[int],
                            suffixes: Sequence[Sequence[int]], pad_id: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`suffix_hidden` through :func:`icqs_fast.engine.cascade.cascade_attention`: the forward
     sees only the suffix tokens (no KV cache, explicit position ids ``p_i + t``); rows are put
     in entry-major order for the attention (and back afterwards, when they were not)."""
-    from icqs_fast.engine.cascade import CascadePlan, cascade_plan
-
     dev = model_device(model)
     r = len(suffixes)
     order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry
@@ -517,7 +522,7 @@ def plain_hidden(body: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: 
 
 
 def _plain_forward(run: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                   pad_safe: bool, model: Any = None,
+                   pad_safe: bool, model: PreTrainedModel | None = None,
                    layers: Sequence[LayerAttention] | None = None) -> torch.Tensor:
     if layers and torch.device(device).type == "cpu":
         from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
@@ -557,7 +562,8 @@ def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def plain_logits(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+def plain_logits(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
+                 device: torch.device,
                  pad_safe: bool = True, layers: Sequence[LayerAttention] | None = None
                  ) -> torch.Tensor:
     """:func:`plain_hidden` through the whole model: its own logits ``[R, T, V]`` (for heads the

@@ -31,7 +31,7 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,13 +51,12 @@ from icqs_fast.engine.layout import (
     layer_attention,
     text_config,
 )
-from icqs_fast.models import (
-    bf16_matmuls,
-    exact_bf16_products,
-    is_bf16_mixed,
-    uses_bf16_products,
-)
+from icqs_fast.invariant_linears import exact_bf16_products
+from icqs_fast.models import bf16_matmuls, is_bf16_mixed, uses_bf16_products
 from icqs_fast.types import TokenStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("icqs_fast")
 
@@ -272,7 +271,7 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.RLock()
 
 
-def _signature(model: Any) -> tuple:
+def _signature(model: PreTrainedModel) -> tuple:
     head = model.get_output_embeddings()
     w = getattr(head, "weight", None)
     p = next(model.parameters())
@@ -280,7 +279,7 @@ def _signature(model: Any) -> tuple:
             model.config._attn_implementation)
 
 
-def model_plan(model: Any) -> ModelPlan:
+def model_plan(model: PreTrainedModel) -> ModelPlan:
     """The engine's plan for ``model`` (see the module docstring), decided on first use and
     cached per model object (re-decided when its dtype, device, head weight or attention
     implementation changes). Logs :attr:`ModelPlan.message` once per decision.
@@ -313,7 +312,7 @@ def model_plan(model: Any) -> ModelPlan:
         return plan
 
 
-def supports_cascade(model: Any) -> bool:
+def supports_cascade(model: PreTrainedModel) -> bool:
     """True when the capability check runs this model's suffix forwards through cascade
     attention (:func:`icqs_fast.engine.cascade.cascade_attention`): every layer's attention goes
     through transformers' ``AttentionInterface`` and the probe through the bank matched the
@@ -324,7 +323,7 @@ def supports_cascade(model: Any) -> bool:
 # --------------------------------------------------------------------------- the decision
 
 
-def _check_ids(model: Any, v: int) -> torch.Tensor:
+def _check_ids(model: PreTrainedModel, v: int) -> torch.Tensor:
     bos = getattr(text_config(model.config), "bos_token_id", None)
     first = int(bos) if isinstance(bos, int) and 0 <= bos < v else 0
     return torch.tensor([[first, 1 % v, v // 2, v - 1]], device=model_device(model))
@@ -389,7 +388,7 @@ def _fit_epilogue(cfg: Any, z: torch.Tensor, logits: torch.Tensor, tol: float
     return None
 
 
-def _body_candidates(model: Any) -> list[Any]:
+def _body_candidates(model: PreTrainedModel) -> list[Any]:
     """Modules that may be the decoder body: the base model (when it is not the model itself)
     and the usual attribute names one and two levels down (OPT's head reads
     ``model.decoder``; some causal-LM classes are their own ``base_model``)."""
@@ -409,7 +408,7 @@ def _body_candidates(model: Any) -> list[Any]:
 
 
 @torch.no_grad()
-def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
+def _find_head(model: PreTrainedModel) -> tuple[Any, HeadEpilogue, str]:
     """``(body, epilogue, why)``: the body whose output is (proportional to) what the head reads,
     and the epilogue fitted on that output (so a scale between body and head is in its logit
     scale); body None (and ``why``) when no candidate works."""
@@ -454,7 +453,8 @@ def _find_head(model: Any) -> tuple[Any, HeadEpilogue, str]:
 
 
 @torch.no_grad()
-def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: bool) -> float:
+def _probe(model: PreTrainedModel, body: Any, layers: tuple[LayerAttention, ...],
+           cascade: bool) -> float:
     """Relative max difference of the bank path's suffix hidden states from the body's plain
     forward over the whole texts, on shared, padded prefixes that cross short windows."""
     v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
@@ -487,7 +487,7 @@ def _probe(model: Any, body: Any, layers: tuple[LayerAttention, ...], cascade: b
 
 
 @torch.no_grad()
-def _pad_probe(model: Any, body: Any) -> bool:
+def _pad_probe(model: PreTrainedModel, body: Any) -> bool:
     """Whether a right-padded batch gives each real token the states (or logits) it has alone:
     two rows of 12 and 7 tokens, the shorter padded, against each run alone."""
     v = int(dense_head_weight(model.get_output_embeddings()).shape[0])
@@ -516,7 +516,7 @@ def _error(path: str, exc: BaseException) -> str:
     return f"{path}: {type(exc).__name__}: {first}"
 
 
-def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any,
+def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: PreTrainedModel,
            probe_errors: tuple[str, ...] = (), **kw: Any) -> ModelPlan:
     try:
         safe = _pad_probe(model, body)
@@ -527,7 +527,7 @@ def _plain(mt: str, layers: tuple, ep: HeadEpilogue, body: Any, model: Any,
                      **kw)
 
 
-def _decide(model: Any) -> ModelPlan:
+def _decide(model: PreTrainedModel) -> ModelPlan:
     cfg = model.config
     mt = str(getattr(cfg, "model_type", None) or type(model).__name__)
     layers = layer_attention(cfg)

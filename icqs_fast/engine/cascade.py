@@ -49,14 +49,18 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
-from icqs_fast.models import uses_bf16_products
+from icqs_fast.engine.one_pass import OnePassIndices
+from icqs_fast.models import register_attention, uses_bf16_products
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPL_NAME = "icqs_cascade"
 # The positional-mask attention of prefix-bank builds and KV-copy suffix forwards of models with
@@ -106,12 +110,23 @@ class CascadePlan:
         self._local: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._expanded: dict[tuple, Mask] = {}
         self._positions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._one_pass: dict[tuple, OnePassIndices] = {}
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description (full causal when none was given)."""
         if self.layers is None:
             return _FULL_LAYER
         return self.layers[layer]
+
+    def one_pass_indices(self, s: int, group: int, device: torch.device) -> OnePassIndices:
+        """:func:`_one_pass`'s positions and gather indices for suffixes of ``s`` tokens and
+        ``group`` query heads per key head: the same for every layer, so made once."""
+        key = (s, group, str(device))
+        got = self._one_pass.get(key)
+        if got is None:
+            got = self._one_pass[key] = OnePassIndices.of(self.lengths, self.counts, s, group,
+                                                          device)
+        return got
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The used entries' keys/values ``[G, H_kv, P_max, D]`` (a view when possible)."""
@@ -533,58 +548,52 @@ def _one_pass(plan: CascadePlan, query: torch.Tensor, key: torch.Tensor, value: 
     hk, dv = key.shape[1], value.shape[-1]
     group = hq // hk
     dev = query.device
-    blk = ops.ATTENTION_KEY_BLOCK
-    lens = torch.tensor(plan.lengths, dtype=torch.long)
-    cuts = lens // blk * blk
-    counts = torch.tensor(plan.counts, dtype=torch.long)
-    rows_g = torch.repeat_interleave(torch.arange(len(plan.counts)), counts)
-    t = torch.arange(s)
+    ix = plan.one_pass_indices(s, group, dev)
     state = None
-    if int(cuts.max()) > 0:
+    if ix.c_max > 0:
         # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
-        # keys up to the cut (the rest of the slots masked by position -1).
-        parts = []
-        c_max = int(cuts.max())
-        for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
-            qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
-            qg = qg.reshape(1, hk, n * group * s, d)
-            j = torch.arange(c_max)
-            k_pos = torch.where(j < cuts[gi], j, -1)[None].to(dev)
-            q_pos = (lens[gi] + torch.arange(n * group * s) % s)[None].to(dev)
-            st, _ = ops.attention_lse(qg, kp[gi:gi + 1, :, :c_max], vp[gi:gi + 1, :, :c_max],
-                                      scale=scale, causal=True, positions=(q_pos, k_pos),
-                                      dot_dtype=dot, softcap=softcap, backend=kernel,
-                                      return_state=True, **_local_args(lay))
+        # keys up to the cut (the rest of the slots masked by position -1). Entries with the
+        # same number of rows go in one call (a row's sums do not depend on the batch).
+        kc, vc = kp[:, :, :ix.c_max], vp[:, :, :ix.c_max]
+        if plan.uniform:
+            g, n = len(plan.counts), plan.counts[0]
+            qg = query.reshape(g, n, hk, group, s, d).transpose(1, 2).reshape(
+                g, hk, n * group * s, d)
+            st, _ = ops.attention_lse(qg, kc, vc, scale=scale, causal=True,
+                                      positions=(ix.q_pre, ix.k_pre), dot_dtype=dot,
+                                      softcap=softcap, backend=kernel, return_state=True,
+                                      **_local_args(lay))
             width = st.shape[-1]
-            # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
-            parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
-                         .reshape(n, hq, s, width))
-        state = torch.cat(parts).contiguous()
+            state = (st.view(g, hk, n, group, s, width).transpose(1, 2)
+                     .reshape(r, hq, s, width).contiguous())
+        else:
+            parts = []
+            for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
+                qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
+                qg = qg.reshape(1, hk, n * group * s, d)
+                st, _ = ops.attention_lse(
+                    qg, kc[gi:gi + 1], vc[gi:gi + 1], scale=scale, causal=True,
+                    positions=(ix.q_pre[gi:gi + 1, :n * group * s], ix.k_pre[gi:gi + 1]),
+                    dot_dtype=dot, softcap=softcap, backend=kernel, return_state=True,
+                    **_local_args(lay))
+                width = st.shape[-1]
+                # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
+                parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
+                             .reshape(n, hq, s, width))
+            state = torch.cat(parts).contiguous()
     # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
     # (tails), then the suffix tokens, then nothing (masked).
-    cut_r, len_r = cuts[rows_g], lens[rows_g]
-    tail_r = len_r - cut_r
-    t_max = int(tail_r.max())
-    if t_max == 0:
+    if ix.t_max == 0:
         k2, v2 = key, value
-        k_pos = (len_r[:, None] + t[None, :]).to(dev)
     else:
-        j = torch.arange(t_max + s)
-        src = torch.where(j[None] < tail_r[:, None], j[None],
-                          t_max + j[None] - tail_r[:, None])  # [R, T2]
-        real = j[None] < (tail_r[:, None] + s)
-        src = torch.where(real, src, 0).to(dev)
-        # The rows' entries' slots from the cut (kp holds the used entries in group order).
-        ent = rows_g.to(dev)
-        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=kp.shape[2] - 1).to(dev)
-        tk = kp[ent[:, None], :, tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
-        tv = vp[ent[:, None], :, tails].permute(0, 2, 1, 3)
+        t_max = ix.t_max
+        tk = kp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
+        tv = vp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)
         both_k = torch.cat([tk.to(key.dtype), key], dim=2)
         both_v = torch.cat([tv.to(value.dtype), value], dim=2)
-        k2 = both_k.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, d))
-        v2 = both_v.gather(2, src[:, None, :, None].expand(r, hk, t_max + s, dv))
-        k_pos = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-    q_pos = (len_r[:, None] + t[None, :]).to(dev)
+        k2 = both_k.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, d))
+        v2 = both_v.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, dv))
+    k_pos, q_pos = ix.k_suf, ix.q_suf
     out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
                                  positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
                                  backend=kernel, state=state, **_local_args(lay))
@@ -674,7 +683,7 @@ class PositionPlan:
         return m
 
 
-def positional_kernel(model: Any, device: torch.device | str) -> bool:
+def positional_kernel(model: PreTrainedModel, device: torch.device | str) -> bool:
     """Whether :func:`positional_attention` runs ``model``'s full layers through a fused kernel
     on ``device`` (token positions in the kernel, no mask tensors): then the prefix bank's trie
     forwards and the KV-copy suffix forwards of every such model take it, not only of models
@@ -753,14 +762,12 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 
 def _register() -> None:
-    from icqs_fast.models import register_attention
-
     register_attention(IMPL_NAME, cascade_attention)
     register_attention(POSITIONAL_IMPL, positional_attention)
 
 
 @contextlib.contextmanager
-def _attention_impl(model, name: str, attr: str, value) -> Iterator[None]:
+def _attention_impl(model: PreTrainedModel, name: str, attr: str, value) -> Iterator[None]:
     if getattr(_ACTIVE, attr, None) is not None:
         raise RuntimeError(f"{name} blocks cannot be nested")
     _register()
@@ -778,7 +785,7 @@ def _attention_impl(model, name: str, attr: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cascade_plan(model, plan: CascadePlan) -> Iterator[None]:
+def cascade_plan(model: PreTrainedModel, plan: CascadePlan) -> Iterator[None]:
     """Run the model's attention through :func:`cascade_attention` with ``plan`` inside the
     block (one suffix forward, no KV cache); the previous implementation is restored on exit."""
     with _attention_impl(model, IMPL_NAME, "plan", plan):
@@ -786,7 +793,7 @@ def cascade_plan(model, plan: CascadePlan) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def position_plan(model, plan: PositionPlan) -> Iterator[None]:
+def position_plan(model: PreTrainedModel, plan: PositionPlan) -> Iterator[None]:
     """Run the model's attention through :func:`positional_attention` with ``plan`` inside the
     block; the previous implementation is restored on exit."""
     with _attention_impl(model, POSITIONAL_IMPL, "positions", plan):

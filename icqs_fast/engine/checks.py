@@ -4,14 +4,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # --------------------------------------------------------------------------- shared helpers
 # (the naive reference uses model_max_length, parse_response and summarise; it tokenizes the
 # prompts with its own code, so a seam difference in the engine's tokenization shows in tests)
 
 
-def model_max_length(model: Any, max_length: int | None) -> int | None:
+def model_max_length(model: PreTrainedModel, max_length: int | None) -> int | None:
     """The longest prompt the model takes: ``max_length`` if given, capped by the config's
     ``max_position_embeddings`` / ``n_positions``; None if neither is known."""
     from icqs_fast.engine.layout import text_config
@@ -27,7 +30,7 @@ def model_max_length(model: Any, max_length: int | None) -> int | None:
     return int(lim) if lim else None
 
 
-def check_model(model: Any) -> Any:
+def check_model(model: PreTrainedModel) -> Any:
     """The engine's :class:`~icqs_fast.engine.capability.ModelPlan` for ``model`` (its path,
     decoder body and head epilogue; see :func:`icqs_fast.engine.capability.model_plan`). Never
     refuses a causal LM: a model the prefix bank or the fused head cannot serve exactly gets the

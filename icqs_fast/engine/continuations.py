@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,9 @@ from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.memory_plan import bank_cap_bytes
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
 from icqs_fast.types import TokenStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # KV memory one chunk's prefix bank may hold when ``max_bank_tokens`` is not given, on the CPU
 # (a GPU's scales with its free memory: memory_plan.bank_cap_bytes). Requests are processed in
@@ -59,7 +62,7 @@ class ContinuationResult:
     stats: TokenStats | None = None
 
 
-def kv_bytes_per_token(model: Any) -> int:
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
     """Bytes of keys + values one token takes in a prefix bank (all layers), from the config."""
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or 1
@@ -91,7 +94,7 @@ def _check_requests(requests: Sequence) -> list[tuple[list[int], list[int]]]:
 
 @torch.no_grad()
 def score_continuations(
-    model: Any,
+    model: PreTrainedModel,
     requests: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,
     pad_id: int | None = None,
@@ -215,7 +218,7 @@ def _batches(rows: list, budget: int) -> list[list]:
     return out
 
 
-def score_plain(model, batch, reqs, results, pad_id, backend, want_stats,
+def score_plain(model: PreTrainedModel, batch, reqs, results, pad_id, backend, want_stats,
                 plan: ModelPlan | None = None) -> None:
     """Rows with nothing stored (one-token contexts, or every row on the plain path): a plain
     right-padded forward of each row's tokens."""

@@ -14,19 +14,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from icqs_fast.engine.prompts import DemoSet, Example, check_pool
+from icqs_fast.engine.selfcheck_baselines import item_values
 from icqs_fast.engine.selfcheck_cache import item_id, items_key, load_items, store_items
+from icqs_fast.engine.settings import DEFAULT_MAX_HELDOUT
+from icqs_fast.engine.settings import SELF_CHECK_LEAKS as LEAKS
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
-# Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
-# one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
-# measured); 256 cost 2.4 % of a 10,000-record job (docs/RESULTS.md, "Self-check from the
-# pools", bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
-DEFAULT_MAX_HELDOUT = 256
-LEAKS = ("input", "pair")
+    from icqs_fast.engine.scorer import ICQSScorer
 
 
 def clean_contexts(sets: Sequence[Sequence[DemoSet]], item: Example, leak: str = "input"
@@ -105,8 +104,6 @@ def heldout_items(good: Sequence, bad: Sequence, max_heldout: int, seed: int
                   ) -> tuple[list[Example], np.ndarray]:
     """The held-out pool members, good ones first, and their labels ``[n]`` int64 (1 = good
     pool), as :func:`crossfit_heldout` scores them (:func:`select_heldout`'s draw)."""
-    import numpy as np
-
     g, b = check_pool(good, "good"), check_pool(bad, "bad")
     ig, ib = select_heldout(len(g), len(b), max_heldout, seed)
     labels = np.array([1] * len(ig) + [0] * len(ib), dtype=np.int64)
@@ -137,12 +134,10 @@ class CrossFit:
 
     @property
     def n_skipped(self) -> int:
-        import numpy as np
-
         return int((~np.isfinite(self.scores)).sum())
 
 
-def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
+def crossfit_heldout(scorer: ICQSScorer, good: Sequence, bad: Sequence, *,
                      max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                      leak: str = "input",
                      progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
@@ -161,13 +156,12 @@ def crossfit_heldout(scorer: Any, good: Sequence, bad: Sequence, *,
     return crossfit_items(scorer, items, labels, leak=leak, progress=progress)
 
 
-def crossfit_items(scorer: Any, items: Sequence[Example], labels: np.ndarray, *,
+def crossfit_items(scorer: ICQSScorer, items: Sequence[Example], labels: np.ndarray, *,
                    leak: str = "input",
                    progress: Callable[[Iterable, int], Iterable] | None = None) -> CrossFit:
     """Score ``items`` (pool members, with their 0/1 ``labels``) with ``scorer`` and cross-fit
     each one's score (:func:`clean_contexts`, :func:`crossfit_score`): the step of
     :func:`crossfit_heldout` after the draw."""
-    import numpy as np
     import torch
 
     items = list(items)
@@ -196,7 +190,7 @@ def free_values(res: Any, clean: torch.Tensor) -> dict[str, float]:
             "loglik_good_mean": total / max(int(res.n_response_tokens), 1)}
 
 
-def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: int,
+def cached_crossfit(scorer: ICQSScorer, good: Sequence, bad: Sequence, *, max_heldout: int,
                     seed: int, leak: str, cache: Any = None,
                     progress: Callable[[Iterable, int], Iterable] | None = None,
                     config: dict[str, Any] | None = None
@@ -207,8 +201,6 @@ def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: 
     reused; and each item's :func:`free_values` (stored beside its score). ``config`` gets
     ``"cache"``: ``"hit"`` (all reused), ``"stored"`` (some scored and stored) and
     ``"reused"`` / ``"scored"``: the counts."""
-    import numpy as np
-
     items, labels = heldout_items(good, bad, max_heldout, seed)
     key = (items_key(scorer, good, bad, leak=leak)
            if cache is not None and cache.enabled else None)
@@ -232,14 +224,12 @@ def cached_crossfit(scorer: Any, good: Sequence, bad: Sequence, *, max_heldout: 
     return items, scores, labels, reused, free
 
 
-def cached_baselines(scorer: Any, good: Sequence, bad: Sequence, items: Sequence[Example], *,
+def cached_baselines(scorer: ICQSScorer, good: Sequence, bad: Sequence, items: Sequence[Example], *,
                      leak: str, cache: Any = None) -> list[dict[str, float]]:
     """The trivial scorers' values of ``items``
     (:func:`icqs_fast.engine.selfcheck_baselines.item_values`), read from ``cache`` per item
     where it holds them (beside the cross-fitted scores, under their own key) and computed
     for the rest."""
-    from icqs_fast.engine.selfcheck_baselines import item_values
-
     key = (items_key(scorer, good, bad, leak=leak, part="baselines")
            if cache is not None and cache.enabled else None)
     known = load_items(cache, key, values=True) if key is not None else {}

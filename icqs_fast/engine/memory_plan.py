@@ -19,9 +19,14 @@ states are bounded by :data:`icqs_fast.kernels.linear_token_stats.PARTIAL_BUDGET
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from icqs_fast.engine.layout import text_config
+
+if TYPE_CHECKING:
+    from icqs_fast.engine.scorer import ICQSScorer
 
 MIN_TOKEN_BUDGET = 256  # fewer tokens per forward than this: refused, not crawled through
 HEADROOM = 0.9  # the share of the free memory the plan may use (allocator slack, CUDA context)
@@ -124,8 +129,6 @@ def plan_memory(config: Any, *, entries: int, p_max: int, token_budget: int,
 
 def free_device_bytes(device: Any) -> int | None:
     """The free memory of a CUDA ``device`` (``torch.cuda.mem_get_info``), None elsewhere."""
-    import torch
-
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -133,7 +136,7 @@ def free_device_bytes(device: Any) -> int | None:
     return int(free)
 
 
-def layer_devices(model: Any) -> list[Any]:
+def layer_devices(model: torch.nn.Module) -> list[Any]:
     """The device of each decoder layer of ``model`` (its first parameter's), in order; empty
     when its body has no ``layers`` list."""
     body = getattr(model, "base_model", model)
@@ -145,7 +148,7 @@ def layer_devices(model: Any) -> list[Any]:
     return out
 
 
-def model_free_bytes(model: Any) -> int | None:
+def model_free_bytes(model: torch.nn.Module) -> int | None:
     """The free memory the prefix bank and forwards of ``model`` can count on: its device's
     (:func:`free_device_bytes`), or for a model split over GPUs (``--device-map auto``) the
     least any of them allows. Each layer's bank lives on its layer's device, so a device with
@@ -163,7 +166,7 @@ def model_free_bytes(model: Any) -> int | None:
     return min(int(frees[d]) * len(devices) // n for d, n in counts.items())
 
 
-def scorer_memory_plan(scorer: Any, free_bytes: int | None) -> MemoryPlan:
+def scorer_memory_plan(scorer: ICQSScorer, free_bytes: int | None) -> MemoryPlan:
     """:func:`plan_memory` for an :class:`~icqs_fast.engine.scorer.ICQSScorer` before its first
     forward: its demonstration contexts' prefixes (tokenized, not run; none on the plain path,
     which keeps no bank) and its token budget, in its model's dtype."""

@@ -20,7 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from icqs_fast.engine.scorer import ICQSScorer
 
 __all__ = ["PREFERRED", "PairResult", "length_preferences", "p_a_better", "pairwise_accuracy",
            "score_pairs"]
@@ -60,7 +63,7 @@ def p_a_better(pa: float | None, pb: float | None) -> float | None:
     return 0.5 if num + other == 0 else num / (num + other)
 
 
-def score_pairs(scorer: Any, pairs: Iterable[tuple[str, str, str]], *,
+def score_pairs(scorer: ICQSScorer, pairs: Iterable[tuple[str, str, str]], *,
                 tie_margin: float = 0.0) -> Iterator[PairResult]:
     """Judge ``(x, y_a, y_b)`` pairs with an
     :class:`~icqs_fast.engine.scorer.ICQSScorer`, lazily, in input order: both outputs go into

@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from icqs_fast.engine.prompts import DemoSet, Template, adds_bos
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptTooLong(ValueError):
@@ -119,7 +122,8 @@ class PromptTokens:
     PROBES = (("a", "a"), ("0 .", "B"))
     LAYOUT_CACHE = 32
 
-    def __init__(self, tokenizer: Any, template: Template, sets: list[list[DemoSet]]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: Template,
+                 sets: list[list[DemoSet]]) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: the ICQS "
                             "engine needs character offsets (return_offsets_mapping) to find the "

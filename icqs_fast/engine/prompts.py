@@ -19,7 +19,10 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Example = tuple[str, str]
 
@@ -59,7 +62,8 @@ class Template:
             raise ValueError(f"Template.query must contain '{{x}}', got {self.query!r}")
 
     @classmethod
-    def from_chat_template(cls, tokenizer: Any, system: str | None = None) -> Template:
+    def from_chat_template(cls, tokenizer: PreTrainedTokenizerBase,
+                           system: str | None = None) -> Template:
         """A template that lays the prompt out as a chat in ``tokenizer``'s chat template: each
         demonstration is a user turn ``x`` and an assistant turn ``y``, the query is a user turn
         ``x`` plus the assistant header, and the response is ``y`` with the end of its turn.
@@ -149,7 +153,7 @@ class DemoSet:
         return sum(self.is_good)
 
 
-def adds_bos(tokenizer: Any) -> bool:
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer prepends its BOS token when encoding text (the engine then puts
     BOS, as an id, before each demonstration prefix)."""
     bos = getattr(tokenizer, "bos_token_id", None)

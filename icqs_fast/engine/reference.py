@@ -13,7 +13,7 @@ with the engine, so a seam difference between the engine's ids and the full text
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,11 +25,14 @@ from icqs_fast.engine.scorer import ICQSResult, summarise
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.types import TokenStats
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 @torch.no_grad()
 def icqs_naive(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     good: Sequence,
     bad: Sequence,
     responses: Iterable,
@@ -110,7 +113,8 @@ def icqs_naive(
     return out
 
 
-def _plain_loglik(model: Any, tokenizer: Any, demos: Sequence, template: Any, query: str,
+def _plain_loglik(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demos: Sequence,
+                  template: Any, query: str,
                   y: str, max_len: int | None, drop_oldest_demos: bool, compute_dtype: Any,
                   i: int, c: int, full: bool = False) -> tuple:
     """``log P(response(y) | prefix(demos) + query)`` by one plain forward over the whole text
@@ -138,7 +142,8 @@ def _plain_loglik(model: Any, tokenizer: Any, demos: Sequence, template: Any, qu
     return ll, logits, pos, tgt, k0, d, ids
 
 
-def _whole_text_ids(tokenizer: Any, before: str, response: str) -> tuple[list[int], int]:
+def _whole_text_ids(tokenizer: PreTrainedTokenizerBase, before: str,
+                    response: str) -> tuple[list[int], int]:
     """Ids of ``before + response`` tokenized as one string (special tokens as the tokenizer
     adds them; ones it appends after the text, such as an EOS, are dropped: they are not part of
     the response) and the index of the first response token: the first token whose span ends

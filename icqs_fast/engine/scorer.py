@@ -24,7 +24,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_pr
 from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
 from icqs_fast.types import TokenStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_TOKEN_BUDGET", "ICQSResult", "ICQSScorer", "ScoringSettings", "summarise"]
 # Suffix forwards with cascade attention on the CPU: at most this many rows x suffix tokens per
@@ -298,8 +301,8 @@ class ICQSScorer:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         good: Sequence,
         bad: Sequence,
         settings: ScoringSettings | None = None,

@@ -36,8 +36,10 @@ map is stored as its knots (isotonic) or its two coefficients (Platt), and appli
 alone, so a run's meta file can hold it and a resumed run, a Ray worker or the server can apply
 it without scikit-learn.
 
-numpy, torch and scikit-learn are imported where used: the command line reads this module's
-defaults while building its parser, which must not load them.
+Its declared choices (``--self-check-max``, ``--calibration-map``, ``--self-check-leak``) live
+in :mod:`icqs_fast.engine.settings`, which the command line reads while building its parser;
+torch, scipy and scikit-learn are imported where used, so a report or a Ray worker applies a
+:class:`SelfCheck` with numpy alone.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from icqs_fast.engine.abstain import AbstainBand, abstain_band
 from icqs_fast.engine.crossfit import (  # the cross-fitting step, also exported from here
@@ -79,9 +83,10 @@ from icqs_fast.engine.crossfit import (
     select_heldout as select_heldout,
 )
 from icqs_fast.engine.prompts import check_pool
+from icqs_fast.engine.settings import SELF_CHECK_MAPS as METHODS
 
 if TYPE_CHECKING:
-    import numpy as np
+    from icqs_fast.engine.scorer import ICQSScorer
 
 # The per-record field of the calibrated probability, beside the raw score. Named like
 # ICQSResult.p_good / loglik_calibrated: the same quantity, passed through the fitted map.
@@ -103,11 +108,11 @@ CV_FOLDS = 5
 # Stratified partitions into CV_FOLDS folds whose out-of-fold accuracy, Brier and ECE are
 # averaged. One partition's figures move with where its fold boundaries fall, on top of the
 # sampling noise of ~64 items; averaging partitions removes that part (repeated k-fold
-# cross-validation). Bias study (docs/RESULTS.md): mean |expected - test accuracy| 0.053 with
-# one partition, 0.049 with 20 (first 18 runs; 0.046 on 12 later ones); the rest is the held-out
-# items' own sampling error, which no resampling removes.
+# cross-validation). Bias study (docs/DECISIONS.md, "Self-check folds and repeats"): mean
+# |expected - test accuracy| 0.053 with one partition, 0.049 with 20 (first 18 runs; 0.046 on
+# 12 later ones); the rest is the held-out items' own sampling error, which no resampling
+# removes.
 CV_REPEATS = 20
-METHODS = ("auto", "platt", "isotonic")
 VERSION = 1
 
 
@@ -117,8 +122,6 @@ VERSION = 1
 def _platt_targets(y: np.ndarray) -> np.ndarray:
     """Platt's (1999) smoothed targets: ``(n+ + 1) / (n+ + 2)`` for a positive,
     ``1 / (n- + 2)`` for a negative, so that a separable sample does not give a step."""
-    import numpy as np
-
     n_pos, n_neg = int((y == 1).sum()), int((y == 0).sum())
     return np.where(y == 1, (n_pos + 1) / (n_pos + 2), 1.0 / (n_neg + 2))
 
@@ -145,8 +148,6 @@ class CalibrationMap:
         """Fit on finite ``scores`` ``[n]`` with 0/1 ``labels`` ``[n]`` (both classes needed),
         against Platt's smoothed targets (:func:`_platt_targets`; for the isotonic fit too, so
         that its end steps are not exactly 0 or 1)."""
-        import numpy as np
-
         s = np.asarray(scores, dtype=np.float64).reshape(-1)
         y = np.asarray(labels, dtype=np.int64).reshape(-1)
         if s.shape != y.shape or not np.all(np.isfinite(s)):
@@ -182,8 +183,6 @@ class CalibrationMap:
     def apply(self, score: Any) -> Any:
         """P(good) of ``score``: a float for a scalar, a float64 array for an array-like (NaN
         where the score is NaN)."""
-        import numpy as np
-
         s = np.asarray(score, dtype=np.float64)
         if self.method == "platt":
             with np.errstate(over="ignore"):
@@ -200,8 +199,6 @@ class CalibrationMap:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CalibrationMap:
-        import numpy as np
-
         if d.get("method") == "platt":
             return cls("platt", a=float(d["a"]), b=float(d["b"]))
         if d.get("method") == "isotonic":
@@ -229,7 +226,6 @@ def equal_error_threshold(scores: Sequence[float], labels: Sequence[int]) -> flo
     """The threshold ``t`` ("good when score >= t") whose false-negative and false-positive
     rates are closest (ties: the lowest total error, then the lowest ``t``), midway between
     two observed scores."""
-    import numpy as np
     from sklearn.metrics import roc_curve
 
     s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels)
@@ -254,7 +250,6 @@ def precision_threshold(scores: Sequence[float], labels: Sequence[int], target: 
     """``(t, precision, recall)``: among the thresholds whose precision (good among those with
     score >= t, at the sample's class mix) reaches ``target``, the one with the highest recall
     (ties: the lowest t); NaNs when none does."""
-    import numpy as np
     from sklearn.metrics import precision_recall_curve
 
     if not 0.0 < target <= 1.0:
@@ -399,8 +394,6 @@ class SelfCheck:
     def apply(self, score: Any) -> Any:
         """P(good) of a score (float) or of an array of scores (float64 array); NaN without an
         estimate."""
-        import numpy as np
-
         if self.calibration is None:
             s = np.asarray(score, dtype=np.float64)
             out = np.full(s.shape, np.nan)
@@ -542,8 +535,6 @@ def _fmt(v: Any) -> str:
 def auc_sample_size(auc: float = 0.75, half_width: float = 0.1, level: float = LEVEL) -> int:
     """Items per class for an AUC interval of about ``+-half_width`` at ``auc`` (Hanley &
     McNeil 1982 variance, equal class sizes, normal approximation)."""
-    import numpy as np
-
     a = min(max(auc, 0.5), 0.99)
     q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
     z = float(np.sqrt(2) * _erfinv(level))
@@ -566,7 +557,6 @@ def _out_of_fold(scores: np.ndarray, labels: np.ndarray, method: str, folds: int
     shuffled with ``seed + r``) the out-of-fold ``(p, correct)``: each fold's calibrated
     probabilities and its "score >= equal-error threshold" verdicts' correctness, from a map
     and a threshold fitted on the other folds."""
-    import numpy as np
     from sklearn.model_selection import StratifiedKFold
 
     k = min(folds, int((labels == 1).sum()), int((labels == 0).sum()))
@@ -606,8 +596,6 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
     (:func:`abstain_band`). An estimate that says the scorer does not separate the task gets
     a :attr:`SelfCheck.warning` (:func:`distrust`).
     """
-    import numpy as np
-
     from icqs_fast import metrics
 
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
@@ -693,7 +681,7 @@ def sized_max_heldout(max_heldout: int, job_records: int | None) -> int:
     return min(max_heldout, max(0, int(job_records)))
 
 
-def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
+def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
                    max_heldout: int = DEFAULT_MAX_HELDOUT, seed: int = 0,
                    method: str = "auto", leak: str = "input",
                    target_precision: float | None = None,
@@ -707,6 +695,7 @@ def run_self_check(scorer: Any, good: Sequence, bad: Sequence, *,
     "off".
 
     Args:
+        scorer: None only where nothing is scored (pools too small, or ``max_heldout=0``).
         job_records: the job's record count when known: at most that many held-out items
             (:func:`sized_max_heldout`).
         cache: an :class:`icqs_fast.io.cache.JsonCache` (None: none): the cross-fitted scores

@@ -34,8 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from icqs_fast.engine.prompt_tokens import first_response_token
+
 if TYPE_CHECKING:
-    import numpy as np
+    from icqs_fast.engine.scorer import ICQSScorer
 
 __all__ = ["BASELINES", "LENGTH_STRATA", "Baseline", "baseline_aucs", "beaten_by",
            "item_values", "length_matched_auc", "out_of_fold_signs"]
@@ -72,13 +76,12 @@ TRY = ("try a length-balanced pool (good and bad answers of like lengths), the g
        "features ('icqs-fast features'), or a larger --model")
 
 
-def item_values(scorer: Any, items: Sequence[tuple[str, str]]) -> list[dict[str, float]]:
+def item_values(scorer: ICQSScorer, items: Sequence[tuple[str, str]]) -> list[dict[str, float]]:
     """Per item, the value of every baseline of :data:`BASELINES` (:func:`baseline_aucs` fits
     their directions): lengths from the scorer's tokenizer, log-probs and entropy from one
     forward of ``template prefix (no demonstrations) + query + response`` tokenized whole
     (through :func:`icqs_fast.engine.continuations.score_continuations`)."""
     from icqs_fast.engine.continuations import score_continuations
-    from icqs_fast.engine.prompt_tokens import first_response_token
 
     tokens, template = scorer.tokens, scorer.template
     head = template.format_prefix([])
@@ -112,7 +115,6 @@ def out_of_fold_signs(values: np.ndarray, labels: np.ndarray, folds: int, seed: 
     with ``seed``, as the self-check's own): +1 where the other folds' AUC of ``values`` is at
     least 0.5, else -1. What a user who fitted "longer is better" (or worse) on part of the
     pools would get on the rest."""
-    import numpy as np
     from sklearn.metrics import roc_auc_score
     from sklearn.model_selection import StratifiedKFold
 
@@ -134,8 +136,6 @@ def baseline_aucs(values: Sequence[dict[str, float]], labels: np.ndarray, *, fol
     "auc_lo", "auc_hi", "direction"}`` - the AUC of its out-of-fold signed values
     (:func:`out_of_fold_signs`) with the self-check's bootstrap interval (same resamples,
     level and seed), and the direction the whole pools favour ("higher" / "lower")."""
-    import numpy as np
-
     from icqs_fast import metrics
 
     y = np.asarray(labels, dtype=np.int64)
@@ -161,8 +161,6 @@ def length_matched_auc(scores: np.ndarray, labels: np.ndarray, lengths: np.ndarr
     bad items on their own: ``{"auc", "auc_lo", "auc_hi", "strata", "pairs"}``, or None when
     no stratum holds both classes. Near ICQS's AUC: little of the score is length; near 0.5:
     most of it is."""
-    import numpy as np
-
     from icqs_fast.metrics import bootstrap_distribution, percentile_interval
 
     s, y, n = (np.asarray(a, dtype=np.float64) for a in (scores, labels, lengths))

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.prompts import check_pool
 from icqs_fast.io.cache import digest
+
+if TYPE_CHECKING:
+    from icqs_fast.engine.scorer import ICQSScorer
 
 __all__ = ["KEY_VERSION", "item_id", "items_key", "load_items", "scorer_identity",
            "store_items"]
@@ -30,20 +33,22 @@ __all__ = ["KEY_VERSION", "item_id", "items_key", "load_items", "scorer_identity
 KEY_VERSION = 3
 
 
-def scorer_identity(scorer: Any) -> dict[str, Any]:
+def scorer_identity(scorer: ICQSScorer) -> dict[str, Any]:
     """What, besides the pools and the self-check's options, decides a scorer's cross-fitted
     scores: its settings' fingerprint, the model's name or path, its parameter count and dtype
     (a model re-written in place under the same path and size is not told apart: clear the
     cache, ``icqs_fast.io.cache``)."""
+    from icqs_fast.invariant_linears import parameter_count  # torch: only once a scorer exists
+
     model = scorer.model
     p = next(model.parameters())
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return {"settings": scorer.settings.fingerprint(), "model": str(name),
-            "n_params": int(sum(q.numel() for q in model.parameters())),
+            "n_params": parameter_count(model),
             "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type}
 
 
-def items_key(scorer: Any, good: Sequence, bad: Sequence, *, leak: str,
+def items_key(scorer: ICQSScorer, good: Sequence, bad: Sequence, *, leak: str,
               part: str = "scores") -> str:
     """The cache key of the per-item cross-fitted scores: a hash of the pools' items, the
     scorer (:func:`scorer_identity`) and the leak rule - what decides an item's score. Not

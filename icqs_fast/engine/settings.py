@@ -29,17 +29,28 @@ MIXINGS = ("exact", "bernoulli")
 STRATA_ORDERS = ("fixed", "shuffled")
 # Ratios whose log-likelihood lies within this many nats of the best count as tied in the
 # "tied" score (tie-aware argmax), and the noise level of the near_ties diagnostic. From the
-# measured rounding noise (docs/RESULTS.md, "Scores across dtypes and backends"): the p99 of the
+# measured rounding noise (docs/DECISIONS.md, "Tie epsilon"): the p99 of the
 # fp32 -> bf16 change of the gap between two ratios' log-likelihoods, embedded model, default
 # settings, was 0.13 (SST-2) and 0.16 (FPB) nats.
 TIE_EPSILON = 0.15
 # The default score: the posterior mean, the only kind that met the stability goal (>= 99 % of
 # records within 0.01 between fp32 and bf16: 100 % on FPB and SST-2, max change 0.007, against
-# 83-87 % for the argmax and 78-87 % for the tied score) with no AUC loss (docs/RESULTS.md).
+# 83-87 % for the argmax and 78-87 % for the tied score) with no AUC loss (docs/DECISIONS.md,
+# "Score kind").
 DEFAULT_SCORE = "mean"
 # Content-free inputs of contextual calibration (Zhao et al. 2021 average "N/A", "" and
 # "[MASK]"); each is put in the template's query in place of x.
 DEFAULT_CONTENT_FREE = ("N/A", "", "[MASK]")
+
+# The self-check's declared choices (icqs_fast.engine.selfcheck / crossfit), here so that the job
+# config and the command line read them without loading the numerical modules.
+# Held-out items scored by default (class-balanced: at most half from each pool). Each costs what
+# one record costs (it is scored as a response against the same prefix bank: 0.92x a record,
+# measured); 256 cost 2.4 % of a 10,000-record job (docs/DECISIONS.md, "Self-check size",
+# bench/selfcheck_cost.py), under the 5 % asked of it with room for longer pool items.
+DEFAULT_MAX_HELDOUT = 256
+SELF_CHECK_LEAKS = ("input", "pair")
+SELF_CHECK_MAPS = ("auto", "platt", "isotonic")
 
 
 def _strata_tuple(v: Any) -> Any:

@@ -39,13 +39,21 @@ ICQS-Epistemic), and on their own, one JSON line per record::
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from icqs_fast.engine.checks import parse_response
-from icqs_fast.engine.prompts import Example, Template, adds_bos, check_pool, fill_template
+from icqs_fast.engine.checks import model_max_length, parse_response
+from icqs_fast.engine.prompt_tokens import PromptTokens
+from icqs_fast.engine.prompts import DemoSet, Example, Template, adds_bos, check_pool, fill_template
+from icqs_fast.io.readers import RecordFields, read_examples, read_records
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Same default as the ICQS engine (icqs_fast.engine.scorer.DEFAULT_TOKEN_BUDGET), repeated here so
 # that
@@ -155,15 +163,15 @@ def is_correct(result: ICLResult, y: str) -> bool:
 # --------------------------------------------------------------------------- helpers
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _bos(tokenizer: Any) -> list[int]:
+def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [int(tokenizer.bos_token_id)] if adds_bos(tokenizer) else []
 
 
-def _pad_id(tokenizer: Any) -> int:
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pad) if pad is not None else 0
 
@@ -175,15 +183,14 @@ def _logsumexp(xs: Sequence[float]) -> float:
     return m + math.log(sum(math.exp(x - m) for x in xs))
 
 
-def _check_length(model: Any, n: int, what: str) -> None:
-    from icqs_fast.engine.checks import model_max_length
-
+def _check_length(model: PreTrainedModel, n: int, what: str) -> None:
     lim = model_max_length(model, None)
     if lim is not None and n > lim:
         raise ValueError(f"{what}: prompt of {n} tokens exceeds the model's max length {lim}")
 
 
-def _score(model: Any, tokenizer: Any, requests: list[tuple[list[int], list[int]]], *,
+def _score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+           requests: list[tuple[list[int], list[int]]], *,
            backend: str, token_budget: int, max_bank_tokens: int | None) -> list:
     from icqs_fast.engine.continuations import score_continuations
 
@@ -213,7 +220,8 @@ def _parse_x(i: int, item: Any) -> str:
 # --------------------------------------------------------------------------- Ask LLM
 
 
-def ask_llm_prompt(tokenizer: Any, x: str, y: str, *, template: AskLLMTemplate = ASK_LLM_TEMPLATE,
+def ask_llm_prompt(tokenizer: PreTrainedTokenizerBase, x: str, y: str, *,
+                   template: AskLLMTemplate = ASK_LLM_TEMPLATE,
                    chat: bool | None = None) -> str:
     """The judge prompt text for (x, y), ending with ``template.answer_prefix``.
 
@@ -234,7 +242,7 @@ def ask_llm_prompt(tokenizer: Any, x: str, y: str, *, template: AskLLMTemplate =
     return f"{head}{user}\n\n{template.answer_prefix}"
 
 
-def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a whole prompt text, with BOS when the tokenizer adds one and the text (a
     rendered chat template) does not already start with it."""
     bos_tok = getattr(tokenizer, "bos_token", None)
@@ -242,7 +250,8 @@ def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return bos + _encode(tokenizer, text)
 
 
-def rating_token_ids(tokenizer: Any, answer_prefix: str = ASK_LLM_TEMPLATE.answer_prefix
+def rating_token_ids(tokenizer: PreTrainedTokenizerBase,
+                     answer_prefix: str = ASK_LLM_TEMPLATE.answer_prefix
                      ) -> list[int]:
     """The ids of the tokens "1".."5" as they follow ``answer_prefix``.
 
@@ -268,8 +277,8 @@ def rating_token_ids(tokenizer: Any, answer_prefix: str = ASK_LLM_TEMPLATE.answe
 
 
 def ask_llm(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     items: Sequence,
     *,
     template: AskLLMTemplate = ASK_LLM_TEMPLATE,
@@ -333,7 +342,8 @@ def ask_llm(
 # --------------------------------------------------------------------------- ICL label
 
 
-def icl_request_ids(tokenizer: Any, demos: Sequence[Example], x: str, label: str,
+def icl_request_ids(tokenizer: PreTrainedTokenizerBase, demos: Sequence[Example], x: str,
+                    label: str,
                     template: Template, *, max_length: int | None = None,
                     _tokens: Any = None) -> tuple[list[int], list[int]]:
     """``(context_ids, continuation_ids)`` of one (item, label) pair, tokenised exactly as the
@@ -353,17 +363,15 @@ def icl_request_ids(tokenizer: Any, demos: Sequence[Example], x: str, label: str
     return lay.ids[:lay.n_prompt], lay.ids[lay.n_prompt:]
 
 
-def _icl_tokens(tokenizer: Any, demos: Sequence[Example], template: Template) -> Any:
-    from icqs_fast.engine.prompt_tokens import PromptTokens
-    from icqs_fast.engine.prompts import DemoSet
-
+def _icl_tokens(tokenizer: PreTrainedTokenizerBase, demos: Sequence[Example],
+                template: Template) -> Any:
     ds = DemoSet(ratio=1.0, examples=tuple(demos), is_good=(True,) * len(demos))
     return PromptTokens(tokenizer, template, [[ds]])
 
 
 def icl_label(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     demos: Sequence,
     items: Sequence,
     labels: Sequence[str],
@@ -421,7 +429,6 @@ def icl_label(
     xs = [_parse_x(i, it) for i, it in enumerate(items)]
     if not xs:
         return []
-    from icqs_fast.engine.checks import model_max_length
 
     max_len = model_max_length(model, None)
     tokens = _icl_tokens(tokenizer, d, tpl)
@@ -459,11 +466,6 @@ def icl_label(
 def main(argv: list[str] | None = None) -> int:
     """``python -m icqs_fast.evals.baselines ask-llm|icl ...``: one JSON line per input record on
     standard output (or ``-o FILE``); exit code 2 with a message on bad input."""
-    import argparse
-    import json
-    import sys
-
-    from icqs_fast.io.readers import RecordFields, read_examples, read_records
     from icqs_fast.models import load_model
 
     p = argparse.ArgumentParser(prog="python -m icqs_fast.evals.baselines",

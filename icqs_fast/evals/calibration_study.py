@@ -20,12 +20,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from icqs_fast.engine.calibration import icqs_scores
 from icqs_fast.engine.settings import CALIBRATIONS, SCORE_KINDS
+from icqs_fast.evals.study_metrics import NLI_METRICS, distribution_metrics
+from icqs_fast.progress import track
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 VARIANTS = [f"{c}/{k}" for c in CALIBRATIONS for k in SCORE_KINDS]
 THRESHOLD = 0.5
@@ -33,13 +38,13 @@ EXPECTED = {"correct": True, "incorrect": False, "labeled_neutral": False,
             "semantic_neutral": True}
 
 
-def score_variants(model: Any, tok: Any, good: Sequence, bad: Sequence,
+def score_variants(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence,
+                   bad: Sequence,
                    responses: Sequence[tuple[str, str]], settings: Any, *, desc: str = "ICQS",
                    quiet: bool = False) -> tuple[dict[str, list], dict[str, float]]:
     """``({"cal/kind": [ICQSResult per response]}, timing)`` for every variant, from one run
     with content-free calibration plus the PMI baselines of the distinct answers."""
     from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.progress import track
 
     t0 = time.perf_counter()
     sc = ICQSScorer(model, tok, good, bad, settings.replace(calibration="content_free"))
@@ -184,8 +189,6 @@ def compare_nli(preds: dict[str, dict[str, Any]], human: Any, *, n_boot: int = 1
     """ChaosNLI: ``{"variants": {name: {method: {metric: {"value", "lo", "hi"}}}}, "items":
     {"human": [n, 3], "pred": {name: {method: [n, 3]}}}}`` (``preds``: name -> method ->
     ``[n, 3]`` (e, n, c) distributions); the items let :func:`pool_nli` pool runs."""
-    from icqs_fast.evals.study_metrics import distribution_metrics
-
     h = np.asarray(human, dtype=np.float64)
     return {"variants": {name: {m: distribution_metrics(p, h, n_boot=n_boot, seed=seed)
                                 for m, p in by.items()} for name, by in preds.items()},
@@ -199,7 +202,6 @@ def pool_nli(docs: Sequence[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
     (e.g. seeds) and summarise them as one sample: per variant and method MAE / CE / Spearman
     with intervals, and each metric's paired difference from ``none/argmax`` (the same items
     resampled for both: :func:`icqs_fast.metrics.bootstrap_ci` keeps arrays paired)."""
-    from icqs_fast.evals.study_metrics import NLI_METRICS, distribution_metrics
     from icqs_fast.metrics import bootstrap_ci
 
     names = list(docs[0]["compare"]["variants"])

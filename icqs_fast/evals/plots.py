@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from icqs_fast.io.datasets import eval_dataset
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -137,8 +139,6 @@ def triple(v: dict[str, float]) -> tuple[float, float, float]:
 def write_plots(dataset: str, out: dict[str, Any], ns: list[int], folder: str) -> list[Path]:
     """The study's PNGs for one run (see the module docstring), by the data set's registry
     kind (:data:`icqs_fast.io.datasets.EVAL_DATASETS`); returns their paths."""
-    from icqs_fast.io.datasets import eval_dataset
-
     ds = eval_dataset(dataset)
     if ds.kind not in _WRITERS:
         raise ValueError(f"no study figures for {ds.name} ({ds.kind} data)")

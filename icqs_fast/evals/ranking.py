@@ -22,7 +22,16 @@ from typing import Any
 import numpy as np
 
 from icqs_fast.io.readers import read_rows
-from icqs_fast.io.records import InputError, PathLike, RecordError
+from icqs_fast.io.records import (
+    InputError,
+    PathLike,
+    RecordError,
+    detect_format,
+    display_name,
+    field_keys,
+    field_of,
+    get_field,
+)
 
 
 def _number(v: Any, *, path: str, line: int, index: int, field: str, text_ok: bool) -> float:
@@ -75,8 +84,6 @@ def read_group_scores(path: PathLike, *, group_field: str = "model", score_field
             score is missing / not a number (the message names file, line and field).
         InputError: a missing column, no scored record at all.
     """
-    from icqs_fast.io.records import detect_format, display_name, field_keys, get_field
-
     name = display_name(path)
     fmt = detect_format(path, format)
     text = fmt in ("csv", "tsv")
@@ -184,8 +191,6 @@ def read_truth(path: PathLike, *, group_field: str = "model", truth_field: str =
         InputError / RecordError: not a mapping of names to numbers, a missing or non-numeric
             value, a model named twice (the message names file, line and field).
     """
-    from icqs_fast.io.records import detect_format, display_name, field_of
-
     name = display_name(path)
     p = os.fspath(path)
     if p.lower().endswith(".json"):

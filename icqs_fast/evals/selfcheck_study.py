@@ -518,8 +518,8 @@ def exchange_summary(rows: Sequence[dict[str, Any]], nulls: Sequence[dict[str, A
 
 
 def exchange_markdown(summary: dict[str, Any]) -> str:
-    """The permutation table of docs/RESULTS.md (one line per dataset of
-    :func:`exchange_summary`): observed mean, then [null 95 % range] and p."""
+    """The permutation table of bench/reports/2026-11-28-selfcheck-bias.md (one line per
+    dataset of :func:`exchange_summary`): observed mean, then [null 95 % range] and p."""
     cols = (("accuracy_gap", "signed acc. gap"), ("abs_accuracy_gap", "abs. acc. gap"),
             ("auc_diff", "AUC bias"), ("inside", "share inside"),
             ("shift_good", "shift good"), ("shift_bad", "shift bad"),
@@ -700,7 +700,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
-    """The bias table of docs/RESULTS.md: one line per dataset of :func:`summarise`."""
+    """The bias table of bench/reports/2026-11-28-selfcheck-bias.md: one line per dataset of
+    :func:`summarise`."""
     def f(v: Any, d: int = 3) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
 
@@ -724,7 +725,8 @@ def bias_markdown(per_dataset: dict[str, dict[str, Any]]) -> str:
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The table of docs/RESULTS.md (one line per dataset and seed)."""
+    """The per-run table of bench/reports/2026-11-27-selfcheck.md and
+    2026-11-28-selfcheck-bias.md (one line per dataset and seed)."""
     head = ("| dataset | seed | held out (skipped) | self-check AUC [95 % CI] | test AUC | inside "
             "| ECE test (raw p_good) | Brier test (raw p_good) | exp. acc. / test acc. |")
     lines = [head, "|" + "---|" * 9]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ import torch
 from icqs_fast.backends import BACKENDS
 from icqs_fast.engine.calibration import icqs_margins, icqs_scores
 from icqs_fast.engine.settings import SCORE_KINDS
+from icqs_fast.progress import track
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,14 +57,13 @@ def parse_config(spec: str) -> dict[str, Any]:
     raise ValueError(f"--stability {spec!r}: expected {SPEC_HELP}")
 
 
-def score_side(model: Any, tok: Any, good: Sequence, bad: Sequence,
+def score_side(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence, bad: Sequence,
                responses: Sequence[tuple[str, str]], settings: Any,
                config: dict[str, Any] | None = None, *, quiet: bool = True,
                desc: str = "ICQS") -> tuple[list, float, str]:
     """Score ``responses`` with ``settings`` changed by ``config`` (a dtype makes a copy of the
     model in that dtype): ``(results, seconds, label)``."""
     from icqs_fast.engine.scorer import ICQSScorer
-    from icqs_fast.progress import track
 
     config = dict(config or {})
     m = model

@@ -78,10 +78,12 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.baselines import ask_llm, icl_label
 from icqs_fast.evals.study_data import (
     NLI_LABELS,
     NLIData,
@@ -97,9 +99,14 @@ from icqs_fast.evals.study_metrics import (
     icqs_distribution,
     icqs_item_accuracy,
     synthetic_ranking,
+    tent,
 )
 from icqs_fast.io.datasets import NLIItem, eval_dataset
 from icqs_fast.io.strict_json import finite_or_none
+from icqs_fast.progress import track
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EXPECTED = {"correct": True, "incorrect": False, "labeled_neutral": False,
             "semantic_neutral": True}
@@ -155,12 +162,11 @@ class StudySettings:
     compare: bool = False  # every calibration x score kind from one run (calibration_study)
 
 
-def _icqs_scores(model: Any, tok: Any, good: Sequence, bad: Sequence,
+def _icqs_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence,
+                 bad: Sequence,
                  responses: Sequence[tuple[str, str]], n: int, st: StudySettings,
                  template: Any = None, desc: str = "ICQS") -> list:
     """ICQSResult per response (dedupe left to the caller), with a progress report."""
-    from icqs_fast.progress import track
-
     sc = make_scorer(model, tok, good, bad, n, st, template)
     return list(track(sc.score(responses), total=len(responses), desc=f"{desc} N={n}",
                       unit="response", quiet=st.quiet))
@@ -182,7 +188,8 @@ def scoring_settings(n: int, st: StudySettings, template: Any = None) -> Any:
                            tie_epsilon=st.tie_epsilon)
 
 
-def make_scorer(model: Any, tok: Any, good: Sequence, bad: Sequence, n: int, st: StudySettings,
+def make_scorer(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence, bad: Sequence,
+                n: int, st: StudySettings,
                 template: Any = None) -> Any:
     """The :class:`icqs_fast.engine.scorer.ICQSScorer` of a study run with ``n`` demonstrations per
     set, built from :func:`scoring_settings` (so the reference can be given the same)."""
@@ -203,7 +210,8 @@ def _unique(pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
-def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
+def run_sentiment(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: SentimentData,
+                  st: StudySettings
                   ) -> dict[str, Any]:
     """Score every group with ICQS, ICQS-Epistemic, ICL and Ask LLM for each ``N`` in
     ``st.demos_per_set``.
@@ -213,8 +221,6 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
         "items": {N: {g: {"score": [...], "score_per_set": [[...]], "loglik": [n, M+1, L]}}},
         "ratios": [...]}`` - the summaries and the per-item values the plots use.
     """
-    from icqs_fast.evals.baselines import ask_llm, icl_label
-
     groups = data.groups
     responses = _unique((r.x, r.y) for g in groups.values() for r in g)
     ask: dict[tuple[str, str], float] = {}
@@ -301,7 +307,7 @@ def run_sentiment(model: Any, tok: Any, data: SentimentData, st: StudySettings
             "timing": {k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}}
 
 
-def _variants(model: Any, tok: Any, good: Sequence, bad: Sequence,
+def _variants(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequence, bad: Sequence,
               responses: Sequence[tuple[str, str]], n: int, st: StudySettings,
               timing: dict[str, Any], template: Any = None) -> dict[str, list]:
     """With ``st.compare``: every calibration x score variant's results from one run
@@ -366,7 +372,8 @@ def _nli_x(it: NLIItem) -> str:
     return f"Premise: {it.premise}\nHypothesis: {it.hypothesis}"
 
 
-def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict[str, Any]:
+def run_chaosnli(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: NLIData,
+                 st: StudySettings) -> dict[str, Any]:
     """ICQS, ICQS-Epistemic and ICL distributions of every test pair for each ``N``, with
     MAE / CE / Spearman against the human distributions.
 
@@ -375,9 +382,6 @@ def run_chaosnli(model: Any, tok: Any, data: NLIData, st: StudySettings) -> dict
         {method: [n, 3]}, "score": [...], "loglik": [n, M+1, L], "majority": [...]}},
         "human": [n, 3], "ratios": [...]}``.
     """
-    from icqs_fast.engine.prompts import Template
-    from icqs_fast.evals.baselines import icl_label
-
     tpl = Template(**NLI_ICQS_TEMPLATE)
     good = [(it.premise, it.hypothesis) for it in data.good]
     bad = [(it.premise, it.hypothesis) for it in data.bad]
@@ -428,8 +432,6 @@ def _nli_preds(results: Sequence[Any]) -> dict[str, np.ndarray]:
     """ICQS and ICQS-Epistemic (e, n, c) distributions of (calibrated) results: the tent of each
     set's score averaged; Epistemic: the posterior over ratios pushed through the tent
     (``score="argmax"``), or the tent of the posterior-mean score (``score="mean"``)."""
-    from icqs_fast.evals.study_metrics import tent
-
     def epi(r: Any) -> np.ndarray:
         if r.score_kind == "mean":
             return tent(r.score)

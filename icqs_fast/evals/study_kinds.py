@@ -17,9 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.study_report import distribution_report, label_report
 from icqs_fast.io.datasets import EvalDataset, eval_dataset
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ def _load_labels(ds: EvalDataset, path: Path | None, *, pool: int, limit: int | 
     return sentiment_data(ds, path, pool=pool, limit=limit, seed=seed, labels=labels)
 
 
-def _run_labels(model: Any, tok: Any, data: Any, st: Any) -> dict[str, Any]:
+def _run_labels(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Any,
+                st: Any) -> dict[str, Any]:
     from icqs_fast.evals.study import run_sentiment
 
     return run_sentiment(model, tok, data, st)
@@ -109,8 +115,6 @@ def _compare_labels(cmp: dict[str, Any]) -> str:
 
 
 def _report_labels(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    from icqs_fast.evals.study_report import label_report
-
     return label_report(doc, path, ds)
 
 
@@ -124,7 +128,8 @@ def _load_distributions(ds: EvalDataset, path: Path | None, *, pool: int, limit:
     return chaosnli_data(path, pool=pool, limit=limit, seed=seed, dataset=ds)
 
 
-def _run_distributions(model: Any, tok: Any, data: Any, st: Any) -> dict[str, Any]:
+def _run_distributions(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Any,
+                       st: Any) -> dict[str, Any]:
     from icqs_fast.evals.study import run_chaosnli
 
     return run_chaosnli(model, tok, data, st)
@@ -138,7 +143,6 @@ def _document_distributions(out: dict[str, Any], *, ds: EvalDataset, model: str,
 
 
 def _pair_responses(data: Any) -> tuple[Any, list, list, list, dict[str, list]]:
-    from icqs_fast.engine.prompts import Template
     from icqs_fast.evals.study import NLI_ICQS_TEMPLATE
 
     good = [(it.premise, it.hypothesis) for it in data.good]
@@ -166,8 +170,6 @@ def _compare_distributions(cmp: dict[str, Any]) -> str:
 
 
 def _report_distributions(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    from icqs_fast.evals.study_report import distribution_report
-
     return distribution_report(doc, path, ds)
 
 

@@ -14,8 +14,15 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+from icqs_fast.engine.layout import layer_attention
+from icqs_fast.models import register_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPL_NAME = "icqs_entropy"
 
@@ -27,7 +34,7 @@ class _Capture:
     """State of one :func:`capture_attention_entropy` block; ``entropy`` is set on exit."""
 
     def __init__(self, query_mask: torch.Tensor, key_range: torch.Tensor, backend: str,
-                 layers: tuple = (), model=None):
+                 layers: tuple = (), model: PreTrainedModel | None = None):
         self.query_mask = query_mask
         self.key_range = key_range
         self.backend = backend
@@ -103,7 +110,8 @@ def _mask_checks(mask: torch.Tensor, tq: int, tk: int, la=None
     return key_ok, oks[0], oks[1]
 
 
-def mask_causality(model, rule: tuple, ok_causal: torch.Tensor, ok_full: torch.Tensor) -> bool:
+def mask_causality(model: PreTrainedModel | None, rule: tuple, ok_causal: torch.Tensor,
+                   ok_full: torch.Tensor) -> bool:
     """Whether ``model``'s masks for layers of ``rule`` are causal: read from the first mask
     (one host sync per model and rule, like the capability check), remembered after."""
     known = _CAUSAL.get(model, {}) if model is not None else {}
@@ -188,14 +196,12 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _register() -> None:
-    from icqs_fast.models import register_attention
-
     register_attention(IMPL_NAME, _attention_forward)
 
 
 @contextlib.contextmanager
 def capture_attention_entropy(
-    model,
+    model: PreTrainedModel,
     query_mask: torch.Tensor,
     key_range: torch.Tensor,
     *,
@@ -241,7 +247,6 @@ def capture_attention_entropy(
     if getattr(_ACTIVE, "cap", None) is not None:
         raise RuntimeError("capture_attention_entropy blocks cannot be nested")
     _register()
-    from icqs_fast.engine.layout import layer_attention
 
     previous = model.config._attn_implementation
     cap = _Capture(query_mask, key_range.long(), backend, layer_attention(model.config), model)

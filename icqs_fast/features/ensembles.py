@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from icqs_fast.features.extract import (
     pair_references,
     with_references,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def default_system_prompts() -> list[str]:
@@ -59,7 +62,8 @@ def _summary(logprobs: list[float]) -> dict[str, Any]:
     return {"unt_exp": mean, "unt_var": var, "members": probs}
 
 
-def prompt_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *,
+def prompt_ensemble(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    items: Sequence[Any], *,
                     system_prompts: Sequence[str] | None = None, batch_size: int = 1,
                     reference: str | None = None, calibration_factor: float = 1.0,
                     **kwargs: Any) -> list[dict[str, Any]]:
@@ -119,7 +123,8 @@ def prompt_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *,
 
 
 @torch.no_grad()
-def sample_responses(model: Any, tokenizer: Any, item: Any, *, k: int = 5, seed: int = 0,
+def sample_responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, item: Any, *,
+                     k: int = 5, seed: int = 0,
                      max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                      system_prompt: str | None = None, use_chat_template: bool | None = None
                      ) -> list[str]:
@@ -141,7 +146,8 @@ def sample_responses(model: Any, tokenizer: Any, item: Any, *, k: int = 5, seed:
     return out
 
 
-def decoding_ensemble(model: Any, tokenizer: Any, items: Sequence[Any], *, k: int = 5,
+def decoding_ensemble(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                      items: Sequence[Any], *, k: int = 5,
                       seed: int = 0, max_new_tokens: int = 64, temperature: float = 1.0,
                       top_p: float = 1.0, system_prompt: str | None = None,
                       use_chat_template: bool | None = None, **kwargs: Any

@@ -82,7 +82,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,9 @@ from icqs_fast.features.names import (  # noqa: F401 (re-exported)
     FEATURE_DIRECTION,
     MODES,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _SENTINEL = "\u0000ICQS_INSTRUCTION\u0000"
 
@@ -150,11 +153,11 @@ class _Encoded:
     join: bool = False  # the first response token begins inside the prompt text
 
 
-def _has_chat_template(tokenizer: Any) -> bool:
+def _has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode(tokenizer: Any, item: GlassboxItem, system_prompt: str | None = None,
+def encode(tokenizer: PreTrainedTokenizerBase, item: GlassboxItem, system_prompt: str | None = None,
            use_chat_template: bool | None = None) -> _Encoded:
     """Token ids of ``prompt + response`` and where the instruction sits.
 
@@ -228,14 +231,14 @@ def _check_features(features: Iterable[str]) -> list[str]:
     return feats
 
 
-def vocab_size(model: Any) -> int:
+def vocab_size(model: PreTrainedModel) -> int:
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is not None:
         return int(dense_head_weight(head).shape[0])  # a 4-bit head's weight is packed
     return int(model.config.vocab_size)
 
 
-def _pad_id(tokenizer: Any) -> int:
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     pid = getattr(tokenizer, "pad_token_id", None)
     if pid is None:
         pid = getattr(tokenizer, "eos_token_id", None)
@@ -316,7 +319,8 @@ def _capture_masks(encs: list[_Encoded], idx: list[int], shape: torch.Size,
     return qm, kr
 
 
-def _standard_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
+def _standard_batch(model: PreTrainedModel, encs, idx, pad_id, want_attn,
+                    backend) -> list[dict[str, float]]:
     dev = model_device(model)
     ids, am = _padded(encs, idx, pad_id, dev)
     # The capability check's decoder body and logit epilogue; a head it cannot reproduce is read
@@ -411,7 +415,8 @@ def selfeval_formulas(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int
                                                                    strict=True))}
 
 
-def _compat_batch(model, encs, idx, pad_id, want_attn, backend) -> list[dict[str, float]]:
+def _compat_batch(model: PreTrainedModel, encs, idx, pad_id, want_attn,
+                  backend) -> list[dict[str, float]]:
     dev = model_device(model)
     ids, am = _padded(encs, idx, pad_id, dev)
     ent = cap = None
@@ -520,8 +525,8 @@ def add_softmax_combo(rows: list[dict[str, float]], scale: ComboScale) -> None:
 
 @torch.no_grad()
 def glassbox(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     items: Sequence[Any],
     *,
     features: Iterable[str] = ALL_FEATURES,
@@ -621,7 +626,8 @@ def illustrate(item: Any, template: str | None = None) -> GlassboxItem:
     return replace(it, history=((it.instruction, it.reference),) + tuple(it.history))
 
 
-def calibrate(model: Any, tokenizer: Any, items: Sequence[Any], *, factor: float = 1.0,
+def calibrate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], *,
+              factor: float = 1.0,
               **kwargs: Any) -> list[dict[str, float]]:
     """Reference calibration: ``feature(response) - factor * feature(reference)``, where the
     reference answer is scored as if it were the response to the same prompt. Both sets are

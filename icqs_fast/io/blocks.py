@@ -9,6 +9,7 @@ by :mod:`icqs_fast.io.runs`, as a local results file is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -195,6 +196,4 @@ class BlockOutput:
     def lock(self):
         """``OUT.lock`` (:class:`~icqs_fast.io.runs.OutputLock`) on a local or mounted
         filesystem; on an object store nothing (no exclusive create there)."""
-        import contextlib
-
         return OutputLock(Path(self.root)) if self.local else contextlib.nullcontext()

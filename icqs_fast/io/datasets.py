@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from icqs_fast.io.records import InputError, PathLike, Record
+from icqs_fast.io.readers import read_json_objects
+from icqs_fast.io.records import InputError, PathLike, Record, RecordError, field_of
 
 # ChaosNLI's label letters.
 NLI_GROUPS = {"e": "entailment", "n": "neutral", "c": "contradiction"}
@@ -192,9 +193,6 @@ def read_chaosnli(path: PathLike) -> list[NLIItem]:
         FileNotFoundError: no file.
         InputError: invalid JSON or a missing / malformed field, naming the file, line and field.
     """
-    from icqs_fast.io.readers import read_json_objects
-    from icqs_fast.io.records import field_of
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"ChaosNLI file not found: {p}")
@@ -226,14 +224,10 @@ def read_chaosnli(path: PathLike) -> list[NLIItem]:
 
 def _read_jsonl(path: Path) -> list[tuple[int, int, dict[str, Any]]]:
     """``(index, line, object)`` per record; errors name the file, line and field."""
-    from icqs_fast.io.readers import read_json_objects
-
     return [(i, line, obj) for i, (line, obj) in enumerate(read_json_objects(path))]
 
 
 def _turns(path: Path, i: int, line: int, obj: dict, field: str) -> list[str]:
-    from icqs_fast.io.records import RecordError, field_of
-
     turns = field_of(obj, field, list, path=path, line=line, index=i)
     for t, text in enumerate(turns):
         if not isinstance(text, str):
@@ -244,8 +238,6 @@ def _turns(path: Path, i: int, line: int, obj: dict, field: str) -> list[str]:
 
 def _by_question(path: Path, field: str) -> dict[int, tuple[list[str], int]]:
     """question_id -> (turns, line) of a question / answer / reference file."""
-    from icqs_fast.io.records import field_of
-
     out = {}
     for i, line, obj in _read_jsonl(path):
         qid = field_of(obj, "question_id", int, path=path, line=line, index=i)
@@ -266,8 +258,6 @@ def load_mtbench(data: str | Path, limit: int | None = None) -> list[dict[str, A
     :class:`icqs_fast.io.records.InputError` naming the file, line and field. An empty answer is a
     valid record (the real data has one, judged by GPT-4); its features are NaN.
     """
-    from icqs_fast.io.records import RecordError, field_of
-
     root = Path(data)
     qfile = root / "question.jsonl"
     jfile = root / "judgment_gpt-4_single.jsonl"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from icqs_fast.io.records import PARQUET_SUFFIXES, InputError, PathLike, RecordError
+from icqs_fast.io.schema import rows_table
 
 # --------------------------------------------------------------------------- results
 
@@ -285,7 +287,6 @@ def results_table(records: list[dict], schema: Any = None) -> Any:
     types inferred from the records (:func:`records_table`)."""
     if schema is None:
         return records_table(records)
-    from icqs_fast.io.schema import rows_table
 
     return rows_table(records, schema)
 
@@ -479,8 +480,6 @@ class BlockWriter:
 
 
 def remove_parquet_output(out: Path) -> None:
-    import shutil
-
     for p in (out, Path(f"{out}.tmp")):
         if p.exists():
             p.unlink()
@@ -495,8 +494,6 @@ def merge_parquet_output(out: PathLike, *, row_group_rows: int = PARQUET_ROW_GRO
     result has ``schema`` when given (an output resumed from an older layout is cast to it),
     else the parts' unified schema; without any record at all and no schema, ``OUT`` is an
     empty table with ``index`` and ``line`` columns."""
-    import shutil
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -22,9 +22,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from icqs_fast.engine.selfcheck import DEFAULT_MAX_HELDOUT, LEAKS, METHODS
-from icqs_fast.engine.settings import ScoringSettings
+from icqs_fast.engine.settings import DEFAULT_MAX_HELDOUT, ScoringSettings
+from icqs_fast.engine.settings import SELF_CHECK_LEAKS as LEAKS
+from icqs_fast.engine.settings import SELF_CHECK_MAPS as METHODS
+from icqs_fast.io.readers import PairFields, RecordFields, read_records
 from icqs_fast.io.records import FORMATS
+from icqs_fast.model_files import EMBEDDED_NAMES, PACKAGED_MODELS
 from icqs_fast.options import DEVICE_MAPS, QUANTIZATIONS, check_declared, declared, option
 from icqs_fast.threads import threads_option
 
@@ -50,8 +53,6 @@ def model_name(model: str | None) -> str:
     """The model as the resume key records it: an absolute path (folder or GGUF file), the
     embedded model, or ``packaged:NAME`` for a packaged model named as such
     (:data:`icqs_fast.models.PACKAGED_MODELS`; a local path of that name wins)."""
-    from icqs_fast.models import EMBEDDED_NAMES, PACKAGED_MODELS
-
     if model is None or model in EMBEDDED_NAMES:
         return EMBEDDED_MODEL
     if model in PACKAGED_MODELS and not os.path.exists(model):
@@ -372,8 +373,6 @@ class ScoreJobConfig(JobConfig):
     def pair_fields(self, *, demos: bool = False) -> Any:
         """The :class:`~icqs_fast.io.readers.PairFields` of the input (``demos``: of the
         ``--good-bad-pairs`` file, whose x is ``--demo-x-field`` and which has no ids)."""
-        from icqs_fast.io.readers import PairFields
-
         p = self.pair_options
         return PairFields(self.demo_x_field if demos else self.x_field, p.y_a_field,
                           p.y_b_field, None if demos else self.id_field,
@@ -475,7 +474,6 @@ def resolve_stratify(spec: str | None, config: ScoreJobConfig) -> Any:
         return "y"
     if spec in (None, "y", "auto"):
         return spec
-    from icqs_fast.io.readers import RecordFields, read_records
 
     fields = RecordFields(config.demo_x_field, config.demo_y_field, label_field=spec)
     return tuple([str(r.label) for r in read_records(path, fields, encoding=config.encoding)]

@@ -36,13 +36,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from icqs_fast.engine.checks import model_max_length
+from icqs_fast.features.names import ALL_FEATURES
 from icqs_fast.io.records import InputError, Record, RecordError
 from icqs_fast.io.runs import check_runtime, resumed_dtype
 from icqs_fast.io.schema import arrow_schema, features_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES, ON_ERROR, FeatureJobConfig
 from icqs_fast.jobs.score import checked_runtime, output_summary
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_FEATURES", "ON_ERROR", "FeatureStrategy", "FeatureSummary", "RecordNames",
            "check_feature_record", "feature_line", "feature_records", "load_combo_scale",
@@ -61,7 +66,7 @@ class RecordNames:
     y_field: str = "y"
 
 
-def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
+def check_feature_record(tokenizer: PreTrainedTokenizerBase, rec: Record, *, max_length: int | None,
                          system_prompt: str | None = None,
                          names: RecordNames = RecordNames()) -> RecordError | None:
     """What :func:`~icqs_fast.features.glassbox` would reject or compute wrongly for ``rec``, or
@@ -89,8 +94,8 @@ def check_feature_record(tokenizer: Any, rec: Record, *, max_length: int | None,
 
 
 def feature_records(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     records: Iterable[Record | RecordError],
     *,
     chunk_size: int = 128,
@@ -116,7 +121,6 @@ def feature_records(
     :class:`InputError` the iterator raises) are computed and yielded, then the error is
     raised.
     """
-    from icqs_fast.engine.checks import model_max_length
     from icqs_fast.features.extract import GlassboxItem, encode, glassbox
 
     if chunk_size < 1:
@@ -189,8 +193,6 @@ def feature_line(rec: Record, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_features(spec: str) -> list[str]:
-    from icqs_fast.features.names import ALL_FEATURES
-
     feats = [f.strip() for f in spec.split(",") if f.strip()]
     bad = [f for f in feats if f not in ALL_FEATURES]
     if not feats or bad:

@@ -22,10 +22,12 @@ into the good pool, the other into the bad pool
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from icqs_fast.engine.pairs import length_preferences, pairwise_accuracy, score_pairs
 from icqs_fast.io.readers import read_pairs
 from icqs_fast.io.records import InputError, PairRecord, Record, RecordError
 from icqs_fast.io.schema import arrow_schema, pair_row
@@ -53,8 +55,6 @@ class PairSummary:
         self.t0 = time.perf_counter()
 
     def add(self, rec: PairRecord, res: Any) -> None:
-        from icqs_fast.engine.pairs import length_preferences
-
         self.n += 1
         self.preferred.append(res.preferred)
         self.by_length += length_preferences([(rec.x, rec.y_a, rec.y_b)], shorter=self.shorter)
@@ -64,8 +64,6 @@ class PairSummary:
     def accuracies(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
         """``(ICQS, the length judge)``: each ``(accuracy, lo, hi)`` over the labelled pairs
         (:func:`icqs_fast.engine.pairs.pairwise_accuracy`)."""
-        from icqs_fast.engine.pairs import pairwise_accuracy
-
         return (pairwise_accuracy(self.preferred, self.better),
                 pairwise_accuracy(self.by_length, self.better))
 
@@ -123,8 +121,6 @@ class PairStrategy(ScoreStrategy):
 
     def job_records(self, policy: Any, limit: int) -> int | None:
         """The responses this job scores (two per pair) when at most ``limit``, else None."""
-        import itertools
-
         if policy is None or self.config.input == "-":
             return None
         try:
@@ -150,8 +146,6 @@ class PairStrategy(ScoreStrategy):
     def results(self, records: Iterable[Any], *, write_from: int,
                 on_error: Callable[[RecordError], None] | None
                 ) -> Iterator[tuple[PairRecord, Any]]:
-        from icqs_fast.engine.pairs import score_pairs
-
         tie = self.config.pair_options.tie_margin
         return ordered_results(records, self.check_pair, lambda p: (p.x, p.y_a, p.y_b),
                                lambda items: score_pairs(self.scorer, items, tie_margin=tie),

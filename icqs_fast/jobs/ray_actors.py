@@ -51,6 +51,8 @@ import numpy as np
 from icqs_fast.io.readers import RecordFields, read_examples, read_records, row_record
 from icqs_fast.io.records import PathLike, Record, RecordError
 from icqs_fast.io.schema import column_arrays, features_row, fill_columns, icqs_row
+from icqs_fast.jobs.config import DEFAULT_FEATURES
+from icqs_fast.jobs.features import RecordNames, feature_records
 from icqs_fast.models import runtime_settings
 
 __all__ = ["ICQSBatchScorer", "GlassboxBatchScorer", "ModelSpec", "BlockSpec", "block_items"]
@@ -239,7 +241,6 @@ class GlassboxBatchScorer:
                  combo_scale: dict | None = None, columns: tuple[str, str] = ("x", "y"),
                  **glassbox_kw: Any) -> None:
         from icqs_fast.features.extract import ComboScale, vocab_size
-        from icqs_fast.jobs.config import DEFAULT_FEATURES
 
         self.x_field, self.y_field = columns
         self.model, self.tokenizer = _model_spec(model).load()
@@ -254,8 +255,6 @@ class GlassboxBatchScorer:
                 on_error: Any = None):
         """``(record, row)`` for the good items, in order (``jobs.features.feature_records``
         rules)."""
-        from icqs_fast.jobs.features import RecordNames, feature_records
-
         return feature_records(self.model, self.tokenizer, items, chunk_size=self.chunk_size,
                                names=RecordNames(path, self.x_field, self.y_field),
                                on_error=on_error, **self.kw)

@@ -69,7 +69,7 @@ import numpy as np
 from icqs_fast.io.blocks import OBJECT_STORES, BlockOutput, block_name, block_path, is_uri
 from icqs_fast.io.readers import count_records
 from icqs_fast.io.records import InputError, detect_format
-from icqs_fast.io.runs import RUNTIME_KEYS, OutputPolicy, check_runtime, start_output
+from icqs_fast.io.runs import RUNTIME_KEYS, OutputPolicy, check_runtime, resumed_dtype, start_output
 from icqs_fast.jobs.config import DEFAULT_BLOCK_SIZE, OUTPUT_FORMATS, JobConfig
 from icqs_fast.jobs.ray_actors import BlockSpec, batch_columns, block_items
 from icqs_fast.jobs.runner import (
@@ -79,6 +79,7 @@ from icqs_fast.jobs.runner import (
     run_with,
     stream_results,
 )
+from icqs_fast.progress import track
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OUTPUT_FORMATS", "OBJECT_STORES", "BlockActor", "RayExecutor",
            "run_ray", "block_path", "block_name", "is_uri", "BlockOutput"]
@@ -332,8 +333,6 @@ def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:
     mode, to GPU actors, or float32 where the driver lacks native bf16.) Actors that resolve it
     differently (CPUs of mixed kinds) stop the run at the first such block, naming
     ``--dtype``."""
-    from icqs_fast.io.runs import resumed_dtype
-
     return resumed_dtype(policy, config.dtype)
 
 
@@ -441,8 +440,6 @@ class Progress:
 def _drive(job: JobRun, ds: Any, p: Progress) -> int:
     """Collect the blocks' summary rows: the first one's runtime into the metadata, every
     worker on the same runtime, the first error raised, the figures into ``job.stats``."""
-    from icqs_fast.progress import track
-
     config, policy, log, out = job.config, job.policy, job.log, job.policy.target
     try:
         for row in track(ds.iter_rows(), total=p.n_pending, desc="icqs-fast blocks",

@@ -37,7 +37,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.io.readers import read_examples, read_pool_pairs, read_rows
@@ -48,6 +48,11 @@ from icqs_fast.jobs.config import ON_ERROR, ScoreJobConfig
 from icqs_fast.models import runtime_settings
 from icqs_fast.options import declaration
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from icqs_fast.engine.scorer import ICQSScorer
+
 __all__ = ["ON_ERROR", "DemoSets", "ScoreStrategy", "Summary", "check_record", "load_template",
            "ordered_results", "output_summary", "score_records"]
 
@@ -55,7 +60,7 @@ __all__ = ["ON_ERROR", "DemoSets", "ScoreStrategy", "Summary", "check_record", "
 # --------------------------------------------------------------------------- library part
 
 
-def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: str = "x",
+def check_record(scorer: ICQSScorer, rec: Record, *, path: str = "<input>", x_field: str = "x",
                  y_field: str = "y") -> RecordError | None:
     """What the scorer would reject in ``rec`` (before it is sent to the scorer), or None.
 
@@ -91,7 +96,7 @@ def check_record(scorer: Any, rec: Record, *, path: str = "<input>", x_field: st
 
 
 def score_records(
-    scorer: Any,
+    scorer: ICQSScorer,
     records: Iterable[Record | RecordError],
     *,
     path: str = "<input>",
@@ -213,7 +218,7 @@ def load_template(path: str | None):
     return Template(**spec), spec
 
 
-def checked_runtime(model: Any, backend: str) -> dict:
+def checked_runtime(model: PreTrainedModel, backend: str) -> dict:
     """:func:`~icqs_fast.models.runtime_settings` with a backend that cannot run here (named
     ``--backend triton`` without CUDA or the interpreter, or its kernels failing to import) as
     bad input (ValueError naming the flag: exit 2), never a quiet fallback."""
@@ -223,7 +228,7 @@ def checked_runtime(model: Any, backend: str) -> dict:
         raise ValueError(f"--backend {backend}: {exc}") from exc
 
 
-def engine_meta(scorer: Any, backend: str) -> dict:
+def engine_meta(scorer: ICQSScorer, backend: str) -> dict:
     """The engine's plan for the meta file (:meth:`ModelPlan.as_meta`), with the path the
     scorer actually takes (cascade off by its settings runs the KV copies)."""
     plan = scorer.plan.as_meta(backend)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.options import declaration
 from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.errors import APIError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LOGIT_BIAS_MAX = 100.0  # OpenAI's range for logit_bias values
 
@@ -68,7 +71,7 @@ class Admission:
         count_tokens: called with ``(route, tokens)`` for every admitted request (metrics).
     """
 
-    def __init__(self, tokenizer: Any, config: ServeConfig, vocab: int,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: ServeConfig, vocab: int,
                  max_positions: int | None, count_tokens: Any = None) -> None:
         self.tokenizer = tokenizer
         self.config = config

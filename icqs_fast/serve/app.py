@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from icqs_fast import backends
 from icqs_fast.engine.batching import model_device
 from icqs_fast.engine.capability import dense_head_weight, model_plan
+from icqs_fast.engine.checks import model_max_length
 from icqs_fast.engine.settings import ScoringSettings
 from icqs_fast.options import declaration
 from icqs_fast.serve.admission import ICQS_LIMITS, Admission
@@ -62,6 +63,10 @@ from icqs_fast.serve.schemas import (
     ScoreResponse,
 )
 from icqs_fast.serve.scoring import Scoring
+from icqs_fast.version import __version__
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ROUTES = ("/v1/models", "/v1/completions", "/v1/score", "/health", "/metrics", "/openapi.json")
 
@@ -89,11 +94,10 @@ class Server:
             the config's.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: ServeConfig | None = None, *,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 config: ServeConfig | None = None, *,
                  good: Sequence | None = None, bad: Sequence | None = None,
                  icqs_options: ScoringSettings | Mapping[str, Any] | None = None) -> None:
-        from icqs_fast.engine.checks import model_max_length
-
         self.model = model
         self.tokenizer = tokenizer
         self.config = cfg = config or ServeConfig()  # its bounds checked when it was built
@@ -225,8 +229,6 @@ class Server:
     def app(self) -> Any:
         """The FastAPI app of :data:`router`, wrapped in :class:`Guard`; its handlers find this
         server in ``app.state.server``, and starting it starts the worker thread."""
-        from icqs_fast.version import __version__
-
         api = FastAPI(title="icqs-fast", version=__version__, docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json", lifespan=lifespan,
                       exception_handlers=EXCEPTION_HANDLERS)

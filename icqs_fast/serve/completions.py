@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -42,6 +42,9 @@ from icqs_fast.serve.schemas import (
 )
 from icqs_fast.serve.streaming import TextDelta, TokenFeed, stream_events
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 # What a -inf log-prob is sent as (JSON has no infinity; vLLM sends the same).
 NEG_INF_LOGPROB = -9999.0
 
@@ -51,7 +54,7 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else NEG_INF_LOGPROB
 
 
-def text_offsets(tokenizer: Any, text: str, toks: list[str]) -> list[int]:
+def text_offsets(tokenizer: PreTrainedTokenizerBase, text: str, toks: list[str]) -> list[int]:
     """Start character of each token of ``text`` (the fast tokenizer's offsets; else the
     running length of the token texts)."""
     try:
@@ -68,7 +71,7 @@ def text_offsets(tokenizer: Any, text: str, toks: list[str]) -> list[int]:
     return out
 
 
-def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The token ids that end a generation: the tokenizer's EOS and the model's generation
     config's."""
     ids = {tokenizer.eos_token_id}
@@ -90,7 +93,8 @@ class Completions:
             prefilled in chunks over several worker steps); None: the whole prompt at once.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 admission: Admission, dispatcher: Dispatcher,
                  model_name: str, max_batch_tokens: int,
                  prefill_budget: int | None = None) -> None:
         self.model = model

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from icqs_fast.engine.batching import cache_kwarg
 from icqs_fast.engine.capability import dense_head_weight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # (token id, log-prob, [(token id, log-prob)] of the top-N) of one generated token.
 GenStep = tuple[int, float, list[tuple[int, float]]]
@@ -102,7 +105,8 @@ class GreedyGeneration:
             :data:`GenStep` right after it is chosen (streaming; it must not block).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, ids: Sequence[int],
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 ids: Sequence[int],
                  options: GenerationOptions) -> None:
         self.model = model
         self.tokenizer = tokenizer

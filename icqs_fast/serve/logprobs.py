@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from icqs_fast import backends, ops
 from icqs_fast.engine.batching import (
     PrefixBank,
+    cache_kwarg,
+    last_hidden,
     model_device,
     plain_hidden,
     plain_logits,
@@ -30,7 +32,11 @@ from icqs_fast.engine.batching import (
 from icqs_fast.engine.capability import ModelPlan, dense_head_weight, model_plan
 from icqs_fast.engine.cascade import PositionPlan, position_plan, positional_kernel
 from icqs_fast.engine.scorer import DEFAULT_TOKEN_BUDGET, SUFFIX_CHUNK_CPU
-from icqs_fast.models import exact_bf16_products, is_bf16_mixed
+from icqs_fast.invariant_linears import exact_bf16_products
+from icqs_fast.models import is_bf16_mixed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Rows of fp32 logits materialised at once (x vocabulary size).
 HEAD_ROWS = 256
@@ -108,7 +114,7 @@ def _batches(items: list, length, budget: int) -> list[list]:
     return out
 
 
-def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_n: int
+def _head(model: PreTrainedModel, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_n: int
           ) -> None:
     """LM head (fp32, with the model's logit epilogue) over one segment's hidden states
     ``[len, H]``, or the model's own logits ``[len, V]`` when the plan scores from those."""
@@ -157,7 +163,7 @@ def _head(model: Any, plan: ModelPlan, seg: _Segment, hidden: torch.Tensor, top_
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: Any,
+    model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     *,
     top_n: int = 0,
@@ -241,7 +247,7 @@ class PromptPrefill:
         top_n: alternatives kept per position.
     """
 
-    def __init__(self, model: Any, prompt: Sequence[int], top_n: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, prompt: Sequence[int], top_n: int = 0) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -256,7 +262,7 @@ class PromptPrefill:
         self.pos = 0
 
     @staticmethod
-    def supported(model: Any) -> bool:
+    def supported(model: PreTrainedModel) -> bool:
         """True when a prompt of ``model`` can be run in chunks: the prefix bank serves it (a
         KV cache continues a prefix exactly), its head is the engine's and no layer is local (a
         sliding window over cache slots)."""
@@ -271,8 +277,6 @@ class PromptPrefill:
     @torch.no_grad()
     def step(self, tokens: int) -> bool:
         """Run the next ``tokens`` (>= 1) tokens; True once the whole prompt ran."""
-        from icqs_fast.engine.batching import cache_kwarg, last_hidden
-
         if self.cache is None:
             raise RuntimeError("the prefill was closed")
         a, b = self.pos, min(len(self.prompt), self.pos + max(1, int(tokens)))

@@ -16,7 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
+from icqs_fast.engine import settings
 from icqs_fast.features.names import ALL_FEATURES
+from icqs_fast.io import schema
+from icqs_fast.options import declared
 
 
 def _valid_unicode(s: str) -> str:
@@ -168,9 +171,6 @@ def icqs_options_model(settings_cls: Any = None) -> type[BaseModel]:
     checked by the declaration itself, so an out-of-bounds value gets the message the command
     line gives ("--num-ratios must be an int >= 2, got 1"). ``settings_cls``: the settings
     class (default: ScoringSettings)."""
-    from icqs_fast.engine import settings
-    from icqs_fast.options import declared
-
     cls = settings_cls or settings.ScoringSettings
     base: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": Text}
     fields: dict[str, Any] = {}
@@ -217,8 +217,6 @@ def icqs_score_model() -> type[BaseModel]:
     (:data:`icqs_fast.io.schema.ICQS_FIELDS`, the result's own fields): the same names,
     shapes and meanings as a ``score`` output line; floats nullable (a non-finite number is
     null in JSON), fields present only sometimes optional."""
-    from icqs_fast.io import schema
-
     base = {"int": int, "float": float | None, "bool": bool, "text": str}
     fields: dict[str, Any] = {}
     for f in schema.ICQS_FIELDS:

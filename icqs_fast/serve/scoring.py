@@ -18,7 +18,7 @@ import asyncio
 import math
 import weakref
 from collections.abc import Callable, Container, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -31,6 +31,11 @@ from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
 from icqs_fast.serve.queue import Unit
 from icqs_fast.serve.schemas import IcqsScore, ScoreItem, ScoreRequest, ScoreResponse
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from icqs_fast.engine.scorer import ICQSScorer
 
 
 def icqs_item(res: Any) -> IcqsScore:
@@ -50,7 +55,7 @@ def _record(i: int, r: Any) -> dict:
     return {"x": x, "y": y, "reference": r.reference}
 
 
-def plain_path(model: Any) -> bool:
+def plain_path(model: PreTrainedModel) -> bool:
     """True when the engine scores ``model`` without a prefix bank."""
     from icqs_fast.engine.capability import model_plan
 
@@ -98,7 +103,8 @@ class Scoring:
             ``token_budget``) included; a request's ``icqs_options`` replace some of them.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, admission: Admission, dispatcher: Dispatcher,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 admission: Admission, dispatcher: Dispatcher,
                  config: ServeConfig, *, good: Sequence | None = None,
                  bad: Sequence | None = None, settings: ScoringSettings) -> None:
         if (good is None) != (bad is None):
@@ -171,7 +177,7 @@ class Scoring:
             scorer.self_check = self.check
         return self.check
 
-    def _forget(self, scorer: Any) -> None:
+    def _forget(self, scorer: ICQSScorer | None) -> None:
         """``scorer``'s work was cut part-way: no chunk uses it again (the server's kept one is
         rebuilt on its next use)."""
         if scorer is not None:

@@ -21,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icqs_fast.serve.errors import APIError, error_body
 from icqs_fast.serve.generation import GenStep, StopStrings
 from icqs_fast.serve.queue import Cancelled
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DONE = b"data: [DONE]\n\n"
 
@@ -82,7 +85,8 @@ class TextDelta:
         echo: the echoed prompt (sent before the tokens; "" without echo).
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: frozenset[int], stops: StopStrings,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: frozenset[int],
+                 stops: StopStrings,
                  echo: str = "") -> None:
         self.echo = echo
         self.tokenizer = tokenizer
