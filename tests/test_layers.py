@@ -25,8 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
      "icqs_fast.threads", "icqs_fast.io"),
     ("icqs_fast.engine",),
     ("icqs_fast.features", "icqs_fast.data"),
-    ("icqs_fast.jobs", "icqs_fast.evals", "icqs_fast.allure", "icqs_fast.compat",
-     "icqs_fast.serve"),
+    ("icqs_fast.jobs", "icqs_fast.evals", "icqs_fast.report", "icqs_fast.allure",
+     "icqs_fast.compat", "icqs_fast.serve"),
     ("icqs_fast.benchmarks", "icqs_fast.info"),
     ("icqs_fast.cli",),
     ("icqs_fast",),  # the package facade
