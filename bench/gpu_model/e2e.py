@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from icqs_fast.benchmarks import gpu_model
+from bench.gpu_model import model as gpu_model
 
 # Llama-2-7B (meta-llama/Llama-2-7b-hf config.json): 32 layers, hidden 4096, MLP 11008, 32
 # heads (no GQA), vocabulary 32000.

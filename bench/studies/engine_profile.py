@@ -2,7 +2,7 @@
 settings, the embedded model) with its FLOPs counted, a plain timed run, a run with a timer on
 every module and on the fused LM-head statistics
 (:func:`icqs_fast.benchmarks.roofline.module_times`), and this machine's matmul rate on the
-model's linear shapes. ``python -m icqs_fast.benchmarks.engine_profile --dtypes
+model's linear shapes. ``python -m bench.studies.engine_profile --dtypes
 float32,bfloat16 --out FILE``; docs/RESULTS.md ("The engine against the machine's limit")
 reads it.
 """
@@ -61,11 +61,11 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m icqs_fast.benchmarks.engine_profile``: :func:`profile_engine` per dtype."""
+    """``python -m bench.studies.engine_profile``: :func:`profile_engine` per dtype."""
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m icqs_fast.benchmarks.engine_profile",
+    p = argparse.ArgumentParser(prog="python -m bench.studies.engine_profile",
                                 description="where the ICQS engine's time goes on this CPU")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--responses", type=int, default=16)
