@@ -465,7 +465,8 @@ def test_hf_hook_matches_eager_tiny_gpt2(side, inverse_layer_scale):
 def test_gpu_launch_description_specialises_as_the_runtime_does():
     """The launch `bench static` compiles is the one a GPU runs: Triton specialises an int
     argument equal to 1 into a constexpr (GROUP when Hq == Hk) and marks ints divisible by 16
-    (found by `bench gpu --dry-run`, which derives the signature as the runtime does)."""
+    (found by the dry run, `bench.gpu_model.dry_run`, which derives the signature as the runtime
+    does)."""
 
     from bench.gpu_model.launches import attention_entropy as akl
 

@@ -1,5 +1,5 @@
-"""``icqs-fast bench static --e2e``: ICQS throughput of a 7B Llama-family model on one H100, on
-paper, from the forward's FLOPs and bytes, with the prefix bank and the naive way.
+"""``python -m bench.gpu_model.static --e2e``: ICQS throughput of a 7B Llama-family model on
+one H100, on paper, from the forward's FLOPs and bytes, with the prefix bank and the naive way.
 
 ICQS scores one response under ``(M+1) x L`` demonstration contexts (``M+1`` ratios, ``L`` sets
 of ``demos`` demonstrations each). Naive: every (response, context) pair is its own forward
