@@ -68,14 +68,16 @@ bench: setup
 	$(VENV)/bin/icqs-fast bench kernels --json
 	$(VENV)/bin/pytest -q bench --benchmark-only
 
-# On a machine with an NVIDIA GPU: measured kernel/attention/ICQS times beside the static model's
-# predictions, into bench/results/. Uses .venv when `make setup` made one there, else the system
-# python3 with its own CUDA torch and triton, installing this package in place without
+# On a machine with an NVIDIA GPU: measured kernel/attention/ICQS times into bench/results/, then
+# the static model's predictions beside them (a lab step, python -m bench.gpu_model.predict: it
+# only compiles, so it comes last, where a cut loses no measurement, and may as well run later on
+# any machine). Uses .venv when `make setup` made one there, else the system python3 with its
+# own CUDA torch and triton, installing this package in place without
 # dependencies (GPU machines here reach no package registry) and without the C++ extension (a
 # CPU backend; skipping its build saves the short device window ~30 s). The whole target must fit
 # a lent machine's ~8 minutes: `bench gpu` keeps to BENCH_GPU_BUDGET seconds (sections that no
-# longer fit are skipped; each writes its file when done; `bench gpu --dry-run` states the
-# expected duration).
+# longer fit are skipped; each writes its file when done; `python -m bench.gpu_model.dry_run`
+# states the expected duration).
 BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 BENCH_GPU_BUDGET ?= 420
 bench-gpu:
@@ -83,6 +85,8 @@ bench-gpu:
 	$(BENCH_PY) -c "import icqs_fast.kernels" 2>/dev/null || \
 		ICQS_FAST_NO_EXT=1 $(BENCH_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(BENCH_PY) -m icqs_fast.cli bench gpu --out-dir bench/results --budget-s $(BENCH_GPU_BUDGET)
+	$(BENCH_PY) -m bench.gpu_model.predict bench/results/gpu_ops_$$($(BENCH_PY) -c \
+		"import torch; print('sm90' if torch.cuda.get_device_capability()[0] >= 9 else 'sm80')").json
 
 lint: setup
 	$(PY) -m ruff check .

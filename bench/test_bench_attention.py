@@ -7,8 +7,8 @@ Run: ``pytest bench --benchmark-only -k attention`` (compare the two rows of the
 
 import pytest
 import torch
-from conftest import DEVICE, QUICK
 
+from bench.conftest import DEVICE, QUICK
 from icqs_fast.benchmarks.attention import make_inputs, run_eager, run_ours
 
 SEQ = 128 if QUICK else 1024

@@ -8,8 +8,8 @@ has its prefix caches already built; ``icqs-fast bench icqs`` reports the cold n
 
 import pytest
 import torch
-from conftest import DEVICE, QUICK
 
+from bench.conftest import DEVICE, QUICK
 from icqs_fast.benchmarks.icqs import demos, responses
 from icqs_fast.data import TEMPLATE
 from icqs_fast.engine.reference import icqs_naive

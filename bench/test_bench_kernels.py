@@ -5,8 +5,8 @@ Run: ``pytest bench --benchmark-only`` (compare the two rows of the group; targe
 
 import pytest
 import torch
-from conftest import SHAPE
 
+from bench.conftest import SHAPE
 from icqs_fast import ops
 from icqs_fast.backends import cpp_backend
 from icqs_fast.benchmarks.kernels import baseline_token_stats

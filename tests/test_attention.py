@@ -280,10 +280,12 @@ def test_gpu_launches_describe_the_launch(causal):
     allowed (query, key) pairs in its FLOPs, the entropy state as a constexpr switch."""
     from icqs_fast.kernels import attention_entropy as ak
 
+    from bench.gpu_model.launches import attention_entropy as akl
+
     b, hq, hk, tq, tk, d = 2, 8, 2, 300, 700, 128
     pairs = sum(min(tk, tk - tq + i + 1) if causal else tk for i in range(tq))
     for ent in (True, False):
-        (ln,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, causal, entropy=ent)
+        (ln,) = akl.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, causal, entropy=ent)
         cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16, causal=causal)
         assert ln.grid == cfg.grid == (math.ceil(tq / cfg.block_m) * b * hq, 1, 1)
         assert (ln.num_warps, ln.num_stages, ln.label) == (cfg.num_warps, cfg.num_stages,
@@ -463,13 +465,15 @@ def test_hf_hook_matches_eager_tiny_gpt2(side, inverse_layer_scale):
 def test_gpu_launch_description_specialises_as_the_runtime_does():
     """The launch `bench static` compiles is the one a GPU runs: Triton specialises an int
     argument equal to 1 into a constexpr (GROUP when Hq == Hk) and marks ints divisible by 16
-    (found by `bench gpu --dry-run`, which derives the signature as the runtime does)."""
-    from icqs_fast.kernels import attention_entropy as ak
+    (found by the dry run, `bench.gpu_model.dry_run`, which derives the signature as the runtime
+    does)."""
 
-    (same,) = ak.gpu_launches(1, 8, 8, 128, 128, 64, torch.bfloat16, causal=True)
+    from bench.gpu_model.launches import attention_entropy as akl
+
+    (same,) = akl.gpu_launches(1, 8, 8, 128, 128, 64, torch.bfloat16, causal=True)
     assert same.signature["GROUP"] == "constexpr" and same.constexprs["GROUP"] == 1
     assert {"Tq", "Tk"} <= set(same.extra["divisible_by_16"])
-    (grouped,) = ak.gpu_launches(1, 8, 2, 100, 100, 64, torch.bfloat16, causal=False)
+    (grouped,) = akl.gpu_launches(1, 8, 2, 100, 100, 64, torch.bfloat16, causal=False)
     assert grouped.signature["GROUP"] == "i32" and "GROUP" not in grouped.constexprs
     assert not {"Tq", "Tk"} & set(grouped.extra["divisible_by_16"])
 

@@ -1,13 +1,18 @@
 """``icqs-fast bench gpu`` on a machine without a GPU: it refuses clearly, its case table maps to
-real launches, and its ratio arithmetic is right. (The GPU run itself is ``make bench-gpu``.)"""
+real launches, and its ratio arithmetic is right; the lab's dry run of the CUDA code paths and its
+predictions beside a measured record. (The GPU run itself is ``make bench-gpu``.)"""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench.gpu_model.predict import case_launches
 from icqs_fast.benchmarks import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
@@ -22,23 +27,18 @@ def test_refuses_without_cuda():
 
 @pytest.mark.parametrize("case", gpu.CASES + gpu.QUICK_CASES, ids=str)
 def test_cases_describe_launches(case):
-    """Every case builds the launches a GPU run would compile and time (names the profiler
-    matches, positive work)."""
-    from icqs_fast.kernels import attention_entropy, linear_token_stats, token_stats
-
+    """Every case's Triton variants have the launches the predictions compile (names the
+    profiler's kernel times are matched by, positive work); the torch reference has none."""
     op, dt, shape = case
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-    if op == "token_stats":
-        launches = token_stats.gpu_launches(*shape, dtype)
-    elif op == "linear_token_stats":
-        launches = linear_token_stats.gpu_launches(*shape, dtype)
-    else:
-        b, hq, hk, t, d = shape
-        launches = attention_entropy.gpu_launches(b, hq, hk, t, t, d, dtype, True)
-    assert launches
-    for ln in launches:
-        assert ln.fn.__name__.startswith("_")
-        assert ln.programs >= 1 and ln.hbm_bytes > 0
+    variants = ("entropy", "no_entropy") if op == "attention" else (None,)
+    for variant in variants:
+        launches = case_launches(op, gpu._DTYPES[dt], shape, variant)
+        assert launches
+        for ln in launches:
+            assert ln.fn.__name__.startswith("_")
+            assert ln.programs >= 1 and ln.hbm_bytes > 0
+    if op == "attention":
+        assert case_launches(op, gpu._DTYPES[dt], shape, "sdpa") is None
 
 
 def test_attention_ratios():
@@ -58,23 +58,22 @@ def test_attention_ratios():
     assert "ratio_vs_no_entropy" not in recs[1] and "ratio_vs_sdpa" not in recs[3]
 
 
-# --- bench gpu --dry-run: the CUDA code paths on fake CUDA tensors (no GPU) --------------------
+# --- the dry run: the CUDA code paths on fake CUDA tensors (no GPU) ---------------------------
 
 _DRY_PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval", "score", "serve", "ray")
 
 
 @pytest.fixture(scope="module")
 def dry_report(tmp_path_factory):
-    """One ``bench gpu --dry-run`` through the CLI (a child process without the Triton
+    """One ``python -m bench.gpu_model.dry_run`` (a child process without the Triton
     interpreter; Triton's on-disk cache keeps a rerun's compiles cheap)."""
     import json
     import os
 
     out = tmp_path_factory.mktemp("dry") / "dry.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "bench", "gpu", "--dry-run",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       env=env)
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_model.dry_run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.exists(), r.stderr[-3000:]
     return r, json.loads(out.read_text())
 
@@ -113,7 +112,7 @@ def test_dry_run_sync_budgets(dry_report):
     """Every path within its host-sync budget (each sync drains the GPU queue; per batch
     forward, once-per-model setup apart), none in the ops or the per-layer code, the counts in
     the report."""
-    from icqs_fast.benchmarks.dry_run import SETUP_SYNC_BUDGET, SYNC_BUDGETS
+    from bench.gpu_model.dry_run import SETUP_SYNC_BUDGET, SYNC_BUDGETS
 
     _, rep = dry_report
     for name in _DRY_PATHS:
@@ -138,7 +137,7 @@ def test_dry_run_sync_budgets(dry_report):
 _PLANTED = r'''
 import json, sys, torch
 from icqs_fast.backends import triton_backend
-from icqs_fast.benchmarks.dry_run import dry_run
+from bench.gpu_model.dry_run import dry_run
 orig = triton_backend._prepare
 def planted(targets, ignore_index):  # the bug: target ids left on the CPU
     valid, safe_t = orig(targets, ignore_index)
@@ -151,7 +150,7 @@ sys.stdout.write("@@" + json.dumps(r["paths"]["bench_gpu"]))
 _PLANTED_KERNEL = r'''
 import json, sys, torch
 from icqs_fast.kernels import linear_token_stats as k
-from icqs_fast.benchmarks.dry_run import dry_run
+from bench.gpu_model.dry_run import dry_run
 orig = k.target_logits
 def planted(hidden, weight, bias, targets, out):  # the bug: a CPU tensor into a CUDA kernel
     return orig(hidden, weight, bias, targets.cpu(), out)
@@ -171,7 +170,7 @@ def test_dry_run_catches_a_planted_device_mixup(script, needle):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=300, env=env)
+                       timeout=300, env=env, cwd=ROOT)
     assert "@@" in p.stdout, p.stderr[-3000:]
     e = json.loads(p.stdout.rsplit("@@", 1)[1])
     assert e["status"] == "error", e
@@ -184,23 +183,22 @@ def test_dry_run_catches_a_planted_device_mixup(script, needle):
 def test_expected_duration_fits_the_budget():
     e = gpu.expected_duration()
     assert e["expected_s"] == pytest.approx(sum(e["sections_s"].values()))
-    assert set(e["sections_s"]) == {"startup", "model_check", "kernels", "icqs", "attention"}
+    assert set(e["sections_s"]) == {"startup", "ops", "kernels", "icqs", "attention"}
     # The whole make target must fit ~8 minutes: the budget leaves room for the install.
     assert e["fits"] and e["budget_s"] == gpu.DEFAULT_BUDGET_S < 8 * 60
     assert gpu.expected_duration(quick=True)["expected_s"] < e["expected_s"]
-    assert set(gpu.expected_duration(end_to_end=False)["sections_s"]) == {"startup",
-                                                                          "model_check"}
+    assert set(gpu.expected_duration(end_to_end=False)["sections_s"]) == {"startup", "ops"}
 
 
 def test_progress_file_after_every_section(tmp_path):
     import json
     import time
 
-    p = gpu._Progress(tmp_path, budget_s=100.0, t0=time.perf_counter())
+    p = gpu._Progress(tmp_path, budget_s=60.0, t0=time.perf_counter())
     p.add("startup", "ok", 1.0)
     doc = json.loads((tmp_path / "gpu_day_one.json").read_text())
-    assert [s["name"] for s in doc["sections"]] == ["startup"] and doc["budget_s"] == 100.0
-    assert p.fits("kernels") and not p.fits("model_check")  # 110 s expected, 100 s budget
+    assert [s["name"] for s in doc["sections"]] == ["startup"] and doc["budget_s"] == 60.0
+    assert p.fits("kernels") and not p.fits("ops")  # 50 and 70 s expected, 60 s budget
     p.add("kernels", "timeout", 50.0, tmp_path / "kernels_cuda.json")
     doc = json.loads((tmp_path / "gpu_day_one.json").read_text())
     assert doc["sections"][1] == {"name": "kernels", "status": "timeout", "seconds": 50.0,
@@ -221,3 +219,48 @@ def test_kernels_no_cpu_without_cuda_is_a_clear_error(capsys):
 
     assert main(["bench", "kernels", "--no-cpu", "--quick"]) == 2
     assert "--no-cpu" in capsys.readouterr().err
+
+
+# --- the predictions beside a measured record (lab step; compiles for sm_90, no GPU) -----------
+
+
+@pytest.mark.static
+@pytest.mark.subprocess
+def test_predictions_beside_a_measured_record(tmp_path):
+    """``python -m bench.gpu_model.predict`` on a ``gpu_ops`` record of the shape ``bench gpu``
+    writes: each Triton launch gets its measured time by kernel name, a prediction from the
+    table and from the measured device, and ``rel_error = predicted / measured - 1``; the torch
+    reference keeps its time and gets no prediction; a file that is not a record exits 2."""
+    import json
+    import os
+
+    shape = [256, 32000]
+    ops = [{"op": "token_stats", "variant": None, "dtype": "bf16", "shape": shape,
+            "arch": "sm_90", "kind": "op", "measured_ms": 0.05,
+            "kernel_ms": {"_token_stats_kernel": 0.04, "elementwise": 0.003},
+            "kernels_ms": 0.043},
+           {"op": "attention", "variant": "sdpa", "dtype": "bf16", "shape": [1, 8, 8, 512, 128],
+            "arch": "sm_90", "kind": "op", "measured_ms": 0.2, "kernel_ms": {"flash": 0.19},
+            "kernels_ms": 0.19}]
+    doc = {"arch": "sm_90", "sms": 132, "records": ops,
+           "device_measured": {"hbm_achievable": 4.0e12, "tensor_bf16_achievable": 7.0e14}}
+    src = tmp_path / "gpu_ops_sm90.json"
+    src.write_text(json.dumps(doc))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_model.predict", str(src)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_model_check_sm90.json").read_text())
+    assert out["model_table"] and out["sms"] == 132
+    (kern,) = [x for x in out["records"] if x["kind"] == "kernel"]
+    assert kern["fn"] == "_token_stats_kernel" and kern["measured_ms"] == 0.04
+    assert kern["predicted_ms"] > 0 and kern["predicted_ms_measured_hw"] > 0
+    assert kern["rel_error"] == pytest.approx(kern["predicted_ms"] / 0.04 - 1)
+    op, sdpa = [x for x in out["records"] if x["kind"] == "op"]
+    assert op["kernels_ms"] == 0.04 and op["predicted_ms"] == pytest.approx(kern["predicted_ms"])
+    assert op["rel_error_op"] == pytest.approx(op["predicted_ms"] / 0.05 - 1)
+    assert sdpa["variant"] == "sdpa" and "predicted_ms" not in sdpa and sdpa["measured_ms"] == 0.2
+    src.write_text(json.dumps({"arch": "sm_90"}))
+    bad = subprocess.run([sys.executable, "-m", "bench.gpu_model.predict", str(src)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no field 'sms'" in bad.stderr

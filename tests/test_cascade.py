@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from icqs_fast.engine.batching import PrefixBank, suffix_hidden
-from icqs_fast.engine.capability import supports_cascade
+from icqs_fast.engine.capability import model_plan
 
 
 def _model(kind: str):
@@ -28,7 +28,7 @@ def _model(kind: str):
 @pytest.mark.parametrize("layout", ["uniform", pytest.param("irregular", marks=pytest.mark.slow)])
 def test_cascade_matches_kv_copy(kind, layout):
     model = _model(kind)
-    assert supports_cascade(model)
+    assert model_plan(model).path == "cascade"
     g = torch.Generator().manual_seed(1)
     bank = PrefixBank(model, 0, 10_000)
     prefixes = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (17, 9, 30)]

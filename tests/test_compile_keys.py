@@ -3,13 +3,14 @@ followed N (31 values over N = 1..16,384 for a 4096-wide model) and Triton speci
 N == 1 and N % 16, ~3 s per sm_90 compile, paid again in every Ray actor. Now N is not
 specialised and TILES is one of at most three counts up to 16,384 rows. The count is of
 the distinct compile keys (signature, constexprs, 16-divisibility, warps, stages) of the
-launches the launcher issues, as :mod:`icqs_fast.benchmarks.fake_cuda` derives them."""
+launches the launcher issues, as :mod:`bench.gpu_model.fake_cuda` derives them."""
 
 import pytest
 import torch
 from icqs_fast.kernels import linear_token_stats as k
 
-from icqs_fast.benchmarks.compiler import compile_key
+from bench.gpu_model.compiler import compile_key
+from bench.gpu_model.launches import linear_token_stats as kl
 
 SHAPES = [(4096, 32000), (4096, 151936), (2048, 49152), (576, 49152)]
 # Every class Triton's specialisation tells apart (N == 1, N % 16 == 0, the rest), the bounds
@@ -21,7 +22,7 @@ SAMPLE_N = sorted({1, 2, 15, 16, 17, 31, 32, 127, 128, 129, 1000, 1024, 4096, 16
 def _keys(h: int, v: int, dtype: torch.dtype, ns) -> tuple[set, set, set]:
     main, target, tiles = set(), set(), set()
     for n in ns:
-        t, m = k.gpu_launches(n, h, v, dtype)
+        t, m = kl.gpu_launches(n, h, v, dtype)
         main.add(compile_key(m, "sm_90"))
         target.add(compile_key(t, "sm_90"))
         tiles.add(m.constexprs["TILES"])
@@ -55,15 +56,15 @@ def _jit(fn):
 def test_the_launch_is_described_as_the_jit_specialises_it():
     """The unspecialised N is neither a constexpr at 1 nor 16-divisible, in the static
     description and in the fake GPU's derivation from the kernel's own parameters."""
-    from icqs_fast.benchmarks.fake_cuda import launch_of
+    from bench.gpu_model.fake_cuda import launch_of
 
     kernel = _jit(k._linear_token_stats_kernel)
     params = {p.name: p for p in kernel.params}
     assert params["N"].do_not_specialize and not params["V"].do_not_specialize
-    _, m = k.gpu_launches(1, 64, 256, torch.bfloat16)
+    _, m = kl.gpu_launches(1, 64, 256, torch.bfloat16)
     assert m.signature["N"] == "i32" and "N" not in m.constexprs
     assert "N" not in m.extra["divisible_by_16"]
-    _, m16 = k.gpu_launches(32, 64, 256, torch.bfloat16)
+    _, m16 = kl.gpu_launches(32, 64, 256, torch.bfloat16)
     assert "N" not in m16.extra["divisible_by_16"] and "V" in m16.extra["divisible_by_16"]
     for n in (1, 32):
         args = [torch.empty(1)] * 8 + [n, 256, 64, 64, 1, 64, 1, 1.0, None]

@@ -218,7 +218,7 @@ def test_info_shows_the_choice(detect):
 def test_precision_bench_answers_are_held_out_and_balanced():
     """The side-by-side precision benchmark's answers: SST-2 sentences outside the
     demonstration pools, correct and incorrect labels alternating."""
-    from icqs_fast.benchmarks import precision
+    from bench.studies import precision
     from icqs_fast.io.datasets import shared_data_dir
 
     if not (shared_data_dir() / "sst2" / "dev.tsv").is_file():
@@ -267,7 +267,7 @@ def test_precision_bench_fails_when_the_default_misses_its_promises():
     import json
     from pathlib import Path
 
-    from icqs_fast.benchmarks import precision
+    from bench.studies import precision
 
     rec = json.loads((Path(__file__).parents[1] / "bench/results/precision_cpu.json").read_text())
     assert precision.default_failures(rec) == []

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from icqs_fast.benchmarks import e2e, gpu_model
-from icqs_fast.benchmarks.compiler import clean_env
-from icqs_fast.benchmarks.peer_validation import range_errors
-from icqs_fast.benchmarks.static import CHILD_ENV
+from bench.gpu_model import e2e
+from bench.gpu_model import model as gpu_model
+from bench.gpu_model.compiler import clean_env
+from bench.gpu_model.peer_validation import range_errors
+from bench.gpu_model.static import CHILD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,9 +110,8 @@ def test_e2e_prefix_bank_vs_naive():
 
 @pytest.mark.subprocess
 def test_e2e_cli_json():
-    proc = subprocess.run([sys.executable, "-m", "icqs_fast.cli", "bench", "static", "--e2e",
-                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_model.static", "--e2e", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
     assert res["prefix_bank"]["high"]["responses_per_s"] > res["naive"]["low"]["responses_per_s"]
@@ -119,8 +119,8 @@ def test_e2e_cli_json():
 
 VALIDATE = '''
 import json
-from icqs_fast.benchmarks.compiler import Compiler
-from icqs_fast.benchmarks.peer_validation import compute_validation_records
+from bench.gpu_model.compiler import Compiler
+from bench.gpu_model.peer_validation import compute_validation_records
 print(json.dumps(compute_validation_records(Compiler(), "sm_90", tiles=((64, 64),))))
 '''
 

@@ -7,13 +7,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from icqs_fast.kernels import attention_entropy as ak
-from icqs_fast.kernels.launch import MAX_GRID, limit_problems
 
+from bench.gpu_model.launches import MAX_GRID, limit_problems
+from bench.gpu_model.launches import attention_entropy as akl
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, MAX_TOKEN_BUDGET
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_limit_problems_name_the_kernel_and_the_limit():
@@ -37,7 +41,7 @@ def test_cascade_suffix_grid_within_limits(budget, heads, suffix):
     on grid y (limit 65,535). Its prefix part runs ``[entries, Hk, n group S, D]``."""
     rows = budget // suffix
     for dtype in (torch.bfloat16, torch.float32):
-        (ln,) = ak.gpu_launches(rows, heads, 8, suffix, suffix, 128, dtype, True, lse=True)
+        (ln,) = akl.gpu_launches(rows, heads, 8, suffix, suffix, 128, dtype, True, lse=True)
         assert limit_problems(ln.kernel, ln.grid, ln.num_warps) == [], ln.grid
         cfg = ak.attention_settings(rows, heads, suffix, suffix, 128, dtype)
         m_blocks = -(-suffix // cfg.block_m)
@@ -48,7 +52,7 @@ def test_cascade_suffix_grid_within_limits(budget, heads, suffix):
 _FAKE = r'''
 import dataclasses, json, sys, torch
 from icqs_fast import ops
-from icqs_fast.benchmarks.fake_cuda import CUDA0, DeviceLimitError, FakeCuda, Recorder
+from bench.gpu_model.fake_cuda import CUDA0, DeviceLimitError, FakeCuda, Recorder
 from icqs_fast.kernels import attention_entropy as ak
 
 rows, heads, s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -81,7 +85,7 @@ def test_recorder_checks_the_engine_launch(layout):
     unfolded grid of before is refused with the kernel's name."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", _FAKE, str(DEFAULT_TOKEN_BUDGET), "32", "1",
-                        layout], capture_output=True, text=True, timeout=300, env=env)
+                        layout], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert "@@" in p.stdout, p.stderr[-3000:]
     out = json.loads(p.stdout.rsplit("@@", 1)[1])
     if layout == "folded":

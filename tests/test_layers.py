@@ -4,11 +4,18 @@ Every ``import`` / ``from ... import`` of an ``icqs_fast`` module anywhere in a 
 or inside a function: a lazy import is still a dependency) must go to a lower layer or stay in
 the module's own room (its sub-package); no module imports another module's private ``_name``;
 and the graph of modules has no cycle. A new violation fails here, naming the import.
+
+The package is the product; the laboratory (``bench/``: the static GPU model, the dry run, the
+studies) sits beside it, uninstalled: no package module imports it or names it by string, the
+wheel holds none of it, and the wheel's Python lines only go down.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -26,8 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
      "icqs_fast.threads", "icqs_fast.io"),
     ("icqs_fast.engine",),
     ("icqs_fast.features", "icqs_fast.data"),
-    ("icqs_fast.jobs", "icqs_fast.evals", "icqs_fast.allure", "icqs_fast.compat",
-     "icqs_fast.serve"),
+    ("icqs_fast.jobs", "icqs_fast.evals", "icqs_fast.report", "icqs_fast.allure",
+     "icqs_fast.compat", "icqs_fast.serve"),
     ("icqs_fast.benchmarks", "icqs_fast.info"),
     ("icqs_fast.cli",),
     ("icqs_fast",),  # the package facade
@@ -36,8 +43,12 @@ LAYERS: list[tuple[str, ...]] = [
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 # Compiled modules (no .py file): the optional pybind11 extension.
 EXTENSIONS = {"icqs_fast._C"}
-# io holds no torch and no argparse (it is read by tools that never load a model).
-FORBIDDEN = {"icqs_fast.io": ("torch", "argparse", "transformers")}
+# io holds no torch and no argparse (it is read by tools that never load a model). No module of
+# the package imports the laboratory (bench/ is not installed: the import would fail for users).
+FORBIDDEN = {"icqs_fast.io": ("torch", "argparse", "transformers"), "icqs_fast": ("bench",)}
+# A module path of the laboratory written as a string (an importlib or "module:Name" registry
+# entry, a `python -m` child): the same dependency, hidden from the import check.
+LAB_STRING = re.compile(r"^bench(\.[A-Za-z_]\w*)+(:\w+)?$")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -197,3 +208,94 @@ def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "icqs_fast.engine.fake", (fake, False))
     with pytest.raises(AssertionError, match="icqs_fast.engine.fake"):
         test_imports_go_down_the_layers()
+
+
+def test_the_forbidden_check_catches_an_import_of_the_lab(tmp_path, monkeypatch):
+    """An import of ``bench`` anywhere in the package fails, naming the module and the line."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    from bench.gpu_model import model\n")
+    monkeypatch.setitem(MODULES, "icqs_fast.ops_fake", (fake, False))
+    with pytest.raises(AssertionError, match=r"icqs_fast\.ops_fake:2: bench\.gpu_model"):
+        test_forbidden_imports("icqs_fast")
+
+
+def _lab_strings(path: Path) -> list[tuple[int, str]]:
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text("utf-8")))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and LAB_STRING.match(node.value)]
+
+
+def test_no_module_names_the_lab_by_string(tmp_path):
+    bad = [f"{MODULES[m][0].relative_to(ROOT)}:{line}: {text!r}"
+           for m in MODULES for line, text in _lab_strings(MODULES[m][0])]
+    assert not bad, "laboratory modules named by string in the package:\n" + "\n".join(bad)
+    # The check can fail: a registry entry of the kind the CLI's command table holds.
+    fake = tmp_path / "fake.py"
+    fake.write_text('COMMANDS = [(("bench", "static"), "bench.gpu_model.static", "help")]\n')
+    assert _lab_strings(fake) == [(1, "bench.gpu_model.static")]
+
+
+# --------------------------------------------------------------------------- the wheel
+
+# Modules that moved to the laboratory (issue 51): none may come back into the wheel.
+LAB_MODULES = {f"icqs_fast.benchmarks.{m}" for m in (
+    "compiler", "dry_run", "e2e", "engine_profile", "fake_cuda", "gpu_model", "peer_shapes",
+    "peer_validation", "precision", "static", "startup")} | {
+    "icqs_fast.evals.selfcheck_study", "icqs_fast.evals.selfcheck_outside"}
+# Python lines the wheel installs (icqs_fast/ and kernels/): the count after the laboratory
+# left and its dead code went (issue 51; 43,060 before). The limit only goes down: lower it when
+# the package shrinks, never raise it (issue 51's target is 25,000).
+MAX_WHEEL_LINES = 38_425
+
+
+def _wheel_files() -> dict[str, Path]:
+    """``{module: file}`` of every Python module the wheel installs, from setup.py's own
+    ``packages`` / ``package_dir`` (setup.py run with ``setuptools.setup`` captured: nothing is
+    built), each package's ``*.py`` files as setuptools takes them."""
+    import setuptools
+
+    seen: dict = {}
+    orig, cwd = setuptools.setup, Path.cwd()
+    setuptools.setup = lambda **kw: seen.update(kw)
+    try:
+        os.chdir(ROOT)  # setup.py reads csrc/ and finds packages from the working folder
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    finally:
+        setuptools.setup = orig
+        os.chdir(cwd)
+    dirs = seen.get("package_dir", {})
+    out = {}
+    for pkg in sorted(set(seen["packages"])):
+        folder = ROOT / dirs.get(pkg, pkg.replace(".", "/"))
+        for f in sorted(folder.glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+def test_the_wheel_holds_no_lab_module():
+    files = _wheel_files()
+    assert "icqs_fast.ops" in files and "icqs_fast.kernels.token_stats" in files, sorted(files)
+    lab = sorted(m for m in files if m.split(".")[0] == "bench" or m in LAB_MODULES
+                 or (ROOT / "bench") in files[m].resolve().parents)
+    assert not lab, f"laboratory modules in the wheel: {lab}"
+    assert not any(m.split(".")[0] != "icqs_fast" for m in files), sorted(files)
+
+
+def test_the_wheel_lines_only_go_down():
+    counts = {m: len(f.read_text(encoding="utf-8").splitlines())
+              for m, f in _wheel_files().items()}
+    total = sum(counts.values())
+    big = sorted(counts, key=counts.get, reverse=True)[:5]
+    assert total <= MAX_WHEEL_LINES, (
+        f"the wheel's Python grew to {total} lines (limit {MAX_WHEEL_LINES}; largest: "
+        + ", ".join(f"{m} {counts[m]}" for m in big) + ")")
+
+
+def test_the_architecture_page_lists_these_layers():
+    """docs/ARCHITECTURE.md's layer headings (``**N. `room`, ...**``) are LAYERS, in order."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    heads = re.findall(r"^\*\*(\d+)\. (.+)\*\*$", text, flags=re.M)
+    doc = [tuple(f"icqs_fast.{r}" if r != "icqs_fast" else r
+                 for r in re.findall(r"`([\w.]+)`", rooms)) for _, rooms in heads]
+    assert [int(n) for n, _ in heads] == list(range(len(LAYERS)))
+    assert doc == LAYERS, "docs/ARCHITECTURE.md's layers differ from LAYERS here"

@@ -223,8 +223,10 @@ def test_gpu_launches_match_the_launch_settings():
     this test runs under TRITON_INTERPRET) from the same settings function as the launcher."""
     from icqs_fast.kernels import linear_token_stats as k
 
+    from bench.gpu_model.launches import linear_token_stats as kl
+
     for n, h, v in ((8192, 4096, 151936), (16, 2048, 128256), (512, 8192, 151936)):
-        target, main = k.gpu_launches(n, h, v, torch.bfloat16)
+        target, main = kl.gpu_launches(n, h, v, torch.bfloat16)
         cfg = k.launch_settings(n, h, v, torch.bfloat16)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (128, 64, 8)
         assert main.constexprs["BLOCK_M"] == cfg.block_m and main.constexprs["TILES"] == cfg.tiles
@@ -277,8 +279,10 @@ def test_gpu_launches_declare_the_cold_path():
     each of the block's rows with its target in a tile of its own, plus the padded last tile."""
     from icqs_fast.kernels import linear_token_stats as k
 
+    from bench.gpu_model.launches import linear_token_stats as kl
+
     for n, v in ((8192, 151936), (8192, 131072), (16, 151936)):
-        main = k.gpu_launches(n, 4096, v, torch.bfloat16)[1]
+        main = kl.gpu_launches(n, 4096, v, torch.bfloat16)[1]
         cfg = k.launch_settings(n, 4096, v, torch.bfloat16)
         tiles = -(-v // cfg.block_n)
         cold = min(cfg.tiles, -(-min(n, cfg.block_m) * cfg.tiles // tiles)) + (v % 64 != 0)

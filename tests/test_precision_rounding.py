@@ -1,4 +1,4 @@
-"""The precision benchmark's rounding study (:func:`icqs_fast.benchmarks.precision.rounding_study`):
+"""The precision benchmark's rounding study (:func:`bench.studies.precision.rounding_study`):
 what "plan B" rounds (the input activations of the named linears, once, to bf16), that the hooks
 go away after, and that the study reads the echo path the batch-invariance promise is about."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.studies import precision
 from icqs_fast import models
-from icqs_fast.benchmarks import precision
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -410,13 +410,8 @@ def test_model_code_reaches_kernels_only_through_ops():
 
 # Own "is Triton interpreting" checks still to replace by kernels.launch.triton_interpreting,
 # each with its reason; the set only shrinks.
-KNOWN_INTERPRET_CHECKS = {
-    # The static compiler's own check (benchmarks/compiler.py, split out of static.py): it
-    # should be icqs_fast.kernels.launch.triton_interpreting, which reads the same variable and
-    # knob; owned by another change.
-    "icqs_fast/benchmarks/compiler.py",
-    "icqs_fast/benchmarks/static.py",
-}
+# (The static compiler's own checks moved out of the package with it, to bench/gpu_model/.)
+KNOWN_INTERPRET_CHECKS: set[str] = set()
 _INTERPRET = re.compile(r"(environ\.get|getenv)\(\s*['\"]TRITON_INTERPRET|runtime\W+interpret")
 
 

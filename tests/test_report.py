@@ -1,5 +1,5 @@
 """``icqs-fast report``: the run report page and the drift between two runs
-(icqs_fast/evals/run_output.py, run_report.py, drift.py, svg.py; cli/report.py).
+(icqs_fast/report/run_output.py, run_report.py, drift.py, svg.py; cli/report.py).
 
 Outputs are synthetic: records with the declared ICQS fields (io/schema.py ICQS_FIELDS)
 written by the project's own writers (JSONL, Parquet, a ``--ray`` block folder), a meta file
@@ -20,14 +20,14 @@ import pytest
 
 from icqs_fast.cli import main
 from icqs_fast.engine.selfcheck import fit_self_check
-from icqs_fast.evals.drift import NO_CHANGE, compare_runs, psi, wilson
-from icqs_fast.evals.run_output import label_class, open_run, summarise
-from icqs_fast.evals.run_report import CSP, write_report
 from icqs_fast.io.blocks import BlockOutput
 from icqs_fast.io.records import InputError
 from icqs_fast.io.results import JsonlWriter, ParquetResultWriter
 from icqs_fast.io.runs import write_meta
 from icqs_fast.io.schema import ICQS_FIELDS, arrow_schema
+from icqs_fast.report.drift import NO_CHANGE, compare_runs, psi, wilson
+from icqs_fast.report.run_output import label_class, open_run, summarise
+from icqs_fast.report.run_report import CSP, write_report
 
 HOSTILE = ['<script>alert("x")</script>', "it's \"quoted\" & <b>bold</b>",
            "caf\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001f600 \u202eevil"]
@@ -463,8 +463,8 @@ def test_real_runs_dtype_is_noise_and_swapped_pools_drift(tmp_path, capsys):
 
 
 def test_histogram_zooms_into_the_occupied_range():
-    from icqs_fast.evals.run_output import HIST_BINS
-    from icqs_fast.evals.run_report import DISPLAY_BINS, _zoom
+    from icqs_fast.report.run_output import HIST_BINS
+    from icqs_fast.report.run_report import DISPLAY_BINS, _zoom
 
     fine = [0] * HIST_BINS
     for v in (0.45, 0.47, 0.5, 0.52, 0.55):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_report import make_records, meta_for, self_check_dict, write_input, write_output
 
-from icqs_fast.evals.run_report import write_report
+from icqs_fast.report.run_report import write_report
 
 pytestmark = pytest.mark.browser
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.studies import engine_profile
 from icqs_fast import ops
 from icqs_fast.benchmarks import roofline
 
@@ -110,7 +111,7 @@ def test_module_times_add_up(tiny_llama_model):
     model, _ = tiny_llama_model
     ids = torch.randint(0, model.config.vocab_size, (2, 9), device=model.device)
     with torch.no_grad():
-        rows, _ = roofline.module_times(lambda: model(input_ids=ids), model)
+        rows, _ = engine_profile.module_times(lambda: model(input_ids=ids), model)
     total = rows.pop("total (wall)")
     assert total > 0 and sum(rows.values()) == pytest.approx(total, rel=1e-9)
     assert rows["linear layers (matmuls)"] > 0 and rows["norms"] > 0

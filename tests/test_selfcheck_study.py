@@ -1,4 +1,4 @@
-"""The self-check bias study (icqs_fast/evals/selfcheck_study.py) on a tiny random Llama and
+"""The self-check bias study (bench/studies/selfcheck_study.py) on a tiny random Llama and
 embedded pools: the stored matrices give back the scores, the matched-context test AUC, the
 per-dataset summary and its table."""
 
@@ -10,11 +10,11 @@ import torch
 from _helpers import sentiment_pools as pools
 from _helpers import tiny_llama
 
+from bench.studies import selfcheck_outside as outside
+from bench.studies import selfcheck_study as study
 from icqs_fast import metrics
 from icqs_fast.engine.selfcheck import crossfit_score
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.evals import selfcheck_outside as outside
-from icqs_fast.evals import selfcheck_study as study
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Scoring 56 responses on the tiny model takes ~10-25 s on the shared machine.

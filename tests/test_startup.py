@@ -1,5 +1,5 @@
 """``icqs-fast --help``, every ``<command> --help`` and argument errors import no
-torch / transformers (not timed: ``icqs-fast bench startup`` measures the wall time)."""
+torch / transformers (not timed: ``python -m bench.studies.startup`` measures the wall time)."""
 
 import subprocess
 import sys

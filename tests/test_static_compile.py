@@ -1,9 +1,9 @@
 """Static sm_90 / sm_80 compilation of every Triton kernel (no GPU, no driver) and the
-performance model of :mod:`icqs_fast.benchmarks.gpu_model`.
+performance model of :mod:`bench.gpu_model.model`.
 
 The test suite runs with ``TRITON_INTERPRET=1`` (conftest), under which ``@triton.jit``
 functions cannot be compiled, so every compilation runs in a child process with a clean
-environment (:func:`icqs_fast.benchmarks.compiler.clean_env`). The shape table's launches are
+environment (:func:`bench.gpu_model.compiler.clean_env`). The shape table's launches are
 compiled once per distinct configuration (``bench static`` dedupes them) and shared by the tests
 through a module-scoped fixture.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from icqs_fast.benchmarks import gpu_model
-from icqs_fast.benchmarks.compiler import clean_env
-from icqs_fast.benchmarks.static import CHILD_ENV
+from bench.gpu_model import model as gpu_model
+from bench.gpu_model.compiler import clean_env
+from bench.gpu_model.static import CHILD_ENV
 
 pytestmark = pytest.mark.static
 
@@ -44,7 +44,7 @@ def table(tmp_path_factory) -> list[dict]:
         env = clean_env()
         env[CHILD_ENV] = "1"
         procs[arch] = subprocess.Popen(
-            [sys.executable, "-m", "icqs_fast.benchmarks.static", "--arch", arch,
+            [sys.executable, "-m", "bench.gpu_model.static", "--arch", arch,
              "--no-validation", "--out", str(tmp / f"{arch}.json")],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     recs = []
@@ -198,8 +198,8 @@ TINY_RUN = '''
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from tiny_kernel import tiny_sum_exp
-from icqs_fast.kernels.launch import Launch
-from icqs_fast.benchmarks.compiler import Compiler, analyze
+from bench.gpu_model.launches import Launch
+from bench.gpu_model.compiler import Compiler, analyze
 
 ln = Launch(kernel="tiny", fn=tiny_sum_exp,
             signature={"X": "*fp32", "OUT": "*fp32", "n": "i32", "BLOCK": "constexpr"},

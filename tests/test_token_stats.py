@@ -276,10 +276,12 @@ def test_gpu_launches_match_settings():
     large N, a split vocabulary for small N, whole tiles in the hot loop, compulsory bytes."""
     from icqs_fast.kernels import token_stats as _k
 
+    from bench.gpu_model.launches import token_stats as _kl
+
     v = 151936
     for n, dtype in ((8192, torch.bfloat16), (1024, torch.float32), (64, torch.float16),
                      (1, torch.bfloat16)):
-        (launch,) = _k.gpu_launches(n, v, dtype)
+        (launch,) = _kl.gpu_launches(n, v, dtype)
         cfg = _k.token_stats_settings(n, v, dtype)
         assert launch.grid == (n, cfg.splits, 1) == cfg.grid
         assert launch.constexprs == {"BLOCK_V": cfg.block_v, "R": cfg.lane,
@@ -293,7 +295,7 @@ def test_gpu_launches_match_settings():
         elsize = torch.empty((), dtype=dtype).element_size()
         assert launch.hbm_bytes == n * v * elsize + n * 12 + cfg.splits * n * 44
         assert launch.elements == n * v and launch.loop_elements == cfg.block_v
-    assert _k.gpu_launches(8192, v, torch.bfloat16)[0].grid == (8192, 1, 1)
+    assert _kl.gpu_launches(8192, v, torch.bfloat16)[0].grid == (8192, 1, 1)
     # The bf16 word-pair loads need an even row stride and a 4-byte aligned base.
     assert _k._bf16_pairs(torch.bfloat16, 212, 0) and not _k._bf16_pairs(torch.bfloat16, 211, 0)
     assert not _k._bf16_pairs(torch.bfloat16, 212, 2)

@@ -14,6 +14,7 @@ import torch
 from _helpers import DEVICE, attention_lse64, cascade_paths_agree, variant_model
 from icqs_fast.kernels import attention_entropy as ak
 
+from bench.gpu_model.launches import attention_entropy as akl
 from icqs_fast import backends, ops
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not backends.triton_interpreting(),
@@ -194,7 +195,7 @@ def test_gpu_launches_of_the_variants():
     switches, the value head size, the exact allowed-pair count of windows and chunks, the
     key blocks the loop bounds visit, every kernel parameter in the signature."""
     b, hq, hk, tq, tk, d = 1, 8, 2, 300, 700, 128
-    (ln,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, True, entropy=False,
+    (ln,) = akl.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, True, entropy=False,
                             lse=True, window=128, softcap=50.0, sinks=True, dv=64)
     c = ln.constexprs
     assert (c["HAS_WINDOW"], c["HAS_SOFTCAP"], c["HAS_SINKS"], c["RETURN_LSE"]) == (True,) * 4
@@ -206,12 +207,12 @@ def test_gpu_launches_of_the_variants():
     cfg = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16, dv=64, local=True)
     first = tk - tq  # the first query block's rows see keys first - 127 .. first + bm - 1
     lo = (first - 127) // cfg.block_n
-    assert ak._key_blocks(cfg, tq, tk, True, 128)[0] == math.ceil((first + cfg.block_m)
+    assert akl._key_blocks(cfg, tq, tk, True, 128)[0] == math.ceil((first + cfg.block_m)
                                                                   / cfg.block_n) - lo
-    (ch,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, False, entropy=False,
+    (ch,) = akl.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, False, entropy=False,
                             lse=True, chunk=100)
     assert ch.elements == b * hq * sum(100 for _ in range(tq))
-    (pos,) = ak.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, True, entropy=False,
+    (pos,) = akl.gpu_launches(b, hq, hk, tq, tk, d, torch.bfloat16, True, entropy=False,
                              lse=True, positions=True, window=128)
     every = ak.attention_settings(b, hq, tq, tk, d, torch.bfloat16, has_keyok=True, local=True)
     assert pos.constexprs["HAS_POS"] and pos.loop_iters == math.ceil(tk / every.block_n)

@@ -1,23 +1,20 @@
-"""``icqs-fast bench gpu``: measured GPU times beside the static model's predictions.
+"""``icqs-fast bench gpu``: measured GPU times of the Triton kernels and their ops.
 
-Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case of the static
-model (``token_stats`` bf16 ``[8192, 151936]`` and smaller N, ``linear_token_stats`` bf16 N x
+Run on a machine with an NVIDIA GPU (``make bench-gpu``). For each headline case
+(``token_stats`` bf16 ``[8192, 151936]`` and smaller N, ``linear_token_stats`` bf16 N x
 4096 x 151936, attention entropy bf16 at head dims 64/128 with and without the entropy state) it
 
 * times the public op end to end with ``triton.testing.do_bench`` (L2 flushed between runs),
-* times each Triton kernel of the op alone from the CUDA profiler (kernel names of the op's
-  :func:`gpu_launches`), and
-* compiles the same launches for this GPU's arch and asks :mod:`icqs_fast.benchmarks.gpu_model` for
-  a
-  prediction, twice: with the model's table figures and with this device's measured copy
-  bandwidth and bf16 matmul rate (so an H200, whose memory is faster than the table's H100,
-  is still judged fairly).
+* times each CUDA kernel the op launches alone, from the CUDA profiler (``kernel_ms``, by
+  kernel name), and
+* measures this device's copy bandwidth and bf16 matmul rate once (``device_measured``).
 
-It writes ``gpu_model_check_<arch>.json`` (one record per kernel launch and per op, with
-``measured_ms``, ``predicted_ms`` and ``rel_error = predicted / measured - 1``) to ``--out-dir``,
-rewritten after every case, and then runs ``bench kernels`` (its CUDA records), ``bench icqs``
-and ``bench attention`` in child processes, each writing its own ``*_cuda.json`` there, so one
-that fails (e.g. out of memory) loses nothing else.
+It writes ``gpu_ops_<arch>.json`` (one record per op and variant, with ``measured_ms`` and
+``kernel_ms``) to ``--out-dir``, rewritten after every case, and then runs ``bench kernels``
+(its CUDA records), ``bench icqs`` and ``bench attention`` in child processes, each writing its
+own ``*_cuda.json`` there, so one that fails (e.g. out of memory) loses nothing else. The static
+model's predictions beside these times are a laboratory step that reads the record
+(``python -m bench.gpu_model.predict``, not part of the installed package).
 
 The device window of a lent GPU machine is short (about 8 minutes for ``make bench-gpu``, the
 install included), so the run has a time budget (``--budget-s``, :data:`DEFAULT_BUDGET_S`): a
@@ -53,11 +50,10 @@ DEFAULT_BUDGET_S = 420.0
 # Expected seconds of each section on a fresh H100 machine (empty Triton and CUDA caches, 16 CPU
 # cores), reasoned from the code, not measured (no GPU has been lent to measure them):
 # - startup: importing torch, triton and transformers, the CUDA context (~10-15 s);
-# - model_check: measure_device (1 GiB copy and a bf16 8192^3 matmul under do_bench, ~3 s),
-#   then 13 cases: about 20 distinct kernel configurations, each JIT-compiled by Triton when
-#   first run and compiled again through ASTSource for the static model with cuobjdump /
-#   nvdisasm (~2 s + ~2 s), ~20 do_bench timings of ~0.3 s and 10 profiled calls per op
-#   (~1 s each), inputs of up to 5 GB built on the device;
+# - ops: measure_device (1 GiB copy and a bf16 8192^3 matmul under do_bench, ~3 s), then 13
+#   cases: about 20 distinct kernel configurations, each JIT-compiled by Triton when first run
+#   (~2 s), ~20 do_bench timings of ~0.3 s and 10 profiled calls per op (~1 s each), inputs of
+#   up to 5 GB built on the device;
 # - kernels: a child (startup ~15 s) timing 7 CUDA records x 5 repeats against the torch
 #   baseline and a float64 reference of [8192, 151936] logits (~2 s each), CPU records off;
 # - icqs: a child (startup ~15 s, a 1.1B random Llama initialised on the CPU ~15 s) scoring
@@ -65,7 +61,7 @@ DEFAULT_BUDGET_S = 420.0
 #   bound), the engine a few seconds, its FLOP-counting pass and matmul probes (~10 s);
 # - attention: a child (startup and model ~30 s), eager attention with output_attentions at 4096
 #   tokens x 22 layers (3 repeats each side) and the Triton-vs-sdpa comparison (~20 s).
-SECTION_ESTIMATE_S = {"startup": 15.0, "model_check": 110.0, "kernels": 50.0, "icqs": 90.0,
+SECTION_ESTIMATE_S = {"startup": 15.0, "ops": 70.0, "kernels": 50.0, "icqs": 90.0,
                       "attention": 55.0}
 
 # (op, dtype, shape): shape is [N, V] for token_stats, [N, H, V] for linear_token_stats and
@@ -94,7 +90,8 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def arch_of(device: torch.device) -> str:
-    """``"sm_90"`` / ``"sm_80"`` for this GPU; other archs map to the nearest modelled one."""
+    """``"sm_90"`` / ``"sm_80"`` for this GPU; other archs map to the nearest one the static
+    model knows (the record's name and the predictions read it)."""
     major, minor = torch.cuda.get_device_capability(device)
     return "sm_90" if major >= 9 else "sm_80"
 
@@ -112,9 +109,10 @@ def measure_device(device: torch.device) -> dict[str, float]:
             "tensor_bf16_achievable": 2 * 8192**3 / (mm_ms * 1e-3)}
 
 
-def kernel_times(fn: Callable[[], Any], names: set[str], repeat: int = 10) -> dict[str, float]:
-    """Mean CUDA time (ms) per call of each kernel in ``names`` over ``repeat`` calls of ``fn``
-    (the CUDA profiler's device-side durations, so launch gaps and host work don't count)."""
+def kernel_times(fn: Callable[[], Any], repeat: int = 10) -> dict[str, float]:
+    """Mean CUDA time (ms) per call of each kernel ``fn`` launches, by kernel name, over
+    ``repeat`` calls (the CUDA profiler's device-side durations, so launch gaps and host work
+    don't count). Triton kernels appear under their function's name."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -127,34 +125,28 @@ def kernel_times(fn: Callable[[], Any], names: set[str], repeat: int = 10) -> di
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        # Triton kernels appear under their function's name; exact match only, so that e.g.
-        # "_token_stats_kernel" never counts "_linear_token_stats_kernel" too.
-        if ev.name in names:
-            total[ev.name] = total.get(ev.name, 0.0) + ev.device_time / 1e3  # us -> ms
+        total[ev.name] = total.get(ev.name, 0.0) + ev.device_time / 1e3  # us -> ms
     return {k: v / repeat for k, v in total.items()}
 
 
 def _case_fns(op: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device):
-    """(launches, {variant: callable}) for one case; inputs built on the device."""
+    """``{variant: callable}`` for one case (``""``: the op's only variant); inputs built on
+    the device."""
     from icqs_fast import ops
     from icqs_fast.kernels import attention_entropy as ak
-    from icqs_fast.kernels import linear_token_stats as lk
-    from icqs_fast.kernels import token_stats as tk
 
     gen = torch.Generator(device=device).manual_seed(0)
     if op == "token_stats":
         n, v = shape
         z = (torch.randn(n, v, generator=gen, device=device) * 4).to(dtype)
         t = torch.randint(0, v, (n,), generator=gen, device=device)
-        return {"": (tk.gpu_launches(n, v, dtype),
-                     lambda: ops.token_stats(z, t, backend="triton"))}
+        return {"": lambda: ops.token_stats(z, t, backend="triton")}
     if op == "linear_token_stats":
         n, h, v = shape
         hid = torch.randn(n, h, generator=gen, device=device).to(dtype)
         w = (torch.randn(v, h, generator=gen, device=device) * (3 / h**0.5)).to(dtype)
         t = torch.randint(0, v, (n,), generator=gen, device=device)
-        return {"": (lk.gpu_launches(n, h, v, dtype),
-                     lambda: ops.linear_token_stats(hid, w, t, backend="triton"))}
+        return {"": lambda: ops.linear_token_stats(hid, w, t, backend="triton")}
     b, hq, hk, tt, d = shape
     q = torch.randn(b, hq, tt, d, generator=gen, device=device).to(dtype)
     k = torch.randn(b, hk, tt, d, generator=gen, device=device).to(dtype)
@@ -163,56 +155,29 @@ def _case_fns(op: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch
     qm = torch.ones(b, tt, dtype=torch.bool, device=device)
     scale = d ** -0.5
     return {
-        "entropy": (ak.gpu_launches(b, hq, hk, tt, tt, d, dtype, True, entropy=True),
-                    lambda: ak.launch_attention(q, k, vv, causal=True, scale=scale,
-                                                key_range=kr, query_mask=qm)),
-        "no_entropy": (ak.gpu_launches(b, hq, hk, tt, tt, d, dtype, True, entropy=False),
-                       lambda: ak.launch_attention(q, k, vv, causal=True, scale=scale)),
-        "sdpa": (None, lambda: torch.nn.functional.scaled_dot_product_attention(
+        "entropy": lambda: ak.launch_attention(q, k, vv, causal=True, scale=scale,
+                                               key_range=kr, query_mask=qm),
+        "no_entropy": lambda: ak.launch_attention(q, k, vv, causal=True, scale=scale),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(hq // hk, 1), vv.repeat_interleave(hq // hk, 1),
-            is_causal=True)),
+            is_causal=True),
     }
 
 
-def check_case(op: str, dtype_name: str, shape: tuple[int, ...], device: torch.device,
-               compiler, hw_table, hw_measured, arch: str) -> list[dict]:
-    """Records for one case: one per Triton launch and one for the whole op (per variant)."""
+def measure_case(op: str, dtype_name: str, shape: tuple[int, ...], device: torch.device,
+                 arch: str) -> list[dict]:
+    """One record per variant of a case: the op's time end to end (``measured_ms``), each CUDA
+    kernel's it launched (``kernel_ms``, by name) and their sum (``kernels_ms``)."""
     from triton.testing import do_bench
-
-    from icqs_fast.benchmarks.compiler import analyze
 
     dtype = _DTYPES[dtype_name]
     out: list[dict] = []
-    for variant, (launches, fn) in _case_fns(op, dtype, shape, device).items():
+    for variant, fn in _case_fns(op, dtype, shape, device).items():
         op_ms = do_bench(fn, warmup=10, rep=100)
-        base = {"op": op, "variant": variant or None, "dtype": dtype_name, "shape": list(shape),
-                "arch": arch}
-        if launches is None:  # a reference without a model (e.g. torch sdpa)
-            out.append({**base, "kind": "op", "measured_ms": op_ms})
-            continue
-        names = {ln.fn.__name__ for ln in launches}
-        measured = kernel_times(fn, names)
-        pred_sum = pred_sum_meas = 0.0
-        for ln in launches:
-            compiled = compiler(ln, arch)
-            rec_t = analyze(ln, arch, compiled, hw_table)
-            rec_m = analyze(ln, arch, compiled, hw_measured)
-            p_t, p_m = rec_t.get("predicted_ms"), rec_m.get("predicted_ms")
-            m = measured.get(ln.fn.__name__)
-            pred_sum += p_t or 0.0
-            pred_sum_meas += p_m or 0.0
-            out.append({**base, "kind": "kernel", "kernel": ln.kernel, "fn": ln.fn.__name__,
-                        "config": ln.label, "measured_ms": m, "predicted_ms": p_t,
-                        "predicted_ms_measured_hw": p_m, "bound": rec_t.get("bound"),
-                        "rel_error": None if not (m and p_t) else p_t / m - 1,
-                        "rel_error_measured_hw": None if not (m and p_m) else p_m / m - 1,
-                        "regs": rec_t.get("regs"), "spill_bytes": rec_t.get("spill_bytes"),
-                        "error": rec_t.get("error")})
-        kern_ms = sum(v for v in measured.values())
-        out.append({**base, "kind": "op", "measured_ms": op_ms, "kernels_ms": kern_ms,
-                    "predicted_ms": pred_sum, "predicted_ms_measured_hw": pred_sum_meas,
-                    "rel_error_kernels": pred_sum / kern_ms - 1 if kern_ms else None,
-                    "rel_error_op": pred_sum / op_ms - 1 if op_ms else None})
+        kern = kernel_times(fn)
+        out.append({"op": op, "variant": variant or None, "dtype": dtype_name,
+                    "shape": list(shape), "arch": arch, "kind": "op", "measured_ms": op_ms,
+                    "kernel_ms": kern, "kernels_ms": sum(kern.values())})
     return out
 
 
@@ -233,12 +198,12 @@ def _attention_ratios(records: list[dict]) -> None:
 def expected_duration(quick: bool = False, end_to_end: bool = True) -> dict[str, Any]:
     """What ``bench gpu`` is expected to take on a fresh H100 (:data:`SECTION_ESTIMATE_S`;
     ``--quick`` runs small shapes: a quarter of the case time, the children's fixed costs),
-    against the default budget; ``bench gpu --dry-run`` states it."""
+    against the default budget; the dry run (``python -m bench.gpu_model.dry_run``) states it."""
     est = dict(SECTION_ESTIMATE_S)
     if quick:
-        est.update(model_check=est["model_check"] / 4, kernels=30.0, icqs=35.0, attention=30.0)
+        est.update(ops=est["ops"] / 4, kernels=30.0, icqs=35.0, attention=30.0)
     if not end_to_end:
-        est = {k: v for k, v in est.items() if k in ("startup", "model_check")}
+        est = {k: v for k, v in est.items() if k in ("startup", "ops")}
     total = sum(est.values())
     return {"sections_s": est, "expected_s": total, "budget_s": DEFAULT_BUDGET_S,
             "fits": total <= DEFAULT_BUDGET_S,
@@ -285,7 +250,7 @@ def _run_child(argv: list[str], log: Path, timeout: float) -> int | None:
             return None
 
 
-def _write_model_check(path: Path, head: dict, records: list[dict]) -> None:
+def _write_ops(path: Path, head: dict, records: list[dict]) -> None:
     write_whole(path, json.dumps({**head, "records": records}, indent=1) + "\n")
 
 
@@ -293,11 +258,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if not torch.cuda.is_available():
         print("icqs-fast bench gpu: no CUDA device here; this command measures GPU times "
-              "(use `icqs-fast bench static` for the predictions alone)", file=sys.stderr)
+              "(`python -m bench.gpu_model.static` in a checkout predicts them without one)",
+              file=sys.stderr)
         return 2
-    from icqs_fast.benchmarks import gpu_model
-    from icqs_fast.benchmarks.compiler import Compiler
-
     budget = DEFAULT_BUDGET_S if getattr(args, "budget_s", None) is None else args.budget_s
     if budget <= 0:
         raise ValueError(f"--budget-s must be > 0, got {budget}")
@@ -307,17 +270,14 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(out_dir, budget, t0)
     progress.add("startup", "ok", time.perf_counter() - t0)
     arch = arch_of(device)
-    path = out_dir / f"gpu_model_check_{arch.replace('_', '')}.json"
+    path = out_dir / f"gpu_ops_{arch.replace('_', '')}.json"
     t1 = time.perf_counter()
     props = torch.cuda.get_device_properties(device)
     dev_figs = measure_device(device)
-    hw_table = gpu_model.hardware(arch)
-    hw_measured = gpu_model.hardware(arch, sms=props.multi_processor_count, **dev_figs)
-    compiler = Compiler()
     import triton
 
     head = {**environment(device), "triton": triton.__version__, "arch": arch,
-            "device_measured": dev_figs, "model_table": hw_table.name}
+            "device_measured": dev_figs, "sms": props.multi_processor_count}
     records: list[dict] = []
     failed = 0
     cases = QUICK_CASES if args.quick else CASES
@@ -327,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                             "error": "skipped: the time budget ran out"})
             continue
         try:
-            records += check_case(op, dt, shape, device, compiler, hw_table, hw_measured, arch)
+            records += measure_case(op, dt, shape, device, arch)
         except (RuntimeError, ValueError, MemoryError) as exc:
             failed += 1
             print(f"bench gpu: {op} {dt} {list(shape)} failed: {exc}", file=sys.stderr)
@@ -336,15 +296,14 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
         _attention_ratios(records)
         # After every case: a run cut here keeps the cases done.
-        _write_model_check(path, {**head, "cases_done": i + 1, "cases": len(cases)}, records)
-    progress.add("model_check", "ok" if not failed else "failed", time.perf_counter() - t1,
-                 path)
+        _write_ops(path, {**head, "cases_done": i + 1, "cases": len(cases)}, records)
+    progress.add("ops", "ok" if not failed else "failed", time.perf_counter() - t1, path)
     print(f"bench gpu: wrote {path}")
     for r in records:
-        if r.get("kind") == "op" and "predicted_ms" in r:
+        if r.get("kind") == "op" and "measured_ms" in r:
             print(f"  {r['op']:19s} {r.get('variant') or '':10s} {r['dtype']} "
                   f"{str(r['shape']):28s} measured {r['measured_ms']:.3f} ms "
-                  f"(kernels {r['kernels_ms']:.3f}) predicted {r['predicted_ms']:.3f} ms")
+                  f"(kernels {r['kernels_ms']:.3f})")
     if not args.no_end_to_end:
         q = ["--quick"] if args.quick else []
         # GPU-only runs: no CPU records or memory subprocesses (measured on the CPU machines);

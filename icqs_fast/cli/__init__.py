@@ -100,16 +100,9 @@ def _bench_attention() -> ModuleType:
     return bench_attention
 
 
-@COMMANDS.add("bench static",
-              "compile the Triton kernels for sm_90/sm_80 and predict their GPU time")
-def _bench_static() -> ModuleType:
-    from icqs_fast.benchmarks import static
-    return static
-
-
 @COMMANDS.add("bench gpu",
-              "measured GPU times beside the static model's predictions (needs CUDA; --dry-run:"
-              " the CUDA code paths on fake tensors, no GPU)")
+              "measured GPU times of the Triton kernels and ops, then bench "
+              "kernels/icqs/attention on CUDA (needs CUDA)")
 def _bench_gpu() -> ModuleType:
     from icqs_fast.cli import bench_gpu
     return bench_gpu
@@ -133,12 +126,6 @@ def _bench_scaleout() -> ModuleType:
 def _bench_serve() -> ModuleType:
     from icqs_fast.benchmarks import serve
     return serve
-
-
-@COMMANDS.add("bench startup", "wall time of --help of every command (lazy imports: under 1 s)")
-def _bench_startup() -> ModuleType:
-    from icqs_fast.benchmarks import startup
-    return startup
 
 
 @COMMANDS.add("eval mtbench", "glass-box features vs GPT-4 on MT-Bench")

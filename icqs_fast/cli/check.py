@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def stored_check(output: str) -> Any:
     """The SelfCheck a run stored in ``output``'s meta file (ValueError when it holds none)."""
-    from icqs_fast.evals.drift import read_self_check
-    from icqs_fast.evals.run_output import open_run
+    from icqs_fast.report.drift import read_self_check
+    from icqs_fast.report.run_output import open_run
 
     check = read_self_check(open_run(output).meta)
     if check is None:

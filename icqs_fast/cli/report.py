@@ -1,5 +1,5 @@
 """``icqs-fast report``: one self-contained HTML page of a scoring run, and its drift against a
-baseline run (:mod:`icqs_fast.evals.run_report`, :mod:`icqs_fast.evals.drift`).
+baseline run (:mod:`icqs_fast.report.run_report`, :mod:`icqs_fast.report.drift`).
 
     icqs-fast report OUTPUT [-o report.html] [--input FILE] [--baseline OTHER_OUTPUT]
                      [--fail-on-drift] [--json]
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from icqs_fast.evals.run_report import write_report
+    from icqs_fast.report.run_report import write_report
 
     if args.fail_on_drift and args.baseline is None:
         raise ValueError("--fail-on-drift needs --baseline")

@@ -1,5 +1,5 @@
 """``icqs-fast score``: arguments -> :class:`~icqs_fast.jobs.config.ScoreJobConfig` ->
-:func:`icqs_fast.jobs.runner.run_job`.
+:func:`icqs_fast.jobs.run.run_job`.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("icqs_fast")
 
-PATHS = ("cascade", "kv-copy", "plain")
 # Largest |log_softmax difference| accepted between the fused head (+ epilogue) and the model's
 # own logits, relative to max(1, max |logit|): the fused head computes in fp32 from the body's
 # hidden states while the model's lm_head rounds its logits to the model dtype (bf16: 2^-8
@@ -310,14 +309,6 @@ def model_plan(model: PreTrainedModel) -> ModelPlan:
             log.warning("%s (not the fastest path, cascade attention: %s)", plan.message,
                         plan.why_not_fastest)
         return plan
-
-
-def supports_cascade(model: PreTrainedModel) -> bool:
-    """True when the capability check runs this model's suffix forwards through cascade
-    attention (:func:`icqs_fast.engine.cascade.cascade_attention`): every layer's attention goes
-    through transformers' ``AttentionInterface`` and the probe through the bank matched the
-    plain forward."""
-    return model_plan(model).path == "cascade"
 
 
 # --------------------------------------------------------------------------- the decision

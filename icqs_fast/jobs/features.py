@@ -12,7 +12,7 @@ line, one writer per output (``OUT.lock``), ``--on-error stop|skip`` with file:l
 errors, and a resume key in ``OUT.meta.json`` (:meth:`FeatureJobConfig.resume_key`:
 model, features, mode, batch and chunk sizes, system prompt, fields, encoding, shard; then
 dtype, device, backend and the ``softmax_combo`` constants). The run itself is
-:func:`icqs_fast.jobs.runner.run_job` with :class:`FeatureStrategy`.
+:func:`icqs_fast.jobs.run.run_job` with :class:`FeatureStrategy`.
 
 Records are scored in chunks of ``--chunk-size`` consecutive input records (a chunk is the
 records whose index ``i`` has the same ``i // chunk_size``; bad records only leave a gap), each

@@ -2,7 +2,7 @@
 reach the target, and fall inside the band's stated interval? (docs/scoring_files.md, *Verdict
 and abstain band*.)
 
-    python bench/abstain_band_sim.py [--seeds 20] [--target 0.85]
+    python -m bench.scripts.abstain_band_sim [--seeds 20] [--target 0.85]
 
 Each seed: 128 good scores ~ N(1, 1) and 128 bad ~ N(0, 1) as the held-out items (AUC about
 0.76), the band from icqs_fast.engine.abstain.abstain_band with the self-check's own options,

@@ -1,15 +1,15 @@
 """The report page of a scoring run: one self-contained HTML file (``icqs-fast report``).
 
-:func:`write_report` reads a run's output once (:mod:`icqs_fast.evals.run_output`: bounded
+:func:`write_report` reads a run's output once (:mod:`icqs_fast.report.run_output`: bounded
 histograms, samples and top-k tables, whatever the output's size) and its meta file, and
 writes a page with the run's settings, model, dtype and throughput; the self-check (AUC with
 its interval, the reliability diagram, the threshold, the expected accuracy); the ``score`` and
 ``p_good_calibrated`` distributions per label; with labels, the confusion at the threshold and
 the most confident mistakes; the least certain records (smallest margin, most near ties, widest
 per-set spread, closest to the threshold), with their texts when the scored input is given;
-and, with a baseline, the drift between the two runs (:mod:`icqs_fast.evals.drift`).
+and, with a baseline, the drift between the two runs (:mod:`icqs_fast.report.drift`).
 
-The page needs no network: the charts are inline SVG (:mod:`icqs_fast.evals.svg`), the style is
+The page needs no network: the charts are inline SVG (:mod:`icqs_fast.report.svg`), the style is
 inline, there is no script, and a content policy (``default-src 'none'``) makes the browser
 refuse any fetch. Every text from the output, the meta file or the input is HTML-escaped.
 """
@@ -25,9 +25,10 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.evals import svg
-from icqs_fast.evals.drift import Drift, compare_summaries, read_self_check, wilson
-from icqs_fast.evals.run_output import (
+from icqs_fast.io.files import write_whole
+from icqs_fast.report import svg
+from icqs_fast.report.drift import Drift, compare_summaries, read_self_check, wilson
+from icqs_fast.report.run_output import (
     RunOutput,
     RunSummary,
     Scored,
@@ -36,7 +37,6 @@ from icqs_fast.evals.run_output import (
     record_texts,
     summarise,
 )
-from icqs_fast.io.files import write_whole
 
 __all__ = ["ReportResult", "write_report", "render_page"]
 
@@ -263,7 +263,7 @@ DISPLAY_BINS = 25
 
 
 def _zoom(series: dict[str, list[int]]) -> tuple[dict[str, list[int]], tuple[float, float]]:
-    """The fine histograms (:data:`~icqs_fast.evals.run_output.HIST_BINS` over [0, 1]) cut to
+    """The fine histograms (:data:`~icqs_fast.report.run_output.HIST_BINS` over [0, 1]) cut to
     the range the records occupy (the whole of [0, 1] when they spread over most of it) and
     merged into at most :data:`DISPLAY_BINS` bins: ``(series, (lo, hi))``."""
     n = len(next(iter(series.values())))

@@ -3,7 +3,7 @@
 Each record (``"validation": true``) compiles a peer's kernel (TRL's fused log-prob/entropy
 forward, Liger's cross-entropy and fused-linear-cross-entropy forwards from the installed
 packages; the Triton fused-attention tutorial and Cut Cross-Entropy re-implemented in
-:mod:`icqs_fast.benchmarks.peer_shapes`) at the shape of its published H100 / A100 timing, asks
+:mod:`bench.gpu_model.peer_shapes`) at the shape of its published H100 / A100 timing, asks
 the model for a ``[low, high]`` range and says where the published time falls
 (:func:`range_errors`). ``bench static`` appends them to its table records.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from icqs_fast.benchmarks import gpu_model
-from icqs_fast.benchmarks.compiler import Compiler, analyze
+from bench.gpu_model import model as gpu_model
+from bench.gpu_model.compiler import Compiler, analyze
 
 TRL_7244 = {
     "source": "huggingface/trl issue #7244 (H100, bf16, logits [8, 1024, 151936]): fused "
@@ -29,7 +29,7 @@ LIGER_H100_CE = ((4096, 0.1386), (8192, 0.2626), (16384, 0.4158), (32768, 0.8098
 
 
 def _launch_cls():
-    from icqs_fast.kernels.launch import Launch
+    from bench.gpu_model.launches import Launch
     return Launch
 
 
@@ -296,7 +296,7 @@ def bound_class(rec: dict) -> str:
 
 
 # Compute-bound validation: published figures of Triton kernels whose shape
-# icqs_fast/benchmarks/peer_shapes.py re-implements.
+# bench/gpu_model/peer_shapes.py re-implements.
 CCE_README = ("apple/ml-cross-entropy README.md, 'Expected output with A100 SMX4, PyTorch 2.4.1, "
               "and CUDA 12.4': cce loss-fw 46.4 ms, test_data gemma2 (benchmark/data: "
               "google/gemma-2-2b-it, M = 8192 tokens, hidden 2304, vocabulary 256000, "
@@ -325,7 +325,7 @@ CCE_SMALL_LAUNCHES = 4
 def compute_validation_records(compiler: Compiler, arch: str, tiles=TUTORIAL_TILES) -> list[dict]:
     """Compute-bound validation records for ``arch``: the tutorial's attention forward at the
     published points of that arch and, on sm_80, Cut Cross-Entropy's forward."""
-    from icqs_fast.benchmarks import peer_shapes
+    from bench.gpu_model import peer_shapes
 
     hw = gpu_model.hardware(arch)
     out: list[dict] = []
@@ -357,7 +357,7 @@ def compute_validation_records(compiler: Compiler, arch: str, tiles=TUTORIAL_TIL
         add("cut cross-entropy forward (cce_lse_forward shape + indexed dot)", CCE_README,
             {"n": n, "d": d, "v": v, "softcap": 30.0, "dtype": "bfloat16"}, 46.4, rec,
             extra_s=gather_s + CCE_SMALL_LAUNCHES * hw.launch_overhead_s,
-            note="kernel re-implemented in icqs_fast/benchmarks/peer_shapes.py after CCE's "
+            note="kernel re-implemented in bench/gpu_model/peer_shapes.py after CCE's "
                  "cce_lse_forward.py (256x128x32 tile, 8 warps, 3 stages, soft-cap, column "
                  "mean atomics, locked LSE merge); target-logit kernel modelled as bandwidth "
                  "+ launch, 4 small launches as launch overhead")
@@ -393,7 +393,7 @@ def compute_validation_records(compiler: Compiler, arch: str, tiles=TUTORIAL_TIL
             {"z": z, "h": h, "n": n, "d": d, "causal": causal, "dtype": "float16"},
             published_ms, best or {"error": "; ".join(t["error"] for t in tried)},
             tried=tried,
-            note="kernel re-implemented in icqs_fast/benchmarks/peer_shapes.py after the "
+            note="kernel re-implemented in bench/gpu_model/peer_shapes.py after the "
                  "tutorial's non-TMA forward; the model keeps the tile it predicts fastest "
                  "(high end, non-spilling first) among the tutorial's 4-warp choices, as its "
                  "autotuner keeps the fastest measured; published ms = the tutorial's FLOP "

@@ -1,14 +1,14 @@
 """Compiling Triton launches for sm_90 / sm_80 without a GPU, and reading what came out.
 
-:func:`compile_launch` compiles one :class:`~icqs_fast.kernels.launch.Launch` with
+:func:`compile_launch` compiles one :class:`~bench.gpu_model.launches.Launch` with
 ``triton.compile`` for a target arch, reads the cubin's resource usage (``cuobjdump
 -res-usage``) and SASS (``nvdisasm -c``); :class:`Compiler` does each distinct configuration
 (:func:`compile_key`) once per process; :func:`analyze` turns a compiled launch into one record
-of the static model (:mod:`icqs_fast.benchmarks.gpu_model`: registers, spills, shared memory,
+of the static model (:mod:`bench.gpu_model.model`: registers, spills, shared memory,
 occupancy, hot-loop instruction counts, predicted time and bound).
 
-Used by ``bench static`` (:mod:`icqs_fast.benchmarks.static`), its peer validation
-(:mod:`icqs_fast.benchmarks.peer_validation`), ``bench gpu`` and the dry run. Triton's interpreter
+Used by ``bench static`` (:mod:`bench.gpu_model.static`), its peer validation
+(:mod:`bench.gpu_model.peer_validation`), ``bench gpu`` and the dry run. Triton's interpreter
 must be off (:func:`interpreting`); :func:`clean_env` is the environment of a compiling child.
 """
 
@@ -21,15 +21,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.benchmarks import gpu_model
+from bench.gpu_model import model as gpu_model
 
 
 def clean_env(cache_dir: str | None = None) -> dict[str, str]:
     """The environment a compiling child needs: no ``TRITON_INTERPRET``, FP fusion pinned on,
-    a fresh Triton cache (a new temporary directory unless ``cache_dir`` is given)."""
+    a fresh Triton cache (a new temporary directory unless ``cache_dir`` is given), the
+    repository root first on ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["TRITON_CACHE_DIR"] = cache_dir or tempfile.mkdtemp(prefix="icqs-static-cache-")
+    # The child imports bench from the repository root, whatever its working folder or script.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

@@ -1,5 +1,5 @@
-"""``icqs-fast bench static``: compile every Triton kernel for sm_90 / sm_80 without a GPU and
-predict its time with :mod:`icqs_fast.benchmarks.gpu_model`.
+"""``python -m bench.gpu_model.static``: compile every Triton kernel for sm_90 / sm_80 without a
+GPU and predict its time with :mod:`bench.gpu_model.model`.
 
 For each shape of :func:`shape_table` the kernel modules describe their CUDA launches
 (``gpu_launches(...) -> list[Launch]``, built from the same settings function their launchers
@@ -8,10 +8,10 @@ is compiled once with ``triton.compile`` (fresh ``TRITON_CACHE_DIR``,
 ``TRITON_DEFAULT_FP_FUSION=1``), its cubin read with ``cuobjdump -res-usage`` and
 ``nvdisasm -c``, and one JSON record written per launch and arch.
 
-Validation records (``"validation": true``, :mod:`icqs_fast.benchmarks.peer_validation`) compile
+Validation records (``"validation": true``, :mod:`bench.gpu_model.peer_validation`) compile
 kernels nobody here wrote, from the installed packages (TRL's fused log-prob/entropy forward,
 Liger's cross-entropy forward) at the shapes of their published H100 timings, and compare.
-The compiling and the SASS reading are :mod:`icqs_fast.benchmarks.compiler`'s; this module holds
+The compiling and the SASS reading are :mod:`bench.gpu_model.compiler`'s; this module holds
 the shape table, the per-shape records and the command line.
 
 Triton's interpreter (``TRITON_INTERPRET=1`` at import time, as the test suite sets it) turns
@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from icqs_fast.benchmarks.compiler import Compiler, analyze, clean_env, interpreting
-from icqs_fast.benchmarks.peer_validation import validation_records
+from bench.gpu_model.compiler import Compiler, analyze, clean_env, interpreting
+from bench.gpu_model.peer_validation import validation_records
 from icqs_fast.options import add_json_argument
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -73,8 +73,9 @@ LSE_VARIANTS = (
 
 
 def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(op, module, kwargs of its gpu_launches)`` for every headline shape: the
-    sizes of the models users score with (vocabularies of 32k-152k, head dims 64/128).
+    """``(op, module of bench.gpu_model.launches, kwargs of its gpu_launches)`` for every
+    headline shape: the sizes of the models users score with (vocabularies of 32k-152k, head
+    dims 64/128).
 
     token_stats: fp32/fp16/bf16 x V in {32000, 49152, 128256, 151936} x N in
     {1, 64, 1024, 8192, 65536}; linear_token_stats: bf16/fp16, H in {2048, 4096, 8192} x
@@ -88,25 +89,25 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
     import torch
 
     rows: list[tuple[str, str, dict[str, Any]]] = []
+    lts = "bench.gpu_model.launches.linear_token_stats"
     dts = (torch.float32, torch.float16, torch.bfloat16)
     for dt in dts:
         for v in (TOKEN_V[-1:] if quick else TOKEN_V):
             for n in ((8192,) if quick else TOKEN_N):
-                rows.append(("token_stats", "icqs_fast.kernels.token_stats",
+                rows.append(("token_stats", "bench.gpu_model.launches.token_stats",
                              {"n": n, "v": v, "dtype": dt}))
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
         for h in ((4096,) if quick else LINEAR_H):
             for v in (LINEAR_V[:1] if quick else LINEAR_V):
                 for n in ((16, 8192) if quick else LINEAR_N):
-                    rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats",
+                    rows.append(("linear_token_stats", lts,
                                  {"n": n, "h": h, "v": v, "dtype": dt}))
     for h, v in (SOFTCAP_HV[:1] if quick else SOFTCAP_HV):
         for n in ((16, 8192) if quick else LINEAR_N):
             kw = {"n": n, "h": h, "v": v, "dtype": torch.bfloat16}
             if h not in LINEAR_H or v not in LINEAR_V:
-                rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats", kw))
-            rows.append(("linear_token_stats", "icqs_fast.kernels.linear_token_stats",
-                         {**kw, "softcap": True}))
+                rows.append(("linear_token_stats", lts, kw))
+            rows.append(("linear_token_stats", lts, {**kw, "softcap": True}))
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
         for d in ((128,) if quick else (64, 128)):
             for hq, hk in ((32, 8),) if quick else ((32, 8), (32, 32)):
@@ -114,13 +115,13 @@ def shape_table(quick: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
                     for t in ((4096,) if quick else (1024, 4096)):
                         for ent in (True, False):
                             rows.append(("attention_entropy",
-                                         "icqs_fast.kernels.attention_entropy",
+                                         "bench.gpu_model.launches.attention_entropy",
                                          {"b": 1, "hq": hq, "hk": hk, "tq": t, "tk": t, "d": d,
                                           "dtype": dt, "causal": causal, "entropy": ent}))
     for _name, shape, opts in (LSE_VARIANTS[:2] if quick else LSE_VARIANTS):
         shape = {"causal": True, **shape}
         dt = torch.float32 if shape.pop("dtype", None) == "float32" else torch.bfloat16
-        rows.append(("attention_lse", "icqs_fast.kernels.attention_entropy",
+        rows.append(("attention_lse", "bench.gpu_model.launches.attention_entropy",
                      {**shape, "dtype": dt, "entropy": False, "lse": True, **opts}))
     return rows
 
@@ -339,7 +340,7 @@ CHILD_ENV = "ICQS_STATIC_CHILD"
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "e2e", False):
         # Pure arithmetic on the model's figures: no compiler, no child process.
-        from icqs_fast.benchmarks import e2e
+        from bench.gpu_model import e2e
 
         res = e2e.icqs_throughput()
         if args.json:
@@ -351,10 +352,12 @@ def run(args: argparse.Namespace) -> int:
         # Every run compiles in a child: a fresh Triton cache and FP fusion pinned from the
         # start, and no interpreter (@triton.jit functions imported under TRITON_INTERPRET=1
         # cannot be compiled).
-        cmd = [sys.executable, "-m", "icqs_fast.benchmarks.static", *_argv(args)]
+        cmd = [sys.executable, "-m", "bench.gpu_model.static", *_argv(args)]
         env = clean_env()
         env[CHILD_ENV] = "1"
-        return subprocess.run(cmd, env=env, check=False).returncode
+        # From the repository root: the child imports bench.
+        return subprocess.run(cmd, env=env, check=False,
+                              cwd=Path(__file__).resolve().parents[2]).returncode
     archs = ARCHS if args.arch == "all" else (args.arch,)
     by_arch = collect(archs, args.quick, args.keep, not args.no_validation)
     outs: dict[str, Path] = {}
@@ -377,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m icqs_fast.benchmarks.static`` (the child :func:`run` starts)."""
-    p = argparse.ArgumentParser(prog="icqs-fast bench static", description=__doc__.splitlines()[0])
+    """Entry point of ``python -m bench.gpu_model.static`` (the child :func:`run` starts)."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_model.static",
+                                description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Is the self-check biased? SST-2, FPB and ChaosNLI, >= 6 seeds, default scoring settings.
 
-    OMP_NUM_THREADS=1 python bench/selfcheck_bias.py [--datasets sst2 fpb chaosnli]
+    OMP_NUM_THREADS=1 python -m bench.scripts.selfcheck_bias [--datasets sst2 fpb chaosnli]
         [--seeds 0 1 2 3 4 5] [--pool 32] [--n-test 20] [--threads 1] [--dtype auto]
         [--work /tmp/icqs_selfcheck_bias] [--out bench/results/selfcheck_bias_cpu.json]
 
@@ -8,7 +8,7 @@ Per (dataset, seed) one raw JSON in ``--work`` (``{dataset}_s{seed}.json``: held
 scores, log-likelihood matrices, clean-context masks, timings; a run whose file exists is not
 scored again, so a cut-short study resumes), then ``--out``: the command, the settings, dtype,
 machine and date, every raw run, the analysed row of each run and the per-dataset summary
-(:mod:`icqs_fast.evals.selfcheck_study`); the bias table and the per-run table on stdout.
+(:mod:`bench.studies.selfcheck_study`); the bias table and the per-run table on stdout.
 ``--analyse-only`` refits from the raw files. ``--outside`` also scores each run's held-out
 items as outside responses with the next seed's scorer (``outside_run``: the same items without
 the cross-fitting), to tell a gap that comes from being in the pool from one that comes from the
@@ -31,8 +31,8 @@ import platform
 import sys
 import time
 
-from icqs_fast.evals.selfcheck_outside import outside_run, outside_summary
-from icqs_fast.evals.selfcheck_study import (
+from bench.studies.selfcheck_outside import outside_run, outside_summary
+from bench.studies.selfcheck_study import (
     DATASETS,
     NULL_CV_REPEATS,
     add_test_responses,

@@ -1,8 +1,8 @@
 """A static performance model of one Triton kernel launch on an NVIDIA H100 (sm_90) or A100 (sm_80).
 
-No GPU is needed: the kernel is compiled for the target (``icqs-fast bench static``), and this
+No GPU is needed: the kernel is compiled for the target (:mod:`bench.gpu_model.static`), and this
 module reads the SASS and the resource usage of the cubin and predicts the launch time from them
-and from the workload of its :class:`~icqs_fast.kernels.launch.Launch` (bytes, tensor FLOPs, loop
+and from the workload of its :class:`~bench.gpu_model.launches.Launch` (bytes, tensor FLOPs, loop
 trip count).
 
 The model (all times in seconds, ``P`` programs, ``W`` warps per program, ``S`` SMs, ``f`` the SM

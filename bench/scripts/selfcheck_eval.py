@@ -1,12 +1,12 @@
 """Does the self-check predict the truth? SST-2 and FPB, several seeds, default scoring settings.
 
-    python bench/selfcheck_eval.py [--datasets sst2 fpb] [--seeds 0 1 2] [--n-test 100]
+    python -m bench.scripts.selfcheck_eval [--datasets sst2 fpb] [--seeds 0 1 2] [--n-test 100]
                                    [--pool 32] [--threads 1] [--out bench/results/selfcheck]
 
 Per (dataset, seed) one raw JSON (``{dataset}_s{seed}.json``: held-out and test scores, timings;
 a run whose file exists is not scored again), then ``summary.json`` (one analysed row per run,
 means per dataset) and the markdown table on stdout
-(:mod:`icqs_fast.evals.selfcheck_study`). ``--analyse-only`` refits from the raw files.
+(:mod:`bench.studies.selfcheck_study`). ``--analyse-only`` refits from the raw files.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 
-from icqs_fast.evals.selfcheck_study import (
+from bench.studies.selfcheck_study import (
     DATASETS,
     analyse,
     markdown,

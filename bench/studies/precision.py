@@ -25,7 +25,7 @@ article) alone and inside one request beside prompts of other lengths, two of wh
 start (so it runs as a suffix of the prefix bank); per variant the largest per-token difference
 between the two, and against float32's alone (per token and summed over the passage).
 
-``python -m icqs_fast.benchmarks.precision --json --out FILE``; exit 1 when the default (``auto``)
+``python -m bench.studies.precision --json --out FILE``; exit 1 when the default (``auto``)
 misses its promises (:func:`default_failures`).
 
 ``--rounding``: the rounding study instead (:func:`rounding_study`): the echo passage through the
@@ -268,7 +268,7 @@ def default_failures(rec: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m icqs_fast.benchmarks.precision",
+    p = argparse.ArgumentParser(prog="python -m bench.studies.precision",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--answers", type=int, default=32,
                    help="held-out answers per data set (default 32)")

@@ -1,18 +1,22 @@
 """Where the ICQS engine's time goes on this CPU: ``bench icqs``'s workload (its headlines and
 settings, the embedded model) with its FLOPs counted, a plain timed run, a run with a timer on
 every module and on the fused LM-head statistics
-(:func:`icqs_fast.benchmarks.roofline.module_times`), and this machine's matmul rate on the
-model's linear shapes. ``python -m icqs_fast.benchmarks.engine_profile --dtypes
-float32,bfloat16 --out FILE``; bench/reports/2026-11-27-engine-limit.md ("The engine against
-the machine's limit") reads it.
+(:func:`module_times`), and this machine's matmul rate on the
+model's linear shapes. ``python -m bench.studies.engine_profile --dtypes
+float32,bfloat16 --out FILE``; bench/reports/2026-11-27-engine-limit.md ("The engine
+against the machine's limit") reads it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-from icqs_fast.benchmarks.roofline import count_flops, limit_fields, matmul_probe, module_times
+import torch
+
+from icqs_fast.benchmarks.roofline import count_flops, limit_fields, matmul_probe
 from icqs_fast.threads import add_threads_argument, apply_threads
 
 
@@ -59,12 +63,86 @@ def profile_engine(dtype: str = "float32", n_responses: int = 16,
             **environment("cpu")}
 
 
+# --------------------------------------------------------------------------- where time goes
+
+def _category(mod: torch.nn.Module) -> str:
+    """The profile row of a module's own time (its children's excluded)."""
+    name = type(mod).__name__
+    if isinstance(mod, torch.nn.Linear):
+        return "linear layers (matmuls)"
+    if name.endswith("RMSNorm") or isinstance(mod, torch.nn.LayerNorm):
+        return "norms"
+    if name.endswith("Attention"):
+        return "attention (rotary, cascade / sdpa attention, reshapes; not its projections)"
+    if name.endswith("MLP"):
+        return "MLP activation and gating"
+    if name.endswith("RotaryEmbedding"):
+        return "rotary cos / sin"
+    if name.endswith("DecoderLayer"):
+        return "decoder-layer glue (residual adds)"
+    if isinstance(mod, torch.nn.Embedding):
+        return "embeddings"
+    return "model glue (masks, position ids, cache objects)"
+
+
+def module_times(fn: Callable[[], Any], model: torch.nn.Module) -> tuple[dict[str, float], Any]:
+    """Run ``fn()`` with wall-clock timers around every forward of ``model``'s modules and
+    around :func:`icqs_fast.ops.linear_token_stats`; returns ``({row: seconds}, fn's result)``:
+    each module's own time (children excluded) by :func:`_category`, ``"LM-head statistics"``,
+    and ``"outside the model"`` (the rest of the wall time: the engine's Python, prompt and
+    batch building, the prefix bank's bookkeeping, result assembly). On a CPU each op runs to
+    completion before the next, so host timers measure the work (on CUDA they would not)."""
+    from torch.nn.modules import module as nn_module
+
+    from icqs_fast import ops
+
+    ours = {id(m) for m in model.modules()}
+    stack: list[list[float]] = []  # [start, children's inclusive time]
+    rows: dict[str, float] = defaultdict(float)
+
+    def pre(mod, args):
+        if id(mod) in ours:
+            stack.append([time.perf_counter(), 0.0])
+
+    def post(mod, args, out):
+        if id(mod) not in ours or not stack:
+            return
+        t0, children = stack.pop()
+        inclusive = time.perf_counter() - t0
+        rows[_category(mod)] += inclusive - children
+        if stack:
+            stack[-1][1] += inclusive
+
+    real = ops.linear_token_stats
+
+    def timed_head(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            rows["LM-head statistics (linear_token_stats)"] += time.perf_counter() - t0
+
+    hooks = [nn_module.register_module_forward_pre_hook(pre),
+             nn_module.register_module_forward_hook(post, always_call=True)]
+    ops.linear_token_stats = timed_head
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        wall = time.perf_counter() - t0
+        ops.linear_token_stats = real
+        for h in hooks:
+            h.remove()
+    rows["outside the model"] = wall - sum(rows.values())
+    rows["total (wall)"] = wall
+    return dict(rows), out
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m icqs_fast.benchmarks.engine_profile``: :func:`profile_engine` per dtype."""
+    """``python -m bench.studies.engine_profile``: :func:`profile_engine` per dtype."""
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m icqs_fast.benchmarks.engine_profile",
+    p = argparse.ArgumentParser(prog="python -m bench.studies.engine_profile",
                                 description="where the ICQS engine's time goes on this CPU")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--responses", type=int, default=16)

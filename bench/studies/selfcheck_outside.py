@@ -1,7 +1,7 @@
 """Is a self-check / test gap from the cross-fitting or from the pool items? Each run's held-out
 pool items scored again as outside responses, by another seed's scorer (:func:`outside_run`),
 and the two steps between the self-check AUC, those items' AUC and that scorer's test AUC
-(:func:`outside_summary`). The runs are :mod:`icqs_fast.evals.selfcheck_study` records.
+(:func:`outside_summary`). The runs are :mod:`bench.studies.selfcheck_study` records.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from bench.studies.selfcheck_study import nan_array, run_scorer, study_pools
 from icqs_fast import metrics
 from icqs_fast.engine.selfcheck import heldout_items
-from icqs_fast.evals.selfcheck_study import nan_array, run_scorer, study_pools
 
 
 def outside_run(model: Any, tok: Any, raw: dict[str, Any], other: dict[str, Any], *,
                 quiet: bool = True) -> dict[str, Any]:
     """``raw``'s held-out pool items scored as outside responses by ``other``'s scorer (another
     seed's pools and demonstration sets, rebuilt as
-    :func:`~icqs_fast.evals.selfcheck_study.run_one` built them; items whose
+    :func:`~bench.studies.selfcheck_study.run_one` built them; items whose
     input is in those pools are left out): the same items without the cross-fitting. Their AUC
     against ``raw``'s self-check AUC (the same items cross-fitted) and ``other``'s test AUC
     (the same scorer, test responses) splits a self-check / test gap into "being in the pool"

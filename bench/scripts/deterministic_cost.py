@@ -2,7 +2,8 @@
 default mode on the same responses, interleaved in one run on one machine, and check that both
 give the same scores to rounding.
 
-    python bench/deterministic_cost.py [--model embedded] [--n 24] [--repeats 3] [--threads 1]
+    python -m bench.scripts.deterministic_cost [--model embedded] [--n 24] [--repeats 3]
+        [--threads 1]
 
 Prints one JSON object (times per mode, median ratio) and writes it to
 bench/results/deterministic_cost.json unless --no-save.
@@ -85,7 +86,7 @@ def main() -> None:
     }
     print(json.dumps(rec, indent=1))
     if not a.no_save:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                             "deterministic_cost.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(rec, f, indent=1)

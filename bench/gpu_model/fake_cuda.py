@@ -1,4 +1,4 @@
-"""Fake CUDA for a CPU-only torch: what :mod:`icqs_fast.benchmarks.dry_run` runs the package on.
+"""Fake CUDA for a CPU-only torch: what :mod:`bench.gpu_model.dry_run` runs the package on.
 
 Under ``torch._subclasses.fake_tensor.FakeTensorMode`` a CPU-only torch makes *fake* CUDA
 tensors: ``torch.empty(..., device="cuda")`` gives a tensor with a shape, a dtype and the device
@@ -14,10 +14,10 @@ present (``torch.cuda.is_available`` and a few ``torch.cuda`` queries,
 
 * every Triton launch (``JITFunction.run`` intercepted): its arguments must all be CUDA tensors
   or scalars, its grid, threads and (once compiled) shared memory within the device's limits
-  (:func:`icqs_fast.kernels.launch.limit_problems`; :class:`DeviceLimitError` names the
+  (:func:`bench.gpu_model.launches.limit_problems`; :class:`DeviceLimitError` names the
   kernel), its signature, constexprs and 16-divisibility are derived the way Triton's runtime
   specialises them (:func:`launch_of`), and the kernel is compiled for ``rec.arch`` with
-  ``triton.compile`` (:class:`icqs_fast.benchmarks.compiler.Compiler`) instead of launched;
+  ``triton.compile`` (:class:`bench.gpu_model.compiler.Compiler`) instead of launched;
 * host syncs (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``.numpy()``, ``nonzero``, a
   CUDA -> CPU copy, boolean-mask indexing) on a fake CUDA tensor, with their call site and
   count, answered with a placeholder (1, 1.0, False, zeros, an empty selection) so the run goes
@@ -41,8 +41,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import icqs_fast
+
 CUDA0 = torch.device("cuda", 0)
-_PKG = str(Path(__file__).resolve().parents[1])
+_PKG = str(Path(icqs_fast.__file__).resolve().parent)
 _KERNELS = str(Path(__file__).resolve().parents[2] / "kernels")
 # Frames of the fake GPU itself and of the dry run's path runners are not call sites.
 _SKIP = frozenset(str(Path(__file__).resolve().with_name(n))
@@ -124,12 +126,12 @@ def _is_cuda(t: torch.Tensor) -> bool:
 
 
 def launch_of(fn, args: tuple, kwargs: dict, grid) -> tuple[Any, list[str]]:
-    """The :class:`~icqs_fast.kernels.launch.Launch` Triton's runtime would compile for this
+    """The :class:`~bench.gpu_model.launches.Launch` Triton's runtime would compile for this
     call (signature and constexprs specialised as the JIT does: an int equal to 1 and None
     become constexprs, pointers and multiples of 16 are 16-divisible, except the ints of the
     kernel's ``do_not_specialize``) and the problems of its
     arguments (a CPU tensor passed to a CUDA kernel, a missing argument)."""
-    from icqs_fast.kernels.launch import Launch
+    from bench.gpu_model.launches import Launch
 
     kwargs = dict(kwargs)
     num_warps = int(kwargs.pop("num_warps", 4))
@@ -200,9 +202,9 @@ class DeviceLimitError(KernelArgumentError):
 
 def _intercept_run(rec: Recorder):
     def run(self, *args, grid, warmup, **kwargs):
-        from icqs_fast.benchmarks.compiler import compile_key
-        from icqs_fast.benchmarks.gpu_model import hardware
-        from icqs_fast.kernels.launch import limit_problems
+        from bench.gpu_model.compiler import compile_key
+        from bench.gpu_model.launches import limit_problems
+        from bench.gpu_model.model import hardware
 
         launch, problems = launch_of(self, args, kwargs, grid)
         entry = {"path": rec.path, "phase": "setup" if in_setup() else "batch",

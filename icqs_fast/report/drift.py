@@ -1,7 +1,7 @@
 """Drift between two scoring runs: did anything move between a baseline output and a new one,
 beyond noise, and by how much.
 
-:func:`compare_runs` reads both outputs once each (:func:`icqs_fast.evals.run_output.summarise`,
+:func:`compare_runs` reads both outputs once each (:func:`icqs_fast.report.run_output.summarise`,
 bounded samples plus compact per-record columns) and compares:
 
 * the ``score`` and ``p_good_calibrated`` distributions: the two-sample Kolmogorov-Smirnov test
@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from icqs_fast.evals.run_output import RunOutput, RunSummary, open_run, summarise
+from icqs_fast.report.run_output import RunOutput, RunSummary, open_run, summarise
 
 __all__ = ["DriftRules", "DriftItem", "Drift", "compare_runs", "compare_summaries",
            "read_self_check", "psi", "wilson", "NO_CHANGE"]
@@ -353,7 +353,7 @@ def compare_summaries(a: RunSummary, b: RunSummary, *, check_a: Any = None, chec
                       names: tuple[str, str] = ("baseline", "new"),
                       rules: DriftRules = DriftRules(), k: int = 10) -> Drift:
     """The :class:`Drift` of summary ``b`` (the new run) against ``a`` (the baseline), both
-    from :func:`~icqs_fast.evals.run_output.summarise` with ``columns=True``; ``check_a`` /
+    from :func:`~icqs_fast.report.run_output.summarise` with ``columns=True``; ``check_a`` /
     ``check_b``: their self-checks (:func:`read_self_check`; None without one)."""
     items: list[DriftItem] = []
     notes: list[str] = []

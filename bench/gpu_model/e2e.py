@@ -1,5 +1,5 @@
-"""``icqs-fast bench static --e2e``: ICQS throughput of a 7B Llama-family model on one H100, on
-paper, from the forward's FLOPs and bytes, with the prefix bank and the naive way.
+"""``python -m bench.gpu_model.static --e2e``: ICQS throughput of a 7B Llama-family model on
+one H100, on paper, from the forward's FLOPs and bytes, with the prefix bank and the naive way.
 
 ICQS scores one response under ``(M+1) x L`` demonstration contexts (``M+1`` ratios, ``L`` sets
 of ``demos`` demonstrations each). Naive: every (response, context) pair is its own forward
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from icqs_fast.benchmarks import gpu_model
+from bench.gpu_model import model as gpu_model
 
 # Llama-2-7B (meta-llama/Llama-2-7b-hf config.json): 32 layers, hidden 4096, MLP 11008, 32
 # heads (no GQA), vocabulary 32000.

@@ -1,6 +1,9 @@
-"""``icqs-fast bench gpu --dry-run``: every CUDA code path of the package, run without a GPU.
+"""The dry run: every CUDA code path of the package, run without a GPU.
 
-On the fake CUDA device of :mod:`icqs_fast.benchmarks.fake_cuda` (``FakeTensorMode``: tensors
+    python -m bench.gpu_model.dry_run [--paths engine,features] [--json] [--out FILE]
+
+
+On the fake CUDA device of :mod:`bench.gpu_model.fake_cuda` (``FakeTensorMode``: tensors
 with a shape, a dtype and the device ``cuda:0`` but no storage; an op that mixes a CUDA tensor
 with a CPU tensor raises as it would on a GPU), :func:`dry_run` runs, on device ``"cuda"``:
 
@@ -17,7 +20,7 @@ with a CPU tensor raises as it would on a GPU), :func:`dry_run` runs, on device 
 * ``lm_eval``: :class:`~icqs_fast.compat.lm_eval.ICQSFastLM` built with ``device="cuda"``
   (``loglikelihood``, ``loglikelihood_rolling``; not ``generate_until``, whose Hugging Face
   ``generate`` loop stops on token values);
-* ``score``: the ``icqs-fast score`` job end to end (:func:`icqs_fast.jobs.runner.run_job`: the
+* ``score``: the ``icqs-fast score`` job end to end (:func:`icqs_fast.jobs.run.run_job`: the
   memory plan, the engine's plan in the meta file, the results file), the tiny Llama in place
   of ``load_model``'s checkpoint;
 * ``serve``: the :class:`~icqs_fast.serve.app.Server`'s three routes' engine work (echo
@@ -27,14 +30,15 @@ with a CPU tensor raises as it would on a GPU), :func:`dry_run` runs, on device 
   :func:`~icqs_fast.jobs.ray_executor.actor_plan` on an 8-GPU cluster's resources.
 
 Every launch is checked against the device's grid, block and shared-memory limits
-(:class:`~icqs_fast.benchmarks.fake_cuda.DeviceLimitError` names the kernel).
+(:class:`~bench.gpu_model.fake_cuda.DeviceLimitError` names the kernel).
 
 Every Triton launch is intercepted (``JITFunction.run``): its arguments must all be CUDA
 tensors or scalars, its signature, constexprs and 16-divisibility are derived the way Triton's
 runtime specialises them, and the kernel is compiled for sm_90 with ``triton.compile`` (each
-distinct configuration once, :class:`icqs_fast.benchmarks.compiler.Compiler`) instead of launched.
-For the ``bench_gpu`` cases the intercepted configurations are compared with the kernel
-modules' ``gpu_launches`` descriptions, which ``bench static`` compiles.
+distinct configuration once, :class:`bench.gpu_model.compiler.Compiler`) instead of launched.
+For the ``bench_gpu`` cases the intercepted configurations are compared with the kernels'
+``gpu_launches`` descriptions (:mod:`bench.gpu_model.launches`), which the static model
+compiles.
 
 Host syncs (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``.numpy()``, ``nonzero``, a
 CUDA -> CPU copy, boolean-mask indexing) on a fake CUDA tensor are recorded with their call
@@ -43,7 +47,7 @@ so the run goes on: the values computed after a sync are not meaningful, only de
 and shapes are.
 
 The patches that make the package believe a GPU is present live only in
-:class:`icqs_fast.benchmarks.fake_cuda.FakeCuda` and are undone when it exits; this module holds
+:class:`bench.gpu_model.fake_cuda.FakeCuda` and are undone when it exits; this module holds
 the paths, the sync budgets (:data:`SYNC_BUDGETS`) and the report.
 
 What the dry run CANNOT catch: numerics (NaN/overflow, precision of bf16 paths, wrong results),
@@ -66,11 +70,12 @@ import sys
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from icqs_fast.benchmarks.fake_cuda import CUDA0, FakeCuda, Recorder
+from bench.gpu_model.fake_cuda import CUDA0, FakeCuda, Recorder
 from icqs_fast.io.files import write_whole
 
 PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval", "score", "serve", "ray")
@@ -81,14 +86,15 @@ PATHS = ("bench_gpu", "engine", "features", "audit", "lm_eval", "score", "serve"
 
 
 def _path_bench_gpu(rec: Recorder, device: torch.device) -> dict:
+    from bench.gpu_model.compiler import compile_key
+    from bench.gpu_model.predict import case_launches
     from icqs_fast.benchmarks import gpu
-    from icqs_fast.benchmarks.compiler import compile_key
 
     assert gpu.arch_of(device) == "sm_90"
     mismatches = []
     for op, dt, shape in gpu.QUICK_CASES:
-        for variant, (launches, fn) in gpu._case_fns(op, gpu._DTYPES[dt], shape,
-                                                     device).items():
+        for variant, fn in gpu._case_fns(op, gpu._DTYPES[dt], shape, device).items():
+            launches = case_launches(op, gpu._DTYPES[dt], shape, variant or None)
             n0 = len(rec.launches)
             fn()
             if launches is None:
@@ -313,8 +319,8 @@ def dry_run(paths=PATHS, *, arch: str = "sm_90", compile: bool = True) -> dict:
 
     Needs Triton's interpreter off (``TRITON_INTERPRET`` unset when triton was imported);
     :func:`dry_run_in_child` takes care of that."""
+    from bench.gpu_model.compiler import Compiler
     from icqs_fast.backends import triton_interpreting
-    from icqs_fast.benchmarks.compiler import Compiler
 
     if compile and triton_interpreting():
         raise RuntimeError("the dry run compiles Triton kernels: TRITON_INTERPRET must be off "
@@ -438,11 +444,12 @@ def dry_run_in_child(paths=PATHS, *, arch: str = "sm_90", compile: bool = True,
     cache is kept, so a second run recompiles nothing."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    code = ("import json, sys; from icqs_fast.benchmarks.dry_run import dry_run; "
+    code = ("import json, sys; from bench.gpu_model.dry_run import dry_run; "
             f"r = dry_run({tuple(paths)!r}, arch={arch!r}, compile={compile!r}); "
             "sys.stdout.write('\\n@@REPORT@@' + json.dumps(r))")
+    # From the repository root: the child imports bench.
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=timeout, check=False)
+                       timeout=timeout, check=False, cwd=Path(__file__).resolve().parents[2])
     if "@@REPORT@@" not in p.stdout:
         raise RuntimeError(f"dry run child exited {p.returncode}: {p.stderr[-3000:]}")
     return json.loads(p.stdout.rsplit("@@REPORT@@", 1)[1])
@@ -465,7 +472,7 @@ def _key_diff(m: dict) -> str:
 
 
 def print_report(r: dict, file=sys.stdout) -> None:
-    print(f"bench gpu --dry-run: fake CUDA device, Triton launches compiled for {r['arch']}",
+    print(f"dry run: fake CUDA device, Triton launches compiled for {r['arch']}",
           file=file)
     for name, e in r["paths"].items():
         print(f"  {name:10s} {e['status']:5s} {e['launches']:4d} launches, "
@@ -483,7 +490,7 @@ def print_report(r: dict, file=sys.stdout) -> None:
             print(f"      over budget: {prob}", file=file)
         for m in e.get("gpu_launches_mismatches", []):
             print(f"      finding: the launch of {m['case']} is not the configuration its "
-                  f"gpu_launches() describes (what bench static compiles): launched "
+                  f"gpu_launches() describes (what the static model compiles): launched "
                   f"{_key_diff(m)}", file=file)
     print(f"  distinct kernel configurations compiled: {r['compiles']}", file=file)
     e = r.get("gpu_run_expected")
@@ -499,15 +506,24 @@ def print_report(r: dict, file=sys.stdout) -> None:
                   f"{s['site']}", file=file)
 
 
-def main(args: argparse.Namespace) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--paths", default=None,
+                   help=f"comma-separated subset of {','.join(PATHS)} (default: all)")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--out", default=None, help="also write the JSON report here")
+
+
+def run(args: argparse.Namespace) -> int:
     from icqs_fast.backends import triton_interpreting
     from icqs_fast.benchmarks.gpu import expected_duration
 
     paths = tuple(x for x in (args.paths or ",".join(PATHS)).split(",") if x)
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise ValueError(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
     r = dry_run_in_child(paths) if triton_interpreting() else dry_run(paths)
     # What the real run (make bench-gpu) should take on a fresh GPU machine.
-    r["gpu_run_expected"] = expected_duration(getattr(args, "quick", False),
-                                              not getattr(args, "no_end_to_end", False))
+    r["gpu_run_expected"] = expected_duration()
     if args.out:
         write_whole(args.out, json.dumps(r, indent=1) + "\n")
     if args.json:
@@ -515,3 +531,24 @@ def main(args: argparse.Namespace) -> int:
     else:
         print_report(r)
     return 0 if r["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.gpu_model.dry_run``: no GPU needed. It runs the CUDA code paths
+    (bench gpu's cases, the ICQS engine with cascade attention, features, audit, lm-eval, the
+    score job, the server, a Ray actor) on fake CUDA tensors, compiles every Triton launch for
+    sm_90 instead of running it, and reports device/dtype errors and host syncs; exit 1 when a
+    path fails. It cannot catch numerics, kernel correctness on hardware, timing, memory limits
+    or races (docs/GPU_MODEL.md)."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_model.dry_run",
+                                description=main.__doc__.split("\n\n")[0].replace("\n", " "))
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,7 @@ descriptions (no code copied), so the static model can be checked on tensor-core
   so every configuration it can pick at these shapes has 4 warps; the records use 128 x 64,
   4 warps, 3 stages (the largest tile it can pick).
 
-They exist only to be compiled for sm_80 / sm_90 by :mod:`icqs_fast.benchmarks.static`; they
+They exist only to be compiled for sm_80 / sm_90 by :mod:`bench.gpu_model.static`; they
 are not used by the package and have no CPU path.
 """
 
@@ -152,7 +152,7 @@ def fa_fwd(Q, K, V, Out, M, sm_scale, stride_h, stride_m, H, N_CTX,
 
 
 def _launch_cls():
-    from icqs_fast.kernels.launch import Launch
+    from bench.gpu_model.launches import Launch
     return Launch
 
 

@@ -1,7 +1,7 @@
-"""``icqs-fast bench startup``: wall time of ``icqs-fast --help`` and of every
-``icqs-fast <command> --help``, each in a fresh Python process.
+"""Startup time: wall time of ``icqs-fast --help`` and of every ``icqs-fast <command> --help``,
+each in a fresh Python process.
 
-    icqs-fast bench startup [--runs 5] [--limit 1.0] [--json] [--pythonpath DIR]
+    python -m bench.studies.startup [--runs 5] [--limit 1.0] [--json] [--pythonpath DIR]
 
 The commands are read from the help itself (argparse's ``{a,b,...}`` choices of the top level
 and of each command group), so a new command is measured without being listed here. Each is run
@@ -118,3 +118,16 @@ def run(args: argparse.Namespace) -> int:
         if rec["over_limit"]:
             print(f"over {args.limit} s: {', '.join(rec['over_limit'])}", file=sys.stderr)
     return 1 if rec["over_limit"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.studies.startup")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """What the self-check costs a score job: held-out pool members against records, interleaved.
 
-    python bench/selfcheck_cost.py [--dataset sst2] [--chunks 4] [--chunk 16] [--threads 1]
+    python -m bench.scripts.selfcheck_cost [--dataset sst2] [--chunks 4] [--chunk 16] [--threads 1]
 
 One scorer at the default settings on the study's pools (seed 0; the prefix bank built first,
 outside the timing, as a job builds it before its records). The self-check's held-out items and
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench.studies.selfcheck_study import JOB_RECORDS, study_pools
 from icqs_fast.engine.scorer import ICQSScorer
 from icqs_fast.engine.selfcheck import (
     DEFAULT_MAX_HELDOUT,
@@ -33,7 +34,6 @@ from icqs_fast.engine.selfcheck import (
     select_heldout,
 )
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.evals.selfcheck_study import JOB_RECORDS, study_pools
 from icqs_fast.models import load_model
 from icqs_fast.threads import add_threads_argument, apply_threads
 

@@ -1,0 +1,1 @@
+"""One-off measurement scripts, each ``python -m bench.scripts.<name> --help``."""
