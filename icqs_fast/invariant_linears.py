@@ -80,6 +80,14 @@ def parameter_count(model: torch.nn.Module) -> int:
     return held + sum(p.numel() for p in model.parameters())
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes ``model``'s weights take: its parameters, each once, and the packed copies of
+    its switched layers (a layer that holds its weight once counts only the packed one)."""
+    packed = sum(p.data.numel() * p.data.element_size() for m in model.modules()
+                 if (p := _PACKED.get(m)) is not None)
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _hold_weight_again(m: torch.nn.Module) -> None:
     """A :class:`_PackedOnlyLinear` back to a switched ``nn.Linear`` with a weight of its own
     (unpacked: equal), its packed copy current for that weight; anything else is left alone."""

@@ -270,13 +270,15 @@ def test_switched_layers_hold_their_weight_once(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     d = tiny_llama_dir(layers=2)
-    plain = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).state_dict()
+    plain_model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    plain, n_plain = plain_model.state_dict(), sum(p.numel() for p in plain_model.parameters())
     ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
     for dtype in ("float32", "bf16-mixed", "bf16-products", "bfloat16"):
         model, _ = models.load_model(d, dtype=dtype, device="cpu")
         lins = {n: m for n, m in model.named_modules() if ".layers." in n
                 and isinstance(m, torch.nn.Linear)}
         assert lins and all("weight" not in m._parameters for m in lins.values()), dtype
+        assert invariant_linears.parameter_count(model) == n_plain, dtype
         with torch.no_grad():
             before = model(ids).logits
         sd = model.state_dict()
