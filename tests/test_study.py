@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from icqs_fast import metrics
 from icqs_fast.evals import study, study_data, study_metrics
 from icqs_fast.io import datasets
 from icqs_fast.io.records import InputError
@@ -266,11 +267,34 @@ def test_eval_fpb_json_end_to_end(tmp_path, tiny_model, capsys):
     data = study_data.fpb_data(tmp_path / "fpb" / "Sentences_AllAgree.txt", pool=2, limit=2, seed=0)
     model, tok = load_model(str(tiny_model))
     sc = ICQSScorer(model, tok, data.good, data.bad, num_ratios=3, demos_per_set=2,
-                    sets_per_ratio=2, seed=0, drop_oldest_demos=True)
+                    sets_per_ratio=2, seed=0, drop_oldest_demos=True, stratify=None,
+                    score="argmax")
+    direct = {}
     for g, want_correct in (("correct", True), ("incorrect", False)):
         res = list(sc.score([(r.x, r.y) for r in data.groups[g]]))
+        direct[g] = {"icqs_epistemic": [r.score for r in res],
+                     "icqs": [float(np.mean(r.score_per_set)) for r in res]}
         acc = np.mean([(r.score >= 0.5) == want_correct for r in res])
         assert doc["groups"][g]["icqs_epistemic"] == pytest.approx(acc)
+    # The AUC of correct vs incorrect and its interval: the engine's scores through the
+    # stratified bootstrap, with the run's seed and --n-boot.
+    sep = doc["separation"]
+    for m in ("icqs_epistemic", "icqs"):
+        c, i = direct["correct"][m], direct["incorrect"][m]
+        want, lo, hi = metrics.auc_stratified_ci([1] * len(c) + [0] * len(i), c + i,
+                                                 n_resamples=50, seed=0)
+        assert sep["auc_correct_vs_incorrect"][m] == pytest.approx(
+            metrics.auc([1] * len(c) + [0] * len(i), c + i))
+        assert sep["auc_correct_vs_incorrect"][m] == pytest.approx(want)
+        assert sep["auc_correct_vs_incorrect_interval"][m] == pytest.approx([lo, hi])
+        assert lo <= want <= hi
+    # The printed report carries the same interval.
+    from icqs_fast.evals.study_report import label_report
+
+    text = label_report(doc, tmp_path, datasets.eval_dataset("fpb"))
+    line = next(t for t in text.splitlines() if t.startswith("AUC correct vs incorrect"))
+    lo, hi = sep["auc_correct_vs_incorrect_interval"]["icqs"]
+    assert f"icqs {sep['auc_correct_vs_incorrect']['icqs']:.3f} [{lo:.3f}, {hi:.3f}]" in line
     # Plots: real PNG files of some size.
     names = {p.name for p in plots.iterdir()}
     assert {"fpb_loglik.png", "fpb_hist.png", "fpb_curve_correct.png"} <= names
@@ -332,3 +356,27 @@ def test_study_scoring_settings():
     assert (s.num_ratios, s.demos_per_set, s.sets_per_ratio, s.seed) == (3, 4, 2, 5)
     assert s.stratify is None and s.drop_oldest_demos and s.backend == "torch"
     assert study.scoring_settings(4, study.StudySettings(stratify=True)).stratify == "y"
+
+
+def test_separation_auc_interval_uses_the_runs_seed_and_resamples():
+    """The AUC of correct vs incorrect answers with its stratified bootstrap interval, from the
+    study's per-item scores (hand-made here), seeded by the run's seed and --n-boot."""
+    rng = np.random.default_rng(7)
+    c, i = list(rng.uniform(0.3, 1.0, 15)), list(rng.uniform(0.0, 0.7, 12))
+
+    def vals(s):
+        return {"score": s, "score_per_set": [[v, v - 0.1] for v in s]}
+
+    items = {"correct": vals(c), "incorrect": vals(i)}
+    y = [1] * len(c) + [0] * len(i)
+    sep = study._separation(items, False, n_boot=300, seed=3)
+    want = metrics.auc(y, c + i)
+    assert 0.7 < want < 1.0  # the two groups overlap: the interval has a width
+    _, lo, hi = metrics.auc_stratified_ci(y, c + i, n_resamples=300, seed=3)
+    for m in ("icqs_epistemic", "icqs"):  # the per-set mean is the score shifted: same ranks
+        assert sep["auc_correct_vs_incorrect"][m] == pytest.approx(want)
+        assert sep["auc_correct_vs_incorrect_interval"][m] == pytest.approx([lo, hi])
+        assert lo < want < hi
+    other = study._separation(items, False, n_boot=300, seed=4)
+    assert other["auc_correct_vs_incorrect_interval"]["icqs"] != [lo, hi]
+    assert other["auc_correct_vs_incorrect"] == sep["auc_correct_vs_incorrect"]

@@ -295,7 +295,8 @@ def run_sentiment(model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: Se
 
         ranking = synthetic_ranking(data.polar, lookup, seed=st.seed, n_boot=st.n_boot)
         per_n[n] = {"groups": summary, "ranking": ranking,
-                    "separation": _separation(item_vals, st.baselines)}
+                    "separation": _separation(item_vals, st.baselines, n_boot=st.n_boot,
+                                              seed=st.seed)}
         if variants:
             from icqs_fast.evals.calibration_study import compare_sentiment
 
@@ -323,10 +324,13 @@ def _variants(model: PreTrainedModel, tok: PreTrainedTokenizerBase, good: Sequen
     return out
 
 
-def _separation(item_vals: dict[str, Any], baselines: bool) -> dict[str, Any]:
+def _separation(item_vals: dict[str, Any], baselines: bool, *, n_boot: int = 1000,
+                seed: int = 0) -> dict[str, Any]:
     """Threshold-free view: mean score per group and the AUC of correct vs incorrect
-    responses (ICQS-Epistemic score, mean per-set ICQS score, Ask LLM expected rating)."""
-    from icqs_fast.metrics import auc
+    responses (ICQS-Epistemic score, mean per-set ICQS score, Ask LLM expected rating), with
+    its 95 % bootstrap interval (``auc_correct_vs_incorrect_interval``: method -> [lo, hi];
+    :func:`icqs_fast.evals.calibration_study.auc_ci`, each group resampled on its own)."""
+    from icqs_fast.evals.calibration_study import auc_ci
 
     def per(g: str) -> dict[str, list[float]]:
         v = item_vals[g]
@@ -340,8 +344,9 @@ def _separation(item_vals: dict[str, Any], baselines: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"mean": means}
     if "correct" in item_vals and "incorrect" in item_vals:
         c, i = per("correct"), per("incorrect")
-        out["auc_correct_vs_incorrect"] = {
-            m: auc([1] * len(c[m]) + [0] * len(i[m]), c[m] + i[m]) for m in c}
+        ci = {m: auc_ci(c[m], i[m], n_boot=n_boot, seed=seed) for m in c}
+        out["auc_correct_vs_incorrect"] = {m: v["value"] for m, v in ci.items()}
+        out["auc_correct_vs_incorrect_interval"] = {m: [v["lo"], v["hi"]] for m, v in ci.items()}
     return out
 
 

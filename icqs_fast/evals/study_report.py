@@ -54,8 +54,14 @@ def label_report(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
         f"{g}: " + ", ".join(f"{m} {v:.3f}" for m, v in row.items())
         for g, row in sep["mean"].items()))
     if "auc_correct_vs_incorrect" in sep:
-        out.append("AUC correct vs incorrect: " + ", ".join(
-            f"{m} {fmt(v)}" for m, v in sep["auc_correct_vs_incorrect"].items()))
+        ci = sep.get("auc_correct_vs_incorrect_interval", {})
+
+        def auc_cell(m: str, v: float | None) -> str:
+            lo, hi = ci.get(m, (None, None))
+            return f"{m} {fmt(v)}" + ("" if m not in ci else f" [{fmt(lo)}, {fmt(hi)}]")
+
+        out.append("AUC correct vs incorrect [bootstrap 95% CI]: " + ", ".join(
+            auc_cell(m, v) for m, v in sep["auc_correct_vs_incorrect"].items()))
     if len(doc["curve"]) > 1:
         out.append("curve (accuracy % per N):")
         for pt in doc["curve"]:
