@@ -1,6 +1,7 @@
 """The self-check's expected AUC beside the test AUC, through ``icqs-fast score``, per model.
 
-    python bench/two_models_selfcheck.py [--dataset sst2] [--n-test 100] [--pool 32] [--seed 0]
+    python -m bench.scripts.two_models_selfcheck [--dataset sst2] [--n-test 100] [--pool 32]
+        [--seed 0]
         [--model embedded --model gemma3-270m] [--threads 1] [--n-boot 1000]
         [--tmp /tmp/two_models_selfcheck] [--out bench/results/two_models/selfcheck_sst2.json]
 
@@ -33,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from icqs_fast.evals.selfcheck_study import study_pools
+from bench.studies.selfcheck_study import study_pools
 from icqs_fast.metrics import auc_stratified_ci
+from icqs_fast.threads import add_threads_argument
 
 # The self-check's own resamples and seed (icqs_fast.engine.selfcheck.run_self_check defaults).
 N_BOOT = 1000
@@ -138,7 +140,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the pools and test draw")
     p.add_argument("--model", action="append", default=None,
                    help="repeatable (default: embedded and gemma3-270m)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_argument(p, default=1)  # passed on to each `icqs-fast score`
     p.add_argument("--n-boot", type=int, default=N_BOOT)
     p.add_argument("--tmp", default="/tmp/two_models_selfcheck")
     p.add_argument("--out", default=None,
