@@ -365,6 +365,40 @@ AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
     _tile_release();
 }
 
+// x's row as `terms` bf16 terms (dst[t * Kp + k]), 16 elements a step: the same integer
+// rounding as bf16_rne (so the same bits as the scalar loop, NaN included) and the same fp32
+// subtraction for what a term leaves to the next. Elements past K are left to the caller.
+__attribute__((target("arch=x86-64-v4"))) void bf16_terms_v4(const float* xr, int64_t K,
+                                                             int terms, int64_t Kp,
+                                                             uint16_t* dst) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff),
+                  absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
+                  quiet = _mm512_set1_epi32(0x40);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 r = _mm512_loadu_ps(xr + k);
+        for (int t = 0; t < terms; ++t) {
+            const __m512i u = _mm512_castps_si512(r);
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
+            const __m512i up = _mm512_srli_epi32(u, 16);
+            const __m512i rounded = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(up, one)), 16);
+            const __m512i h = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(up, quiet));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * Kp + k),
+                                _mm512_cvtepi32_epi16(h));
+            r = _mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+        }
+    }
+    for (; k < K; ++k) {
+        float r = xr[k];
+        for (int t = 0; t < terms; ++t) {
+            const uint16_t h = bf16_rne(r);
+            dst[t * Kp + k] = h;
+            r -= bf16_to_f32(h);
+        }
+    }
+}
+
 bool has_bf16_dot() {
     static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
     return ok;
@@ -459,29 +493,54 @@ void linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     a.xbs = mode * a.Kp;
     if (nthreads < 1) nthreads = 1;
     py::gil_scoped_release nogil;
-    std::vector<uint16_t> xb;
+    // x's bf16 terms once per call, rows padded to whole AMX blocks with zeros. The buffer is
+    // the calling thread's, kept between calls up to kKeepBytes: a fresh one per call cost its
+    // page faults (a fifth of a 640-row call's time in a probe).
+    constexpr size_t kKeepBytes = size_t{16} << 20;
+    static thread_local std::vector<uint16_t> kept;
+    std::vector<uint16_t> fresh;
     if (mode != kF32) {
-        // x's bf16 terms once per call, rows padded to whole AMX blocks with zeros.
         const int64_t Mp = round_up(M, 32);
-        xb.assign(static_cast<size_t>(Mp * a.xbs), 0);
+        const size_t need = static_cast<size_t>(Mp * a.xbs);
+        std::vector<uint16_t>& xb = need * 2 <= kKeepBytes ? kept : fresh;
+        if (xb.size() < need) xb.resize(need);
+        uint16_t* base = xb.data();
+#ifdef ICQS_LIN_X86
+        const bool wide = ran >= 2;  // the AVX-512 kernels' CPU (the same bits either way)
+#else
+        const bool wide = false;
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 64 && nthreads > 1)
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = 0; m < Mp; ++m) {
+            uint16_t* dst = base + m * a.xbs;
+            if (m >= M) {
+                std::memset(dst, 0, static_cast<size_t>(a.xbs) * 2);
+                continue;
+            }
             const float* xr = a.x + m * a.xs;
-            uint16_t* dst = xb.data() + m * a.xbs;
-            for (int64_t k = 0; k < K; ++k) {
-                float r = xr[k];
-                for (int t = 0; t < a.terms; ++t) {
-                    const uint16_t h = bf16_rne(r);
-                    dst[t * a.Kp + k] = h;
-                    r -= bf16_to_f32(h);  // exact: what this term left for the next
+#ifdef ICQS_LIN_X86
+            if (wide) {
+                bf16_terms_v4(xr, K, a.terms, a.Kp, dst);
+            } else
+#endif
+            {
+                for (int64_t k = 0; k < K; ++k) {
+                    float r = xr[k];
+                    for (int t = 0; t < a.terms; ++t) {
+                        const uint16_t h = bf16_rne(r);
+                        dst[t * a.Kp + k] = h;
+                        r -= bf16_to_f32(h);  // exact: what this term left for the next
+                    }
                 }
             }
+            for (int t = 0; t < a.terms; ++t)
+                std::memset(dst + t * a.Kp + K, 0, static_cast<size_t>(a.Kp - K) * 2);
         }
-        a.xb = xb.data();
+        (void)wide;
+        a.xb = base;
     }
     const int64_t rb = (M + kTaskRows - 1) / kTaskRows, cb = (N + kTaskCols - 1) / kTaskCols;
     const int64_t tasks = rb * cb;
-    (void)ran;
     // Dynamic tasks: a descheduled thread on a shared machine does not hold up the rest. A task
     // computes whole output elements, so the split never changes a sum.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)
