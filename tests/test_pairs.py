@@ -396,3 +396,124 @@ def test_skip_bad_pairs_and_the_tie_margin(cli, tmp_path):
     ties = read_jsonl(tmp_path / "t.jsonl")
     assert [r.get("preferred") for r in ties] == ["tie", None, "tie", "tie"]
     assert [r.get("score_a") for r in ties] == [r.get("score_a") for r in got]
+
+
+# --------------------------------------------------------------------------- pairwise self-check
+
+
+def test_pairwise_self_check_holds_out_whole_instructions():
+    """The draw by instruction (each drawn x brings its good and bad answers, nested in its
+    size), ICQS's pairwise accuracy over the held-out pairs, the length judge's with its
+    direction fitted out of fold, the abstain band over margins, and the meta round trip."""
+    import numpy as np
+
+    from icqs_fast.engine.selfcheck import SelfCheck, fit_self_check
+    from icqs_fast.engine.selfcheck_pairs import (
+        instruction_heldout,
+        item_pairs,
+        pair_band_verdict,
+        pairwise_self_check,
+    )
+
+    n = 40
+    good = [(f"q{i}", "g" * (3 + i % 4)) for i in range(n)]  # the good answers the shorter
+    bad = [(f"q{i}", "b" * (8 + i % 5)) for i in range(n)]
+    small, labels_small = instruction_heldout(good, bad, 20, seed=3)
+    items, labels = instruction_heldout(good, bad, 60, seed=3)
+    assert len(items) == 60 and int(labels.sum()) == 30
+    assert set(small) <= set(items)  # a larger draw holds every instruction of a smaller one
+    xs_good = {x for (x, _), lab in zip(items, labels, strict=True) if lab == 1}
+    xs_bad = {x for (x, _), lab in zip(items, labels, strict=True) if lab == 0}
+    assert xs_good == xs_bad and len(xs_good) == 30  # whole instructions, both answers
+    assert len(item_pairs(items, labels)) == 30
+    assert instruction_heldout(good, [(f"r{i}", y) for i, (_, y) in enumerate(bad)], 60,
+                               0) is None  # no instruction answered in both pools
+    # Scores that pick the good answer in exactly 21 of the 30 pairs, the wrong picks by
+    # small margins (so a band of small margins sent to a person leaves the right ones).
+    pairs = item_pairs(items, labels)
+    s = np.zeros(len(items))
+    for k, (i, _) in enumerate(pairs):
+        s[i] = 1.0 + 0.1 * k if k < 21 else -0.01 * (k - 20)
+    values = [{"length_tokens": float(len(y)), "length_chars": float(len(y))} for _, y in items]
+    p = pairwise_self_check(s, labels, items, values, target_accuracy=0.9, folds=5, seed=0,
+                            n_boot=200, level=0.95)
+    assert p["pairs"] == 30 and p["instructions"] == 30 and p["ties"] == 0
+    assert p["accuracy"] == pytest.approx(21 / 30)
+    assert p["accuracy_lo"] < 21 / 30 < p["accuracy_hi"]
+    length = {b["name"]: b for b in p["baselines"]}["length_chars"]
+    assert length["accuracy"] == 1.0 and length["direction"] == "lower"
+    assert "beats ICQS on the held-out pairs" in p["beaten"]
+    band = p["band"]
+    assert band["target"] == 0.9 and band["reached"] and band["accuracy"] >= 0.9
+    assert 0 < band["hi"] < 1.0 and -1.0 < band["lo"] < 0
+    assert [pair_band_verdict(band, m) for m in (0.0, 3.0, -3.0)] == ["tie", "a", "b"]
+    # A tie margin wider than every margin: every pair a tie, counted half.
+    wide = pairwise_self_check(s, labels, items, None, tie_margin=10.0, folds=5, seed=0,
+                               n_boot=200, level=0.95)
+    assert wide["ties"] == 30 and wide["accuracy"] == 0.5 and wide["baselines"] == []
+    # Through fit_self_check: said in the summary, kept in the meta file's dict.
+    check = fit_self_check(s, labels, baseline_values=values, pair_items=items,
+                           target_accuracy=0.9, n_boot=200)
+    text = "\n".join(check.lines())
+    assert f"expected pairwise accuracy {21 / 30:.3f} [" in text, text
+    assert "pairwise baselines (direction fitted out of fold): length_tokens 1.000" in text
+    assert "pairwise abstain band for accuracy 0.9" in text
+    d = check.to_dict()
+    json.dumps(d, allow_nan=False)
+    assert SelfCheck.from_dict(d).pairwise == d["pairwise"]
+    assert d["pairwise"]["pairs"] == 30 and "pairwise" in check.summary_dict()
+
+
+def test_pairwise_band_is_symmetric_and_measured_out_of_fold():
+    """The band over pairs: ties within |margin| <= t whichever output is a, t fitted on the
+    other instruction folds for each fold's pairs; a target nothing reaches: all ties."""
+    import numpy as np
+
+    from icqs_fast.engine.selfcheck_pairs import margin_band
+
+    rng = np.random.default_rng(1)
+    d = rng.normal(0.5, 1.0, 60)
+    band = margin_band(d, np.arange(60), 0.8, folds=5, seed=0, n_boot=200, level=0.95)
+    assert band.reached and band.lo == -band.hi and band.hi > 0
+    assert band.coverage < 1.0 and band.coverage_lo <= band.coverage <= band.coverage_hi
+    # In sample, the fitted margin's outside reaches the aim it was fitted for.
+    out = np.abs(d) > band.hi
+    assert (d[out] > 0).mean() >= band.aim - 1e-9 and band.aim >= 0.8
+    none = margin_band(-np.abs(d), np.arange(60), 0.8, folds=5, seed=0, n_boot=200,
+                       level=0.95)  # every pick wrong
+    assert not none.reached
+
+
+def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tmp_path, capsys):
+    """`score --pairs --good-bad-pairs`: the self-check draws whole instructions and says
+    the expected pairwise accuracy, the pairwise baselines and the band over pairs; the meta
+    file keeps them and `check --from-output` shows them."""
+    from _helpers import write_jsonl
+
+    from icqs_fast.cli import main
+    from icqs_fast.io.runs import meta_path
+
+    good, bad = _pools()
+    pool_pairs = write_jsonl(tmp_path / "pool_pairs.jsonl", [
+        {"x": g["x"], "y_a": g["y"], "y_b": b["y"], "better": "a"}
+        for g, b in zip(good, bad, strict=True)])
+    inp = write_jsonl(tmp_path / "pairs.jsonl", _test_pairs())
+    out = tmp_path / "judged.jsonl"
+    code, err = cli("--pairs", inp, "-o", out, "--label-field", "better", "--good-bad-pairs",
+                    pool_pairs, "--self-check-max", "60", "--target-accuracy", "0.8",
+                    demos=False, quiet=False)
+    assert code == 0, err
+    # (30 instructions drawn; a pair with an output no clean set could score is left out)
+    got = re.search(r"self-check: pairwise \((\d+) held-out pairs of \1 instructions, whole "
+                    r"instructions held out\): expected pairwise accuracy \d\.\d{3} \[", err)
+    assert got and 20 <= int(got[1]) <= 30, err
+    assert "pairwise baselines (direction fitted out of fold): length_tokens" in err
+    assert "pairwise abstain band" in err
+    meta = json.loads(meta_path(out).read_text())
+    pw = meta["self_check"]["pairwise"]
+    assert pw["pairs"] == int(got[1]) and meta["self_check"]["config"]["draw"] == "instructions"
+    assert {b["name"] for b in pw["baselines"]} >= {"length_tokens", "length_chars"}
+    capsys.readouterr()
+    assert main(["check", "--from-output", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(rf"^pairwise +pairwise \({got[1]} held-out pairs", shown, re.M), shown

@@ -151,6 +151,9 @@ def show(check: Any, args: argparse.Namespace) -> int:
         rows.append(("abstain band", check.band.text().split(": ", 1)[1]))
     if check.warning:
         rows.append(("WARNING", check.warning))
+    from icqs_fast.engine.selfcheck_pairs import pairwise_lines
+
+    rows += [("pairwise", line) for line in pairwise_lines(check.pairwise)]  # a --pairs run's
     if plot:
         rows.append(("reliability diagram", plot))
     w = max(len(k) for k, _ in rows)
