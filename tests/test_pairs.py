@@ -311,8 +311,7 @@ def test_pairs_refusals_and_a_bad_pool_pair(tmp_path, capsys):
     g = write_jsonl(tmp_path / "good.jsonl", good)
     b = write_jsonl(tmp_path / "bad.jsonl", bad)
     base = ["score", "--pairs", str(inp), "-o", str(tmp_path / "o.jsonl"), *KW]
-    for extra, said in [(["--resume"], "--resume is not supported with --pairs"),
-                        (["--shard", "0/2"], "--shard is not supported with --pairs"),
+    for extra, said in [(["--ray"], "--ray is not supported with --pairs yet"),
                         (["--pair-field", "k", "--id-field", "x"], "leave out --id-field")]:
         assert main([*base, "--good", str(g), "--bad", str(b), *extra]) == 2
         assert said in capsys.readouterr().err
@@ -517,3 +516,58 @@ def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tmp_pa
     assert main(["check", "--from-output", str(out)]) == 0
     shown = capsys.readouterr().out
     assert re.search(rf"^pairwise +pairwise \({got[1]} held-out pairs", shown, re.M), shown
+
+
+# --------------------------------------------------------------------------- resume, shard
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_pairs_resume_and_shard(grouped, cli, tmp_path):
+    """--shard i/n with pairs: the shards' outputs concatenated are the whole run's (a grouped
+    pair cut by a record boundary goes to the shard of its first record); --resume after a
+    run cut short continues after the last pair written, checking its id, and ends with the
+    whole run's lines."""
+    from _helpers import read_jsonl, write_jsonl
+
+    from icqs_fast.io.runs import meta_path
+
+    rows = _test_pairs()
+    if grouped:  # 10 records: the 2-shard boundary (record 5) cuts pair p2 (records 4, 5)
+        rows = [{"pid": r["id"], "x": r["x"], "y": r[f"y_{s}"]} for r in rows for s in "ab"]
+        extra = ["--pair-field", "pid"]
+    else:
+        extra = []
+    inp = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    common = [*extra, "--no-self-check"]
+    code, err = cli("--pairs", inp, "-o", tmp_path / "all.jsonl", *common)
+    assert code == 0, err
+    whole = read_jsonl(tmp_path / "all.jsonl")
+    assert len(whole) == 5
+    parts = []
+    for i in range(3):
+        out = tmp_path / f"s{i}.jsonl"
+        code, err = cli("--pairs", inp, "-o", out, "--shard", f"{i}/3", *common)
+        assert code == 0, err
+        parts += read_jsonl(out)
+    assert [r["index"] for r in parts] == [r["index"] for r in whole]
+    assert parts == whole
+    # A run cut short after two pairs: --resume writes the other three, once each.
+    cut = tmp_path / "cut.jsonl"
+    code, err = cli("--pairs", inp, "-o", cut, *common)
+    assert code == 0, err
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:2]))
+    assert meta_path(cut).exists()
+    code, err = cli("--pairs", inp, "-o", cut, "--resume", *common)
+    assert code == 0, err
+    assert read_jsonl(cut) == whole
+    # The input changed under the last pair written: refused, naming it.
+    rows2 = [dict(r) for r in rows]
+    key = "pid" if grouped else "id"
+    k = 2 if grouped else 1  # the record of the second pair's a
+    rows2[k][key] = "other"
+    if grouped:
+        rows2[k + 1][key] = "other"
+    write_jsonl(inp, rows2)
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:2]))
+    code, err = cli("--pairs", inp, "-o", cut, "--resume", *common)
+    assert code == 2 and "the input changed since the output was written" in err, err
