@@ -571,3 +571,54 @@ def test_pairs_resume_and_shard(grouped, cli, tmp_path):
     cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:2]))
     code, err = cli("--pairs", inp, "-o", cut, "--resume", *common)
     assert code == 2 and "the input changed since the output was written" in err, err
+
+
+# --------------------------------------------------------------------------- /v1/score pairs
+
+
+@pytest.mark.server
+def test_v1_score_pairs_equal_score_pairs(tiny):
+    """/v1/score with 'pairs' (the FastAPI test client, the tiny model): per pair the fields
+    `score --pairs` writes (the declared PAIR_FIELDS' result part), equal to the library's
+    score_pairs; the tie margin; pairs with features, or pairs and records, are a 400."""
+    from starlette.testclient import TestClient
+
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.serve.app import Server
+    from icqs_fast.serve.config import ServeConfig
+
+    _, (model, tok) = tiny
+    good, bad = _pools(6)
+    g = [[r["x"], r["y"]] for r in good]
+    b = [[r["x"], r["y"]] for r in bad]
+    opts = {"num_ratios": 2, "demos_per_set": 1, "sets_per_ratio": 2, "seed": 0}
+    rows = _test_pairs()
+    pairs = [{"x": r["x"], "y_a": r["y_a"], "y_b": r["y_b"]} for r in rows]
+    srv = Server(model, tok, ServeConfig(model_name="tiny"))
+    with TestClient(srv.app()) as client:
+        r = client.post("/v1/score", json={"pairs": pairs, "good": g, "bad": b,
+                                           "icqs_options": opts})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        scorer = ICQSScorer(model, tok, [tuple(x) for x in g], [tuple(x) for x in b], **opts)
+        want = list(score_pairs(scorer, [(p["x"], p["y_a"], p["y_b"]) for p in pairs]))
+        assert [d["index"] for d in data] == list(range(5))
+        for d, w in zip(data, want, strict=True):
+            assert set(d) == {"index", "pair"}
+            # As a score --pairs line: p_a_better left out without a self-check (the
+            # request's own pools get none).
+            assert set(d["pair"]) == {f.name for f in PAIR_FIELDS if f.source == "result"
+                                      and f.name != "p_a_better"}
+            assert d["pair"]["score_a"] == pytest.approx(w.score_a, abs=1e-5)
+            assert d["pair"]["score_b"] == pytest.approx(w.score_b, abs=1e-5)
+            assert d["pair"]["preferred"] == w.preferred
+        r = client.post("/v1/score", json={"pairs": pairs[:2], "good": g, "bad": b,
+                                           "icqs_options": opts, "tie_margin": 1e9})
+        assert [d["pair"]["preferred"] for d in r.json()["data"]] == ["tie", "tie"]
+        for body, word in (({"features": True}, "leave out 'features'"),
+                           ({"records": [{"x": "q", "y": "a"}]}, "'records' or 'pairs'")):
+            r = client.post("/v1/score", json={"pairs": pairs, "good": g, "bad": b, **body})
+            assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+        r = client.post("/v1/score", json={"pairs": [{"y_a": "a", "y_b": "b"}], "good": g,
+                                           "bad": b})
+        assert r.status_code == 400 and "pair 0" in r.json()["error"]["message"], r.text
