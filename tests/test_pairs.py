@@ -622,3 +622,50 @@ def test_v1_score_pairs_equal_score_pairs(tiny):
         r = client.post("/v1/score", json={"pairs": [{"y_a": "a", "y_b": "b"}], "good": g,
                                            "bad": b})
         assert r.status_code == 400 and "pair 0" in r.json()["error"]["message"], r.text
+
+
+def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
+    """N pairs cost ONE prefix-bank pass, the same for 2 pairs as for 6: the demonstration
+    prefixes are computed once and every output runs only its own suffix rows against them
+    (2 outputs x M+1 x L contexts per pair). The query x runs in each output's suffix, so
+    once per output and context: counted here."""
+    import icqs_fast.engine.scorer as scorer_mod
+    from icqs_fast.engine.batching import PrefixBank
+    from icqs_fast.engine.scorer import ICQSScorer
+
+    _, (model, tok) = tiny
+    good, bad = _pools(8)
+    rows = _test_pairs()
+    adds, suffix_rows = [], []
+    real_add, real_suffix = PrefixBank.add, scorer_mod.suffix_hidden
+
+    def add(self, prefixes):
+        adds.append((id(self), len(prefixes)))
+        return real_add(self, prefixes)
+
+    def suffix(model_, bank, entries, suffixes, *a, **k):
+        suffix_rows.extend(suffixes)
+        return real_suffix(model_, bank, entries, suffixes, *a, **k)
+
+    monkeypatch.setattr(PrefixBank, "add", add)
+    monkeypatch.setattr(scorer_mod, "suffix_hidden", suffix)
+    passes = {}
+    for n in (2, 6):
+        adds.clear()
+        suffix_rows.clear()
+        sc = ICQSScorer(model, tok, [(r["x"], r["y"]) for r in good],
+                        [(r["x"], r["y"]) for r in bad], num_ratios=2, demos_per_set=1,
+                        sets_per_ratio=2, seed=0)
+        pairs = [(r["x"], r["y_a"], r["y_b"]) for r in (rows * 2)[:n]]
+        assert len(list(score_pairs(sc, pairs))) == n
+        if sc.plain:
+            pytest.fail("the tiny llama should take the prefix-bank path")
+        # (the model's capability probe, run once per model, builds a bank of its own)
+        passes[n] = ([k for b, k in adds if b == id(sc.prefix_bank)],
+                     sc.prefix_bank.forward_tokens, len(sc.prefix_bank))
+        assert len(suffix_rows) == 2 * n * sc.n_contexts  # each output's own rows only
+        # The query's tokens run once per output and context (twice per pair).
+        q = len(tok.encode(pairs[0][0], add_special_tokens=False))
+        assert sum(len(s) for s in suffix_rows) >= 2 * n * sc.n_contexts * q
+    # One add of the 4 demonstration prefixes, whatever the number of pairs.
+    assert passes[2] == passes[6] and passes[2][0] == [4] and passes[2][2] == 4
