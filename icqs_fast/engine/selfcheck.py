@@ -84,6 +84,7 @@ from icqs_fast.engine.crossfit import (
 )
 from icqs_fast.engine.prompts import check_pool
 from icqs_fast.engine.settings import SELF_CHECK_MAPS as METHODS
+from icqs_fast.io.strict_json import finite_or_none
 
 if TYPE_CHECKING:
     from icqs_fast.engine.scorer import ICQSScorer
@@ -442,7 +443,7 @@ class SelfCheck:
         d["length_matched"] = (None if self.length_matched is None else
                                {k: num(v) for k, v in self.length_matched.items()})
         d["band"] = None if self.band is None else self.band.to_dict()
-        d["pairwise"] = None if self.pairwise is None else _json_num(self.pairwise)
+        d["pairwise"] = finite_or_none(self.pairwise)
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
         d["reliability"] = [{k: num(v) for k, v in b.items()} for b in self.reliability]
         d["score_range"] = None if self.score_range is None else list(self.score_range)
@@ -535,15 +536,6 @@ class SelfCheck:
         return (f"precision >= {self.target_precision:g}: score >= "
                 f"{self.precision_threshold:.4f} (held-out precision {self.precision:.2f}, "
                 f"recall {self.recall:.2f})")
-
-
-def _json_num(v: Any) -> Any:
-    """``v`` with every non-finite float (nested in dicts / lists) as None."""
-    if isinstance(v, dict):
-        return {k: _json_num(u) for k, u in v.items()}
-    if isinstance(v, list | tuple):
-        return [_json_num(u) for u in v]
-    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def _fmt(v: Any) -> str:
