@@ -83,6 +83,11 @@ from icqs_fast.engine.crossfit import (
     select_heldout as select_heldout,
 )
 from icqs_fast.engine.prompts import check_pool
+from icqs_fast.engine.selfcheck_pairs import (
+    instruction_heldout,
+    pairwise_lines,
+    pairwise_self_check,
+)
 from icqs_fast.engine.settings import SELF_CHECK_MAPS as METHODS
 from icqs_fast.io.strict_json import finite_or_none
 
@@ -505,8 +510,6 @@ class SelfCheck:
             out.append(f"self-check: {self.band.text()}")
         if self.target_precision is not None:
             out.append(f"self-check: {self.precision_text()}")
-        from icqs_fast.engine.selfcheck_pairs import pairwise_lines
-
         out += [f"self-check: {line}" for line in pairwise_lines(self.pairwise)]
         return out
 
@@ -673,8 +676,6 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
                                      n_boot=n_boot, level=level, seed=seed)
     pairwise = None
     if pair_items is not None:
-        from icqs_fast.engine.selfcheck_pairs import pairwise_self_check
-
         pairwise = pairwise_self_check(*whole[:2], pair_items, whole[2],
                                        tie_margin=tie_margin, target_accuracy=target_accuracy,
                                        folds=folds, seed=seed, n_boot=n_boot, level=level)
@@ -763,8 +764,6 @@ def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
                      "each for an AUC interval of +-0.1)"))
     drawn = None
     if pairwise:
-        from icqs_fast.engine.selfcheck_pairs import instruction_heldout
-
         drawn = instruction_heldout(good, bad, max_heldout, seed)
         cfg["draw"] = "instructions" if drawn is not None else "items (no instruction has " \
             "answers in both pools)"

@@ -28,14 +28,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
+
+from icqs_fast import metrics
+from icqs_fast.engine.abstain import MIN_COVERED, AbstainBand
+from icqs_fast.engine.pairs import pairwise_accuracy
 from icqs_fast.engine.prompts import Example, check_pool
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from icqs_fast.engine.abstain import AbstainBand
+from icqs_fast.engine.selfcheck_baselines import BASELINES
 
 __all__ = ["instruction_heldout", "item_pairs", "margin_band", "pair_band_verdict",
            "pairwise_lines", "pairwise_self_check"]
@@ -50,8 +51,6 @@ def instruction_heldout(good: Sequence, bad: Sequence, max_heldout: int, seed: i
     every instruction of a smaller one). Good items first, then bad, as
     :func:`icqs_fast.engine.crossfit.heldout_items` orders them, with their labels ``[n]``
     int64 (1 = good). None when no instruction has answers in both pools."""
-    import numpy as np
-
     g, b = check_pool(good, "good"), check_pool(bad, "bad")
     by_x: dict[str, tuple[list[int], list[int]]] = {}
     for side, pool in enumerate((g, b)):
@@ -90,8 +89,6 @@ def _instruction_folds(groups: np.ndarray, folds: int, seed: int) -> list[np.nda
     """Per fold the pair indices it holds: instructions (``groups`` ``[n]``) dealt to
     ``min(folds, instructions)`` folds in a seeded order, a pair going with its
     instruction."""
-    import numpy as np
-
     uniq = np.unique(groups)
     order = np.random.default_rng(seed).permutation(uniq.size)
     fold_of = np.empty(uniq.size, dtype=np.int64)
@@ -129,11 +126,6 @@ def pairwise_self_check(scores: np.ndarray, labels: np.ndarray, items: Sequence[
         "tie_margin", "level", "baselines": [{"name", "text", "accuracy", "accuracy_lo",
         "accuracy_hi", "direction"}], "band": AbstainBand dict or None, "beaten"}``.
     """
-    import numpy as np
-
-    from icqs_fast.engine.pairs import pairwise_accuracy
-    from icqs_fast.engine.selfcheck_baselines import BASELINES
-
     s = np.asarray(scores, dtype=np.float64)
     pairs = [(i, j) for i, j in item_pairs(items, labels)
              if math.isfinite(s[i]) and math.isfinite(s[j])]
@@ -185,8 +177,6 @@ def pairwise_self_check(scores: np.ndarray, labels: np.ndarray, items: Sequence[
 def _fit_margin(d: np.ndarray, aim: float) -> float | None:
     """The smallest ``t >= 0`` (0, or midway between two ``|d|``) whose pairs with ``|d| > t``
     are at least ``aim`` right (``d > 0``) - the largest coverage; None when none is."""
-    import numpy as np
-
     a = np.sort(np.abs(d))
     cuts = np.unique(np.concatenate([[0.0], (a[1:] + a[:-1]) / 2]))
     for t in cuts:
@@ -211,11 +201,6 @@ def margin_band(d: np.ndarray, groups: np.ndarray, target: float, *, folds: int,
         d: ``[n]`` float64 oriented margins, score of the better output minus the other's.
         groups: ``[n]`` int, each pair's instruction.
     """
-    import numpy as np
-
-    from icqs_fast import metrics
-    from icqs_fast.engine.abstain import MIN_COVERED, AbstainBand
-
     t_all = _fit_margin(d, target)
     if t_all is None:
         return AbstainBand(target, -math.inf, math.inf, False, coverage=0.0, level=level)
@@ -269,8 +254,6 @@ def pair_band_verdict(band: dict[str, Any], margin: float) -> str:
     band (:func:`pairwise_self_check`'s ``band``, :func:`margin_band`): "tie" when
     ``|margin| <= t`` (and for every margin when no band reaches the target), else the
     higher-scored output."""
-    from icqs_fast.engine.abstain import AbstainBand
-
     b = AbstainBand.from_dict(band)
     if not b.reached or not abs(margin) > b.hi:
         return "tie"
@@ -302,8 +285,6 @@ def pairwise_lines(p: dict[str, Any] | None) -> list[str]:
         out.append(f"WARNING: {p['beaten']}")
     band = p.get("band")
     if band is not None:
-        from icqs_fast.engine.abstain import AbstainBand
-
         b = AbstainBand.from_dict(band)
         if not b.reached:
             out.append(f"pairwise abstain band: no margin band reaches accuracy {b.target:g} "
