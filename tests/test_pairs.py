@@ -483,7 +483,8 @@ def test_pairwise_band_is_symmetric_and_measured_out_of_fold():
     assert not none.reached
 
 
-def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tmp_path, capsys):
+def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tiny, tmp_path,
+                                                                     capsys):
     """`score --pairs --good-bad-pairs`: the self-check draws whole instructions and says
     the expected pairwise accuracy, the pairwise baselines and the band over pairs; the meta
     file keeps them and `check --from-output` shows them."""
@@ -492,6 +493,7 @@ def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tmp_pa
     from icqs_fast.cli import main
     from icqs_fast.io.runs import meta_path
 
+    tiny_dir = tiny[0]
     good, bad = _pools()
     pool_pairs = write_jsonl(tmp_path / "pool_pairs.jsonl", [
         {"x": g["x"], "y_a": g["y"], "y_b": b["y"], "better": "a"}
@@ -516,6 +518,14 @@ def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tmp_pa
     assert main(["check", "--from-output", str(out)]) == 0
     shown = capsys.readouterr().out
     assert re.search(rf"^pairwise +pairwise \({got[1]} held-out pairs", shown, re.M), shown
+    # check with the same pools as pairs: the same pairwise self-check, its scores from the
+    # cache score filled (nothing scored again).
+    assert main(["check", "--good-bad-pairs", str(pool_pairs), "--model", str(tiny_dir),
+                 "--self-check-max", "60", "--target-accuracy", "0.8", "--json",
+                 *KW[:-1]]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["cache"] == "hit" and d["config"]["draw"] == "instructions"
+    assert d["pairwise"] == pw
 
 
 # --------------------------------------------------------------------------- resume, shard
