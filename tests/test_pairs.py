@@ -311,8 +311,7 @@ def test_pairs_refusals_and_a_bad_pool_pair(tmp_path, capsys):
     g = write_jsonl(tmp_path / "good.jsonl", good)
     b = write_jsonl(tmp_path / "bad.jsonl", bad)
     base = ["score", "--pairs", str(inp), "-o", str(tmp_path / "o.jsonl"), *KW]
-    for extra, said in [(["--resume"], "--resume is not supported with --pairs"),
-                        (["--shard", "0/2"], "--shard is not supported with --pairs"),
+    for extra, said in [(["--ray"], "--ray is not supported with --pairs yet"),
                         (["--pair-field", "k", "--id-field", "x"], "leave out --id-field")]:
         assert main([*base, "--good", str(g), "--bad", str(b), *extra]) == 2
         assert said in capsys.readouterr().err
@@ -396,3 +395,287 @@ def test_skip_bad_pairs_and_the_tie_margin(cli, tmp_path):
     ties = read_jsonl(tmp_path / "t.jsonl")
     assert [r.get("preferred") for r in ties] == ["tie", None, "tie", "tie"]
     assert [r.get("score_a") for r in ties] == [r.get("score_a") for r in got]
+
+
+# --------------------------------------------------------------------------- pairwise self-check
+
+
+def test_pairwise_self_check_holds_out_whole_instructions():
+    """The draw by instruction (each drawn x brings its good and bad answers, nested in its
+    size), ICQS's pairwise accuracy over the held-out pairs, the length judge's with its
+    direction fitted out of fold, the abstain band over margins, and the meta round trip."""
+    import numpy as np
+
+    from icqs_fast.engine.selfcheck import SelfCheck, fit_self_check
+    from icqs_fast.engine.selfcheck_pairs import (
+        instruction_heldout,
+        item_pairs,
+        pair_band_verdict,
+        pairwise_self_check,
+    )
+
+    n = 40
+    good = [(f"q{i}", "g" * (3 + i % 4)) for i in range(n)]  # the good answers the shorter
+    bad = [(f"q{i}", "b" * (8 + i % 5)) for i in range(n)]
+    small, labels_small = instruction_heldout(good, bad, 20, seed=3)
+    items, labels = instruction_heldout(good, bad, 60, seed=3)
+    assert len(items) == 60 and int(labels.sum()) == 30
+    assert set(small) <= set(items)  # a larger draw holds every instruction of a smaller one
+    xs_good = {x for (x, _), lab in zip(items, labels, strict=True) if lab == 1}
+    xs_bad = {x for (x, _), lab in zip(items, labels, strict=True) if lab == 0}
+    assert xs_good == xs_bad and len(xs_good) == 30  # whole instructions, both answers
+    assert len(item_pairs(items, labels)) == 30
+    assert instruction_heldout(good, [(f"r{i}", y) for i, (_, y) in enumerate(bad)], 60,
+                               0) is None  # no instruction answered in both pools
+    # Scores that pick the good answer in exactly 21 of the 30 pairs, the wrong picks by
+    # small margins (so a band of small margins sent to a person leaves the right ones).
+    pairs = item_pairs(items, labels)
+    s = np.zeros(len(items))
+    for k, (i, _) in enumerate(pairs):
+        s[i] = 1.0 + 0.1 * k if k < 21 else -0.01 * (k - 20)
+    values = [{"length_tokens": float(len(y)), "length_chars": float(len(y))} for _, y in items]
+    p = pairwise_self_check(s, labels, items, values, target_accuracy=0.9, folds=5, seed=0,
+                            n_boot=200, level=0.95)
+    assert p["pairs"] == 30 and p["instructions"] == 30 and p["ties"] == 0
+    assert p["accuracy"] == pytest.approx(21 / 30)
+    assert p["accuracy_lo"] < 21 / 30 < p["accuracy_hi"]
+    length = {b["name"]: b for b in p["baselines"]}["length_chars"]
+    assert length["accuracy"] == 1.0 and length["direction"] == "lower"
+    assert "beats ICQS on the held-out pairs" in p["beaten"]
+    band = p["band"]
+    assert band["target"] == 0.9 and band["reached"] and band["accuracy"] >= 0.9
+    assert 0 < band["hi"] < 1.0 and -1.0 < band["lo"] < 0
+    assert [pair_band_verdict(band, m) for m in (0.0, 3.0, -3.0)] == ["tie", "a", "b"]
+    # A tie margin wider than every margin: every pair a tie, counted half.
+    wide = pairwise_self_check(s, labels, items, None, tie_margin=10.0, folds=5, seed=0,
+                               n_boot=200, level=0.95)
+    assert wide["ties"] == 30 and wide["accuracy"] == 0.5 and wide["baselines"] == []
+    # Through fit_self_check: said in the summary, kept in the meta file's dict.
+    check = fit_self_check(s, labels, baseline_values=values, pair_items=items,
+                           target_accuracy=0.9, n_boot=200)
+    text = "\n".join(check.lines())
+    assert f"expected pairwise accuracy {21 / 30:.3f} [" in text, text
+    assert "pairwise baselines (direction fitted out of fold): length_tokens 1.000" in text
+    assert "pairwise abstain band for accuracy 0.9" in text
+    d = check.to_dict()
+    json.dumps(d, allow_nan=False)
+    assert SelfCheck.from_dict(d).pairwise == d["pairwise"]
+    assert d["pairwise"]["pairs"] == 30 and "pairwise" in check.summary_dict()
+
+
+def test_pairwise_band_is_symmetric_and_measured_out_of_fold():
+    """The band over pairs: ties within |margin| <= t whichever output is a, t fitted on the
+    other instruction folds for each fold's pairs; a target nothing reaches: all ties."""
+    import numpy as np
+
+    from icqs_fast.engine.selfcheck_pairs import margin_band
+
+    rng = np.random.default_rng(1)
+    d = rng.normal(0.5, 1.0, 60)
+    band = margin_band(d, np.arange(60), 0.8, folds=5, seed=0, n_boot=200, level=0.95)
+    assert band.reached and band.lo == -band.hi and band.hi > 0
+    assert band.coverage < 1.0 and band.coverage_lo <= band.coverage <= band.coverage_hi
+    # In sample, the fitted margin's outside reaches the aim it was fitted for.
+    out = np.abs(d) > band.hi
+    assert (d[out] > 0).mean() >= band.aim - 1e-9 and band.aim >= 0.8
+    none = margin_band(-np.abs(d), np.arange(60), 0.8, folds=5, seed=0, n_boot=200,
+                       level=0.95)  # every pick wrong
+    assert not none.reached
+
+
+def test_score_pairs_self_check_over_pairs_in_summary_meta_and_check(cli, tiny, tmp_path,
+                                                                     capsys):
+    """`score --pairs --good-bad-pairs`: the self-check draws whole instructions and says
+    the expected pairwise accuracy, the pairwise baselines and the band over pairs; the meta
+    file keeps them and `check --from-output` shows them."""
+    from _helpers import write_jsonl
+
+    from icqs_fast.cli import main
+    from icqs_fast.io.runs import meta_path
+
+    tiny_dir = tiny[0]
+    good, bad = _pools()
+    pool_pairs = write_jsonl(tmp_path / "pool_pairs.jsonl", [
+        {"x": g["x"], "y_a": g["y"], "y_b": b["y"], "better": "a"}
+        for g, b in zip(good, bad, strict=True)])
+    inp = write_jsonl(tmp_path / "pairs.jsonl", _test_pairs())
+    out = tmp_path / "judged.jsonl"
+    code, err = cli("--pairs", inp, "-o", out, "--label-field", "better", "--good-bad-pairs",
+                    pool_pairs, "--self-check-max", "60", "--target-accuracy", "0.8",
+                    demos=False, quiet=False)
+    assert code == 0, err
+    # (30 instructions drawn; a pair with an output no clean set could score is left out)
+    got = re.search(r"self-check: pairwise \((\d+) held-out pairs of \1 instructions, whole "
+                    r"instructions held out\): expected pairwise accuracy \d\.\d{3} \[", err)
+    assert got and 20 <= int(got[1]) <= 30, err
+    assert "pairwise baselines (direction fitted out of fold): length_tokens" in err
+    assert "pairwise abstain band" in err
+    meta = json.loads(meta_path(out).read_text())
+    pw = meta["self_check"]["pairwise"]
+    assert pw["pairs"] == int(got[1]) and meta["self_check"]["config"]["draw"] == "instructions"
+    assert {b["name"] for b in pw["baselines"]} >= {"length_tokens", "length_chars"}
+    capsys.readouterr()
+    assert main(["check", "--from-output", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(rf"^pairwise +pairwise \({got[1]} held-out pairs", shown, re.M), shown
+    # check with the same pools as pairs: the same pairwise self-check, its scores from the
+    # cache score filled (nothing scored again).
+    assert main(["check", "--good-bad-pairs", str(pool_pairs), "--model", str(tiny_dir),
+                 "--self-check-max", "60", "--target-accuracy", "0.8", "--json",
+                 *KW[:-1]]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["cache"] == "hit" and d["config"]["draw"] == "instructions"
+    assert d["pairwise"] == pw
+
+
+# --------------------------------------------------------------------------- resume, shard
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_pairs_resume_and_shard(grouped, cli, tmp_path):
+    """--shard i/n with pairs: the shards' outputs concatenated are the whole run's (a grouped
+    pair cut by a record boundary goes to the shard of its first record); --resume after a
+    run cut short continues after the last pair written, checking its id, and ends with the
+    whole run's lines."""
+    from _helpers import read_jsonl, write_jsonl
+
+    from icqs_fast.io.runs import meta_path
+
+    rows = _test_pairs()
+    if grouped:  # 10 records: the 2-shard boundary (record 5) cuts pair p2 (records 4, 5)
+        rows = [{"pid": r["id"], "x": r["x"], "y": r[f"y_{s}"]} for r in rows for s in "ab"]
+        extra = ["--pair-field", "pid"]
+    else:
+        extra = []
+    inp = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    common = [*extra, "--no-self-check"]
+    code, err = cli("--pairs", inp, "-o", tmp_path / "all.jsonl", *common)
+    assert code == 0, err
+    whole = read_jsonl(tmp_path / "all.jsonl")
+    assert len(whole) == 5
+    parts = []
+    for i in range(3):
+        out = tmp_path / f"s{i}.jsonl"
+        code, err = cli("--pairs", inp, "-o", out, "--shard", f"{i}/3", *common)
+        assert code == 0, err
+        parts += read_jsonl(out)
+    assert [r["index"] for r in parts] == [r["index"] for r in whole]
+    assert parts == whole
+    # A run cut short after two pairs: --resume writes the other three, once each.
+    cut = tmp_path / "cut.jsonl"
+    code, err = cli("--pairs", inp, "-o", cut, *common)
+    assert code == 0, err
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:2]))
+    assert meta_path(cut).exists()
+    code, err = cli("--pairs", inp, "-o", cut, "--resume", *common)
+    assert code == 0, err
+    assert read_jsonl(cut) == whole
+    # The input changed under the last pair written: refused, naming it.
+    rows2 = [dict(r) for r in rows]
+    key = "pid" if grouped else "id"
+    k = 2 if grouped else 1  # the record of the second pair's a
+    rows2[k][key] = "other"
+    if grouped:
+        rows2[k + 1][key] = "other"
+    write_jsonl(inp, rows2)
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:2]))
+    code, err = cli("--pairs", inp, "-o", cut, "--resume", *common)
+    assert code == 2 and "the input changed since the output was written" in err, err
+
+
+# --------------------------------------------------------------------------- /v1/score pairs
+
+
+@pytest.mark.server
+def test_v1_score_pairs_equal_score_pairs(tiny):
+    """/v1/score with 'pairs' (the FastAPI test client, the tiny model): per pair the fields
+    `score --pairs` writes (the declared PAIR_FIELDS' result part), equal to the library's
+    score_pairs; the tie margin; pairs with features, or pairs and records, are a 400."""
+    from starlette.testclient import TestClient
+
+    from icqs_fast.engine.scorer import ICQSScorer
+    from icqs_fast.serve.app import Server
+    from icqs_fast.serve.config import ServeConfig
+
+    _, (model, tok) = tiny
+    good, bad = _pools(6)
+    g = [[r["x"], r["y"]] for r in good]
+    b = [[r["x"], r["y"]] for r in bad]
+    opts = {"num_ratios": 2, "demos_per_set": 1, "sets_per_ratio": 2, "seed": 0}
+    rows = _test_pairs()
+    pairs = [{"x": r["x"], "y_a": r["y_a"], "y_b": r["y_b"]} for r in rows]
+    srv = Server(model, tok, ServeConfig(model_name="tiny"))
+    with TestClient(srv.app()) as client:
+        r = client.post("/v1/score", json={"pairs": pairs, "good": g, "bad": b,
+                                           "icqs_options": opts})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        scorer = ICQSScorer(model, tok, [tuple(x) for x in g], [tuple(x) for x in b], **opts)
+        want = list(score_pairs(scorer, [(p["x"], p["y_a"], p["y_b"]) for p in pairs]))
+        assert [d["index"] for d in data] == list(range(5))
+        for d, w in zip(data, want, strict=True):
+            assert set(d) == {"index", "pair"}
+            # As a score --pairs line: p_a_better left out without a self-check (the
+            # request's own pools get none).
+            assert set(d["pair"]) == {f.name for f in PAIR_FIELDS if f.source == "result"
+                                      and f.name != "p_a_better"}
+            assert d["pair"]["score_a"] == pytest.approx(w.score_a, abs=1e-5)
+            assert d["pair"]["score_b"] == pytest.approx(w.score_b, abs=1e-5)
+            assert d["pair"]["preferred"] == w.preferred
+        r = client.post("/v1/score", json={"pairs": pairs[:2], "good": g, "bad": b,
+                                           "icqs_options": opts, "tie_margin": 1e9})
+        assert [d["pair"]["preferred"] for d in r.json()["data"]] == ["tie", "tie"]
+        for body, word in (({"features": True}, "leave out 'features'"),
+                           ({"records": [{"x": "q", "y": "a"}]}, "'records' or 'pairs'")):
+            r = client.post("/v1/score", json={"pairs": pairs, "good": g, "bad": b, **body})
+            assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+        r = client.post("/v1/score", json={"pairs": [{"y_a": "a", "y_b": "b"}], "good": g,
+                                           "bad": b})
+        assert r.status_code == 400 and "pair 0" in r.json()["error"]["message"], r.text
+
+
+def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
+    """N pairs cost ONE prefix-bank pass, the same for 2 pairs as for 6: the demonstration
+    prefixes are computed once and every output runs only its own suffix rows against them
+    (2 outputs x M+1 x L contexts per pair). The query x runs in each output's suffix, so
+    once per output and context: counted here."""
+    import icqs_fast.engine.scorer as scorer_mod
+    from icqs_fast.engine.batching import PrefixBank
+    from icqs_fast.engine.scorer import ICQSScorer
+
+    _, (model, tok) = tiny
+    good, bad = _pools(8)
+    rows = _test_pairs()
+    adds, suffix_rows = [], []
+    real_add, real_suffix = PrefixBank.add, scorer_mod.suffix_hidden
+
+    def add(self, prefixes):
+        adds.append((id(self), len(prefixes)))
+        return real_add(self, prefixes)
+
+    def suffix(model_, bank, entries, suffixes, *a, **k):
+        suffix_rows.extend(suffixes)
+        return real_suffix(model_, bank, entries, suffixes, *a, **k)
+
+    monkeypatch.setattr(PrefixBank, "add", add)
+    monkeypatch.setattr(scorer_mod, "suffix_hidden", suffix)
+    passes = {}
+    for n in (2, 6):
+        adds.clear()
+        suffix_rows.clear()
+        sc = ICQSScorer(model, tok, [(r["x"], r["y"]) for r in good],
+                        [(r["x"], r["y"]) for r in bad], num_ratios=2, demos_per_set=1,
+                        sets_per_ratio=2, seed=0)
+        pairs = [(r["x"], r["y_a"], r["y_b"]) for r in (rows * 2)[:n]]
+        assert len(list(score_pairs(sc, pairs))) == n
+        if sc.plain:
+            pytest.fail("the tiny llama should take the prefix-bank path")
+        # (the model's capability probe, run once per model, builds a bank of its own)
+        passes[n] = ([k for b, k in adds if b == id(sc.prefix_bank)],
+                     sc.prefix_bank.forward_tokens, len(sc.prefix_bank))
+        assert len(suffix_rows) == 2 * n * sc.n_contexts  # each output's own rows only
+        # The query's tokens run once per output and context (twice per pair).
+        q = len(tok.encode(pairs[0][0], add_special_tokens=False))
+        assert sum(len(s) for s in suffix_rows) >= 2 * n * sc.n_contexts * q
+    # One add of the 4 demonstration prefixes, whatever the number of pairs.
+    assert passes[2] == passes[6] and passes[2][0] == [4] and passes[2][2] == 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -128,6 +129,48 @@ def write_input(path: Path, n: int) -> Path:
             f.write(json.dumps({"id": f"rec-{i}", "x": HOSTILE[i % 3] + f" question {i}",
                                 "y": HOSTILE[(i + 1) % 3] + " answer " + "long " * 80,
                                 "quality": "good"}, ensure_ascii=False) + "\n")
+    return path
+
+
+def pairs_check_dict(n: int = 40, target: float | None = 0.8) -> dict:
+    """A real self-check with its pairwise part (engine/selfcheck.fit_self_check over ``n``
+    instructions, each with a good and a bad answer, the good ones shorter), as a pairs
+    run's meta file holds it."""
+    rng = random.Random(3)
+    items = ([(f"q{i}", "g" * (3 + i % 4)) for i in range(n)]
+             + [(f"q{i}", "b" * (8 + i % 5)) for i in range(n)])
+    labels = [1] * n + [0] * n
+    scores = [0.5 + 0.1 * (rng.gauss(0, 1) + (0.8 if lab else -0.8)) for lab in labels]
+    values = [{"length_tokens": float(len(y)), "length_chars": float(len(y))}
+              for _, y in items]
+    return fit_self_check(scores, labels, n_boot=200, target_accuracy=target,
+                          baseline_values=values, pair_items=items).to_dict()
+
+
+def write_pairs_output(path: Path, n: int, check: dict | None, kind: str = "jsonl",
+                       tie: float = 0.0) -> Path:
+    """A ``score --pairs`` output of ``n`` judged pairs (the declared PAIR_FIELDS, labels a /
+    b, ICQS right on about 70 %) and one skipped bad pair, with its meta file."""
+    from icqs_fast.io.schema import arrow_schema as schema_of
+
+    rng = random.Random(5)
+    rows = []
+    for i in range(n):
+        better = "a" if i % 2 == 0 else "b"
+        m = rng.gauss(0.05 if better == "a" else -0.05, 0.08)
+        pref = "tie" if abs(m) <= tie else "a" if m > 0 else "b"
+        rows.append({"index": i, "line": i + 1, "id": f"p{i}", "label": better,
+                     "score_a": 0.5 + m / 2, "score_b": 0.5 - m / 2, "preferred": pref,
+                     "margin": m, "p_a_better": 1 / (1 + math.exp(-10 * m))})
+    rows.append({"index": n, "line": n + 1, "error": {"field": "y_b", "reason": "missing"}})
+    meta = {**meta_for(check), "pairs": {"y_a_field": "y_a", "y_b_field": "y_b",
+                                         "pair_field": None, "tie_margin": tie}}
+    writer = (ParquetResultWriter(path, schema=schema_of("pairs")) if kind == "parquet"
+              else JsonlWriter(path))
+    write_meta(path, meta)
+    with writer:
+        for r in rows:
+            writer.write(r)
     return path
 
 
@@ -530,3 +573,39 @@ def test_baselines_beside_icqs_and_the_sentence_when_one_beats_it(tmp_path):
     assert "Baselines on the same held-out items" in html
     assert "A baseline beats ICQS:</b> response length in tokens beats ICQS" in html
     assert ">length_chars<" in html and ">ICQS within length strata<" not in html  # no stratum
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_pairs_page(tmp_path, kind):
+    """A `score --pairs` output's page: pairwise accuracy with its interval (the lines'
+    own), the preferred a / b / tie counts, the margin histogram, the self-check's pairwise
+    numbers (ICQS and the baselines over held-out pairs, the band over pairs)."""
+    from icqs_fast.engine.pairs import pairwise_accuracy
+
+    check = pairs_check_dict()
+    out = write_pairs_output(tmp_path / f"p.{kind}", 60, check, kind, tie=0.01)
+    res = write_report(out, tmp_path / "r.html")
+    html = res.path.read_text(encoding="utf-8")
+    page = parse(html)
+    text = " ".join(page.text)
+    assert res.n == 60 and page.csp == CSP and "script" not in page.tags
+    assert "icqs-fast pairs report" in text and "Pairwise judgements" in text
+    lines = [json.loads(x) for x in out.read_text().splitlines()] if kind == "jsonl" else None
+    if lines is not None:
+        judged = [r for r in lines if "preferred" in r]
+        acc, lo, hi = pairwise_accuracy([r["preferred"] for r in judged],
+                                        [r["label"] for r in judged])
+        assert f"pairwise accuracy [{lo:.3f}, {hi:.3f}]" in text and f"{acc:.3f}" in text
+        for k in ("a", "b", "tie"):
+            n = sum(r["preferred"] == k for r in judged)
+            assert re.search(rf"{n}\s*preferred {k}", text), (k, n)
+    assert "1 bad pairs skipped" in text
+    # the margin histogram, the reliability diagram, the pointwise band's coverage curve
+    assert page.tags.count("svg") == 3
+    assert "tie within +-0.01" in text
+    pw = check["pairwise"]
+    assert f"Pairwise: {pw['pairs']} held-out pairs of {pw['instructions']} instructions" in text
+    assert f"{pw['accuracy']:.3f}" in text and "length_chars" in text
+    assert "tie when |margin| is at most" in text or "no margin band reaches" in text
+    with pytest.raises(ValueError, match="leave out --baseline"):
+        write_report(out, tmp_path / "r2.html", baseline=out)

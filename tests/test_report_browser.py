@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_report import make_records, meta_for, self_check_dict, write_input, write_output
+from test_report import (
+    make_records,
+    meta_for,
+    pairs_check_dict,
+    self_check_dict,
+    write_input,
+    write_output,
+    write_pairs_output,
+)
 
 from icqs_fast.report.run_report import write_report
 
@@ -190,6 +198,20 @@ def test_page_with_the_abstain_band_renders(browser, tmp_path):
     got = browser.open(page.resolve().as_uri(), SHOTS / "report-band.png")
     assert got["errors"] == [] and got["requests"] == [], got
     assert got["dom"]["svg"] == 3 + 1, got["dom"]  # the coverage-accuracy curve
+
+
+def test_pairs_page_renders(browser, tmp_path):
+    """A `score --pairs` output's page: the pairwise section (accuracy, a / b / tie counts,
+    the margin histogram) and the self-check's pairwise part render offline, no error."""
+    out = write_pairs_output(tmp_path / "pairs.jsonl", 80, pairs_check_dict(), tie=0.01)
+    page = write_report(out, tmp_path / "report.html").path
+    got = browser.open(page.resolve().as_uri(), SHOTS / "report-pairs.png")
+    assert got["errors"] == [] and got["requests"] == [], got
+    dom = got["dom"]
+    assert dom["h"][0] == "icqs-fast pairs report", dom
+    assert {"Pairwise judgements", "Self-check", "Settings"} <= set(dom["h"]), dom["h"]
+    assert dom["svg"] == 3 and dom["rows"] > 5, dom  # margins, reliability, band curve
+    assert (SHOTS / "report-pairs.png").stat().st_size > 30_000
 
 
 def test_check_sees_a_network_request(browser, tmp_path):

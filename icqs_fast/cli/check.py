@@ -34,10 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_scoring_arguments,
         add_self_check_arguments,
     )
-    from icqs_fast.jobs.config import ScoreJobConfig
+    from icqs_fast.jobs.config import PairOptions, ScoreJobConfig
 
     p.description = __doc__.split("\n\n")[0].replace("``", "")
     add_scoring_arguments(p, demos_required=False)  # not with --from-output
+    # The pools as pairs, as score takes them: the self-check then holds out whole
+    # instructions and is said over pairs too (engine/selfcheck_pairs).
+    add_declared(p, ScoreJobConfig, names=("good_bad_pairs", "demo_label_field"))
+    add_declared(p, PairOptions, names=("y_a_field", "y_b_field", "tie_margin"))
     add_self_check_arguments(p, switch=False)
     p.add_argument("--plot", default=None, metavar="DIR", help="write DIR/reliability.png")
     add_json_argument(p)
@@ -65,19 +69,26 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.cli.options import score_config
+    from icqs_fast.jobs.config import PairOptions
     from icqs_fast.jobs.runner import set_threads
     from icqs_fast.jobs.score import ScoreStrategy
 
     if args.from_output is not None:
         return show(stored_check(args.from_output), args)
-    if args.good is None or args.bad is None:
-        raise ValueError("check needs --good and --bad (or --from-output OUT)")
+    if (args.good is None or args.bad is None) and args.good_bad_pairs is None:
+        raise ValueError("check needs --good and --bad, or --good-bad-pairs FILE (or "
+                         "--from-output OUT)")
     if args.self_check_max == 0:
         raise ValueError("--self-check-max must be >= 1 for check")
     # The score job's own configuration and strategy read the pools and build the scorer,
     # so the check runs under exactly the settings a score run would.
+    pools: dict = {"good_bad_pairs": args.good_bad_pairs,
+                   "demo_label_field": args.demo_label_field}
+    if args.good_bad_pairs is not None:
+        pools["pairs"] = PairOptions(y_a_field=args.y_a_field, y_b_field=args.y_b_field,
+                                     tie_margin=args.tie_margin)
     config = score_config(args, input="-", output=os.devnull, dtype=args.dtype,
-                          threads=args.threads, quiet=args.quiet or args.json)
+                          threads=args.threads, quiet=args.quiet or args.json, **pools)
     config.check()
     quiet = args.quiet or args.json
     set_threads(args.threads)
@@ -151,6 +162,9 @@ def show(check: Any, args: argparse.Namespace) -> int:
         rows.append(("abstain band", check.band.text().split(": ", 1)[1]))
     if check.warning:
         rows.append(("WARNING", check.warning))
+    from icqs_fast.engine.selfcheck_pairs import pairwise_lines
+
+    rows += [("pairwise", line) for line in pairwise_lines(check.pairwise)]  # a --pairs run's
     if plot:
         rows.append(("reliability diagram", plot))
     w = max(len(k) for k, _ in rows)

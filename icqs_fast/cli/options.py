@@ -260,10 +260,10 @@ def doc_tables() -> tuple[tuple[str, Any, tuple[str, ...] | None], ...]:
     return (
         ("Input, output and run (`score`, `features`; `--label-field`: `score` only)",
          JobConfig, (*INPUT_OPTIONS, "encoding", *MODEL_OPTIONS, *RUN_OPTIONS)),
-        ("Demonstrations (`score`, `check`; `--good-bad-pairs`, `--demo-label-field`: `score` "
-         "only)", ScoreJobConfig,
+        ("Demonstrations (`score`, `check`)", ScoreJobConfig,
          ("good", "bad", "good_bad_pairs", "demo_label_field", "demo_x_field", "demo_y_field")),
-        ("Pairs (`score --pairs`; the pair fields also read `--good-bad-pairs`)",
+        ("Pairs (`score --pairs`; the pair fields and `--tie-margin` also for "
+         "`--good-bad-pairs` of `score` and `check`)",
          PairOptions, None),
         ("ICQS options (`score`, `check`; `--calibrate`, `--score`, `--tie-epsilon` also "
          "`eval`, `demo`, `serve`; `/v1/score`'s `icqs_options` takes those marked request)",

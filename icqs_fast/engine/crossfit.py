@@ -193,15 +193,18 @@ def free_values(res: Any, clean: torch.Tensor) -> dict[str, float]:
 def cached_crossfit(scorer: ICQSScorer, good: Sequence, bad: Sequence, *, max_heldout: int,
                     seed: int, leak: str, cache: Any = None,
                     progress: Callable[[Iterable, int], Iterable] | None = None,
-                    config: dict[str, Any] | None = None
+                    config: dict[str, Any] | None = None,
+                    drawn: tuple[list[Example], np.ndarray] | None = None
                     ) -> tuple[list[Example], np.ndarray, np.ndarray, int, list[dict]]:
     """The held-out draw (:func:`heldout_items`) and its cross-fitted scores and labels, each
     item's score read from ``cache`` when it holds it and scored otherwise (only the items it
     lacks, then stored with the rest: :mod:`icqs_fast.engine.selfcheck_cache`); how many were
     reused; and each item's :func:`free_values` (stored beside its score). ``config`` gets
     ``"cache"``: ``"hit"`` (all reused), ``"stored"`` (some scored and stored) and
-    ``"reused"`` / ``"scored"``: the counts."""
-    items, labels = heldout_items(good, bad, max_heldout, seed)
+    ``"reused"`` / ``"scored"``: the counts. ``drawn``: ``(items, labels)`` drawn otherwise
+    (the pairwise self-check's whole instructions,
+    :func:`icqs_fast.engine.selfcheck_pairs.instruction_heldout`) instead of the draw."""
+    items, labels = drawn if drawn is not None else heldout_items(good, bad, max_heldout, seed)
     key = (items_key(scorer, good, bad, leak=leak)
            if cache is not None and cache.enabled else None)
     known = load_items(cache, key, values=True) if key is not None else {}

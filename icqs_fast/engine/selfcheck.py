@@ -83,7 +83,13 @@ from icqs_fast.engine.crossfit import (
     select_heldout as select_heldout,
 )
 from icqs_fast.engine.prompts import check_pool
+from icqs_fast.engine.selfcheck_pairs import (
+    instruction_heldout,
+    pairwise_lines,
+    pairwise_self_check,
+)
 from icqs_fast.engine.settings import SELF_CHECK_MAPS as METHODS
+from icqs_fast.io.strict_json import finite_or_none
 
 if TYPE_CHECKING:
     from icqs_fast.engine.scorer import ICQSScorer
@@ -311,7 +317,7 @@ def distrust(auc_lo: float, auc_hi: float, brier: float, brier_constant: float) 
 
 # The self-check's fields a scoring response carries (:meth:`SelfCheck.summary_dict`).
 SUMMARY_FIELDS = ("status", "message", "auc", "auc_lo", "auc_hi", "level", "warning",
-                  "baselines", "length_matched", "beaten")
+                  "baselines", "length_matched", "beaten", "pairwise")
 
 
 @dataclass
@@ -348,6 +354,9 @@ class SelfCheck:
             what to try (:func:`distrust`).
         target_accuracy, band: the accuracy asked for (``--target-accuracy``) and its
             :class:`AbstainBand` (None without a target or an estimate).
+        pairwise: the pairwise self-check over held-out pairs (whole instructions held
+            out; :func:`icqs_fast.engine.selfcheck_pairs.pairwise_self_check`), None when
+            not asked or when the held-out items make no pair.
     """
 
     status: str
@@ -381,6 +390,7 @@ class SelfCheck:
     baselines: list[dict[str, Any]] = field(default_factory=list)
     length_matched: dict[str, Any] | None = None
     beaten: str = ""
+    pairwise: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -438,6 +448,7 @@ class SelfCheck:
         d["length_matched"] = (None if self.length_matched is None else
                                {k: num(v) for k, v in self.length_matched.items()})
         d["band"] = None if self.band is None else self.band.to_dict()
+        d["pairwise"] = finite_or_none(self.pairwise)
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
         d["reliability"] = [{k: num(v) for k, v in b.items()} for b in self.reliability]
         d["score_range"] = None if self.score_range is None else list(self.score_range)
@@ -462,7 +473,7 @@ class SelfCheck:
         kw: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
             if f.name in d and f.name not in ("calibration", "config", "reliability",
-                                               "score_range", "band"):
+                                               "score_range", "band", "pairwise"):
                 v = d[f.name]
                 kw[f.name] = math.nan if v is None and f.type == "float" else v
         cal = d.get("calibration")
@@ -471,6 +482,7 @@ class SelfCheck:
                 for b in d.get("reliability") or []]
         band = d.get("band")
         kw["warning"] = kw.get("warning") or ""
+        kw["pairwise"] = d.get("pairwise")  # absent: written before the pairwise self-check
         kw["beaten"] = kw.get("beaten") or ""  # absent: written before the baselines
         kw["baselines"] = [{k: math.nan if v is None else v for k, v in b.items()}
                            for b in kw.get("baselines") or []]
@@ -498,6 +510,7 @@ class SelfCheck:
             out.append(f"self-check: {self.band.text()}")
         if self.target_precision is not None:
             out.append(f"self-check: {self.precision_text()}")
+        out += [f"self-check: {line}" for line in pairwise_lines(self.pairwise)]
         return out
 
     def baselines_text(self) -> str:
@@ -581,7 +594,9 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
                    target_precision: float | None = None,
                    target_accuracy: float | None = None,
                    config: dict[str, Any] | None = None,
-                   baseline_values: Sequence[dict[str, float]] | None = None) -> SelfCheck:
+                   baseline_values: Sequence[dict[str, float]] | None = None,
+                   pair_items: Sequence[Any] | None = None,
+                   tie_margin: float = 0.0) -> SelfCheck:
     """The :class:`SelfCheck` of cross-fitted ``scores`` ``[n]`` (NaN: a skipped item, counted
     with ``n_skipped``) and their 0/1 ``labels`` ``[n]`` (1 = good pool).
 
@@ -589,6 +604,11 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
     (:func:`icqs_fast.engine.selfcheck_baselines.item_values`); their AUCs on the same items,
     folds and intervals, ICQS's length-matched AUC and the sentence when one beats ICQS go
     into :attr:`SelfCheck.baselines`, ``length_matched`` and ``beaten``.
+
+    ``pair_items``: the ``(x, y)`` of each item (aligned with ``scores``): also the pairwise
+    self-check over the good / bad items of one instruction (:attr:`SelfCheck.pairwise`,
+    :func:`icqs_fast.engine.selfcheck_pairs.pairwise_self_check`, ties within
+    ``tie_margin``).
 
     Everything is seeded by ``seed`` (bootstrap, folds), so the same input gives the same
     result. Fewer than :data:`MIN_PER_CLASS` usable items in a class gives ``status
@@ -602,6 +622,7 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
     y = np.asarray(labels, dtype=np.int64).reshape(-1)
     if s.shape != y.shape:
         raise ValueError(f"fit_self_check: {s.size} scores for {y.size} labels")
+    whole = (s, y, baseline_values)  # the pairwise part pairs items before any is dropped
     ok = np.isfinite(s)
     n_skipped += int((~ok).sum())
     s, y = s[ok], y[ok]
@@ -653,9 +674,14 @@ def fit_self_check(scores: Sequence[float], labels: Sequence[int], *, n_skipped:
         base = baseline_aucs(values, y, folds=folds, seed=seed, n_boot=n_boot, level=level)
         matched = length_matched_auc(s, y, np.array([v["length_tokens"] for v in values]),
                                      n_boot=n_boot, level=level, seed=seed)
+    pairwise = None
+    if pair_items is not None:
+        pairwise = pairwise_self_check(*whole[:2], pair_items, whole[2],
+                                       tie_margin=tie_margin, target_accuracy=target_accuracy,
+                                       folds=folds, seed=seed, n_boot=n_boot, level=level)
     return SelfCheck(status="ok", message=msg, auc=auc, auc_lo=lo, auc_hi=hi, brier=br,
                      baselines=base, length_matched=matched,
-                     beaten=beaten_by(base, auc, lo, hi) if base else "",
+                     beaten=beaten_by(base, auc, lo, hi) if base else "", pairwise=pairwise,
                      warning=distrust(lo, hi, br, BRIER_CONSTANT), band=band,
                      ece=ec, calibration=cmap, threshold=t, p_at_threshold=cmap.apply(t),
                      expected_accuracy=acc, precision_threshold=pt, precision=prec,
@@ -688,7 +714,8 @@ def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
                    target_accuracy: float | None = None, n_boot: int = N_BOOT,
                    job_records: int | None = None, cache: Any = None,
                    progress: Callable[[Iterable, int], Iterable] | None = None,
-                   baselines: bool = True) -> SelfCheck:
+                   baselines: bool = True, pairwise: bool = False,
+                   tie_margin: float = 0.0) -> SelfCheck:
     """Cross-fit the held-out pool members (:func:`crossfit_heldout`) and fit the
     :class:`SelfCheck` (:func:`fit_self_check`). Pools that cannot give :data:`MIN_PER_CLASS`
     items per class are not scored at all ("too_small" at no cost); ``max_heldout=0`` gives
@@ -706,6 +733,11 @@ def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
         baselines: also score the held-out items with the trivial scorers
             (:mod:`icqs_fast.engine.selfcheck_baselines`: lengths, log-probs with no
             demonstrations) and compare them with ICQS.
+        pairwise: hold out whole instructions (each with its good and bad answers:
+            :func:`icqs_fast.engine.selfcheck_pairs.instruction_heldout`) and add the
+            pairwise self-check over them (:attr:`SelfCheck.pairwise`; ties within
+            ``tie_margin``); pools with no instruction answered in both keep the usual draw
+            and have none (``config["draw"]`` says which).
     """
     if max_heldout == 0:
         return SelfCheck.off("turned off (--self-check-max 0)")
@@ -730,16 +762,23 @@ def run_self_check(scorer: ICQSScorer | None, good: Sequence, bad: Sequence, *,
             message=(f"self-check skipped: {why}; an estimate needs at least {MIN_PER_CLASS} "
                      f"held-out demonstrations of each class (about {auc_sample_size()} of "
                      "each for an AUC interval of +-0.1)"))
+    drawn = None
+    if pairwise:
+        drawn = instruction_heldout(good, bad, max_heldout, seed)
+        cfg["draw"] = "instructions" if drawn is not None else "items (no instruction has " \
+            "answers in both pools)"
     items, scores, labels, reused, free = cached_crossfit(
         scorer, good, bad, max_heldout=max_heldout, seed=seed, leak=leak, cache=cache,
-        progress=progress, config=cfg)
+        progress=progress, config=cfg, drawn=drawn)
     values = ([{**v, **f} for v, f in zip(
         cached_baselines(scorer, good, bad, items, leak=leak, cache=cache), free, strict=True)]
               if baselines else None)
     check = fit_self_check(scores, labels, method=method, seed=seed, n_boot=n_boot,
                            target_precision=target_precision,
                            target_accuracy=target_accuracy, config=cfg,
-                           baseline_values=values)
+                           baseline_values=values,
+                           pair_items=items if drawn is not None else None,
+                           tie_margin=tie_margin)
     if reused == len(labels):
         check.message += " (held-out scores reused from the cache)"
     elif reused:

@@ -392,12 +392,11 @@ class ScoreJobConfig(JobConfig):
                 flag = "good-bad-pairs" if self.good_bad_pairs is not None else name
                 raise FileNotFoundError(f"no such --{flag} file: {getattr(self, name)}")
         if self.pairs is not None:
-            # Not built yet for pairs: each would need its pair-aligned record ranges.
-            for on, flag in ((self.resume, "--resume"), (self.shard, "--shard"),
-                             (self.ray, "--ray")):
-                if on:
-                    raise ValueError(f"{flag} is not supported with --pairs yet (rerun the "
-                                     "whole file, with --overwrite over an earlier output)")
+            # The Ray actors read and score plain records in blocks of records; a pair would
+            # need the pair reader and judge there (--resume and --shard work with pairs).
+            if self.ray:
+                raise ValueError("--ray is not supported with --pairs yet (run locally, with "
+                                 "--shard i/n per machine)")
             if self.pairs.pair_field is not None and self.id_field is not None:
                 raise ValueError("--pair-field is the pair's id: leave out --id-field")
 

@@ -12,7 +12,9 @@ pairs for records: both outputs of every pair go into the one scoring stream
 pairwise accuracy with its interval when the pairs carry the better output (``--label-field``),
 beside the length judge's. The whole input is read once before the model loads, so a bad pair
 (a missing output, a group of another size than 2) stops the run before anything is written.
-``--resume``, ``--shard`` and ``--ray`` are refused with pairs
+``--resume`` continues after the last pair written (by its index, checking its id) and
+``--shard i/n`` judges the pairs whose first record lies in the i-th record range
+(:meth:`PairStrategy.read_input`); ``--ray`` is refused with pairs
 (:meth:`~icqs_fast.jobs.config.ScoreJobConfig.check`).
 
 ``--good-bad-pairs FILE`` (also without ``--pairs``): the pools as pairs, the better output
@@ -102,21 +104,46 @@ class PairStrategy(ScoreStrategy):
         """Input records per output line (the progress bar's total is the file's records)."""
         return 1 if self.config.pair_options.pair_field is None else 2
 
-    def read_input(self, **kw: Any) -> Iterator[PairRecord | RecordError]:
-        """The input's pairs (``kw``: :func:`~icqs_fast.io.readers.read_pairs`' skip, stop,
-        on_error, allow_empty)."""
+    def read_input(self, *, skip: int = 0, stop: int | None = None,
+                   **kw: Any) -> Iterator[PairRecord | RecordError]:
+        """The input's pairs whose index (the record of a, or of the bad record) lies in
+        ``[skip, stop)`` - what ``--resume`` (after the last pair written) and ``--shard``
+        (a pair goes to the shard holding its first record) read; ``kw``:
+        :func:`~icqs_fast.io.readers.read_pairs`' on_error, allow_empty. One a/b record per
+        pair: the records of that range. Grouped pairs (``--pair-field``) are grouped from
+        the file's start, so that a range boundary between a pair's two records (or a bad
+        group before it) groups them as the whole run did."""
         c = self.config
-        return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding, **kw)
+        if c.pair_options.pair_field is None:
+            return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
+                              skip=skip, stop=stop, **kw)
+        pairs = read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
+                           **kw)
+        if not skip and stop is None:
+            return pairs
+        return (p for p in pairs if p.index >= skip and (stop is None or p.index < stop))
 
     def peek_input(self, config: ScoreJobConfig) -> None:
         """Every pair is read before the model loads (reading costs nothing beside scoring):
-        a whole-file error, or with ``--on-error stop`` the first bad pair, stops the run
-        before anything is written. Standard input cannot be read twice: only its run checks
-        it."""
+        a whole-file error, or with ``--on-error stop`` the first bad pair (of this shard's
+        range with ``--shard``; after the output's last pair with ``--resume``, which the run
+        checks), stops the run before anything is written. Standard input cannot be read
+        twice: only its run checks it."""
         if config.input == "-":
             return
+        lo, hi = 0, None
+        if config.shard is not None:
+            from icqs_fast.io.readers import count_records
+            from icqs_fast.io.records import parse_shard, shard_range
+
+            total = count_records(config.input, format=config.format,
+                                  encoding=config.encoding)
+            if total == 0:
+                raise InputError(config.input_name, None, None, "no records (nothing to shard)")
+            lo, hi = shard_range(total, *parse_shard(config.shard))
         for p in self.read_input(on_error="yield", allow_empty=False):
-            if isinstance(p, RecordError) and config.on_error == "stop":
+            if (isinstance(p, RecordError) and config.on_error == "stop" and not config.resume
+                    and p.index >= lo and (hi is None or p.index < hi)):
                 raise p
 
     def job_records(self, policy: Any, limit: int) -> int | None:

@@ -406,6 +406,10 @@ class ScoreStrategy:
                 log(f"icqs-fast: self-check of the resumed output reused: {check.message}")
         else:
             kw = c.self_check.kwargs()
+            if c.pairs is not None or c.good_bad_pairs is not None:
+                # Pairs are judged (or the pools are pairs): held out by instruction, and
+                # said over pairs too.
+                kw.update(pairwise=True, tie_margin=c.pair_options.tie_margin)
             # The default size follows the job; a --self-check-max of one's own is as asked.
             kw["job_records"] = (self.job_records(policy, kw["max_heldout"])
                                  if kw["max_heldout"] == DEFAULT_MAX_HELDOUT else None)

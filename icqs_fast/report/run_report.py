@@ -7,7 +7,10 @@ its interval, the reliability diagram, the threshold, the expected accuracy); th
 ``p_good_calibrated`` distributions per label; with labels, the confusion at the threshold and
 the most confident mistakes; the least certain records (smallest margin, most near ties, widest
 per-set spread, closest to the threshold), with their texts when the scored input is given;
-and, with a baseline, the drift between the two runs (:mod:`icqs_fast.report.drift`).
+and, with a baseline, the drift between the two runs (:mod:`icqs_fast.report.drift`). A
+``score --pairs`` output gets a pairs page (:func:`render_pairs_page`): the pairwise accuracy
+when the better output is known, the preferred a / b / tie counts, the margin distribution,
+and the self-check with its pairwise part.
 
 The page needs no network: the charts are inline SVG (:mod:`icqs_fast.report.svg`), the style is
 inline, there is no script, and a content policy (``default-src 'none'``) makes the browser
@@ -38,7 +41,8 @@ from icqs_fast.report.run_output import (
     summarise,
 )
 
-__all__ = ["ReportResult", "write_report", "render_page"]
+__all__ = ["PairsSummary", "ReportResult", "is_pairs_run", "render_page", "render_pairs_page",
+           "summarise_pairs", "write_report"]
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 TEXT_LIMIT = 160  # characters of a record's prompt / response shown
@@ -204,7 +208,197 @@ def _self_check(check: Any) -> str:
         out.append(_baselines(check))
     if check.band is not None:
         out.append(_band(check.band))
+    if check.pairwise:
+        out.append(_pairwise_check(check.pairwise))
     return "".join(out)
+
+
+def _pairwise_check(p: dict) -> str:
+    """The pairwise self-check (:mod:`icqs_fast.engine.selfcheck_pairs`): ICQS's expected
+    pairwise accuracy over held-out pairs beside the baselines', and the band over pairs."""
+    def iv(d: dict) -> list[str]:
+        return [_num(d["accuracy"]), f"[{_num(d['accuracy_lo'])}, {_num(d['accuracy_hi'])}]"]
+
+    out = [f"<h3>Pairwise: {p['pairs']} held-out pairs of {p['instructions']} instructions "
+           "(whole instructions held out)</h3>"]
+    if p.get("beaten"):
+        out.append(f'<p class="warn"><b>A baseline beats ICQS over pairs:</b> '
+                   f"{escape(p['beaten'])}.</p>")
+    rows = [["<b>ICQS</b>", *iv(p), "expected pairwise accuracy (the better output scored "
+             "higher; a tie counts half)"]]
+    rows += [[escape(b["name"]), *iv(b), escape(f"{b['text']}; {b['direction']} is better on "
+                                                "the pools (fitted out of fold)")]
+             for b in p.get("baselines") or []]
+    out.append(_table(["judge", "pairwise accuracy", "interval", "what"], rows, {1}))
+    band = p.get("band")
+    if band is not None:
+        from icqs_fast.engine.abstain import AbstainBand
+        from icqs_fast.engine.selfcheck_pairs import pairwise_lines
+
+        b = AbstainBand.from_dict(band)
+        if b.reached:
+            out.append('<div class="cards">' + "".join([
+                _card(_num(b.hi, ".4f"), "tie when |margin| is at most"),
+                _card(_num(b.coverage, ".2f"), f"pairs judged [{_num(b.coverage_lo, '.2f')}, "
+                      f"{_num(b.coverage_hi, '.2f')}]"),
+                _card(_num(b.accuracy, ".2f"), f"accuracy of the judged pairs "
+                      f"[{_num(b.accuracy_lo, '.2f')}, {_num(b.accuracy_hi, '.2f')}]"),
+            ]) + "</div>")
+        line = [t for t in pairwise_lines(p) if t.startswith("pairwise abstain band")]
+        out.append(f'<p class="{"note" if b.reached else "warn"}">{escape(line[0])}</p>')
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- pairs
+
+# The fields of a ``score --pairs`` line the pairs page reads (io/schema.py PAIR_FIELDS).
+PAIR_READ = ("index", "label", "preferred", "margin", "p_a_better", "error")
+MARGIN_BINS = 24
+
+
+@dataclass
+class PairsSummary:
+    """One pass over a ``score --pairs`` output: the pairs judged, the bad ones skipped, the
+    ``preferred`` counts, every margin (8 bytes a pair) and label."""
+
+    n: int = 0
+    n_skipped: int = 0
+    preferred: dict | None = None
+    margins: list | None = None
+    labels: list | None = None
+    judged: list | None = None
+
+
+def is_pairs_run(run: RunOutput) -> bool:
+    """Whether ``run`` is a ``score --pairs`` output (its meta file's ``pairs`` key, else
+    its first line's ``preferred``)."""
+    if isinstance(run.meta.get("pairs"), dict):
+        return True
+    for _, row in _pair_rows(run):
+        return "preferred" in row
+    return False
+
+
+def _pair_rows(run: RunOutput):
+    """``(file, record)`` of every line of a pairs output (JSONL or Parquet files), only
+    :data:`PAIR_READ`; an incomplete last JSONL line (a run still writing) is left out."""
+    for f in run.files:
+        if f.lower().endswith((".parquet", ".pq")):
+            import pyarrow.parquet as pq
+
+            t = pq.read_table(f)
+            cols = [c for c in PAIR_READ if c in t.column_names]
+            for row in t.select(cols).to_pylist():
+                yield f, {k: v for k, v in row.items() if v is not None}
+            continue
+        with open(f, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if not raw.endswith(b"\n") or not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    obj = None
+                if not isinstance(obj, dict):
+                    from icqs_fast.io.records import InputError
+
+                    raise InputError(f, lineno, None, "not a result record (a JSON object)")
+                yield f, {k: obj[k] for k in PAIR_READ if k in obj}
+
+
+def summarise_pairs(run: RunOutput) -> PairsSummary:
+    """The :class:`PairsSummary` of a pairs output, in one pass."""
+    from array import array
+
+    s = PairsSummary(preferred={"a": 0, "b": 0, "tie": 0}, margins=array("d"), labels=[],
+                     judged=[])
+    for _, r in _pair_rows(run):
+        if "preferred" not in r:
+            s.n_skipped += int("error" in r)
+            continue
+        s.n += 1
+        pref = str(r["preferred"])
+        s.preferred[pref] = s.preferred.get(pref, 0) + 1
+        m = r.get("margin")
+        s.margins.append(float(m) if isinstance(m, (int, float)) else math.nan)
+        if r.get("label") in ("a", "b"):
+            s.labels.append(r["label"])
+            s.judged.append(pref)
+    return s
+
+
+def _pairs_section(s: PairsSummary, meta: dict) -> str:
+    """Pairwise accuracy (when the better output is known), the preferred counts and the
+    margin distribution of a pairs output."""
+    from icqs_fast.engine.pairs import pairwise_accuracy
+
+    out = ["<h2>Pairwise judgements</h2>"]
+    cards = [_card(f"{s.n:,}", "pairs judged")]
+    cards += [_card(f"{s.preferred.get(k, 0):,}", f"preferred {k}") for k in ("a", "b", "tie")]
+    if s.labels:
+        acc, lo, hi = pairwise_accuracy(s.judged, s.labels)
+        cards.insert(1, _card(f"{acc:.3f}", f"pairwise accuracy [{lo:.3f}, {hi:.3f}] (95% "
+                              f"bootstrap over {len(s.labels):,} labelled pairs; a tie counts "
+                              "half)"))
+    out.append(f'<div class="cards">{"".join(cards)}</div>')
+    if not s.labels:
+        out.append('<p class="note">The pairs carry no better output (<code>--label-field'
+                   "</code>): no pairwise accuracy.</p>")
+    fin = [m for m in s.margins if math.isfinite(m)]
+    if fin:
+        tie = float((meta.get("pairs") or {}).get("tie_margin") or 0.0)
+        top = max(max(abs(m) for m in fin), tie) or 1.0
+        top *= 1.0001  # the largest margin inside the last bin
+        edges = [-top + 2 * top * i / MARGIN_BINS for i in range(MARGIN_BINS + 1)]
+
+        def counts(ms: list) -> list[int]:
+            c = [0] * MARGIN_BINS
+            for m in ms:
+                c[min(MARGIN_BINS - 1, int((m - edges[0]) / (2 * top) * MARGIN_BINS))] += 1
+            return c
+
+        margins = list(s.margins)
+        if s.labels and len(s.labels) == s.n:
+            series = {f"{k} better": counts([m for m, lab in zip(margins, s.labels,
+                                                                  strict=True)
+                                             if lab == k and math.isfinite(m)])
+                      for k in ("a", "b")}
+        else:
+            series = {"all pairs": counts(fin)}
+        series = {k: v for k, v in series.items() if sum(v)}
+        out.append('<div class="charts"><figure>' + svg.histogram(
+            series, xlabel="margin = score_a - score_b", title="margin by the better output",
+            marker=0.0, marker_label=f"tie within +-{tie:g}" if tie else "0",
+            xr=(-top, top))
+            + "<figcaption>the pairs' margins (each series' share per bin): right of 0 "
+            "ICQS prefers a, left b" + (f"; within +-{tie:g} a tie" if tie else "")
+            + "</figcaption></figure></div>")
+    return "".join(out)
+
+
+def render_pairs_page(run: RunOutput, s: PairsSummary, check: Any) -> str:
+    """The page of a ``score --pairs`` output: its header, the pairwise judgements, the
+    self-check (with its pairwise part) and the settings."""
+    m = run.meta
+    cards = [_card(f"{s.n:,}", "pairs judged"), _card(_e(m.get("model", "n/a")), "model"),
+             _card(_e(m.get("dtype", "n/a")), "dtype"),
+             _card(_e(m.get("device", "n/a")), "device")]
+    if s.n_skipped:
+        cards.insert(1, _card(f"{s.n_skipped:,}", "bad pairs skipped"))
+    meta = (f"meta file {escape(run.meta_file)}" if run.meta_file
+            else "no meta file found: settings and self-check unknown")
+    head = (f"<h1>icqs-fast pairs report</h1><div class=\"sub\">{escape(run.path)} "
+            f"({escape(run.kind)}, {len(run.files)} file(s)); {meta}</div>"
+            f'<div class="cards">{"".join(cards)}</div>')
+    body = [head, _pairs_section(s, m), _self_check(check), _settings(run)]
+    title = f"icqs-fast pairs report: {os.path.basename(run.path.rstrip('/')) or run.path}"
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body><main>"
+            + "".join(body) + '<p class="note">written by icqs-fast report '
+            f"on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p></main></body>"
+            "</html>\n")
 
 
 def _baselines(check: Any) -> str:
@@ -451,6 +645,16 @@ def write_report(output: str | os.PathLike, page: str | os.PathLike, *,
     t0 = time.perf_counter()
     run = open_run(output)
     check = read_self_check(run.meta)
+    if run.kind != "blocks" and is_pairs_run(run):  # score --pairs (no --ray: no blocks)
+        if baseline is not None or input is not None:
+            raise ValueError("a pairs output's page has no drift or record texts: leave out "
+                             "--baseline and --input")
+        ps = summarise_pairs(run)
+        data = render_pairs_page(run, ps, check).encode("utf-8")
+        p = Path(page)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(p, data)
+        return ReportResult(p, len(data), ps.n, time.perf_counter() - t0, None)
     thr = float(check.threshold) if check is not None and check.ok else math.nan
     base = open_run(baseline) if baseline is not None else None
     s = summarise(run, threshold=thr, columns=base is not None)

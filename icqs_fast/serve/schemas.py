@@ -153,6 +153,17 @@ class ScoreRecord(_Request):
     reference: Text | None = None
 
 
+class ScorePair(_Request):
+    """One pair: the instruction (``x``, or ``instruction`` / ``prompt``) and its two outputs
+    ``y_a`` and ``y_b`` (which is better: the response's ``pair.preferred``)."""
+
+    x: Text | None = None
+    instruction: Text | None = None
+    prompt: Text | None = None
+    y_a: Text
+    y_b: Text
+
+
 class Demonstration(_Request):
     x: Text
     y: Text
@@ -203,7 +214,13 @@ class ScoreRequest(_Request):
     """``POST /v1/score``: ICQS scores and/or glass-box features of ``records``."""
 
     model: str | None = None
-    records: Annotated[list[ScoreRecord], Field(min_length=1)]
+    records: Annotated[list[ScoreRecord], Field(min_length=1)] | None = Field(
+        None, description="the responses to score (or 'pairs')")
+    pairs: Annotated[list[ScorePair], Field(min_length=1)] | None = Field(
+        None, description="pairs to judge instead of records (as `score --pairs`): both "
+        "outputs of each scored with ICQS, each item's 'pair' the per-pair fields")
+    tie_margin: float | None = Field(None, ge=0, description="with 'pairs': scores this close "
+                                     "or closer are a tie (`--tie-margin`; default 0)")
     features: bool | list[FeatureName] | None = Field(
         None, description="true: every feature; or a list of feature names")
     icqs: bool | None = Field(None, description="default: true when demonstrations are known")
@@ -212,14 +229,15 @@ class ScoreRequest(_Request):
     icqs_options: IcqsOptions | None = None
 
 
-def icqs_score_model() -> type[BaseModel]:
-    """The ICQS part of a ``/v1/score`` item, derived from the declared result schema
-    (:data:`icqs_fast.io.schema.ICQS_FIELDS`, the result's own fields): the same names,
-    shapes and meanings as a ``score`` output line; floats nullable (a non-finite number is
-    null in JSON), fields present only sometimes optional."""
+def icqs_score_model(kind: str = "icqs") -> type[BaseModel]:
+    """The ICQS part of a ``/v1/score`` item (``kind="pairs"``: a pair's), derived from the
+    declared result schema (:data:`icqs_fast.io.schema.ICQS_FIELDS` /
+    :data:`~icqs_fast.io.schema.PAIR_FIELDS`, the result's own fields): the same names, shapes
+    and meanings as a ``score`` (``score --pairs``) output line; floats nullable (a
+    non-finite number is null in JSON), fields present only sometimes optional."""
     base = {"int": int, "float": float | None, "bool": bool, "text": str}
     fields: dict[str, Any] = {}
-    for f in schema.ICQS_FIELDS:
+    for f in schema.ICQS_FIELDS if kind == "icqs" else schema.PAIR_FIELDS:
         if f.source != "result":
             continue
         typ: Any = base[f.type]
@@ -227,15 +245,17 @@ def icqs_score_model() -> type[BaseModel]:
             typ = list[typ]
         fields[f.name] = ((typ, Field(description=f.meaning)) if not f.when else
                           (typ | None, Field(None, description=f"{f.meaning} ({f.when})")))
-    return create_model("IcqsScore", **fields)
+    return create_model("IcqsScore" if kind == "icqs" else "PairScore", **fields)
 
 
 IcqsScore = icqs_score_model()
+PairScore = icqs_score_model("pairs")
 
 
 class ScoreItem(BaseModel):
     index: int
     icqs: IcqsScore | None = None
+    pair: PairScore | None = None  # with 'pairs': the pair's judgement
     # int | float: the token count (n_tokens) stays an integer in the JSON.
     features: dict[str, int | float | None] | None = None
 
@@ -301,5 +321,6 @@ class ErrorResponse(BaseModel):
 __all__ = ["CompletionChoice", "CompletionChunk", "CompletionLogprobs", "CompletionRequest",
            "CompletionResponse", "CompletionStreamChoice",
            "Demonstration", "ErrorDetail", "ErrorResponse", "Health", "IcqsOptions",
-           "IcqsScore", "ModelCard", "ModelList", "ScoreItem", "ScoreRecord", "ScoreRequest",
+           "IcqsScore", "ModelCard", "ModelList", "PairScore", "ScoreItem", "ScorePair",
+           "ScoreRecord", "ScoreRequest",
            "ScoreResponse", "StreamOptions", "Text", "Usage"]

@@ -23,14 +23,20 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from icqs_fast.engine.settings import ScoringSettings
-from icqs_fast.io.schema import result_row
+from icqs_fast.io.schema import pair_row, result_row
 from icqs_fast.io.strict_json import finite_or_none
 from icqs_fast.serve.admission import Admission, score_price
 from icqs_fast.serve.config import ServeConfig
 from icqs_fast.serve.dispatch import Dispatcher
 from icqs_fast.serve.errors import APIError
 from icqs_fast.serve.queue import Unit
-from icqs_fast.serve.schemas import IcqsScore, ScoreItem, ScoreRequest, ScoreResponse
+from icqs_fast.serve.schemas import (
+    IcqsScore,
+    PairScore,
+    ScoreItem,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -44,6 +50,22 @@ def icqs_item(res: Any) -> IcqsScore:
     (:func:`icqs_fast.io.schema.result_row`, as in a ``score`` line), non-finite numbers as
     null."""
     return IcqsScore(**finite_or_none(result_row(res)))
+
+
+def pair_item(res: Any) -> PairScore:
+    """One :class:`icqs_fast.engine.pairs.PairResult` as the response's
+    :class:`~icqs_fast.serve.schemas.PairScore`: its declared result fields
+    (:func:`icqs_fast.io.schema.pair_row`, as in a ``score --pairs`` line)."""
+    return PairScore(**finite_or_none(pair_row(res)))
+
+
+def _pair_records(i: int, p: Any) -> list[dict]:
+    """Pair ``i`` as its two records, (x, y_a) then (x, y_b)."""
+    x = next((v for v in (p.x, p.instruction, p.prompt) if v is not None), None)
+    if x is None:
+        raise APIError(400, f"pair {i}: needs a string field 'x' (or 'instruction', 'prompt')",
+                       "invalid_request", param=f"pairs[{i}]")
+    return [{"x": x, "y": p.y_a, "reference": None}, {"x": x, "y": p.y_b, "reference": None}]
 
 
 def _record(i: int, r: Any) -> dict:
@@ -185,6 +207,23 @@ class Scoring:
             if scorer is self._scorer:
                 self._scorer = None
 
+    def score_pair_chunk(self, records: list[dict], offset: int, held: RequestScorer,
+                         tie_margin: float) -> list[ScoreItem]:
+        """The judgements of one chunk of pairs (``records``: each pair's two, a then b;
+        ``offset``: the first pair's index): both outputs in one scoring stream
+        (:func:`icqs_fast.engine.pairs.score_pairs`), as ``score --pairs`` judges them."""
+        from icqs_fast.engine.pairs import score_pairs
+
+        scorer = held.current(self._cut)  # made again if another request's chunk cut it
+        items = [(a["x"], a["y"], b["y"]) for a, b in zip(records[::2], records[1::2],
+                                                          strict=True)]
+        try:
+            judged = [pair_item(r) for r in score_pairs(scorer, items, tie_margin=tie_margin)]
+        except BaseException:
+            self._forget(scorer)
+            raise
+        return [ScoreItem(index=offset + i, pair=p) for i, p in enumerate(judged)]
+
     def score_chunk(self, records: list[dict], offset: int, held: RequestScorer | None,
                     features: list[str] | None) -> list[ScoreItem]:
         """Scores and features of one chunk of records (``offset``: the first one's index;
@@ -268,8 +307,23 @@ class Scoring:
 
         adm = self.admission
         adm.model(req.model)
-        adm.count(len(req.records), "records")
-        records = [_record(i, r) for i, r in enumerate(req.records)]
+        if (req.records is None) == (req.pairs is None):
+            raise APIError(400, "send 'records' or 'pairs' (one of them)", "invalid_request",
+                           param="records")
+        if req.pairs is not None:
+            if req.features or req.icqs is False:
+                raise APIError(400, "'pairs' are judged with ICQS: leave out 'features' and "
+                               "'icqs' (send 'records' for features)", "invalid_request",
+                               param="features" if req.features else "icqs")
+            adm.count(2 * len(req.pairs), "records")
+            records = [r for i, p in enumerate(req.pairs) for r in _pair_records(i, p)]
+        else:
+            if req.tie_margin is not None:
+                raise APIError(400, "'tie_margin' is for 'pairs'", "invalid_request",
+                               param="tie_margin")
+            adm.count(len(req.records), "records")
+            records = [_record(i, r) for i, r in enumerate(req.records)]
+        step = 2 if req.pairs is not None else 1  # a pair's two records share a chunk
         feats: list[str] | None
         if req.features is True:
             feats = list(ALL_FEATURES)
@@ -316,14 +370,24 @@ class Scoring:
         if want_icqs:  # the demonstration prefixes: once, before the records' chunks
             scorer = RequestScorer(lambda: self.new_scorer(good, bad, options))
             units.append(Unit("call", context_tokens * n_contexts, scorer.build))
+
+        def cost_of(k: int) -> int:  # the k-th item's (a record, or a pair's two)
+            return sum(cost(i) for i in range(k * step, (k + 1) * step))
+
+        n_items = len(records) // step
         start = 0
-        while start < len(records):
-            end, total = start + 1, cost(start)
-            while end < len(records) and total + cost(end) <= self.chunk_cost:
-                total += cost(end)
+        while start < n_items:
+            end, total = start + 1, cost_of(start)
+            while end < n_items and total + cost_of(end) <= self.chunk_cost:
+                total += cost_of(end)
                 end += 1
-            units.append(Unit("call", total, lambda a=start, b=end: self.score_chunk(
-                records[a:b], a, scorer, feats), end - start))
+            if step == 2:
+                work = (lambda a=start, b=end: self.score_pair_chunk(
+                    records[2 * a:2 * b], a, scorer, req.tie_margin or 0.0))
+            else:
+                work = (lambda a=start, b=end: self.score_chunk(records[a:b], a, scorer,
+                                                                feats))
+            units.append(Unit("call", total, work, (end - start) * step))
             start = end
         parts = await self.dispatcher.run(units, len(records), request)
         data = [o for part in parts[1 if want_icqs else 0:] for o in part]
@@ -333,4 +397,4 @@ class Scoring:
                              self_check=self.check.summary_dict() if own else None)
 
 
-__all__ = ["RequestScorer", "Scoring", "icqs_item", "plain_path"]
+__all__ = ["RequestScorer", "Scoring", "icqs_item", "pair_item", "plain_path"]
