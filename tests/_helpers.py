@@ -18,9 +18,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 os.environ.setdefault("ICQS_FAST_CPU_DTYPE", "float32")
 
 
-def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float) -> dict:
-    """float64 statistics of softmax(z / temp) at targets t; z [N, V] any float dtype."""
-    z = z.double()
+def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float,
+                    dtype: torch.dtype = torch.float64) -> dict:
+    """Statistics of softmax(z / temp) at targets t, computed in ``dtype`` (float64: the
+    reference; float32: the same code in the kernels' output dtype, for tests/tolerance.py);
+    z [N, V] any float dtype."""
+    z = z.to(dtype)
     n, v = z.shape
     valid = t != ignore_index
     tt = torch.where(valid, t, torch.zeros_like(t))
@@ -28,29 +31,36 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
     fin = torch.isfinite(x)
     has = fin.any(-1)
     xf = x.masked_fill(~fin, -math.inf)
-    m = torch.where(has, xf.amax(-1), torch.zeros(n, dtype=torch.float64))
+    m = torch.where(has, xf.amax(-1), torch.zeros(n, dtype=dtype))
     e = torch.exp(xf - m[:, None])  # 0 where masked
     s0 = e.sum(-1)
-    lse = m + torch.log(s0)  # -inf when no entry is finite
+    log_s0 = torch.log(s0)  # -inf when no entry is finite
     p = e / torch.where(has, s0, torch.ones_like(s0))[:, None]
-    logp = (x - lse[:, None]).masked_fill(~fin, 0.0)
+    # Relative to m before log s0 comes off: x - m is exact, so a common offset on the logits
+    # costs the float32 run nothing (x - (m + log s0) would round at the offset's ulp).
+    logp = ((x - m[:, None]) - log_s0[:, None]).masked_fill(~fin, 0.0)
     ent = -(p * logp).sum(-1)
     varent = (p * (logp + ent[:, None]) ** 2).sum(-1)  # Var_p[-log p], two-pass
-    nf = fin.sum(-1)
-    mean = x.masked_fill(~fin, 0.0).sum(-1) / nf.clamp_min(1)
-    lpv = ((x - mean[:, None]).masked_fill(~fin, 0.0) ** 2).sum(-1) / (nf - 1).clamp_min(1)
     z_t = z.gather(1, tt[:, None])[:, 0]
     x_t = z_t / temp
+    # Var of the finite x in one pass over u = x - K, K the target's x where finite: the sums
+    # every backend's state keeps (icqs_fast/backends/state.py), so the float32 run errs as a
+    # kernel keeping them in fp32 does (the cancellation, not the summation order); in float64
+    # the shift keeps u small and the cancellation harmless.
+    nf = fin.sum(-1)
+    u = (x - torch.where(torch.isfinite(x_t), x_t, 0.0)[:, None]).masked_fill(~fin, 0.0)
+    u1, u2 = u.sum(-1), (u * u).sum(-1)
+    lpv = ((u2 - u1 * u1 / nf.clamp_min(1)) / (nf - 1).clamp_min(1)).clamp_min(0)
     idx = torch.arange(v)[None, :]
     larger = (z > z_t[:, None]).sum(-1)
     tie_before = ((z == z_t[:, None]) & (idx < tt[:, None])).sum(-1)
-    zero = torch.zeros(n, dtype=torch.float64)
+    zero = torch.zeros(n, dtype=dtype)
     out = {
-        "logprob": x_t - lse,
+        "logprob": (x_t - m) - log_s0,
         "entropy": torch.where(has, ent, zero),
         "varentropy": torch.where(has, varent, zero),
         "logprob_var": lpv,
-        "max_logprob": torch.where(has, m - lse, zero),
+        "max_logprob": torch.where(has, -log_s0, zero),
         "is_greedy": torch.isfinite(x_t) & (larger == 0) & (tie_before == 0),
         "target_rank": larger,
     }
@@ -60,10 +70,11 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
 
 
 def ref_token_stats64(z: torch.Tensor, t: torch.Tensor, ignore_index: int = -100,
-                      temp: float = 1.0) -> TokenStats:
-    """:func:`ref_token_stats` as a :class:`TokenStats` (float64 fields, on the CPU): the
-    independent reference the kernel tests compare every backend, the torch one included, with."""
-    r = ref_token_stats(z.cpu(), t.cpu(), ignore_index, temp)
+                      temp: float = 1.0, dtype: torch.dtype = torch.float64) -> TokenStats:
+    """:func:`ref_token_stats` as a :class:`TokenStats` (``dtype`` fields, float64 unless told,
+    on the CPU): the independent reference the kernel tests compare every backend, the torch one
+    included, with; in float32 the yardstick of tests/tolerance.py."""
+    r = ref_token_stats(z.cpu(), t.cpu(), ignore_index, temp, dtype)
     return TokenStats(**{k: r[k] for k in ("logprob", "entropy", "varentropy", "logprob_var",
                                             "max_logprob", "is_greedy", "target_rank",
                                             "valid")})
