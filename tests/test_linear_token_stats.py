@@ -214,7 +214,8 @@ def test_triton_cold_tiles_between_unmasked_ones():
     """The two-loop tile walk: one program of 7 tiles (the last padded) where masked tiles
     (a target column, a NaN and a -inf column, two masked tiles in a row) sit between unmasked
     ones, so the tile loop stops and resumes several times; exact ranks, the rest within the
-    float64 reference's rule. Also a softcapped run of the same walk (ranks on the uncapped logits)."""
+    rule of tests/tolerance.py. Also a softcapped run of the same walk (ranks on the uncapped
+    logits)."""
     n, h, v = 12, 8, 7 * 32 - 5
     hid = torch.randn(n, h)
     w = torch.randn(v, h) / 2
