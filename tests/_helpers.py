@@ -215,7 +215,8 @@ def wait_for_file(path, timeout: float, proc=None) -> None:
 
 
 def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None,
-                    window=None, chunk=None, sinks=None, positions=None, with_scores=False):
+                    window=None, chunk=None, sinks=None, positions=None, with_scores=False,
+                    dtype=torch.float64, pv_dtype=None):
     """Float64 ``(out, lse)`` of ``ops.attention_lse``'s contract, every score materialised (on
     the CPU, whatever the inputs' device): scores ``q.k scale`` (capped ``c tanh(s / c)``),
     allowed when the key is real (``attention_mask [B, Tk]``, key position >= 0), ``kpos <=
@@ -224,8 +225,10 @@ def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softca
     ``exp(sink_h)`` to the output's denominator only. A row with no allowed key: output 0, lse
     -inf. (torch_ref.attention_lse computes in fp32: this is the independent float64 one.)
     ``with_scores``: also the masked scores ``[B, Hq, Tq, Tk]`` (-inf where not allowed), as
-    ``(out, lse, scores)``."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    ``(out, lse, scores)``. ``dtype``: the one the code computes in (float64 unless told);
+    ``pv_dtype``: if given, the probabilities and values are rounded to it for the PV product
+    (as the kernels do with 16-bit inputs), which still accumulates in ``dtype``."""
+    q, k, v = q.cpu().to(dtype), k.cpu().to(dtype), v.cpu().to(dtype)
     b, hq, tq, _ = q.shape
     hk, tk = k.shape[1], k.shape[2]
     k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
@@ -252,9 +255,29 @@ def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softca
     lse = torch.logsumexp(s, -1)
     total = lse
     if sinks is not None:
-        total = torch.logaddexp(lse, sinks.double().cpu().view(1, hq, 1))
+        total = torch.logaddexp(lse, sinks.cpu().to(dtype).view(1, hq, 1))
     p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
+    if pv_dtype is not None:
+        p, v = p.to(pv_dtype).to(dtype), v.to(pv_dtype).to(dtype)
     return (p @ v, lse, s) if with_scores else (p @ v, lse)
+
+
+def attention_within_torch_error(out, lse, q, k, v, *, pv_dtype="out", **kw) -> None:
+    """``ops.attention_lse``'s ``(out, lse)`` judged by tests/tolerance.py's rule against
+    :func:`attention_lse64` of the same ``q, k, v`` and options ``kw``, the same code run in
+    the kernels' dtypes: scores, softmax and lse in float32, the probabilities rounded to
+    ``pv_dtype`` for the PV product ("out": ``out.dtype`` when it is 16-bit, where the kernels
+    round them; None: kept fp32), the output cast to ``out.dtype``. The floor of ``out`` is 1
+    ulp of its dtype (at the largest |out|): the output's own rounding, where the torch code
+    is exact (one key); 8 bf16 ulps would be 6%."""
+    from tolerance import assert_within_torch_error
+
+    if pv_dtype == "out":
+        pv_dtype = out.dtype if out.dtype in (torch.bfloat16, torch.float16) else None
+    ro, rl = attention_lse64(q, k, v, **kw)
+    po, pl = attention_lse64(q, k, v, dtype=torch.float32, pv_dtype=pv_dtype, **kw)
+    assert_within_torch_error(out, ro, po.to(out.dtype), ulps=1, name="out")
+    assert_within_torch_error(lse, rl, pl, name="lse")
 
 
 def variant_model(kind: str):
