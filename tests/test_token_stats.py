@@ -15,14 +15,16 @@ def ref64(logits, targets, ignore_index=-100, temperature=1.0):
 
 
 def refs(logits, targets, ignore_index=-100, temperature=1.0):
-    """``(float64 reference, the same code in float32, row scale)``: what :func:`compare`
-    takes. float32 is the kernels' output dtype (every input dtype is read exactly and
-    accumulated in fp32); the row scale [N] is the largest finite |logit / T| of each row."""
-    x = logits.cpu().double() / temperature
-    row_scale = x.abs().masked_fill(~torch.isfinite(x), 0.0).amax(-1)
+    """``(float64 reference, the same code in float32)``: what :func:`compare` takes. float32 is
+    the kernels' output dtype (every input dtype is read exactly and accumulated in fp32)."""
     return (ref64(logits, targets, ignore_index, temperature),
-            ref_token_stats64(logits, targets, ignore_index, temperature, torch.float32),
-            row_scale)
+            ref_token_stats64(logits, targets, ignore_index, temperature, torch.float32))
+
+
+def row_scale(logits, temperature=1.0):
+    """[N] the largest finite |logit / T| of each row (:func:`compare`'s offset allowance)."""
+    x = logits.cpu().double() / temperature
+    return x.abs().masked_fill(~torch.isfinite(x), 0.0).amax(-1)
 
 
 def logit_refs(h, w, t, b=None, temperature=1.0):
@@ -33,10 +35,9 @@ def logit_refs(h, w, t, b=None, temperature=1.0):
         z = h.cpu().to(dtype) @ w.cpu().to(dtype).t()
         return z if b is None else z + b.cpu().to(dtype)
 
-    z64 = logits(torch.float64)
-    ref, _, row_scale = refs(z64, t.cpu(), temperature=temperature)
-    return (ref, ref_token_stats64(logits(torch.float32), t.cpu(), temp=temperature,
-                                   dtype=torch.float32), row_scale)
+    return (ref64(logits(torch.float64), t.cpu(), temperature=temperature),
+            ref_token_stats64(logits(torch.float32), t.cpu(), temp=temperature,
+                              dtype=torch.float32))
 
 
 def poison_outputs_check(out, n):
@@ -47,21 +48,22 @@ def poison_outputs_check(out, n):
             assert torch.isfinite(v).all(), f"{name} has non-finite values: {v}"
 
 
-def compare(out, ref, same_dtype, row_scale=None):
+def compare(out, ref, same_dtype, offset_scale=None):
     """Every float field of TokenStats ``out`` within flash-attention's rule
     (tests/tolerance.py) of the float64 TokenStats ``ref``, ``same_dtype`` being the same
-    reference code in float32; valid, target_rank and is_greedy exactly. With ``row_scale``
-    [N], the log-probabilities may also be one fp32 eps of the row's largest |logit / T| off:
-    the torch backend forms ``lse`` in fp32 and the Triton kernel keeps the row max in fp32, so
-    both pay a rounding at a common offset's scale (1.3e-5 and 6.1e-5 at +1000) that the
-    reference code, working relative to the max, does not. logprob_var gets 4x, not 2x: the
-    Triton kernel's fp32 u sums (one pass, as the reference's) run in tile order and measure
-    3.4-3.8x the error of torch's pairwise sums of the same terms."""
+    reference code in float32; valid, target_rank and is_greedy exactly. With ``offset_scale``
+    [N] (:func:`row_scale`, for rows that carry a common offset), the log-probabilities may
+    also be one fp32 eps of it off: the torch backend forms ``lse`` in fp32 and the Triton
+    kernel keeps the row max in fp32, so at +1000 they pay a rounding of the offset's scale
+    (1.3e-5 and 6.1e-5) that the reference code, working relative to the max, does not.
+    logprob_var gets 4x, not 2x: the Triton kernel's fp32 u sums (one pass, as the
+    reference's) run in tile order and measure 3.4-3.8x the error of torch's pairwise sums of
+    the same terms."""
     assert torch.equal(out.valid.cpu(), ref.valid.cpu())
     for name in FLOAT_FIELDS:
         slack = 0.0
-        if name in ("logprob", "max_logprob") and row_scale is not None:
-            slack = torch.finfo(torch.float32).eps * row_scale
+        if name in ("logprob", "max_logprob") and offset_scale is not None:
+            slack = torch.finfo(torch.float32).eps * offset_scale
         assert_within_torch_error(getattr(out, name), getattr(ref, name),
                                   getattr(same_dtype, name),
                                   factor=4.0 if name == "logprob_var" else 2.0, slack=slack,
@@ -139,13 +141,13 @@ def test_awkward_rows(backend):
     targets[5] = 20  # tied with an earlier index: not greedy
     targets[6] = 7
     out = ops.token_stats(z.to(dev), targets.to(dev), backend=backend)
-    compare(out, *refs(z, targets))
+    compare(out, *refs(z, targets), row_scale(z))  # row 3: +1000
     assert out.logprob[0] == 0 and not out.valid[0] and out.entropy[0] == 0
     assert bool(out.is_greedy[4]) and not bool(out.is_greedy[5])
     assert int(out.target_rank[5]) == 0
     for t in (0.5, 2.0):
         compare(ops.token_stats(z.to(dev), targets.to(dev), temperature=t, backend=backend),
-                *refs(z, targets, temperature=t))
+                *refs(z, targets, temperature=t), row_scale(z, t))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -187,7 +189,7 @@ def test_triton_small_blocks(block_v):
     z[4] = torch.linspace(20, -20, 517)  # max found in the first block
     t = torch.tensor([300, 50, 7, 516, 0, -100])
     out = triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=block_v)
-    compare(out, *refs(z, t))
+    compare(out, *refs(z, t), row_scale(z))  # row 2: +1000
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
