@@ -27,18 +27,19 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
     n, v = z.shape
     valid = t != ignore_index
     tt = torch.where(valid, t, torch.zeros_like(t))
-    x = z / temp
-    fin = torch.isfinite(x)
+    fin = torch.isfinite(z / temp)
     has = fin.any(-1)
-    xf = x.masked_fill(~fin, -math.inf)
-    m = torch.where(has, xf.amax(-1), torch.zeros(n, dtype=dtype))
-    e = torch.exp(xf - m[:, None])  # 0 where masked
+    zf = z.masked_fill(~fin, -math.inf)
+    zm = torch.where(has, zf.amax(-1), torch.zeros(n, dtype=dtype))
+    # Logits relative to the row max before the temperature and log s0 come in: z - zm is
+    # exact near it, so a common offset costs the float32 run nothing (z / T, or
+    # x - (m + log s0), would round at the offset's ulp).
+    d = (zf - zm[:, None]) / temp  # x - max x; -inf where masked
+    e = torch.exp(d)  # 0 where masked
     s0 = e.sum(-1)
     log_s0 = torch.log(s0)  # -inf when no entry is finite
     p = e / torch.where(has, s0, torch.ones_like(s0))[:, None]
-    # Relative to m before log s0 comes off: x - m is exact, so a common offset on the logits
-    # costs the float32 run nothing (x - (m + log s0) would round at the offset's ulp).
-    logp = ((x - m[:, None]) - log_s0[:, None]).masked_fill(~fin, 0.0)
+    logp = (d - log_s0[:, None]).masked_fill(~fin, 0.0)
     ent = -(p * logp).sum(-1)
     varent = (p * (logp + ent[:, None]) ** 2).sum(-1)  # Var_p[-log p], two-pass
     z_t = z.gather(1, tt[:, None])[:, 0]
@@ -48,7 +49,8 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
     # kernel keeping them in fp32 does (the cancellation, not the summation order); in float64
     # the shift keeps u small and the cancellation harmless.
     nf = fin.sum(-1)
-    u = (x - torch.where(torch.isfinite(x_t), x_t, 0.0)[:, None]).masked_fill(~fin, 0.0)
+    shift = torch.where(torch.isfinite(z_t), z_t, 0.0)[:, None]
+    u = ((z - shift) / temp).masked_fill(~fin, 0.0)
     u1, u2 = u.sum(-1), (u * u).sum(-1)
     lpv = ((u2 - u1 * u1 / nf.clamp_min(1)) / (nf - 1).clamp_min(1)).clamp_min(0)
     idx = torch.arange(v)[None, :]
@@ -56,7 +58,7 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
     tie_before = ((z == z_t[:, None]) & (idx < tt[:, None])).sum(-1)
     zero = torch.zeros(n, dtype=dtype)
     out = {
-        "logprob": (x_t - m) - log_s0,
+        "logprob": (z_t - zm) / temp - log_s0,
         "entropy": torch.where(has, ent, zero),
         "varentropy": torch.where(has, varent, zero),
         "logprob_var": lpv,
