@@ -18,39 +18,51 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 os.environ.setdefault("ICQS_FAST_CPU_DTYPE", "float32")
 
 
-def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float) -> dict:
-    """float64 statistics of softmax(z / temp) at targets t; z [N, V] any float dtype."""
-    z = z.double()
+def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: float,
+                    dtype: torch.dtype = torch.float64) -> dict:
+    """Statistics of softmax(z / temp) at targets t, computed in ``dtype`` (float64: the
+    reference; float32: the same code in the kernels' output dtype, for tests/tolerance.py);
+    z [N, V] any float dtype."""
+    z = z.to(dtype)
     n, v = z.shape
     valid = t != ignore_index
     tt = torch.where(valid, t, torch.zeros_like(t))
-    x = z / temp
-    fin = torch.isfinite(x)
+    fin = torch.isfinite(z / temp)
     has = fin.any(-1)
-    xf = x.masked_fill(~fin, -math.inf)
-    m = torch.where(has, xf.amax(-1), torch.zeros(n, dtype=torch.float64))
-    e = torch.exp(xf - m[:, None])  # 0 where masked
+    zf = z.masked_fill(~fin, -math.inf)
+    zm = torch.where(has, zf.amax(-1), torch.zeros(n, dtype=dtype))
+    # Logits relative to the row max before the temperature and log s0 come in: z - zm is
+    # exact near it, so a common offset costs the float32 run nothing (z / T, or
+    # x - (m + log s0), would round at the offset's ulp).
+    d = (zf - zm[:, None]) / temp  # x - max x; -inf where masked
+    e = torch.exp(d)  # 0 where masked
     s0 = e.sum(-1)
-    lse = m + torch.log(s0)  # -inf when no entry is finite
+    log_s0 = torch.log(s0)  # -inf when no entry is finite
     p = e / torch.where(has, s0, torch.ones_like(s0))[:, None]
-    logp = (x - lse[:, None]).masked_fill(~fin, 0.0)
+    logp = (d - log_s0[:, None]).masked_fill(~fin, 0.0)
     ent = -(p * logp).sum(-1)
     varent = (p * (logp + ent[:, None]) ** 2).sum(-1)  # Var_p[-log p], two-pass
-    nf = fin.sum(-1)
-    mean = x.masked_fill(~fin, 0.0).sum(-1) / nf.clamp_min(1)
-    lpv = ((x - mean[:, None]).masked_fill(~fin, 0.0) ** 2).sum(-1) / (nf - 1).clamp_min(1)
     z_t = z.gather(1, tt[:, None])[:, 0]
     x_t = z_t / temp
+    # Var of the finite x in one pass over u = x - K, K the target's x where finite: the sums
+    # every backend's state keeps (icqs_fast/backends/state.py), so the float32 run errs as a
+    # kernel keeping them in fp32 does (the cancellation, not the summation order); in float64
+    # the shift keeps u small and the cancellation harmless.
+    nf = fin.sum(-1)
+    shift = torch.where(torch.isfinite(z_t), z_t, 0.0)[:, None]
+    u = ((z - shift) / temp).masked_fill(~fin, 0.0)
+    u1, u2 = u.sum(-1), (u * u).sum(-1)
+    lpv = ((u2 - u1 * u1 / nf.clamp_min(1)) / (nf - 1).clamp_min(1)).clamp_min(0)
     idx = torch.arange(v)[None, :]
     larger = (z > z_t[:, None]).sum(-1)
     tie_before = ((z == z_t[:, None]) & (idx < tt[:, None])).sum(-1)
-    zero = torch.zeros(n, dtype=torch.float64)
+    zero = torch.zeros(n, dtype=dtype)
     out = {
-        "logprob": x_t - lse,
+        "logprob": (z_t - zm) / temp - log_s0,
         "entropy": torch.where(has, ent, zero),
         "varentropy": torch.where(has, varent, zero),
         "logprob_var": lpv,
-        "max_logprob": torch.where(has, m - lse, zero),
+        "max_logprob": torch.where(has, -log_s0, zero),
         "is_greedy": torch.isfinite(x_t) & (larger == 0) & (tie_before == 0),
         "target_rank": larger,
     }
@@ -60,10 +72,11 @@ def ref_token_stats(z: torch.Tensor, t: torch.Tensor, ignore_index: int, temp: f
 
 
 def ref_token_stats64(z: torch.Tensor, t: torch.Tensor, ignore_index: int = -100,
-                      temp: float = 1.0) -> TokenStats:
-    """:func:`ref_token_stats` as a :class:`TokenStats` (float64 fields, on the CPU): the
-    independent reference the kernel tests compare every backend, the torch one included, with."""
-    r = ref_token_stats(z.cpu(), t.cpu(), ignore_index, temp)
+                      temp: float = 1.0, dtype: torch.dtype = torch.float64) -> TokenStats:
+    """:func:`ref_token_stats` as a :class:`TokenStats` (``dtype`` fields, float64 unless told,
+    on the CPU): the independent reference the kernel tests compare every backend, the torch one
+    included, with; in float32 the yardstick of tests/tolerance.py."""
+    r = ref_token_stats(z.cpu(), t.cpu(), ignore_index, temp, dtype)
     return TokenStats(**{k: r[k] for k in ("logprob", "entropy", "varentropy", "logprob_var",
                                             "max_logprob", "is_greedy", "target_rank",
                                             "valid")})
@@ -204,7 +217,8 @@ def wait_for_file(path, timeout: float, proc=None) -> None:
 
 
 def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softcap=None,
-                    window=None, chunk=None, sinks=None, positions=None, with_scores=False):
+                    window=None, chunk=None, sinks=None, positions=None, with_scores=False,
+                    dtype=torch.float64, pv_dtype=None):
     """Float64 ``(out, lse)`` of ``ops.attention_lse``'s contract, every score materialised (on
     the CPU, whatever the inputs' device): scores ``q.k scale`` (capped ``c tanh(s / c)``),
     allowed when the key is real (``attention_mask [B, Tk]``, key position >= 0), ``kpos <=
@@ -213,8 +227,10 @@ def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softca
     ``exp(sink_h)`` to the output's denominator only. A row with no allowed key: output 0, lse
     -inf. (torch_ref.attention_lse computes in fp32: this is the independent float64 one.)
     ``with_scores``: also the masked scores ``[B, Hq, Tq, Tk]`` (-inf where not allowed), as
-    ``(out, lse, scores)``."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    ``(out, lse, scores)``. ``dtype``: the one the code computes in (float64 unless told);
+    ``pv_dtype``: if given, the probabilities and values are rounded to it for the PV product
+    (as the kernels do with 16-bit inputs), which still accumulates in ``dtype``."""
+    q, k, v = q.cpu().to(dtype), k.cpu().to(dtype), v.cpu().to(dtype)
     b, hq, tq, _ = q.shape
     hk, tk = k.shape[1], k.shape[2]
     k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
@@ -241,9 +257,29 @@ def attention_lse64(q, k, v, *, scale, causal=False, attention_mask=None, softca
     lse = torch.logsumexp(s, -1)
     total = lse
     if sinks is not None:
-        total = torch.logaddexp(lse, sinks.double().cpu().view(1, hq, 1))
+        total = torch.logaddexp(lse, sinks.cpu().to(dtype).view(1, hq, 1))
     p = torch.exp(s - torch.where(torch.isfinite(total), total, 0.0)[..., None])
+    if pv_dtype is not None:
+        p, v = p.to(pv_dtype).to(dtype), v.to(pv_dtype).to(dtype)
     return (p @ v, lse, s) if with_scores else (p @ v, lse)
+
+
+def attention_within_torch_error(out, lse, q, k, v, *, pv_dtype="out", **kw) -> None:
+    """``ops.attention_lse``'s ``(out, lse)`` judged by tests/tolerance.py's rule against
+    :func:`attention_lse64` of the same ``q, k, v`` and options ``kw``, the same code run in
+    the kernels' dtypes: scores, softmax and lse in float32, the probabilities rounded to
+    ``pv_dtype`` for the PV product ("out": ``out.dtype`` when it is 16-bit, where the kernels
+    round them; None: kept fp32), the output cast to ``out.dtype``. The floor of ``out`` is
+    half an eps of its dtype at the largest |out|: the output's own rounding, for where the
+    torch code is exact (one key); the default 8 ulps would be 6% in bf16."""
+    from tolerance import assert_within_torch_error
+
+    if pv_dtype == "out":
+        pv_dtype = out.dtype if out.dtype in (torch.bfloat16, torch.float16) else None
+    ro, rl = attention_lse64(q, k, v, **kw)
+    po, pl = attention_lse64(q, k, v, dtype=torch.float32, pv_dtype=pv_dtype, **kw)
+    assert_within_torch_error(out, ro, po.to(out.dtype), ulps=0.5, name="out")
+    assert_within_torch_error(lse, rl, pl, name="lse")
 
 
 def variant_model(kind: str):

@@ -3,18 +3,41 @@
 import pytest
 import torch
 from _helpers import DEVICE, ref_token_stats64
+from tolerance import assert_within_torch_error
 
 from icqs_fast import ops
 from icqs_fast.types import FLOAT_FIELDS
-
-# Tolerances per input dtype (the outputs are fp32; inputs are cast exactly, so the error is in
-# the accumulation). Absolute on entropy-like values of size ~log V.
-TOL = {torch.float32: 2e-4, torch.float16: 2e-4, torch.bfloat16: 2e-4}
 
 
 def ref64(logits, targets, ignore_index=-100, temperature=1.0):
     # Independent of every backend (the torch one included): written out in tests/_helpers.py.
     return ref_token_stats64(logits, targets, ignore_index, temperature)
+
+
+def refs(logits, targets, ignore_index=-100, temperature=1.0):
+    """``(float64 reference, the same code in float32)``: what :func:`compare` takes. float32 is
+    the kernels' output dtype (every input dtype is read exactly and accumulated in fp32)."""
+    return (ref64(logits, targets, ignore_index, temperature),
+            ref_token_stats64(logits, targets, ignore_index, temperature, torch.float32))
+
+
+def row_scale(logits, temperature=1.0):
+    """[N] the largest finite |logit / T| of each row (:func:`compare`'s offset allowance)."""
+    x = logits.cpu().double() / temperature
+    return x.abs().masked_fill(~torch.isfinite(x), 0.0).amax(-1)
+
+
+def logit_refs(h, w, t, b=None, temperature=1.0):
+    """:func:`refs` of the logits ``h @ w.T + b`` (linear_token_stats' contract): float64
+    logits for the reference, float32 ones (the kernels' matmul dtype; every input dtype casts
+    to it exactly) for the same code in float32."""
+    def logits(dtype):
+        z = h.cpu().to(dtype) @ w.cpu().to(dtype).t()
+        return z if b is None else z + b.cpu().to(dtype)
+
+    return (ref64(logits(torch.float64), t.cpu(), temperature=temperature),
+            ref_token_stats64(logits(torch.float32), t.cpu(), temp=temperature,
+                              dtype=torch.float32))
 
 
 def poison_outputs_check(out, n):
@@ -25,15 +48,39 @@ def poison_outputs_check(out, n):
             assert torch.isfinite(v).all(), f"{name} has non-finite values: {v}"
 
 
-def compare(out, ref, tol, rel=1e-5):
+def compare(out, ref, same_dtype, offset_scale=None):
+    """Every float field of TokenStats ``out`` within flash-attention's rule
+    (tests/tolerance.py) of the float64 TokenStats ``ref``, ``same_dtype`` being the same
+    reference code in float32; valid, target_rank and is_greedy exactly. With ``offset_scale``
+    [N] (:func:`row_scale`, for rows that carry a common offset), the log-probabilities may
+    also be one fp32 eps of it off: the torch backend forms ``lse`` in fp32 and the Triton
+    kernel keeps the row max in fp32, so at +1000 they pay a rounding of the offset's scale
+    (1.3e-5 and 6.1e-5) that the reference code, working relative to the max, does not.
+    logprob_var gets 4x, not 2x: the Triton kernel's fp32 u sums (one pass, as the
+    reference's) run in tile order and measure 3.4-3.8x the error of torch's pairwise sums of
+    the same terms."""
     assert torch.equal(out.valid.cpu(), ref.valid.cpu())
     for name in FLOAT_FIELDS:
-        a, b = getattr(out, name).double().cpu(), getattr(ref, name).double().cpu()
-        scale = tol + rel * b.abs()
-        err = (a - b).abs()
-        assert (err <= scale).all(), f"{name}: max err {err.max():.3e}\n{a}\n{b}"
+        slack = 0.0
+        if name in ("logprob", "max_logprob") and offset_scale is not None:
+            slack = torch.finfo(torch.float32).eps * offset_scale
+        assert_within_torch_error(getattr(out, name), getattr(ref, name),
+                                  getattr(same_dtype, name),
+                                  factor=4.0 if name == "logprob_var" else 2.0, slack=slack,
+                                  name=name)
     assert torch.equal(out.target_rank.cpu(), ref.target_rank.cpu())
     assert torch.equal(out.is_greedy.cpu(), ref.is_greedy.cpu())
+
+
+def compare_fixed(out, ref, tol=2e-4, rel=1e-5):
+    """The fixed tolerance ``tol + rel |ref|`` on every float field, for the torch backend on
+    long rows only: its ``torch.log_softmax`` sums a row less accurately than the reference
+    code's fp32 run (on the CPU: 1.2e-5 against 7e-7 in the log-sum at V = 151936; ATen's
+    AVX2 kernel already at V = 8192), so there its entropy errs 10-90x that run's error."""
+    for name in FLOAT_FIELDS:
+        a, b = getattr(out, name).double().cpu(), getattr(ref, name).double().cpu()
+        err = (a - b).abs()
+        assert (err <= tol + rel * b.abs()).all(), f"{name}: max err {err.max():.3e}"
 
 
 def backends_for(n_elems):
@@ -69,7 +116,10 @@ def test_random(shape, dtype, backend):
     targets = torch.randint(0, v, (n,)).to(dev)
     out = ops.token_stats(logits, targets, backend=backend)
     poison_outputs_check(out, n)
-    compare(out, ref64(logits.cpu(), targets.cpu()), TOL[dtype])
+    if backend == "torch" and v >= 4096:
+        compare_fixed(out, ref64(logits.cpu(), targets.cpu()))
+    else:
+        compare(out, *refs(logits.cpu(), targets.cpu()))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -91,14 +141,13 @@ def test_awkward_rows(backend):
     targets[5] = 20  # tied with an earlier index: not greedy
     targets[6] = 7
     out = ops.token_stats(z.to(dev), targets.to(dev), backend=backend)
-    ref = ref64(z, targets)
-    compare(out, ref, 2e-4)
+    compare(out, *refs(z, targets), row_scale(z))  # row 3: +1000
     assert out.logprob[0] == 0 and not out.valid[0] and out.entropy[0] == 0
     assert bool(out.is_greedy[4]) and not bool(out.is_greedy[5])
     assert int(out.target_rank[5]) == 0
     for t in (0.5, 2.0):
         compare(ops.token_stats(z.to(dev), targets.to(dev), temperature=t, backend=backend),
-                ref64(z, targets, temperature=t), 2e-4)
+                *refs(z, targets, temperature=t), row_scale(z, t))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -122,7 +171,7 @@ def test_strided_rows(backend):
     z = big[:, ::1][:, :777]  # row stride 1554, unit column stride
     t = torch.randint(0, 777, (6,))
     out = ops.token_stats(z.to(dev) if dev != "cpu" else z, t.to(dev), backend=backend)
-    compare(out, ref64(z, t), 2e-4)
+    compare(out, *refs(z, t))
 
 
 @pytest.mark.parametrize("block_v", [16, 64])
@@ -140,15 +189,19 @@ def test_triton_small_blocks(block_v):
     z[4] = torch.linspace(20, -20, 517)  # max found in the first block
     t = torch.tensor([300, 50, 7, 516, 0, -100])
     out = triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=block_v)
-    compare(out, ref64(z, t), 2e-4)
+    compare(out, *refs(z, t), row_scale(z))  # row 2: +1000
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_large_vocab(backend):
-    """Qwen-sized vocabulary."""
+    """Qwen-sized vocabulary (the torch backend: :func:`compare_fixed`)."""
     z = torch.randn(3, 151936) * 5
     t = torch.randint(0, 151936, (3,))
-    compare(ops.token_stats(z, t, backend=backend), ref64(z, t), 5e-4)
+    out = ops.token_stats(z, t, backend=backend)
+    if backend == "torch":
+        compare_fixed(out, ref64(z, t), 5e-4)
+    else:
+        compare(out, *refs(z, t))
 
 
 def test_leading_dims_and_errors():
@@ -255,7 +308,7 @@ def test_triton_split_rows_end_to_end(splits):
     z, t = z[keep], t[keep]
     t[0] = -100
     out = triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=128, splits=splits)
-    compare(out, ref64(z, t), 2e-4)
+    compare(out, *refs(z, t))
 
 
 def test_offset_1e4_precision():
@@ -268,7 +321,7 @@ def test_offset_1e4_precision():
     t = torch.tensor([5, 600, 99])
     zo = z + 1e4
     out = triton_backend.token_stats(zo.to(DEVICE), t.to(DEVICE), block_v=64)
-    compare(out, ref64(zo, t), 2e-4)
+    compare(out, *refs(zo, t))
 
 
 def test_gpu_launches_match_settings():
@@ -311,7 +364,7 @@ def test_triton_bf16_unaligned_view():
     big = (torch.randn(3, 301, generator=g) * 3).to(torch.bfloat16)
     z = big[:, 1:]  # row stride 301 (odd) and base offset 2 bytes
     t = torch.tensor([0, 150, 299])
-    compare(triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=64), ref64(z, t), 2e-4)
+    compare(triton_backend.token_stats(z.to(DEVICE), t.to(DEVICE), block_v=64), *refs(z, t))
 
 
 def test_deferred_checks_settle_in_one_host_copy():
