@@ -72,17 +72,6 @@ def compare(out, ref, same_dtype, offset_scale=None):
     assert torch.equal(out.is_greedy.cpu(), ref.is_greedy.cpu())
 
 
-def compare_fixed(out, ref, tol=2e-4, rel=1e-5):
-    """The fixed tolerance ``tol + rel |ref|`` on every float field, for the torch backend on
-    long rows only: its ``torch.log_softmax`` sums a row less accurately than the reference
-    code's fp32 run (on the CPU: 1.2e-5 against 7e-7 in the log-sum at V = 151936; ATen's
-    AVX2 kernel already at V = 8192), so there its entropy errs 10-90x that run's error."""
-    for name in FLOAT_FIELDS:
-        a, b = getattr(out, name).double().cpu(), getattr(ref, name).double().cpu()
-        err = (a - b).abs()
-        assert (err <= tol + rel * b.abs()).all(), f"{name}: max err {err.max():.3e}"
-
-
 def backends_for(n_elems):
     out = ["torch", "cpp"]
     # The Triton interpreter does ~1M elements/s: keep its shapes small.
@@ -116,10 +105,7 @@ def test_random(shape, dtype, backend):
     targets = torch.randint(0, v, (n,)).to(dev)
     out = ops.token_stats(logits, targets, backend=backend)
     poison_outputs_check(out, n)
-    if backend == "torch" and v >= 4096:
-        compare_fixed(out, ref64(logits.cpu(), targets.cpu()))
-    else:
-        compare(out, *refs(logits.cpu(), targets.cpu()))
+    compare(out, *refs(logits.cpu(), targets.cpu()))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -194,14 +180,11 @@ def test_triton_small_blocks(block_v):
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_large_vocab(backend):
-    """Qwen-sized vocabulary (the torch backend: :func:`compare_fixed`)."""
+    """Qwen-sized vocabulary."""
     z = torch.randn(3, 151936) * 5
     t = torch.randint(0, 151936, (3,))
     out = ops.token_stats(z, t, backend=backend)
-    if backend == "torch":
-        compare_fixed(out, ref64(z, t), 5e-4)
-    else:
-        compare(out, *refs(z, t))
+    compare(out, *refs(z, t))
 
 
 def test_leading_dims_and_errors():
