@@ -7,7 +7,7 @@
         from icqs_fast.jobs.score import ScoreStrategy
         return ScoreStrategy
 
-    STRATEGIES.get("score")  # imports jobs.score once, then returns the cached class
+    STRATEGIES.get("score")  # imports jobs.score (once: Python keeps the module)
 
 Why a loader and not a ``"module:Name"`` string: the import stays lazy (``--help`` imports no
 command's module, a local job never imports Ray), while a reader, an IDE or a static walk
@@ -24,14 +24,14 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Names -> loaders, in the order added; :meth:`get` calls a loader once and keeps its
-    value. ``what`` names an entry in the error of an unknown name ("unknown job kind 'x';
+    """Names -> loaders, in the order added; :meth:`get` calls the loader each time (its import
+    is Python's, done once), so what it returns is the module's name at that moment (a test's
+    monkeypatch reaches it). ``what`` names an entry in the error of an unknown name ("unknown job kind 'x';
     one of score, pairs, features")."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self.loaders: dict[str, Callable[[], T]] = {}
-        self.loaded: dict[str, T] = {}
         self.about: dict[str, str] = {}  # a line on each entry (a command's help)
 
     def add(self, name: str, about: str = "") -> Callable[[Callable[[], T]], Callable[[], T]]:
@@ -46,13 +46,11 @@ class Registry(Generic[T]):
         return register
 
     def get(self, name: str) -> T:
-        """What the loader of ``name`` returns (loaded on first use; an ImportError of the
-        loader propagates). ValueError naming the registered names for an unknown one."""
-        if name not in self.loaded:
-            if name not in self.loaders:
-                raise ValueError(f"unknown {self.what} {name!r}; one of {', '.join(self)}")
-            self.loaded[name] = self.loaders[name]()
-        return self.loaded[name]
+        """What the loader of ``name`` returns (an ImportError of the loader propagates).
+        ValueError naming the registered names for an unknown one."""
+        if name not in self.loaders:
+            raise ValueError(f"unknown {self.what} {name!r}; one of {', '.join(self)}")
+        return self.loaders[name]()
 
     def __contains__(self, name: object) -> bool:
         return name in self.loaders

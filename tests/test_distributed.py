@@ -356,7 +356,8 @@ def test_actor_gets_the_jobs_one_settings_object(data, tmp_path):
         assert st == local.settings
         assert (st.deterministic, st.calibration, st.score, st.stratify) == (
             True, "pmi", "mean", None)
-        assert (remote.good, remote.bad, remote.sets) == (local.good, local.bad, local.sets)
+        got, want = remote.demos, local.demos
+        assert (got.good, got.bad, got.sets) == (want.good, want.bad, want.sets)
 
 
 def test_resume_with_other_settings_is_refused(data, tmp_path):
