@@ -26,8 +26,8 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Names -> loaders, in the order added; :meth:`get` calls the loader each time (its import
     is Python's, done once), so what it returns is the module's name at that moment (a test's
-    monkeypatch reaches it). ``what`` names an entry in the error of an unknown name ("unknown job kind 'x';
-    one of score, pairs, features")."""
+    monkeypatch reaches it). ``what`` names an entry in the error of an unknown name
+    ("unknown job kind 'x'; one of score, pairs, features")."""
 
     def __init__(self, what: str) -> None:
         self.what = what
