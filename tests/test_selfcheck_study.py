@@ -115,6 +115,7 @@ def test_set_effects_are_recovered_and_removed():
                            atol=1e-3)
 
 
+@slow  # a lab study's simulation: seconds, not the product's fast loop
 def test_expected_accuracy_simulation_is_seeded_and_sane():
     a = study.simulate_expected_accuracy(0.75, n_per_class=25, runs=12, seed=3)
     assert a == study.simulate_expected_accuracy(0.75, n_per_class=25, runs=12, seed=3)
@@ -170,6 +171,7 @@ def test_matched_score_table_uses_the_held_out_masks_of_the_class():
     assert not np.allclose(table, full, atol=1e-3)  # some contexts went
 
 
+@slow  # a lab study's simulation: seconds, not the product's fast loop
 def test_exchange_null_centres_on_zero_and_finds_a_scored_differently_test_set():
     same = [toy_study(seed=s) for s in range(3)]
     nulls = [study.exchange_null(r, perms=24, n_boot=20) for r in same]
@@ -238,6 +240,7 @@ def test_add_test_responses_extends_a_run_with_new_pairs_from_its_own_scorer():
                                                                    "seed": 9}}, 1)
 
 
+@slow  # a lab study's simulation: seconds, not the product's fast loop
 def test_outside_run_scores_the_held_out_items_with_another_seeds_scorer():
     from _helpers import skip_unless_in_ci
 
