@@ -193,6 +193,38 @@ def _fmt(v: float) -> str:
 MIN_COVERED = 10
 
 
+
+def band_intervals(covered: np.ndarray, correct: np.ndarray, *, n_boot: int, seed: int,
+                   level: float) -> tuple[float, float, float, float]:
+    """Percentile bootstrap intervals of a band's coverage and of its accuracy on what it
+    covers, resampling the items (``covered``, ``correct``: ``[n]`` bool, out of fold):
+    ``(coverage_lo, coverage_hi, accuracy_lo, accuracy_hi)``; the accuracy's are NaN with
+    fewer than :data:`MIN_COVERED` items covered."""
+    from icqs_fast import metrics  # scipy: only once a band is fitted
+
+    def ci(stat: Callable[..., Any]) -> tuple[float, float]:
+        vals = metrics.bootstrap_distribution(stat, covered.astype(float),
+                                              correct.astype(float), vectorized=True,
+                                              n_resamples=n_boot, seed=seed)
+        lo, hi, _ = metrics.percentile_interval(vals, level)
+        return lo, hi
+
+    def coverage_stat(c: np.ndarray, _: np.ndarray) -> np.ndarray:
+        return c.mean(axis=-1)
+
+    def accuracy_stat(c: np.ndarray, r: np.ndarray) -> np.ndarray:
+        den = c.sum(axis=-1)
+        # A resample with nothing covered (only possible far below MIN_COVERED) has no
+        # accuracy: NaN, left out of the percentiles.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(den > 0, r.sum(axis=-1) / den, np.nan)
+
+    c_lo, c_hi = ci(coverage_stat)
+    enough = int(covered.sum()) >= MIN_COVERED
+    a_lo, a_hi = ci(accuracy_stat) if enough else (math.nan, math.nan)
+    return c_lo, c_hi, a_lo, a_hi
+
+
 def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, *,
                  folds: int, seed: int, n_boot: int, level: float) -> AbstainBand:
     """The :class:`AbstainBand` of cross-fitted ``scores`` ``[n]`` (finite) with 0/1
@@ -210,7 +242,6 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
     """
     from sklearn.model_selection import StratifiedKFold
 
-    from icqs_fast import metrics
 
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target accuracy must be in (0, 1], got {target!r}")
@@ -252,26 +283,8 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
         band = (-math.inf, math.inf)
     cov, n_cov = float(covered.mean()), int(covered.sum())
     acc = float(correct.sum() / n_cov) if n_cov else math.nan
-
-    def ci(stat: Callable[..., Any]) -> tuple[float, float]:
-        vals = metrics.bootstrap_distribution(stat, covered.astype(float),
-                                              correct.astype(float), vectorized=True,
-                                              n_resamples=n_boot, seed=seed)
-        lo, hi, _ = metrics.percentile_interval(vals, level)
-        return lo, hi
-
-    def coverage_stat(c: np.ndarray, _: np.ndarray) -> np.ndarray:
-        return c.mean(axis=-1)
-
-    def accuracy_stat(c: np.ndarray, r: np.ndarray) -> np.ndarray:
-        den = c.sum(axis=-1)
-        # A resample with nothing covered (only possible far below MIN_COVERED) has no
-        # accuracy: NaN, left out of the percentiles.
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(den > 0, r.sum(axis=-1) / den, np.nan)
-
-    c_lo, c_hi = ci(coverage_stat)
-    a_lo, a_hi = ci(accuracy_stat) if n_cov >= MIN_COVERED else (math.nan, math.nan)
+    c_lo, c_hi, a_lo, a_hi = band_intervals(covered, correct, n_boot=n_boot, seed=seed,
+                                            level=level)
     return AbstainBand(target, band[0], band[1], True, coverage=cov, coverage_lo=c_lo,
                        coverage_hi=c_hi, accuracy=acc, accuracy_lo=a_lo, accuracy_hi=a_hi,
                        level=level, curve=curve, aim=aim)

@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from icqs_fast import metrics
-from icqs_fast.engine.abstain import MIN_COVERED, AbstainBand
+from icqs_fast.engine.abstain import AbstainBand, band_intervals
 from icqs_fast.engine.pairs import pairwise_accuracy
 from icqs_fast.engine.prompts import Example, check_pool
 from icqs_fast.engine.selfcheck_baselines import BASELINES
@@ -226,24 +225,8 @@ def margin_band(d: np.ndarray, groups: np.ndarray, target: float, *, folds: int,
     t = _fit_margin(d, aim)
     t = t_all if t is None else t
     n_cov = int(covered.sum())
-
-    def ci(stat: Any) -> tuple[float, float]:
-        vals = metrics.bootstrap_distribution(stat, covered.astype(float),
-                                              correct.astype(float), vectorized=True,
-                                              n_resamples=n_boot, seed=seed)
-        lo, hi, _ = metrics.percentile_interval(vals, level)
-        return lo, hi
-
-    def coverage_stat(c: np.ndarray, _: np.ndarray) -> np.ndarray:
-        return c.mean(axis=-1)
-
-    def accuracy_stat(c: np.ndarray, r: np.ndarray) -> np.ndarray:
-        den = c.sum(axis=-1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(den > 0, r.sum(axis=-1) / den, np.nan)
-
-    c_lo, c_hi = ci(coverage_stat)
-    a_lo, a_hi = ci(accuracy_stat) if n_cov >= MIN_COVERED else (math.nan, math.nan)
+    c_lo, c_hi, a_lo, a_hi = band_intervals(covered, correct, n_boot=n_boot, seed=seed,
+                                            level=level)
     return AbstainBand(target, -t, t, True, coverage=float(covered.mean()), coverage_lo=c_lo,
                        coverage_hi=c_hi, accuracy=correct.sum() / n_cov if n_cov else math.nan,
                        accuracy_lo=a_lo, accuracy_hi=a_hi, level=level, aim=aim)

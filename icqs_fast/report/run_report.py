@@ -391,14 +391,7 @@ def render_pairs_page(run: RunOutput, s: PairsSummary, check: Any) -> str:
             f"({escape(run.kind)}, {len(run.files)} file(s)); {meta}</div>"
             f'<div class="cards">{"".join(cards)}</div>')
     body = [head, _pairs_section(s, m), _self_check(check), _settings(run)]
-    title = f"icqs-fast pairs report: {os.path.basename(run.path.rstrip('/')) or run.path}"
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body><main>"
-            + "".join(body) + '<p class="note">written by icqs-fast report '
-            f"on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p></main></body>"
-            "</html>\n")
+    return _page(f"icqs-fast pairs report: {_run_name(run)}", body)
 
 
 def _baselines(check: Any) -> str:
@@ -621,14 +614,7 @@ def render_page(run: RunOutput, s: RunSummary, check: Any, *, texts: dict | None
         body.append(_drift(drift))
     body += [_self_check(check), _distributions(s, check), _confusion(s),
              _records(s, texts or {}, have_input), _settings(run)]
-    title = f"icqs-fast report: {os.path.basename(run.path.rstrip('/')) or run.path}"
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body><main>"
-            + "".join(body) + '<p class="note">written by icqs-fast report '
-            f"on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p></main></body>"
-            "</html>\n")
+    return _page(f"icqs-fast report: {_run_name(run)}", body)
 
 
 def write_report(output: str | os.PathLike, page: str | os.PathLike, *,
@@ -676,3 +662,19 @@ def write_report(output: str | os.PathLike, page: str | os.PathLike, *,
     data = html.encode("utf-8")
     write_whole(p, data)
     return ReportResult(p, len(data), s.n, time.perf_counter() - t0, drift)
+
+
+def _run_name(run: Any) -> str:
+    return os.path.basename(run.path.rstrip("/")) or run.path
+
+
+def _page(title: str, body: list[str]) -> str:
+    """The page around ``body``'s sections: its title, the strict CSP, the style and the note
+    of when it was written (one shell for the records page and the pairs page)."""
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body><main>"
+            + "".join(body) + '<p class="note">written by icqs-fast report '
+            f"on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p></main></body>"
+            "</html>\n")
