@@ -194,6 +194,18 @@ MIN_COVERED = 10
 
 
 
+def lowest_aim(target: float, out_of_fold: Callable[[float], tuple[np.ndarray, np.ndarray]]
+               ) -> tuple[float, np.ndarray, np.ndarray]:
+    """``(aim, covered, correct)``: the lowest in-sample accuracy ``aim`` (``target`` up by 0.01)
+    whose per-fold bands (``out_of_fold(aim)``, ``[n]`` bool) reach ``target``; else ``target``."""
+    aim, (covered, correct) = target, out_of_fold(target)
+    for a in np.arange(target, 1.0 + 1e-9, 0.01):
+        cov_a, cor_a = out_of_fold(float(a)) if a > target else (covered, correct)
+        if cov_a.any() and cor_a.sum() >= target * cov_a.sum() - 1e-9:
+            return float(min(a, 1.0)), cov_a, cor_a
+    return aim, covered, correct
+
+
 def band_intervals(covered: np.ndarray, correct: np.ndarray, *, n_boot: int, seed: int,
                    level: float) -> tuple[float, float, float, float]:
     """Percentile bootstrap intervals of a band's coverage and of its accuracy on what it
@@ -272,12 +284,7 @@ def abstain_band(scores: Sequence[float], labels: Sequence[int], target: float, 
     # under it on new ones (its edges follow those items' noise). So the band is fitted for the
     # lowest in-sample accuracy ("aim", from the target up in steps of 0.01) whose bands reach
     # the target out of fold; none does: the target itself, and the shortfall is reported.
-    aim, (covered, correct) = target, out_of_fold(target)
-    for a in np.arange(target, 1.0 + 1e-9, 0.01):
-        cov_a, cor_a = out_of_fold(float(a)) if a > target else (covered, correct)
-        if cov_a.any() and cor_a.sum() >= target * cov_a.sum() - 1e-9:
-            aim, covered, correct = float(min(a, 1.0)), cov_a, cor_a
-            break
+    aim, covered, correct = lowest_aim(target, out_of_fold)
     band = fit_band(s, y, aim)
     if band is None:  # (cannot happen: aim is reached out of fold, so in sample on all)
         band = (-math.inf, math.inf)

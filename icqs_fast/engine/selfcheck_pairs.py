@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from icqs_fast.engine.abstain import AbstainBand, band_intervals
+from icqs_fast.engine.abstain import AbstainBand, band_intervals, lowest_aim
 from icqs_fast.engine.pairs import pairwise_accuracy
 from icqs_fast.engine.prompts import Example, check_pool
 from icqs_fast.engine.selfcheck_baselines import BASELINES
@@ -216,12 +216,7 @@ def margin_band(d: np.ndarray, groups: np.ndarray, target: float, *, folds: int,
                 correct[te] = covered[te] & (d[te] > 0)
         return covered, correct
 
-    aim, (covered, correct) = target, out_of_fold(target)
-    for a in np.arange(target, 1.0 + 1e-9, 0.01):
-        cov_a, cor_a = out_of_fold(float(a)) if a > target else (covered, correct)
-        if cov_a.any() and cor_a.sum() >= target * cov_a.sum() - 1e-9:
-            aim, covered, correct = float(min(a, 1.0)), cov_a, cor_a
-            break
+    aim, covered, correct = lowest_aim(target, out_of_fold)
     t = _fit_margin(d, aim)
     t = t_all if t is None else t
     n_cov = int(covered.sum())
