@@ -29,7 +29,9 @@
 //
 // bf16 inputs on CPUs with AVX512_BF16: keys and values are packed as bf16 pairs and both
 // products run on _mm512_dpbf16_ps (fp32 accumulation; the probabilities enter the PV product
-// as bf16, as in any flash attention with 16-bit inputs). Elsewhere 16-bit inputs are widened
+// as bf16, as in any flash attention with 16-bit inputs). With AMX, at the CPU's own best ISA
+// level and head sizes a multiple of 32, the same layouts feed AMX tiles instead (KAmx): the
+// same softmax loop, 1.5-2.3x faster on the cascade's shapes. Elsewhere 16-bit inputs are widened
 // to fp32 at packing time and run the fp32 kernel. With round_bf16 (ops.attention_lse's
 // dot_dtype=bfloat16: mixed precision, fp32 activations with bf16 products) inputs of any dtype
 // are rounded to bf16 at packing time and take the same bf16 path (or, widened back, the fp32
@@ -191,6 +193,7 @@ constexpr int kStateLanes = 16;
 struct Scratch {
     std::vector<float> kt, vp, qb, sb, ob;
     std::vector<uint32_t> kt2, vp2, qb2, pb2;  // bf16-pair layouts
+    std::vector<uint16_t> row2;                // one key's and value's bf16 (pack_bf16)
     std::vector<int32_t> kp;                   // key positions (-1 = masked), per key slot
     std::vector<int32_t> binfo;                // per key block: n valid, kmin, kmax, all valid
     uint64_t call = ~uint64_t(0);
@@ -751,26 +754,68 @@ ICQS_BF16_TARGET ATTN_INLINE __m512 dpbf16(__m512 acc, uint32_t pair, const uint
                             (__m512bh)_mm512_loadu_si512(b));
 }
 
+// fp32 -> bf16 bits of n elements, 16 a step: to_bf16's integer rounding (round to nearest
+// even, NaN kept quiet; subnormals kept, unlike the conversion instruction), the same bits.
+__attribute__((target("arch=x86-64-v4"))) void bf16_row_v4(const float* src, int64_t n,
+                                                           uint16_t* dst) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff),
+                  absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
+                  quiet = _mm512_set1_epi32(0x40);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
+        const __m512i up = _mm512_srli_epi32(u, 16);
+        const __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(up, one)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan,
+                                                                        _mm512_or_si512(up, quiet))));
+    }
+    for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
 // Keys as [block][D/2 pairs][64 keys] of (k[2p], k[2p+1]) and values as [block][32 key
-// pairs][dvp] of (v[2t][c], v[2t+1][c]): the operand layouts of dpbf16 (masked keys zero).
+// pairs][dvp] of (v[2t][c], v[2t+1][c]): the operand layouts of dpbf16 and of the AMX tiles
+// (masked keys zero). A key's row is converted whole (bf16_row_v4; bf16 inputs as they are),
+// so a pair is two consecutive bf16 of it; fp16 inputs go element by element.
 ATTN_INLINE void pack_bf16(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
                            int64_t d2, int64_t dvp) {
     pack_positions(a, s, b, kBK2, nkb);
     s.kt2.assign(static_cast<size_t>(nkb * d2 * kBK2), 0u);
     s.vp2.assign(static_cast<size_t>(nkb * (kBK2 / 2) * dvp), 0u);
     const int64_t kbase = b * a.ks[0] + hk * a.ks[1], vbase = b * a.vs[0] + hk * a.vs[1];
+    const bool rows = a.dt != kAF16;
+    s.row2.assign(static_cast<size_t>(2 * d2 + a.Dv), 0u);
+    uint16_t* krow = s.row2.data();
+    uint16_t* vrow = krow + 2 * d2;
     for (int64_t j = 0; j < a.Tk; ++j) {
         if (s.kp[j] < 0) continue;
         const int64_t kb = j / kBK2, jj = j % kBK2;
-        const int64_t ko = kbase + j * a.ks[2];
+        const int64_t ko = kbase + j * a.ks[2], vo = vbase + j * a.vs[2];
         uint32_t* kt = s.kt2.data() + kb * d2 * kBK2 + jj;
+        uint32_t* vp = s.vp2.data() + (kb * (kBK2 / 2) + jj / 2) * dvp;
+        const int sh = static_cast<int>(jj % 2) * 16;
+        if (rows) {
+            if (a.dt == kAF32) {
+                bf16_row_v4(static_cast<const float*>(a.k) + ko, a.D, krow);
+                bf16_row_v4(static_cast<const float*>(a.v) + vo, a.Dv, vrow);
+            } else {
+                std::memcpy(krow, static_cast<const uint16_t*>(a.k) + ko, 2 * a.D);
+                std::memcpy(vrow, static_cast<const uint16_t*>(a.v) + vo, 2 * a.Dv);
+            }
+            for (int64_t p = 0; p < d2; ++p) {
+                uint32_t pair;
+                std::memcpy(&pair, krow + 2 * p, sizeof(pair));  // krow[D] stays 0 for odd D
+                kt[p * kBK2] = pair;
+            }
+            for (int64_t c = 0; c < a.Dv; ++c) vp[c] |= static_cast<uint32_t>(vrow[c]) << sh;
+            continue;
+        }
         for (int64_t p = 0; p < d2; ++p) {
             const uint32_t hi = 2 * p + 1 < a.D ? bf16_bits(a.k, ko + 2 * p + 1, a.dt) : 0u;
             kt[p * kBK2] = bf16_bits(a.k, ko + 2 * p, a.dt) | (hi << 16);
         }
-        const int64_t vo = vbase + j * a.vs[2];
-        uint32_t* vp = s.vp2.data() + (kb * (kBK2 / 2) + jj / 2) * dvp;
-        const int sh = static_cast<int>(jj % 2) * 16;
         for (int64_t c = 0; c < a.Dv; ++c) vp[c] |= bf16_bits(a.v, vo + c, a.dt) << sh;
     }
 }
@@ -887,6 +932,122 @@ ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0
     item_impl<KBf16>(a, b, hk, r0, r1);
 }
 
+// ------------------------------------------------------------------- bf16 kernel (AMX tiles)
+
+#define ICQS_AMX_TARGET __attribute__((target("arch=x86-64-v4,avx512bf16,amx-tile,amx-bf16")))
+
+// The bf16 kernel's layouts and softmax, with both products on AMX tiles (16 x 16 fp32 outputs,
+// 32 bf16 products per element and step): keys [D/2 pairs][64 keys] are the B operand of
+// S = Q K^T, values [32 key pairs][dvp] that of O += P V, as they are for dpbf16. Tiles 0-3
+// accumulate, tile 4 holds 16 rows of the A operand (queries, or probabilities), 5-7 B. A
+// score's or an output's sum is the tile unit's fixed order over its row and column, whatever
+// the block's other rows. Needs D a multiple of 32 (whole A / B tiles).
+ICQS_AMX_TARGET ATTN_INLINE void amx_config() {
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    for (int t = 0; t < 8; ++t) {
+        cfg[16 + 2 * t] = 64;  // bytes per row
+        cfg[48 + t] = 16;      // rows
+    }
+    _tile_loadconfig(cfg);
+}
+
+struct KAmx : KBf16 {
+    // The query rows' 16-row halves that hold queries (rows past n in a half are padding: their
+    // scores are never read, their probabilities 0).
+    ICQS_AMX_TARGET __attribute__((noinline)) static void scores(
+        const Scratch& s, const uint32_t* qb, int64_t d2, int64_t kb, float* sb, int n, int) {
+        const uint32_t* kt = s.kt2.data() + kb * d2 * kBK2;
+        for (int h = 0; h * 16 < n; ++h) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t p0 = 0; p0 < d2; p0 += 16) {
+                _tile_loadd(4, qb + h * 16 * d2 + p0, d2 * 4);
+                const uint32_t* kr = kt + p0 * kBK2;
+                _tile_loadd(5, kr, kBK2 * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, kr + 16, kBK2 * 4);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, kr + 32, kBK2 * 4);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, kr + 48, kBK2 * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            float* out = sb + h * 16 * kBK2;
+            _tile_stored(0, out, kBK2 * 4);
+            _tile_stored(1, out + 16, kBK2 * 4);
+            _tile_stored(2, out + 32, kBK2 * 4);
+            _tile_stored(3, out + 48, kBK2 * 4);
+        }
+    }
+    ICQS_AMX_TARGET __attribute__((noinline)) static void pv(
+        Scratch& s, const float* sb, int n, int64_t kb, int64_t dvp, const float* alpha,
+        float* ob, int) {
+        uint32_t* pb = s.pb2.data();
+        const int nr = (n + 15) / 16 * 16;  // the halves holding the block's query rows
+        for (int rr = 0; rr < nr; ++rr) {
+            uint32_t* prow = pb + rr * (kBK2 / 2);
+            float* orow = ob + rr * dvp;
+            if (rr >= n) {  // padding: probability 0 (its output row is never read)
+                std::fill(prow, prow + kBK2 / 2, 0u);
+                continue;
+            }
+            for (int c = 0; c < kBK2; c += 16) {
+                const __m256bh hb = _mm512_cvtneps_pbh(_mm512_loadu_ps(sb + rr * kBK2 + c));
+                std::memcpy(prow + c / 2, &hb, sizeof(hb));
+            }
+            const __m512 al = _mm512_set1_ps(alpha[rr]);
+            for (int64_t c = 0; c < dvp; c += 16)
+                _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), al));
+        }
+        const uint32_t* vp = s.vp2.data() + kb * (kBK2 / 2) * dvp;
+        const int64_t nv = dvp / 16;
+        for (int h = 0; h * 16 < n; ++h) {
+            const uint32_t* p2 = pb + h * 16 * (kBK2 / 2);
+            float* o = ob + h * 16 * dvp;
+            for (int64_t c0 = 0; c0 < nv; c0 += 4) {
+                const int nc = static_cast<int>(std::min<int64_t>(4, nv - c0));
+                // Up to 4 column tiles of the output accumulate over the block's 64 keys
+                // (2 steps of 32); tile 4 holds 16 rows x 32 keys of probabilities.
+                if (nc > 0) _tile_loadd(0, o + c0 * 16, dvp * 4);
+                if (nc > 1) _tile_loadd(1, o + (c0 + 1) * 16, dvp * 4);
+                if (nc > 2) _tile_loadd(2, o + (c0 + 2) * 16, dvp * 4);
+                if (nc > 3) _tile_loadd(3, o + (c0 + 3) * 16, dvp * 4);
+                for (int t0 = 0; t0 < kBK2 / 2; t0 += 16) {
+                    _tile_loadd(4, p2 + t0, (kBK2 / 2) * 4);
+                    const uint32_t* vr = vp + t0 * dvp + c0 * 16;
+                    _tile_loadd(5, vr, dvp * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nc > 1) {
+                        _tile_loadd(6, vr + 16, dvp * 4);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (nc > 2) {
+                        _tile_loadd(7, vr + 32, dvp * 4);
+                        _tile_dpbf16ps(2, 4, 7);
+                    }
+                    if (nc > 3) {
+                        _tile_loadd(5, vr + 48, dvp * 4);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                if (nc > 0) _tile_stored(0, o + c0 * 16, dvp * 4);
+                if (nc > 1) _tile_stored(1, o + (c0 + 1) * 16, dvp * 4);
+                if (nc > 2) _tile_stored(2, o + (c0 + 2) * 16, dvp * 4);
+                if (nc > 3) _tile_stored(3, o + (c0 + 3) * 16, dvp * 4);
+            }
+        }
+    }
+};
+
+ICQS_AMX_TARGET void item_amx(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    amx_config();
+    item_impl<KAmx>(a, b, hk, r0, r1);
+    _tile_release();
+}
+
 bool has_bf16_dot() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
@@ -914,6 +1075,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     if (q_strides.size() != 3 || k_strides.size() != 3 || v_strides.size() != 3)
         throw std::invalid_argument("attention_lse: strides are 3-tuples (dims 0..2)");
     const int best = cpu_isa_level();
+    const bool auto_isa = isa < 0;
     if (isa < 0) isa = best;
     if (isa > best)
         throw std::invalid_argument("attention_lse: isa " + std::to_string(isa) +
@@ -950,6 +1112,9 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
 #ifdef ICQS_ATTN_X86
     bf16_dot = bf16_dot && has_bf16_dot();
     if (isa == 2) fn = (dtype == kABF16 || round_bf16) && bf16_dot ? item_bf16 : item_v4;
+    // AMX tiles only at the CPU's own best level (an explicit avx512 keeps to dpbf16, as the
+    // linear kernel does) and for whole tiles of head dimensions.
+    if (fn == item_bf16 && auto_isa && D % 32 == 0 && cpu_has_amx()) fn = item_amx;
     else if (isa == 1) fn = item_v3;
 #endif
     if (nthreads < 1) nthreads = 1;

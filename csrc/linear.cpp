@@ -33,6 +33,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include "simd_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,8 +50,6 @@
 
 #if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define ICQS_LIN_X86 1
 #endif
 
@@ -404,18 +404,7 @@ bool has_bf16_dot() {
     return ok;
 }
 
-bool has_amx() {
-    static const bool ok = [] {
-        if (!__builtin_cpu_supports("avx512bw")) return false;
-        unsigned eax, ebx, ecx, edx;
-        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-        const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-        if (!tile || !bf16) return false;
-        // Linux hands a process the tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
-        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }();
-    return ok;
-}
+bool has_amx() { return cpu_has_amx(); }
 
 #endif  // ICQS_LIN_X86
 
@@ -474,11 +463,18 @@ void linear_pack(uintptr_t w, int64_t ws, int wt, int64_t N, int64_t K, int kind
                 n >= N || k >= K ? 0 : wt == kWBF16 ? wb[n * ws + k] : bf16_rne(wf[n * ws + k]);
 }
 
-void linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
-            uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa) {
+// What the calling thread's kept buffer holds: x's terms for (M, K, mode), or nothing.
+struct KeptTerms {
+    int64_t M = -1, K = -1;
+    int mode = -1;
+};
+
+bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
+            uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
+            bool reuse_x) {
     if (M < 0 || K < 1 || N < 1) throw std::invalid_argument("linear: bad shape");
     if (mode < kF32 || mode > kBF16x3) throw std::invalid_argument("linear: mode must be 0-3");
-    if (M == 0) return;
+    if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
     Args a{};
@@ -497,21 +493,30 @@ void linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     // the calling thread's, kept between calls up to kKeepBytes: a fresh one per call cost its
     // page faults (a fifth of a 640-row call's time in a probe).
     constexpr size_t kKeepBytes = size_t{16} << 20;
+    // reuse_x: the caller vouches that x is the very input of this thread's previous call (the
+    // q / k / v and gate / up projections share theirs), so the terms kept from it are x's
+    // terms; they are used only when they were made for the same M, K and mode.
     static thread_local std::vector<uint16_t> kept;
+    static thread_local KeptTerms kept_for;
     std::vector<uint16_t> fresh;
+    bool reused = false;
     if (mode != kF32) {
         const int64_t Mp = round_up(M, 32);
         const size_t need = static_cast<size_t>(Mp * a.xbs);
-        std::vector<uint16_t>& xb = need * 2 <= kKeepBytes ? kept : fresh;
+        const bool keep = need * 2 <= kKeepBytes;
+        std::vector<uint16_t>& xb = keep ? kept : fresh;
+        reused = reuse_x && keep && kept_for.M == M && kept_for.K == K && kept_for.mode == mode;
+        if (!reused && keep) kept_for = KeptTerms{};  // overwritten below
         if (xb.size() < need) xb.resize(need);
         uint16_t* base = xb.data();
+        a.xb = base;
 #ifdef ICQS_LIN_X86
         const bool wide = ran >= 2;  // the AVX-512 kernels' CPU (the same bits either way)
 #else
         const bool wide = false;
 #endif
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 64 && nthreads > 1)
-        for (int64_t m = 0; m < Mp; ++m) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 64 && nthreads > 1 && !reused)
+        for (int64_t m = 0; m < (reused ? 0 : Mp); ++m) {
             uint16_t* dst = base + m * a.xbs;
             if (m >= M) {
                 std::memset(dst, 0, static_cast<size_t>(a.xbs) * 2);
@@ -537,7 +542,7 @@ void linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
                 std::memset(dst + t * a.Kp + K, 0, static_cast<size_t>(a.Kp - K) * 2);
         }
         (void)wide;
-        a.xb = base;
+        if (keep) kept_for = KeptTerms{M, K, mode};
     }
     const int64_t rb = (M + kTaskRows - 1) / kTaskRows, cb = (N + kTaskCols - 1) / kTaskCols;
     const int64_t tasks = rb * cb;
@@ -549,6 +554,7 @@ void linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
         fn(a, r * kTaskRows, std::min(M, (r + 1) * kTaskRows), c * kTaskCols,
            std::min(N, (c + 1) * kTaskCols));
     }
+    return reused;
 }
 
 const char* const kLevelNames[4] = {"generic", "avx2", "avx512", "amx"};
@@ -565,12 +571,14 @@ void register_linear(py::module_& m) {
           "weights rounded to nearest even)");
     m.def("linear", &linear, py::arg("x"), py::arg("x_stride"), py::arg("M"), py::arg("K"),
           py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
-          py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1,
+          py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1, py::arg("reuse_x") = false,
           "out [M,N] fp32 = x [M,K] fp32 @ w^T (+ bias [N] fp32; 0 = none) with w packed by "
           "linear_pack (kind 0 for mode 0, kind 1 for modes 1-3); row strides in elements. "
           "mode 0 fp32 products, 1 bf16 products, 2/3 x split into 2/3 bf16 terms. Each output "
           "element in one fixed order that depends on K and the mode only. isa: -1 best, else "
-          "at most 0 generic, 1 avx2, 2 avx512, 3 amx.");
+          "at most 0 generic, 1 avx2, 2 avx512, 3 amx. reuse_x: x is the previous call's input on "
+          "this thread (its bf16 terms are reused when kept for the same M, K and mode). "
+          "Returns whether they were.");
     m.def("linear_level", [](int mode, int isa) {
         const int best = best_level();
         return pick(mode, isa < 0 ? best : std::min(isa, best)).second;

@@ -12,6 +12,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 #define ICQS_SIMD_INLINE inline __attribute__((always_inline))
@@ -133,6 +138,26 @@ inline int cpu_isa_level() {
     if (__builtin_cpu_supports("x86-64-v3")) return 1;
 #endif
     return 0;
+}
+
+// Whether this process may run AMX tile instructions (bf16 tiles): the CPU has them and Linux
+// granted the tile state, which it hands a process only on request (ARCH_REQ_XCOMP_PERM for
+// XTILEDATA). The grant is the process's, so asking again is harmless.
+inline bool cpu_has_amx() {
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY) && defined(__linux__)
+    static const bool ok = [] {
+        __builtin_cpu_init();
+        if (!__builtin_cpu_supports("avx512bw")) return false;
+        unsigned eax, ebx, ecx, edx;
+        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+        const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+        if (!tile || !bf16) return false;
+        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
 }
 
 }  // namespace

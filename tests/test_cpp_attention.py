@@ -1,9 +1,9 @@
 """The cpp backend of ``ops.attention_lse`` (``csrc/attention.cpp``) against a float64 dense
 reference: awkward shapes (one key, all-masked rows, odd head sizes, another value head size,
 GQA), the variants the cascade passes it (soft cap, sliding window, chunks, token positions with
-padded keys), every ISA level this CPU runs (forced through ``ICQS_FAST_CPP_ISA``), fp32 and
-bf16 (AVX512_BF16 dot products and the widened fp32 path), thread-count invariance, and the
-cascade's forced-path switch."""
+padded keys), every ISA level this CPU runs (forced through ``ICQS_FAST_CPP_ISA``; ``auto``
+reaches the AMX tiles), fp32 and bf16 (AMX, AVX512_BF16 dot products and the widened fp32
+path), thread-count invariance, and the cascade's forced-path switch."""
 
 import math
 
@@ -24,13 +24,21 @@ from icqs_fast.backends import cpp_backend
 pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
                                 reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
 
-ISAS = ("sse4", "avx2", "avx512")
+# "auto": the CPU's best, the only level that reaches AMX tiles (an explicit avx512 keeps to
+# the AVX512_BF16 dot products).
+ISAS = ("sse4", "avx2", "avx512", "auto")
+
+
+def _level(name):
+    from icqs_fast import _C
+
+    return _C.best_isa() if name == "auto" else cpp_backend.ISA_LEVELS[name]
 
 
 def _isa_runs(name):
     from icqs_fast import _C
 
-    return cpp_backend.ISA_LEVELS[name] <= _C.best_isa()
+    return _level(name) <= _C.best_isa()
 
 
 def _isa(name):
@@ -115,14 +123,15 @@ def test_bf16_paths_and_fp16(bf16_dot, monkeypatch):
 
 @pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
 @pytest.mark.parametrize("bf16_dot", [True, False])
-def test_bf16_products_of_fp32_inputs(isa, bf16_dot, monkeypatch):
+@pytest.mark.parametrize("d", [80, 64])  # 64: whole AMX tiles (auto on an AMX CPU)
+def test_bf16_products_of_fp32_inputs(isa, bf16_dot, d, monkeypatch):
     """``dot_dtype=bfloat16`` (mixed precision): fp32 q/k/v enter both products rounded to
     bf16, on every ISA level and with or without the AVX512_BF16 dot products; the output stays
     fp32 and matches the float64 attention of the rounded inputs; a row's result does not
     depend on the other rows of the call (thread split, batch neighbours)."""
     monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
     monkeypatch.setattr(cpp_backend, "BF16_DOT", bf16_dot)
-    q, k, v = _inputs(2, 4, 2, 21, 150, 80, 48, torch.float32, seed=9)
+    q, k, v = _inputs(2, 4, 2, 21, 150, d, 48, torch.float32, seed=9)
     am = torch.ones(2, 150, dtype=torch.bool)
     am[1, 120:] = False
     kw = {"scale": 0.1, "causal": True, "attention_mask": am}
@@ -132,7 +141,7 @@ def test_bf16_products_of_fp32_inputs(isa, bf16_dot, monkeypatch):
     # The bf16 dot-product path (AVX-512 with AVX512_BF16) rounds the probabilities to bf16
     # for the PV product, the widened path keeps them fp32 (on an AVX-512 CPU without
     # AVX512_BF16 the bf16 yardstick is merely looser).
-    rounds_p = bf16_dot and isa == "avx512"
+    rounds_p = bf16_dot and _level(isa) == 2
     attention_within_torch_error(out, lse, rq, rk, rv,
                                  pv_dtype=torch.bfloat16 if rounds_p else None, **kw)
     plain, _ = ops.attention_lse(q, k, v, backend="cpp", **kw)

@@ -12,6 +12,7 @@ AVX-512 machine can run (and test) the AVX2 path the other kind runs.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -357,6 +358,19 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
     return panels.reshape(-1, kp)[:n, :k].clone()
 
 
+class _LastInput(threading.local):
+    """The calling thread's previous :func:`linear` input: the tensor (held, so its memory
+    cannot be reused while it is compared), its version counter, its strides and the products.
+    The q / k / v projections (and gate / up) take the same input in a row, and the kernel
+    then reuses the bf16 terms it made of it instead of converting it again."""
+
+    x: torch.Tensor | None = None
+    key: tuple = ()
+
+
+_LAST = _LastInput()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
@@ -366,9 +380,17 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
         x = x.contiguous()
     b = None if bias is None else bias.float().contiguous()
     out = torch.empty(m, out_features, dtype=torch.float32)
+    mode = PRODUCTS.index(products)
+    # The same memory, layout and version as the previous input: the same values (an in-place
+    # change bumps the version counter every view shares), so its terms can be reused.
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version, mode)
+    last = _LAST.x
+    same = last is not None and _LAST.key == key and last.untyped_storage().data_ptr() == \
+        x.untyped_storage().data_ptr()
+    _LAST.x, _LAST.key = (x, key) if mode != 0 else (None, ())
     _C.linear(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, packed.data_ptr(), out_features,
-              0 if b is None else b.data_ptr(), out.data_ptr(), out_features,
+              0 if b is None else b.data_ptr(), out.data_ptr(), out_features, mode,
               # ICQS_FAST_CPP_ISA caps this kernel too: "avx512" leaves AMX out (the AVX-512
               # BF16 path of CPUs without AMX).
-              PRODUCTS.index(products), torch.get_num_threads(), isa_setting())
+              torch.get_num_threads(), isa_setting(), same)
     return out
