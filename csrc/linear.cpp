@@ -321,12 +321,12 @@ AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
     amx_config();
     alignas(64) float c[32][32];
     const int64_t xstride = a.xbs * 2;  // bytes between x rows
-    for (int64_t m = m0; m < m1; m += 32) {
+    for (int64_t n = n0; n < n1; n += kNR) {
+        const int64_t nc = std::min<int64_t>(kNR, n1 - n);
+        for (int64_t m = m0; m < m1; m += 32) {
         const int64_t mc = std::min<int64_t>(32, m1 - m);
         const uint16_t* x0 = a.xb + m * a.xbs;  // rows up to Mp exist (zero past M)
         const uint16_t* x1 = x0 + 16 * a.xbs;
-        for (int64_t n = n0; n < n1; n += kNR) {
-            const int64_t nc = std::min<int64_t>(kNR, n1 - n);
             const uint16_t* panel = a.pb + (n / kNR) * a.Kp * kNR;
             _tile_zero(0);
             _tile_zero(1);
