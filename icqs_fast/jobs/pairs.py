@@ -109,19 +109,10 @@ class PairStrategy(ScoreStrategy):
         """The input's pairs whose index (the record of a, or of the bad record) lies in
         ``[skip, stop)`` - what ``--resume`` (after the last pair written) and ``--shard``
         (a pair goes to the shard holding its first record) read; ``kw``:
-        :func:`~icqs_fast.io.readers.read_pairs`' on_error, allow_empty. One a/b record per
-        pair: the records of that range. Grouped pairs (``--pair-field``) are grouped from
-        the file's start, so that a range boundary between a pair's two records (or a bad
-        group before it) groups them as the whole run did."""
+        :func:`~icqs_fast.io.readers.read_pairs`' on_error, allow_empty."""
         c = self.config
-        if c.pair_options.pair_field is None:
-            return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
-                              skip=skip, stop=stop, **kw)
-        pairs = read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
-                           **kw)
-        if not skip and stop is None:
-            return pairs
-        return (p for p in pairs if p.index >= skip and (stop is None or p.index < stop))
+        return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
+                          skip=skip, stop=stop, **kw)
 
     def peek_input(self, config: ScoreJobConfig) -> None:
         """Every pair is read before the model loads (reading costs nothing beside scoring):
