@@ -32,6 +32,7 @@ from typing import Any
 from icqs_fast.engine.pairs import length_preferences, pairwise_accuracy, score_pairs
 from icqs_fast.io.readers import read_pairs
 from icqs_fast.io.records import InputError, PairRecord, Record, RecordError
+from icqs_fast.io.runs import OutputPolicy, input_range
 from icqs_fast.io.schema import arrow_schema, pair_row
 from icqs_fast.jobs.config import ScoreJobConfig
 from icqs_fast.jobs.score import ScoreStrategy, check_record, ordered_results
@@ -122,16 +123,8 @@ class PairStrategy(ScoreStrategy):
         twice: only its run checks it."""
         if config.input == "-":
             return
-        lo, hi = 0, None
-        if config.shard is not None:
-            from icqs_fast.io.readers import count_records
-            from icqs_fast.io.records import parse_shard, shard_range
-
-            total = count_records(config.input, format=config.format,
-                                  encoding=config.encoding)
-            if total == 0:
-                raise InputError(config.input_name, None, None, "no records (nothing to shard)")
-            lo, hi = shard_range(total, *parse_shard(config.shard))
+        lo, hi, _ = input_range(config.input, config.format, config.encoding, config.shard,
+                                OutputPolicy(config.output))  # the shard's records (or all)
         for p in self.read_input(on_error="yield", allow_empty=False):
             if (isinstance(p, RecordError) and config.on_error == "stop" and not config.resume
                     and p.index >= lo and (hi is None or p.index < hi)):

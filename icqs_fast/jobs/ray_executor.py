@@ -167,7 +167,8 @@ class BlockActor:
         strategy = self.strategy
         c = strategy.config
         counts = strategy.summary()
-        writer = self.output.open_block(block, _block_format(c), schema=strategy.table_schema())
+        writer = self.output.open_block(block, c.ray.output_format,
+                                        schema=strategy.table_schema())
         try:
             with writer:  # written whole on success, not at all on an error
                 stream_results(strategy, items, ResultSink(writer, counts, c.on_error == "skip",
@@ -178,11 +179,6 @@ class BlockActor:
                                            "index": getattr(exc, "index", None)})
         summary.update(n=counts.n, skipped=counts.skipped, seconds=time.perf_counter() - t0)
         return {k: np.array([v]) for k, v in summary.items()}
-
-
-def _block_format(config: JobConfig) -> str:
-    assert config.ray is not None
-    return config.ray.output_format
 
 
 # --------------------------------------------------------------------------- driver
@@ -254,10 +250,11 @@ class RayExecutor:
             for line in actors.warnings:
                 log(f"icqs-fast: warning: {line}")
             # The prepared strategy goes to the workers with the actors' device and the dtype
-            # (auto: each actor resolves it on its own device; the first block's runtime is
+            # (a resumed output's for auto; else auto, resolved by each actor on its own device:
+            # on the driver's CPU it gave GPU actors a CPU mode. The first block's runtime is
             # the run's, and a worker that differs stops the run naming --dtype).
             prepared = copy.copy(job.strategy)
-            prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, policy),
+            prepared.config = dataclasses.replace(config, dtype=resumed_dtype(policy, config.dtype),
                                                   device=actors.device)
             remote = {"num_gpus": actors.gpus or None, "num_cpus": ro.cpus_per_worker,
                       **self.actor_options}
@@ -324,16 +321,6 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
         ValueError: other settings in a resumed output, bad options.
     """
     return run_with(config, RayExecutor(actor_options), log=log, stats=stats)
-
-
-def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:
-    """The dtype every actor loads its model in: ``--dtype`` as given, a resumed output's own
-    dtype for ``auto`` (:func:`~icqs_fast.io.runs.resumed_dtype`), else ``auto``, resolved by
-    each actor on its own device. (Resolved on the driver's CPU it gave ``bf16-mixed``, a CPU
-    mode, to GPU actors, or float32 where the driver lacks native bf16.) Actors that resolve it
-    differently (CPUs of mixed kinds) stop the run at the first such block, naming
-    ``--dtype``."""
-    return resumed_dtype(policy, config.dtype)
 
 
 @dataclass(frozen=True)
