@@ -14,8 +14,8 @@ beside the length judge's. The whole input is read once before the model loads, 
 (a missing output, a group of another size than 2) stops the run before anything is written.
 ``--resume`` continues after the last pair written (by its index, checking its id) and
 ``--shard i/n`` judges the pairs whose first record lies in the i-th record range
-(:meth:`PairStrategy.read_input`); ``--ray`` is refused with pairs
-(:meth:`~icqs_fast.jobs.config.ScoreJobConfig.check`).
+(:meth:`PairStrategy.read_input`), and a ``--ray`` block those whose first record lies in it
+(:attr:`PairStrategy.pair_fields`); the driver merges the blocks' :meth:`PairSummary.state`.
 
 ``--good-bad-pairs FILE`` (also without ``--pairs``): the pools as pairs, the better output
 into the good pool, the other into the bad pool
@@ -63,6 +63,15 @@ class PairSummary:
         self.by_length += length_preferences([(rec.x, rec.y_a, rec.y_b)], shorter=self.shorter)
         if self.with_label:
             self.better.append(rec.label)
+
+    def state(self) -> dict:
+        """What :meth:`merge` adds to another summary (a ``--ray`` block's, to the driver's)."""
+        return {k: getattr(self, k) for k in ("n", "skipped", "preferred", "by_length", "better")}
+
+    def merge(self, state: dict) -> None:
+        """Add another summary's :meth:`state` (merged in input order: the one run's figures)."""
+        for k, v in state.items():
+            setattr(self, k, getattr(self, k) + v)
 
     def accuracies(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
         """``(ICQS, the length judge)``: each ``(accuracy, lo, hi)`` over the labelled pairs
@@ -114,6 +123,11 @@ class PairStrategy(ScoreStrategy):
         c = self.config
         return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
                           skip=skip, stop=stop, **kw)
+
+    @property
+    def pair_fields(self) -> Any:
+        """The input's PairFields (a ``--ray`` block's :class:`~.ray_actors.BlockSpec`)."""
+        return self.config.pair_fields()
 
     def peek_input(self, config: ScoreJobConfig) -> None:
         """Every pair is read before the model loads (reading costs nothing beside scoring):
