@@ -1,10 +1,14 @@
 """``--ray`` runs (icqs_fast.jobs.ray_actors) on a local Ray cluster started here (2 CPUs, on
 127.0.0.1 only: see tests/conftest.py), with a tiny random Llama: the same output as the
 single-process CLI, a worker SIGKILLed mid-run, a driver SIGKILLed and rerun, bad records (skip
-and stop), a refused resume. Multi-node clusters: tests/test_ray_cluster.py."""
+and stop), a refused resume; ``score --pairs`` the same (output and summary, a killed driver
+resumed). Multi-node clusters: tests/test_ray_cluster.py."""
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -462,3 +466,92 @@ def test_cli_ray_flag_dispatches_to_run_ray(kind, monkeypatch, tmp_path):
     assert [k for k, _ in seen] == [kind, kind]
     for _, c in seen:
         assert (c.executor, c.ray.workers, c.ray.block_size) == ("ray", 2, 8)
+
+
+# --------------------------------------------------------------------------- score --pairs
+
+# Pairs of two records by `pid` (a then b) with labels, and a lone record (a bad group) at
+# record 4. Blocks of 3 records: pairs p1 (records 2-3) and p2 (5-6) cross a block boundary
+# (each goes whole to the block of its first record), block 1 holds the bad group.
+_PAIR_YS = [("positive", "negative"), ("negative up", "positive by far"), ("flat", "down")]
+PAIR_ROWS = [{"pid": f"p{i}", "x": f"sales up {i}% in quarter {i % 4}", "y": _PAIR_YS[i % 3][k],
+              "ok": "good" if k == i % 2 else "bad"} for i in range(5) for k in (0, 1)]
+PAIR_ROWS.insert(4, {"pid": "lone", "x": "no pair here", "y": "positive", "ok": "good"})
+
+
+def _pair_summary(text):
+    """The pair summary's lines without its timing (``in S s (R pairs/s)``)."""
+    return re.sub(r" in [\d.]+ s \([\d.]+ pairs/s\)", "", text)
+
+
+@pytest.fixture(scope="module")
+def pairs(data):
+    """The pair input, its options and the local `score --pairs` run's lines and summary."""
+    inp = write_jsonl(data["dir"] / "pairs.jsonl", PAIR_ROWS)
+    opts = ["--pairs", str(inp), "--pair-field", "pid", "--label-field", "ok",
+            "--no-self-check", "--on-error", "skip", *data["common"]]
+    local, err = data["dir"] / "pairs_local.jsonl", io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["score", *opts, "-o", str(local)]) == 0
+    summary = err.getvalue()[err.getvalue().index("icqs-fast: judged"):].rstrip("\n")
+    return {"opts": opts, "lines": read_jsonl(local), "summary": summary}
+
+
+def _pair_blocks(out):
+    got = []
+    for p in _blocks(out, "jsonl"):
+        got += read_jsonl(out / p)
+    return got
+
+
+def test_pairs_jsonl_blocks_equal_the_local_run(cluster, pairs, tmp_path):
+    """`score --pairs --ray`: no pair split between blocks (nor a block without its pairs'
+    second records), `cat OUT/part-*.jsonl` is the local run's output to the bit, the bad
+    group's error line in place, and the driver says the local run's pair summary."""
+    out, logs = tmp_path / "out", []
+    assert run_ray(build_config("score", build_parser("score").parse_args(
+        [*pairs["opts"], "-o", str(out), "--ray", "--quiet", "--workers", "2",
+         "--block-size", "3", "--output-format", "jsonl"])),
+        log=lambda *a: logs.append(" ".join(map(str, a)))) == 0
+    assert _blocks(out, "jsonl") == [f"part-{k:06d}.jsonl" for k in range(4)]
+    assert [[r["index"] for r in read_jsonl(out / p)] for p in _blocks(out, "jsonl")] == [
+        [0, 2], [4, 5], [7], [9]]
+    local = pairs["lines"]
+    assert _pair_blocks(out) == local  # every field, every bit
+    assert local[2]["error"]["field"] == "pid" and len(local) == 6
+    said = next(m for m in logs if m.startswith("icqs-fast: judged"))
+    text, where = said.rsplit("\n  ", 1)
+    assert _pair_summary(text) == _pair_summary(pairs["summary"])
+    assert "pairwise accuracy" in text and "1 bad pairs skipped" in text
+    assert re.fullmatch(r"on [12] workers \(1 nodes\), 4 blocks", where), where  # as scheduled
+
+
+def test_pairs_driver_sigkilled_then_resumed(cluster, pairs, tmp_path):
+    """A `score --pairs --ray` driver SIGKILLed while block 2 is judged keeps blocks 0-1;
+    the same command with --resume judges only blocks 2-3 (its summary over their pairs),
+    and the blocks are the local run's output."""
+    out, hold = tmp_path / "out", tmp_path / "hold"  # the killed driver's job's own holds
+    argv = [*pairs["opts"], "-o", str(out), "--ray", "--address", cluster, "--block-size", "3",
+            "--output-format", "jsonl", "--resume"]
+    hold.mkdir()
+    (hold / "arm-2").touch()
+    proc = subprocess.Popen([sys.executable, ENTRY, "ray-hold", str(hold), "--", "score",
+                             *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_file(hold / "held-2", 150, proc)
+        before = {p: os.stat(out / p) for p in _blocks(out, "jsonl")}
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert sorted(before) == ["part-000000.jsonl", "part-000001.jsonl"]
+    logs = []
+    assert run_ray(build_config("score", build_parser("score").parse_args(
+        [a for a in argv if a not in ("--address", cluster)])),
+        log=lambda *a: logs.append(" ".join(map(str, a)))) == 0
+    for p, st in before.items():  # not redone
+        now = os.stat(out / p)
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    assert _pair_blocks(out) == pairs["lines"]
+    said = next(m for m in logs if m.startswith("icqs-fast: judged"))
+    assert said.startswith("icqs-fast: judged 2 pairs in ")
+    assert said.endswith("2 blocks (2 blocks were already complete)")

@@ -70,8 +70,8 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 def run(args: argparse.Namespace) -> int:
     from icqs_fast.cli.options import score_config
     from icqs_fast.jobs.config import PairOptions
-    from icqs_fast.jobs.runner import set_threads
     from icqs_fast.jobs.score import ScoreStrategy
+    from icqs_fast.threads import apply_threads
 
     if args.from_output is not None:
         return show(stored_check(args.from_output), args)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                           threads=args.threads, quiet=args.quiet or args.json, **pools)
     config.check()
     quiet = args.quiet or args.json
-    set_threads(args.threads)
+    apply_threads(args.threads)
 
     def log(*a: object) -> None:
         if not quiet:

@@ -1,12 +1,6 @@
 """``icqs-fast demo``: ICQS on a small built-in set of financial-news sentiment answers.
 
-The built-in files (``icqs_fast/data``) were written for this project:
-
-* ``demo_good.jsonl`` / ``demo_bad.jsonl``: 24 headlines each, with the right sentiment
-  (good demonstrations) or the opposite one (bad demonstrations);
-* ``demo_financial.jsonl``: 16 other headlines with an answer to score, 8 right and 8 wrong
-  (field ``quality``: ``"good"`` / ``"bad"``).
-
+The built-in files are :mod:`icqs_fast.data`'s (good and bad demonstrations, answers to score).
 A good answer should score high (it is most likely after mostly-good demonstrations), a wrong
 one low. Before scoring, the self-check (:mod:`icqs_fast.engine.selfcheck`) scores held-out
 members of the demonstration pools, each without the demonstration sets that hold it: it gives

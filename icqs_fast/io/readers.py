@@ -523,7 +523,8 @@ def read_pairs(
     are): one a/b record per pair, or (``fields.pair_field``) two consecutive records sharing
     the pair field's value. A group of another size, or whose two records differ in x, is a
     :class:`RecordError` naming the pair field (or x) at the line of the record that breaks
-    it; ``skip`` / ``stop`` count records of the file.
+    it. ``skip`` / ``stop`` count records: the pairs whose first record lies in ``[skip,
+    stop)``, whole; grouped ones grouped from the file's start (as the whole file groups them).
 
     Yields:
         :class:`~icqs_fast.io.records.PairRecord` s in file order (and
@@ -539,12 +540,12 @@ def read_pairs(
     if fields.pair_field is None:
         return _records(src, fields, (skip, stop), on_error, allow_empty, make=row_pair)
     plain = _records(src, RecordFields(fields.x_field, fields.y_field, fields.pair_field,
-                                       fields.label_field), (skip, stop), "yield", allow_empty)
-    return _grouped(plain, name, fields, on_error)
+                                       fields.label_field), (0, None), "yield", allow_empty)
+    return _grouped(plain, name, fields, on_error, (skip, stop))
 
 
-def _grouped(plain: Iterator[Any], name: str, fields: PairFields, on_error: Any
-             ) -> Iterator[Any]:
+def _grouped(plain: Iterator[Any], name: str, fields: PairFields, on_error: Any,
+             span: tuple[int, int | None]) -> Iterator[Any]:
     key = fields.pair_field
 
     def bad(rec: Record, field: str | None, reason: str) -> RecordError:
@@ -594,7 +595,12 @@ def _grouped(plain: Iterator[Any], name: str, fields: PairFields, on_error: Any
         if pending is not None:
             yield group_of_one(pending)
 
-    for item in items():
+    skip, stop = span
+    for item in items():  # in index order: the first one past the range ends it
+        if stop is not None and item.index >= stop:
+            return
+        if item.index < skip:
+            continue
         if isinstance(item, RecordError):
             if on_error is None:
                 raise item

@@ -391,14 +391,9 @@ class ScoreJobConfig(JobConfig):
             if not os.path.isfile(getattr(self, name)):
                 flag = "good-bad-pairs" if self.good_bad_pairs is not None else name
                 raise FileNotFoundError(f"no such --{flag} file: {getattr(self, name)}")
-        if self.pairs is not None:
-            # The Ray actors read and score plain records in blocks of records; a pair would
-            # need the pair reader and judge there (--resume and --shard work with pairs).
-            if self.ray:
-                raise ValueError("--ray is not supported with --pairs yet (run locally, with "
-                                 "--shard i/n per machine)")
-            if self.pairs.pair_field is not None and self.id_field is not None:
-                raise ValueError("--pair-field is the pair's id: leave out --id-field")
+        if self.pairs is not None and self.pairs.pair_field is not None \
+                and self.id_field is not None:
+            raise ValueError("--pair-field is the pair's id: leave out --id-field")
 
     def resume_key(self) -> dict[str, Any]:
         """The model, the demonstration files' hashes, the scoring fingerprint

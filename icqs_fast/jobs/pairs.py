@@ -14,8 +14,8 @@ beside the length judge's. The whole input is read once before the model loads, 
 (a missing output, a group of another size than 2) stops the run before anything is written.
 ``--resume`` continues after the last pair written (by its index, checking its id) and
 ``--shard i/n`` judges the pairs whose first record lies in the i-th record range
-(:meth:`PairStrategy.read_input`); ``--ray`` is refused with pairs
-(:meth:`~icqs_fast.jobs.config.ScoreJobConfig.check`).
+(:meth:`PairStrategy.read_input`), and a ``--ray`` block those whose first record lies in it
+(:attr:`PairStrategy.pair_fields`); the driver merges the blocks' :meth:`PairSummary.state`.
 
 ``--good-bad-pairs FILE`` (also without ``--pairs``): the pools as pairs, the better output
 into the good pool, the other into the bad pool
@@ -32,6 +32,7 @@ from typing import Any
 from icqs_fast.engine.pairs import length_preferences, pairwise_accuracy, score_pairs
 from icqs_fast.io.readers import read_pairs
 from icqs_fast.io.records import InputError, PairRecord, Record, RecordError
+from icqs_fast.io.runs import OutputPolicy, input_range
 from icqs_fast.io.schema import arrow_schema, pair_row
 from icqs_fast.jobs.config import ScoreJobConfig
 from icqs_fast.jobs.score import ScoreStrategy, check_record, ordered_results
@@ -62,6 +63,15 @@ class PairSummary:
         self.by_length += length_preferences([(rec.x, rec.y_a, rec.y_b)], shorter=self.shorter)
         if self.with_label:
             self.better.append(rec.label)
+
+    def state(self) -> dict:
+        """What :meth:`merge` adds to another summary (a ``--ray`` block's, to the driver's)."""
+        return {k: getattr(self, k) for k in ("n", "skipped", "preferred", "by_length", "better")}
+
+    def merge(self, state: dict) -> None:
+        """Add another summary's :meth:`state` (merged in input order: the one run's figures)."""
+        for k, v in state.items():
+            setattr(self, k, getattr(self, k) + v)
 
     def accuracies(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
         """``(ICQS, the length judge)``: each ``(accuracy, lo, hi)`` over the labelled pairs
@@ -109,19 +119,15 @@ class PairStrategy(ScoreStrategy):
         """The input's pairs whose index (the record of a, or of the bad record) lies in
         ``[skip, stop)`` - what ``--resume`` (after the last pair written) and ``--shard``
         (a pair goes to the shard holding its first record) read; ``kw``:
-        :func:`~icqs_fast.io.readers.read_pairs`' on_error, allow_empty. One a/b record per
-        pair: the records of that range. Grouped pairs (``--pair-field``) are grouped from
-        the file's start, so that a range boundary between a pair's two records (or a bad
-        group before it) groups them as the whole run did."""
+        :func:`~icqs_fast.io.readers.read_pairs`' on_error, allow_empty."""
         c = self.config
-        if c.pair_options.pair_field is None:
-            return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
-                              skip=skip, stop=stop, **kw)
-        pairs = read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
-                           **kw)
-        if not skip and stop is None:
-            return pairs
-        return (p for p in pairs if p.index >= skip and (stop is None or p.index < stop))
+        return read_pairs(c.input, c.pair_fields(), format=c.format, encoding=c.encoding,
+                          skip=skip, stop=stop, **kw)
+
+    @property
+    def pair_fields(self) -> Any:
+        """The input's PairFields (a ``--ray`` block's :class:`~.ray_actors.BlockSpec`)."""
+        return self.config.pair_fields()
 
     def peek_input(self, config: ScoreJobConfig) -> None:
         """Every pair is read before the model loads (reading costs nothing beside scoring):
@@ -131,16 +137,8 @@ class PairStrategy(ScoreStrategy):
         twice: only its run checks it."""
         if config.input == "-":
             return
-        lo, hi = 0, None
-        if config.shard is not None:
-            from icqs_fast.io.readers import count_records
-            from icqs_fast.io.records import parse_shard, shard_range
-
-            total = count_records(config.input, format=config.format,
-                                  encoding=config.encoding)
-            if total == 0:
-                raise InputError(config.input_name, None, None, "no records (nothing to shard)")
-            lo, hi = shard_range(total, *parse_shard(config.shard))
+        lo, hi, _ = input_range(config.input, config.format, config.encoding, config.shard,
+                                OutputPolicy(config.output))  # the shard's records (or all)
         for p in self.read_input(on_error="yield", allow_empty=False):
             if (isinstance(p, RecordError) and config.on_error == "stop" and not config.resume
                     and p.index >= lo and (hi is None or p.index < hi)):

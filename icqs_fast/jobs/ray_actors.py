@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from icqs_fast.io.readers import RecordFields, read_examples, read_records, row_record
-from icqs_fast.io.records import PathLike, Record, RecordError
+from icqs_fast.io.readers import RecordFields, read_examples, read_pairs, read_records, row_record
+from icqs_fast.io.records import PairRecord, PathLike, Record, RecordError
 from icqs_fast.io.schema import column_arrays, features_row, fill_columns, icqs_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES
 from icqs_fast.jobs.features import RecordNames, feature_records
@@ -285,7 +285,8 @@ def _error_column(n: int, row: dict[int, int], errors: list[RecordError]) -> np.
 class BlockSpec:
     """Where block ``block`` of an input is: records ``[start, end)`` of ``path`` (``fmt`` as
     :func:`~icqs_fast.io.records.detect_format` names it), read with ``fields`` and
-    ``encoding``; ``name`` is the input as its errors name it (default: ``path``)."""
+    ``encoding``, or (``score --pairs``) with the ``pairs`` :class:`~icqs_fast.io.readers.
+    PairFields`; ``name`` is the input as its errors name it (default: ``path``)."""
 
     path: str
     fmt: str
@@ -295,20 +296,26 @@ class BlockSpec:
     fields: RecordFields = RecordFields()
     encoding: str = "utf-8"
     name: str | None = None
+    pairs: Any = None
 
     def at(self, block: int, start: int, end: int) -> BlockSpec:
         """The same input's block ``block``: records ``[start, end)``."""
         return replace(self, block=block, start=start, end=end)
 
 
-def block_items(spec: BlockSpec) -> list[Record | RecordError]:
+def block_items(spec: BlockSpec) -> list[Record | PairRecord | RecordError]:
     """The records of one block as the single-process reader gives them
     (:func:`~icqs_fast.io.readers.read_records`, any input format it reads; bad records as
     :class:`RecordError` s in their place, named by ``spec.name``), skipping to the block's
-    start without parsing (Parquet: whole row groups skipped from the footer)."""
-    out: list[Record | RecordError] = []
-    for rec in read_records(spec.path, spec.fields, format=spec.fmt, encoding=spec.encoding,
-                            skip=spec.start, on_error="yield"):
+    start without parsing (Parquet: whole row groups skipped from the footer); with
+    ``spec.pairs`` the pairs whose first record lies there (:func:`~icqs_fast.io.readers.
+    read_pairs`, as ``--shard`` reads: a pair is never split between blocks)."""
+    out: list[Record | PairRecord | RecordError] = []
+    kw: dict[str, Any] = dict(format=spec.fmt, encoding=spec.encoding, skip=spec.start,
+                              on_error="yield")
+    items = (read_records(spec.path, spec.fields, **kw) if spec.pairs is None else
+             read_pairs(spec.path, spec.pairs, stop=spec.end, **kw))
+    for rec in items:
         if rec.index >= spec.end:
             break
         if isinstance(rec, RecordError) and spec.name is not None:

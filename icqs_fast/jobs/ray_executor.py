@@ -41,6 +41,9 @@ Faults: Ray restarts an actor that dies (``max_restarts=-1``) and re-sends its b
 driver that dies leaves complete block files only; the same command with ``--resume`` does the
 rest.
 
+``score --pairs``: a block holds the pairs whose first record lies in it; the driver merges
+the blocks' summaries in input order into the local run's (:mod:`icqs_fast.jobs.pairs`).
+
 Bad records follow the single-process rules: ``--on-error stop`` stops at a bad record with its
 file, line and field (its block is not written; the blocks done are kept for a ``--resume`` run
 after the fix); ``--on-error skip`` writes a ``{"index", "line", "error"}`` row in its place.
@@ -158,7 +161,7 @@ class BlockActor:
         block = int(cols["block"][0])
         summary = {"block": block, "n": 0, "skipped": 0, "worker": self.worker,
                    "node": self.node, "seconds": 0.0, "read_s": 0.0, "error": "",
-                   "runtime": json.dumps(self.added, sort_keys=True)}
+                   "runtime": json.dumps(self.added, sort_keys=True), "state": ""}
         if self.setup_error:
             summary["error"] = json.dumps({"settings": self.setup_error})
             return {k: np.array([v]) for k, v in summary.items()}
@@ -167,7 +170,8 @@ class BlockActor:
         strategy = self.strategy
         c = strategy.config
         counts = strategy.summary()
-        writer = self.output.open_block(block, _block_format(c), schema=strategy.table_schema())
+        writer = self.output.open_block(block, c.ray.output_format,
+                                        schema=strategy.table_schema())
         try:
             with writer:  # written whole on success, not at all on an error
                 stream_results(strategy, items, ResultSink(writer, counts, c.on_error == "skip",
@@ -177,12 +181,9 @@ class BlockActor:
                                            "field": exc.field, "reason": exc.reason,
                                            "index": getattr(exc, "index", None)})
         summary.update(n=counts.n, skipped=counts.skipped, seconds=time.perf_counter() - t0)
+        if hasattr(counts, "state"):  # a summary the driver merges (pairs: their accuracy)
+            summary["state"] = json.dumps(counts.state())
         return {k: np.array([v]) for k, v in summary.items()}
-
-
-def _block_format(config: JobConfig) -> str:
-    assert config.ray is not None
-    return config.ray.output_format
 
 
 # --------------------------------------------------------------------------- driver
@@ -254,10 +255,11 @@ class RayExecutor:
             for line in actors.warnings:
                 log(f"icqs-fast: warning: {line}")
             # The prepared strategy goes to the workers with the actors' device and the dtype
-            # (auto: each actor resolves it on its own device; the first block's runtime is
+            # (a resumed output's for auto; else auto, resolved by each actor on its own device:
+            # on the driver's CPU it gave GPU actors a CPU mode. The first block's runtime is
             # the run's, and a worker that differs stops the run naming --dtype).
             prepared = copy.copy(job.strategy)
-            prepared.config = dataclasses.replace(config, dtype=_actor_dtype(config, policy),
+            prepared.config = dataclasses.replace(config, dtype=resumed_dtype(policy, config.dtype),
                                                   device=actors.device)
             remote = {"num_gpus": actors.gpus or None, "num_cpus": ro.cpus_per_worker,
                       **self.actor_options}
@@ -271,7 +273,8 @@ class RayExecutor:
             spec = BlockSpec(os.path.abspath(config.input),
                              detect_format(config.input, config.format), 0, 0, 0,
                              fields=record_fields(config, labels=job.strategy.read_labels),
-                             encoding=config.encoding, name=config.input)
+                             encoding=config.encoding, name=config.input,
+                             pairs=getattr(job.strategy, "pair_fields", None))
             setup = ActorSetup(prepared, policy, check,
                                config.output if is_uri(config.output) else out.root, spec)
             blocks = [{"block": k, "start": k * B, "end": min(n, (k + 1) * B)}
@@ -324,16 +327,6 @@ def run_ray(config: JobConfig, *, stats: dict | None = None,
         ValueError: other settings in a resumed output, bad options.
     """
     return run_with(config, RayExecutor(actor_options), log=log, stats=stats)
-
-
-def _actor_dtype(config: JobConfig, policy: OutputPolicy) -> str:
-    """The dtype every actor loads its model in: ``--dtype`` as given, a resumed output's own
-    dtype for ``auto`` (:func:`~icqs_fast.io.runs.resumed_dtype`), else ``auto``, resolved by
-    each actor on its own device. (Resolved on the driver's CPU it gave ``bf16-mixed``, a CPU
-    mode, to GPU actors, or float32 where the driver lacks native bf16.) Actors that resolve it
-    differently (CPUs of mixed kinds) stop the run at the first such block, naming
-    ``--dtype``."""
-    return resumed_dtype(policy, config.dtype)
 
 
 @dataclass(frozen=True)
@@ -420,6 +413,7 @@ class Progress:
     skipped: int = 0
     runtime: dict | None = None  # what the first block's worker added to the metadata
     errors: list[dict] = field(default_factory=list)
+    states: dict[int, dict] = field(default_factory=dict)  # block -> its summary's state
 
     def add(self, row: dict, stats: dict) -> None:
         done_s = time.perf_counter() - self.t0
@@ -435,12 +429,16 @@ class Progress:
                                "read_s": float(row["read_s"]), "done_s": done_s})
         self.records += int(row["n"])
         self.skipped += int(row["skipped"])
+        if row["state"]:
+            self.states[int(row["block"])] = json.loads(row["state"])
 
 
 def _drive(job: JobRun, ds: Any, p: Progress) -> int:
     """Collect the blocks' summary rows: the first one's runtime into the metadata, every
-    worker on the same runtime, the first error raised, the figures into ``job.stats``."""
+    worker on the same runtime, the first error raised, the figures into ``job.stats``, the
+    blocks' summaries merged (a summary with ``state``: the local run's text)."""
     config, policy, log, out = job.config, job.policy, job.log, job.policy.target
+    merged = job.strategy.summary()  # its clock starts with the blocks
     try:
         for row in track(ds.iter_rows(), total=p.n_pending, desc="icqs-fast blocks",
                          unit="block", quiet=config.quiet):
@@ -474,12 +472,17 @@ def _drive(job: JobRun, ds: Any, p: Progress) -> int:
     for w, (nb, nr, sec, rd, _node) in sorted(p.per_worker.items()):
         log(f"icqs-fast:   worker {w}: {nb} blocks, {nr} records in {sec:.1f} s busy "
             f"({nr / sec if sec > 0 else 0.0:.2f} records/s; reading its blocks {rd:.2f} s)")
+    where = f"on {len(p.per_worker)} workers ({len(nodes)} nodes), {p.n_pending} blocks"
+    before = (f" ({p.n_blocks - p.n_pending} blocks were already complete)"
+              if p.n_blocks > p.n_pending else "")
+    if p.states:  # the blocks' summaries merged in input order: the local run's summary
+        for k in sorted(p.states):
+            merged.merge(p.states[k])
+        log(f"{merged.text(job.strategy.done_prefix)}\n  {where}{before}")
+        return 0
     log(f"icqs-fast: {job.strategy.done_what} {p.records} responses in {dt:.1f} s "
-        f"({p.records / dt if dt > 0 else 0.0:.2f} responses/s) on "
-        f"{len(p.per_worker)} workers ({len(nodes)} nodes), {p.n_pending} blocks"
-        + (f", {p.skipped} bad records skipped" if p.skipped else "")
-        + (f" ({p.n_blocks - p.n_pending} blocks were already complete)"
-           if p.n_blocks > p.n_pending else ""))
+        f"({p.records / dt if dt > 0 else 0.0:.2f} responses/s) {where}"
+        + (f", {p.skipped} bad records skipped" if p.skipped else "") + before)
     return 0
 
 

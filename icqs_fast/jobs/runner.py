@@ -49,6 +49,7 @@ from icqs_fast.io.runs import (
 from icqs_fast.jobs.config import JobConfig
 from icqs_fast.jobs.kinds import JobStrategy, JobSummary, Log, strategy_for
 from icqs_fast.progress import quiet_transformers
+from icqs_fast.threads import apply_threads
 
 
 @dataclass
@@ -236,14 +237,6 @@ def record_fields(config: JobConfig, *, labels: bool = True) -> RecordFields:
                         config.label_field if labels else None)
 
 
-def set_threads(threads: int | None) -> None:
-    """Torch's threads before the model loads: ``threads``, or None: the cores actually free
-    (:func:`icqs_fast.threads.apply_threads`)."""
-    from icqs_fast.threads import apply_threads
-
-    apply_threads(threads)
-
-
 def run_local(config: JobConfig, *, log: Log | None = None, stats: dict | None = None) -> int:
     """Run ``config``'s job in this process (the output a results file: :class:`LocalOutput`);
     the exit code (``stats``: an executor's figures, none here). The steps of :func:`run_with`
@@ -256,7 +249,7 @@ def run_local(config: JobConfig, *, log: Log | None = None, stats: dict | None =
     with locked_output(config, place, log) as (policy, meta):
         start, stop, total = input_range(config.input, config.format, config.encoding,
                                          config.shard, policy, align=strategy.align)
-        set_threads(config.threads)
+        apply_threads(config.threads)  # before the model loads; None: the cores actually free
         if config.quiet:
             quiet_transformers()
         try:
