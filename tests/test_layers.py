@@ -246,7 +246,7 @@ LAB_MODULES = {f"icqs_fast.benchmarks.{m}" for m in (
 # this count is after it left, its dead code went, and the pairwise self-check, the one
 # registry and the typed parameters landed beside it (issue 51's target is 25,000). The limit
 # only goes down: lower it when the package shrinks, never raise it.
-MAX_WHEEL_LINES = 39_476
+MAX_WHEEL_LINES = 39_460
 
 
 def _wheel_files() -> dict[str, Path]:

@@ -358,17 +358,9 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
     return panels.reshape(-1, kp)[:n, :k].clone()
 
 
-class _LastInput(threading.local):
-    """The calling thread's previous :func:`linear` input: the tensor (held, so its memory
-    cannot be reused while it is compared), its version counter, its strides and the products.
-    The q / k / v projections (and gate / up) take the same input in a row, and the kernel
-    then reuses the bf16 terms it made of it instead of converting it again."""
-
-    x: torch.Tensor | None = None
-    key: tuple = ()
-
-
-_LAST = _LastInput()
+# The calling thread's previous linear input (held: its memory cannot be reused meanwhile) and
+# its key. The q / k / v (and gate / up) projections take one input: its bf16 terms are reused.
+_LAST = threading.local()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
@@ -384,9 +376,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
     # The same memory, layout and version as the previous input: the same values (an in-place
     # change bumps the version counter every view shares), so its terms can be reused.
     key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version, mode)
-    last = _LAST.x
-    same = last is not None and _LAST.key == key and last.untyped_storage().data_ptr() == \
-        x.untyped_storage().data_ptr()
+    last = getattr(_LAST, "x", None)
+    same = last is not None and _LAST.key == key and \
+        last.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     _LAST.x, _LAST.key = (x, key) if mode != 0 else (None, ())
     _C.linear(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, packed.data_ptr(), out_features,
               0 if b is None else b.data_ptr(), out.data_ptr(), out_features, mode,

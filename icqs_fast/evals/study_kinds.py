@@ -14,12 +14,20 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from icqs_fast.engine.prompts import Template
+from icqs_fast.evals.calibration_study import (
+    compare_table,
+    nli_compare_table,
+    plot_pooled,
+    plot_pooled_nli,
+    pool,
+    pool_nli,
+)
 from icqs_fast.evals.study_report import distribution_report, label_report
 from icqs_fast.io.datasets import EvalDataset, eval_dataset
 
@@ -96,28 +104,6 @@ def _label_responses(data: Any) -> tuple[Any, list, list, list, dict[str, list]]
     return None, data.good, data.bad, responses, groups
 
 
-def _pool_labels(docs: Sequence[dict], *, n_boot: int, seed: int) -> dict[str, Any]:
-    from icqs_fast.evals.calibration_study import pool
-
-    return pool(docs, n_boot=n_boot, seed=seed)
-
-
-def _plot_pooled_labels(tables: dict[str, dict[str, Any]], path: str) -> str:
-    from icqs_fast.evals.calibration_study import plot_pooled
-
-    return plot_pooled(tables, path)
-
-
-def _compare_labels(cmp: dict[str, Any]) -> str:
-    from icqs_fast.evals.calibration_study import compare_table
-
-    return compare_table(cmp)
-
-
-def _report_labels(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    return label_report(doc, path, ds)
-
-
 # --------------------------------------------------------------------------- distributions
 
 
@@ -151,39 +137,16 @@ def _pair_responses(data: Any) -> tuple[Any, list, list, list, dict[str, list]]:
     return Template(**NLI_ICQS_TEMPLATE), good, bad, responses, {}
 
 
-def _pool_distributions(docs: Sequence[dict], *, n_boot: int, seed: int) -> dict[str, Any]:
-    from icqs_fast.evals.calibration_study import pool_nli
-
-    return pool_nli(docs, n_boot=n_boot, seed=seed)
-
-
-def _plot_pooled_distributions(tables: dict[str, dict[str, Any]], path: str) -> str:
-    from icqs_fast.evals.calibration_study import plot_pooled_nli
-
-    return plot_pooled_nli(tables, path)
-
-
-def _compare_distributions(cmp: dict[str, Any]) -> str:
-    from icqs_fast.evals.calibration_study import nli_compare_table
-
-    return nli_compare_table(cmp)
-
-
-def _report_distributions(doc: dict[str, Any], path: Path, ds: EvalDataset) -> str:
-    return distribution_report(doc, path, ds)
-
-
 STUDY_KINDS: dict[str, StudyKind] = {
     "labels": StudyKind(
-        "labels", _load_labels, _run_labels, _document_labels, _report_labels,
-        _label_responses, _pool_labels, _plot_pooled_labels, _compare_labels,
+        "labels", _load_labels, _run_labels, _document_labels, label_report,
+        _label_responses, pool, plot_pooled, compare_table,
         pooled_size=lambda cmp, s: f"stratify {s.get('stratify')}",
         pooled_suffix=lambda s: "_stratified" if s.get("stratify") else "_unstratified",
         per_run_metric="AUC", label_options=True, needs_items=False),
     "distributions": StudyKind(
         "distributions", _load_distributions, _run_distributions, _document_distributions,
-        _report_distributions, _pair_responses, _pool_distributions,
-        _plot_pooled_distributions, _compare_distributions,
+        distribution_report, _pair_responses, pool_nli, plot_pooled_nli, nli_compare_table,
         pooled_size=lambda cmp, s: f"{cmp['n']} items", pooled_suffix=lambda s: "",
         per_run_metric="Spearman", label_options=False, needs_items=True),
 }

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from icqs_fast.engine.pairs import length_preferences, pairwise_accuracy, score_pairs
-from icqs_fast.io.readers import read_pairs
+from icqs_fast.io.readers import PairFields, read_pairs
 from icqs_fast.io.records import InputError, PairRecord, Record, RecordError
 from icqs_fast.io.runs import OutputPolicy, input_range
 from icqs_fast.io.schema import arrow_schema, pair_row
@@ -125,7 +125,7 @@ class PairStrategy(ScoreStrategy):
                           skip=skip, stop=stop, **kw)
 
     @property
-    def pair_fields(self) -> Any:
+    def pair_fields(self) -> PairFields:
         """The input's PairFields (a ``--ray`` block's :class:`~.ray_actors.BlockSpec`)."""
         return self.config.pair_fields()
 

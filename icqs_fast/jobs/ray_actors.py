@@ -48,7 +48,14 @@ from typing import Any
 
 import numpy as np
 
-from icqs_fast.io.readers import RecordFields, read_examples, read_pairs, read_records, row_record
+from icqs_fast.io.readers import (
+    PairFields,
+    RecordFields,
+    read_examples,
+    read_pairs,
+    read_records,
+    row_record,
+)
 from icqs_fast.io.records import PairRecord, PathLike, Record, RecordError
 from icqs_fast.io.schema import column_arrays, features_row, fill_columns, icqs_row
 from icqs_fast.jobs.config import DEFAULT_FEATURES
@@ -296,7 +303,7 @@ class BlockSpec:
     fields: RecordFields = RecordFields()
     encoding: str = "utf-8"
     name: str | None = None
-    pairs: Any = None
+    pairs: PairFields | None = None
 
     def at(self, block: int, start: int, end: int) -> BlockSpec:
         """The same input's block ``block``: records ``[start, end)``."""
