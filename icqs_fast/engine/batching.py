@@ -425,8 +425,8 @@ def suffix_hidden(
             ordered by entry; the capability check, :func:`icqs_fast.engine.capability.
             model_plan`, says whether a model supports it). False = the per-row KV-copy path
             below (a transformers KV cache per row; local layers get positional masks).
-        capture: (cascade only) filled with each layer's suffix keys/values, rows in input
-            order, for a later forward's ``query``.
+        capture: (cascade only; rows in entry order) filled with each layer's suffix
+            keys/values, for a later forward's ``query``.
         query: (cascade only) shared query tokens between each row's entry and its suffix
             (:class:`~icqs_fast.engine.one_pass.QueryPart`, ``rows`` / ``lengths`` in input
             order): row ``i``'s suffix then starts at position ``lengths[e_i] +
@@ -479,13 +479,8 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
     order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry
     ordered = order == list(range(r))
     ent = [entries[i] for i in order]
-    s = max(len(x) for x in suffixes)
-    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
-    smask = torch.zeros((r, s), dtype=torch.bool)
-    for row, i in enumerate(order):
-        x = suffixes[i]
-        ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        smask[row, : len(x)] = True
+    ids, smask = right_padded([suffixes[i] for i in order], pad_id)
+    smask, s = smask.bool(), ids.shape[1]
     lens = torch.tensor([bank.lengths[e] for e in ent], dtype=torch.long)
     if query is not None:  # in entry-major order; the suffix after the shared query tokens
         query = QueryPart(query.kv, [query.rows[i] for i in order],
@@ -500,9 +495,10 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
             groups_e.append(e)
             starts.append(row)
             counts.append(1)
-    got: dict | None = None if capture is None else {}
+    if capture is not None and not ordered:
+        raise ValueError("capturing suffix states needs the rows in entry order")
     plan = CascadePlan(bank.keys, bank.values, groups_e, starts, counts,
-                       [bank.lengths[e] for e in groups_e], bank.layers, got, query)
+                       [bank.lengths[e] for e in groups_e], bank.layers, capture, query)
     with cascade_plan(model, plan):
         out = bank.body(input_ids=ids.to(dev), position_ids=pos.to(dev), use_cache=False)
     hidden = last_hidden(out)
@@ -511,10 +507,6 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
         inv[torch.tensor(order)] = torch.arange(r)
         hidden = hidden.index_select(0, inv.to(hidden.device))
         smask = smask[inv]
-    if capture is not None:  # back in input order
-        for li, (k, v) in got.items():
-            capture[li] = (k, v) if ordered else (k.index_select(0, inv.to(k.device)),
-                                                  v.index_select(0, inv.to(v.device)))
     return hidden, smask.to(hidden.device)  # a split model: its last layer's device
 
 

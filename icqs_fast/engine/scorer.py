@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from icqs_fast import ops
-from icqs_fast.engine.batching import PrefixBank, plain_hidden, plain_logits, suffix_hidden
+from icqs_fast.engine.batching import (
+    FORWARD_COST_TOKENS,
+    PrefixBank,
+    plain_hidden,
+    plain_logits,
+    suffix_hidden,
+)
 from icqs_fast.engine.calibration import (
     calibration_queries,
     icqs_margins,
@@ -43,6 +49,7 @@ from icqs_fast.engine.one_pass import QueryPart
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
 from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
+from icqs_fast.engine.shared_query import QuerySegment, length_runs, query_runs, segment_group
 from icqs_fast.types import TokenStats
 
 if TYPE_CHECKING:
@@ -62,9 +69,6 @@ DETERMINISTIC_PREFIX_BUDGET = 1024
 # Calibration baselines kept per (query, y) (each an [M+1 L] tensor): label-like answers hit it
 # almost always; the oldest finished entries go first beyond this many.
 CALIBRATION_CACHE = 65536
-# ``score(share_query=True)``: at most this many consecutive responses share one query's states
-# (a pair is two; the cap bounds what one group holds in flight).
-QUERY_GROUP_MAX = 16
 
 
 class Stage(enum.Enum):
@@ -75,18 +79,6 @@ class Stage(enum.Enum):
     # A scored calibration baseline whose row inputs were dropped: only ``loglik`` is kept
     # (the baseline cache holds many of them).
     RELEASED = "released"
-
-
-@dataclass(eq=False)
-class QuerySegment:
-    """Query tokens that the rows of consecutive responses with the same ``x`` continue after
-    one context's bank entry (``score(share_query=True)``): their common start after the entry,
-    run once per suffix forward that holds those rows (one more forward before it, whose
-    keys/values the rows then read: :class:`~icqs_fast.engine.one_pass.QueryPart`), and kept
-    no longer."""
-
-    entry: int
-    ids: list[int]
 
 
 @dataclass(eq=False)
@@ -455,10 +447,10 @@ class ICQSScorer:
 
         Args:
             responses: iterable of (x, y) str pairs or dicts with "x" and "y".
-            share_query: consecutive responses with the same ``x`` (up to
-                :data:`QUERY_GROUP_MAX`; both outputs of a pair) compute the query's states
-                once per context: the tokens their prompts share after the context's bank entry
-                run in one row, and each response's row continues from it with its own tokens.
+            share_query: consecutive responses with the same ``x`` (both outputs of a pair;
+                :mod:`icqs_fast.engine.shared_query`) compute the query's states once per
+                context: the tokens their prompts share after the context's bank entry run in
+                one row, and each response's row continues from it with its own tokens.
                 The same bits as without (the one-pass cascade: :attr:`shares_query`; elsewhere,
                 and in ``deterministic`` mode, the flag changes nothing).
 
@@ -476,7 +468,7 @@ class ICQSScorer:
         share = share_query and self.shares_query
         pending: list[ResponseState] = []  # prepared responses not yet scored
         rows: list[tuple[ResponseState, int]] = []  # queued (response, context) rows
-        it = _query_runs(responses) if share else ([item] for item in enumerate(responses))
+        it = query_runs(responses) if share else ([item] for item in enumerate(responses))
         exhausted = False
         while True:
             # Fill the row queue until one forward's budget is reached (or the input ends).
@@ -492,7 +484,7 @@ class ICQSScorer:
                     recs.append(rec)
                     fresh.extend(new)
                 if share:
-                    self._share_query(recs)
+                    segment_group(recs)
                 pending.extend(recs)
                 # A group's rows context-major: the rows sharing a query segment side by side
                 # (the batch cut keeps them together when it can).
@@ -516,26 +508,6 @@ class ICQSScorer:
         a row continuing another forward's states gives the same bits."""
         p = next(self.model.parameters())
         return self.cascade and one_pass_kernel(p.device, p.dtype)
-
-    def _share_query(self, recs: list[ResponseState]) -> None:
-        """Give ``recs`` (responses with the same ``x``) one :class:`QuerySegment` per context
-        where they continue the same bank entry: the tokens all their suffixes start with, cut
-        before the position predicting any of their first response tokens."""
-        if len(recs) < 2:
-            return
-        first = recs[0]
-        for c, e in enumerate(first.entries):
-            if e is None or any(r.entries[c] != e for r in recs):
-                continue  # e.g. demonstrations dropped for one response only
-            m = min(r.rstart[c] for r in recs)
-            for r in recs[1:]:
-                m = min(m, common_prefix(first.suffix[c], r.suffix[c]))
-            if m <= 0:
-                continue
-            seg = QuerySegment(e, first.suffix[c][:m])
-            for r in recs:
-                r.seg[c], r.suffix[c], r.rstart[c] = seg, r.suffix[c][m:], r.rstart[c] - m
-                r.group = first
 
     @staticmethod
     def _ready(rec: ResponseState) -> bool:
@@ -687,8 +659,11 @@ class ICQSScorer:
                                    self.plan.pad_safe, self.plan.positional_layers)
         else:
             query = self._query_part(batch) if self.cascade else None
-            out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
-                                   cascade=self.cascade, query=query)
+            if query is not None:
+                out = self._continue_query(entries, suffixes, query, dev)
+            else:
+                out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes,
+                                       self.pad_id, cascade=self.cascade)
         self.suffix_tokens += sum(map(len, suffixes))
         rows_idx, pos_idx, targets, seg = [], [], [], []
         for b, (rec, c) in enumerate(batch):
@@ -737,6 +712,26 @@ class ICQSScorer:
         return QueryPart(kv, [0 if sg is None else row[id(sg)] for sg in segs_of],
                          [0 if sg is None else len(sg.ids) for sg in segs_of])
 
+    def _continue_query(self, entries: list[int], suffixes: list[list[int]], query: QueryPart,
+                        dev: torch.device) -> torch.Tensor:
+        """Hidden states ``[R, S, H]`` of rows continuing shared query states, in forwards by
+        length: a pair's outputs may differ by hundreds of tokens, and one forward would pad the
+        short ones to the long (another forward costs :data:`FORWARD_COST_TOKENS`)."""
+        runs = length_runs([len(x) for x in suffixes], FORWARD_COST_TOKENS[dev.type == "cpu"])
+        if len(runs) == 1:  # one forward, in the batch's (entry) order
+            return suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
+                                 query=query)[0]
+        out = None
+        for run in runs:
+            sub = QueryPart(query.kv, [query.rows[i] for i in run],
+                            [query.lengths[i] for i in run])
+            h, _ = suffix_hidden(self.model, self.prefix_bank, [entries[i] for i in run],
+                                 [suffixes[i] for i in run], self.pad_id, query=sub)
+            if out is None:
+                out = h.new_zeros(len(suffixes), max(map(len, suffixes)), h.shape[-1])
+            out[torch.tensor(run, device=h.device), :h.shape[1]] = h
+        return out
+
     def _finish(self, rec: ResponseState) -> ICQSResult:
         m1, ls = self.num_ratios, self.sets_per_ratio
         ll = rec.loglik.reshape(m1, ls)
@@ -765,19 +760,3 @@ class ICQSScorer:
 
 def _group(rec: ResponseState) -> ResponseState:
     return rec if rec.group is None else rec.group
-
-
-def _query_runs(responses: Iterable) -> Iterator[list[tuple[int, Any]]]:
-    """``(index, item)`` of ``responses`` in runs of consecutive items with the same ``x`` (at
-    most :data:`QUERY_GROUP_MAX`), each run yielded once the next item shows it ended."""
-    run: list[tuple[int, Any]] = []
-    x0 = None
-    for i, item in enumerate(responses):
-        x, _ = parse_response(i, item)
-        if run and (x != x0 or len(run) == QUERY_GROUP_MAX):
-            yield run
-            run = []
-        run.append((i, item))
-        x0 = x
-    if run:
-        yield run
