@@ -34,7 +34,7 @@ class Fake:
     def __init__(self, p=None):
         self.seen, self.calls, self.p = [], 0, p
 
-    def score(self, items):
+    def score(self, items, share_query=False):
         self.calls += 1
         for x, y in items:
             self.seen.append((x, y))
@@ -636,8 +636,8 @@ def test_v1_score_pairs_equal_score_pairs(tiny):
 def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
     """N pairs cost ONE prefix-bank pass, the same for 2 pairs as for 6: the demonstration
     prefixes are computed once and every output runs only its own suffix rows against them
-    (2 outputs x M+1 x L contexts per pair). The query x runs in each output's suffix, so
-    once per output and context: counted here."""
+    (2 outputs x M+1 x L contexts per pair). The query x runs once per pair and context, in a
+    row of its own that both outputs continue (tests/test_query_once.py): counted here."""
     import icqs_fast.engine.scorer as scorer_mod
     from icqs_fast.engine.batching import PrefixBank
     from icqs_fast.engine.scorer import ICQSScorer
@@ -645,7 +645,7 @@ def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
     _, (model, tok) = tiny
     good, bad = _pools(8)
     rows = _test_pairs()
-    adds, suffix_rows = [], []
+    adds, suffix_rows, query_rows = [], [], []
     real_add, real_suffix = PrefixBank.add, scorer_mod.suffix_hidden
 
     def add(self, prefixes):
@@ -653,7 +653,7 @@ def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
         return real_add(self, prefixes)
 
     def suffix(model_, bank, entries, suffixes, *a, **k):
-        suffix_rows.extend(suffixes)
+        (query_rows if k.get("capture") is not None else suffix_rows).extend(suffixes)
         return real_suffix(model_, bank, entries, suffixes, *a, **k)
 
     monkeypatch.setattr(PrefixBank, "add", add)
@@ -662,6 +662,7 @@ def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
     for n in (2, 6):
         adds.clear()
         suffix_rows.clear()
+        query_rows.clear()
         sc = ICQSScorer(model, tok, [(r["x"], r["y"]) for r in good],
                         [(r["x"], r["y"]) for r in bad], num_ratios=2, demos_per_set=1,
                         sets_per_ratio=2, seed=0)
@@ -673,8 +674,10 @@ def test_one_prefix_pass_for_every_pair(tiny, monkeypatch):
         passes[n] = ([k for b, k in adds if b == id(sc.prefix_bank)],
                      sc.prefix_bank.forward_tokens, len(sc.prefix_bank))
         assert len(suffix_rows) == 2 * n * sc.n_contexts  # each output's own rows only
-        # The query's tokens run once per output and context (twice per pair).
+        # The query's tokens run once per pair and context, not in the outputs' rows.
         q = len(tok.encode(pairs[0][0], add_special_tokens=False))
-        assert sum(len(s) for s in suffix_rows) >= 2 * n * sc.n_contexts * q
+        assert len(query_rows) == n * sc.n_contexts
+        assert min(len(s) for s in query_rows) >= q
+        assert max(len(s) for s in suffix_rows) < q
     # One add of the 4 demonstration prefixes, whatever the number of pairs.
     assert passes[2] == passes[6] and passes[2][0] == [4] and passes[2][2] == 4

@@ -30,6 +30,7 @@ from icqs_fast.engine.cascade import (
     positional_kernel,
 )
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
+from icqs_fast.engine.one_pass import QueryPart
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -410,6 +411,9 @@ def suffix_hidden(
     suffixes: Sequence[Sequence[int]],
     pad_id: int,
     cascade: bool = True,
+    *,
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    query: QueryPart | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded forward of ``R`` suffixes, row ``i`` continuing bank entry ``entries[i]``.
 
@@ -421,6 +425,12 @@ def suffix_hidden(
             ordered by entry; the capability check, :func:`icqs_fast.engine.capability.
             model_plan`, says whether a model supports it). False = the per-row KV-copy path
             below (a transformers KV cache per row; local layers get positional masks).
+        capture: (cascade only; rows in entry order) filled with each layer's suffix
+            keys/values, for a later forward's ``query``.
+        query: (cascade only) shared query tokens between each row's entry and its suffix
+            (:class:`~icqs_fast.engine.one_pass.QueryPart`, ``rows`` / ``lengths`` in input
+            order): row ``i``'s suffix then starts at position ``lengths[e_i] +
+            query.lengths[i]``.
 
     The bank's ``body`` runs the forward and its ``layers`` give each layer's mask.
 
@@ -429,7 +439,9 @@ def suffix_hidden(
         ``suffix_mask``: ``[R, S]`` bool, True on real tokens.
     """
     if cascade:
-        return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id)
+        return _suffix_hidden_cascade(model, bank, entries, suffixes, pad_id, capture, query)
+    if capture is not None or query is not None:
+        raise ValueError("shared query states need cascade attention")
     dev = model_device(model)
     kv, prefix_mask, lens = bank.gather(entries)
     ids, smask = right_padded(suffixes, pad_id)
@@ -456,7 +468,8 @@ def suffix_hidden(
 
 
 def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Sequence[int],
-                           suffixes: Sequence[Sequence[int]], pad_id: int
+                           suffixes: Sequence[Sequence[int]], pad_id: int,
+                           capture: dict | None = None, query: QueryPart | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`suffix_hidden` through :func:`icqs_fast.engine.cascade.cascade_attention`: the forward
     sees only the suffix tokens (no KV cache, explicit position ids ``p_i + t``); rows are put
@@ -466,14 +479,13 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
     order = sorted(range(r), key=lambda i: entries[i])  # stable: keeps row order per entry
     ordered = order == list(range(r))
     ent = [entries[i] for i in order]
-    s = max(len(x) for x in suffixes)
-    ids = torch.full((r, s), int(pad_id), dtype=torch.long)
-    smask = torch.zeros((r, s), dtype=torch.bool)
-    for row, i in enumerate(order):
-        x = suffixes[i]
-        ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        smask[row, : len(x)] = True
+    ids, smask = right_padded([suffixes[i] for i in order], pad_id)
+    smask, s = smask.bool(), ids.shape[1]
     lens = torch.tensor([bank.lengths[e] for e in ent], dtype=torch.long)
+    if query is not None:  # in entry-major order; the suffix after the shared query tokens
+        query = QueryPart(query.kv, [query.rows[i] for i in order],
+                          [query.lengths[i] for i in order])
+        lens = lens + torch.tensor(query.lengths, dtype=torch.long)
     pos = lens[:, None] + torch.arange(s)[None, :]
     groups_e, starts, counts = [], [], []
     for row, e in enumerate(ent):
@@ -483,8 +495,10 @@ def _suffix_hidden_cascade(model: PreTrainedModel, bank: PrefixBank, entries: Se
             groups_e.append(e)
             starts.append(row)
             counts.append(1)
+    if capture is not None and not ordered:
+        raise ValueError("capturing suffix states needs the rows in entry order")
     plan = CascadePlan(bank.keys, bank.values, groups_e, starts, counts,
-                       [bank.lengths[e] for e in groups_e], bank.layers)
+                       [bank.lengths[e] for e in groups_e], bank.layers, capture, query)
     with cascade_plan(model, plan):
         out = bank.body(input_ids=ids.to(dev), position_ids=pos.to(dev), use_cache=False)
     hidden = last_hidden(out)

@@ -56,7 +56,7 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
-from icqs_fast.engine.one_pass import OnePassIndices
+from icqs_fast.engine.one_pass import OnePassIndices, QueryPart, local_args, one_pass
 from icqs_fast.models import register_attention, uses_bf16_products
 
 if TYPE_CHECKING:
@@ -86,6 +86,10 @@ class CascadePlan:
             position ``lengths[g] + t``).
         layers: each layer's :class:`~icqs_fast.engine.layout.LayerAttention` (masks, softcap);
             None = every layer full causal attention.
+        capture: a dict the forward fills with each layer's suffix keys/values (``{layer: (k,
+            v)}``), for a later forward's :attr:`query`; None: not kept.
+        query: the shared query tokens each row continues after its entry (their keys/values
+            captured by an earlier forward; one-pass layers only); None: none.
     """
 
     keys: Sequence[torch.Tensor]
@@ -95,6 +99,8 @@ class CascadePlan:
     counts: list[int]
     lengths: list[int]
     layers: Sequence[LayerAttention] | None = None
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    query: QueryPart | None = None
 
     def __post_init__(self) -> None:
         self.uniform = len(set(self.counts)) == 1
@@ -111,6 +117,8 @@ class CascadePlan:
         self._expanded: dict[tuple, Mask] = {}
         self._positions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._one_pass: dict[tuple, OnePassIndices] = {}
+        self._query_rows = None if self.query is None else DeviceCopies(
+            torch.tensor(self.query.rows, dtype=torch.long))
 
     def layer(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention description (full causal when none was given)."""
@@ -119,14 +127,20 @@ class CascadePlan:
         return self.layers[layer]
 
     def one_pass_indices(self, s: int, group: int, device: torch.device) -> OnePassIndices:
-        """:func:`_one_pass`'s positions and gather indices for suffixes of ``s`` tokens and
-        ``group`` query heads per key head: the same for every layer, so made once."""
+        """:func:`~icqs_fast.engine.one_pass.one_pass`'s positions and gather indices for
+        suffixes of ``s`` tokens and ``group`` query heads per key head: the same for every
+        layer, so made once."""
         key = (s, group, str(device))
         got = self._one_pass.get(key)
         if got is None:
-            got = self._one_pass[key] = OnePassIndices.of(self.lengths, self.counts, s, group,
-                                                          device)
+            got = self._one_pass[key] = OnePassIndices.of(
+                self.lengths, self.counts, s, group, device,
+                None if self.query is None else self.query.lengths)
         return got
+
+    def query_rows(self, device: torch.device) -> torch.Tensor:
+        """Each row's row of :attr:`query`'s captured states, on ``device``."""
+        return self._query_rows.on(device)
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The used entries' keys/values ``[G, H_kv, P_max, D]`` (a view when possible)."""
@@ -318,6 +332,15 @@ def _kernel_backend(device: torch.device, dtype: torch.dtype, softcap: float | N
         raise ValueError(f"{ATTENTION_ENV}={forced}: {exc}") from exc
 
 
+def one_pass_kernel(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether :func:`cascade_attention` runs a model's layers on ``device`` in ``dtype`` as one
+    softmax pass (:func:`~icqs_fast.engine.one_pass.one_pass`: the kernel continues its running
+    state, and takes every variant): the path a :class:`QueryPart` needs."""
+    kernel = _kernel_backend(torch.device(device), dtype, None, False, positions=True)
+    return kernel is not None and \
+        support.entry("attention_lse", kernel).options >= {"state", "positions"}
+
+
 def bf16_products(module: Any, dtype: torch.dtype,
                   bank_dtype: torch.dtype | None = None) -> torch.dtype | None:
     """``torch.bfloat16`` when a layer's attention products should take bf16 inputs (fp32
@@ -346,7 +369,7 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     L]``."""
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
                              positions=positions, dot_dtype=dot, softcap=softcap,
-                             backend=backend, **_local_args(la))
+                             backend=backend, **local_args(la))
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -419,6 +442,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     group = hq // hk
     scale = float(scaling) if scaling is not None else d ** -0.5
     dt, dev = query.dtype, query.device
+    if plan.capture is not None:  # a later forward's shared query part (one_pass.QueryPart)
+        plan.capture[layer] = (key, value)
     kp, vp = plan.prefix_kv(int(layer))
     if kp.shape[1] != hk or kp.shape[-1] != d or vp.shape[-1] != dv:
         # e.g. DeepSeek V2's cache holds its compressed latent, not the attention keys.
@@ -441,7 +466,11 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     fused = kernel is not None
     lay = la if local and fused else None
     if fused and support.entry("attention_lse", kernel).options >= {"state", "positions"}:
-        return _one_pass(plan, query, key, value, kp, vp, scale, kernel, lay, dot, softcap, sinks)
+        return one_pass(plan, query, key, value, kp, vp, scale, kernel, lay, dot, softcap,
+                        sinks, layer)
+    if plan.query is not None:
+        raise RuntimeError(f"layer {layer}: shared query states need the one-pass cascade "
+                           "(a kernel that continues its softmax state)")
     if local and not fused:
         pre_m, suf_m = plan.local_masks(la, s, dev)  # [G, 1, S, P], [G, 1, S, S]
     # ---- prefix part, grouped by entry: [G, Hk, n * group * S, D] against [G, Hk, P, D]
@@ -529,87 +558,6 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = o2.float() + w1 * (o1.float() - o2.float()) if dt != torch.float32 else \
         torch.lerp(o2, o1, w1)
     return out.to(dt).reshape(r, s, hq, dv), None
-
-
-def _one_pass(plan: CascadePlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              kp: torch.Tensor, vp: torch.Tensor, scale: float, kernel: str,
-              lay: LayerAttention | None, dot: torch.dtype | None, softcap: float | None,
-              sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-    """The cascade as one softmax pass per row, the same bits as a plain forward's attention over
-    ``[prefix; suffix]`` (:func:`positional_attention`, one call over all keys) on a kernel that
-    continues its running state (:func:`icqs_fast.ops.attention_lse`'s ``state``): the prefix
-    part covers each entry's keys up to the last multiple of
-    :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` below its length (shared by the entry's rows, no
-    copy) and returns the rows' state; the suffix part continues it over the rest of the
-    prefix (at most a block's worth, copied per row) and the row's own keys, in slot =
-    position order. So the key blocks are those of one call over all the keys, and a row's
-    result does not depend on where its prefix was cut or what shares its forward."""
-    r, hq, s, d = query.shape
-    hk, dv = key.shape[1], value.shape[-1]
-    group = hq // hk
-    dev = query.device
-    ix = plan.one_pass_indices(s, group, dev)
-    state = None
-    if ix.c_max > 0:
-        # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
-        # keys up to the cut (the rest of the slots masked by position -1). Entries with the
-        # same number of rows go in one call (a row's sums do not depend on the batch).
-        kc, vc = kp[:, :, :ix.c_max], vp[:, :, :ix.c_max]
-        if plan.uniform:
-            g, n = len(plan.counts), plan.counts[0]
-            qg = query.reshape(g, n, hk, group, s, d).transpose(1, 2).reshape(
-                g, hk, n * group * s, d)
-            st, _ = ops.attention_lse(qg, kc, vc, scale=scale, causal=True,
-                                      positions=(ix.q_pre, ix.k_pre), dot_dtype=dot,
-                                      softcap=softcap, backend=kernel, return_state=True,
-                                      **_local_args(lay))
-            width = st.shape[-1]
-            state = (st.view(g, hk, n, group, s, width).transpose(1, 2)
-                     .reshape(r, hq, s, width).contiguous())
-        else:
-            parts = []
-            for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
-                qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
-                qg = qg.reshape(1, hk, n * group * s, d)
-                st, _ = ops.attention_lse(
-                    qg, kc[gi:gi + 1], vc[gi:gi + 1], scale=scale, causal=True,
-                    positions=(ix.q_pre[gi:gi + 1, :n * group * s], ix.k_pre[gi:gi + 1]),
-                    dot_dtype=dot, softcap=softcap, backend=kernel, return_state=True,
-                    **_local_args(lay))
-                width = st.shape[-1]
-                # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
-                parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
-                             .reshape(n, hq, s, width))
-            state = torch.cat(parts).contiguous()
-    # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
-    # (tails), then the suffix tokens, then nothing (masked).
-    if ix.t_max == 0:
-        k2, v2 = key, value
-    else:
-        t_max = ix.t_max
-        tk = kp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)  # [R, Hk, t_max, D]
-        tv = vp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3)
-        both_k = torch.cat([tk.to(key.dtype), key], dim=2)
-        both_v = torch.cat([tv.to(value.dtype), value], dim=2)
-        k2 = both_k.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, d))
-        v2 = both_v.gather(2, ix.src[:, None, :, None].expand(r, hk, t_max + s, dv))
-    k_pos, q_pos = ix.k_suf, ix.q_suf
-    out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
-                                 positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
-                                 backend=kernel, state=state, **_local_args(lay))
-    if sinks is not None:  # as positional_attention does, so the two stay equal
-        keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
-        out = (out.float() * keep[..., None]).to(out.dtype)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _local_args(la: LayerAttention | None) -> dict[str, int]:
-    local = {}
-    if la is not None and la.kind == "sliding" and la.window is not None:
-        local["window"] = int(la.window)
-    if la is not None and la.kind == "chunked" and la.chunk is not None:
-        local["chunk"] = int(la.chunk)
-    return local
 
 
 # --------------------------------------------------------------------------- positional masks

@@ -1,16 +1,40 @@
-"""The layer-independent part of the cascade's one softmax pass per row
-(:func:`icqs_fast.engine.cascade._one_pass`): where each prefix entry is cut, and the positions
-and gather indices of the prefix and suffix calls, made once per plan and shared by every layer.
+"""The cascade's one softmax pass per row (:func:`one_pass`, taken by
+:func:`icqs_fast.engine.cascade.cascade_attention` where the kernel continues its running state):
+where each prefix entry is cut, the positions and gather indices of the prefix and suffix calls
+(made once per plan and shared by every layer), and the shared query tokens
+(:class:`QueryPart`) a row may continue between its bank entry and its own tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from icqs_fast import ops
+
+if TYPE_CHECKING:
+    from icqs_fast.engine.layout import LayerAttention
+
+
+@dataclass(frozen=True)
+class QueryPart:
+    """Query tokens several rows of a suffix forward share after their bank entry (both outputs
+    of a pair after one context): computed once by an earlier forward whose keys/values were
+    captured (:attr:`icqs_fast.engine.cascade.CascadePlan.capture`), read here by each row as
+    keys between its entry's and its own.
+
+    Attributes:
+        kv: per layer, the earlier forward's keys and values ``[Rq, Hk, Sq, D]`` / ``Dv``.
+        rows: per row of this forward (in its order), the earlier forward's row it continues.
+        lengths: per row, how many of that row's tokens it continues (0: none).
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    rows: list[int]
+    lengths: list[int]
 
 
 @dataclass(frozen=True)
@@ -19,14 +43,15 @@ class OnePassIndices:
     the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` (``c_max`` the largest),
     the prefix part's positions (``q_pre [G, n_max * group * S]``, ``k_pre [G, c_max]``, -1
     past an entry's cut), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
-    ``ent [R]`` each row's entry, ``tails [R, t_max]`` the slots it copies, ``src [R, t_max + S]``
-    the gather from ``[tails; suffix]`` into position order, ``q_suf [R, S]`` and
-    ``k_suf [R, t_max + S]`` (-1: masked)."""
+    ``m_max`` shared query tokens at most, ``ent [R]`` each row's entry, ``tails [R, t_max]`` the
+    slots it copies, ``src [R, t_max + m_max + S]`` the gather from ``[tails; query; suffix]``
+    into position order, ``q_suf [R, S]`` and ``k_suf [R, t_max + m_max + S]`` (-1: masked)."""
 
     c_max: int
     q_pre: torch.Tensor
     k_pre: torch.Tensor
     t_max: int
+    m_max: int
     ent: torch.Tensor
     tails: torch.Tensor
     src: torch.Tensor
@@ -35,35 +60,142 @@ class OnePassIndices:
 
     @staticmethod
     def of(lengths: Sequence[int], counts: Sequence[int], s: int, group: int,
-           dev: torch.device) -> OnePassIndices:
+           dev: torch.device, mids: Sequence[int] | None = None) -> OnePassIndices:
         """The indices of a plan whose row groups have prefixes of ``lengths`` and ``counts``
-        rows, for suffixes of ``s`` tokens and ``group`` query heads per key head."""
+        rows, for suffixes of ``s`` tokens and ``group`` query heads per key head; ``mids``: per
+        row, the shared query tokens between its entry and its suffix (none if None)."""
         blk = ops.ATTENTION_KEY_BLOCK
         lens = torch.tensor(lengths, dtype=torch.long)
         cuts = lens // blk * blk
         rows_g = torch.repeat_interleave(torch.arange(len(counts)),
                                          torch.tensor(counts, dtype=torch.long))
+        mid_r = torch.zeros(len(rows_g), dtype=torch.long) if mids is None else \
+            torch.tensor(list(mids), dtype=torch.long)
         t = torch.arange(s)
         c_max = int(cuts.max())
         j = torch.arange(c_max)
         k_pre = torch.where(j[None] < cuts[:, None], j[None], -1).to(dev)
-        q_pre = (lens[:, None] + torch.arange(max(counts) * group * s)[None] % s).to(dev)
+        # Query row i of group g's stacked queries is suffix token i % S of the group's row
+        # i // (group * S), after that row's shared query tokens.
+        n_max, starts = max(counts), torch.tensor([0, *counts]).cumsum(0)[:-1]
+        i = torch.arange(n_max * group * s)
+        row = (starts[:, None] + i[None] // (group * s)).clamp(max=len(rows_g) - 1)
+        q_pre = (lens[:, None] + mid_r[row] + i[None] % s).to(dev)
         cut_r, len_r = cuts[rows_g], lens[rows_g]
         tail_r = len_r - cut_r
-        t_max = int(tail_r.max())
+        t_max, m_max = int(tail_r.max()), int(mid_r.max())
         ent = rows_g.to(dev)
-        q_suf = (len_r[:, None] + t[None, :]).to(dev)
-        if t_max == 0:
-            empty = torch.empty(0, dtype=torch.long, device=dev)
-            return OnePassIndices(c_max, q_pre, k_pre, 0, ent, empty, empty, q_suf,
-                                  (len_r[:, None] + t[None, :]).to(dev))
-        j = torch.arange(t_max + s)
+        q_suf = (len_r[:, None] + mid_r[:, None] + t[None, :]).to(dev)
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        if t_max == 0 and m_max == 0:
+            return OnePassIndices(c_max, q_pre, k_pre, 0, 0, ent, empty, empty, q_suf,
+                                  q_suf.clone())
+        j = torch.arange(t_max + m_max + s)
+        # Slot j of row i is position cut_i + j: its entry's tail, its query tokens, its own.
         src = torch.where(j[None] < tail_r[:, None], j[None],
-                          t_max + j[None] - tail_r[:, None])  # [R, T2]
-        real = j[None] < (tail_r[:, None] + s)
+                          torch.where(j[None] < (tail_r + mid_r)[:, None],
+                                      t_max + j[None] - tail_r[:, None],
+                                      t_max + m_max + j[None] - (tail_r + mid_r)[:, None]))
+        real = j[None] < (tail_r + mid_r)[:, None] + s
         src = torch.where(real, src, 0).to(dev)
         # The rows' entries' slots from the cut (kp holds the used entries in group order),
         # clamped into the bank's slots (past them only masked slots are read).
-        tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(max=max(lengths) - 1).to(dev)
+        tails = empty
+        if t_max:
+            tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(
+                max=max(lengths) - 1).to(dev)
         k_suf = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-        return OnePassIndices(c_max, q_pre, k_pre, t_max, ent, tails, src, q_suf, k_suf)
+        return OnePassIndices(c_max, q_pre, k_pre, t_max, m_max, ent, tails, src, q_suf, k_suf)
+
+
+def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             kp: torch.Tensor, vp: torch.Tensor, scale: float, kernel: str,
+             lay: LayerAttention | None, dot: torch.dtype | None, softcap: float | None,
+             sinks: torch.Tensor | None, layer: int) -> tuple[torch.Tensor, None]:
+    """The cascade (``plan``: a :class:`~icqs_fast.engine.cascade.CascadePlan`; ``layer``: the
+    layer's index) as one softmax pass per row, the same bits as a plain forward's attention
+    over ``[prefix; suffix]`` (:func:`~icqs_fast.engine.cascade.positional_attention`, one call
+    over all keys) on a kernel that continues its running state
+    (:func:`icqs_fast.ops.attention_lse`'s ``state``): the prefix part covers each entry's keys
+    up to the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` below its length
+    (shared by the entry's rows, no copy) and returns the rows' state; the suffix part continues
+    it over the rest of the prefix (at most a block's worth, copied per row), the row's shared
+    query tokens (``plan.query``, copied per row) and the row's own keys, in slot = position
+    order. So the key blocks are those of one call over all the keys, and a row's result does
+    not depend on where its prefix was cut, whether its query's states came from another
+    forward, or what shares its forward."""
+    r, hq, s, d = query.shape
+    hk, dv = key.shape[1], value.shape[-1]
+    group = hq // hk
+    dev = query.device
+    ix = plan.one_pass_indices(s, group, dev)
+    state = None
+    if ix.c_max > 0:
+        # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
+        # keys up to the cut (the rest of the slots masked by position -1). Entries with the
+        # same number of rows go in one call (a row's sums do not depend on the batch).
+        kc, vc = kp[:, :, :ix.c_max], vp[:, :, :ix.c_max]
+        if plan.uniform:
+            g, n = len(plan.counts), plan.counts[0]
+            qg = query.reshape(g, n, hk, group, s, d).transpose(1, 2).reshape(
+                g, hk, n * group * s, d)
+            st, _ = ops.attention_lse(qg, kc, vc, scale=scale, causal=True,
+                                      positions=(ix.q_pre, ix.k_pre), dot_dtype=dot,
+                                      softcap=softcap, backend=kernel, return_state=True,
+                                      **local_args(lay))
+            width = st.shape[-1]
+            state = (st.view(g, hk, n, group, s, width).transpose(1, 2)
+                     .reshape(r, hq, s, width).contiguous())
+        else:
+            parts = []
+            for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
+                qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
+                qg = qg.reshape(1, hk, n * group * s, d)
+                st, _ = ops.attention_lse(
+                    qg, kc[gi:gi + 1], vc[gi:gi + 1], scale=scale, causal=True,
+                    positions=(ix.q_pre[gi:gi + 1, :n * group * s], ix.k_pre[gi:gi + 1]),
+                    dot_dtype=dot, softcap=softcap, backend=kernel, return_state=True,
+                    **local_args(lay))
+                width = st.shape[-1]
+                # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
+                parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
+                             .reshape(n, hq, s, width))
+            state = torch.cat(parts).contiguous()
+    # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
+    # (tails), the shared query tokens, then the suffix tokens, then nothing (masked).
+    if ix.t_max == 0 and ix.m_max == 0:
+        k2, v2 = key, value
+    else:
+        parts_k, parts_v = [], []
+        if ix.t_max:
+            parts_k.append(kp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3).to(key.dtype))
+            parts_v.append(vp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3).to(value.dtype))
+        if ix.m_max:
+            qk, qv = plan.query.kv[layer]
+            src_rows = plan.query_rows(dev)
+            parts_k.append(qk[:, :, :ix.m_max].index_select(0, src_rows))
+            parts_v.append(qv[:, :, :ix.m_max].index_select(0, src_rows))
+        both_k = torch.cat([*parts_k, key], dim=2)
+        both_v = torch.cat([*parts_v, value], dim=2)
+        width = ix.src.shape[1]
+        k2 = both_k.gather(2, ix.src[:, None, :, None].expand(r, hk, width, d))
+        v2 = both_v.gather(2, ix.src[:, None, :, None].expand(r, hk, width, dv))
+    k_pos, q_pos = ix.k_suf, ix.q_suf
+    out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
+                                 positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
+                                 backend=kernel, state=state, **local_args(lay))
+    if sinks is not None:  # as positional_attention does, so the two stay equal
+        keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
+        out = (out.float() * keep[..., None]).to(out.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def local_args(la: LayerAttention | None) -> dict[str, int]:
+    """The ``window`` / ``chunk`` keyword of :func:`icqs_fast.ops.attention_lse` for a local
+    layer ``la`` (none for a full one, or None)."""
+    local = {}
+    if la is not None and la.kind == "sliding" and la.window is not None:
+        local["window"] = int(la.window)
+    if la is not None and la.kind == "chunked" and la.chunk is not None:
+        local["chunk"] = int(la.chunk)
+    return local

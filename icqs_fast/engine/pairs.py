@@ -3,10 +3,11 @@
 LLMBar, MT-Bench pairwise, reward-model benchmarks and A/B tests give an instruction ``x`` and
 two outputs ``y_a``, ``y_b``. :func:`score_pairs` scores both outputs of every pair in ONE
 stream of the scorer (one prefix bank: the demonstration prefixes are computed once for all
-pairs, and each output runs only its own suffix), and gives per pair a :class:`PairResult`:
-both scores, ``preferred`` ("a", "b", or "tie" within ``tie_margin``), the margin, and
-P(a better) from the self-check's calibrated P(good) of each output when the scorer has one
-(:attr:`~icqs_fast.engine.scorer.ICQSScorer.self_check`). The fields are declared once, in
+pairs; per context the query ``x`` runs once for both outputs, and each output only its own
+tokens after it: ``ICQSScorer.score(share_query=True)``, the same bits), and gives per pair a
+:class:`PairResult`: both scores, ``preferred`` ("a", "b", or "tie" within ``tie_margin``), the
+margin, and P(a better) from the self-check's calibrated P(good) of each output when the scorer
+has one (:attr:`~icqs_fast.engine.scorer.ICQSScorer.self_check`). The fields are declared once, in
 :data:`icqs_fast.io.schema.PAIR_FIELDS` (:func:`icqs_fast.io.schema.pair_row`).
 
 :func:`pairwise_accuracy` is the share of pairs whose ``preferred`` is the labelled better
@@ -64,10 +65,12 @@ def p_a_better(pa: float | None, pb: float | None) -> float | None:
 
 
 def score_pairs(scorer: ICQSScorer, pairs: Iterable[tuple[str, str, str]], *,
-                tie_margin: float = 0.0) -> Iterator[PairResult]:
+                tie_margin: float = 0.0, share_query: bool = True) -> Iterator[PairResult]:
     """Judge ``(x, y_a, y_b)`` pairs with an
     :class:`~icqs_fast.engine.scorer.ICQSScorer`, lazily, in input order: both outputs go into
-    one scoring stream (``(x, y_a), (x, y_b), ...``), so they share the scorer's prefix bank.
+    one scoring stream (``(x, y_a), (x, y_b), ...``), so they share the scorer's prefix bank,
+    and with ``share_query`` each context's query states (scores unchanged to the bit; False:
+    each output's prompt runs whole after the bank, as a record of its own would).
 
     Raises:
         ValueError: ``tie_margin`` negative (or the scorer's own errors for a bad output).
@@ -80,7 +83,7 @@ def score_pairs(scorer: ICQSScorer, pairs: Iterable[tuple[str, str, str]], *,
             yield (x, ya)
             yield (x, yb)
 
-    stream = iter(scorer.score(items()))
+    stream = iter(scorer.score(items(), share_query=share_query))
     for ra in stream:
         rb = next(stream)
         margin = float(ra.score) - float(rb.score)

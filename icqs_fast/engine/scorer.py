@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from icqs_fast import ops
-from icqs_fast.engine.batching import PrefixBank, plain_hidden, plain_logits, suffix_hidden
+from icqs_fast.engine.batching import (
+    FORWARD_COST_TOKENS,
+    PrefixBank,
+    plain_hidden,
+    plain_logits,
+    suffix_hidden,
+)
 from icqs_fast.engine.calibration import (
     calibration_queries,
     icqs_margins,
@@ -37,10 +43,13 @@ from icqs_fast.engine.calibration import (
     implied_slope,
 )
 from icqs_fast.engine.capability import model_plan
+from icqs_fast.engine.cascade import one_pass_kernel
 from icqs_fast.engine.checks import model_max_length, parse_response
+from icqs_fast.engine.one_pass import QueryPart
 from icqs_fast.engine.prompt_tokens import PromptLayout, PromptTokens, common_prefix
 from icqs_fast.engine.prompts import build_demo_sets
 from icqs_fast.engine.settings import DEFAULT_TOKEN_BUDGET, ScoringSettings
+from icqs_fast.engine.shared_query import QuerySegment, length_runs, query_runs, segment_group
 from icqs_fast.types import TokenStats
 
 if TYPE_CHECKING:
@@ -94,6 +103,9 @@ class ResponseState:
         cal: a response's baselines (one per calibration query; empty without calibration).
         rows_done: the contexts whose row has run.
         stage: see :class:`Stage`.
+        seg: per context, the :class:`QuerySegment` the row continues after its entry (its
+            ``suffix`` then starts after the segment), or None.
+        group: the first response of the group sharing its query segments (None: itself).
     """
 
     index: int
@@ -111,6 +123,8 @@ class ResponseState:
     cal: list[ResponseState] = field(default_factory=list)
     rows_done: int = 0
     stage: Stage = Stage.QUEUED
+    seg: list[QuerySegment | None] = field(default_factory=list)
+    group: ResponseState | None = None
 
     def row_ran(self, n_contexts: int) -> None:
         """Count one more context's row as run; the last one makes the state
@@ -121,6 +135,7 @@ class ResponseState:
             self.stage = Stage.SCORED
             if self.baseline:
                 self.suffix, self.rstart, self.entries, self.plen, self.stats = [], [], [], [], []
+                self.seg = []
                 self.stage = Stage.RELEASED
 
     @property
@@ -362,6 +377,9 @@ class ICQSScorer:
             for tpl, x in calibration_queries(st)]
         self._cal_cache: OrderedDict[tuple[int, str], ResponseState] = OrderedDict()
         self.calibration_rows = 0  # baseline (query, y, context) rows scored (not cached)
+        # Tokens run through suffix forwards (padding not counted), shared query segments'
+        # included: what ``score(share_query=True)`` saves shows here.
+        self.suffix_tokens = 0
 
     @property
     def _budget(self) -> int:
@@ -423,15 +441,22 @@ class ICQSScorer:
         """Score a single response (x, y)."""
         return next(iter(self.score([(x, y)])))
 
-    def score(self, responses: Iterable) -> Iterator[ICQSResult]:
+    def score(self, responses: Iterable, *, share_query: bool = False
+              ) -> Iterator[ICQSResult]:
         """Score a stream of responses lazily, in order.
 
         Args:
             responses: iterable of (x, y) str pairs or dicts with "x" and "y".
+            share_query: consecutive responses with the same ``x`` (both outputs of a pair;
+                :mod:`icqs_fast.engine.shared_query`) compute the query's states once per
+                context: the tokens their prompts share after the context's bank entry run in
+                one row, and each response's row continues from it with its own tokens.
+                The same bits as without (the one-pass cascade: :attr:`shares_query`; elsewhere,
+                and in ``deterministic`` mode, the flag changes nothing).
 
         Yields:
             one :class:`ICQSResult` per response, in input order; input is pulled only as far
-            as the current batch needs.
+            as the current batch needs (one response further with ``share_query``).
         """
         c_n = self.n_contexts
         if self.deterministic:  # one response per forward (see the class docstring)
@@ -440,22 +465,31 @@ class ICQSScorer:
                 self._run_all([*new, rec])
                 yield self._finish(rec)
             return
+        share = share_query and self.shares_query
         pending: list[ResponseState] = []  # prepared responses not yet scored
         rows: list[tuple[ResponseState, int]] = []  # queued (response, context) rows
-        it = enumerate(responses)
+        it = query_runs(responses) if share else ([item] for item in enumerate(responses))
         exhausted = False
         while True:
             # Fill the row queue until one forward's budget is reached (or the input ends).
             while not exhausted and self._row_cost(rows) < self._budget:
                 try:
-                    i, item = next(it)
+                    run = next(it)
                 except StopIteration:
                     exhausted = True
                     break
-                rec, new = self._prepare(i, item)
-                pending.append(rec)
-                rows.extend((rec, c) for c in range(c_n))
-                for child in new:  # baseline rows not scored or queued before
+                recs, fresh = [], []
+                for i, item in run:
+                    rec, new = self._prepare(i, item)
+                    recs.append(rec)
+                    fresh.extend(new)
+                if share:
+                    segment_group(recs)
+                pending.extend(recs)
+                # A group's rows context-major: the rows sharing a query segment side by side
+                # (the batch cut keeps them together when it can).
+                rows.extend((rec, c) for c in range(c_n) for rec in recs)
+                for child in fresh:  # baseline rows not scored or queued before
                     rows.extend((child, c) for c in range(c_n))
             if not rows:
                 break
@@ -466,6 +500,14 @@ class ICQSScorer:
                 yield self._finish(pending.pop(0))
         while pending:  # only reached when every row ran
             yield self._finish(pending.pop(0))
+
+    @property
+    def shares_query(self) -> bool:
+        """Whether ``score(share_query=True)`` shares the query's states here: cascade attention
+        whose every layer runs as one softmax pass (the C++ kernel on the CPU), the path on which
+        a row continuing another forward's states gives the same bits."""
+        p = next(self.model.parameters())
+        return self.cascade and one_pass_kernel(p.device, p.dtype)
 
     @staticmethod
     def _ready(rec: ResponseState) -> bool:
@@ -560,30 +602,43 @@ class ICQSScorer:
             n_prompt=[lay.n_prompt for lay in lays], drops=[lay.drop for lay in lays],
             entries=entries, plen=plen, join=any(lay.join for lay in lays),
             loglik=torch.zeros(self.n_contexts, dtype=torch.float64),
-            stats=[None] * self.n_contexts, baseline=baseline)
+            stats=[None] * self.n_contexts, baseline=baseline, seg=[None] * self.n_contexts)
 
     def _row_cost(self, rows: list[tuple[ResponseState, int]]) -> int:
         if not rows:
             return 0
         p = 0 if self.cascade or self.plain else max(rec.plen[c] for rec, c in rows)
         s = max(len(rec.suffix[c]) for rec, c in rows)
-        return len(rows) * (p + s)
+        # The query segments' own forward (each once) counts against the budget too.
+        segs = {id(sg): len(sg.ids) for sg in (rec.seg[c] for rec, c in rows) if sg is not None}
+        return max(len(rows) * (p + s), len(segs) * max(segs.values(), default=0))
 
     def _take(self, rows: list[tuple[ResponseState, int]]) -> int:
         """Largest leading run of rows within the token budget (at least one); with cascade
         attention cut at a response boundary when one fits, so every prefix entry gets the same
         number of rows (the attention then runs as one batched call per layer)."""
-        p = s = 0
+        p = s = q = 0
+        segs: set[int] = set()
         take = len(rows)
         for n, (rec, c) in enumerate(rows):
             p2 = 0 if self.cascade or self.plain else max(p, rec.plen[c])
             s2 = max(s, len(rec.suffix[c]))
-            if n > 0 and (n + 1) * (p2 + s2) > self._budget:
+            sg = rec.seg[c]
+            new = sg is not None and id(sg) not in segs
+            q2 = max(q, len(sg.ids)) if new else q
+            if n > 0 and max((n + 1) * (p2 + s2), (len(segs) + new) * q2) > self._budget:
                 take = n
                 break
-            p, s = p2, s2
+            p, s, q = p2, s2, q2
+            if new:
+                segs.add(id(sg))
         if self.cascade and take < len(rows):
-            bounds = [n for n in range(1, take + 1) if rows[n][0] is not rows[n - 1][0]]
+            # Between responses (groups sharing query segments), else between segments: each
+            # segment then runs once.
+            bounds = [n for n in range(1, take + 1)
+                      if _group(rows[n][0]) is not _group(rows[n - 1][0])] or \
+                [n for n in range(1, take + 1) if rows[n][0].seg[rows[n][1]] is None
+                 or rows[n][0].seg[rows[n][1]] is not rows[n - 1][0].seg[rows[n - 1][1]]]
             if bounds:
                 take = bounds[-1]
         return take
@@ -603,8 +658,13 @@ class ICQSScorer:
                 out = plain_hidden(self.plan.body, suffixes, self.pad_id, dev,
                                    self.plan.pad_safe, self.plan.positional_layers)
         else:
-            out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
-                                   cascade=self.cascade)
+            query = self._query_part(batch) if self.cascade else None
+            if query is not None:
+                out = self._continue_query(entries, suffixes, query, dev)
+            else:
+                out, _ = suffix_hidden(self.model, self.prefix_bank, entries, suffixes,
+                                       self.pad_id, cascade=self.cascade)
+        self.suffix_tokens += sum(map(len, suffixes))
         rows_idx, pos_idx, targets, seg = [], [], [], []
         for b, (rec, c) in enumerate(batch):
             r0, nr = rec.rstart[c], len(rec.resp)
@@ -632,6 +692,46 @@ class ICQSScorer:
             rec.row_ran(self.n_contexts)
             start += nr
 
+    def _query_part(self, batch: list[tuple[ResponseState, int]]) -> QueryPart | None:
+        """The batch's query segments run in one forward of their own (each once, rows in
+        entry order), their keys/values kept for the batch's rows to continue; None when no
+        row has one."""
+        segs: dict[int, QuerySegment] = {}
+        for rec, c in batch:
+            if rec.seg[c] is not None:
+                segs.setdefault(id(rec.seg[c]), rec.seg[c])
+        if not segs:
+            return None
+        order = sorted(segs.values(), key=lambda sg: sg.entry)
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        suffix_hidden(self.model, self.prefix_bank, [sg.entry for sg in order],
+                      [sg.ids for sg in order], self.pad_id, capture=kv)
+        self.suffix_tokens += sum(len(sg.ids) for sg in order)
+        row = {id(sg): n for n, sg in enumerate(order)}
+        segs_of = [rec.seg[c] for rec, c in batch]
+        return QueryPart(kv, [0 if sg is None else row[id(sg)] for sg in segs_of],
+                         [0 if sg is None else len(sg.ids) for sg in segs_of])
+
+    def _continue_query(self, entries: list[int], suffixes: list[list[int]], query: QueryPart,
+                        dev: torch.device) -> torch.Tensor:
+        """Hidden states ``[R, S, H]`` of rows continuing shared query states, in forwards by
+        length: a pair's outputs may differ by hundreds of tokens, and one forward would pad the
+        short ones to the long (another forward costs :data:`FORWARD_COST_TOKENS`)."""
+        runs = length_runs([len(x) for x in suffixes], FORWARD_COST_TOKENS[dev.type == "cpu"])
+        if len(runs) == 1:  # one forward, in the batch's (entry) order
+            return suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
+                                 query=query)[0]
+        out = None
+        for run in runs:
+            sub = QueryPart(query.kv, [query.rows[i] for i in run],
+                            [query.lengths[i] for i in run])
+            h, _ = suffix_hidden(self.model, self.prefix_bank, [entries[i] for i in run],
+                                 [suffixes[i] for i in run], self.pad_id, query=sub)
+            if out is None:
+                out = h.new_zeros(len(suffixes), max(map(len, suffixes)), h.shape[-1])
+            out[torch.tensor(run, device=h.device), :h.shape[1]] = h
+        return out
+
     def _finish(self, rec: ResponseState) -> ICQSResult:
         m1, ls = self.num_ratios, self.sets_per_ratio
         ll = rec.loglik.reshape(m1, ls)
@@ -656,3 +756,7 @@ class ICQSScorer:
             res.p_good_calibrated = self.self_check.record_value(res.score)
             res.verdict = self.self_check.verdict(res.score)
         return res
+
+
+def _group(rec: ResponseState) -> ResponseState:
+    return rec if rec.group is None else rec.group
