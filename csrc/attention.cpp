@@ -191,9 +191,9 @@ constexpr int kStateLanes = 16;
 
 // Per-thread packed keys/values of one (batch, key head), and the query-block scratch.
 struct Scratch {
-    std::vector<float> kt, vp, qb, sb, ob;
-    std::vector<uint32_t> kt2, vp2, qb2, pb2;  // bf16-pair layouts
-    std::vector<uint16_t> row2;                // one key's and value's bf16 (pack_bf16)
+    AlignedVec<float> kt, vp, qb, sb, ob;
+    AlignedVec<uint32_t> kt2, vp2, qb2, pb2;  // bf16-pair layouts
+    AlignedVec<uint16_t> row2;                // one key's and value's bf16 (pack_bf16)
     std::vector<int32_t> kp;                   // key positions (-1 = masked), per key slot
     std::vector<int32_t> binfo;                // per key block: n valid, kmin, kmax, all valid
     uint64_t call = ~uint64_t(0);
@@ -682,7 +682,7 @@ struct KF32 {
     static_assert(BK == 4 * W && kBQ % RS == 0 && 4 % RS == 0 && 4 % Tile<W>::RP == 0,
                   "4 key vectors per block, whole tiles of at most 4 rows (item_impl clears 4)");
     static int64_t q_len(int64_t D) { return D; }
-    static std::vector<float>& q_buf(Scratch& s) { return s.qb; }
+    static AlignedVec<float>& q_buf(Scratch& s) { return s.qb; }
     static void prepare(Scratch&) {}
     ATTN_INLINE static void pack(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
                                  int64_t dvp) {
@@ -872,7 +872,7 @@ struct KBf16 {
     static constexpr bool kExtent = false;  // pv converts every slot's probability to bf16
     static_assert(4 % R == 0 && kBQ % R == 0, "tiles of at most 4 rows (item_impl clears 4)");
     static int64_t q_len(int64_t D) { return (D + 1) / 2; }
-    static std::vector<uint32_t>& q_buf(Scratch& s) { return s.qb2; }
+    static AlignedVec<uint32_t>& q_buf(Scratch& s) { return s.qb2; }
     static void prepare(Scratch& s) { s.pb2.resize(static_cast<size_t>(kBQ * kBK2 / 2)); }
     ATTN_INLINE static void pack(const Args& a, Scratch& s, int64_t b, int64_t hk, int64_t nkb,
                                  int64_t dvp) {

@@ -496,15 +496,15 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     // reuse_x: the caller vouches that x is the very input of this thread's previous call (the
     // q / k / v and gate / up projections share theirs), so the terms kept from it are x's
     // terms; they are used only when they were made for the same M, K and mode.
-    static thread_local std::vector<uint16_t> kept;
+    static thread_local AlignedVec<uint16_t> kept;
     static thread_local KeptTerms kept_for;
-    std::vector<uint16_t> fresh;
+    AlignedVec<uint16_t> fresh;
     bool reused = false;
     if (mode != kF32) {
         const int64_t Mp = round_up(M, 32);
         const size_t need = static_cast<size_t>(Mp * a.xbs);
         const bool keep = need * 2 <= kKeepBytes;
-        std::vector<uint16_t>& xb = keep ? kept : fresh;
+        AlignedVec<uint16_t>& xb = keep ? kept : fresh;
         reused = reuse_x && keep && kept_for.M == M && kept_for.K == K && kept_for.mode == mode;
         if (!reused && keep) kept_for = KeptTerms{};  // overwritten below
         if (xb.size() < need) xb.resize(need);

@@ -9,8 +9,11 @@
 
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -139,6 +142,26 @@ inline int cpu_isa_level() {
 #endif
     return 0;
 }
+
+// 64-byte aligned storage for the kernels' buffers: malloc aligns to 16 bytes, and a row of an
+// AMX tile or an AVX-512 vector that straddles two cache lines costs two loads.
+template <class T>
+struct Aligned64 {
+    using value_type = T;
+    Aligned64() = default;
+    template <class U>
+    Aligned64(const Aligned64<U>&) {}
+    T* allocate(size_t n) {
+        return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+    }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U>
+    bool operator==(const Aligned64<U>&) const { return true; }
+    template <class U>
+    bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <class T>
+using AlignedVec = std::vector<T, Aligned64<T>>;
 
 // Whether this process may run AMX tile instructions (bf16 tiles): the CPU has them and Linux
 // granted the tile state, which it hands a process only on request (ARCH_REQ_XCOMP_PERM for
