@@ -1,4 +1,5 @@
-"""Faster forwards, bit for bit equal, for a model's RMSNorm and gated-MLP modules.
+"""Faster forwards, bit for bit equal, for a model's RMSNorm and gated-MLP modules and its
+rotary embedding.
 
 transformers' RMSNorm runs five passes over the activations (``pow``, ``mean``, ``rsqrt``
 of the variance plus eps, two products) and its gated MLP allocates the SiLU output and the
@@ -7,6 +8,13 @@ engine's time (docs/DECISIONS.md, "Exact forwards"). Here the norm is torch's fu
 ``F.rms_norm`` (one kernel) and the MLP computes SiLU and the product in place on the gate
 projection's output: the same operations in the same order, so the same bits, with fewer
 passes and no new buffers.
+
+transformers' ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``: two products, a
+negation, a concatenation and a sum per tensor) becomes :func:`icqs_fast.ops.rotary`'s one pass,
+the same arithmetic. It is a function of the modeling module, not a method: the module's global
+is replaced (for every model of that family in the process, with the same bits), and every call
+outside the probed form (fp32 on the CPU, ``[B, H, T, D]`` against ``[B, T, D]``, no autograd,
+not under ``torch.compile``) takes the original.
 
 Each replacement is switched on for a module only after a probe finds that it gives that
 module's own output exactly (``torch.equal``) on a random input, so a family whose norm or MLP
@@ -18,11 +26,14 @@ the module's own forward too.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from icqs_fast import ops
 
 # The instance attribute that marks a module whose forward this module replaced.
 _MARK = "_icqs_exact_forward"
@@ -95,6 +106,65 @@ def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) ->
     return isinstance(want, torch.Tensor) and torch.equal(want, got)
 
 
+_ROTARY = "apply_rotary_pos_emb"
+
+
+def _fast_rotary(original: Any) -> Any:
+    def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
+        # The probed call is (q, k, cos, sin); any other (keywords, no key, another
+        # unsqueeze_dim) is the original's.
+        if (kwargs or len(args) != 4 or torch.compiler.is_compiling()
+                or not all(isinstance(t, torch.Tensor) for t in args)):
+            return original(*args, **kwargs)
+        q, k, cos, sin = ts = args
+        if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts)
+                or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape
+                or q.shape[-1] % 2 or not q.shape[-1] == k.shape[-1] == cos.shape[-1]
+                or not q.shape[2] == k.shape[2] == cos.shape[1] or q.shape[0] != k.shape[0]
+                or cos.shape[0] not in (1, q.shape[0])
+                or torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
+            return original(*args)
+        return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
+
+    apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(apply_rotary_pos_emb, _MARK, True)
+    return apply_rotary_pos_emb
+
+
+def _rotary_equal_on_probe(original: Any, fast: Any, head_dim: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 5, head_dim, generator=gen) * 30 for h in (3, 1))
+    cos, sin = (torch.randn(2, 5, head_dim, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        try:
+            want, got = original(q, k, cos, sin), fast(q, k, cos, sin)
+        except Exception:  # noqa: BLE001 - a function that cannot take the probe stays
+            return False
+    return (isinstance(want, tuple) and len(want) == 2
+            and all(torch.equal(w, g) for w, g in zip(want, got, strict=True)))
+
+
+def _use_exact_rotary(model: torch.nn.Module) -> int:
+    """Replace ``apply_rotary_pos_emb`` in the modeling module of each attention class of
+    ``model`` (one with a ``head_dim``) by the one-pass equal that passes the probe; the
+    number of modeling modules now using it."""
+    n = 0
+    for module in model.modules():
+        ns = sys.modules.get(type(module).__module__)
+        d = getattr(module, "head_dim", None)
+        f = getattr(ns, _ROTARY, None)
+        if not (callable(f) and isinstance(d, int) and d % 2 == 0 and d > 0):
+            continue
+        if getattr(f, _MARK, False):
+            n += 1
+            continue
+        fast = _fast_rotary(f)
+        if _rotary_equal_on_probe(f, fast, d):
+            setattr(ns, _ROTARY, fast)
+            n += 1
+    return n
+
+
 def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
     """Replace the forward of each RMSNorm and gated-SiLU MLP module of ``model`` whose fp32
     parameters pass the probe (the same output bits on a random fp32 input) by its faster
@@ -102,8 +172,9 @@ def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
     keep theirs). Calling it again changes nothing.
 
     Returns:
-        ``{"rms_norm": n, "gated_mlp": m, "kept": k}``: the modules switched and those kept
-        (their probe differed).
+        ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r}``: the modules switched and
+        those kept (their probe differed), and the attention modules whose modeling module's
+        rotary embedding is the one-pass equal (:func:`_use_exact_rotary`).
     """
     counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
     for module in model.modules():
@@ -122,6 +193,7 @@ def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
         module.forward = types.MethodType(fast, module)
         setattr(module, _MARK, True)
         counts[kind] += 1
+    counts["rotary"] = _use_exact_rotary(model)
     return counts
 
 

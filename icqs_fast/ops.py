@@ -488,6 +488,32 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
     return out.reshape(*lead, weight.out_features)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str = "auto"
+           ) -> torch.Tensor:
+    """Rotary position embedding: ``x * cos + rotate_half(x) * sin``, where
+    ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` (transformers' form), each product and
+    the sum rounded once in ``x``'s dtype: on the cpp backend the same bits as that expression in
+    torch, in one pass.
+
+    Args:
+        x: ``[B, H, T, D]`` float (any strides), ``D`` even.
+        cos, sin: ``[B, T, D]`` or ``[1, T, D]`` (broadcast over the batch), ``x``'s dtype.
+
+    Returns:
+        ``[B, H, T, D]`` in ``x``'s dtype and layout.
+    """
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [B, H, T, D] with D even, got {list(x.shape)}")
+    b, _, t, d = x.shape
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dim() != 3 or c.shape[0] not in (1, b) or c.shape[1:] != (t, d):
+            raise ValueError(f"{name} must be [{b} or 1, {t}, {d}], got {list(c.shape)}")
+        if c.dtype != x.dtype:
+            raise TypeError(f"{name} must be {x.dtype} like x, got {c.dtype}")
+    name = backends.choose("rotary", backend, x.device, x.dtype)
+    return backends.module(name).rotary(x, cos, sin)
+
+
 def attention_entropy(
     q: torch.Tensor,
     k: torch.Tensor,

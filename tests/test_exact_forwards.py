@@ -1,5 +1,6 @@
-"""The faster RMSNorm / gated-MLP forwards (:mod:`icqs_fast.exact_forwards`): the same bits as the
-modules' own forwards, switched on only where a probe finds them equal, and left alone where
+"""The faster RMSNorm / gated-MLP forwards and rotary embedding
+(:mod:`icqs_fast.exact_forwards`): the same bits as the modules' own forwards and transformers'
+function, switched on only where a probe finds them equal, and left alone where
 the input is not what the probe covered (another dtype, autograd). Every family of the model
 matrix keeps its logits bit for bit (matrix tier)."""
 
@@ -32,14 +33,16 @@ def test_llama_switched_and_bit_identical():
     want = _logits(model, ids)
     counts = use_exact_forwards(model)
     layers = model.config.num_hidden_layers
-    assert counts == {"rms_norm": 2 * layers + 1, "gated_mlp": layers, "kept": 0}
+    assert counts == {"rms_norm": 2 * layers + 1, "gated_mlp": layers, "kept": 0,
+                      "rotary": layers}
     assert uses_exact_forwards(model.model.norm) and uses_exact_forwards(model.model.layers[0].mlp)
     assert torch.equal(_logits(model, ids), want)
     # Rows of very different scales, one token, a batch of one: still the same bits.
     for x in (_ids(1, 1), _ids(3, 5) % 7):
         fresh = tiny_model("llama", VOCAB)
         assert torch.equal(_logits(model, x), _logits(fresh, x))
-    assert use_exact_forwards(model) == {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
+    assert use_exact_forwards(model) == {"rms_norm": 0, "gated_mlp": 0, "kept": 0,
+                                         "rotary": layers}
 
 
 def test_a_norm_that_computes_otherwise_keeps_its_forward():
@@ -149,3 +152,55 @@ def test_every_family_keeps_its_logits(model_type):
         use_exact_forwards(model)
         got = _logits(model, ids)
     assert torch.equal(got, want), model_type
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_rotary_is_transformers_arithmetic_bit_for_bit(backend):
+    """``ops.rotary`` against transformers' ``apply_rotary_pos_emb`` (the original, not the one
+    :func:`use_exact_forwards` may have put in its place): a transposed query (the attention's
+    view), a key of one head, cos / sin broadcast from a batch of one, head sizes 2 and 256,
+    magnitudes from subnormal to 1e30, infinities; the output keeps the query's layout."""
+    from transformers.models.llama import modeling_llama
+
+    from icqs_fast import backends, ops
+
+    if not backends.available(backend)[0]:
+        pytest.skip(f"{backend} backend unavailable")
+    f = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__",
+                modeling_llama.apply_rotary_pos_emb)
+    g = torch.Generator().manual_seed(4)
+    for b, h, t, d, cb in ((2, 9, 37, 64, 2), (3, 2, 5, 2, 1), (1, 4, 3, 256, 1)):
+        q = torch.randn(b, t, h, d, generator=g).transpose(1, 2) * 1e3
+        k = torch.randn(b, 1, t, d, generator=g)
+        q[0, 0, 0, :2] = torch.tensor([1e-42, float("inf")])
+        k[-1, 0, -1, -1] = 1e30
+        cos, sin = (torch.randn(cb, t, d, generator=g) for _ in range(2))
+        want_q, want_k = f(q, k, cos, sin)
+        got_q, got_k = ops.rotary(q, cos, sin, backend=backend), ops.rotary(k, cos, sin,
+                                                                              backend=backend)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), (b, h, t, d)
+        assert got_q.stride() == want_q.stride()
+    with pytest.raises(ValueError, match="D even"):
+        ops.rotary(torch.zeros(1, 1, 2, 3), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="cos must be"):
+        ops.rotary(torch.zeros(2, 1, 2, 4), torch.zeros(3, 2, 4), torch.zeros(2, 2, 4))
+
+
+def test_rotary_replacement_falls_back_outside_the_probed_call():
+    """The replaced function runs transformers' own for what the one pass does not cover (bf16,
+    autograd, extra arguments) and gives the same results either way."""
+    from transformers.models.llama import modeling_llama
+
+    use_exact_forwards(tiny_model("llama", VOCAB))
+    fast = modeling_llama.apply_rotary_pos_emb
+    assert hasattr(fast, "__wrapped__")
+    orig = fast.__wrapped__
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 1, 4, 8, generator=g)
+    cos, sin = torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    for args in ((q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16()),
+                 (q.requires_grad_(), k, cos, sin)):
+        for w, got in zip(orig(*args), fast(*args), strict=True):
+            assert torch.equal(w, got) and got.requires_grad == w.requires_grad
+    assert all(torch.equal(a, b) for a, b in zip(orig(q, k, cos, sin, 1),
+                                                  fast(q, k, cos, sin, 1), strict=True))

@@ -295,7 +295,20 @@ def _check_linear(got, want, dtype, what):
     _close(got, want, TOL[torch.float32], what)  # fp32 products of the (widened) inputs
 
 
-CALLS = {"linear": (_linear_op_call, _check_linear),
+def _rotary_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 5, 8, generator=g).to(dtype)
+    cos, sin = (torch.randn(1, 5, 8, generator=g).to(dtype) for _ in range(2))
+    out = ops.rotary(x, cos, sin, backend=backend)
+    x, cos, sin = (t.double() for t in (x, cos, sin))
+    return out, x * cos[:, None] + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, None]
+
+
+def _check_rotary(got, want, dtype, what):
+    _close(got, want, TOL[dtype], what)
+
+
+CALLS = {"linear": (_linear_op_call, _check_linear), "rotary": (_rotary_call, _check_rotary),
          "token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
                                                                             _check_stats),
          "attention_entropy": (_entropy_call, _check_pair), "attention_lse": (_lse_call,
@@ -332,7 +345,7 @@ def test_support_table_walk(op, backend):
         check(*call("auto", torch.float32, frozenset({opt})),
               torch.bfloat16 if opt == "dot_dtype" else torch.float32, f"{op}/auto/{opt}")
     for dtype in set(support.FLOATS) - set(s.dtypes):
-        with pytest.raises(TypeError, match="float64|dtype"):
+        with pytest.raises(TypeError, match=r"float64|dtype|takes .* inputs"):
             call(backend, dtype, frozenset())
 
 

@@ -323,6 +323,22 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype).contiguous(), ent
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` fp32 CPU rotated by ``cos`` / ``sin`` (``[B, T, D]``, broadcast
+    over the batch when their batch is 1) in one pass (``csrc/rotary.cpp``): transformers'
+    bits. The output keeps ``x``'s layout."""
+    b, h, t, d = x.shape
+    if x.stride(3) != 1:
+        x = x.contiguous()
+    cos, sin = (c.expand(b, t, d) for c in (cos, sin))
+    if cos.stride() != sin.stride() or cos.stride(2) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(x)
+    _C.rotary(x.data_ptr(), x.stride()[:3], cos.data_ptr(), sin.data_ptr(), cos.stride()[:2],
+              out.data_ptr(), out.stride()[:3], b, h, t, d, torch.get_num_threads())
+    return out
+
+
 def linear_level(products: str) -> str:
     """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""

@@ -57,6 +57,7 @@ class Support:
 OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
     "linear": {},
+    "rotary": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
         "logit_scale": "a logit multiplier other than 1",
@@ -90,6 +91,12 @@ TABLE: dict[str, dict[str, Support]] = {
     # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
     "linear": {
         "cpp": Support(FLOAT16_32, ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
+    # Rotary embedding: the C++ pass where transformers' arithmetic runs in fp32 (the same
+    # bits); the torch reference for everything else.
+    "rotary": {
+        "cpp": Support((torch.float32,), ("cpu",)),
         "torch": Support(FLOATS, None),
     },
     # float64 logits: the cpp and triton backends hand them to the reference (their kernels read

@@ -366,3 +366,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
     if bias is not None:
         acc = acc + bias.double()
     return acc.float()
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`icqs_fast.ops.rotary`: ``x * cos + rotate_half(x) * sin`` with the
+    halves swapped and the first negated, in ``x``'s dtype."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
