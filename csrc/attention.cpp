@@ -758,20 +758,10 @@ ICQS_BF16_TARGET ATTN_INLINE __m512 dpbf16(__m512 acc, uint32_t pair, const uint
 // even, NaN kept quiet; subnormals kept, unlike the conversion instruction), the same bits.
 __attribute__((target("arch=x86-64-v4"))) void bf16_row_v4(const float* src, int64_t n,
                                                            uint16_t* dst) {
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff),
-                  absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
-                  quiet = _mm512_set1_epi32(0x40);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
-        const __m512i up = _mm512_srli_epi32(u, 16);
-        const __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(up, one)), 16);
+    for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                            _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan,
-                                                                        _mm512_or_si512(up, quiet))));
-    }
+                            _mm512_cvtepi32_epi16(bf16_rne16(_mm512_loadu_ps(src + i))));
     for (; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 

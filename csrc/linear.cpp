@@ -371,19 +371,11 @@ AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
 __attribute__((target("arch=x86-64-v4"))) void bf16_terms_v4(const float* xr, int64_t K,
                                                              int terms, int64_t Kp,
                                                              uint16_t* dst) {
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff),
-                  absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
-                  quiet = _mm512_set1_epi32(0x40);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 r = _mm512_loadu_ps(xr + k);
         for (int t = 0; t < terms; ++t) {
-            const __m512i u = _mm512_castps_si512(r);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
-            const __m512i up = _mm512_srli_epi32(u, 16);
-            const __m512i rounded = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(up, one)), 16);
-            const __m512i h = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(up, quiet));
+            const __m512i h = bf16_rne16(r);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * Kp + k),
                                 _mm512_cvtepi32_epi16(h));
             r = _mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));

@@ -19,6 +19,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -142,6 +145,23 @@ inline int cpu_isa_level() {
 #endif
     return 0;
 }
+
+#if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
+// 16 fp32 values' bf16 bits (the low half of each 32-bit lane): round to nearest even in
+// integers, NaN kept quiet, subnormals kept (the conversion instruction flushes them): the
+// scalar conversions' bits.
+__attribute__((target("arch=x86-64-v4"))) ICQS_SIMD_INLINE __m512i bf16_rne16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i up = _mm512_srli_epi32(u, 16);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(up, _mm512_set1_epi32(1))),
+        16);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(up, _mm512_set1_epi32(0x40)));
+}
+#endif
 
 // 64-byte aligned storage for the kernels' buffers: malloc aligns to 16 bytes, and a row of an
 // AMX tile or an AVX-512 vector that straddles two cache lines costs two loads.
