@@ -932,16 +932,6 @@ ICQS_BF16_TARGET void item_bf16(const Args& a, int64_t b, int64_t hk, int64_t r0
 // accumulate, tile 4 holds 16 rows of the A operand (queries, or probabilities), 5-7 B. A
 // score's or an output's sum is the tile unit's fixed order over its row and column, whatever
 // the block's other rows. Needs D a multiple of 32 (whole A / B tiles).
-ICQS_AMX_TARGET ATTN_INLINE void amx_config() {
-    alignas(64) uint8_t cfg[64] = {};
-    cfg[0] = 1;  // palette 1
-    for (int t = 0; t < 8; ++t) {
-        cfg[16 + 2 * t] = 64;  // bytes per row
-        cfg[48 + t] = 16;      // rows
-    }
-    _tile_loadconfig(cfg);
-}
-
 struct KAmx : KBf16 {
     // The query rows' 16-row halves that hold queries (rows past n in a half are padding: their
     // scores are never read, their probabilities 0).
@@ -1033,7 +1023,7 @@ struct KAmx : KBf16 {
 };
 
 ICQS_AMX_TARGET void item_amx(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    amx_config();
+    amx_config_16x64();
     item_impl<KAmx>(a, b, hk, r0, r1);
     _tile_release();
 }
@@ -1065,7 +1055,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     if (q_strides.size() != 3 || k_strides.size() != 3 || v_strides.size() != 3)
         throw std::invalid_argument("attention_lse: strides are 3-tuples (dims 0..2)");
     const int best = cpu_isa_level();
-    const bool auto_isa = isa < 0;
+    [[maybe_unused]] const bool auto_isa = isa < 0;  // AMX only at the CPU's own level
     if (isa < 0) isa = best;
     if (isa > best)
         throw std::invalid_argument("attention_lse: isa " + std::to_string(isa) +
@@ -1101,11 +1091,14 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     ItemFn fn = item_v2;
 #ifdef ICQS_ATTN_X86
     bf16_dot = bf16_dot && has_bf16_dot();
-    if (isa == 2) fn = (dtype == kABF16 || round_bf16) && bf16_dot ? item_bf16 : item_v4;
-    // AMX tiles only at the CPU's own best level (an explicit avx512 keeps to dpbf16, as the
-    // linear kernel does) and for whole tiles of head dimensions.
-    if (fn == item_bf16 && auto_isa && D % 32 == 0 && cpu_has_amx()) fn = item_amx;
-    else if (isa == 1) fn = item_v3;
+    if (isa == 2) {
+        fn = (dtype == kABF16 || round_bf16) && bf16_dot ? item_bf16 : item_v4;
+        // AMX tiles only at the CPU's own best level (an explicit avx512 keeps to dpbf16, as
+        // the linear kernel does) and for whole tiles of head dimensions.
+        if (fn == item_bf16 && auto_isa && D % 32 == 0 && cpu_has_amx()) fn = item_amx;
+    } else if (isa == 1) {
+        fn = item_v3;
+    }
 #endif
     if (nthreads < 1) nthreads = 1;
     // Items: (b, hk, a range of the group * Tq rows); enough of them for a balanced dynamic

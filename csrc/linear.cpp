@@ -83,6 +83,20 @@ inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+// Elements [k0, K) of x's row as `terms` bf16 terms (dst[t * Kp + k]), each the rounding of
+// what the previous ones left.
+inline void bf16_terms(const float* xr, int64_t k0, int64_t K, int terms, int64_t Kp,
+                       uint16_t* dst) {
+    for (int64_t k = k0; k < K; ++k) {
+        float r = xr[k];
+        for (int t = 0; t < terms; ++t) {
+            const uint16_t h = bf16_rne(r);
+            dst[t * Kp + k] = h;
+            r -= bf16_to_f32(h);  // exact: what this term left for the next
+        }
+    }
+}
+
 struct Args {
     const float* x;        // [M, K] fp32, row stride xs (modes 0)
     int64_t xs;
@@ -296,38 +310,21 @@ V4BF void bf16_dot_v4(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t
 
 #define AMX __attribute__((target("arch=x86-64-v4,amx-tile,amx-bf16")))
 
-struct TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-AMX void amx_config() {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 // Blocks of 32 rows x 32 columns: tiles 0-3 the outputs, 4-5 x's rows (A: 16 rows x 32 k),
 // 6-7 the panel's two halves (B: 16 k pairs x 16 columns' pairs, 128 bytes apart).
 AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    amx_config();
+    amx_config_16x64();
     alignas(64) float c[32][32];
     const int64_t xstride = a.xbs * 2;  // bytes between x rows
+    // Panel by panel, the task's row blocks inside: the panel (36 KB at K = 576) stays in L1
+    // while they run.
     for (int64_t n = n0; n < n1; n += kNR) {
         const int64_t nc = std::min<int64_t>(kNR, n1 - n);
+        const uint16_t* panel = a.pb + (n / kNR) * a.Kp * kNR;
         for (int64_t m = m0; m < m1; m += 32) {
-        const int64_t mc = std::min<int64_t>(32, m1 - m);
-        const uint16_t* x0 = a.xb + m * a.xbs;  // rows up to Mp exist (zero past M)
-        const uint16_t* x1 = x0 + 16 * a.xbs;
-            const uint16_t* panel = a.pb + (n / kNR) * a.Kp * kNR;
+            const int64_t mc = std::min<int64_t>(32, m1 - m);
+            const uint16_t* x0 = a.xb + m * a.xbs;  // rows up to Mp exist (zero past M)
+            const uint16_t* x1 = x0 + 16 * a.xbs;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -366,7 +363,7 @@ AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
 }
 
 // x's row as `terms` bf16 terms (dst[t * Kp + k]), 16 elements a step: the same integer
-// rounding as bf16_rne (so the same bits as the scalar loop, NaN included) and the same fp32
+// rounding as bf16_rne (so the same bits as bf16_terms, NaN included) and the same fp32
 // subtraction for what a term leaves to the next. Elements past K are left to the caller.
 __attribute__((target("arch=x86-64-v4"))) void bf16_terms_v4(const float* xr, int64_t K,
                                                              int terms, int64_t Kp,
@@ -381,14 +378,7 @@ __attribute__((target("arch=x86-64-v4"))) void bf16_terms_v4(const float* xr, in
             r = _mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
         }
     }
-    for (; k < K; ++k) {
-        float r = xr[k];
-        for (int t = 0; t < terms; ++t) {
-            const uint16_t h = bf16_rne(r);
-            dst[t * Kp + k] = h;
-            r -= bf16_to_f32(h);
-        }
-    }
+    bf16_terms(xr, k, K, terms, Kp, dst);
 }
 
 bool has_bf16_dot() {
@@ -502,11 +492,6 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
         if (xb.size() < need) xb.resize(need);
         uint16_t* base = xb.data();
         a.xb = base;
-#ifdef ICQS_LIN_X86
-        const bool wide = ran >= 2;  // the AVX-512 kernels' CPU (the same bits either way)
-#else
-        const bool wide = false;
-#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 64 && nthreads > 1 && !reused)
         for (int64_t m = 0; m < (reused ? 0 : Mp); ++m) {
             uint16_t* dst = base + m * a.xbs;
@@ -516,24 +501,14 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
             }
             const float* xr = a.x + m * a.xs;
 #ifdef ICQS_LIN_X86
-            if (wide) {
+            if (ran >= 2)  // the AVX-512 kernels' CPU (the same bits either way)
                 bf16_terms_v4(xr, K, a.terms, a.Kp, dst);
-            } else
+            else
 #endif
-            {
-                for (int64_t k = 0; k < K; ++k) {
-                    float r = xr[k];
-                    for (int t = 0; t < a.terms; ++t) {
-                        const uint16_t h = bf16_rne(r);
-                        dst[t * a.Kp + k] = h;
-                        r -= bf16_to_f32(h);  // exact: what this term left for the next
-                    }
-                }
-            }
+                bf16_terms(xr, 0, K, a.terms, a.Kp, dst);
             for (int t = 0; t < a.terms; ++t)
                 std::memset(dst + t * a.Kp + K, 0, static_cast<size_t>(a.Kp - K) * 2);
         }
-        (void)wide;
         if (keep) kept_for = KeptTerms{M, K, mode};
     }
     const int64_t rb = (M + kTaskRows - 1) / kTaskRows, cb = (N + kTaskCols - 1) / kTaskCols;

@@ -161,6 +161,22 @@ __attribute__((target("arch=x86-64-v4"))) ICQS_SIMD_INLINE __m512i bf16_rne16(__
         16);
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(up, _mm512_set1_epi32(0x40)));
 }
+
+// All 8 AMX tiles as 16 rows x 64 bytes (palette 1): the one shape the kernels use (16 x 16
+// fp32 outputs, 16 rows x 32 bf16 operands).
+__attribute__((target("arch=x86-64-v4,amx-tile"))) ICQS_SIMD_INLINE void amx_config_16x64() {
+    struct {
+        uint8_t palette_id, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg{};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
 #endif
 
 // 64-byte aligned storage for the kernels' buffers: malloc aligns to 16 bytes, and a row of an
