@@ -95,15 +95,22 @@ def _probe_input(width: int, device: torch.device) -> torch.Tensor:
     return (x * scale).float().to(device)
 
 
-def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) -> bool:
-    x = _probe_input(width, device)
+def _same_bits(original: Any, fast: Any, *args: Any) -> bool:
+    """Whether ``fast(*args)`` gives ``original(*args)``'s tensor(s) bit for bit."""
     with torch.no_grad():
         try:
-            want = type(module).forward(module, x)
-            got = fast(module, x)
-        except Exception:  # noqa: BLE001 - a forward that cannot take the probe stays as it is
+            want, got = original(*args), fast(*args)
+        except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
             return False
-    return isinstance(want, torch.Tensor) and torch.equal(want, got)
+    if isinstance(want, torch.Tensor):
+        want, got = (want,), (got,)
+    return (isinstance(want, tuple) and isinstance(got, tuple) and len(want) == len(got)
+            and all(isinstance(w, torch.Tensor) and torch.equal(w, g)
+                    for w, g in zip(want, got, strict=True)))
+
+
+def _equal_on_probe(module: Any, fast: Any, width: int, device: torch.device) -> bool:
+    return _same_bits(type(module).forward, fast, module, _probe_input(width, device))
 
 
 _ROTARY = "apply_rotary_pos_emb"
@@ -135,19 +142,13 @@ def _rotary_equal_on_probe(original: Any, fast: Any, head_dim: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, h, 5, head_dim, generator=gen) * 30 for h in (3, 1))
     cos, sin = (torch.randn(2, 5, head_dim, generator=gen) for _ in range(2))
-    with torch.no_grad():
-        try:
-            want, got = original(q, k, cos, sin), fast(q, k, cos, sin)
-        except Exception:  # noqa: BLE001 - a function that cannot take the probe stays
-            return False
-    return (isinstance(want, tuple) and len(want) == 2
-            and all(torch.equal(w, g) for w, g in zip(want, got, strict=True)))
+    return _same_bits(original, fast, q, k, cos, sin)
 
 
 def _use_exact_rotary(model: torch.nn.Module) -> int:
     """Replace ``apply_rotary_pos_emb`` in the modeling module of each attention class of
     ``model`` (one with a ``head_dim``) by the one-pass equal that passes the probe; the
-    number of modeling modules now using it."""
+    number of attention modules whose modeling module now uses it."""
     n = 0
     for module in model.modules():
         ns = sys.modules.get(type(module).__module__)
