@@ -514,6 +514,42 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: st
     return backends.module(name).rotary(x, cos, sin)
 
 
+def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 width: int, *, backend: str = "auto") -> torch.Tensor:
+    """Per row, runs of slots from several sources placed back to back along the slot dim,
+    then zeros: the cascade's keys (or values) of each row in position order, without a
+    gather (a copy: the same bits in any dtype).
+
+    Args:
+        parts: ``(src, rows, starts, counts)`` each; ``src`` ``[N, H, T, D]`` (any strides but
+            a unit last-dim one; every part of one dtype, device, ``H`` and ``D``); ``rows``,
+            ``starts``, ``counts`` ``[R]`` int64 on the CPU: row ``r`` takes
+            ``src[rows[r], :, starts[r]:starts[r] + counts[r]]`` after its earlier parts'.
+        width: slots per output row (at least each row's total count).
+
+    Returns:
+        ``[R, H, width, D]`` contiguous, the sources' dtype; slots past a row's runs are 0.
+
+    Raises:
+        IndexError: a row, start or count out of its source's range, or a row over ``width``.
+    """
+    if not parts:
+        raise ValueError("concat_slots needs at least one part")
+    src0 = parts[0][0]
+    r = parts[0][1].shape[0]
+    for i, (src, *idx) in enumerate(parts):
+        if src.dim() != 4 or src.shape[1] != src0.shape[1] or src.shape[3] != src0.shape[3]:
+            raise ValueError(f"part {i}: src must be [N, {src0.shape[1]}, T, {src0.shape[3]}], "
+                             f"got {list(src.shape)}")
+        if src.dtype != src0.dtype or src.device != src0.device:
+            raise TypeError(f"part {i}: src is {src.dtype} on {src.device}, part 0 {src0.dtype} "
+                            f"on {src0.device}")
+        if any(t.shape != (r,) or t.dtype != torch.int64 or t.device.type != "cpu" for t in idx):
+            raise ValueError(f"part {i}: rows, starts and counts must be [{r}] int64 CPU tensors")
+    name = backends.choose("concat_slots", backend, src0.device, src0.dtype)
+    return backends.module(name).concat_slots(parts, int(width))
+
+
 def attention_entropy(
     q: torch.Tensor,
     k: torch.Tensor,

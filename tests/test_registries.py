@@ -308,7 +308,25 @@ def _check_rotary(got, want, dtype, what):
     _close(got, want, TOL[dtype], what)
 
 
+def _concat_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(3, 2, 9, 5, generator=g).to(dtype)[:, :, 1:]  # strided slots
+    b = torch.randn(2, 2, 4, 5, generator=g).to(dtype)
+    ix = lambda *v: torch.tensor(v)  # noqa: E731
+    parts = [(a, ix(2, 0), ix(1, 5), ix(3, 2)), (b, ix(1, 1), ix(0, 2), ix(4, 1))]
+    out = ops.concat_slots(parts, 8, backend=backend)
+    want = torch.zeros(2, 2, 8, 5, dtype=torch.float64)
+    want[0, :, :3], want[0, :, 3:7] = a[2, :, 1:4].double(), b[1].double()
+    want[1, :, :2], want[1, :, 2:3] = a[0, :, 5:7].double(), b[1, :, 2:3].double()
+    return out, want
+
+
+def _check_copy(got, want, dtype, what):
+    assert torch.equal(got.double(), want), what  # a copy: exact in every dtype
+
+
 CALLS = {"linear": (_linear_op_call, _check_linear), "rotary": (_rotary_call, _check_rotary),
+         "concat_slots": (_concat_call, _check_copy),
          "token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
                                                                             _check_stats),
          "attention_entropy": (_entropy_call, _check_pair), "attention_lse": (_lse_call,

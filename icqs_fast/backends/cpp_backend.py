@@ -339,6 +339,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
+def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 width: int) -> torch.Tensor:
+    """:func:`icqs_fast.ops.concat_slots` in one C++ pass (``csrc/concat_slots.cpp``): a
+    memcpy per (row, head, part); indices are checked before anything is copied."""
+    srcs = [p[0] if p[0].shape[-1] <= 1 or p[0].stride(-1) == 1 else p[0].contiguous()
+            for p in parts]
+    idx = [[t.contiguous() for t in p[1:]] for p in parts]
+    s0 = srcs[0]
+    r, h, d = idx[0][0].shape[0], s0.shape[1], s0.shape[3]
+    out = torch.empty(r, h, width, d, dtype=s0.dtype)
+    _C.concat_slots(out.data_ptr(), r, h, width, d, s0.element_size(),
+                    [s.data_ptr() for s in srcs], [x for s in srcs for x in s.stride()[:3]],
+                    [s.shape[0] for s in srcs], [s.shape[2] for s in srcs],
+                    [i[0].data_ptr() for i in idx], [i[1].data_ptr() for i in idx],
+                    [i[2].data_ptr() for i in idx], torch.get_num_threads())
+    return out
+
+
 def linear_level(products: str) -> str:
     """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""

@@ -58,6 +58,7 @@ OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
     "linear": {},
     "rotary": {},
+    "concat_slots": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
         "logit_scale": "a logit multiplier other than 1",
@@ -97,6 +98,11 @@ TABLE: dict[str, dict[str, Support]] = {
     # bits); the torch reference for everything else.
     "rotary": {
         "cpp": Support((torch.float32,), ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
+    # The cascade's per-row key runs: a copy, so every dtype; C++ on the CPU.
+    "concat_slots": {
+        "cpp": Support(FLOATS, ("cpu",)),
         "torch": Support(FLOATS, None),
     },
     # float64 logits: the cpp and triton backends hand them to the reference (their kernels read

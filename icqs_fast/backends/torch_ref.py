@@ -373,3 +373,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     halves swapped and the first negated, in ``x``'s dtype."""
     h = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
+
+
+def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 width: int) -> torch.Tensor:
+    """Reference of :func:`icqs_fast.ops.concat_slots`: a row and a part at a time."""
+    src0 = parts[0][0]
+    r = parts[0][1].shape[0]
+    out = torch.zeros(r, src0.shape[1], width, src0.shape[3], dtype=src0.dtype,
+                      device=src0.device)
+    for i in range(r):
+        at = 0
+        for p, (src, rows, starts, counts) in enumerate(parts):
+            row, st, n = int(rows[i]), int(starts[i]), int(counts[i])
+            if not (0 <= row < src.shape[0] and st >= 0 and n >= 0 and st + n <= src.shape[2]):
+                raise IndexError(f"concat_slots: part {p}, row {i}: source row {row} of "
+                                 f"{src.shape[0]}, slots [{st}, {st + n}) of {src.shape[2]}")
+            if at + n > width:
+                raise IndexError(f"concat_slots: row {i} holds more than the width {width}")
+            out[i, :, at:at + n] = src[row, :, st:st + n]
+            at += n
+    return out

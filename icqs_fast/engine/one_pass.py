@@ -43,9 +43,11 @@ class OnePassIndices:
     the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` (``c_max`` the largest),
     the prefix part's positions (``q_pre [G, n_max * group * S]``, ``k_pre [G, c_max]``, -1
     past an entry's cut), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
-    ``m_max`` shared query tokens at most, ``ent [R]`` each row's entry, ``tails [R, t_max]`` the
-    slots it copies, ``src [R, t_max + m_max + S]`` the gather from ``[tails; query; suffix]``
-    into position order, ``q_suf [R, S]`` and ``k_suf [R, t_max + m_max + S]`` (-1: masked)."""
+    ``m_max`` shared query tokens at most, per row (``[R]`` int64 on the CPU, the
+    :func:`~icqs_fast.ops.concat_slots` runs of its keys in position order) ``ent`` its entry,
+    ``cut`` where its entry's last partial block starts and ``tail`` its length, ``mid`` its
+    shared query tokens, ``own`` ``arange(R)``, ``zero`` zeros and ``full`` ``S``; then
+    ``q_suf [R, S]`` and ``k_suf [R, t_max + m_max + S]`` (-1: masked)."""
 
     c_max: int
     q_pre: torch.Tensor
@@ -53,8 +55,12 @@ class OnePassIndices:
     t_max: int
     m_max: int
     ent: torch.Tensor
-    tails: torch.Tensor
-    src: torch.Tensor
+    cut: torch.Tensor
+    tail: torch.Tensor
+    mid: torch.Tensor
+    own: torch.Tensor
+    zero: torch.Tensor
+    full: torch.Tensor
     q_suf: torch.Tensor
     k_suf: torch.Tensor
 
@@ -84,28 +90,15 @@ class OnePassIndices:
         cut_r, len_r = cuts[rows_g], lens[rows_g]
         tail_r = len_r - cut_r
         t_max, m_max = int(tail_r.max()), int(mid_r.max())
-        ent = rows_g.to(dev)
+        r = len(rows_g)
         q_suf = (len_r[:, None] + mid_r[:, None] + t[None, :]).to(dev)
-        empty = torch.empty(0, dtype=torch.long, device=dev)
-        if t_max == 0 and m_max == 0:
-            return OnePassIndices(c_max, q_pre, k_pre, 0, 0, ent, empty, empty, q_suf,
-                                  q_suf.clone())
-        j = torch.arange(t_max + m_max + s)
         # Slot j of row i is position cut_i + j: its entry's tail, its query tokens, its own.
-        src = torch.where(j[None] < tail_r[:, None], j[None],
-                          torch.where(j[None] < (tail_r + mid_r)[:, None],
-                                      t_max + j[None] - tail_r[:, None],
-                                      t_max + m_max + j[None] - (tail_r + mid_r)[:, None]))
+        j = torch.arange(t_max + m_max + s)
         real = j[None] < (tail_r + mid_r)[:, None] + s
-        src = torch.where(real, src, 0).to(dev)
-        # The rows' entries' slots from the cut (kp holds the used entries in group order),
-        # clamped into the bank's slots (past them only masked slots are read).
-        tails = empty
-        if t_max:
-            tails = (cut_r[:, None] + torch.arange(t_max)[None]).clamp(
-                max=max(lengths) - 1).to(dev)
         k_suf = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-        return OnePassIndices(c_max, q_pre, k_pre, t_max, m_max, ent, tails, src, q_suf, k_suf)
+        return OnePassIndices(c_max, q_pre, k_pre, t_max, m_max, rows_g, cut_r, tail_r, mid_r,
+                              torch.arange(r), torch.zeros(r, dtype=torch.long),
+                              torch.full((r,), s, dtype=torch.long), q_suf, k_suf)
 
 
 def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -125,7 +118,7 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     not depend on where its prefix was cut, whether its query's states came from another
     forward, or what shares its forward."""
     r, hq, s, d = query.shape
-    hk, dv = key.shape[1], value.shape[-1]
+    hk = key.shape[1]
     group = hq // hk
     dev = query.device
     ix = plan.one_pass_indices(s, group, dev)
@@ -166,20 +159,18 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if ix.t_max == 0 and ix.m_max == 0:
         k2, v2 = key, value
     else:
+        width = ix.k_suf.shape[1]
         parts_k, parts_v = [], []
         if ix.t_max:
-            parts_k.append(kp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3).to(key.dtype))
-            parts_v.append(vp[ix.ent[:, None], :, ix.tails].permute(0, 2, 1, 3).to(value.dtype))
+            parts_k.append((kp.to(key.dtype), ix.ent, ix.cut, ix.tail))
+            parts_v.append((vp.to(value.dtype), ix.ent, ix.cut, ix.tail))
         if ix.m_max:
             qk, qv = plan.query.kv[layer]
-            src_rows = plan.query_rows(dev)
-            parts_k.append(qk[:, :, :ix.m_max].index_select(0, src_rows))
-            parts_v.append(qv[:, :, :ix.m_max].index_select(0, src_rows))
-        both_k = torch.cat([*parts_k, key], dim=2)
-        both_v = torch.cat([*parts_v, value], dim=2)
-        width = ix.src.shape[1]
-        k2 = both_k.gather(2, ix.src[:, None, :, None].expand(r, hk, width, d))
-        v2 = both_v.gather(2, ix.src[:, None, :, None].expand(r, hk, width, dv))
+            rows = plan.query_rows(torch.device("cpu"))
+            parts_k.append((qk, rows, ix.zero, ix.mid))
+            parts_v.append((qv, rows, ix.zero, ix.mid))
+        k2 = ops.concat_slots([*parts_k, (key, ix.own, ix.zero, ix.full)], width)
+        v2 = ops.concat_slots([*parts_v, (value, ix.own, ix.zero, ix.full)], width)
     k_pos, q_pos = ix.k_suf, ix.q_suf
     out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
                                  positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
