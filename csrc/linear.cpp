@@ -514,10 +514,13 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     const int64_t rb = (M + kTaskRows - 1) / kTaskRows, cb = (N + kTaskCols - 1) / kTaskCols;
     const int64_t tasks = rb * cb;
     // Dynamic tasks: a descheduled thread on a shared machine does not hold up the rest. A task
-    // computes whole output elements, so the split never changes a sum.
+    // computes whole output elements, so the split never changes a sum. Column block outer:
+    // consecutive tasks read the same weight panels (from the cache), where row block outer
+    // had each task fetch another block's; the embedded model's 7 projections x 30 layers at
+    // 500 rows went from 1,330-1,390 to 1,470-1,580 GFLOP/s (2 threads, alternated).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)
     for (int64_t it = 0; it < tasks; ++it) {
-        const int64_t r = it / cb, c = it % cb;
+        const int64_t c = it / rb, r = it % rb;
         fn(a, r * kTaskRows, std::min(M, (r + 1) * kTaskRows), c * kTaskCols,
            std::min(N, (c + 1) * kTaskCols));
     }
