@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process entry point (not a caller's or a test's in-process call)
         argv = sys.argv[1:]
         threads.enable_governor()
+        threads.prepare_malloc()  # a process-wide policy: not for a caller's process
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would name them under the top-level usage: give the command's own
