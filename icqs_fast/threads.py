@@ -106,39 +106,32 @@ def prepare_openmp(environ: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-# glibc malloc's thresholds for the model commands (prepare_malloc): blocks up to
-# MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of free heap is kept rather than
-# handed back. By default a block of a few MB (a forward's activations, a softmax state) could
-# be a fresh mmap whose pages fault in on first touch, each call: an fp32 RMSNorm over [950,
-# 576] took 1.3-1.5 ms, 0.26 ms with these, and the prefix bank's build swung 1.28-1.80 s
-# where it stays 1.26-1.31 s (bench icqs, auto, alternated 3 times). 32 MiB is the most
-# glibc's own adaptive threshold would reach.
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 128 << 20
-# Variables by which the user sets the allocator's policy (theirs stands).
+# glibc malloc's thresholds for the model commands (prepare_malloc): blocks up to 32 MiB (the
+# most glibc's adaptive threshold reaches) come from the heap, which keeps up to 128 MiB free.
+# By default a block of a few MB (activations, a softmax state) could be a fresh mmap faulted
+# in at every call: an fp32 RMSNorm over [950, 576] took 1.3-1.5 ms (~1,000 faults), 0.26 ms
+# with these; the prefix bank's build swung 1.28-1.80 s, now 1.18-1.31 s (bench icqs, auto).
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 128 << 20
+# The user's own allocator policy (a threshold, tunables, a preloaded jemalloc) stands.
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
               "LD_PRELOAD")
 
 
 def prepare_malloc(environ: dict[str, str] | None = None) -> bool:
-    """Raise glibc malloc's mmap and trim thresholds (:data:`MMAP_THRESHOLD`,
-    :data:`TRIM_THRESHOLD`) for this process, unless ``environ`` (``os.environ`` if None) sets
-    an allocator policy of its own (:data:`MALLOC_ENV`: a threshold, tunables, or a preloaded
-    allocator such as jemalloc) or the C library is not glibc. Returns whether it set them."""
+    """Set glibc malloc's mmap and trim thresholds for this process unless ``environ``
+    (``os.environ`` if None) names a policy (:data:`MALLOC_ENV`) or the C library is not glibc.
+    Returns whether they were set."""
     import ctypes
     import ctypes.util
 
-    env = os.environ if environ is None else environ
-    if any(env.get(name) for name in MALLOC_ENV):
+    if any((os.environ if environ is None else environ).get(n) for n in MALLOC_ENV):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
         return False
-    m_trim, m_mmap = -1, -3  # <malloc.h>'s M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
-    return bool(mallopt(m_mmap, MMAP_THRESHOLD)) and bool(mallopt(m_trim, TRIM_THRESHOLD))
-
+    # <malloc.h>: M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1.
+    return bool(mallopt(-3, MMAP_THRESHOLD)) and bool(mallopt(-1, TRIM_THRESHOLD))
 
 def allowed_cpus() -> int:
     """The cores this process may run on (its affinity mask; ``os.cpu_count()`` where the

@@ -42,11 +42,13 @@ if TYPE_CHECKING:
 # suffix forwards' chunk (SUFFIX_CHUNK_CPU), so building the bank peaks no higher than scoring.
 PREFIX_CHUNK_CPU = 1024
 # What one more prefix forward costs, in tokens of compute (GPU, CPU): it reads every weight once
-# whatever its size (the embedded model on the 2-core CPU: ~50-70 ms for a 1-token forward,
-# ~1.4 ms a token in long ones). Shared runs of prefix tokens that save less are recomputed per
-# prefix, and a chunk takes that much padding rather than a forward of its own. The GPU value
-# is an estimate (a forward's ~300 kernel launches against ~2 us a token for a 1B model).
-FORWARD_COST_TOKENS = (1024, 40)
+# whatever its size (the embedded model on the 2-core CPU at auto: ~28 ms for a 1-token
+# forward, ~0.25 ms a token in long ones; at float32 ~50 ms and ~1 ms). Shared runs of prefix
+# tokens that save less are recomputed per prefix, and a chunk takes that much padding rather
+# than a forward of its own: the bank's build (bench icqs) took 1.22-1.23 s at 120 against
+# 1.25-1.28 s at 40, float32 no slower. The GPU value is an estimate (a forward's ~300 kernel
+# launches against ~2 us a token for a 1B model).
+FORWARD_COST_TOKENS = (1024, 120)
 
 
 _CACHE_KWARG: dict[type, str] = {}

@@ -57,10 +57,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_TOKEN_BUDGET", "ICQSResult", "ICQSScorer", "ScoringSettings", "summarise"]
 # Suffix forwards with cascade attention on the CPU: at most this many rows x suffix tokens per
-# forward (bigger forwards push the elementwise work out of the caches and measured slower on the
-# shared 2-core CPU, and hold more activations: 16 responses x 20 contexts, peak RSS growth
-# ~535 MB at 4096 vs ~250-300 MB at 1024, time no worse; the GPU uses the full token budget).
-SUFFIX_CHUNK_CPU = 1024
+# forward. bench icqs (auto, 8 responses x 20 contexts, 2 threads, 3 alternations): 2.81-2.85 s
+# at 1024, 2.62-2.78 s at 2048, 2.86-2.93 s at 4096 (bigger forwards push the elementwise work
+# out of the caches); float32 7.9-8.1 s at 1024, 7.7-7.9 s at 2048. Peak RSS growth scoring 16
+# responses: 52 MB at 1024, 128 MB at 2048. The GPU uses the full token budget.
+SUFFIX_CHUNK_CPU = 2048
 # Batch-invariant mode (``deterministic=True``): the prefix bank's first (trie) build runs in
 # chunks of this many tokens whatever ``token_budget`` says, so the stored prefix states - and
 # every score computed against them - do not depend on the budget.
