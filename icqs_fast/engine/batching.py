@@ -45,10 +45,11 @@ PREFIX_CHUNK_CPU = 1024
 # whatever its size (the embedded model on the 2-core CPU at auto: ~28 ms for a 1-token
 # forward, ~0.25 ms a token in long ones; at float32 ~50 ms and ~1 ms). Shared runs of prefix
 # tokens that save less are recomputed per prefix, and a chunk takes that much padding rather
-# than a forward of its own: the bank's build (bench icqs) took 1.22-1.23 s at 120 against
-# 1.25-1.28 s at 40, float32 no slower. The GPU value is an estimate (a forward's ~300 kernel
-# launches against ~2 us a token for a 1B model).
-FORWARD_COST_TOKENS = (1024, 120)
+# than a forward of its own. 120 built bench icqs's bank in 1.22 s against 1.25-1.28 s at 40,
+# but a small model's short shared runs were then recomputed and padded (more tokens than
+# the prefixes hold), so the CPU value stays 40. The GPU value is an estimate (a forward's ~300
+# kernel launches against ~2 us a token for a 1B model).
+FORWARD_COST_TOKENS = (1024, 40)
 
 
 _CACHE_KWARG: dict[type, str] = {}
