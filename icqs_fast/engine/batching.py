@@ -43,11 +43,10 @@ if TYPE_CHECKING:
 PREFIX_CHUNK_CPU = 1024
 # What one more prefix forward costs, in tokens of compute (GPU, CPU): it reads every weight once
 # whatever its size (the embedded model on the 2-core CPU at auto: ~28 ms for a 1-token
-# forward, ~0.25 ms a token in long ones; at float32 ~50 ms and ~1 ms). Shared runs of prefix
-# tokens that save less are recomputed per prefix, and a chunk takes that much padding rather
-# than a forward of its own. 120 built bench icqs's bank in 1.22 s against 1.25-1.28 s at 40,
-# but a small model's short shared runs were then recomputed and padded (more tokens than
-# the prefixes hold), so the CPU value stays 40. The GPU value is an estimate (a forward's ~300
+# forward, ~0.25 ms a token in long ones). Shared runs of prefix tokens that save less are
+# recomputed per prefix, and a chunk takes that much padding rather than a forward of its own.
+# 120 built bench icqs's bank in 1.22 s against 1.25-1.28 s, but padded a small model's short
+# shared runs past the prefixes' own tokens. The GPU value is an estimate (a forward's ~300
 # kernel launches against ~2 us a token for a 1B model).
 FORWARD_COST_TOKENS = (1024, 40)
 
