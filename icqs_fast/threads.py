@@ -113,8 +113,7 @@ def prepare_openmp(environ: dict[str, str] | None = None) -> dict[str, str]:
 # with these; the prefix bank's build swung 1.28-1.80 s, now 1.18-1.31 s (bench icqs, auto).
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 128 << 20
 # The user's own allocator policy (a threshold, tunables, a preloaded jemalloc) stands.
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
-              "LD_PRELOAD")
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def prepare_malloc(environ: dict[str, str] | None = None) -> bool:
@@ -132,6 +131,7 @@ def prepare_malloc(environ: dict[str, str] | None = None) -> bool:
         return False
     # <malloc.h>: M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1.
     return bool(mallopt(-3, MMAP_THRESHOLD)) and bool(mallopt(-1, TRIM_THRESHOLD))
+
 
 def allowed_cpus() -> int:
     """The cores this process may run on (its affinity mask; ``os.cpu_count()`` where the

@@ -181,8 +181,8 @@ BF16_DOT = True
 are widened to fp32 and run the fp32 kernel, as on CPUs without it; tests cover both)."""
 
 
-def _attention_operand(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with a unit last-dim stride (the kernel takes element strides of dims 0..2)."""
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit last-dim stride (the kernels take element strides of dims 0..2)."""
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
@@ -217,7 +217,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise RuntimeError("icqs_fast._C has no attention_lse: rebuild the extension")
     bsz, hq, tq, d = q.shape
     hk, tk, dv = k.shape[1], k.shape[2], v.shape[3]
-    q, k, v = _attention_operand(q), _attention_operand(k), _attention_operand(v)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     width = _C.attention_state_lanes + 1 + dv
     if state is not None and (state.shape != (bsz, hq, tq, width) or state.dtype != torch.float32
                               or not state.is_contiguous()):
@@ -343,8 +343,7 @@ def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
                  width: int) -> torch.Tensor:
     """:func:`icqs_fast.ops.concat_slots` in one C++ pass (``csrc/concat_slots.cpp``): a
     memcpy per (row, head, part); indices are checked before anything is copied."""
-    srcs = [p[0] if p[0].shape[-1] <= 1 or p[0].stride(-1) == 1 else p[0].contiguous()
-            for p in parts]
+    srcs = [_unit_last_stride(p[0]) for p in parts]
     idx = [[t.contiguous() for t in p[1:]] for p in parts]
     s0 = srcs[0]
     r, h, d = idx[0][0].shape[0], s0.shape[1], s0.shape[3]
