@@ -436,6 +436,8 @@ void register_linear(py::module_& m);
 void register_rotary(py::module_& m);
 // Defined in concat_slots.cpp (the cpp backend of ops.concat_slots).
 void register_concat_slots(py::module_& m);
+// Defined in rowwise.cpp (the cpp backends of ops.rms_norm and ops.silu_mul).
+void register_rowwise(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "icqs_fast C++/OpenMP CPU kernels (raw pointers in, no torch headers)";
@@ -443,6 +445,7 @@ PYBIND11_MODULE(_C, m) {
     register_linear(m);
     register_rotary(m);
     register_concat_slots(m);
+    register_rowwise(m);
     m.def("reduce_rows", &reduce_rows, py::arg("z_ptr"), py::arg("row_stride"), py::arg("n"),
           py::arg("v"), py::arg("dtype"), py::arg("t_ptr"), py::arg("zt_ptr"),
           py::arg("shift_ptr"), py::arg("temperature"), py::arg("state_ptr"),

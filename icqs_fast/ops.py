@@ -514,6 +514,33 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: st
     return backends.module(name).rotary(x, cos, sin)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"
+             ) -> torch.Tensor:
+    """``x * rsqrt(mean(x ** 2, -1) + eps) * weight`` per row of ``x [..., D]`` (``weight [D]``,
+    ``x``'s dtype): ``[..., D]`` contiguous, ``x``'s dtype. The cpp backend reads ``x`` once and
+    writes once, each row's sum of squares in one order fixed by ``D`` (16 interleaved partial
+    sums, then pairwise): a row's bits depend on nothing else (rows, threads, ISA); within fp32
+    rounding of ``F.rms_norm``, not its bits."""
+    if x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must be [{x.shape[-1] if x.dim() else '?'}] like x's last dim, "
+                         f"got {list(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise TypeError(f"weight is {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}")
+    name = backends.choose("rms_norm", backend, x.device, x.dtype)
+    return backends.module(name).rms_norm(x, weight, float(eps))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """A gated MLP's ``silu(gate) * up`` (``gate``, ``up``: ``[..., N]``, one dtype, any row
+    strides): ``[..., N]`` contiguous. One pass on the cpp backend, element-wise (so
+    batch-invariant), within a few fp32 ulps of ``F.silu(gate) * up`` (gates below -87: -0)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"gate and up must match: {gate.dtype} {list(gate.shape)} on "
+                         f"{gate.device} against {up.dtype} {list(up.shape)} on {up.device}")
+    name = backends.choose("silu_mul", backend, gate.device, gate.dtype)
+    return backends.module(name).silu_mul(gate, up)
+
+
 def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                  width: int, *, backend: str = "auto") -> torch.Tensor:
     """Per row, runs of slots from several sources placed back to back along the slot dim,

@@ -247,9 +247,10 @@ LAB_MODULES = {f"icqs_fast.benchmarks.{m}" for m in (
 # registry and the typed parameters landed beside it (issue 51's target is 25,000). The limit
 # only goes down: lower it when the package shrinks, never raise it. Raised by 288 for the
 # query computed once per pair (engine.shared_query, one_pass.QueryPart; issue 50), by 128
-# for ops.rotary, by 72 for ops.concat_slots (the cascade's key runs) and by 33 for
-# threads.prepare_malloc (issue 48).
-MAX_WHEEL_LINES = 39_980
+# for ops.rotary, by 72 for ops.concat_slots (the cascade's key runs), by 33 for
+# threads.prepare_malloc and by 108 for ops.rms_norm / ops.silu_mul (the bf16-products
+# forward's one-pass norm and SiLU product; issue 48).
+MAX_WHEEL_LINES = 40_088
 
 
 def _wheel_files() -> dict[str, Path]:

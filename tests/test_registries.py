@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _helpers import DEVICE, attention_lse64, ref_token_stats
 
 from icqs_fast import backends, ops
@@ -304,7 +305,7 @@ def _rotary_call(backend, dtype, opts):
     return out, x * cos[:, None] + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, None]
 
 
-def _check_rotary(got, want, dtype, what):
+def _check_in_dtype(got, want, dtype, what):
     _close(got, want, TOL[dtype], what)
 
 
@@ -325,8 +326,25 @@ def _check_copy(got, want, dtype, what):
     assert torch.equal(got.double(), want), what  # a copy: exact in every dtype
 
 
-CALLS = {"linear": (_linear_op_call, _check_linear), "rotary": (_rotary_call, _check_rotary),
+def _rms_norm_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(6, 33, generator=g).to(dtype), torch.randn(33, generator=g).to(dtype)
+    out = ops.rms_norm(x, w, 1e-5, backend=backend)
+    xd = x.double()
+    return out, xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+
+def _silu_mul_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(9)
+    gate, up = (torch.randn(5, 19, generator=g).to(dtype) for _ in range(2))
+    out = ops.silu_mul(gate, up, backend=backend)
+    return out, F.silu(gate.double()) * up.double()
+
+
+CALLS = {"linear": (_linear_op_call, _check_linear), "rotary": (_rotary_call, _check_in_dtype),
          "concat_slots": (_concat_call, _check_copy),
+         "rms_norm": (_rms_norm_call, _check_in_dtype),
+         "silu_mul": (_silu_mul_call, _check_in_dtype),
          "token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
                                                                             _check_stats),
          "attention_entropy": (_entropy_call, _check_pair), "attention_lse": (_lse_call,

@@ -356,6 +356,31 @@ def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     return out
 
 
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[R, D]`` rows with a unit column stride (copied only when it must be)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.shape[-1] <= 1 or x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`icqs_fast.ops.rms_norm` of fp32 CPU rows in one C++ pass (``csrc/rowwise.cpp``)."""
+    rows, w = _rows2d(x), weight.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    _C.rms_norm(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
+                rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting())
+    return out.reshape(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`icqs_fast.ops.silu_mul` of fp32 CPU tensors in one C++ pass
+    (``csrc/rowwise.cpp``)."""
+    g, u = _rows2d(gate), _rows2d(up)
+    out = torch.empty(g.shape, dtype=gate.dtype)
+    _C.silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(),
+                out.stride(0), g.shape[0], g.shape[1], torch.get_num_threads(), isa_setting())
+    return out.reshape(gate.shape)
+
+
 def linear_level(products: str) -> str:
     """The ISA level :func:`linear` runs ``products`` at on this CPU (``"amx"``, ``"avx512"``,
     ``"avx2"`` or ``"generic"``), after :data:`ISA_ENV`."""

@@ -59,6 +59,8 @@ OPTIONS: dict[str, dict[str, str]] = {
     "linear": {},
     "rotary": {},
     "concat_slots": {},
+    "rms_norm": {},
+    "silu_mul": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
         "logit_scale": "a logit multiplier other than 1",
@@ -103,6 +105,16 @@ TABLE: dict[str, dict[str, Support]] = {
     # The cascade's per-row key runs: a copy, so every dtype; C++ on the CPU.
     "concat_slots": {
         "cpp": Support(FLOATS, ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
+    # The bf16-products forward's row-wise fp32 passes (csrc/rowwise.cpp); the float64
+    # reference anywhere.
+    "rms_norm": {
+        "cpp": Support((torch.float32,), ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
+    "silu_mul": {
+        "cpp": Support((torch.float32,), ("cpu",)),
         "torch": Support(FLOATS, None),
     },
     # float64 logits: the cpp and triton backends hand them to the reference (their kernels read

@@ -375,6 +375,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference of :func:`icqs_fast.ops.rms_norm`, in float64, rounded once to ``x``'s dtype."""
+    xd = x.double()
+    return (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`icqs_fast.ops.silu_mul`, in float64, rounded once to the dtype."""
+    g = gate.double()
+    return (g * torch.sigmoid(g) * up.double()).to(gate.dtype)
+
+
 def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                  width: int) -> torch.Tensor:
     """Reference of :func:`icqs_fast.ops.concat_slots`: a row and a part at a time."""

@@ -1,0 +1,133 @@
+"""``ops.rms_norm`` and ``ops.silu_mul`` (the bf16-products forward's one-pass row-wise work):
+the C++ passes against the float64 reference on awkward shapes, their error bounded by torch's
+own fp32 error on the same input; each row's bits alone equal to its bits among others, at 1 and
+2 threads and every ISA level; bad arguments refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from icqs_fast import ops
+from icqs_fast.backends import cpp_backend
+
+pytestmark = pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
+
+
+
+def _isas() -> list[str]:
+    """The ISA levels this CPU runs, one name each (the kernels' 4-, 8- and 16-lane builds)."""
+    if not cpp_backend.available()[0]:
+        return []
+    from icqs_fast import _C
+
+    return [n for n in ("sse4", "avx2", "avx512") if cpp_backend.ISA_LEVELS[n] <= _C.best_isa()]
+
+
+ISAS = _isas()
+
+
+def _rows(g: torch.Generator, r: int, d: int) -> torch.Tensor:
+    """``[r, d]`` fp32 rows of scales 1e-3 to 1e3 (a norm's input spans them)."""
+    scale = torch.logspace(-3, 3, max(r, 1), dtype=torch.float64)[:r, None]
+    return (torch.randn(r, d, generator=g, dtype=torch.float64) * scale).float()
+
+
+def _bounded(got: torch.Tensor, torch_fp32: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """flash-attention's rule: the kernel's error against float64 is at most twice torch's own
+    fp32 error on the same input, plus one fp32 ulp of the reference."""
+    ulp = ref.abs() * torch.finfo(torch.float32).eps
+    err, base = (got.double() - ref).abs(), (torch_fp32.double() - ref).abs()
+    assert bool((err <= 2 * base.max() + ulp).all()), (
+        f"{what}: error {float(err.max()):.3g} against torch's {float(base.max()):.3g}")
+
+
+@pytest.mark.parametrize("d", [1, 15, 16, 17, 576, 1000])
+def test_rms_norm_against_float64(d):
+    g = torch.Generator().manual_seed(d)
+    x, w = _rows(g, 37, d), torch.randn(d, generator=g)
+    got = ops.rms_norm(x, w, 1e-5, backend="cpp")
+    ref = ops.rms_norm(x.double(), w.double(), 1e-5, backend="torch")
+    assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous()
+    _bounded(got, F.rms_norm(x, (d,), w, 1e-5), ref, f"rms_norm D={d}")
+    # The torch backend in fp32 is the float64 value rounded once.
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.float())
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 1536])
+def test_silu_mul_against_float64(n):
+    g = torch.Generator().manual_seed(n)
+    gate, up = torch.randn(29, n, generator=g) * 8, torch.randn(29, n, generator=g)
+    got = ops.silu_mul(gate, up, backend="cpp")
+    ref = ops.silu_mul(gate.double(), up.double(), backend="torch")
+    assert got.dtype == torch.float32 and got.shape == gate.shape
+    _bounded(got, F.silu(gate) * up, ref, f"silu_mul N={n}")
+
+
+def test_silu_mul_special_values():
+    """inf, NaN and gates far past e^-87 (where the kernels' e^x is 0) as torch gives them,
+    up to the subnormal that torch keeps at -88."""
+    gate = torch.tensor([[-float("inf"), -1e4, -100.0, -88.0, -87.0, -20.0, -1e-30, -0.0, 0.0,
+                          1e-30, 20.0, 88.0, 1e4, float("inf"), float("nan")]])
+    up = torch.ones_like(gate)
+    got, want = ops.silu_mul(gate, up, backend="cpp"), F.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.allclose(got[keep], want[keep], rtol=1e-6, atol=1e-36)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_alone_has_its_bits_among_others(isa, threads, monkeypatch):
+    """Each row computed alone, or inside a batch of 1-300 rows at another offset, gives the
+    same bits: the norm's sum runs in one order per row whatever the call."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    g = torch.Generator().manual_seed(5)
+    x, w = _rows(g, 300, 576), torch.randn(576, generator=g)
+    gate, up = torch.randn(300, 1536, generator=g) * 4, torch.randn(300, 1536, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        norm_all, silu_all = ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate, up)
+        for i, j in [(0, 1), (7, 8), (299, 300), (3, 67), (100, 300)]:
+            assert torch.equal(ops.rms_norm(x[i:j].clone(), w, 1e-6), norm_all[i:j])
+            assert torch.equal(ops.silu_mul(gate[i:j].clone(), up[i:j].clone()), silu_all[i:j])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_norm_bits_do_not_depend_on_the_isa(monkeypatch):
+    """16 partial sums and no fused multiply-add on every level: one set of bits."""
+    g = torch.Generator().manual_seed(9)
+    x, w = _rows(g, 50, 577), torch.randn(577, generator=g)
+    outs = []
+    for isa in ISAS:
+        monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+        outs.append(ops.rms_norm(x, w, 1e-5))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_strided_and_batched_inputs():
+    """A 3-D input, rows of a wider buffer and a transposed gate: the same values as the
+    contiguous rows."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(4, 6, 40, generator=g)
+    x, w = wide[..., 3:35], torch.randn(32, generator=g)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), ops.rms_norm(x.contiguous(), w, 1e-5))
+    gate = torch.randn(24, 10, generator=g).t()  # unit stride along the rows, not the columns
+    up = torch.randn(10, 24, generator=g)
+    assert torch.equal(ops.silu_mul(gate, up), ops.silu_mul(gate.contiguous(), up))
+    assert ops.rms_norm(torch.empty(0, 8), torch.ones(8), 1e-5).shape == (0, 8)
+
+
+def test_bad_arguments_are_refused():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+        ops.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(TypeError, match="weight is torch.float64"):
+        ops.rms_norm(x, torch.ones(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(ValueError, match="gate and up must match"):
+        ops.silu_mul(x, torch.randn(3, 9))
+    with pytest.raises(TypeError, match="takes float32 inputs, got bfloat16"):
+        ops.rms_norm(x.bfloat16(), torch.ones(8, dtype=torch.bfloat16), 1e-5, backend="cpp")
