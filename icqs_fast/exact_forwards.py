@@ -22,6 +22,12 @@ computes differently (Gemma's ``1 + weight``, another activation, a bias, a cast
 own forward. Calls the probe did not cover (more arguments than the input, a dtype other than
 fp32, a norm's input of another width than its weight, a tensor that autograd tracks) take
 the module's own forward too.
+
+``fused`` (the bf16-products form, whose linear products round their inputs to bf16 anyway)
+trades the bits for fewer passes: a module that passes the probe takes the C++ one-pass
+:func:`icqs_fast.ops.rms_norm` (its own fixed summation order per row) and
+:func:`icqs_fast.ops.silu_mul` (its own e^x) instead, within a few fp32 ulps of torch's, and
+still row by row, so batch-invariant (docs/DECISIONS.md, "Fused row-wise passes").
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from icqs_fast import ops
+from icqs_fast import backends, ops
 
 # The instance attribute that marks a module whose forward this module replaced.
 _MARK = "_icqs_exact_forward"
@@ -60,31 +66,51 @@ def _is_gated_silu_mlp(module: Any) -> bool:
             and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
 
 
-def _fast_norm(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _probed_norm_call(self: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     w = self.weight
-    if (args or kwargs or x.dtype != torch.float32 or w.dtype != torch.float32
-            or x.shape[-1:] != w.shape
-            or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        # Not the probed call: e.g. a gated norm's gate, another width than the weight's.
+    # Not the probed call: e.g. a gated norm's gate, another width than the weight's.
+    return not (args or kwargs or x.dtype != torch.float32 or w.dtype != torch.float32
+                or x.shape[-1:] != w.shape
+                or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+
+
+def _fast_norm(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if not _probed_norm_call(self, x, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
-    return F.rms_norm(x, w.shape, w, _norm_eps(self))
+    return F.rms_norm(x, self.weight.shape, self.weight, _norm_eps(self))
+
+
+def _fused_norm(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if not _probed_norm_call(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    return ops.rms_norm(x, self.weight, _norm_eps(self))
 
 
 def _hooked(module: Any) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _probed_mlp_call(self: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    # Other arguments: not the probed call; autograd: the in-place SiLU would break it; a hook
+    # on the gate projection may keep its output (which SiLU would overwrite in place) and one
+    # on the activation expects it to be called.
+    return not (args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled()
+                or _hooked(self.gate_proj) or _hooked(self.act_fn))
+
+
 def _fast_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if (args or kwargs or x.dtype != torch.float32 or torch.is_grad_enabled()
-            or _hooked(self.gate_proj) or _hooked(self.act_fn)):
-        # Other arguments: not the probed call; autograd: the in-place SiLU would break it; a
-        # hook on the gate projection may keep its output (which SiLU would overwrite in place)
-        # and one on the activation expects it to be called.
+    if not _probed_mlp_call(self, x, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
     g = self.gate_proj(x)
     F.silu(g, inplace=True)
     g.mul_(self.up_proj(x))
     return self.down_proj(g)
+
+
+def _fused_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if not _probed_mlp_call(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _probe_input(width: int, device: torch.device) -> torch.Tensor:
@@ -166,11 +192,12 @@ def _use_exact_rotary(model: torch.nn.Module) -> int:
     return n
 
 
-def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
+def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str, int]:
     """Replace the forward of each RMSNorm and gated-SiLU MLP module of ``model`` whose fp32
     parameters pass the probe (the same output bits on a random fp32 input) by its faster
     equal; in place, on the module instances only (the classes are untouched, so other models
-    keep theirs). Calling it again changes nothing.
+    keep theirs). Calling it again changes nothing. With ``fused`` (and the cpp backend), those
+    modules take the one-pass C++ forwards instead: within fp32 rounding, not the same bits.
 
     Returns:
         ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r}``: the modules switched and
@@ -178,19 +205,22 @@ def use_exact_forwards(model: torch.nn.Module) -> dict[str, int]:
         rotary embedding is the one-pass equal (:func:`_use_exact_rotary`).
     """
     counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
+    kind_op = {"rms_norm": "rms_norm", "gated_mlp": "silu_mul"}
     for module in model.modules():
         if getattr(module, _MARK, False):
             continue
         if _is_rms_norm(module):
-            kind, fast, w = "rms_norm", _fast_norm, module.weight
+            kind, fast, w, one_pass = "rms_norm", _fast_norm, module.weight, _fused_norm
         elif _is_gated_silu_mlp(module):
-            kind, fast, w = "gated_mlp", _fast_mlp, module.gate_proj.weight
+            kind, fast, w, one_pass = "gated_mlp", _fast_mlp, module.gate_proj.weight, _fused_mlp
         else:
             continue
         # The weight, not the parameters: a norm may hold its weight as a buffer.
         if w.dtype != torch.float32 or not _equal_on_probe(module, fast, w.shape[-1], w.device):
             counts["kept"] += 1
             continue
+        if fused and backends.choose(kind_op[kind], "auto", w.device, w.dtype) == "cpp":
+            fast = one_pass  # the probe showed the module computes what the one pass does
         module.forward = types.MethodType(fast, module)
         setattr(module, _MARK, True)
         counts[kind] += 1

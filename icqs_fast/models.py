@@ -644,7 +644,8 @@ def to_bf16_mixed(model: torch.nn.Module, bf16_products: bool = False) -> Any:
     :func:`bf16_matmuls` on while they run, for the products left to torch (oneDNN's fp32
     kernels where its mode keeps fp32 precision). Its RMSNorm and gated-MLP modules take their
     faster equal forwards (:func:`icqs_fast.exact_forwards.use_exact_forwards`: the same output
-    bits, fewer passes over the fp32 activations).
+    bits, fewer passes over the fp32 activations; for bf16-products the one-pass C++ norm and
+    SiLU product, within fp32 rounding).
 
     Raises:
         ValueError: the model is not fp32 or not on the CPU.
@@ -669,8 +670,9 @@ def to_bf16_mixed(model: torch.nn.Module, bf16_products: bool = False) -> Any:
     for m in entries:
         m.register_forward_pre_hook(_pre)
         m.register_forward_hook(_post, always_call=True)
-    # Fewer passes over the fp32 activations, the same bits (each module probed first).
-    use_exact_forwards(model)
+    # Fewer passes over the fp32 activations (each module probed first): the same bits, or
+    # for bf16-products, whose products round anyway, one C++ pass each.
+    use_exact_forwards(model, fused=bf16_products)
     use_invariant_linears(model, "bf16" if bf16_products else exact_bf16_products())
     _MIXED.add(model)
     _FAST[model] = bf16_products

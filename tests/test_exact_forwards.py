@@ -12,6 +12,8 @@ import pytest
 import torch
 from model_matrix import EXCLUDED, causal_lm_types, tiny_model
 
+from icqs_fast import ops
+from icqs_fast.backends import cpp_backend
 from icqs_fast.exact_forwards import use_exact_forwards, uses_exact_forwards
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,6 +132,39 @@ def test_bf16_mixed_models_use_them(tiny_llama_dir):
     assert all(uses_exact_forwards(layer.mlp) for layer in mixed.model.layers)
     fp32, _ = models.load_model(tiny_llama_dir(layers=2), dtype="float32", device="cpu")
     assert not uses_exact_forwards(fp32.model.norm)
+
+
+@pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
+def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
+    """``fused``: the probed modules take ops.rms_norm / ops.silu_mul (within fp32 rounding of
+    the exact forwards, row by row), what a bf16-products model loads with; its other calls
+    (another dtype, autograd) still take the module's own forward."""
+    from icqs_fast import models
+
+    model = tiny_model("llama", VOCAB)
+    ids = _ids(3, 29)
+    want = _logits(model, ids)
+    layers = model.config.num_hidden_layers
+    assert use_exact_forwards(model, fused=True) == {"rms_norm": 2 * layers + 1,
+                                                     "gated_mlp": layers, "kept": 0,
+                                                     "rotary": layers}
+    norm, mlp = model.model.norm, model.model.layers[0].mlp
+    assert norm.forward.__func__ is not mlp.forward.__func__
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(norm(x), ops.rms_norm(x, norm.weight, norm.variance_epsilon))
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        assert torch.equal(mlp(x), mlp.down_proj(ops.silu_mul(g, u)))
+        xb = x.bfloat16()
+        assert torch.equal(norm(xb), type(norm).forward(norm, xb))
+    got = _logits(model, ids)  # not the exact forwards' bits, but their values
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # A row alone, and beside others, is the same bits.
+    assert torch.equal(_logits(model, ids[1:2]), got[1:2])
+    fast, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-products", device="cpu")
+    assert fast.model.norm.forward.__func__ is norm.forward.__func__
+    mixed, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
+    assert mixed.model.norm.forward.__func__ is not norm.forward.__func__
 
 
 def test_instance_not_class_is_changed():
