@@ -451,11 +451,32 @@ struct KeptTerms {
     int mode = -1;
 };
 
+// The gated product's epilogue, silu(g) * u over a row, at the ISA level ops.silu_mul takes
+// (simd_math.h's one code: the same bits as the two products then ops.silu_mul).
+typedef void (*SiluRowFn)(const float*, const float*, float*, int64_t);
+void silu_row_v2(const float* g, const float* u, float* o, int64_t n) {
+    silu_mul_row<4>(g, u, o, n);
+}
+#ifdef ICQS_LIN_X86
+__attribute__((target("arch=x86-64-v3"))) void silu_row_v3(const float* g, const float* u,
+                                                           float* o, int64_t n) {
+    silu_mul_row<8>(g, u, o, n);
+}
+__attribute__((target("arch=x86-64-v4"))) void silu_row_v4(const float* g, const float* u,
+                                                           float* o, int64_t n) {
+    silu_mul_row<16>(g, u, o, n);
+}
+const SiluRowFn kSiluRow[3] = {silu_row_v2, silu_row_v3, silu_row_v4};
+#else
+const SiluRowFn kSiluRow[1] = {silu_row_v2};
+#endif
+
 bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
             uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
-            bool reuse_x) {
+            bool reuse_x, uintptr_t up) {
     if (M < 0 || K < 1 || N < 1) throw std::invalid_argument("linear: bad shape");
     if (mode < kF32 || mode > kBF16x3) throw std::invalid_argument("linear: mode must be 0-3");
+    if (up != 0 && bias != 0) throw std::invalid_argument("linear: a gated product takes no bias");
     if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
@@ -518,11 +539,46 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     // consecutive tasks read the same weight panels (from the cache), where row block outer
     // had each task fetch another block's; the embedded model's 7 projections x 30 layers at
     // 500 rows went from 1,330-1,390 to 1,470-1,580 GFLOP/s (2 threads, alternated).
+    if (up == 0) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)
+        for (int64_t it = 0; it < tasks; ++it) {
+            const int64_t c = it / rb, r = it % rb;
+            fn(a, r * kTaskRows, std::min(M, (r + 1) * kTaskRows), c * kTaskCols,
+               std::min(N, (c + 1) * kTaskCols));
+        }
+        return reused;
+    }
+    // Gated: out = silu(x @ packed^T) * (x @ up^T). Each task computes its block of both
+    // products into the thread's scratch (the same kernels, so the same sums), then the
+    // epilogue writes the gated block: the two [M, N] products never reach memory.
+    const int lv = cpu_isa_level();
+    const SiluRowFn silu = kSiluRow[isa < 0 ? lv : std::min(isa, lv)];
+    const uint16_t* up_pb = reinterpret_cast<const uint16_t*>(up);
+    const float* up_pf = reinterpret_cast<const float*>(up);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)
     for (int64_t it = 0; it < tasks; ++it) {
+        static thread_local AlignedVec<float> scratch;
+        if (scratch.size() < static_cast<size_t>(2 * kTaskRows * kTaskCols))
+            scratch.resize(2 * kTaskRows * kTaskCols);
         const int64_t c = it / rb, r = it % rb;
-        fn(a, r * kTaskRows, std::min(M, (r + 1) * kTaskRows), c * kTaskCols,
-           std::min(N, (c + 1) * kTaskCols));
+        const int64_t m0 = r * kTaskRows, m1 = std::min(M, (r + 1) * kTaskRows);
+        const int64_t n0 = c * kTaskCols, n1 = std::min(N, (c + 1) * kTaskCols);
+        float* sg = scratch.data();
+        float* su = sg + kTaskRows * kTaskCols;
+        Args t = a;
+        t.os = kTaskCols;
+        // The kernels write out[m * os + n]: shift the origin so that (m0, n0) lands on the
+        // scratch's first element (address arithmetic in integers; it is never dereferenced
+        // outside the block).
+        const uintptr_t shift = static_cast<uintptr_t>(m0 * kTaskCols + n0) * sizeof(float);
+        t.out = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(sg) - shift);
+        fn(t, m0, m1, n0, n1);
+        t.pb = up_pb, t.pf = up_pf;
+        t.out = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(su) - shift);
+        fn(t, m0, m1, n0, n1);
+        for (int64_t m = m0; m < m1; ++m)
+            silu(sg + (m - m0) * kTaskCols, su + (m - m0) * kTaskCols, a.out + m * a.os + n0,
+                 n1 - n0);
     }
     return reused;
 }
@@ -542,13 +598,15 @@ void register_linear(py::module_& m) {
     m.def("linear", &linear, py::arg("x"), py::arg("x_stride"), py::arg("M"), py::arg("K"),
           py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
           py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1, py::arg("reuse_x") = false,
+          py::arg("up") = 0,
           "out [M,N] fp32 = x [M,K] fp32 @ w^T (+ bias [N] fp32; 0 = none) with w packed by "
           "linear_pack (kind 0 for mode 0, kind 1 for modes 1-3); row strides in elements. "
           "mode 0 fp32 products, 1 bf16 products, 2/3 x split into 2/3 bf16 terms. Each output "
           "element in one fixed order that depends on K and the mode only. isa: -1 best, else "
           "at most 0 generic, 1 avx2, 2 avx512, 3 amx. reuse_x: x is the previous call's input on "
           "this thread (its bf16 terms are reused when kept for the same M, K and mode). "
-          "Returns whether they were.");
+          "up: a second weight packed alike ([N,K]; 0 = none): out = silu(x @ w^T) * "
+          "(x @ up^T), no bias. Returns whether the terms were reused.");
     m.def("linear_level", [](int mode, int isa) {
         const int best = best_level();
         return pick(mode, isa < 0 ? best : std::min(isa, best)).second;

@@ -9,8 +9,8 @@
 // Each row is computed alone, in one fixed order that depends only on D: the sum of squares in
 // 16 interleaved partial sums (lane i % 16), then added pairwise (8, 4, 2, 1). So a row's bits
 // depend on nothing else in the call, and not on the ISA either (no fused multiply-add in the
-// norm: fp-contract is off). SiLU takes the kernels' shared e^d (~1 ulp, simd_math.h), so its
-// last bit may differ from torch's (Sleef) and between ISA levels: the forward that uses it
+// norm: fp-contract is off). SiLU is simd_math.h's silu_mul_row (the kernels' e^d, ~1 ulp), so
+// its last bit may differ from torch's (Sleef) and between ISA levels: the forward that uses it
 // rounds its products to bf16 anyway (icqs_fast.exact_forwards).
 //
 // No torch headers: Python passes raw pointers and row strides (unit last-dim strides).
@@ -49,48 +49,23 @@ constexpr int64_t kRowChunk = 16;
         for (int64_t i = 0; i < D; ++i) out[i] = (x[i] * scale) * w[i];                       \
     }
 
-template <int W>
-ICQS_SIMD_INLINE void silu_mul_impl(const float* g, const float* u, float* out, int64_t n) {
-    using F = typename V<W>::f;
-    for (int64_t j = 0; j < n; j += W) {
-        const int64_t m = n - j < W ? n - j : W;
-        F a = splat<W>(0.0f), b = splat<W>(0.0f);
-        if (m == W) {
-            std::memcpy(&a, g + j, sizeof(F));
-            std::memcpy(&b, u + j, sizeof(F));
-        } else {
-            for (int64_t k = 0; k < m; ++k) a[k] = g[j + k], b[k] = u[j + k];
-        }
-        // e^-|g| <= 1 never overflows; silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g) for g < 0.
-        const F neg = a < splat<W>(0.0f) ? a : -a;
-        const F e = exp_neg<W>(neg);
-        const F num = a < splat<W>(0.0f) ? a * e : a;
-        const F r = num / (splat<W>(1.0f) + e) * b;
-        if (m == W) {
-            std::memcpy(out + j, &r, sizeof(F));
-        } else {
-            for (int64_t k = 0; k < m; ++k) out[j + k] = r[k];
-        }
-    }
-}
-
 typedef void (*NormFn)(const float*, const float*, float*, int64_t, float);
 typedef void (*SiluFn)(const float*, const float*, float*, int64_t);
 
 ICQS_ROWWISE_NORM(norm_v2, )
 void silu_v2(const float* g, const float* u, float* out, int64_t n) {
-    silu_mul_impl<4>(g, u, out, n);
+    silu_mul_row<4>(g, u, out, n);
 }
 #if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)
 ICQS_ROWWISE_NORM(norm_v3, __attribute__((target("arch=x86-64-v3"))))
 ICQS_ROWWISE_NORM(norm_v4, __attribute__((target("arch=x86-64-v4"))))
 __attribute__((target("arch=x86-64-v3"))) void silu_v3(const float* g, const float* u,
                                                        float* out, int64_t n) {
-    silu_mul_impl<8>(g, u, out, n);
+    silu_mul_row<8>(g, u, out, n);
 }
 __attribute__((target("arch=x86-64-v4"))) void silu_v4(const float* g, const float* u,
                                                        float* out, int64_t n) {
-    silu_mul_impl<16>(g, u, out, n);
+    silu_mul_row<16>(g, u, out, n);
 }
 const NormFn kNormFns[3] = {norm_v2, norm_v3, norm_v4};
 const SiluFn kSiluFns[3] = {silu_v2, silu_v3, silu_v4};

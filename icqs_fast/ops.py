@@ -1,5 +1,4 @@
-"""Public operations, one function each, dispatching to the ``triton``, ``cpp`` or ``torch``
-backend.
+"""Public ops, one function each, dispatching to the ``triton``, ``cpp`` or ``torch`` backend.
 
 Kernels hold no model logic and model code holds no kernel code: everything the scoring methods
 need from the softmax, and the attention they run through a kernel, goes through these
@@ -458,8 +457,8 @@ def _keep_pack(weight: torch.Tensor, key: tuple, packed: PackedLinear) -> None:
         entry[1][key] = packed
 
 
-def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None, *,
+           up: PackedLinear | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with a weight packed by :func:`pack_linear`, batch-invariant: on the
     cpp backend each output element is summed in one fixed order that depends only on ``K``
     and ``weight.products``, so a row's result is the same bits whatever the other rows, their
@@ -471,6 +470,8 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
             the torch backend).
         weight: the :class:`icqs_fast.types.PackedLinear`.
         bias: optional ``[N]`` (added in fp32 after the sum).
+        up: a second weight packed alike (no bias): ``silu(x @ W.T) * (x @ up.T)``, on cpp
+            :func:`silu_mul`'s bits of the two products, which never reach memory.
 
     Returns:
         ``[..., N]`` float32 on ``x``'s device.
@@ -480,12 +481,16 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
         raise ValueError(f"x must be [..., {k}], got {list(x.shape)}")
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"bias must be [{weight.out_features}], got {list(bias.shape)}")
-    backends.choose("linear", weight.backend, x.device, x.dtype)  # the backend takes x's dtype
-    lead = x.shape[:-1]
+    like = (k, weight.out_features, weight.products, weight.backend)
+    if up is not None and (bias is not None or like != (
+            up.in_features, up.out_features, up.products, up.backend)):
+        raise ValueError(f"up must be packed like the weight {like} (no bias), got "
+                         f"{(up.in_features, up.out_features, up.products, up.backend)}")
+    backends.choose("linear", weight.backend, x.device, x.dtype, ("gated",) if up else ())
     rows = x.reshape(-1, k) if x.dtype == torch.float64 else x.reshape(-1, k).float()
     out = backends.module(weight.backend).linear(rows, weight.data, weight.out_features,
-                                                 weight.products, bias)
-    return out.reshape(*lead, weight.out_features)
+                                                 weight.products, bias, up and up.data)
+    return out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str = "auto"
@@ -534,7 +539,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> 
     """A gated MLP's ``silu(gate) * up`` (``gate``, ``up``: ``[..., N]``, one dtype, any row
     strides): ``[..., N]`` contiguous. One pass on the cpp backend, element-wise (so
     batch-invariant), within a few fp32 ulps of ``F.silu(gate) * up`` (gates below -87: -0)."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+    if (gate.shape, gate.dtype, gate.device) != (up.shape, up.dtype, up.device):
         raise ValueError(f"gate and up must match: {gate.dtype} {list(gate.shape)} on "
                          f"{gate.device} against {up.dtype} {list(up.shape)} on {up.device}")
     name = backends.choose("silu_mul", backend, gate.device, gate.dtype)

@@ -88,3 +88,46 @@ def test_reused_terms_only_for_the_same_unchanged_input(products):
     w32 = torch.randn(8, 32, generator=g)
     p32 = ops.pack_linear(w32, products, backend="cpp")
     assert torch.equal(ops.linear(col, p32), fresh(col, p32))
+
+
+@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_the_gated_product_is_silu_mul_of_the_two(isa, products, monkeypatch):
+    """``linear(x, g, up=u)`` (the MLP's gate and up projections in one call) gives the bits of
+    ``silu_mul(linear(x, g), linear(x, u))`` at every row count (around the tiles and tasks),
+    alone or in a batch, at 1 and 2 threads; within torch's error of the float64 product."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(12)
+    k, n = 83, 300  # N over a task's 256 columns, not a multiple of 32
+    x = torch.randn(130, k, generator=gen)
+    wg, wu = (torch.randn(n, k, generator=gen) for _ in range(2))
+    g, u = (ops.pack_linear(w, products, backend="cpp") for w in (wg, wu))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = ops.linear(x, g, up=u)
+            assert torch.equal(full, ops.silu_mul(ops.linear(x, g), ops.linear(x, u)))
+            for m in (1, 13, 33, 97):
+                assert torch.equal(ops.linear(x[m:m + 1], g, up=u), full[m:m + 1]), m
+                assert torch.equal(ops.linear(x[:m], g, up=u), full[:m]), m
+    finally:
+        torch.set_num_threads(before)
+    ref = ops.linear(x.double(), ops.pack_linear(wg, products, backend="torch"),
+                     up=ops.pack_linear(wu, products, backend="torch")).double()
+    xq = x if products == "fp32" else sum(_terms(x, PRODUCTS.index(products)))
+    wgq, wuq = ((w if products == "fp32" else w.to(torch.bfloat16).float()) for w in (wg, wu))
+    same = torch.nn.functional.silu(xq @ wgq.T) * (xq @ wuq.T)
+    assert_within_torch_error(full, ref, same, name=f"gated {products}/{isa}")
+
+
+def test_a_gated_product_needs_two_weights_packed_alike():
+    g = torch.Generator().manual_seed(1)
+    a = ops.pack_linear(torch.randn(8, 16, generator=g), "bf16", backend="cpp")
+    x = torch.randn(3, 16, generator=g)
+    for other in (ops.pack_linear(torch.randn(9, 16, generator=g), "bf16", backend="cpp"),
+                  ops.pack_linear(torch.randn(8, 16, generator=g), "fp32", backend="cpp")):
+        with pytest.raises(ValueError, match="up must be packed like the weight"):
+            ops.linear(x, a, up=other)
+    with pytest.raises(ValueError, match="no bias"):
+        ops.linear(x, a, torch.zeros(8), up=a)

@@ -288,6 +288,11 @@ def _linear_op_call(backend, dtype, opts):
     x = torch.randn(37, 70, generator=g).to(dtype)
     w = torch.randn(45, 70, generator=g).to(dtype)
     b = torch.randn(45, generator=g)
+    if "gated" in opts:  # silu(x W^T) * (x U^T), no bias
+        u = torch.randn(45, 70, generator=g).to(dtype)
+        pw, pu = (ops.pack_linear(t, "fp32", backend=backend) for t in (w, u))
+        out = ops.linear(x, pw, up=pu)
+        return out, F.silu(x.double() @ w.double().T) * (x.double() @ u.double().T)
     out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b)
     return out, x.double() @ w.double().T + b.double()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_within_torch_error
 
 from icqs_fast import ops
 from icqs_fast.backends import cpp_backend
@@ -34,15 +35,6 @@ def _rows(g: torch.Generator, r: int, d: int) -> torch.Tensor:
     return (torch.randn(r, d, generator=g, dtype=torch.float64) * scale).float()
 
 
-def _bounded(got: torch.Tensor, torch_fp32: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """flash-attention's rule: the kernel's error against float64 is at most twice torch's own
-    fp32 error on the same input, plus one fp32 ulp of the reference."""
-    ulp = ref.abs() * torch.finfo(torch.float32).eps
-    err, base = (got.double() - ref).abs(), (torch_fp32.double() - ref).abs()
-    assert bool((err <= 2 * base.max() + ulp).all()), (
-        f"{what}: error {float(err.max()):.3g} against torch's {float(base.max()):.3g}")
-
-
 @pytest.mark.parametrize("d", [1, 15, 16, 17, 576, 1000])
 def test_rms_norm_against_float64(d):
     g = torch.Generator().manual_seed(d)
@@ -50,7 +42,7 @@ def test_rms_norm_against_float64(d):
     got = ops.rms_norm(x, w, 1e-5, backend="cpp")
     ref = ops.rms_norm(x.double(), w.double(), 1e-5, backend="torch")
     assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous()
-    _bounded(got, F.rms_norm(x, (d,), w, 1e-5), ref, f"rms_norm D={d}")
+    assert_within_torch_error(got, ref, F.rms_norm(x, (d,), w, 1e-5), name=f"rms_norm D={d}")
     # The torch backend in fp32 is the float64 value rounded once.
     assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.float())
 
@@ -62,7 +54,7 @@ def test_silu_mul_against_float64(n):
     got = ops.silu_mul(gate, up, backend="cpp")
     ref = ops.silu_mul(gate.double(), up.double(), backend="torch")
     assert got.dtype == torch.float32 and got.shape == gate.shape
-    _bounded(got, F.silu(gate) * up, ref, f"silu_mul N={n}")
+    assert_within_torch_error(got, ref, F.silu(gate) * up, name=f"silu_mul N={n}")
 
 
 def test_silu_mul_special_values():

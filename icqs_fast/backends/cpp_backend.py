@@ -422,9 +422,10 @@ _LAST = threading.local()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
-           bias: torch.Tensor | None) -> torch.Tensor:
+           bias: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
-    fp32, each element in one fixed order (``csrc/linear.cpp``)."""
+    fp32, each element in one fixed order (``csrc/linear.cpp``). With ``up`` (a second weight
+    packed alike, no bias): ``silu(x @ W^T) * (x @ up^T)`` in one call."""
     m, k = x.shape
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()
@@ -441,5 +442,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
               0 if b is None else b.data_ptr(), out.data_ptr(), out_features, mode,
               # ICQS_FAST_CPP_ISA caps this kernel too: "avx512" leaves AMX out (the AVX-512
               # BF16 path of CPUs without AMX).
-              torch.get_num_threads(), isa_setting(), same)
+              torch.get_num_threads(), isa_setting(), same, 0 if up is None else up.data_ptr())
     return out

@@ -56,7 +56,7 @@ class Support:
 
 OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
-    "linear": {},
+    "linear": {"gated": "a second weight: silu(x W^T) * (x U^T)"},
     "rotary": {},
     "concat_slots": {},
     "rms_norm": {},
@@ -93,8 +93,8 @@ TABLE: dict[str, dict[str, Support]] = {
     # The batch-invariant linear layer (csrc/linear.cpp): the C++ kernel on the CPU; the torch
     # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
     "linear": {
-        "cpp": Support(FLOAT16_32, ("cpu",)),
-        "torch": Support(FLOATS, None),
+        "cpp": Support(FLOAT16_32, ("cpu",), frozenset({"gated"})),
+        "torch": Support(FLOATS, None, frozenset({"gated"})),
     },
     # Rotary embedding: the C++ pass where transformers' arithmetic runs in fp32 (the same
     # bits); the torch reference for everything else.

@@ -356,15 +356,18 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
-           bias: torch.Tensor | None) -> torch.Tensor:
+           bias: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
     weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
-    every backend's result (not bit for bit)."""
+    every backend's result (not bit for bit). With ``up``: ``silu(x W^T) * (x up^T)``, all in
+    float64 (:func:`icqs_fast.ops.gated_linear`)."""
     terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
     xs = [x.float()] if terms is None else bf16_terms(x, terms)
     acc = sum(t.double() @ packed.double().t() for t in xs)
     if bias is not None:
         acc = acc + bias.double()
+    if up is not None:
+        acc = acc * torch.sigmoid(acc) * sum(t.double() @ up.double().t() for t in xs)
     return acc.float()
 
 

@@ -128,17 +128,19 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
     real = ops.attention_lse
     real_linear = ops.linear
 
-    def counted_linear(x, weight, bias=None):
+    def counted_linear(x, weight, bias=None, *, up=None):
         # The batch-invariant linear (models.use_invariant_linears, the cpp head) runs outside
-        # torch's dispatcher: counted here, as a linear inside a module, else as the head.
+        # torch's dispatcher: counted here, as a linear inside a module, else as the head. A
+        # gated product (``up``: the MLP's gate and up projections) counts as the two.
         k, n = weight.in_features, weight.out_features
+        products = 1 if up is None else 2
         flops = 2 * (x.numel() // max(k, 1)) * k * n
         if depth[0] > 0:
-            count.linear += flops
-            count.linear_rows[(int(k), int(n))].append(int(x.numel() // max(k, 1)))
+            count.linear += products * flops
+            count.linear_rows[(int(k), int(n))].extend([int(x.numel() // max(k, 1))] * products)
         else:
-            count.head += flops
-        return real_linear(x, weight, bias)
+            count.head += products * flops
+        return real_linear(x, weight, bias, up=up)
 
     def counted_attention_lse(q, k, v, *a, **kw):
         b, hq, tq, d = q.shape
