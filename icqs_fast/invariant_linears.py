@@ -9,11 +9,14 @@ from __future__ import annotations
 import types
 import weakref
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from icqs_fast import ops
+
+if TYPE_CHECKING:
+    from icqs_fast.types import PackedLinear
 
 # module -> its PackedLinear (ops.pack_linear), for use_invariant_linears' forward
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -29,11 +32,18 @@ def exact_bf16_products() -> str:
     return "bf16x3" if ok and cpp_backend.linear_level("bf16x3") == "amx" else "fp32"
 
 
-def _invariant_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
+def _packed_now(self: Any) -> PackedLinear | None:
+    """The packed weight a switched layer's products read now; None once its weight changed
+    (it then takes its own product). Installed as the layer's ``packed_now`` method, for a
+    forward that multiplies two layers' weights in one call (``ops.linear(x, g, up=u)``)."""
     packed = _PACKED.get(self)
     held = isinstance(self, _PackedOnlyLinear)  # its weight is the packed copy: current
-    if (packed is None or torch.is_grad_enabled() or x.device.type != "cpu"
-            or not (held or packed.is_current(self.weight))):
+    return packed if packed is not None and (held or packed.is_current(self.weight)) else None
+
+
+def _invariant_linear(self: Any, x: torch.Tensor) -> torch.Tensor:
+    packed = _packed_now(self)
+    if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
         # With autograd, or a weight changed since it was packed: the module's own product.
         return torch.nn.Linear.forward(self, x)
     return ops.linear(x, packed, self.bias).to(x.dtype)
@@ -139,6 +149,7 @@ def use_invariant_linears(model: torch.nn.Module, products: str = "fp32", *,
             packed = ops.pack_linear(m.weight, products, backend="cpp")
             _PACKED[m] = packed
             m.forward = types.MethodType(_invariant_linear, m)
+            m.packed_now = types.MethodType(_packed_now, m)
             done += 1
             if hold_once and id(m.weight) not in tied and _packs_exactly(m.weight, products):
                 w = m._parameters.pop("weight")

@@ -137,8 +137,9 @@ def test_bf16_mixed_models_use_them(tiny_llama_dir):
 @pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
 def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
     """``fused``: the probed modules take ops.rms_norm / ops.silu_mul (within fp32 rounding of
-    the exact forwards, row by row), what a bf16-products model loads with; its other calls
-    (another dtype, autograd) still take the module's own forward."""
+    the exact forwards, row by row), what a bf16-products model loads with (its packed gate and
+    up projections as one gated product); other calls (another dtype, autograd) still take
+    the module's own forward."""
     from icqs_fast import models
 
     model = tiny_model("llama", VOCAB)
@@ -163,6 +164,18 @@ def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
     assert torch.equal(_logits(model, ids[1:2]), got[1:2])
     fast, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-products", device="cpu")
     assert fast.model.norm.forward.__func__ is norm.forward.__func__
+    # Its packed gate and up projections: one gated product, the bits of the two and silu_mul;
+    # once a weight changes, the module's own products.
+    fmlp = fast.model.layers[0].mlp
+    xf = torch.randn(7, fast.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert fmlp.gate_proj.packed_now() is not None and fmlp.up_proj.packed_now() is not None
+        assert torch.equal(fmlp(xf), fmlp.down_proj(ops.silu_mul(fmlp.gate_proj(xf),
+                                                                 fmlp.up_proj(xf))))
+        fmlp.up_proj.weight.mul_(2.0)
+        assert fmlp.up_proj.packed_now() is None
+        assert torch.equal(fmlp(xf), fmlp.down_proj(ops.silu_mul(fmlp.gate_proj(xf),
+                                                                 fmlp.up_proj(xf))))
     mixed, _ = models.load_model(tiny_llama_dir(layers=2), dtype="bf16-mixed", device="cpu")
     assert mixed.model.norm.forward.__func__ is not norm.forward.__func__
 
