@@ -57,6 +57,11 @@ namespace py = pybind11;
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+// Defined in rowwise.cpp: ops.silu_mul's row function at an ISA level (-1 the CPU's best,
+// else 0-2), for the gated product's epilogue.
+using SiluRowFn = void (*)(const float*, const float*, float*, int64_t);
+SiluRowFn silu_row_at(int isa);
+
 namespace {
 
 constexpr int64_t kNR = 32;  // output columns per packed panel
@@ -451,26 +456,6 @@ struct KeptTerms {
     int mode = -1;
 };
 
-// The gated product's epilogue, silu(g) * u over a row, at the ISA level ops.silu_mul takes
-// (simd_math.h's one code: the same bits as the two products then ops.silu_mul).
-typedef void (*SiluRowFn)(const float*, const float*, float*, int64_t);
-void silu_row_v2(const float* g, const float* u, float* o, int64_t n) {
-    silu_mul_row<4>(g, u, o, n);
-}
-#ifdef ICQS_LIN_X86
-__attribute__((target("arch=x86-64-v3"))) void silu_row_v3(const float* g, const float* u,
-                                                           float* o, int64_t n) {
-    silu_mul_row<8>(g, u, o, n);
-}
-__attribute__((target("arch=x86-64-v4"))) void silu_row_v4(const float* g, const float* u,
-                                                           float* o, int64_t n) {
-    silu_mul_row<16>(g, u, o, n);
-}
-const SiluRowFn kSiluRow[3] = {silu_row_v2, silu_row_v3, silu_row_v4};
-#else
-const SiluRowFn kSiluRow[1] = {silu_row_v2};
-#endif
-
 bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
             uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
             bool reuse_x, uintptr_t up) {
@@ -551,8 +536,9 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     // Gated: out = silu(x @ packed^T) * (x @ up^T). Each task computes its block of both
     // products into the thread's scratch (the same kernels, so the same sums), then the
     // epilogue writes the gated block: the two [M, N] products never reach memory.
-    const int lv = cpu_isa_level();
-    const SiluRowFn silu = kSiluRow[isa < 0 ? lv : std::min(isa, lv)];
+    // ops.silu_mul's row function at the ISA level it takes (the same bits as the two
+    // products then silu_mul).
+    const SiluRowFn silu = silu_row_at(isa < 0 ? -1 : std::min(isa, cpu_isa_level()));
     const uint16_t* up_pb = reinterpret_cast<const uint16_t*>(up);
     const float* up_pf = reinterpret_cast<const float*>(up);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)

@@ -9,9 +9,10 @@
 // Each row is computed alone, in one fixed order that depends only on D: the sum of squares in
 // 16 interleaved partial sums (lane i % 16), then added pairwise (8, 4, 2, 1). So a row's bits
 // depend on nothing else in the call, and not on the ISA either (no fused multiply-add in the
-// norm: fp-contract is off). SiLU is simd_math.h's silu_mul_row (the kernels' e^d, ~1 ulp), so
-// its last bit may differ from torch's (Sleef) and between ISA levels: the forward that uses it
-// rounds its products to bf16 anyway (icqs_fast.exact_forwards).
+// norm: fp-contract is off). SiLU takes the kernels' shared e^d (~1 ulp, simd_math.h), so its
+// last bit may differ from torch's (Sleef) and between ISA levels: the forward that uses it
+// rounds its products to bf16 anyway (icqs_fast.exact_forwards). The gated linear product's
+// epilogue (linear.cpp) calls these same row functions (silu_row_at), so it has their bits.
 //
 // No torch headers: Python passes raw pointers and row strides (unit last-dim strides).
 
@@ -26,6 +27,8 @@
 #include "simd_math.h"
 
 namespace py = pybind11;
+
+using SiluRowFn = void (*)(const float*, const float*, float*, int64_t);
 
 namespace {
 
@@ -49,8 +52,34 @@ constexpr int64_t kRowChunk = 16;
         for (int64_t i = 0; i < D; ++i) out[i] = (x[i] * scale) * w[i];                       \
     }
 
+// out[i] = silu(g[i]) * u[i] over n fp32 values, silu(g) = g / (1 + e^-g), taken as
+// g e^g / (1 + e^g) for g < 0 so that e^-|g| (exp_neg's domain) never overflows; gates below
+// -87 give -0. out may be g or u.
+template <int W>
+ICQS_SIMD_INLINE void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+    using F = typename V<W>::f;
+    for (int64_t j = 0; j < n; j += W) {
+        const int64_t m = n - j < W ? n - j : W;
+        F a = splat<W>(0.0f), b = splat<W>(0.0f);
+        if (m == W) {
+            std::memcpy(&a, g + j, sizeof(F));
+            std::memcpy(&b, u + j, sizeof(F));
+        } else {
+            for (int64_t k = 0; k < m; ++k) a[k] = g[j + k], b[k] = u[j + k];
+        }
+        const F neg = a < splat<W>(0.0f) ? a : -a;
+        const F e = exp_neg<W>(neg);
+        const F num = a < splat<W>(0.0f) ? a * e : a;
+        const F r = num / (splat<W>(1.0f) + e) * b;
+        if (m == W) {
+            std::memcpy(out + j, &r, sizeof(F));
+        } else {
+            for (int64_t k = 0; k < m; ++k) out[j + k] = r[k];
+        }
+    }
+}
+
 typedef void (*NormFn)(const float*, const float*, float*, int64_t, float);
-typedef void (*SiluFn)(const float*, const float*, float*, int64_t);
 
 ICQS_ROWWISE_NORM(norm_v2, )
 void silu_v2(const float* g, const float* u, float* out, int64_t n) {
@@ -68,10 +97,10 @@ __attribute__((target("arch=x86-64-v4"))) void silu_v4(const float* g, const flo
     silu_mul_row<16>(g, u, out, n);
 }
 const NormFn kNormFns[3] = {norm_v2, norm_v3, norm_v4};
-const SiluFn kSiluFns[3] = {silu_v2, silu_v3, silu_v4};
+const SiluRowFn kSiluRowFns[3] = {silu_v2, silu_v3, silu_v4};
 #else
 const NormFn kNormFns[1] = {norm_v2};
-const SiluFn kSiluFns[1] = {silu_v2};
+const SiluRowFn kSiluRowFns[1] = {silu_v2};
 #endif
 
 int level(int isa) {
@@ -101,7 +130,7 @@ void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uint
               int64_t out_stride, int64_t R, int64_t N, int nthreads, int isa) {
     if (R < 0 || N < 0 || g_stride < N || u_stride < N || out_stride < N)
         throw std::invalid_argument("silu_mul: R, N >= 0 and row strides >= N");
-    const SiluFn fn = kSiluFns[level(isa)];
+    const SiluRowFn fn = kSiluRowFns[level(isa)];
     const float* gp = reinterpret_cast<const float*>(g);
     const float* up = reinterpret_cast<const float*>(u);
     float* op = reinterpret_cast<float*>(out);
@@ -111,6 +140,11 @@ void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uint
 }
 
 }  // namespace
+
+SiluRowFn silu_row_at(int isa) {
+    constexpr int n = sizeof(kSiluRowFns) / sizeof(kSiluRowFns[0]);
+    return kSiluRowFns[level(isa) < n ? level(isa) : n - 1];
+}
 
 void register_rowwise(py::module_& m) {
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("w"), py::arg("out"),

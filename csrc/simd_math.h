@@ -116,34 +116,6 @@ ICQS_SIMD_INLINE typename V<W>::f tanh_scaled(typename V<W>::f z, typename V<W>:
     return u == u ? w : u;
 }
 
-// out[i] = silu(g[i]) * u[i] over n fp32 values, silu(g) = g / (1 + e^-g), taken as
-// g e^g / (1 + e^g) for g < 0 so that e^-|g| (exp_neg's domain) never overflows; gates below
-// -87 give -0. out may be g or u. ops.silu_mul and the gated linear's epilogue (linear.cpp)
-// run this one code, so the two give the same bits at one ISA level.
-template <int W>
-ICQS_SIMD_INLINE void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
-    using F = typename V<W>::f;
-    for (int64_t j = 0; j < n; j += W) {
-        const int64_t m = n - j < W ? n - j : W;
-        F a = splat<W>(0.0f), b = splat<W>(0.0f);
-        if (m == W) {
-            std::memcpy(&a, g + j, sizeof(F));
-            std::memcpy(&b, u + j, sizeof(F));
-        } else {
-            for (int64_t k = 0; k < m; ++k) a[k] = g[j + k], b[k] = u[j + k];
-        }
-        const F neg = a < splat<W>(0.0f) ? a : -a;
-        const F e = exp_neg<W>(neg);
-        const F num = a < splat<W>(0.0f) ? a * e : a;
-        const F r = num / (splat<W>(1.0f) + e) * b;
-        if (m == W) {
-            std::memcpy(out + j, &r, sizeof(F));
-        } else {
-            for (int64_t k = 0; k < m; ++k) out[j + k] = r[k];
-        }
-    }
-}
-
 // One IEEE half (bits h) as float: normal, subnormal, zero, inf, NaN (payload kept).
 ICQS_SIMD_INLINE float half_bits_to_float(uint32_t h) {
     const uint32_t mag = h & 0x7fffu, expo = h & 0x7c00u;
