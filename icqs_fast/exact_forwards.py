@@ -114,12 +114,9 @@ def _fused_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.T
     # no bias, no hook on the up projection: one gated product, the same bits, without
     # writing and reading back the two [T, I] products.
     gate, up = self.gate_proj, self.up_proj
-    g = u = None
-    if (x.device.type == "cpu" and gate.bias is None and up.bias is None and not _hooked(up)
-            and callable(getattr(gate, "packed_now", None)) and callable(
-                getattr(up, "packed_now", None))):
-        g, u = gate.packed_now(), up.packed_now()
-    if g is not None and u is not None and g.products == u.products:
+    g, u = (getattr(p, "packed_now", lambda: None)() for p in (gate, up))
+    if (g is not None and u is not None and g.products == u.products and x.device.type == "cpu"
+            and gate.bias is None and up.bias is None and not _hooked(up)):
         return self.down_proj(ops.linear(x, g, up=u))
     return self.down_proj(ops.silu_mul(gate(x), up(x)))
 
