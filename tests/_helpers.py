@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 
 from icqs_fast.types import TokenStats
@@ -80,6 +81,24 @@ def ref_token_stats64(z: torch.Tensor, t: torch.Tensor, ignore_index: int = -100
     return TokenStats(**{k: r[k] for k in ("logprob", "entropy", "varentropy", "logprob_var",
                                             "max_logprob", "is_greedy", "target_rank",
                                             "valid")})
+
+
+def isa_runs(name: str) -> bool:
+    """Whether this CPU (and build) runs the C++ kernels' ISA level ``name`` (an
+    ``ICQS_FAST_CPP_ISA`` value: ``auto`` or a key of ``cpp_backend.ISA_LEVELS``)."""
+    from icqs_fast.backends import cpp_backend
+
+    if not cpp_backend.available()[0]:
+        return False
+    from icqs_fast import _C
+
+    return name == "auto" or cpp_backend.ISA_LEVELS[name] <= _C.best_isa()
+
+
+def isa_param(name: str):
+    """A ``pytest.param`` of the ISA level ``name``, skipped where :func:`isa_runs` is False."""
+    return pytest.param(name, id=name, marks=pytest.mark.skipif(not isa_runs(name),
+                                                                reason=f"CPU lacks {name}"))
 
 
 def skip_unless_in_ci(reason: str) -> None:

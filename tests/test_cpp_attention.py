@@ -13,6 +13,7 @@ from _helpers import (
     attention_lse64,
     attention_within_torch_error,
     cascade_paths_agree,
+    isa_param,
     variant_model,
 )
 from hypothesis import given, settings
@@ -33,17 +34,6 @@ def _level(name):
     from icqs_fast import _C
 
     return _C.best_isa() if name == "auto" else cpp_backend.ISA_LEVELS[name]
-
-
-def _isa_runs(name):
-    from icqs_fast import _C
-
-    return _level(name) <= _C.best_isa()
-
-
-def _isa(name):
-    return pytest.param(name, id=name, marks=pytest.mark.skipif(
-        not (cpp_backend.available()[0] and _isa_runs(name)), reason=f"CPU lacks {name}"))
 
 
 def _inputs(b, hq, hk, tq, tk, d, dv, dtype, seed=0):
@@ -101,7 +91,7 @@ def _options(b, tq, tk, opts, seed=1):
     return kw
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case, dtype, isa, monkeypatch):
@@ -121,7 +111,7 @@ def test_bf16_paths_and_fp16(bf16_dot, monkeypatch):
         _check(q, k, v, scale=0.1, causal=True, softcap=20.0)
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("d", [80, 64])  # 64: whole AMX tiles (auto on an AMX CPU)
 def test_bf16_products_of_fp32_inputs(isa, bf16_dot, d, monkeypatch):
@@ -300,7 +290,7 @@ def test_bf16_products_rule():
     assert bf16_products(torch.nn.Identity(), torch.float32) is None
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("dot", [None, torch.bfloat16])
 def test_rows_do_not_depend_on_the_rows_beside_them(isa, dot, monkeypatch):
     """A query block computes only the register tiles holding its rows (a short suffix leaves
@@ -316,7 +306,7 @@ def test_rows_do_not_depend_on_the_rows_beside_them(isa, dot, monkeypatch):
         assert torch.equal(lse, full_l[:, :, :n]), n
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("window", [None, 9])
 def test_causal_rows_do_not_depend_on_the_rows_beside_them(isa, window, monkeypatch):
     """Causal GQA on token positions, padded key slots at the end of a row (a short suffix): the

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from _helpers import isa_param
 
 from icqs_fast.backends import cpp_backend, state
 
@@ -12,16 +13,7 @@ pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
                                 reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
 
 
-def _isa_param(name):
-    from icqs_fast import _C
-
-    level = cpp_backend.ISA_LEVELS[name]
-    ok = cpp_backend.available()[0] and level <= _C.best_isa()
-    return pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"CPU lacks {name}"),
-                        id=name)
-
-
-@pytest.fixture(params=[_isa_param(name) for name in ("sse4", "avx2", "avx512")])
+@pytest.fixture(params=[isa_param(name) for name in ("sse4", "avx2", "avx512")])
 def isa(request, monkeypatch):
     """Run the test on every kernel ISA level this CPU can execute (SSE4.2, AVX2, AVX-512),
     forced through the ``ICQS_FAST_CPP_ISA`` setting: an AVX-512 machine runs the AVX2 path

@@ -6,6 +6,7 @@ only for the very same, unchanged input."""
 
 import pytest
 import torch
+from _helpers import isa_param
 from tolerance import assert_within_torch_error
 
 from icqs_fast import ops
@@ -18,15 +19,6 @@ pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
 ISAS = ("sse4", "avx2", "avx512", "auto")
 
 
-def _isa(name):
-    from icqs_fast import _C
-
-    runs = cpp_backend.available()[0] and (
-        name == "auto" or cpp_backend.ISA_LEVELS[name] <= _C.best_isa())
-    return pytest.param(name, id=name, marks=pytest.mark.skipif(not runs,
-                                                                reason=f"CPU lacks {name}"))
-
-
 def _terms(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     """x as n bf16 terms, each the rounding of what the previous ones left (the kernel's split)."""
     out, rest = [], x.clone()
@@ -37,7 +29,7 @@ def _terms(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_rows_alone_equal_rows_in_a_batch_and_match_float64(isa, products, monkeypatch):
     """Awkward K (not a multiple of 32) and N (not of 32); row counts around the kernels'
@@ -90,7 +82,7 @@ def test_reused_terms_only_for_the_same_unchanged_input(products):
     assert torch.equal(ops.linear(col, p32), fresh(col, p32))
 
 
-@pytest.mark.parametrize("isa", [_isa(n) for n in ISAS])
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_the_gated_product_is_silu_mul_of_the_two(isa, products, monkeypatch):
     """``linear(x, g, up=u)`` (the MLP's gate and up projections in one call) gives the bits of
