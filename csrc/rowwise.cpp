@@ -22,7 +22,6 @@
 #include <cstring>
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
 #include "simd_math.h"
 
@@ -103,20 +102,11 @@ const NormFn kNormFns[1] = {norm_v2};
 const SiluRowFn kSiluRowFns[1] = {silu_v2};
 #endif
 
-int level(int isa) {
-    const int best = cpu_isa_level();
-    if (isa < 0) return best;
-    if (isa > best)
-        throw std::invalid_argument("isa " + std::to_string(isa) + " is above this CPU's best (" +
-                                    std::to_string(best) + ")");
-    return isa;
-}
-
 void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t out_stride,
               int64_t R, int64_t D, double eps, int nthreads, int isa) {
     if (R < 0 || D < 1 || x_stride < D || out_stride < D)
         throw std::invalid_argument("rms_norm: R >= 0, D >= 1 and row strides >= D");
-    const NormFn fn = kNormFns[level(isa)];
+    const NormFn fn = kNormFns[pick_isa(isa)];
     const float* xp = reinterpret_cast<const float*>(x);
     const float* wp = reinterpret_cast<const float*>(w);
     float* op = reinterpret_cast<float*>(out);
@@ -130,7 +120,7 @@ void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uint
               int64_t out_stride, int64_t R, int64_t N, int nthreads, int isa) {
     if (R < 0 || N < 0 || g_stride < N || u_stride < N || out_stride < N)
         throw std::invalid_argument("silu_mul: R, N >= 0 and row strides >= N");
-    const SiluRowFn fn = kSiluRowFns[level(isa)];
+    const SiluRowFn fn = kSiluRowFns[pick_isa(isa)];
     const float* gp = reinterpret_cast<const float*>(g);
     const float* up = reinterpret_cast<const float*>(u);
     float* op = reinterpret_cast<float*>(out);
@@ -141,10 +131,7 @@ void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uint
 
 }  // namespace
 
-SiluRowFn silu_row_at(int isa) {
-    constexpr int n = sizeof(kSiluRowFns) / sizeof(kSiluRowFns[0]);
-    return kSiluRowFns[level(isa) < n ? level(isa) : n - 1];
-}
+SiluRowFn silu_row_at(int isa) { return kSiluRowFns[pick_isa(isa)]; }
 
 void register_rowwise(py::module_& m) {
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("w"), py::arg("out"),

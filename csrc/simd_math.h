@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -144,6 +146,18 @@ inline int cpu_isa_level() {
     if (__builtin_cpu_supports("x86-64-v3")) return 1;
 #endif
     return 0;
+}
+
+// The ISA level a kernel call runs: the CPU's best for isa < 0, else isa (above the best: an
+// invalid_argument, which pybind11 raises as ValueError).
+inline int pick_isa(int isa) {
+    const int best = cpu_isa_level();
+    if (isa < 0) return best;
+    if (isa > best)
+        throw std::invalid_argument("isa " + std::to_string(isa) +
+                                    " is not supported by this CPU (best: " +
+                                    std::to_string(best) + ")");
+    return isa;
 }
 
 #if defined(__x86_64__) && !defined(ICQS_FAST_GENERIC_ONLY)

@@ -356,15 +356,6 @@ const TanhFn kTanhFns[1] = {row_v2_tanh};
 int best_isa() { return kIsaV2; }
 #endif
 
-int pick_isa(int isa) {
-    const int best = best_isa();
-    if (isa < 0) return best;
-    if (isa > best)
-        throw std::invalid_argument("isa " + std::to_string(isa) +
-                                    " is not supported by this CPU (best: " +
-                                    std::to_string(best) + ")");
-    return isa;
-}
 
 void reduce_rows(uintptr_t z_ptr, int64_t row_stride, int64_t n, int64_t v, int dtype,
                  uintptr_t t_ptr, uintptr_t zt_ptr, uintptr_t shift_ptr, double temperature,

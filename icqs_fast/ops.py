@@ -482,14 +482,14 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"bias must be [{weight.out_features}], got {list(bias.shape)}")
     like = (k, weight.out_features, weight.products, weight.backend)
-    if up is not None and (bias is not None or like != (
-            up.in_features, up.out_features, up.products, up.backend)):
-        raise ValueError(f"up must be packed like the weight {like} (no bias), got "
-                         f"{(up.in_features, up.out_features, up.products, up.backend)}")
-    backends.choose("linear", weight.backend, x.device, x.dtype, ("gated",) if up else ())
+    got = None if up is None else (up.in_features, up.out_features, up.products, up.backend)
+    if got is not None and (bias is not None or got != like):
+        raise ValueError(f"up must be packed like the weight {like} (no bias), got {got}")
+    backends.choose("linear", weight.backend, x.device, x.dtype, () if up is None else ("gated",))
     rows = x.reshape(-1, k) if x.dtype == torch.float64 else x.reshape(-1, k).float()
-    out = backends.module(weight.backend).linear(rows, weight.data, weight.out_features,
-                                                 weight.products, bias, up and up.data)
+    out = backends.module(weight.backend).linear(
+        rows, weight.data, weight.out_features, weight.products, bias,
+        None if up is None else up.data)
     return out.reshape(*x.shape[:-1], weight.out_features)
 
 

@@ -358,8 +358,7 @@ def concat_slots(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[R, D]`` rows with a unit column stride (copied only when it must be)."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    return x2 if x2.shape[-1] <= 1 or x2.stride(-1) == 1 else x2.contiguous()
+    return _unit_last_stride(x.reshape(-1, x.shape[-1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

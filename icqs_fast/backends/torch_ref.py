@@ -359,8 +359,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
            bias: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
     weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
-    every backend's result (not bit for bit). With ``up``: ``silu(x W^T) * (x up^T)``, all in
-    float64 (:func:`icqs_fast.ops.gated_linear`)."""
+    every backend's result (not bit for bit). With ``up`` (:func:`icqs_fast.ops.linear`'s gated
+    product): ``silu(x W^T) * (x up^T)``, all in float64."""
     terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
     xs = [x.float()] if terms is None else bf16_terms(x, terms)
     acc = sum(t.double() @ packed.double().t() for t in xs)
