@@ -180,6 +180,7 @@ struct Args {
     uint64_t call;          // id of this call (thread-local packed buffers are per call)
     const float* state_in;  // [B, Hq, Tq, kStateLanes + 1 + Dv] running state to resume, or null
     float* state_out;       // the same layout: written instead of out / lse, or null
+    bool token_major;       // out as [B, Tq, Hq, Dv] (a model's layout after attention)
 };
 
 // A query row's running softmax state (state_in / state_out): the running max (log2 units),
@@ -659,7 +660,7 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
-            float* dst = a.out + row * Dv;
+            float* dst = a.out + (a.token_major ? (b * a.Tq + qr.i[rr]) * a.Hq + qr.head[rr] : row) * Dv;
             const float l = hsum<W>(aload<W>(lv + rr * W));
             if (l > 0.f) {
                 const float inv = 1.0f / l;
@@ -1054,7 +1055,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
                    int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
                    int isa, bool bf16_dot, bool round_bf16, uintptr_t state_in,
-                   uintptr_t state_out) {
+                   uintptr_t state_out, bool token_major) {
     if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
         throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
     if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
@@ -1098,6 +1099,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.round_bf16 = round_bf16;
     a.state_in = reinterpret_cast<const float*>(state_in);
     a.state_out = reinterpret_cast<float*>(state_out);
+    a.token_major = token_major;
     a.call = ++g_call;
     if (B == 0 || Tq == 0) return;
     ItemFn fn = item_v2;
@@ -1140,10 +1142,11 @@ void register_attention(py::module_& m) {
           py::arg("dtype"), py::arg("causal"), py::arg("window"), py::arg("chunk"),
           py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
           py::arg("bf16_dot") = true, py::arg("round_bf16") = false, py::arg("state_in") = 0,
-          py::arg("state_out") = 0,
+          py::arg("state_out") = 0, py::arg("token_major") = false,
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
-          "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 and lse [B,Hq,Tq] fp32 (contiguous). "
+          "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 ([B,Tq,Hq,Dv] with token_major) and "
+          "lse [B,Hq,Tq] fp32 (contiguous). "
           "qpos [B,Tq] / kpos [B,Tk] int64 positions (0 = defaults Tk-Tq+i / j; negative key "
           "position = masked key); causal, window, chunk (0 = none) on positions; softcap 0 = "
           "none. isa: -1 best, 0/1/2 as best_isa(). bf16_dot: bf16 inputs at isa 2 use the "

@@ -182,6 +182,18 @@ def test_strided_inputs_and_thread_invariance():
     _check(qs, ks, vs, scale=0.2, causal=True)
 
 
+def test_output_is_token_major():
+    """The output is written as ``[B, Tq, Hq, Dv]`` (returned transposed), so the model's next
+    step, ``out.transpose(1, 2).contiguous()``, is a view: the same values as a contiguous
+    output, without the copy a forward spent once per layer."""
+    q, k, v = _inputs(3, 6, 2, 37, 50, 32, 24, torch.float32)
+    out, lse = _check(q, k, v, scale=0.3, causal=True)
+    moved = out.transpose(1, 2)
+    assert moved.is_contiguous() and moved.contiguous().data_ptr() == moved.data_ptr()
+    ref = torch.empty(out.shape).copy_(out)  # contiguous
+    assert torch.equal(ref.transpose(1, 2).contiguous(), moved.contiguous())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_keys(dtype):
     """Thousands of keys (a long demonstration prefix), padded, GQA, causal (0.1 s)."""

@@ -210,8 +210,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_state: return ``(state, None)`` instead of normalising.
 
     Returns:
-        ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation) and ``lse [B, Hq, Tq]`` fp32
-        (-inf and output 0 for a row with no allowed key).
+        ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation; token-major strides, i.e.
+        ``[B, Tq, Hq, Dv]`` transposed) and ``lse [B, Hq, Tq]`` fp32 (-inf and output 0 for a
+        row with no allowed key).
     """
     if _C is None or not hasattr(_C, "attention_lse"):
         raise RuntimeError("icqs_fast._C has no attention_lse: rebuild the extension")
@@ -242,10 +243,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
                      BF16_DOT, dot_dtype == torch.bfloat16,
                      0 if state is None else state.data_ptr(),
-                     0 if st_out is None else st_out.data_ptr())
+                     0 if st_out is None else st_out.data_ptr(), True)
     if st_out is not None:
         return st_out, None
-    out, lse = out.view(bsz, hq, tq, dv), lse.view(bsz, hq, tq)
+    # Written token-major ([B, Tq, Hq, Dv] in memory): what a model's attention turns its
+    # output into next (``out.transpose(1, 2).contiguous()`` is then a view, not a copy).
+    out, lse = out.view(bsz, tq, hq, dv).transpose(1, 2), lse.view(bsz, hq, tq)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 
