@@ -114,7 +114,19 @@ struct Args {
     int terms;             // bf16 terms of x (modes 1-3)
     const uint16_t* xb;    // x's terms, bf16: [Mp][terms][Kp], rows past M zero
     int64_t xbs;           // its row stride: terms * Kp
+    const float* res;      // [M, N] added to the output last (row stride rs), or null
+    int64_t rs;
 };
+
+// out += res over a task's block (after the kernel wrote it): out = (sum + bias) + res, the
+// bits of torch's res + (x @ w^T + bias), read while the block is still in cache.
+void add_residual(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    for (int64_t m = m0; m < m1; ++m) {
+        float* o = a.out + m * a.os;
+        const float* r = a.res + m * a.rs;
+        for (int64_t n = n0; n < n1; ++n) o[n] = r[n] + o[n];
+    }
+}
 
 inline float finish(const Args& a, float acc, int64_t n) {
     return a.bias != nullptr ? acc + a.bias[n] : acc;
@@ -458,10 +470,12 @@ struct KeptTerms {
 
 bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
             uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
-            bool reuse_x, uintptr_t up) {
+            bool reuse_x, uintptr_t up, uintptr_t res, int64_t rs) {
     if (M < 0 || K < 1 || N < 1) throw std::invalid_argument("linear: bad shape");
     if (mode < kF32 || mode > kBF16x3) throw std::invalid_argument("linear: mode must be 0-3");
-    if (up != 0 && bias != 0) throw std::invalid_argument("linear: a gated product takes no bias");
+    if (up != 0 && (bias != 0 || res != 0))
+        throw std::invalid_argument("linear: a gated product takes no bias and no residual");
+    if (res != 0 && rs < N) throw std::invalid_argument("linear: residual row stride >= N");
     if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
@@ -475,6 +489,8 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     a.os = os;
     a.terms = mode;
     a.xbs = mode * a.Kp;
+    a.res = res ? reinterpret_cast<const float*>(res) : nullptr;
+    a.rs = rs;
     if (nthreads < 1) nthreads = 1;
     py::gil_scoped_release nogil;
     // x's bf16 terms once per call, rows padded to whole AMX blocks with zeros. The buffer is
@@ -528,8 +544,10 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (tasks > 1 && nthreads > 1)
         for (int64_t it = 0; it < tasks; ++it) {
             const int64_t c = it / rb, r = it % rb;
-            fn(a, r * kTaskRows, std::min(M, (r + 1) * kTaskRows), c * kTaskCols,
-               std::min(N, (c + 1) * kTaskCols));
+            const int64_t m0 = r * kTaskRows, m1 = std::min(M, (r + 1) * kTaskRows);
+            const int64_t n0 = c * kTaskCols, n1 = std::min(N, (c + 1) * kTaskCols);
+            fn(a, m0, m1, n0, n1);
+            if (a.res != nullptr) add_residual(a, m0, m1, n0, n1);
         }
         return reused;
     }
@@ -584,7 +602,7 @@ void register_linear(py::module_& m) {
     m.def("linear", &linear, py::arg("x"), py::arg("x_stride"), py::arg("M"), py::arg("K"),
           py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
           py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1, py::arg("reuse_x") = false,
-          py::arg("up") = 0,
+          py::arg("up") = 0, py::arg("residual") = 0, py::arg("residual_stride") = 0,
           "out [M,N] fp32 = x [M,K] fp32 @ w^T (+ bias [N] fp32; 0 = none) with w packed by "
           "linear_pack (kind 0 for mode 0, kind 1 for modes 1-3); row strides in elements. "
           "mode 0 fp32 products, 1 bf16 products, 2/3 x split into 2/3 bf16 terms. Each output "
@@ -592,7 +610,8 @@ void register_linear(py::module_& m) {
           "at most 0 generic, 1 avx2, 2 avx512, 3 amx. reuse_x: x is the previous call's input on "
           "this thread (its bf16 terms are reused when kept for the same M, K and mode). "
           "up: a second weight packed alike ([N,K]; 0 = none): out = silu(x @ w^T) * "
-          "(x @ up^T), no bias. Returns whether the terms were reused.");
+          "(x @ up^T), no bias. residual: [M,N] fp32 (0 = none) added last: out = (x @ w^T + "
+          "bias) + residual. Returns whether the terms were reused.");
     m.def("linear_level", [](int mode, int isa) {
         const int best = best_level();
         return pick(mode, isa < 0 ? best : std::min(isa, best)).second;

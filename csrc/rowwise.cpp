@@ -116,6 +116,32 @@ void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t
     for (int64_t r = 0; r < R; ++r) fn(xp + r * x_stride, wp, op + r * out_stride, D, e);
 }
 
+// sum = residual + x (the decoder layer's residual add, fp32: the bits of torch's add), then
+// out = rms_norm(sum): one pass over the rows where the add and the norm took two, and the norm
+// reads the row while it is in L1.
+void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
+                  uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride,
+                  int64_t R, int64_t D, double eps, int nthreads, int isa) {
+    if (R < 0 || D < 1 || x_stride < D || r_stride < D || sum_stride < D || out_stride < D)
+        throw std::invalid_argument("add_rms_norm: R >= 0, D >= 1 and row strides >= D");
+    const NormFn fn = kNormFns[pick_isa(isa)];
+    const float* xp = reinterpret_cast<const float*>(x);
+    const float* rp = reinterpret_cast<const float*>(r);
+    const float* wp = reinterpret_cast<const float*>(w);
+    float* sp = reinterpret_cast<float*>(sum);
+    float* op = reinterpret_cast<float*>(out);
+    const float e = static_cast<float>(eps);
+    py::gil_scoped_release nogil;
+#pragma omp parallel for schedule(dynamic, kRowChunk) num_threads(nthreads) if (R * D > (1 << 15) && nthreads > 1)
+    for (int64_t i = 0; i < R; ++i) {
+        const float* xr = xp + i * x_stride;
+        const float* rr = rp + i * r_stride;
+        float* sr = sp + i * sum_stride;
+        for (int64_t j = 0; j < D; ++j) sr[j] = rr[j] + xr[j];
+        fn(sr, wp, op + i * out_stride, D, e);
+    }
+}
+
 void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uintptr_t out,
               int64_t out_stride, int64_t R, int64_t N, int nthreads, int isa) {
     if (R < 0 || N < 0 || g_stride < N || u_stride < N || out_stride < N)
@@ -139,6 +165,12 @@ void register_rowwise(py::module_& m) {
           py::arg("isa") = -1,
           "out [R,D] fp32 = (x * s) * w per row, s = 1/sqrt(mean(x^2) + eps), the sum in 16 "
           "interleaved lanes then pairwise (row strides in elements). isa: -1 best, 0/1/2.");
+    m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("r"),
+          py::arg("r_stride"), py::arg("w"), py::arg("sum"), py::arg("sum_stride"),
+          py::arg("out"), py::arg("out_stride"), py::arg("R"), py::arg("D"), py::arg("eps"),
+          py::arg("nthreads"), py::arg("isa") = -1,
+          "sum [R,D] = r + x, out [R,D] = rms_norm(sum) as rms_norm computes it (fp32 rows, row "
+          "strides in elements). isa: -1 best, 0/1/2.");
     m.def("silu_mul", &silu_mul, py::arg("g"), py::arg("g_stride"), py::arg("u"),
           py::arg("u_stride"), py::arg("out"), py::arg("out_stride"), py::arg("R"), py::arg("N"),
           py::arg("nthreads"), py::arg("isa") = -1,

@@ -107,18 +107,89 @@ def _fast_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     return self.down_proj(g)
 
 
+def _packed_now(layer: Any) -> Any:
+    """The pack a switched linear layer's products read now (icqs_fast.invariant_linears'
+    ``packed_now``), or None (not switched, or its weight changed)."""
+    return getattr(layer, "packed_now", lambda: None)()
+
+
+def _gated(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The fused MLP's ``silu(gate(x)) * up(x)``. Both projections' weights packed and
+    current, no bias, no hook on the up projection: one gated product, the same bits, without
+    writing and reading back the two [T, I] products."""
+    gate, up = self.gate_proj, self.up_proj
+    g, u = _packed_now(gate), _packed_now(up)
+    if (g is not None and u is not None and g.products == u.products and x.device.type == "cpu"
+            and gate.bias is None and up.bias is None and not _hooked(up)):
+        return ops.linear(x, g, up=u)
+    return ops.silu_mul(gate(x), up(x))
+
+
 def _fused_mlp(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if not _probed_mlp_call(self, x, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
-    # Both projections' weights packed and current (icqs_fast.invariant_linears' packed_now),
-    # no bias, no hook on the up projection: one gated product, the same bits, without
-    # writing and reading back the two [T, I] products.
-    gate, up = self.gate_proj, self.up_proj
-    g, u = (getattr(p, "packed_now", lambda: None)() for p in (gate, up))
-    if (g is not None and u is not None and g.products == u.products and x.device.type == "cpu"
-            and gate.bias is None and up.bias is None and not _hooked(up)):
-        return self.down_proj(ops.linear(x, g, up=u))
-    return self.down_proj(ops.silu_mul(gate(x), up(x)))
+    return self.down_proj(_gated(self, x))
+
+
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _is_pre_norm_layer(module: Any) -> bool:
+    """A decoder layer of the Llama kind's parts (its forward is then probed)."""
+    parts = [getattr(module, n, None) for n in _LAYER_PARTS]
+    return (all(isinstance(p, torch.nn.Module) for p in parts) and _is_rms_norm(parts[0])
+            and _is_rms_norm(parts[2]) and _is_gated_silu_mlp(parts[3]))
+
+
+def _exact_layer(self: Any, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """transformers' pre-norm decoder layer as the probe's equal: attention of the normed
+    input plus the input, then the MLP of the normed sum plus the sum."""
+    h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
+    h = x + h
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`_exact_layer` with the fused parts' bits, each residual add folded into the
+    pass after it: the first into the post-attention norm (``ops.add_rms_norm``), the second
+    into the down projection's product (``ops.linear``'s ``residual``). The same bits as the
+    layer's own forward over its fused norm and MLP, two passes over the activations fewer."""
+    post, mlp = self.post_attention_layernorm, self.mlp
+    if (args or post.forward.__func__ is not _fused_norm or mlp.forward.__func__ is not _fused_mlp
+            or _hooked(post) or _hooked(mlp)):
+        return type(self).forward(self, x, *args, **kwargs)
+    h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
+    if not (_probed_norm_call(post, h, (), {}) and x.dtype == torch.float32
+            and h.device.type == "cpu" and x.shape == h.shape):
+        h = x + h
+        return h + mlp(post(h))
+    h, normed = ops.add_rms_norm(h, x, post.weight, _norm_eps(post))
+    if not _probed_mlp_call(mlp, normed, (), {}):
+        return h + mlp(normed)
+    down = mlp.down_proj
+    d = _packed_now(down)
+    if d is None or _hooked(down):
+        return h + down(_gated(mlp, normed))
+    return ops.linear(_gated(mlp, normed), d, down.bias, residual=h)
+
+
+def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:
+    """Whether :func:`_exact_layer` gives the layer's own output on a ``[2, 5, H]`` input with
+    the model's rotary embedding (a layer that computes otherwise, e.g. Gemma's extra norms,
+    or one whose attention needs more than the probe gives, keeps its forward)."""
+    rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+    width = layer.input_layernorm.weight.shape[-1]
+    w = layer.input_layernorm.weight
+    if rope is None or w.dtype != torch.float32:
+        return False
+    x = _probe_input(width, w.device)
+    try:
+        with torch.no_grad():
+            pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
+    except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
+        return False
+    return _same_bits(lambda m, t: type(m).forward(m, t, position_embeddings=pe),
+                      lambda m, t: _exact_layer(m, t, position_embeddings=pe), layer, x)
 
 
 def _probe_input(width: int, device: torch.device) -> torch.Tensor:
@@ -214,8 +285,12 @@ def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str,
     """
     counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
     kind_op = {"rms_norm": "rms_norm", "gated_mlp": "silu_mul"}
+    layers = []
     for module in model.modules():
         if getattr(module, _MARK, False):
+            continue
+        if fused and _is_pre_norm_layer(module):
+            layers.append(module)
             continue
         if _is_rms_norm(module):
             kind, fast, w, one_pass = "rms_norm", _fast_norm, module.weight, _fused_norm
@@ -233,6 +308,15 @@ def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str,
         setattr(module, _MARK, True)
         counts[kind] += 1
     counts["rotary"] = _use_exact_rotary(model)
+    # Fused: the pre-norm decoder layers that pass their probe fold their residual adds into
+    # the passes after them (probed last, on their own parts' forwards).
+    counts["decoder_layer"] = 0
+    for layer in layers:
+        if (backends.choose("add_rms_norm", "auto", layer.input_layernorm.weight.device,
+                            torch.float32) == "cpp" and _layer_equal_on_probe(layer, model)):
+            layer.forward = types.MethodType(_fused_layer, layer)
+            setattr(layer, _MARK, True)
+            counts["decoder_layer"] += 1
     return counts
 
 

@@ -36,7 +36,7 @@ def test_llama_switched_and_bit_identical():
     counts = use_exact_forwards(model)
     layers = model.config.num_hidden_layers
     assert counts == {"rms_norm": 2 * layers + 1, "gated_mlp": layers, "kept": 0,
-                      "rotary": layers}
+                      "rotary": layers, "decoder_layer": 0}
     assert uses_exact_forwards(model.model.norm) and uses_exact_forwards(model.model.layers[0].mlp)
     assert torch.equal(_logits(model, ids), want)
     # Rows of very different scales, one token, a batch of one: still the same bits.
@@ -44,7 +44,7 @@ def test_llama_switched_and_bit_identical():
         fresh = tiny_model("llama", VOCAB)
         assert torch.equal(_logits(model, x), _logits(fresh, x))
     assert use_exact_forwards(model) == {"rms_norm": 0, "gated_mlp": 0, "kept": 0,
-                                         "rotary": layers}
+                                         "rotary": layers, "decoder_layer": 0}
 
 
 def test_a_norm_that_computes_otherwise_keeps_its_forward():
@@ -148,7 +148,8 @@ def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
     layers = model.config.num_hidden_layers
     assert use_exact_forwards(model, fused=True) == {"rms_norm": 2 * layers + 1,
                                                      "gated_mlp": layers, "kept": 0,
-                                                     "rotary": layers}
+                                                     "rotary": layers,
+                                                     "decoder_layer": layers}
     norm, mlp = model.model.norm, model.model.layers[0].mlp
     assert norm.forward.__func__ is not mlp.forward.__func__
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))

@@ -123,3 +123,42 @@ def test_a_gated_product_needs_two_weights_packed_alike():
             ops.linear(x, a, up=other)
     with pytest.raises(ValueError, match="no bias"):
         ops.linear(x, a, torch.zeros(8), up=a)
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_a_residual_is_added_last_with_the_bits_of_torchs_add(isa, products, monkeypatch):
+    """``linear(x, w, b, residual=r)`` (a decoder layer's projection and its residual add in
+    one call) gives the bits of ``r + linear(x, w, b)`` at every row count, alone or in a
+    batch, at 1 and 2 threads, with a strided residual too."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(13)
+    k, n = 70, 290
+    x = torch.randn(2, 65, k, generator=gen)
+    w = ops.pack_linear(torch.randn(n, k, generator=gen), products, backend="cpp")
+    b = torch.randn(n, generator=gen)
+    r = torch.randn(2, 65, n + 3, generator=gen)[..., 3:]  # rows 293 apart
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = ops.linear(x, w, b, residual=r)
+            assert full.shape == (2, 65, n)
+            assert torch.equal(full, r + ops.linear(x, w, b))
+            assert torch.equal(ops.linear(x, w, residual=r), r + ops.linear(x, w))
+            for m in (1, 13, 33):
+                assert torch.equal(ops.linear(x[1, m:m + 1], w, b, residual=r[1, m:m + 1]),
+                                   full[1, m:m + 1]), m
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_residual_must_fit_the_output():
+    g = torch.Generator().manual_seed(2)
+    a = ops.pack_linear(torch.randn(8, 16, generator=g), "bf16", backend="cpp")
+    x = torch.randn(3, 16, generator=g)
+    for bad in (torch.zeros(3, 9), torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"residual must be float32 \[3, 8\]"):
+            ops.linear(x, a, residual=bad)
+    with pytest.raises(ValueError, match="no residual"):
+        ops.linear(x, a, up=a, residual=torch.zeros(3, 8))

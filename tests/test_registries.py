@@ -293,6 +293,10 @@ def _linear_op_call(backend, dtype, opts):
         pw, pu = (ops.pack_linear(t, "fp32", backend=backend) for t in (w, u))
         out = ops.linear(x, pw, up=pu)
         return out, F.silu(x.double() @ w.double().T) * (x.double() @ u.double().T)
+    if "residual" in opts:  # + a residual [M, N], added last
+        r = torch.randn(37, 45, generator=g)
+        out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b, residual=r)
+        return out, x.double() @ w.double().T + b.double() + r.double()
     out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b)
     return out, x.double() @ w.double().T + b.double()
 
@@ -339,6 +343,16 @@ def _rms_norm_call(backend, dtype, opts):
     return out, xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
 
 
+def _add_rms_norm_call(backend, dtype, opts):
+    g = torch.Generator().manual_seed(10)
+    x, r = (torch.randn(6, 33, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(33, generator=g).to(dtype)
+    total, out = ops.add_rms_norm(x, r, w, 1e-5, backend=backend)
+    assert torch.equal(total, r + x), "the sum is torch's add in the dtype"
+    sd = total.double()
+    return out, sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+
 def _silu_mul_call(backend, dtype, opts):
     g = torch.Generator().manual_seed(9)
     gate, up = (torch.randn(5, 19, generator=g).to(dtype) for _ in range(2))
@@ -349,6 +363,7 @@ def _silu_mul_call(backend, dtype, opts):
 CALLS = {"linear": (_linear_op_call, _check_linear), "rotary": (_rotary_call, _check_in_dtype),
          "concat_slots": (_concat_call, _check_copy),
          "rms_norm": (_rms_norm_call, _check_in_dtype),
+         "add_rms_norm": (_add_rms_norm_call, _check_in_dtype),
          "silu_mul": (_silu_mul_call, _check_in_dtype),
          "token_stats": (_token_call, _check_stats), "linear_token_stats": (_linear_call,
                                                                             _check_stats),
@@ -447,7 +462,7 @@ def _imports(path: Path) -> set[str]:
 
 # Rooms that may call the kernels: the ops, the backends, and the benchmarks and `info` (which
 # describe, compile and time the launches themselves).
-KERNEL_ROOMS = ("icqs_fast/ops.py", "icqs_fast/backends/", "icqs_fast/benchmarks/",
+KERNEL_ROOMS = ("icqs_fast/ops/", "icqs_fast/backends/", "icqs_fast/benchmarks/",
                 "icqs_fast/info.py")
 
 

@@ -1,4 +1,4 @@
-"""``ops.rms_norm`` and ``ops.silu_mul`` (the bf16-products forward's one-pass row-wise work):
+"""``ops.rms_norm``, ``ops.add_rms_norm`` and ``ops.silu_mul`` (the bf16-products forward's one-pass row-wise work):
 the C++ passes against the float64 reference on awkward shapes, their error bounded by torch's
 own fp32 error on the same input; each row's bits alone equal to its bits among others, at 1 and
 2 threads and every ISA level; bad arguments refused."""
@@ -36,6 +36,26 @@ def test_rms_norm_against_float64(d):
     assert_within_torch_error(got, ref, F.rms_norm(x, (d,), w, 1e-5), name=f"rms_norm D={d}")
     # The torch backend in fp32 is the float64 value rounded once.
     assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.float())
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+@pytest.mark.parametrize("d", [1, 17, 576])
+def test_add_rms_norm_is_the_add_then_the_norm(isa, d, monkeypatch):
+    """``add_rms_norm`` (a layer's residual add and the next norm, one pass) gives the bits of
+    torch's ``residual + x`` and of ``rms_norm`` of that sum, for strided rows too; the torch
+    backend is the same add, then the float64 norm."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    g = torch.Generator().manual_seed(d)
+    x, w = _rows(g, 37, d), torch.randn(d, generator=g)
+    r = _rows(g, 37, d + 2)[:, 2:]  # strided rows
+    total, out = ops.add_rms_norm(x, r, w, 1e-5, backend="cpp")
+    assert torch.equal(total, r + x) and total.is_contiguous() and out.is_contiguous()
+    assert torch.equal(out, ops.rms_norm(r + x, w, 1e-5, backend="cpp"))
+    t_ref, o_ref = ops.add_rms_norm(x, r, w, 1e-5, backend="torch")
+    assert torch.equal(t_ref, total)
+    assert torch.equal(o_ref, ops.rms_norm(total, w, 1e-5, backend="torch"))
+    with pytest.raises(ValueError, match="x and residual must match"):
+        ops.add_rms_norm(x, r[:3], w, 1e-5)
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 1536])

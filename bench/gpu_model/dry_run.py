@@ -394,7 +394,7 @@ SYNC_BUDGETS = {
 # Once per model (the capability check's probes: 11; the capture's mask causality: 1).
 SETUP_SYNC_BUDGET = 12
 # Code that runs per layer, per op call or per token: no sync there at all.
-HOT_FILES = ("icqs_fast/features/attention.py", "icqs_fast/ops.py", "icqs_fast/backends/",
+HOT_FILES = ("icqs_fast/features/attention.py", "icqs_fast/ops/", "icqs_fast/backends/",
              "icqs_fast/engine/cascade.py", "icqs_fast/engine/batching.py", "kernels/")
 
 

@@ -373,6 +373,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`icqs_fast.ops.add_rms_norm` of fp32 CPU rows in one C++ pass."""
+    rows, res, w = _rows2d(x), _rows2d(residual), weight.contiguous()
+    total = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    _C.add_rms_norm(rows.data_ptr(), rows.stride(0), res.data_ptr(), res.stride(0), w.data_ptr(),
+                    total.data_ptr(), total.stride(0), out.data_ptr(), out.stride(0),
+                    rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting())
+    return total.reshape(x.shape), out.reshape(x.shape)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """:func:`icqs_fast.ops.silu_mul` of fp32 CPU tensors in one C++ pass
     (``csrc/rowwise.cpp``)."""
@@ -424,14 +436,17 @@ _LAST = threading.local()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
-           bias: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``): ``[M, N]``
-    fp32, each element in one fixed order (``csrc/linear.cpp``). With ``up`` (a second weight
-    packed alike, no bias): ``silu(x @ W^T) * (x @ up^T)`` in one call."""
+           bias: torch.Tensor | None, up: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``, then +
+    ``residual [M, N]`` fp32): ``[M, N]`` fp32, each element in one fixed order
+    (``csrc/linear.cpp``). With ``up`` (a second weight packed alike, no bias, no residual):
+    ``silu(x @ W^T) * (x @ up^T)`` in one call."""
     m, k = x.shape
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()
     b = None if bias is None else bias.float().contiguous()
+    r = None if residual is None else _unit_last_stride(residual)
     out = torch.empty(m, out_features, dtype=torch.float32)
     mode = PRODUCTS.index(products)
     # The same memory, layout and version as the previous input, which is held (so no other
@@ -444,5 +459,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
               0 if b is None else b.data_ptr(), out.data_ptr(), out_features, mode,
               # ICQS_FAST_CPP_ISA caps this kernel too: "avx512" leaves AMX out (the AVX-512
               # BF16 path of CPUs without AMX).
-              torch.get_num_threads(), isa_setting(), same, 0 if up is None else up.data_ptr())
+              torch.get_num_threads(), isa_setting(), same, 0 if up is None else up.data_ptr(),
+              0 if r is None else r.data_ptr(),
+              0 if r is None else r.stride(0) if m > 1 else out_features)
     return out

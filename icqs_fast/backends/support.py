@@ -56,10 +56,12 @@ class Support:
 
 OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
-    "linear": {"gated": "a second weight: silu(x W^T) * (x U^T)"},
+    "linear": {"gated": "a second weight: silu(x W^T) * (x U^T)",
+               "residual": "a residual added to the output"},
     "rotary": {},
     "concat_slots": {},
     "rms_norm": {},
+    "add_rms_norm": {},
     "silu_mul": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
@@ -93,8 +95,8 @@ TABLE: dict[str, dict[str, Support]] = {
     # The batch-invariant linear layer (csrc/linear.cpp): the C++ kernel on the CPU; the torch
     # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
     "linear": {
-        "cpp": Support(FLOAT16_32, ("cpu",), frozenset({"gated"})),
-        "torch": Support(FLOATS, None, frozenset({"gated"})),
+        "cpp": Support(FLOAT16_32, ("cpu",), frozenset({"gated", "residual"})),
+        "torch": Support(FLOATS, None, frozenset({"gated", "residual"})),
     },
     # Rotary embedding: the C++ pass where transformers' arithmetic runs in fp32 (the same
     # bits); the torch reference for everything else.
@@ -110,6 +112,10 @@ TABLE: dict[str, dict[str, Support]] = {
     # The bf16-products forward's row-wise fp32 passes (csrc/rowwise.cpp); the float64
     # reference anywhere.
     "rms_norm": {
+        "cpp": Support((torch.float32,), ("cpu",)),
+        "torch": Support(FLOATS, None),
+    },
+    "add_rms_norm": {
         "cpp": Support((torch.float32,), ("cpu",)),
         "torch": Support(FLOATS, None),
     },

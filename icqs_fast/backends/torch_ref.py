@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The torch block reduction and soft-cap epilogue of the chunked ops (ops.py picks
+# The torch block reduction and soft-cap epilogue of the chunked ops (ops picks
 # `mod.reduce_block` and `mod.tanh_logits` per backend).
 from icqs_fast.backends.state import reduce_block, tanh_logits  # noqa: F401
 from icqs_fast.types import TokenStats
@@ -356,11 +356,13 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
-           bias: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None, up: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
     weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
     every backend's result (not bit for bit). With ``up`` (:func:`icqs_fast.ops.linear`'s gated
-    product): ``silu(x W^T) * (x up^T)``, all in float64."""
+    product): ``silu(x W^T) * (x up^T)``, all in float64; with ``residual``: it is added in
+    float64 too."""
     terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
     xs = [x.float()] if terms is None else bf16_terms(x, terms)
     acc = sum(t.double() @ packed.double().t() for t in xs)
@@ -368,6 +370,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
         acc = acc + bias.double()
     if up is not None:
         acc = acc * torch.sigmoid(acc) * sum(t.double() @ up.double().t() for t in xs)
+    if residual is not None:
+        acc = acc + residual.double()
     return acc.float()
 
 
@@ -382,6 +386,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference of :func:`icqs_fast.ops.rms_norm`, in float64, rounded once to ``x``'s dtype."""
     xd = x.double()
     return (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`icqs_fast.ops.add_rms_norm`: the sum in ``x``'s dtype (what it
+    is defined as), then :func:`rms_norm`'s float64 reference of that sum."""
+    total = residual + x
+    return total, rms_norm(total, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
