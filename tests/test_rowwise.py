@@ -1,7 +1,7 @@
-"""``ops.rms_norm``, ``ops.add_rms_norm`` and ``ops.silu_mul`` (the bf16-products forward's one-pass row-wise work):
-the C++ passes against the float64 reference on awkward shapes, their error bounded by torch's
-own fp32 error on the same input; each row's bits alone equal to its bits among others, at 1 and
-2 threads and every ISA level; bad arguments refused."""
+"""``ops.rms_norm``, ``ops.add_rms_norm`` and ``ops.silu_mul`` (the bf16-products forward's
+one-pass row-wise work): the C++ passes against the float64 reference on awkward shapes, their
+error bounded by torch's own fp32 error on the same input; each row's bits alone equal to its
+bits among others, at 1 and 2 threads and every ISA level; bad arguments refused."""
 
 from __future__ import annotations
 
