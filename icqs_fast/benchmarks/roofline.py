@@ -128,19 +128,20 @@ def count_flops(fn: Callable[[], Any]) -> tuple[FlopCount, Any]:
     real = ops.attention_lse
     real_linear = ops.linear
 
-    def counted_linear(x, weight, bias=None, *, up=None):
+    def counted_linear(x, weight, bias=None, **kw):
         # The batch-invariant linear (models.use_invariant_linears, the cpp head) runs outside
         # torch's dispatcher: counted here, as a linear inside a module, else as the head. A
-        # gated product (``up``: the MLP's gate and up projections) counts as the two.
+        # gated product (``up``: the MLP's gate and up projections) counts as the two; a
+        # residual added to the output is no product.
         k, n = weight.in_features, weight.out_features
-        products = 1 if up is None else 2
+        products = 1 if kw.get("up") is None else 2
         flops = 2 * (x.numel() // max(k, 1)) * k * n
         if depth[0] > 0:
             count.linear += products * flops
             count.linear_rows[(int(k), int(n))].extend([int(x.numel() // max(k, 1))] * products)
         else:
             count.head += products * flops
-        return real_linear(x, weight, bias, up=up)
+        return real_linear(x, weight, bias, **kw)
 
     def counted_attention_lse(q, k, v, *a, **kw):
         b, hq, tq, d = q.shape
