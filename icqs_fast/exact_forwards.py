@@ -188,8 +188,9 @@ def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:
             pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
     except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
         return False
-    return _same_bits(lambda m, t: type(m).forward(m, t, position_embeddings=pe),
-                      lambda m, t: _exact_layer(m, t, position_embeddings=pe), layer, x)
+    kw = {"position_embeddings": pe, "attention_mask": None}  # what a model always passes
+    return _same_bits(lambda m, t: type(m).forward(m, t, **kw),
+                      lambda m, t: _exact_layer(m, t, **kw), layer, x)
 
 
 def _probe_input(width: int, device: torch.device) -> torch.Tensor:

@@ -2,7 +2,8 @@
 (:mod:`icqs_fast.exact_forwards`): the same bits as the modules' own forwards and transformers'
 function, switched on only where a probe finds them equal, and left alone where
 the input is not what the probe covered (another dtype, autograd). Every family of the model
-matrix keeps its logits bit for bit (matrix tier)."""
+matrix keeps its logits bit for bit (matrix tier), and so do its fused decoder layers (the
+bf16-products form's residual adds folded into the passes after them)."""
 
 from __future__ import annotations
 
@@ -181,6 +182,31 @@ def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
     assert mixed.model.norm.forward.__func__ is not norm.forward.__func__
 
 
+@pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma2"])
+def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type):
+    """A bf16-products model's pre-norm decoder layers fold their residual adds into the
+    passes after them (``ops.add_rms_norm``, ``ops.linear``'s ``residual``): its logits are the
+    bits of the layers' own forwards over the same fused parts, a row alone or beside others.
+    A layer that computes otherwise (Gemma 2's extra norms) keeps its own forward."""
+    import warnings
+
+    from icqs_fast import models
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = models.to_bf16_mixed(tiny_model(model_type, VOCAB), bf16_products=True)
+    layers = list(model.model.layers)
+    fused = [layer for layer in layers if "forward" in vars(layer)]
+    assert len(fused) == (0 if model_type == "gemma2" else len(layers)), model_type
+    ids = _ids(3, 29)
+    got = _logits(model, ids)
+    assert torch.equal(_logits(model, ids[1:2]), got[1:2])
+    for layer in fused:
+        del layer.forward
+    assert torch.equal(_logits(model, ids), got)
+
+
 def test_instance_not_class_is_changed():
     a, b = tiny_model("llama", VOCAB), tiny_model("llama", VOCAB)
     use_exact_forwards(a)
@@ -201,6 +227,36 @@ def test_every_family_keeps_its_logits(model_type):
         use_exact_forwards(model)
         got = _logits(model, ids)
     assert torch.equal(got, want), model_type
+
+
+@pytest.mark.matrix
+@pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
+def test_every_family_fused_layer_keeps_its_parts_bits():
+    """bf16-products: in every family whose decoder layers fold their residual adds (those
+    that pass the probe; the Llama kind at least), the logits are the bits of the layers' own
+    forwards over the same parts."""
+    import warnings
+
+    from icqs_fast import models
+
+    fused, differ = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in (t for t in causal_lm_types() if t not in EXCLUDED):
+            model = models.to_bf16_mixed(tiny_model(model_type, VOCAB), bf16_products=True)
+            layers = [m for m in model.modules()
+                      if "forward" in vars(m) and hasattr(m, "post_attention_layernorm")]
+            if not layers:
+                continue
+            fused.append(model_type)
+            ids = _ids(2, 19)
+            got = _logits(model, ids)
+            for m in layers:
+                del m.forward
+            if not torch.equal(_logits(model, ids), got):
+                differ.append(model_type)
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite"} <= set(fused), fused
+    assert not differ, differ
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
