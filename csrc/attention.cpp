@@ -1035,11 +1035,13 @@ struct KAmx : KBf16 {
     }
 };
 
+// The tiles are configured once per thread and call (amx_begin / amx_end around the items),
+// not per item: a short suffix's call runs hundreds of items of a few thousand scores each.
 ICQS_AMX_TARGET void item_amx(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    amx_config_16x64();
     item_impl<KAmx>(a, b, hk, r0, r1);
-    _tile_release();
 }
+ICQS_AMX_TARGET void amx_begin() { amx_config_16x64(); }
+ICQS_AMX_TARGET void amx_end() { _tile_release(); }
 
 bool has_bf16_dot() {
     __builtin_cpu_init();
@@ -1123,13 +1125,27 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     int64_t per = (rows + want - 1) / want;
     per = std::max<int64_t>(kBQ, (per + kBQ - 1) / kBQ * kBQ);
     const int64_t nper = (rows + per - 1) / per, nitems = heads * nper;
+    bool tiles = false;
+#ifdef ICQS_ATTN_X86
+    tiles = fn == item_amx;
+#endif
     py::gil_scoped_release nogil;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nitems > 1 && nthreads > 1)
-    for (int64_t it = 0; it < nitems; ++it) {
-        const int64_t h = it / nper, c = it % nper;
-        const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
-        fn(a, h / Hk, h % Hk, r0, r1);
+#pragma omp parallel num_threads(nthreads) if (nitems > 1 && nthreads > 1)
+    {
+#ifdef ICQS_ATTN_X86
+        if (tiles) amx_begin();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nitems; ++it) {
+            const int64_t h = it / nper, c = it % nper;
+            const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
+            fn(a, h / Hk, h % Hk, r0, r1);
+        }
+#ifdef ICQS_ATTN_X86
+        if (tiles) amx_end();
+#endif
     }
+    (void)tiles;
 }
 
 }  // namespace

@@ -189,6 +189,9 @@ __attribute__((target("arch=x86-64-v4,amx-tile"))) ICQS_SIMD_INLINE void amx_con
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
+    // GCC does not count ldtilecfg as a read of the config: without this barrier it dropped
+    // the rows / colsb stores in a function of its own (a fault on the first tile load).
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 #endif
