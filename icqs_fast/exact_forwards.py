@@ -27,7 +27,10 @@ the module's own forward too.
 trades the bits for fewer passes: a module that passes the probe takes the C++ one-pass
 :func:`icqs_fast.ops.rms_norm` (its own fixed summation order per row) and
 :func:`icqs_fast.ops.silu_mul` (its own e^x) instead, within a few fp32 ulps of torch's, and
-still row by row, so batch-invariant (docs/DECISIONS.md, "Fused row-wise passes").
+still row by row, so batch-invariant (docs/DECISIONS.md, "Fused row-wise passes"). There, a
+pre-norm decoder layer whose forward passes its probe (transformers' layer against the
+expression of it) folds its residual adds into the passes after them, with the bits of the
+add (:func:`_fused_layer`).
 """
 
 from __future__ import annotations
@@ -155,7 +158,8 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
     into the down projection's product (``ops.linear``'s ``residual``). The same bits as the
     layer's own forward over its fused norm and MLP, two passes over the activations fewer."""
     post, mlp = self.post_attention_layernorm, self.mlp
-    if (args or post.forward.__func__ is not _fused_norm or mlp.forward.__func__ is not _fused_mlp
+    if (args or getattr(post.forward, "__func__", None) is not _fused_norm
+            or getattr(mlp.forward, "__func__", None) is not _fused_mlp
             or _hooked(post) or _hooked(mlp)):
         return type(self).forward(self, x, *args, **kwargs)
     h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
@@ -178,11 +182,10 @@ def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:
     the model's rotary embedding (a layer that computes otherwise, e.g. Gemma's extra norms,
     or one whose attention needs more than the probe gives, keeps its forward)."""
     rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-    width = layer.input_layernorm.weight.shape[-1]
     w = layer.input_layernorm.weight
     if rope is None or w.dtype != torch.float32:
         return False
-    x = _probe_input(width, w.device)
+    x = _probe_input(w.shape[-1], w.device)
     try:
         with torch.no_grad():
             pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
@@ -280,9 +283,11 @@ def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str,
     modules take the one-pass C++ forwards instead: within fp32 rounding, not the same bits.
 
     Returns:
-        ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r}``: the modules switched and
-        those kept (their probe differed), and the attention modules whose modeling module's
-        rotary embedding is the one-pass equal (:func:`_use_exact_rotary`).
+        ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r, "decoder_layer": d}``: the
+        modules switched and those kept (their probe differed), the attention modules whose
+        modeling module's rotary embedding is the one-pass equal (:func:`_use_exact_rotary`),
+        and (``fused`` only) the decoder layers whose residual adds are folded in
+        (:func:`_fused_layer`).
     """
     counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
     kind_op = {"rms_norm": "rms_norm", "gated_mlp": "silu_mul"}
