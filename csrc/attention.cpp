@@ -1125,9 +1125,8 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     int64_t per = (rows + want - 1) / want;
     per = std::max<int64_t>(kBQ, (per + kBQ - 1) / kBQ * kBQ);
     const int64_t nper = (rows + per - 1) / per, nitems = heads * nper;
-    bool tiles = false;
 #ifdef ICQS_ATTN_X86
-    tiles = fn == item_amx;
+    const bool tiles = fn == item_amx;
 #endif
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads(nthreads) if (nitems > 1 && nthreads > 1)
@@ -1145,7 +1144,6 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
         if (tiles) amx_end();
 #endif
     }
-    (void)tiles;
 }
 
 }  // namespace

@@ -102,28 +102,12 @@ const NormFn kNormFns[1] = {norm_v2};
 const SiluRowFn kSiluRowFns[1] = {silu_v2};
 #endif
 
-void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t out_stride,
-              int64_t R, int64_t D, double eps, int nthreads, int isa) {
-    if (R < 0 || D < 1 || x_stride < D || out_stride < D)
-        throw std::invalid_argument("rms_norm: R >= 0, D >= 1 and row strides >= D");
-    const NormFn fn = kNormFns[pick_isa(isa)];
-    const float* xp = reinterpret_cast<const float*>(x);
-    const float* wp = reinterpret_cast<const float*>(w);
-    float* op = reinterpret_cast<float*>(out);
-    const float e = static_cast<float>(eps);
-    py::gil_scoped_release nogil;
-#pragma omp parallel for schedule(dynamic, kRowChunk) num_threads(nthreads) if (R * D > (1 << 15) && nthreads > 1)
-    for (int64_t r = 0; r < R; ++r) fn(xp + r * x_stride, wp, op + r * out_stride, D, e);
-}
-
-// sum = residual + x (the decoder layer's residual add, fp32: the bits of torch's add), then
-// out = rms_norm(sum): one pass over the rows where the add and the norm took two, and the norm
-// reads the row while it is in L1.
-void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
-                  uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride,
-                  int64_t R, int64_t D, double eps, int nthreads, int isa) {
-    if (R < 0 || D < 1 || x_stride < D || r_stride < D || sum_stride < D || out_stride < D)
-        throw std::invalid_argument("add_rms_norm: R >= 0, D >= 1 and row strides >= D");
+// The norm of each row of x, or with r (add_rms_norm) of sum = r + x: the decoder layer's
+// residual add in fp32 (the bits of torch's add), written beside the norm, which reads the row
+// while it is in L1 (one pass over the rows where the add and the norm took two).
+void norm_rows(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
+               uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride, int64_t R,
+               int64_t D, double eps, int nthreads, int isa) {
     const NormFn fn = kNormFns[pick_isa(isa)];
     const float* xp = reinterpret_cast<const float*>(x);
     const float* rp = reinterpret_cast<const float*>(r);
@@ -134,12 +118,32 @@ void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, 
     py::gil_scoped_release nogil;
 #pragma omp parallel for schedule(dynamic, kRowChunk) num_threads(nthreads) if (R * D > (1 << 15) && nthreads > 1)
     for (int64_t i = 0; i < R; ++i) {
-        const float* xr = xp + i * x_stride;
-        const float* rr = rp + i * r_stride;
-        float* sr = sp + i * sum_stride;
-        for (int64_t j = 0; j < D; ++j) sr[j] = rr[j] + xr[j];
-        fn(sr, wp, op + i * out_stride, D, e);
+        const float* row = xp + i * x_stride;
+        if (rp != nullptr) {
+            const float* rr = rp + i * r_stride;
+            float* sr = sp + i * sum_stride;
+            for (int64_t j = 0; j < D; ++j) sr[j] = rr[j] + row[j];
+            row = sr;
+        }
+        fn(row, wp, op + i * out_stride, D, e);
     }
+}
+
+void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t out_stride,
+              int64_t R, int64_t D, double eps, int nthreads, int isa) {
+    if (R < 0 || D < 1 || x_stride < D || out_stride < D)
+        throw std::invalid_argument("rms_norm: R >= 0, D >= 1 and row strides >= D");
+    norm_rows(x, x_stride, 0, 0, w, 0, 0, out, out_stride, R, D, eps, nthreads, isa);
+}
+
+void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
+                  uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride,
+                  int64_t R, int64_t D, double eps, int nthreads, int isa) {
+    if (R < 0 || D < 1 || x_stride < D || r_stride < D || sum_stride < D || out_stride < D ||
+        r == 0 || sum == 0)
+        throw std::invalid_argument("add_rms_norm: R >= 0, D >= 1, row strides >= D, r and sum");
+    norm_rows(x, x_stride, r, r_stride, w, sum, sum_stride, out, out_stride, R, D, eps, nthreads,
+              isa);
 }
 
 void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uintptr_t out,
