@@ -113,7 +113,9 @@ struct Args {
     int64_t os;
     int terms;             // bf16 terms of x (modes 1-3)
     const uint16_t* xb;    // x's terms, bf16: [Mp][terms][Kp], rows past M zero
-    int64_t xbs;           // its row stride: terms * Kp
+    int64_t xbs;           // its row stride: terms * Kp (x's own for a bf16 x read in place)
+    const uint16_t* xt;    // rows from mt on (a bf16 x read in place: its last partial block,
+    int64_t mt;            // zero-padded to whole AMX blocks), stride xbs; else mt = Mp
     const float* res;      // [M, N] added to the output last (row stride rs), or null
     int64_t rs;
 };
@@ -340,7 +342,8 @@ AMX void bf16_amx(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
         const uint16_t* panel = a.pb + (n / kNR) * a.Kp * kNR;
         for (int64_t m = m0; m < m1; m += 32) {
             const int64_t mc = std::min<int64_t>(32, m1 - m);
-            const uint16_t* x0 = a.xb + m * a.xbs;  // rows up to Mp exist (zero past M)
+            // Rows up to Mp exist (zero past M): x's terms, or a bf16 x and its padded tail.
+            const uint16_t* x0 = m < a.mt ? a.xb + m * a.xbs : a.xt + (m - a.mt) * a.xbs;
             const uint16_t* x1 = x0 + 16 * a.xbs;
             _tile_zero(0);
             _tile_zero(1);
@@ -470,12 +473,17 @@ struct KeptTerms {
 
 bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
             uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
-            bool reuse_x, uintptr_t up, uintptr_t res, int64_t rs) {
+            bool reuse_x, uintptr_t up, uintptr_t res, int64_t rs, bool x_bf16, bool out_bf16) {
     if (M < 0 || K < 1 || N < 1) throw std::invalid_argument("linear: bad shape");
     if (mode < kF32 || mode > kBF16x3) throw std::invalid_argument("linear: mode must be 0-3");
     if (up != 0 && (bias != 0 || res != 0))
         throw std::invalid_argument("linear: a gated product takes no bias and no residual");
     if (res != 0 && rs < N) throw std::invalid_argument("linear: residual row stride >= N");
+    if (x_bf16 && mode != kBF16)
+        throw std::invalid_argument("linear: a bf16 x only with bf16 products (mode 1)");
+    if (out_bf16 && up == 0)
+        throw std::invalid_argument("linear: a bf16 output only for a gated product");
+    if (xs < K || os < N) throw std::invalid_argument("linear: row strides >= K and >= N");
     if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
@@ -504,12 +512,30 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     static thread_local KeptTerms kept_for;
     AlignedVec<uint16_t> fresh;
     bool reused = false;
-    if (mode != kF32) {
+    a.mt = round_up(M, 32);
+    const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+    if (x_bf16 && K % kKC == 0) {
+        // A bf16 x is its own (only) term: read in place, rows past the last whole block of 32
+        // from a zero-padded copy of them (AMX loads whole blocks).
+        static thread_local AlignedVec<uint16_t> tail;
+        a.xb = x16;
+        a.xbs = xs;
+        a.mt = M / 32 * 32;
+        if (a.mt < M) {
+            if (tail.size() < static_cast<size_t>(32 * xs)) tail.resize(32 * xs);
+            std::memset(tail.data(), 0, static_cast<size_t>(32 * xs) * 2);
+            for (int64_t m = a.mt; m < M; ++m)
+                std::memcpy(tail.data() + (m - a.mt) * xs, x16 + m * xs, static_cast<size_t>(K) * 2);
+            a.xt = tail.data();
+        }
+        kept_for = KeptTerms{};
+    } else if (mode != kF32) {
         const int64_t Mp = round_up(M, 32);
         const size_t need = static_cast<size_t>(Mp * a.xbs);
         const bool keep = need * 2 <= kKeepBytes;
         AlignedVec<uint16_t>& xb = keep ? kept : fresh;
-        reused = reuse_x && keep && kept_for.M == M && kept_for.K == K && kept_for.mode == mode;
+        reused = reuse_x && !x_bf16 && keep && kept_for.M == M && kept_for.K == K &&
+                 kept_for.mode == mode;
         if (!reused && keep) kept_for = KeptTerms{};  // overwritten below
         if (xb.size() < need) xb.resize(need);
         uint16_t* base = xb.data();
@@ -519,6 +545,11 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
             uint16_t* dst = base + m * a.xbs;
             if (m >= M) {
                 std::memset(dst, 0, static_cast<size_t>(a.xbs) * 2);
+                continue;
+            }
+            if (x_bf16) {  // already its bf16 term (K not a whole number of AMX rows)
+                std::memcpy(dst, x16 + m * xs, static_cast<size_t>(K) * 2);
+                std::memset(dst + K, 0, static_cast<size_t>(a.Kp - K) * 2);
                 continue;
             }
             const float* xr = a.x + m * a.xs;
@@ -531,7 +562,8 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
             for (int t = 0; t < a.terms; ++t)
                 std::memset(dst + t * a.Kp + K, 0, static_cast<size_t>(a.Kp - K) * 2);
         }
-        if (keep) kept_for = KeptTerms{M, K, mode};
+        // A bf16 x's copy is not its fp32 terms' (no reuse_x for it).
+        if (keep) kept_for = x_bf16 ? KeptTerms{} : KeptTerms{M, K, mode};
     }
     const int64_t rb = (M + kTaskRows - 1) / kTaskRows, cb = (N + kTaskCols - 1) / kTaskCols;
     const int64_t tasks = rb * cb;
@@ -580,9 +612,22 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
         t.pb = up_pb, t.pf = up_pf;
         t.out = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(su) - shift);
         fn(t, m0, m1, n0, n1);
-        for (int64_t m = m0; m < m1; ++m)
-            silu(sg + (m - m0) * kTaskCols, su + (m - m0) * kTaskCols, a.out + m * a.os + n0,
-                 n1 - n0);
+        for (int64_t m = m0; m < m1; ++m) {
+            float* g = sg + (m - m0) * kTaskCols;
+            if (!out_bf16) {
+                silu(g, su + (m - m0) * kTaskCols, a.out + m * a.os + n0, n1 - n0);
+                continue;
+            }
+            // bf16 out: the rounding the next product gives its x (bf16_terms, one term).
+            silu(g, su + (m - m0) * kTaskCols, g, n1 - n0);
+            uint16_t* o16 = reinterpret_cast<uint16_t*>(out) + m * os + n0;
+#ifdef ICQS_LIN_X86
+            if (ran >= 2)
+                bf16_terms_v4(g, n1 - n0, 1, n1 - n0, o16);
+            else
+#endif
+                bf16_terms(g, 0, n1 - n0, 1, n1 - n0, o16);
+        }
     }
     return reused;
 }
@@ -590,6 +635,20 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
 const char* const kLevelNames[4] = {"generic", "avx2", "avx512", "amx"};
 
 }  // namespace
+
+// n fp32 values rounded to bf16 as linear rounds a bf16-products x (one term), at ISA level
+// `isa` (-1 the CPU's best; the same bits at every level): for the passes that write a
+// product's input in bf16 (rowwise.cpp's add_rms_norm), so that it is read in place.
+void bf16_round_row(const float* src, int64_t n, uint16_t* dst, int isa) {
+#ifdef ICQS_LIN_X86
+    if ((isa < 0 || isa >= 2) && best_level() >= 2) {
+        bf16_terms_v4(src, n, 1, n, dst);
+        return;
+    }
+#endif
+    (void)isa;
+    bf16_terms(src, 0, n, 1, n, dst);
+}
 
 void register_linear(py::module_& m) {
     m.def("linear_packed_size", &packed_size, py::arg("N"), py::arg("K"), py::arg("kind"),
@@ -603,6 +662,7 @@ void register_linear(py::module_& m) {
           py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
           py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1, py::arg("reuse_x") = false,
           py::arg("up") = 0, py::arg("residual") = 0, py::arg("residual_stride") = 0,
+          py::arg("x_bf16") = false, py::arg("out_bf16") = false,
           "out [M,N] fp32 = x [M,K] fp32 @ w^T (+ bias [N] fp32; 0 = none) with w packed by "
           "linear_pack (kind 0 for mode 0, kind 1 for modes 1-3); row strides in elements. "
           "mode 0 fp32 products, 1 bf16 products, 2/3 x split into 2/3 bf16 terms. Each output "
@@ -611,7 +671,9 @@ void register_linear(py::module_& m) {
           "this thread (its bf16 terms are reused when kept for the same M, K and mode). "
           "up: a second weight packed alike ([N,K]; 0 = none): out = silu(x @ w^T) * "
           "(x @ up^T), no bias. residual: [M,N] fp32 (0 = none) added last: out = (x @ w^T + "
-          "bias) + residual. Returns whether the terms were reused.");
+          "bias) + residual. x_bf16: x is bf16 (mode 1 only; its own term, read in place when K is a "
+          "multiple of 32). out_bf16: the gated output rounded to bf16 as x is (with up only). "
+          "Returns whether the terms were reused.");
     m.def("linear_level", [](int mode, int isa) {
         const int best = best_level();
         return pick(mode, isa < 0 ? best : std::min(isa, best)).second;

@@ -22,12 +22,15 @@
 #include <cstring>
 #include <cstdint>
 #include <stdexcept>
+#include <vector>
 
 #include "simd_math.h"
 
 namespace py = pybind11;
 
 using SiluRowFn = void (*)(const float*, const float*, float*, int64_t);
+// Defined in linear.cpp: a row rounded to bf16 as ops.linear rounds its x.
+void bf16_round_row(const float* src, int64_t n, uint16_t* dst, int isa);
 
 namespace {
 
@@ -105,9 +108,11 @@ const SiluRowFn kSiluRowFns[1] = {silu_v2};
 // The norm of each row of x, or with r (add_rms_norm) of sum = r + x: the decoder layer's
 // residual add in fp32 (the bits of torch's add), written beside the norm, which reads the row
 // while it is in L1 (one pass over the rows where the add and the norm took two).
+// out_bf16: the normed rows rounded to bf16 (as the bf16-products linear that reads them
+// would round them), half the bytes written and none of the product's conversion pass.
 void norm_rows(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
                uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride, int64_t R,
-               int64_t D, double eps, int nthreads, int isa) {
+               int64_t D, double eps, int nthreads, int isa, bool out_bf16 = false) {
     const NormFn fn = kNormFns[pick_isa(isa)];
     const float* xp = reinterpret_cast<const float*>(x);
     const float* rp = reinterpret_cast<const float*>(r);
@@ -125,7 +130,14 @@ void norm_rows(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uin
             for (int64_t j = 0; j < D; ++j) sr[j] = rr[j] + row[j];
             row = sr;
         }
-        fn(row, wp, op + i * out_stride, D, e);
+        if (!out_bf16) {
+            fn(row, wp, op + i * out_stride, D, e);
+            continue;
+        }
+        static thread_local std::vector<float> normed;
+        if (normed.size() < static_cast<size_t>(D)) normed.resize(D);
+        fn(row, wp, normed.data(), D, e);
+        bf16_round_row(normed.data(), D, reinterpret_cast<uint16_t*>(out) + i * out_stride, isa);
     }
 }
 
@@ -138,12 +150,12 @@ void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t
 
 void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
                   uintptr_t sum, int64_t sum_stride, uintptr_t out, int64_t out_stride,
-                  int64_t R, int64_t D, double eps, int nthreads, int isa) {
+                  int64_t R, int64_t D, double eps, int nthreads, int isa, bool out_bf16) {
     if (R < 0 || D < 1 || x_stride < D || r_stride < D || sum_stride < D || out_stride < D ||
         r == 0 || sum == 0)
         throw std::invalid_argument("add_rms_norm: R >= 0, D >= 1, row strides >= D, r and sum");
     norm_rows(x, x_stride, r, r_stride, w, sum, sum_stride, out, out_stride, R, D, eps, nthreads,
-              isa);
+              isa, out_bf16);
 }
 
 void silu_mul(uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uintptr_t out,
@@ -172,9 +184,10 @@ void register_rowwise(py::module_& m) {
     m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("r"),
           py::arg("r_stride"), py::arg("w"), py::arg("sum"), py::arg("sum_stride"),
           py::arg("out"), py::arg("out_stride"), py::arg("R"), py::arg("D"), py::arg("eps"),
-          py::arg("nthreads"), py::arg("isa") = -1,
+          py::arg("nthreads"), py::arg("isa") = -1, py::arg("out_bf16") = false,
           "sum [R,D] = r + x, out [R,D] = rms_norm(sum) as rms_norm computes it (fp32 rows, row "
-          "strides in elements). isa: -1 best, 0/1/2.");
+          "strides in elements). isa: -1 best, 0/1/2. out_bf16: out rounded to bf16 as "
+          "linear rounds a bf16-products x.");
     m.def("silu_mul", &silu_mul, py::arg("g"), py::arg("g_stride"), py::arg("u"),
           py::arg("u_stride"), py::arg("out"), py::arg("out_stride"), py::arg("R"), py::arg("N"),
           py::arg("nthreads"), py::arg("isa") = -1,

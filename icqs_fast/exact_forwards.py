@@ -167,6 +167,14 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
             and h.device.type == "cpu" and x.shape == h.shape):
         h = x + h
         return h + mlp(post(h))
+    packs = _bf16_mlp_packs(mlp) if _probed_mlp_call(mlp, h, (), {}) else None
+    if packs is not None:
+        # The products round their inputs to bf16 anyway: the norm and the gated product
+        # write them so (the same bits), and the next product reads them in place.
+        h, normed = ops.add_rms_norm(h, x, post.weight, _norm_eps(post),
+                                     normed_dtype=torch.bfloat16)
+        g = ops.linear(normed, packs[0], up=packs[1], out_dtype=torch.bfloat16)
+        return ops.linear(g, packs[2], mlp.down_proj.bias, residual=h)
     h, normed = ops.add_rms_norm(h, x, post.weight, _norm_eps(post))
     if not _probed_mlp_call(mlp, normed, (), {}):
         return h + mlp(normed)
@@ -175,6 +183,18 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
     if d is None or _hooked(down):
         return h + down(_gated(mlp, normed))
     return ops.linear(_gated(mlp, normed), d, down.bias, residual=h)
+
+
+def _bf16_mlp_packs(mlp: Any) -> tuple[Any, Any, Any] | None:
+    """The gate, up and down packs of a gated MLP whose three products are bf16 ones of the
+    cpp backend, current and unhooked, the gate and up without a bias (None otherwise)."""
+    parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    packs = tuple(_packed_now(p) for p in parts)
+    if (any(p is None or p.products != "bf16" or p.backend != "cpp" for p in packs)
+            or any(_hooked(p) for p in parts) or parts[0].bias is not None
+            or parts[1].bias is not None):
+        return None
+    return packs  # type: ignore[return-value]
 
 
 def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:

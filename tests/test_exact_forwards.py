@@ -184,11 +184,12 @@ def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
 
 @pytest.mark.skipif(not cpp_backend.available()[0], reason="needs icqs_fast._C")
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma2"])
-def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type):
+def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type, monkeypatch):
     """A bf16-products model's pre-norm decoder layers fold their residual adds into the
     passes after them (``ops.add_rms_norm``, ``ops.linear``'s ``residual``): its logits are the
     bits of the layers' own forwards over the same fused parts, a row alone or beside others.
-    A layer that computes otherwise (Gemma 2's extra norms) keeps its own forward."""
+    A layer that computes otherwise (Gemma 2's extra norms) keeps its own forward. The MLP's
+    products read their inputs in bf16, as they would round them."""
     import warnings
 
     from icqs_fast import models
@@ -200,7 +201,12 @@ def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type):
     fused = [layer for layer in layers if "forward" in vars(layer)]
     assert len(fused) == (0 if model_type == "gemma2" else len(layers)), model_type
     ids = _ids(3, 29)
+    # Their MLPs' two products read bf16 inputs (the norm and the gated product write them so).
+    seen, linear = [], cpp_backend.linear
+    monkeypatch.setattr(cpp_backend, "linear", lambda x, *a: seen.append(x.dtype) or linear(x, *a))
     got = _logits(model, ids)
+    assert seen.count(torch.bfloat16) == 2 * len(fused), seen
+    monkeypatch.undo()
     assert torch.equal(_logits(model, ids[1:2]), got[1:2])
     for layer in fused:
         del layer.forward

@@ -162,3 +162,60 @@ def test_a_residual_must_fit_the_output():
             ops.linear(x, a, residual=bad)
     with pytest.raises(ValueError, match="no residual"):
         ops.linear(x, a, up=a, residual=torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+@pytest.mark.parametrize("k", [64, 83])
+def test_a_bf16_input_of_bf16_products_is_its_own_term(isa, k, monkeypatch):
+    """A bf16 ``x`` of bf16 products (the MLP's inputs the fused layer writes in bf16) gives
+    the bits of its fp32 widening: read in place when K is a multiple of 32, the rows past the
+    last whole block of 32 from a padded copy (row counts around it), copied otherwise; strided
+    rows too, at 1 and 2 threads. The other products widen it first."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(130, k + 5, generator=gen) * 4).to(torch.bfloat16)
+    w = torch.randn(300, k, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for products in PRODUCTS:
+                p = ops.pack_linear(w, products, backend="cpp")
+                for m in (1, 31, 32, 33, 97, 130):
+                    for rows in (x[:m, :k].contiguous(), x[:m, :k]):
+                        assert torch.equal(ops.linear(rows, p), ops.linear(rows.float(), p)), \
+                            (products, m, rows.is_contiguous())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+def test_a_gated_bf16_output_is_the_fp32_one_rounded(isa, monkeypatch):
+    """``out_dtype=torch.bfloat16`` (the down projection's input) gives the fp32 gated output
+    rounded to nearest even, at 1 and 2 threads, alone and in a batch; it is refused without
+    ``up``."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(97, 64, generator=gen)
+    g, u = (ops.pack_linear(torch.randn(300, 64, generator=gen), "bf16", backend="cpp")
+            for _ in range(2))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            want = ops.linear(x, g, up=u).to(torch.bfloat16)
+            got = ops.linear(x, g, up=u, out_dtype=torch.bfloat16)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+            assert torch.equal(ops.linear(x[40:41], g, up=u, out_dtype=torch.bfloat16),
+                               want[40:41])
+    finally:
+        torch.set_num_threads(before)
+    wt = [ops.pack_linear(torch.randn(300, 64, generator=gen), "bf16", backend="torch")
+          for _ in range(2)]
+    ref = ops.linear(x, wt[0], up=wt[1], out_dtype=torch.bfloat16)
+    assert torch.equal(ref, ops.linear(x, wt[0], up=wt[1]).to(torch.bfloat16))
+    for bad in (torch.float16, torch.float64):
+        with pytest.raises(ValueError, match="out_dtype must be float32, or bfloat16 with up"):
+            ops.linear(x, g, up=u, out_dtype=bad)
+    with pytest.raises(ValueError, match="out_dtype must be float32, or bfloat16 with up"):
+        ops.linear(x, g, out_dtype=torch.bfloat16)

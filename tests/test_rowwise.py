@@ -56,6 +56,16 @@ def test_add_rms_norm_is_the_add_then_the_norm(isa, d, monkeypatch):
     assert torch.equal(o_ref, ops.rms_norm(total, w, 1e-5, backend="torch"))
     with pytest.raises(ValueError, match="x and residual must match"):
         ops.add_rms_norm(x, r[:3], w, 1e-5)
+    # The normed rows in bf16 (a bf16-products linear's input): the fp32 norm rounded to
+    # nearest even, the sum unchanged, on both backends.
+    for backend in ("cpp", "torch"):
+        t16, o16 = ops.add_rms_norm(x, r, w, 1e-5, normed_dtype=torch.bfloat16, backend=backend)
+        want = out if backend == "cpp" else o_ref
+        assert torch.equal(t16, total) and o16.dtype == torch.bfloat16
+        assert torch.equal(o16, want.to(torch.bfloat16)), backend
+    for bad in (torch.float16, torch.float64):
+        with pytest.raises(ValueError, match="normed_dtype must be x's dtype"):
+            ops.add_rms_norm(x, r, w, 1e-5, normed_dtype=bad)
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 1536])

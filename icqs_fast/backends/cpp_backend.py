@@ -373,15 +373,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`icqs_fast.ops.add_rms_norm` of fp32 CPU rows in one C++ pass."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 normed_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`icqs_fast.ops.add_rms_norm` of fp32 CPU rows in one C++ pass (the normed rows
+    in ``normed_dtype``: bf16 rounded as a bf16-products linear rounds its x)."""
     rows, res, w = _rows2d(x), _rows2d(residual), weight.contiguous()
     total = torch.empty(rows.shape, dtype=x.dtype)
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty(rows.shape, dtype=normed_dtype)
     _C.add_rms_norm(rows.data_ptr(), rows.stride(0), res.data_ptr(), res.stride(0), w.data_ptr(),
                     total.data_ptr(), total.stride(0), out.data_ptr(), out.stride(0),
-                    rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting())
+                    rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting(),
+                    normed_dtype == torch.bfloat16)
     return total.reshape(x.shape), out.reshape(x.shape)
 
 
@@ -437,29 +439,35 @@ _LAST = threading.local()
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None, up: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` fp32 CPU times a :func:`pack_linear` weight (+ ``bias [N]``, then +
-    ``residual [M, N]`` fp32): ``[M, N]`` fp32, each element in one fixed order
-    (``csrc/linear.cpp``). With ``up`` (a second weight packed alike, no bias, no residual):
-    ``silu(x @ W^T) * (x @ up^T)`` in one call."""
+           residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x [M, K]`` fp32 (or bf16: read in place for bf16 products) CPU times a
+    :func:`pack_linear` weight (+ ``bias [N]``, then + ``residual [M, N]`` fp32): ``[M, N]``
+    fp32, each element in one fixed order (``csrc/linear.cpp``). With ``up`` (a second weight
+    packed alike, no bias, no residual): ``silu(x @ W^T) * (x @ up^T)`` in one call, in
+    ``out_dtype`` (bf16: rounded as a bf16-products x is)."""
     m, k = x.shape
+    mode = PRODUCTS.index(products)
+    x_bf16 = x.dtype == torch.bfloat16 and mode == 1  # its own bf16 term, as it is
+    if x.dtype != torch.float32 and not x_bf16:
+        x = x.float()
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()
     b = None if bias is None else bias.float().contiguous()
     r = None if residual is None else _unit_last_stride(residual)
-    out = torch.empty(m, out_features, dtype=torch.float32)
-    mode = PRODUCTS.index(products)
+    out = torch.empty(m, out_features, dtype=out_dtype)
     # The same memory, layout and version as the previous input, which is held (so no other
     # tensor can live at its address): the same values (an in-place change bumps the version
-    # counter every view shares), so its terms can be reused.
+    # counter every view shares), so its terms can be reused. A bf16 x has no terms to reuse.
     key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version, mode)
     same = getattr(_LAST, "x", None) is not None and _LAST.key == key
-    _LAST.x, _LAST.key = (x, key) if mode != 0 else (None, ())
+    _LAST.x, _LAST.key = (x, key) if mode != 0 and not x_bf16 else (None, ())
     _C.linear(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, packed.data_ptr(), out_features,
               0 if b is None else b.data_ptr(), out.data_ptr(), out_features, mode,
               # ICQS_FAST_CPP_ISA caps this kernel too: "avx512" leaves AMX out (the AVX-512
               # BF16 path of CPUs without AMX).
               torch.get_num_threads(), isa_setting(), same, 0 if up is None else up.data_ptr(),
               0 if r is None else r.data_ptr(),
-              0 if r is None else r.stride(0) if m > 1 else out_features)
+              0 if r is None else r.stride(0) if m > 1 else out_features,
+              x_bf16, out_dtype == torch.bfloat16)
     return out

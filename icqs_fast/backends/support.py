@@ -57,11 +57,12 @@ class Support:
 OPTIONS: dict[str, dict[str, str]] = {
     "token_stats": {},
     "linear": {"gated": "a second weight: silu(x W^T) * (x U^T)",
-               "residual": "a residual added to the output"},
+               "residual": "a residual added to the output",
+               "bf16_out": "the gated output rounded to bf16 (the next product's input)"},
     "rotary": {},
     "concat_slots": {},
     "rms_norm": {},
-    "add_rms_norm": {},
+    "add_rms_norm": {"bf16_normed": "the normed rows rounded to bf16 (a product's input)"},
     "silu_mul": {},
     "linear_token_stats": {
         "bias": "a bias added to the logits",
@@ -95,8 +96,8 @@ TABLE: dict[str, dict[str, Support]] = {
     # The batch-invariant linear layer (csrc/linear.cpp): the C++ kernel on the CPU; the torch
     # reference anywhere (float64 products of the same bf16 terms, rounded once to fp32).
     "linear": {
-        "cpp": Support(FLOAT16_32, ("cpu",), frozenset({"gated", "residual"})),
-        "torch": Support(FLOATS, None, frozenset({"gated", "residual"})),
+        "cpp": Support(FLOAT16_32, ("cpu",), frozenset(OPTIONS["linear"])),
+        "torch": Support(FLOATS, None, frozenset(OPTIONS["linear"])),
     },
     # Rotary embedding: the C++ pass where transformers' arithmetic runs in fp32 (the same
     # bits); the torch reference for everything else.
@@ -116,8 +117,8 @@ TABLE: dict[str, dict[str, Support]] = {
         "torch": Support(FLOATS, None),
     },
     "add_rms_norm": {
-        "cpp": Support((torch.float32,), ("cpu",)),
-        "torch": Support(FLOATS, None),
+        "cpp": Support((torch.float32,), ("cpu",), frozenset(OPTIONS["add_rms_norm"])),
+        "torch": Support(FLOATS, None, frozenset(OPTIONS["add_rms_norm"])),
     },
     "silu_mul": {
         "cpp": Support((torch.float32,), ("cpu",)),

@@ -357,12 +357,13 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None, up: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
     weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
     every backend's result (not bit for bit). With ``up`` (:func:`icqs_fast.ops.linear`'s gated
     product): ``silu(x W^T) * (x up^T)``, all in float64; with ``residual``: it is added in
-    float64 too."""
+    float64 too. The result is fp32, then rounded to ``out_dtype``."""
     terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
     xs = [x.float()] if terms is None else bf16_terms(x, terms)
     acc = sum(t.double() @ packed.double().t() for t in xs)
@@ -372,7 +373,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
         acc = acc * torch.sigmoid(acc) * sum(t.double() @ up.double().t() for t in xs)
     if residual is not None:
         acc = acc + residual.double()
-    return acc.float()
+    return acc.float().to(out_dtype)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -388,12 +389,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 normed_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`icqs_fast.ops.add_rms_norm`: the sum in ``x``'s dtype (what it
-    is defined as), then :func:`rms_norm`'s float64 reference of that sum."""
+    is defined as), then :func:`rms_norm`'s float64 reference of that sum (rounded on to
+    ``normed_dtype`` when given)."""
     total = residual + x
-    return total, rms_norm(total, weight, eps)
+    normed = rms_norm(total, weight, eps)
+    return total, normed if normed_dtype is None else normed.to(normed_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

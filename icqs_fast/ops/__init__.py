@@ -466,8 +466,8 @@ def _keep_pack(weight: torch.Tensor, key: tuple, packed: PackedLinear) -> None:
 
 
 def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None, *,
-           up: PackedLinear | None = None, residual: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           up: PackedLinear | None = None, residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with a weight packed by :func:`pack_linear`, batch-invariant: on the
     cpp backend each output element is summed in one fixed order that depends only on ``K``
     and ``weight.products``, so a row's result is the same bits whatever the other rows, their
@@ -483,9 +483,12 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
             :func:`silu_mul`'s bits of the two products, which never reach memory.
         residual: optional ``[..., N]`` float32 (not with ``up``), added last: on cpp the bits
             of ``residual + linear(x, weight, bias)``, without the pass the add takes.
+        out_dtype: float32, or bfloat16 with ``up``: the gated output rounded to bf16 (round
+            to nearest even), as a bf16-products linear rounds its input, so the next product
+            reads it in place (a bf16 ``x`` of bf16 products is not converted at all).
 
     Returns:
-        ``[..., N]`` float32 on ``x``'s device.
+        ``[..., N]`` ``out_dtype`` on ``x``'s device.
     """
     k = weight.in_features
     if x.shape[-1] != k:
@@ -501,13 +504,19 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
     if residual is not None and (tuple(residual.shape), residual.dtype) != (want, torch.float32):
         raise ValueError(f"residual must be float32 {list(want)}, got {residual.dtype} "
                          f"{list(residual.shape)}")
+    bf16_out = out_dtype == torch.bfloat16
+    if out_dtype != torch.float32 and not (bf16_out and up is not None):
+        raise ValueError(f"out_dtype must be float32, or bfloat16 with up; got {out_dtype}")
     backends.choose("linear", weight.backend, x.device, x.dtype,
-                    support.requested(gated=up is not None, residual=residual is not None))
-    rows = x.reshape(-1, k) if x.dtype == torch.float64 else x.reshape(-1, k).float()
+                    support.requested(gated=up is not None, residual=residual is not None,
+                                      bf16_out=bf16_out))
+    rows = x.reshape(-1, k)
+    if x.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        rows = rows.float()  # widens exactly (a bf16 x the backends take as it is)
     out = backends.module(weight.backend).linear(
         rows, weight.data, weight.out_features, weight.products, bias,
         None if up is None else up.data,
-        None if residual is None else residual.reshape(-1, weight.out_features))
+        None if residual is None else residual.reshape(-1, weight.out_features), out_dtype)
     return out.reshape(want)
 
 
@@ -558,17 +567,27 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 normed_dtype: torch.dtype | None = None, backend: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's residual add and the next norm: ``(s, rms_norm(s))`` with ``s =
     residual + x`` (``x``, ``residual``: ``[..., D]``, one dtype; ``weight [D]``), both
     ``[..., D]`` contiguous in ``x``'s dtype. On cpp one pass, ``s`` the bits of torch's add
-    and the norm :func:`rms_norm`'s bits of ``s``."""
+    and the norm :func:`rms_norm`'s bits of ``s``. ``normed_dtype=torch.bfloat16`` (fp32
+    ``x``): the norm rounded to bf16 (round to nearest even), the input a bf16-products
+    :func:`linear` reads in place, with the bits it would give the fp32 norm."""
     if (x.shape, x.dtype, x.device) != (residual.shape, residual.dtype, residual.device):
         raise ValueError(f"x and residual must match: {x.dtype} {list(x.shape)} on {x.device} "
                          f"against {residual.dtype} {list(residual.shape)} on {residual.device}")
     _check_norm_weight(x, weight)
-    name = backends.choose("add_rms_norm", backend, x.device, x.dtype)
-    return backends.module(name).add_rms_norm(x, residual, weight, float(eps))
+    bf16 = normed_dtype == torch.bfloat16
+    if normed_dtype not in (None, x.dtype) and not (bf16 and x.dtype == torch.float32):
+        raise ValueError(f"normed_dtype must be x's dtype, or bfloat16 for float32 x; got "
+                         f"{normed_dtype} for {x.dtype}")
+    name = backends.choose("add_rms_norm", backend, x.device, x.dtype,
+                           support.requested(bf16_normed=bf16))
+    if not bf16:
+        return backends.module(name).add_rms_norm(x, residual, weight, float(eps))
+    return backends.module(name).add_rms_norm(x, residual, weight, float(eps), torch.bfloat16)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
