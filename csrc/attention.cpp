@@ -181,6 +181,7 @@ struct Args {
     const float* state_in;  // [B, Hq, Tq, kStateLanes + 1 + Dv] running state to resume, or null
     float* state_out;       // the same layout: written instead of out / lse, or null
     bool token_major;       // out as [B, Tq, Hq, Dv] (a model's layout after attention)
+    const int64_t* kbatch;  // [B]: the key batch (of k, v, kpos) of each query batch, or null (b)
 };
 
 // A query row's running softmax state (state_in / state_out): the running max (log2 units),
@@ -590,10 +591,11 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     Scratch& s = scratch();
     const int64_t nkb = (a.Tk + BK - 1) / BK, dq = K::q_len(a.D), Dv = a.Dv;
     const int64_t dvp = (Dv + W - 1) / W * W;
-    if (s.call != a.call || s.b != b || s.hk != hk) {
-        K::pack(a, s, b, hk, nkb, dvp);
+    const int64_t kbt = a.kbatch ? a.kbatch[b] : b;  // the keys' batch (packed once per thread)
+    if (s.call != a.call || s.b != kbt || s.hk != hk) {
+        K::pack(a, s, kbt, hk, nkb, dvp);
         s.call = a.call;
-        s.b = b;
+        s.b = kbt;
         s.hk = hk;
     }
     auto& qbuf = K::q_buf(s);
@@ -603,7 +605,11 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     K::prepare(s);
     auto* qb = qbuf.data();
     float *sb = s.sb.data(), *ob = s.ob.data();
-    const bool by_head = a.causal || a.window || a.chunk;
+    // With positions to compare, a block of rows spanning two query heads sees the union of
+    // their positions' keys (more key blocks masked than skipped): kept to one head's rows
+    // unless a head has fewer rows than a block (short suffixes), where spanning fills the
+    // tiles. Either way each row's bits: a fully masked block is the same as a skipped one.
+    const bool by_head = (a.causal || a.window || a.chunk) && a.Tq >= kBQ;
     // Per query row: running max (log2 units), running sum (W lanes); per key block: the
     // rows' block max, output factor, max to subtract (rows past n: -inf, 1, 0).
     alignas(64) float m[kBQ], bm[kBQ], alpha[kBQ], msub[kBQ];
@@ -1057,7 +1063,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
                    int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
                    int isa, bool bf16_dot, bool round_bf16, uintptr_t state_in,
-                   uintptr_t state_out, bool token_major) {
+                   uintptr_t state_out, bool token_major, uintptr_t key_batch, int64_t Bk) {
     if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
         throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
     if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
@@ -1102,6 +1108,11 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.state_in = reinterpret_cast<const float*>(state_in);
     a.state_out = reinterpret_cast<float*>(state_out);
     a.token_major = token_major;
+    a.kbatch = reinterpret_cast<const int64_t*>(key_batch);
+    if (a.kbatch != nullptr)
+        for (int64_t b = 0; b < B; ++b)
+            if (a.kbatch[b] < 0 || a.kbatch[b] >= Bk)
+                throw std::invalid_argument("attention_lse: key_batch values must be in [0, Bk)");
     a.call = ++g_call;
     if (B == 0 || Tq == 0) return;
     ItemFn fn = item_v2;
@@ -1125,6 +1136,22 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     int64_t per = (rows + want - 1) / want;
     per = std::max<int64_t>(kBQ, (per + kBQ - 1) / kBQ * kBQ);
     const int64_t nper = (rows + per - 1) / per, nitems = heads * nper;
+    // (b, hk) in item order: per run of query batches that share a key batch, key head by key
+    // head; with key_batch, each such (key batch, key head) group's items go to one thread in
+    // a row, which packs its keys once (when there are groups enough to share out).
+    std::vector<std::pair<int64_t, int64_t>> order;
+    std::vector<int64_t> group_at{0};  // where each group's items start (in order's units)
+    order.reserve(static_cast<size_t>(heads));
+    for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {
+        const int64_t kb0 = a.kbatch ? a.kbatch[b0] : b0;
+        for (b1 = b0 + 1; b1 < B && a.kbatch && a.kbatch[b1] == kb0;) ++b1;
+        for (int64_t hk = 0; hk < Hk; ++hk) {
+            for (int64_t b = b0; b < b1; ++b) order.emplace_back(b, hk);
+            group_at.push_back(static_cast<int64_t>(order.size()));
+        }
+    }
+    const int64_t ngroups = static_cast<int64_t>(group_at.size()) - 1;
+    const bool grouped = a.kbatch != nullptr && ngroups >= 4 * int64_t(nthreads);
 #ifdef ICQS_ATTN_X86
     const bool tiles = fn == item_amx;
 #endif
@@ -1134,11 +1161,16 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
 #ifdef ICQS_ATTN_X86
         if (tiles) amx_begin();
 #endif
+        const int64_t nloop = grouped ? ngroups : nitems;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < nitems; ++it) {
-            const int64_t h = it / nper, c = it % nper;
-            const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
-            fn(a, h / Hk, h % Hk, r0, r1);
+        for (int64_t it = 0; it < nloop; ++it) {
+            const int64_t i0 = grouped ? group_at[it] * nper : it;
+            const int64_t i1 = grouped ? group_at[it + 1] * nper : it + 1;
+            for (int64_t i = i0; i < i1; ++i) {
+                const int64_t r0 = (i % nper) * per, r1 = std::min(rows, r0 + per);
+                const auto& [b, hk] = order[static_cast<size_t>(i / nper)];
+                fn(a, b, hk, r0, r1);
+            }
         }
 #ifdef ICQS_ATTN_X86
         if (tiles) amx_end();
@@ -1156,7 +1188,8 @@ void register_attention(py::module_& m) {
           py::arg("dtype"), py::arg("causal"), py::arg("window"), py::arg("chunk"),
           py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
           py::arg("bf16_dot") = true, py::arg("round_bf16") = false, py::arg("state_in") = 0,
-          py::arg("state_out") = 0, py::arg("token_major") = false,
+          py::arg("state_out") = 0, py::arg("token_major") = false, py::arg("key_batch") = 0,
+          py::arg("Bk") = 0,
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
           "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 ([B,Tq,Hq,Dv] with token_major) and "
@@ -1169,7 +1202,8 @@ void register_attention(py::module_& m) {
           "bf16 dot products where bf16 inputs take them, else widened back to fp32). state_in / "
           "state_out (0 = none): [B,Hq,Tq,17+Dv] fp32 running softmax state (max in log2 "
           "units, 16 sum lanes, unnormalised output) to resume from / to write instead of out "
-          "and lse.");
+          "and lse. key_batch (0 = none): [B] int64, query batch b reads key batch "
+          "key_batch[b] of k, v and kpos ([Bk, ...]): rows that share keys, without copies.");
     m.attr("attention_state_lanes") = kStateLanes;
     m.attr("attention_key_block") = 64;
     m.def("attention_bf16_dot", []() {

@@ -323,7 +323,8 @@ def test_rows_do_not_depend_on_the_rows_beside_them(isa, dot, monkeypatch):
 def test_causal_rows_do_not_depend_on_the_rows_beside_them(isa, window, monkeypatch):
     """Causal GQA on token positions, padded key slots at the end of a row (a short suffix): the
     kernel computes a key block only up to the last key some row of its query block may see,
-    and a query block holds one query head's rows; neither may change a row's arithmetic.
+    and a query block holds one query head's rows (or several heads' where a head has fewer
+    rows than a block); none of it may change a row's arithmetic.
     Each row's output and LSE are bit for bit those of the same row (same position) inside a
     longer call, for row counts around the tile, block and head sizes; and they match the
     float64 reference."""
@@ -341,3 +342,52 @@ def test_causal_rows_do_not_depend_on_the_rows_beside_them(isa, window, monkeypa
                                    **kw)
         assert torch.equal(o, full_o[:, :, :n]), n
         assert torch.equal(lse, full_l[:, :, :n]), n
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+@pytest.mark.parametrize("dot", [None, torch.bfloat16])
+def test_shared_keys_read_in_place_are_the_gathered_keys(isa, dot, monkeypatch):
+    """``key_batch`` (the one-pass cascade's prefix part: each row against its entry's keys):
+    the bits of the same call on the gathered keys, values, mask and key positions, with a
+    returned state, at 1 and 2 threads; runs of rows sharing keys long and short, and rows
+    out of entry order. Bad key batches are refused."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    q, _, _ = _inputs(12, 6, 2, 21, 5, 64, 64, torch.float32, seed=5)
+    _, k, v = _inputs(3, 6, 2, 21, 130, 64, 64, torch.float32, seed=6)
+    kb = torch.tensor([0, 0, 0, 0, 0, 2, 2, 1, 0, 1, 1, 1])
+    kpos = torch.arange(130).expand(3, 130).clone()
+    kpos[1, 100:] = -1
+    qpos = 130 + torch.arange(21).expand(12, 21)
+    mask = torch.ones(3, 130, dtype=torch.bool)
+    mask[2, 7] = False
+    kw = {"scale": 0.125, "causal": True, "backend": "cpp", "dot_dtype": dot}
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            o, lse = ops.attention_lse(q, k, v, positions=(qpos, kpos), attention_mask=mask,
+                                       key_batch=kb, **kw)
+            wo, wl = ops.attention_lse(q, k[kb], v[kb], positions=(qpos, kpos[kb]),
+                                       attention_mask=mask[kb], **kw)
+            assert torch.equal(o, wo) and torch.equal(lse, wl), threads
+            st, _ = ops.attention_lse(q, k[:, :, :64], v[:, :, :64], return_state=True,
+                                      positions=(qpos, kpos[:, :64]), key_batch=kb, **kw)
+            ws, _ = ops.attention_lse(q, k[kb, :, :64], v[kb, :, :64], return_state=True,
+                                      positions=(qpos, kpos[kb, :64]), **kw)
+            assert torch.equal(st, ws), threads
+    finally:
+        torch.set_num_threads(before)
+    ref_o, ref_l = ops.attention_lse(q, k, v, positions=(qpos, kpos), attention_mask=mask,
+                                     key_batch=kb, scale=0.125, causal=True, backend="torch",
+                                     dot_dtype=dot)
+    tol = 3e-2 if dot is not None else 2e-4
+    torch.testing.assert_close(o, ref_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_l, rtol=tol, atol=tol)
+    for bad, why in ((torch.tensor([0, 3] * 6), r"key_batch values must be in \[0, 3\)"),
+                     (torch.tensor([-1] * 12), r"key_batch values must be in \[0, 3\)"),
+                     (kb[:5], r"key_batch must be a \[12\] integer tensor"),
+                     (kb.float(), r"key_batch must be a \[12\] integer tensor")):
+        with pytest.raises(ValueError, match=why):
+            ops.attention_lse(q, k, v, key_batch=bad, backend="cpp")
+    with pytest.raises(ValueError, match=r"k_pos \[3, 130\]\) integer tensors"):
+        ops.attention_lse(q, k, v, key_batch=kb, positions=(qpos, kpos[kb]), backend="cpp")

@@ -268,6 +268,11 @@ def _lse_call(backend, dtype, opts):
         out, lse = ops.attention_lse(q.to(DEVICE), k[:, :, cut:].to(DEVICE),
                                      v[:, :, cut:].to(DEVICE), positions=(q_pos, k_pos[:, cut:]),
                                      state=st, **kw)
+    elif "key_batch" in opts:  # both rows read batch 1's keys: as if gathered
+        kb = torch.tensor([1, 1])
+        out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+                                     attention_mask=am.to(DEVICE), key_batch=kb.to(DEVICE), **kw)
+        k, v, ref_am = k[kb], v[kb], am[kb]
     else:
         out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
                                      attention_mask=am.to(DEVICE), positions=positions, **kw)
@@ -288,11 +293,13 @@ def _linear_op_call(backend, dtype, opts):
     x = torch.randn(37, 70, generator=g).to(dtype)
     w = torch.randn(45, 70, generator=g).to(dtype)
     b = torch.randn(45, generator=g)
-    if "gated" in opts:  # silu(x W^T) * (x U^T), no bias
+    if opts & {"gated", "bf16_out"}:  # silu(x W^T) * (x U^T), no bias (rounded to bf16)
         u = torch.randn(45, 70, generator=g).to(dtype)
         pw, pu = (ops.pack_linear(t, "fp32", backend=backend) for t in (w, u))
-        out = ops.linear(x, pw, up=pu)
-        return out, F.silu(x.double() @ w.double().T) * (x.double() @ u.double().T)
+        bf16 = "bf16_out" in opts
+        out = ops.linear(x, pw, up=pu, out_dtype=torch.bfloat16 if bf16 else torch.float32)
+        want = F.silu(x.double() @ w.double().T) * (x.double() @ u.double().T)
+        return out, want.to(torch.bfloat16) if bf16 else want
     if "residual" in opts:  # + a residual [M, N], added last
         r = torch.randn(37, 45, generator=g)
         out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b, residual=r)
@@ -302,7 +309,8 @@ def _linear_op_call(backend, dtype, opts):
 
 
 def _check_linear(got, want, dtype, what):
-    _close(got, want, TOL[torch.float32], what)  # fp32 products of the (widened) inputs
+    # fp32 products of the (widened) inputs; a bf16 output (and its reference) rounded once.
+    _close(got, want, TOL[got.dtype if got.dtype == torch.bfloat16 else torch.float32], what)
 
 
 def _rotary_call(backend, dtype, opts):
@@ -347,10 +355,13 @@ def _add_rms_norm_call(backend, dtype, opts):
     g = torch.Generator().manual_seed(10)
     x, r = (torch.randn(6, 33, generator=g).to(dtype) for _ in range(2))
     w = torch.randn(33, generator=g).to(dtype)
-    total, out = ops.add_rms_norm(x, r, w, 1e-5, backend=backend)
+    normed = torch.bfloat16 if "bf16_normed" in opts else None  # a product's input
+    total, out = ops.add_rms_norm(x, r, w, 1e-5, normed_dtype=normed, backend=backend)
     assert torch.equal(total, r + x), "the sum is torch's add in the dtype"
+    assert out.dtype == (normed or dtype)
     sd = total.double()
-    return out, sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    want = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    return out, want if normed is None else want.to(normed)
 
 
 def _silu_mul_call(backend, dtype, opts):

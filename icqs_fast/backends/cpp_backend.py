@@ -192,7 +192,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                   dot_dtype: torch.dtype | None = None, state: torch.Tensor | None = None,
-                  return_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  return_state: bool = False, key_batch: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
     backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
 
@@ -208,6 +209,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         state: a running softmax state ``[B, Hq, Tq, 17 + Dv]`` fp32 (of a call with
             ``return_state``) to continue from, or None.
         return_state: return ``(state, None)`` instead of normalising.
+        key_batch: ``[B]`` int64: query batch b reads batch ``key_batch[b]`` of k, v, the mask
+            and the key positions (``[Bk, ...]``), in place; or None.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation; token-major strides, i.e.
@@ -217,8 +220,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if _C is None or not hasattr(_C, "attention_lse"):
         raise RuntimeError("icqs_fast._C has no attention_lse: rebuild the extension")
     bsz, hq, tq, d = q.shape
-    hk, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    bk, hk, tk, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[3]
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    kbatch = None if key_batch is None else key_batch.to(torch.int64).contiguous()
     width = _C.attention_state_lanes + 1 + dv
     if state is not None and (state.shape != (bsz, hq, tq, width) or state.dtype != torch.float32
                               or not state.is_contiguous()):
@@ -231,7 +235,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_pos = positions[0].to(torch.int64).contiguous()
         k_pos = positions[1].to(torch.int64)
     if attention_mask is not None:
-        base = k_pos if k_pos is not None else torch.arange(tk).expand(bsz, tk)
+        base = k_pos if k_pos is not None else torch.arange(tk).expand(bk, tk)
         k_pos = torch.where(attention_mask, base, -1)
     if k_pos is not None:
         k_pos = k_pos.contiguous()
@@ -243,7 +247,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      float(scale), float(softcap or 0.0), torch.get_num_threads(), isa_setting(),
                      BF16_DOT, dot_dtype == torch.bfloat16,
                      0 if state is None else state.data_ptr(),
-                     0 if st_out is None else st_out.data_ptr(), True)
+                     0 if st_out is None else st_out.data_ptr(), True,
+                     0 if kbatch is None else kbatch.data_ptr(), bk)
     if st_out is not None:
         return st_out, None
     # Written token-major ([B, Tq, Hq, Dv] in memory): what a model's attention turns its

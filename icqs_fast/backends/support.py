@@ -84,6 +84,7 @@ OPTIONS: dict[str, dict[str, str]] = {
         "positions": "explicit query/key token positions",
         "dot_dtype": "bf16 products of fp32 inputs (mixed precision)",
         "state": "a running softmax state continued or returned (one pass in several calls)",
+        "key_batch": "query batch rows reading another row's keys (keys shared, not copied)",
     },
 }
 """Each operation's optional features, with what each means (for the error messages)."""
@@ -148,9 +149,11 @@ TABLE: dict[str, dict[str, Support]] = {
     # constexpr variants) take every variant the cascade passes them (sinks are added at the
     # cascade's merge, not in the kernel).
     # Only the C++ kernel hands out and continues its running softmax state (the cascade's
-    # batch-invariant path on the CPU).
+    # batch-invariant path on the CPU), and reads rows' shared keys in place (key_batch; the
+    # reference gathers them).
     "attention_lse": {
-        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS - {"state"}, interpreted=("cpu",)),
+        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS - {"state", "key_batch"},
+                          interpreted=("cpu",)),
         "cpp": Support(FLOAT16_32, ("cpu",), _LSE_VARIANTS),
         "torch": Support(FLOAT16_32, None, _LSE_VARIANTS - {"state"}),
     },

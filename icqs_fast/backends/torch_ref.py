@@ -284,7 +284,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float | None = None, window: int | None = None,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  dot_dtype: torch.dtype | None = None, rows: int = 512
+                  dot_dtype: torch.dtype | None = None,
+                  key_batch: torch.Tensor | None = None, rows: int = 512
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
     of ``rows`` query rows at a time (``[B, Hq, rows, Tk]``), GQA by grouping the query heads
@@ -296,12 +297,19 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             or None; window / chunk (a local layer's mask on the positions) or None; positions
             ``(q_pos [B, Tq], k_pos [B, Tk])`` (negative key position = masked key) or None
             (query i at ``Tk - Tq + i``, key j at ``j``); dot_dtype (q, k, v rounded to it
-            first, the products still in fp32) or None.
+            first, the products still in fp32) or None; key_batch ``[B]`` (query batch b
+            reads k, v, the mask and key positions of batch ``key_batch[b]``) or None.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
         [B, Hq, Tq]`` fp32 (-inf for such a row).
     """
+    if key_batch is not None:  # the reference gathers what the kernel reads in place
+        k, v = k.index_select(0, key_batch), v.index_select(0, key_batch)
+        if attention_mask is not None:
+            attention_mask = attention_mask.index_select(0, key_batch)
+        if positions is not None:
+            positions = (positions[0], positions[1].index_select(0, key_batch))
     if dot_dtype is not None:
         q, k, v = (x.to(dot_dtype).to(x.dtype) for x in (q, k, v))
     bsz, hq, tq, _ = q.shape

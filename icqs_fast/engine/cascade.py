@@ -126,15 +126,14 @@ class CascadePlan:
             return _FULL_LAYER
         return self.layers[layer]
 
-    def one_pass_indices(self, s: int, group: int, device: torch.device) -> OnePassIndices:
+    def one_pass_indices(self, s: int, device: torch.device) -> OnePassIndices:
         """:func:`~icqs_fast.engine.one_pass.one_pass`'s positions and gather indices for
-        suffixes of ``s`` tokens and ``group`` query heads per key head: the same for every
-        layer, so made once."""
-        key = (s, group, str(device))
+        suffixes of ``s`` tokens: the same for every layer, so made once."""
+        key = (s, str(device))
         got = self._one_pass.get(key)
         if got is None:
             got = self._one_pass[key] = OnePassIndices.of(
-                self.lengths, self.counts, s, group, device,
+                self.lengths, self.counts, s, device,
                 None if self.query is None else self.query.lengths)
         return got
 

@@ -41,8 +41,8 @@ class QueryPart:
 class OnePassIndices:
     """The layer-independent part of the one-pass cascade for one plan: each entry's prefix cut at
     the last multiple of :data:`~icqs_fast.ops.ATTENTION_KEY_BLOCK` (``c_max`` the largest),
-    the prefix part's positions (``q_pre [G, n_max * group * S]``, ``k_pre [G, c_max]``, -1
-    past an entry's cut), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
+    the prefix part's key positions (``k_pre [G, c_max]``, -1 past an entry's cut; its queries
+    are at ``q_suf``), and the suffix part's: ``t_max`` prefix slots past the cuts at most,
     ``m_max`` shared query tokens at most, per row (``[R]`` int64 on the CPU, the
     :func:`~icqs_fast.ops.concat_slots` runs of its keys in position order) ``ent`` its entry,
     ``cut`` where its entry's last partial block starts and ``tail`` its length, ``mid`` its
@@ -50,7 +50,6 @@ class OnePassIndices:
     ``q_suf [R, S]`` and ``k_suf [R, t_max + m_max + S]`` (-1: masked)."""
 
     c_max: int
-    q_pre: torch.Tensor
     k_pre: torch.Tensor
     t_max: int
     m_max: int
@@ -65,11 +64,11 @@ class OnePassIndices:
     k_suf: torch.Tensor
 
     @staticmethod
-    def of(lengths: Sequence[int], counts: Sequence[int], s: int, group: int,
-           dev: torch.device, mids: Sequence[int] | None = None) -> OnePassIndices:
+    def of(lengths: Sequence[int], counts: Sequence[int], s: int, dev: torch.device,
+           mids: Sequence[int] | None = None) -> OnePassIndices:
         """The indices of a plan whose row groups have prefixes of ``lengths`` and ``counts``
-        rows, for suffixes of ``s`` tokens and ``group`` query heads per key head; ``mids``: per
-        row, the shared query tokens between its entry and its suffix (none if None)."""
+        rows, for suffixes of ``s`` tokens; ``mids``: per row, the shared query tokens between
+        its entry and its suffix (none if None)."""
         blk = ops.ATTENTION_KEY_BLOCK
         lens = torch.tensor(lengths, dtype=torch.long)
         cuts = lens // blk * blk
@@ -81,12 +80,6 @@ class OnePassIndices:
         c_max = int(cuts.max())
         j = torch.arange(c_max)
         k_pre = torch.where(j[None] < cuts[:, None], j[None], -1).to(dev)
-        # Query row i of group g's stacked queries is suffix token i % S of the group's row
-        # i // (group * S), after that row's shared query tokens.
-        n_max, starts = max(counts), torch.tensor([0, *counts]).cumsum(0)[:-1]
-        i = torch.arange(n_max * group * s)
-        row = (starts[:, None] + i[None] // (group * s)).clamp(max=len(rows_g) - 1)
-        q_pre = (lens[:, None] + mid_r[row] + i[None] % s).to(dev)
         cut_r, len_r = cuts[rows_g], lens[rows_g]
         tail_r = len_r - cut_r
         t_max, m_max = int(tail_r.max()), int(mid_r.max())
@@ -96,7 +89,7 @@ class OnePassIndices:
         j = torch.arange(t_max + m_max + s)
         real = j[None] < (tail_r + mid_r)[:, None] + s
         k_suf = torch.where(real, cut_r[:, None] + j[None], -1).to(dev)
-        return OnePassIndices(c_max, q_pre, k_pre, t_max, m_max, rows_g, cut_r, tail_r, mid_r,
+        return OnePassIndices(c_max, k_pre, t_max, m_max, rows_g, cut_r, tail_r, mid_r,
                               torch.arange(r), torch.zeros(r, dtype=torch.long),
                               torch.full((r,), s, dtype=torch.long), q_suf, k_suf)
 
@@ -118,42 +111,18 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     not depend on where its prefix was cut, whether its query's states came from another
     forward, or what shares its forward."""
     r, hq, s, d = query.shape
-    hk = key.shape[1]
-    group = hq // hk
     dev = query.device
-    ix = plan.one_pass_indices(s, group, dev)
+    ix = plan.one_pass_indices(s, dev)
     state = None
     if ix.c_max > 0:
-        # Prefix part, per entry: its rows' queries stacked [1, Hk, n * group * S, D] against its
-        # keys up to the cut (the rest of the slots masked by position -1). Entries with the
-        # same number of rows go in one call (a row's sums do not depend on the batch).
-        kc, vc = kp[:, :, :ix.c_max], vp[:, :, :ix.c_max]
-        if plan.uniform:
-            g, n = len(plan.counts), plan.counts[0]
-            qg = query.reshape(g, n, hk, group, s, d).transpose(1, 2).reshape(
-                g, hk, n * group * s, d)
-            st, _ = ops.attention_lse(qg, kc, vc, scale=scale, causal=True,
-                                      positions=(ix.q_pre, ix.k_pre), dot_dtype=dot,
-                                      softcap=softcap, backend=kernel, return_state=True,
-                                      **local_args(lay))
-            width = st.shape[-1]
-            state = (st.view(g, hk, n, group, s, width).transpose(1, 2)
-                     .reshape(r, hq, s, width).contiguous())
-        else:
-            parts = []
-            for gi, (r0, n) in enumerate(zip(plan.starts, plan.counts, strict=True)):
-                qg = query[r0:r0 + n].reshape(n, hk, group, s, d).transpose(0, 1)
-                qg = qg.reshape(1, hk, n * group * s, d)
-                st, _ = ops.attention_lse(
-                    qg, kc[gi:gi + 1], vc[gi:gi + 1], scale=scale, causal=True,
-                    positions=(ix.q_pre[gi:gi + 1, :n * group * s], ix.k_pre[gi:gi + 1]),
-                    dot_dtype=dot, softcap=softcap, backend=kernel, return_state=True,
-                    **local_args(lay))
-                width = st.shape[-1]
-                # [1, Hk, n, group, S, W] -> the rows' [n, Hq, S, W]
-                parts.append(st.view(hk, n, group, s, width).permute(1, 0, 2, 3, 4)
-                             .reshape(n, hq, s, width))
-            state = torch.cat(parts).contiguous()
+        # Prefix part: each row's queries against its entry's keys up to the cut (the rest of the
+        # slots masked by position -1), read in place (key_batch: the row's entry); the state
+        # comes out in the rows' own layout, which the suffix part continues (a row's sums do
+        # not depend on what shares the call).
+        state, _ = ops.attention_lse(query, kp[:, :, :ix.c_max], vp[:, :, :ix.c_max],
+                                     scale=scale, causal=True, positions=(ix.q_suf, ix.k_pre),
+                                     dot_dtype=dot, softcap=softcap, backend=kernel,
+                                     return_state=True, key_batch=ix.ent, **local_args(lay))
     # Suffix part: slot j of row i is position cut_i + j: the prefix's last partial block
     # (tails), the shared query tokens, then the suffix tokens, then nothing (masked).
     if ix.t_max == 0 and ix.m_max == 0:

@@ -115,6 +115,7 @@ def attention_lse(
     backend: str = "auto",
     state: torch.Tensor | None = None,
     return_state: bool = False,
+    key_batch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
     partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
@@ -153,15 +154,29 @@ def attention_lse(
             :data:`ATTENTION_KEY_BLOCK` slots and the second's start there (both in slot =
             position order), the result is the same bits as one call over all the keys: what
             lets the cascade match a plain forward exactly.
+        key_batch: ``[B]`` integer, each in ``[0, Bk)``: query batch ``b`` attends to batch
+            ``key_batch[b]`` of ``k``, ``v`` (``[Bk, Hk, Tk, D]``), ``attention_mask`` and the
+            key positions (``[Bk, Tk]``), as if they had been gathered (rows that share a
+            prefix's keys read them once, in place on cpp); or None (``Bk = B``).
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
         of ``exp(score)`` over the allowed keys; a row with none has ``lse = -inf`` and output 0,
         so it drops out of a log-sum-exp merge exactly).
     """
-    # With positions, causality compares them, not slots: more queries than keys is fine.
-    _check_attention(q, k, v, attention_mask, causal and positions is None)
     b, _, tq, d = q.shape
+    bk = b
+    if key_batch is not None:
+        bk = k.shape[0]
+        if (not isinstance(key_batch, torch.Tensor) or key_batch.shape != (b,)
+                or key_batch.is_floating_point() or key_batch.dtype == torch.bool):
+            raise ValueError(f"key_batch must be a [{b}] integer tensor or None")
+        key_batch = key_batch.to(q.device)
+        if b and key_batch.device.type == "cpu" and not (
+                0 <= int(key_batch.min()) and int(key_batch.max()) < bk):
+            raise ValueError(f"key_batch values must be in [0, {bk}) (the key batches)")
+    # With positions, causality compares them, not slots: more queries than keys is fine.
+    _check_attention(q, k, v, attention_mask, causal and positions is None, bk)
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
                                     and softcap > 0):
         raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
@@ -172,8 +187,8 @@ def attention_lse(
         ok = isinstance(positions, (tuple, list)) and len(positions) == 2 and all(
             isinstance(p, torch.Tensor) and not p.is_floating_point() and not p.is_complex()
             and p.dtype != torch.bool for p in positions)
-        if not ok or positions[0].shape != (b, tq) or positions[1].shape != (b, k.shape[2]):
-            raise ValueError(f"positions must be (q_pos [{b}, {tq}], k_pos [{b}, {k.shape[2]}]) "
+        if not ok or positions[0].shape != (b, tq) or positions[1].shape != (bk, k.shape[2]):
+            raise ValueError(f"positions must be (q_pos [{b}, {tq}], k_pos [{bk}, {k.shape[2]}]) "
                              "integer tensors or None")
         positions = (positions[0].to(q.device), positions[1].to(q.device))
     if dot_dtype not in (None, torch.bfloat16):
@@ -181,7 +196,8 @@ def attention_lse(
     opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d, window=window,
                              chunk=chunk, positions=positions is not None,
                              dot_dtype=dot_dtype is not None and dot_dtype != q.dtype,
-                             state=state is not None or return_state)
+                             state=state is not None or return_state,
+                             key_batch=key_batch is not None)
     name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
@@ -193,6 +209,8 @@ def attention_lse(
                if x is not None}
     if state is not None or return_state:
         variant.update(state=state, return_state=bool(return_state))
+    if key_batch is not None:
+        variant["key_batch"] = key_batch
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)
@@ -204,9 +222,10 @@ kernel's own block): a split of the keys at a multiple of it continues the same 
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     attention_mask: torch.Tensor | None, causal: bool) -> None:
+                     attention_mask: torch.Tensor | None, causal: bool,
+                     kb: int | None = None) -> None:
     """The argument checks the attention ops share (shapes, dtypes, devices, GQA, causality,
-    the key mask); no host sync."""
+    the key mask; ``kb``: the key batches, ``B`` if None); no host sync."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4D tensor [B, H, T, D], got "
@@ -214,8 +233,9 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     b, hq, tq, d = q.shape
-    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k must be [B={b}, Hk, Tk, D={d}] and v [B, Hk, Tk, Dv]; got k "
+    kb = b if kb is None else kb
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != kb or k.shape[3] != d:
+        raise ValueError(f"k must be [B={kb}, Hk, Tk, D={d}] and v [B, Hk, Tk, Dv]; got k "
                          f"{list(k.shape)}, v {list(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must share dtype and device")
@@ -224,7 +244,7 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if causal and tq > tk:
         raise ValueError(f"causal attention needs Tq <= Tk, got Tq={tq}, Tk={tk}")
-    if attention_mask is not None and (attention_mask.shape != (b, tk)
+    if attention_mask is not None and (attention_mask.shape != (kb, tk)
                                        or attention_mask.dtype != torch.bool):
-        raise ValueError(f"attention_mask must be [{b}, {tk}] bool or None, got "
+        raise ValueError(f"attention_mask must be [{kb}, {tk}] bool or None, got "
                          f"{list(attention_mask.shape)} {attention_mask.dtype}")
