@@ -118,7 +118,31 @@ struct Args {
     int64_t mt;            // zero-padded to whole AMX blocks), stride xbs; else mt = Mp
     const float* res;      // [M, N] added to the output last (row stride rs), or null
     int64_t rs;
+    // Rotary position embedding of each rd-wide head of the output (rd 0: none): row m is
+    // token m % rt of batch m / rt, its cos / sin rows at rc / rsn + b * rbs + t * rts.
+    const float *rc, *rsn;
+    int64_t rd, rt, rbs, rts;
 };
+
+// The output block's heads rotated in place: ops.rotary's arithmetic (x cos + rotate_half(x)
+// sin, each product and the sum rounded once; fp-contract off), so its bits.
+__attribute__((optimize("fp-contract=off"))) void rotate_block(const Args& a, int64_t m0,
+                                                              int64_t m1, int64_t n0,
+                                                              int64_t n1) {
+    const int64_t half = a.rd / 2;
+    float x[1024];  // one head's values before the rotation (rd <= 1024, checked)
+    for (int64_t m = m0; m < m1; ++m) {
+        const int64_t b = m / a.rt, t = m % a.rt;
+        const float* c = a.rc + b * a.rbs + t * a.rts;
+        const float* sn = a.rsn + b * a.rbs + t * a.rts;
+        for (int64_t h = n0; h < n1; h += a.rd) {
+            float* o = a.out + m * a.os + h;
+            std::memcpy(x, o, static_cast<size_t>(a.rd) * sizeof(float));
+            for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] - x[i + half] * sn[i];
+            for (int64_t i = half; i < a.rd; ++i) o[i] = x[i] * c[i] + x[i - half] * sn[i];
+        }
+    }
+}
 
 // out += res over a task's block (after the kernel wrote it): out = (sum + bias) + res, the
 // bits of torch's res + (x @ w^T + bias), read while the block is still in cache.
@@ -473,7 +497,9 @@ struct KeptTerms {
 
 bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int64_t N,
             uintptr_t bias, uintptr_t out, int64_t os, int mode, int nthreads, int isa,
-            bool reuse_x, uintptr_t up, uintptr_t res, int64_t rs, bool x_bf16, bool out_bf16) {
+            bool reuse_x, uintptr_t up, uintptr_t res, int64_t rs, bool x_bf16, bool out_bf16,
+            uintptr_t rot_cos, uintptr_t rot_sin, int64_t rot_dim, int64_t rot_tokens,
+            int64_t rot_bstride, int64_t rot_tstride) {
     if (M < 0 || K < 1 || N < 1) throw std::invalid_argument("linear: bad shape");
     if (mode < kF32 || mode > kBF16x3) throw std::invalid_argument("linear: mode must be 0-3");
     if (up != 0 && (bias != 0 || res != 0))
@@ -484,6 +510,13 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     if (out_bf16 && up == 0)
         throw std::invalid_argument("linear: a bf16 output only for a gated product");
     if (xs < K || os < N) throw std::invalid_argument("linear: row strides >= K and >= N");
+    if (rot_dim != 0 &&
+        (up != 0 || res != 0 || rot_cos == 0 || rot_sin == 0 || rot_dim < 2 || rot_dim % 2 ||
+         rot_dim > 1024 || kTaskCols % rot_dim || N % rot_dim || rot_tokens < 1 ||
+         M % rot_tokens))
+        throw std::invalid_argument(
+            "linear: a rotary epilogue takes no up and no residual, cos and sin, an even head "
+            "size dividing N and 256 (at most 1024), and M a multiple of its tokens");
     if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
@@ -499,6 +532,9 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     a.xbs = mode * a.Kp;
     a.res = res ? reinterpret_cast<const float*>(res) : nullptr;
     a.rs = rs;
+    a.rc = reinterpret_cast<const float*>(rot_cos);
+    a.rsn = reinterpret_cast<const float*>(rot_sin);
+    a.rd = rot_dim, a.rt = rot_tokens, a.rbs = rot_bstride, a.rts = rot_tstride;
     if (nthreads < 1) nthreads = 1;
     py::gil_scoped_release nogil;
     // x's bf16 terms once per call, rows padded to whole AMX blocks with zeros. The buffer is
@@ -580,6 +616,7 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
             const int64_t n0 = c * kTaskCols, n1 = std::min(N, (c + 1) * kTaskCols);
             fn(a, m0, m1, n0, n1);
             if (a.res != nullptr) add_residual(a, m0, m1, n0, n1);
+            if (a.rd != 0) rotate_block(a, m0, m1, n0, n1);  // while the block is in cache
         }
         return reused;
     }
@@ -662,7 +699,9 @@ void register_linear(py::module_& m) {
           py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
           py::arg("mode"), py::arg("nthreads"), py::arg("isa") = -1, py::arg("reuse_x") = false,
           py::arg("up") = 0, py::arg("residual") = 0, py::arg("residual_stride") = 0,
-          py::arg("x_bf16") = false, py::arg("out_bf16") = false,
+          py::arg("x_bf16") = false, py::arg("out_bf16") = false, py::arg("rot_cos") = 0,
+          py::arg("rot_sin") = 0, py::arg("rot_dim") = 0, py::arg("rot_tokens") = 1,
+          py::arg("rot_bstride") = 0, py::arg("rot_tstride") = 0,
           "out [M,N] fp32 = x [M,K] fp32 @ w^T (+ bias [N] fp32; 0 = none) with w packed by "
           "linear_pack (kind 0 for mode 0, kind 1 for modes 1-3); row strides in elements. "
           "mode 0 fp32 products, 1 bf16 products, 2/3 x split into 2/3 bf16 terms. Each output "
@@ -673,6 +712,9 @@ void register_linear(py::module_& m) {
           "(x @ up^T), no bias. residual: [M,N] fp32 (0 = none) added last: out = (x @ w^T + "
           "bias) + residual. x_bf16: x is bf16 (mode 1 only; its own term, read in place when K is a "
           "multiple of 32). out_bf16: the gated output rounded to bf16 as x is (with up only). "
+          "rot_dim (0 = none): each rot_dim-wide head of the output rotated as ops.rotary does, "
+          "row m by the cos / sin rows of token m % rot_tokens of batch m / rot_tokens (row "
+          "strides rot_bstride, rot_tstride; no up, no residual). "
           "Returns whether the terms were reused.");
     m.def("linear_level", [](int mode, int isa) {
         const int best = best_level();

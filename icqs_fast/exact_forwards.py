@@ -162,7 +162,11 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
             or getattr(mlp.forward, "__func__", None) is not _fused_mlp
             or _hooked(post) or _hooked(mlp)):
         return type(self).forward(self, x, *args, **kwargs)
-    h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
+    attn = self.self_attn
+    if getattr(attn, _MARK, False):
+        h = _llama_attention(attn, self.input_layernorm(x), **kwargs)
+    else:
+        h, _ = attn(hidden_states=self.input_layernorm(x), **kwargs)
     if not (_probed_norm_call(post, h, (), {}) and x.dtype == torch.float32
             and h.device.type == "cpu" and x.shape == h.shape):
         h = x + h
@@ -183,6 +187,77 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
     if d is None or _hooked(down):
         return h + down(_gated(mlp, normed))
     return ops.linear(_gated(mlp, normed), d, down.bias, residual=h)
+
+
+def _llama_attention(attn: Any, x: torch.Tensor, *, position_embeddings: Any = None,
+                     attention_mask: torch.Tensor | None = None, cache: Any = None,
+                     past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``LlamaAttention.forward`` (its output, before nothing else): the same
+    calls, except that with its query and key projections packed, current and unhooked, each
+    takes its rotary embedding in its product's pass (``ops.linear``'s ``rotary``: the bits of
+    the projection and then :func:`icqs_fast.ops.rotary`, the module's probed rotary) rather
+    than in a pass of its own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cache = cache if cache is not None else past_key_values
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    cos, sin = position_embeddings
+    fused = _rotary_packs(attn, x, cos)
+    if fused is not None:
+        q, k = (ops.linear(x, p, proj.bias, rotary=(cos, sin)).view(shape).transpose(1, 2)
+                for p, proj in zip(fused, (attn.q_proj, attn.k_proj), strict=True))
+    else:
+        q, k = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj))
+        q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    out, _ = interface(attn, q, k, v, attention_mask,
+                       dropout=0.0 if not attn.training else attn.attention_dropout,
+                       scaling=attn.scaling, **kwargs)
+    return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+
+
+def _rotary_packs(attn: Any, x: torch.Tensor, cos: torch.Tensor) -> tuple[Any, Any] | None:
+    """The query and key packs that can take the rotary embedding in their pass: current, cpp,
+    unhooked, the module's rotary the probed one (None otherwise)."""
+    parts = (attn.q_proj, attn.k_proj)
+    packs = tuple(_packed_now(p) for p in parts)
+    rope = getattr(sys.modules[type(attn).__module__], _ROTARY, None)
+    d = attn.head_dim
+    if (any(p is None or p.backend != "cpp" for p in packs) or any(_hooked(p) for p in parts)
+            or not getattr(rope, _MARK, False) or x.dim() != 3 or x.device.type != "cpu"
+            or not isinstance(cos, torch.Tensor) or cos.dtype != torch.float32
+            or d % 2 or 256 % d or torch.is_grad_enabled()):
+        return None
+    return packs  # type: ignore[return-value]
+
+
+def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
+    """Mark ``layer.self_attn`` for :func:`_llama_attention` when it is transformers'
+    ``LlamaAttention`` (its forward, unhooked) and the two give the same bits on the probe."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    attn = getattr(layer, "self_attn", None)
+    if (attn is None or type(attn).forward is not LlamaAttention.forward or _hooked(attn)
+            or not hasattr(sys.modules[type(attn).__module__], "eager_attention_forward")):
+        return False
+    rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+    w = layer.input_layernorm.weight
+    x = _probe_input(w.shape[-1], w.device)
+    try:
+        with torch.no_grad():
+            pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
+    except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
+        return False
+    kw = {"position_embeddings": pe, "attention_mask": None}
+    if not _same_bits(lambda m, t: type(m).forward(m, t, **kw)[0],
+                      lambda m, t: _llama_attention(m, t, **kw), attn, x):
+        return False
+    setattr(attn, _MARK, True)
+    return True
 
 
 def _bf16_mlp_packs(mlp: Any) -> tuple[Any, Any, Any] | None:
@@ -303,11 +378,12 @@ def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str,
     modules take the one-pass C++ forwards instead: within fp32 rounding, not the same bits.
 
     Returns:
-        ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r, "decoder_layer": d}``: the
-        modules switched and those kept (their probe differed), the attention modules whose
-        modeling module's rotary embedding is the one-pass equal (:func:`_use_exact_rotary`),
-        and (``fused`` only) the decoder layers whose residual adds are folded in
-        (:func:`_fused_layer`).
+        ``{"rms_norm": n, "gated_mlp": m, "kept": k, "rotary": r, "decoder_layer": d,
+        "attention": a}``: the modules switched and those kept (their probe differed), the
+        attention modules whose modeling module's rotary embedding is the one-pass equal
+        (:func:`_use_exact_rotary`), and (``fused`` only) the decoder layers whose residual
+        adds are folded in (:func:`_fused_layer`) and, of those, the ones whose Llama
+        attention takes its rotary embedding in its products (:func:`_llama_attention`).
     """
     counts = {"rms_norm": 0, "gated_mlp": 0, "kept": 0}
     kind_op = {"rms_norm": "rms_norm", "gated_mlp": "silu_mul"}
@@ -336,13 +412,14 @@ def use_exact_forwards(model: torch.nn.Module, fused: bool = False) -> dict[str,
     counts["rotary"] = _use_exact_rotary(model)
     # Fused: the pre-norm decoder layers that pass their probe fold their residual adds into
     # the passes after them (probed last, on their own parts' forwards).
-    counts["decoder_layer"] = 0
+    counts["decoder_layer"] = counts["attention"] = 0
     for layer in layers:
         if (backends.choose("add_rms_norm", "auto", layer.input_layernorm.weight.device,
                             torch.float32) == "cpp" and _layer_equal_on_probe(layer, model)):
             layer.forward = types.MethodType(_fused_layer, layer)
             setattr(layer, _MARK, True)
             counts["decoder_layer"] += 1
+            counts["attention"] += _use_llama_attention(layer, model)
     return counts
 
 

@@ -37,7 +37,7 @@ def test_llama_switched_and_bit_identical():
     counts = use_exact_forwards(model)
     layers = model.config.num_hidden_layers
     assert counts == {"rms_norm": 2 * layers + 1, "gated_mlp": layers, "kept": 0,
-                      "rotary": layers, "decoder_layer": 0}
+                      "rotary": layers, "decoder_layer": 0, "attention": 0}
     assert uses_exact_forwards(model.model.norm) and uses_exact_forwards(model.model.layers[0].mlp)
     assert torch.equal(_logits(model, ids), want)
     # Rows of very different scales, one token, a batch of one: still the same bits.
@@ -45,7 +45,7 @@ def test_llama_switched_and_bit_identical():
         fresh = tiny_model("llama", VOCAB)
         assert torch.equal(_logits(model, x), _logits(fresh, x))
     assert use_exact_forwards(model) == {"rms_norm": 0, "gated_mlp": 0, "kept": 0,
-                                         "rotary": layers, "decoder_layer": 0}
+                                         "rotary": layers, "decoder_layer": 0, "attention": 0}
 
 
 def test_a_norm_that_computes_otherwise_keeps_its_forward():
@@ -150,7 +150,8 @@ def test_fused_forwards_are_one_pass_and_row_invariant(tiny_llama_dir):
     assert use_exact_forwards(model, fused=True) == {"rms_norm": 2 * layers + 1,
                                                      "gated_mlp": layers, "kept": 0,
                                                      "rotary": layers,
-                                                     "decoder_layer": layers}
+                                                     "decoder_layer": layers,
+                                                     "attention": layers}
     norm, mlp = model.model.norm, model.model.layers[0].mlp
     assert norm.forward.__func__ is not mlp.forward.__func__
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
@@ -201,11 +202,15 @@ def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type, monkeypat
     fused = [layer for layer in layers if "forward" in vars(layer)]
     assert len(fused) == (0 if model_type == "gemma2" else len(layers)), model_type
     ids = _ids(3, 29)
-    # Their MLPs' two products read bf16 inputs (the norm and the gated product write them so).
+    # Their MLPs' two products read bf16 inputs (the norm and the gated product write them so);
+    # Llama's query and key projections take their rotary embedding in the product.
     seen, linear = [], cpp_backend.linear
-    monkeypatch.setattr(cpp_backend, "linear", lambda x, *a: seen.append(x.dtype) or linear(x, *a))
+    monkeypatch.setattr(cpp_backend, "linear",
+                        lambda x, *a: seen.append((x.dtype, a[-1] is not None)) or linear(x, *a))
     got = _logits(model, ids)
-    assert seen.count(torch.bfloat16) == 2 * len(fused), seen
+    assert [d for d, _ in seen].count(torch.bfloat16) == 2 * len(fused), seen
+    rotated = sum(r for _, r in seen)
+    assert rotated == (2 * len(fused) if model_type == "llama" else 0), (model_type, rotated)
     monkeypatch.undo()
     assert torch.equal(_logits(model, ids[1:2]), got[1:2])
     for layer in fused:

@@ -300,6 +300,13 @@ def _linear_op_call(backend, dtype, opts):
         out = ops.linear(x, pw, up=pu, out_dtype=torch.bfloat16 if bf16 else torch.float32)
         want = F.silu(x.double() @ w.double().T) * (x.double() @ u.double().T)
         return out, want.to(torch.bfloat16) if bf16 else want
+    if "rotary" in opts:  # each 8-wide head of the output rotated, x as [1, 37, K]
+        c, s = (torch.randn(1, 37, 8, generator=g) for _ in range(2))
+        out = ops.linear(x[None], ops.pack_linear(w[:40], "fp32", backend=backend), b[:40],
+                         rotary=(c, s))[0]
+        y = (x.double() @ w[:40].double().T + b[:40].double()).view(37, 5, 8)
+        half = torch.cat((-y[..., 4:], y[..., :4]), -1)
+        return out, (y * c[0, :, None].double() + half * s[0, :, None].double()).reshape(37, 40)
     if "residual" in opts:  # + a residual [M, N], added last
         r = torch.randn(37, 45, generator=g)
         out = ops.linear(x, ops.pack_linear(w, "fp32", backend=backend), b, residual=r)

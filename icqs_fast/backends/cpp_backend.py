@@ -445,12 +445,15 @@ _LAST = threading.local()
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None, up: torch.Tensor | None = None,
            residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32,
+           rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x [M, K]`` fp32 (or bf16: read in place for bf16 products) CPU times a
     :func:`pack_linear` weight (+ ``bias [N]``, then + ``residual [M, N]`` fp32): ``[M, N]``
     fp32, each element in one fixed order (``csrc/linear.cpp``). With ``up`` (a second weight
     packed alike, no bias, no residual): ``silu(x @ W^T) * (x @ up^T)`` in one call, in
-    ``out_dtype`` (bf16: rounded as a bf16-products x is)."""
+    ``out_dtype`` (bf16: rounded as a bf16-products x is). ``rotary``: ``(cos, sin)`` fp32
+    ``[B or 1, T, D]`` (``M = B T``): each D-wide head of the output rotated as
+    :func:`rotary` does, in the same pass."""
     m, k = x.shape
     mode = PRODUCTS.index(products)
     x_bf16 = x.dtype == torch.bfloat16 and mode == 1  # its own bf16 term, as it is
@@ -461,6 +464,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
     b = None if bias is None else bias.float().contiguous()
     r = None if residual is None else _unit_last_stride(residual)
     out = torch.empty(m, out_features, dtype=out_dtype)
+    rot: tuple = (0, 0, 0, 1, 0, 0)
+    if rotary is not None:
+        cos, sin = rotary
+        if cos.stride() != sin.stride() or cos.stride(2) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        t, d = cos.shape[1], cos.shape[2]
+        rot = (cos.data_ptr(), sin.data_ptr(), d, t, cos.stride(0) if cos.shape[0] > 1 else 0,
+               cos.stride(1))
     # The same memory, layout and version as the previous input, which is held (so no other
     # tensor can live at its address): the same values (an in-place change bumps the version
     # counter every view shares), so its terms can be reused. A bf16 x has no terms to reuse.
@@ -474,5 +485,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
               torch.get_num_threads(), isa_setting(), same, 0 if up is None else up.data_ptr(),
               0 if r is None else r.data_ptr(),
               0 if r is None else r.stride(0) if m > 1 else out_features,
-              x_bf16, out_dtype == torch.bfloat16)
+              x_bf16, out_dtype == torch.bfloat16, *rot)
     return out

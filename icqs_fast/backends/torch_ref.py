@@ -366,12 +366,15 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int, products: str) -> torch.
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: str,
            bias: torch.Tensor | None, up: torch.Tensor | None = None,
            residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32,
+           rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The products of :func:`icqs_fast.ops.linear` in float64 (the input's bf16 terms, the
     weight as packed), summed in float64 and rounded once to fp32: within fp32 rounding of
     every backend's result (not bit for bit). With ``up`` (:func:`icqs_fast.ops.linear`'s gated
     product): ``silu(x W^T) * (x up^T)``, all in float64; with ``residual``: it is added in
-    float64 too. The result is fp32, then rounded to ``out_dtype``."""
+    float64 too. The result is fp32, then rounded to ``out_dtype``; with ``rotary`` (``(cos,
+    sin)`` ``[B or 1, T, D]``), each D-wide head of the fp32 result is rotated by
+    :func:`rotary` (rows ``B T``)."""
     terms = {"fp32": None, "bf16": 1, "bf16x2": 2, "bf16x3": 3}[products]
     xs = [x.float()] if terms is None else bf16_terms(x, terms)
     acc = sum(t.double() @ packed.double().t() for t in xs)
@@ -381,7 +384,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, products: s
         acc = acc * torch.sigmoid(acc) * sum(t.double() @ up.double().t() for t in xs)
     if residual is not None:
         acc = acc + residual.double()
-    return acc.float().to(out_dtype)
+    out = acc.float()
+    return (out if rotary is None else _rotate_heads(out, *rotary)).to(out_dtype)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -389,6 +393,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     halves swapped and the first negated, in ``x``'s dtype."""
     h = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
+
+
+def _rotate_heads(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``out [B T, N]``'s D-wide heads rotated by :func:`rotary` (``cos``, ``sin``: ``[B or 1,
+    T, D]``)."""
+    t, d = cos.shape[1], cos.shape[2]
+    heads = out.view(-1, t, out.shape[-1] // d, d).transpose(1, 2)
+    return rotary(heads, cos, sin).transpose(1, 2).reshape(out.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -467,7 +467,8 @@ def _keep_pack(weight: torch.Tensor, key: tuple, packed: PackedLinear) -> None:
 
 def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None, *,
            up: PackedLinear | None = None, residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32,
+           rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with a weight packed by :func:`pack_linear`, batch-invariant: on the
     cpp backend each output element is summed in one fixed order that depends only on ``K``
     and ``weight.products``, so a row's result is the same bits whatever the other rows, their
@@ -486,6 +487,10 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
         out_dtype: float32, or bfloat16 with ``up``: the gated output rounded to bf16 (round
             to nearest even), as a bf16-products linear rounds its input, so the next product
             reads it in place (a bf16 ``x`` of bf16 products is not converted at all).
+        rotary: ``(cos, sin)`` float32 ``[B or 1, T, D]`` for ``x [B, T, K]`` (not with ``up``
+            or ``residual``; ``D`` even, dividing ``N`` and 256): each ``D``-wide head of the
+            output rotated as :func:`rotary` rotates it (its bits on cpp, in the product's
+            pass: a query or key projection and its rotary embedding).
 
     Returns:
         ``[..., N]`` ``out_dtype`` on ``x``'s device.
@@ -507,17 +512,37 @@ def linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = No
     bf16_out = out_dtype == torch.bfloat16
     if out_dtype != torch.float32 and not (bf16_out and up is not None):
         raise ValueError(f"out_dtype must be float32, or bfloat16 with up; got {out_dtype}")
+    if rotary is not None:
+        _check_linear_rotary(x, weight.out_features, rotary, up is not None or residual is not None)
     backends.choose("linear", weight.backend, x.device, x.dtype,
                     support.requested(gated=up is not None, residual=residual is not None,
-                                      bf16_out=bf16_out))
+                                      bf16_out=bf16_out, rotary=rotary is not None))
     rows = x.reshape(-1, k)
     if x.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         rows = rows.float()  # widens exactly (a bf16 x the backends take as it is)
     out = backends.module(weight.backend).linear(
         rows, weight.data, weight.out_features, weight.products, bias,
         None if up is None else up.data,
-        None if residual is None else residual.reshape(-1, weight.out_features), out_dtype)
+        None if residual is None else residual.reshape(-1, weight.out_features), out_dtype,
+        rotary)
     return out.reshape(want)
+
+
+def _check_linear_rotary(x: torch.Tensor, n: int, rotary: tuple, other: bool) -> None:
+    """``linear``'s ``rotary``: ``(cos, sin)`` fp32 ``[B or 1, T, D]`` for ``x [B, T, K]``,
+    ``D`` even and dividing ``N`` and 256 (a task's columns hold whole heads)."""
+    ok = (isinstance(rotary, tuple) and len(rotary) == 2 and x.dim() == 3 and not other
+          and all(isinstance(c, torch.Tensor) and c.dim() == 3 and c.dtype == torch.float32
+                  and c.device == x.device for c in rotary))
+    if ok:
+        cos, sin = rotary
+        d = cos.shape[2]
+        ok = (cos.shape == sin.shape and cos.shape[0] in (1, x.shape[0])
+              and cos.shape[1] == x.shape[1] and d >= 2 and d % 2 == 0 and n % d == 0
+              and 256 % d == 0)
+    if not ok:
+        raise ValueError("rotary must be (cos, sin) float32 [B or 1, T, D] for x [B, T, K] on "
+                         "its device, D even and dividing N and 256, without up or residual")
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str = "auto"
