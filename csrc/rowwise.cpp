@@ -142,10 +142,10 @@ void norm_rows(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uin
 }
 
 void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t out_stride,
-              int64_t R, int64_t D, double eps, int nthreads, int isa) {
+              int64_t R, int64_t D, double eps, int nthreads, int isa, bool out_bf16) {
     if (R < 0 || D < 1 || x_stride < D || out_stride < D)
         throw std::invalid_argument("rms_norm: R >= 0, D >= 1 and row strides >= D");
-    norm_rows(x, x_stride, 0, 0, w, 0, 0, out, out_stride, R, D, eps, nthreads, isa);
+    norm_rows(x, x_stride, 0, 0, w, 0, 0, out, out_stride, R, D, eps, nthreads, isa, out_bf16);
 }
 
 void add_rms_norm(uintptr_t x, int64_t x_stride, uintptr_t r, int64_t r_stride, uintptr_t w,
@@ -178,9 +178,10 @@ SiluRowFn silu_row_at(int isa) { return kSiluRowFns[pick_isa(isa)]; }
 void register_rowwise(py::module_& m) {
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("w"), py::arg("out"),
           py::arg("out_stride"), py::arg("R"), py::arg("D"), py::arg("eps"), py::arg("nthreads"),
-          py::arg("isa") = -1,
+          py::arg("isa") = -1, py::arg("out_bf16") = false,
           "out [R,D] fp32 = (x * s) * w per row, s = 1/sqrt(mean(x^2) + eps), the sum in 16 "
-          "interleaved lanes then pairwise (row strides in elements). isa: -1 best, 0/1/2.");
+          "interleaved lanes then pairwise (row strides in elements). isa: -1 best, 0/1/2. "
+          "out_bf16: out rounded to bf16 as linear rounds a bf16-products x.");
     m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("x_stride"), py::arg("r"),
           py::arg("r_stride"), py::arg("w"), py::arg("sum"), py::arg("sum_stride"),
           py::arg("out"), py::arg("out_stride"), py::arg("R"), py::arg("D"), py::arg("eps"),

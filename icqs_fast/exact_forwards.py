@@ -162,9 +162,14 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
             or getattr(mlp.forward, "__func__", None) is not _fused_mlp
             or _hooked(post) or _hooked(mlp)):
         return type(self).forward(self, x, *args, **kwargs)
-    attn = self.self_attn
+    attn, norm = self.self_attn, self.input_layernorm
     if getattr(attn, _MARK, False):
-        h = _llama_attention(attn, self.input_layernorm(x), **kwargs)
+        qkv = _bf16_qkv(attn, norm, x, kwargs.get("position_embeddings"))
+        if qkv is not None:  # the projections round the norm to bf16: it writes it so
+            h = _llama_attention(attn, ops.rms_norm(x, norm.weight, _norm_eps(norm),
+                                                    out_dtype=torch.bfloat16), qkv, **kwargs)
+        else:
+            h = _llama_attention(attn, norm(x), None, **kwargs)
     else:
         h, _ = attn(hidden_states=self.input_layernorm(x), **kwargs)
     if not (_probed_norm_call(post, h, (), {}) and x.dtype == torch.float32
@@ -189,27 +194,30 @@ def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
     return ops.linear(_gated(mlp, normed), d, down.bias, residual=h)
 
 
-def _llama_attention(attn: Any, x: torch.Tensor, *, position_embeddings: Any = None,
-                     attention_mask: torch.Tensor | None = None, cache: Any = None,
-                     past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
+def _llama_attention(attn: Any, x: torch.Tensor, qkv: tuple | None = None, *,
+                     position_embeddings: Any = None, attention_mask: torch.Tensor | None = None,
+                     cache: Any = None, past_key_values: Any = None, **kwargs: Any
+                     ) -> torch.Tensor:
     """transformers' ``LlamaAttention.forward`` (its output, before nothing else): the same
     calls, except that with its query and key projections packed, current and unhooked, each
     takes its rotary embedding in its product's pass (``ops.linear``'s ``rotary``: the bits of
     the projection and then :func:`icqs_fast.ops.rotary`, the module's probed rotary) rather
-    than in a pass of its own."""
+    than in a pass of its own. ``qkv``: the three bf16-products packs (:func:`_bf16_qkv`) of a
+    bf16 ``x``, which they read in place."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cache = cache if cache is not None else past_key_values
     shape = (*x.shape[:-1], -1, attn.head_dim)
     cos, sin = position_embeddings
-    fused = _rotary_packs(attn, x, cos)
+    fused = qkv[:2] if qkv is not None else _rotary_packs(attn, x, cos)
     if fused is not None:
         q, k = (ops.linear(x, p, proj.bias, rotary=(cos, sin)).view(shape).transpose(1, 2)
                 for p, proj in zip(fused, (attn.q_proj, attn.k_proj), strict=True))
     else:
         q, k = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj))
         q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    v = attn.v_proj(x) if qkv is None else ops.linear(x, qkv[2], attn.v_proj.bias)
+    v = v.view(shape).transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
     eager = sys.modules[type(attn).__module__].eager_attention_forward
@@ -235,6 +243,22 @@ def _rotary_packs(attn: Any, x: torch.Tensor, cos: torch.Tensor) -> tuple[Any, A
     return packs  # type: ignore[return-value]
 
 
+def _bf16_qkv(attn: Any, norm: Any, x: torch.Tensor, pe: Any) -> tuple | None:
+    """The query, key and value packs when all three are bf16-products ones (current, cpp,
+    unhooked, the first two taking the rotary embedding) and the input norm is the probed
+    fused one: then the norm may hand them its rows in bf16 (None otherwise)."""
+    if (getattr(norm.forward, "__func__", None) is not _fused_norm or _hooked(norm)
+            or not _probed_norm_call(norm, x, (), {}) or not isinstance(pe, tuple)
+            or len(pe) != 2):
+        return None
+    qk = _rotary_packs(attn, x, pe[0])
+    v = _packed_now(attn.v_proj)
+    if (qk is None or v is None or v.backend != "cpp" or _hooked(attn.v_proj)
+            or any(p.products != "bf16" for p in (*qk, v))):
+        return None
+    return (*qk, v)
+
+
 def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
     """Mark ``layer.self_attn`` for :func:`_llama_attention` when it is transformers'
     ``LlamaAttention`` (its forward, unhooked) and the two give the same bits on the probe."""
@@ -254,7 +278,7 @@ def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
         return False
     kw = {"position_embeddings": pe, "attention_mask": None}
     if not _same_bits(lambda m, t: type(m).forward(m, t, **kw)[0],
-                      lambda m, t: _llama_attention(m, t, **kw), attn, x):
+                      lambda m, t: _llama_attention(m, t, None, **kw), attn, x):
         return False
     setattr(attn, _MARK, True)
     return True

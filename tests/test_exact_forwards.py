@@ -203,14 +203,16 @@ def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type, monkeypat
     assert len(fused) == (0 if model_type == "gemma2" else len(layers)), model_type
     ids = _ids(3, 29)
     # Their MLPs' two products read bf16 inputs (the norm and the gated product write them so);
-    # Llama's query and key projections take their rotary embedding in the product.
+    # Llama's query and key projections take their rotary embedding in the product, and its
+    # three projections read the input norm's rows in bf16.
     seen, linear = [], cpp_backend.linear
     monkeypatch.setattr(cpp_backend, "linear",
                         lambda x, *a: seen.append((x.dtype, a[-1] is not None)) or linear(x, *a))
     got = _logits(model, ids)
-    assert [d for d, _ in seen].count(torch.bfloat16) == 2 * len(fused), seen
+    llama = model_type == "llama"  # its q / k / v read the input norm in bf16 too
+    assert [d for d, _ in seen].count(torch.bfloat16) == (5 if llama else 2) * len(fused), seen
     rotated = sum(r for _, r in seen)
-    assert rotated == (2 * len(fused) if model_type == "llama" else 0), (model_type, rotated)
+    assert rotated == (2 * len(fused) if llama else 0), (model_type, rotated)
     monkeypatch.undo()
     assert torch.equal(_logits(model, ids[1:2]), got[1:2])
     for layer in fused:

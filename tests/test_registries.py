@@ -353,9 +353,12 @@ def _check_copy(got, want, dtype, what):
 def _rms_norm_call(backend, dtype, opts):
     g = torch.Generator().manual_seed(8)
     x, w = torch.randn(6, 33, generator=g).to(dtype), torch.randn(33, generator=g).to(dtype)
-    out = ops.rms_norm(x, w, 1e-5, backend=backend)
+    bf16 = torch.bfloat16 if "bf16_out" in opts else None  # a product's input
+    out = ops.rms_norm(x, w, 1e-5, out_dtype=bf16, backend=backend)
+    assert out.dtype == (bf16 or dtype)
     xd = x.double()
-    return out, xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    return out, want if bf16 is None else want.to(bf16)
 
 
 def _add_rms_norm_call(backend, dtype, opts):

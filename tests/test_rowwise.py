@@ -36,6 +36,12 @@ def test_rms_norm_against_float64(d):
     assert_within_torch_error(got, ref, F.rms_norm(x, (d,), w, 1e-5), name=f"rms_norm D={d}")
     # The torch backend in fp32 is the float64 value rounded once.
     assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.float())
+    # In bf16 (a bf16-products linear's input): the fp32 norm rounded to nearest even.
+    for backend, fp32 in (("cpp", got), ("torch", ref.float())):
+        b16 = ops.rms_norm(x, w, 1e-5, out_dtype=torch.bfloat16, backend=backend)
+        assert b16.dtype == torch.bfloat16 and torch.equal(b16, fp32.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype must be x's dtype"):
+        ops.rms_norm(x, w, 1e-5, out_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])

@@ -369,12 +369,15 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
     return _unit_last_stride(x.reshape(-1, x.shape[-1]))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`icqs_fast.ops.rms_norm` of fp32 CPU rows in one C++ pass (``csrc/rowwise.cpp``)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`icqs_fast.ops.rms_norm` of fp32 CPU rows in one C++ pass (``csrc/rowwise.cpp``),
+    in ``out_dtype`` (bf16: rounded as a bf16-products linear rounds its x)."""
     rows, w = _rows2d(x), weight.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype)
     _C.rms_norm(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
-                rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting())
+                rows.shape[0], rows.shape[1], eps, torch.get_num_threads(), isa_setting(),
+                out_dtype == torch.bfloat16)
     return out.reshape(x.shape)
 
 

@@ -62,7 +62,7 @@ OPTIONS: dict[str, dict[str, str]] = {
                "rotary": "each head of the output rotated (rotary position embedding)"},
     "rotary": {},
     "concat_slots": {},
-    "rms_norm": {},
+    "rms_norm": {"bf16_out": "the normed rows rounded to bf16 (a product's input)"},
     "add_rms_norm": {"bf16_normed": "the normed rows rounded to bf16 (a product's input)"},
     "silu_mul": {},
     "linear_token_stats": {
@@ -115,8 +115,8 @@ TABLE: dict[str, dict[str, Support]] = {
     # The bf16-products forward's row-wise fp32 passes (csrc/rowwise.cpp); the float64
     # reference anywhere.
     "rms_norm": {
-        "cpp": Support((torch.float32,), ("cpu",)),
-        "torch": Support(FLOATS, None),
+        "cpp": Support((torch.float32,), ("cpu",), frozenset(OPTIONS["rms_norm"])),
+        "torch": Support(FLOATS, None, frozenset(OPTIONS["rms_norm"])),
     },
     "add_rms_norm": {
         "cpp": Support((torch.float32,), ("cpu",), frozenset(OPTIONS["add_rms_norm"])),

@@ -403,10 +403,13 @@ def _rotate_heads(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return rotary(heads, cos, sin).transpose(1, 2).reshape(out.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference of :func:`icqs_fast.ops.rms_norm`, in float64, rounded once to ``x``'s dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference of :func:`icqs_fast.ops.rms_norm`, in float64, rounded once to ``x``'s dtype
+    (then to ``out_dtype`` when given)."""
     xd = x.double()
-    return (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+    out = (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -571,16 +571,25 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: st
     return backends.module(name).rotary(x, cos, sin)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"
-             ) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
     """``x * rsqrt(mean(x ** 2, -1) + eps) * weight`` per row of ``x [..., D]`` (``weight [D]``,
     ``x``'s dtype): ``[..., D]`` contiguous, ``x``'s dtype. The cpp backend reads ``x`` once and
     writes once, each row's sum of squares in one order fixed by ``D`` (16 interleaved partial
     sums, then pairwise): a row's bits depend on nothing else (rows, threads, ISA); within fp32
-    rounding of ``F.rms_norm``, not its bits."""
+    rounding of ``F.rms_norm``, not its bits. ``out_dtype=torch.bfloat16`` (fp32 ``x``): the
+    result rounded to bf16 (nearest even), a bf16-products :func:`linear`'s input read in
+    place, with the bits it would give the fp32 norm."""
     _check_norm_weight(x, weight)
-    name = backends.choose("rms_norm", backend, x.device, x.dtype)
-    return backends.module(name).rms_norm(x, weight, float(eps))
+    bf16 = out_dtype == torch.bfloat16
+    if out_dtype not in (None, x.dtype) and not (bf16 and x.dtype == torch.float32):
+        raise ValueError(f"out_dtype must be x's dtype, or bfloat16 for float32 x; got "
+                         f"{out_dtype} for {x.dtype}")
+    name = backends.choose("rms_norm", backend, x.device, x.dtype,
+                           support.requested(bf16_out=bf16))
+    if not bf16:
+        return backends.module(name).rms_norm(x, weight, float(eps))
+    return backends.module(name).rms_norm(x, weight, float(eps), torch.bfloat16)
 
 
 def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
