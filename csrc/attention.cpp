@@ -181,6 +181,7 @@ struct Args {
     const float* state_in;  // [B, Hq, Tq, kStateLanes + 1 + Dv] running state to resume, or null
     float* state_out;       // the same layout: written instead of out / lse, or null
     bool token_major;       // out as [B, Tq, Hq, Dv] (a model's layout after attention)
+    bool out_bf16;          // out as bf16 bits (each fp32 output rounded to nearest even)
     const int64_t* kbatch;  // [B]: the key batch (of k, v, kpos) of each query batch, or null (b)
 };
 
@@ -666,14 +667,22 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         }
         for (int rr = 0; rr < n; ++rr) {
             const int64_t row = (b * a.Hq + qr.head[rr]) * a.Tq + qr.i[rr];
-            float* dst = a.out + (a.token_major ? (b * a.Tq + qr.i[rr]) * a.Hq + qr.head[rr] : row) * Dv;
+            const int64_t at = (a.token_major ? (b * a.Tq + qr.i[rr]) * a.Hq + qr.head[rr] : row) * Dv;
+            float* dst = a.out + at;
+            uint16_t* dst16 = reinterpret_cast<uint16_t*>(a.out) + at;
             const float l = hsum<W>(aload<W>(lv + rr * W));
             if (l > 0.f) {
                 const float inv = 1.0f / l;
-                for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
+                if (a.out_bf16)  // the rounding a bf16-products linear gives its fp32 input
+                    for (int64_t c = 0; c < Dv; ++c) dst16[c] = to_bf16(ob[rr * dvp + c] * inv);
+                else
+                    for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
                 a.lse[row] = static_cast<float>((m[rr] + std::log2(static_cast<double>(l))) / kLog2e);
             } else {
-                std::fill(dst, dst + Dv, 0.f);
+                if (a.out_bf16)
+                    std::fill(dst16, dst16 + Dv, uint16_t{0});
+                else
+                    std::fill(dst, dst + Dv, 0.f);
                 a.lse[row] = -std::numeric_limits<float>::infinity();
             }
         }
@@ -1063,7 +1072,8 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, int dtype, bool causal,
                    int64_t window, int64_t chunk, double scale, double softcap, int nthreads,
                    int isa, bool bf16_dot, bool round_bf16, uintptr_t state_in,
-                   uintptr_t state_out, bool token_major, uintptr_t key_batch, int64_t Bk) {
+                   uintptr_t state_out, bool token_major, uintptr_t key_batch, int64_t Bk,
+                   bool out_bf16) {
     if (B < 0 || Hq < 1 || Hk < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1)
         throw std::invalid_argument("attention_lse: sizes must be B, Tq, Tk >= 0 and H, D >= 1");
     if (Hq % Hk) throw std::invalid_argument("attention_lse: Hq must be a multiple of Hk");
@@ -1108,6 +1118,7 @@ void attention_lse(uintptr_t q, py::tuple q_strides, uintptr_t k, py::tuple k_st
     a.state_in = reinterpret_cast<const float*>(state_in);
     a.state_out = reinterpret_cast<float*>(state_out);
     a.token_major = token_major;
+    a.out_bf16 = out_bf16;
     a.kbatch = reinterpret_cast<const int64_t*>(key_batch);
     if (a.kbatch != nullptr)
         for (int64_t b = 0; b < B; ++b)
@@ -1189,7 +1200,7 @@ void register_attention(py::module_& m) {
           py::arg("scale"), py::arg("softcap"), py::arg("nthreads"), py::arg("isa") = -1,
           py::arg("bf16_dot") = true, py::arg("round_bf16") = false, py::arg("state_in") = 0,
           py::arg("state_out") = 0, py::arg("token_major") = false, py::arg("key_batch") = 0,
-          py::arg("Bk") = 0,
+          py::arg("Bk") = 0, py::arg("out_bf16") = false,
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
           "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 ([B,Tq,Hq,Dv] with token_major) and "
@@ -1203,7 +1214,8 @@ void register_attention(py::module_& m) {
           "state_out (0 = none): [B,Hq,Tq,17+Dv] fp32 running softmax state (max in log2 "
           "units, 16 sum lanes, unnormalised output) to resume from / to write instead of out "
           "and lse. key_batch (0 = none): [B] int64, query batch b reads key batch "
-          "key_batch[b] of k, v and kpos ([Bk, ...]): rows that share keys, without copies.");
+          "key_batch[b] of k, v and kpos ([Bk, ...]): rows that share keys, without copies. "
+          "out_bf16: out holds bf16, each fp32 output rounded to nearest even.");
     m.attr("attention_state_lanes") = kStateLanes;
     m.attr("attention_key_block") = 64;
     m.def("attention_bf16_dot", []() {

@@ -47,6 +47,11 @@ from icqs_fast import backends, ops
 # The instance attribute that marks a module whose forward this module replaced.
 _MARK = "_icqs_exact_forward"
 
+ATTENTION_OUT_DTYPE = "icqs_out_dtype"
+"""The keyword (and the attribute marking an attention function that takes it) by which
+:func:`_llama_attention` asks for the attention output in bf16, the rounding its bf16-products
+output projection gives it, so the projection reads it in place."""
+
 
 def _norm_eps(module: Any) -> float | None:
     """The module's epsilon under transformers' names (None: not one we know)."""
@@ -222,10 +227,18 @@ def _llama_attention(attn: Any, x: torch.Tensor, qkv: tuple | None = None, *,
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    o = _packed_now(attn.o_proj) if qkv is not None else None
+    bf16 = (o is not None and o.products == "bf16" and o.backend == "cpp"
+            and not _hooked(attn.o_proj) and getattr(interface, ATTENTION_OUT_DTYPE, False)
+            and q.dtype == torch.float32)
     out, _ = interface(attn, q, k, v, attention_mask,
                        dropout=0.0 if not attn.training else attn.attention_dropout,
-                       scaling=attn.scaling, **kwargs)
-    return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+                       scaling=attn.scaling, **kwargs,
+                       **({ATTENTION_OUT_DTYPE: torch.bfloat16} if bf16 else {}))
+    out = out.reshape(*x.shape[:-1], -1).contiguous()
+    if bf16 and out.dtype == torch.bfloat16:
+        return ops.linear(out, o, attn.o_proj.bias)
+    return attn.o_proj(out)
 
 
 def _rotary_packs(attn: Any, x: torch.Tensor, cos: torch.Tensor) -> tuple[Any, Any] | None:

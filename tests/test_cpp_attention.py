@@ -391,3 +391,31 @@ def test_shared_keys_read_in_place_are_the_gathered_keys(isa, dot, monkeypatch):
             ops.attention_lse(q, k, v, key_batch=bad, backend="cpp")
     with pytest.raises(ValueError, match=r"k_pos \[3, 130\]\) integer tensors"):
         ops.attention_lse(q, k, v, key_batch=kb, positions=(qpos, kpos[kb]), backend="cpp")
+
+
+@pytest.mark.parametrize("isa", [isa_param(n) for n in ISAS])
+@pytest.mark.parametrize("dot", [None, torch.bfloat16])
+def test_a_bf16_output_is_the_fp32_one_rounded(isa, dot, monkeypatch):
+    """``out_dtype=torch.bfloat16`` (the input a bf16-products output projection reads in
+    place): the fp32 output rounded to nearest even, token-major like it, the LSE unchanged,
+    with positions, GQA, shared keys and rows with no allowed key (output 0). Refused with a
+    returned state or another dtype."""
+    monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
+    q, _, _ = _inputs(4, 6, 2, 21, 5, 64, 64, torch.float32, seed=7)
+    _, k, v = _inputs(2, 6, 2, 21, 90, 64, 64, torch.float32, seed=8)
+    kb = torch.tensor([0, 1, 1, 0])
+    kpos = torch.arange(90).expand(2, 90).clone()
+    kpos[1] = -1  # batch 1: no key allowed
+    qpos = 90 + torch.arange(21).expand(4, 21)
+    kw = {"scale": 0.125, "causal": True, "backend": "cpp", "dot_dtype": dot,
+          "positions": (qpos, kpos), "key_batch": kb}
+    o32, l32 = ops.attention_lse(q, k, v, **kw)
+    o16, l16 = ops.attention_lse(q, k, v, out_dtype=torch.bfloat16, **kw)
+    assert o16.dtype == torch.bfloat16 and torch.equal(o16, o32.to(torch.bfloat16))
+    assert o16.stride() == o32.stride() and torch.equal(l16, l32)
+    assert torch.equal(o16[1], torch.zeros_like(o16[1]))
+    ref, _ = ops.attention_lse(q, k, v, out_dtype=torch.bfloat16, **{**kw, "backend": "torch"})
+    torch.testing.assert_close(o16.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    for bad in ({"out_dtype": torch.float16}, {"out_dtype": torch.bfloat16, "return_state": True}):
+        with pytest.raises(ValueError, match="out_dtype must be q's dtype"):
+            ops.attention_lse(q, k, v, **kw, **bad)

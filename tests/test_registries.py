@@ -268,6 +268,11 @@ def _lse_call(backend, dtype, opts):
         out, lse = ops.attention_lse(q.to(DEVICE), k[:, :, cut:].to(DEVICE),
                                      v[:, :, cut:].to(DEVICE), positions=(q_pos, k_pos[:, cut:]),
                                      state=st, **kw)
+    elif "bf16_out" in opts:  # the output rounded to bf16 (a bf16 product's input)
+        out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+                                     attention_mask=am.to(DEVICE), out_dtype=torch.bfloat16,
+                                     **kw)
+        assert out.dtype == torch.bfloat16
     elif "key_batch" in opts:  # both rows read batch 1's keys: as if gathered
         kb = torch.tensor([1, 1])
         out, lse = ops.attention_lse(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
@@ -410,8 +415,9 @@ def test_support_table_walk(op, backend):
         check(*call(backend, dtype, frozenset()), dtype, f"{op}/{backend}/{dtype}")
     for opt in support.OPTIONS[op]:
         if opt in s.options:
-            # bf16 products (dot_dtype) round the probabilities too: bf16's tolerance.
-            tol_dtype = torch.bfloat16 if opt == "dot_dtype" else torch.float32
+            # bf16 products (dot_dtype) round the probabilities too, a bf16 output itself:
+            # bf16's tolerance.
+            tol_dtype = torch.bfloat16 if opt in ("dot_dtype", "bf16_out") else torch.float32
             check(*call(backend, torch.float32, frozenset({opt})), tol_dtype,
                   f"{op}/{backend}/{opt}")
             continue
@@ -420,7 +426,8 @@ def test_support_table_walk(op, backend):
         assert backends.choose(op, "auto", DEVICE, torch.float32, {opt}) in \
             support.implementing(op, opt)
         check(*call("auto", torch.float32, frozenset({opt})),
-              torch.bfloat16 if opt == "dot_dtype" else torch.float32, f"{op}/auto/{opt}")
+              torch.bfloat16 if opt in ("dot_dtype", "bf16_out") else torch.float32,
+              f"{op}/auto/{opt}")
     for dtype in set(support.FLOATS) - set(s.dtypes):
         with pytest.raises(TypeError, match=r"float64|dtype|takes .* inputs"):
             call(backend, dtype, frozenset())

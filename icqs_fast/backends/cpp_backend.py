@@ -192,7 +192,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                   dot_dtype: torch.dtype | None = None, state: torch.Tensor | None = None,
-                  return_state: bool = False, key_batch: torch.Tensor | None = None
+                  return_state: bool = False, key_batch: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
     backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
@@ -211,6 +212,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_state: return ``(state, None)`` instead of normalising.
         key_batch: ``[B]`` int64: query batch b reads batch ``key_batch[b]`` of k, v, the mask
             and the key positions (``[Bk, ...]``), in place; or None.
+        out_dtype: ``torch.bfloat16``: the output written in bf16 (each fp32 output rounded
+            to nearest even, as a bf16-products linear rounds its input), or None (q's dtype).
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation; token-major strides, i.e.
@@ -228,7 +231,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               or not state.is_contiguous()):
         raise ValueError(f"state must be a contiguous fp32 [{bsz}, {hq}, {tq}, {width}] tensor")
     st_out = torch.empty(bsz, hq, tq, width, dtype=torch.float32) if return_state else None
-    out = torch.empty(0 if return_state else bsz * hq * tq * dv, dtype=torch.float32)
+    bf16_out = out_dtype == torch.bfloat16
+    out = torch.empty(0 if return_state else bsz * hq * tq * dv,
+                      dtype=torch.bfloat16 if bf16_out else torch.float32)
     lse = torch.empty(0 if return_state else bsz * hq * tq, dtype=torch.float32)
     q_pos = k_pos = None
     if positions is not None:
@@ -248,13 +253,13 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      BF16_DOT, dot_dtype == torch.bfloat16,
                      0 if state is None else state.data_ptr(),
                      0 if st_out is None else st_out.data_ptr(), True,
-                     0 if kbatch is None else kbatch.data_ptr(), bk)
+                     0 if kbatch is None else kbatch.data_ptr(), bk, bf16_out)
     if st_out is not None:
         return st_out, None
     # Written token-major ([B, Tq, Hq, Dv] in memory): what a model's attention turns its
     # output into next (``out.transpose(1, 2).contiguous()`` is then a view, not a copy).
     out, lse = out.view(bsz, tq, hq, dv).transpose(1, 2), lse.view(bsz, hq, tq)
-    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+    return (out if q.dtype == torch.float32 or bf16_out else out.to(q.dtype)), lse
 
 
 # ------------------------------------------------------------------ attention entropy (C++)

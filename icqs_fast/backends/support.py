@@ -86,6 +86,7 @@ OPTIONS: dict[str, dict[str, str]] = {
         "dot_dtype": "bf16 products of fp32 inputs (mixed precision)",
         "state": "a running softmax state continued or returned (one pass in several calls)",
         "key_batch": "query batch rows reading another row's keys (keys shared, not copied)",
+        "bf16_out": "the output written in bf16 (a bf16-products linear's input)",
     },
 }
 """Each operation's optional features, with what each means (for the error messages)."""
@@ -153,7 +154,8 @@ TABLE: dict[str, dict[str, Support]] = {
     # batch-invariant path on the CPU), and reads rows' shared keys in place (key_batch; the
     # reference gathers them).
     "attention_lse": {
-        "triton": Support(FLOAT16_32, ("cuda",), _LSE_VARIANTS - {"state", "key_batch"},
+        "triton": Support(FLOAT16_32, ("cuda",),
+                          _LSE_VARIANTS - {"state", "key_batch", "bf16_out"},
                           interpreted=("cpu",)),
         "cpp": Support(FLOAT16_32, ("cpu",), _LSE_VARIANTS),
         "torch": Support(FLOAT16_32, None, _LSE_VARIANTS - {"state"}),

@@ -285,7 +285,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                   dot_dtype: torch.dtype | None = None,
-                  key_batch: torch.Tensor | None = None, rows: int = 512
+                  key_batch: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, rows: int = 512
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
     of ``rows`` query rows at a time (``[B, Hq, rows, Tk]``), GQA by grouping the query heads
@@ -298,7 +299,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``(q_pos [B, Tq], k_pos [B, Tk])`` (negative key position = masked key) or None
             (query i at ``Tk - Tq + i``, key j at ``j``); dot_dtype (q, k, v rounded to it
             first, the products still in fp32) or None; key_batch ``[B]`` (query batch b
-            reads k, v, the mask and key positions of batch ``key_batch[b]``) or None.
+            reads k, v, the mask and key positions of batch ``key_batch[b]``) or None;
+            out_dtype (the output rounded to it at the end) or None.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
@@ -338,7 +340,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:, :, r0:r1], lse[:, :, r0:r1] = _attention_block(q[:, :, r0:r1], k, v,
                                                               allow[:, None], scale, softcap,
                                                               None)
-    return out, lse
+    return (out if out_dtype is None else out.to(out_dtype)), lse
 
 
 def bf16_terms(x: torch.Tensor, terms: int) -> list[torch.Tensor]:

@@ -56,7 +56,14 @@ import torch
 from icqs_fast import backends, ops
 from icqs_fast.backends import support
 from icqs_fast.engine.layout import DeviceCopies, LayerAttention
-from icqs_fast.engine.one_pass import OnePassIndices, QueryPart, local_args, one_pass
+from icqs_fast.engine.one_pass import (
+    OnePassIndices,
+    QueryPart,
+    kernel_out,
+    local_args,
+    one_pass,
+)
+from icqs_fast.exact_forwards import ATTENTION_OUT_DTYPE
 from icqs_fast.models import register_attention, uses_bf16_products
 
 if TYPE_CHECKING:
@@ -358,17 +365,18 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     backend: str, *, causal: bool = False, key_ok: torch.Tensor | None = None,
                     la: LayerAttention | None = None,
                     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    dot: torch.dtype | None = None, softcap: float | None = None
+                    dot: torch.dtype | None = None, softcap: float | None = None,
+                    out_dtype: torch.dtype | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T,
     D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or at
     ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window /
     chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``; the layer's
-    score ``softcap``). Returns the output in q's dtype and the fp32 natural-log LSE ``[B, Hq,
-    L]``."""
+    score ``softcap``). Returns the output in q's dtype (or ``out_dtype``) and the fp32
+    natural-log LSE ``[B, Hq, L]``."""
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
                              positions=positions, dot_dtype=dot, softcap=softcap,
-                             backend=backend, **local_args(la))
+                             backend=backend, out_dtype=out_dtype, **local_args(la))
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -432,7 +440,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     ``query [R, Hq, S, D]``, ``key [R, Hk, S, D]``, ``value [R, Hk, S, Dv]`` of the suffix tokens
     only; returns ``[R, S, Hq, Dv]``, None). The mask transformers passes is not used: suffix rows
     are right-padded, so causality alone keeps real queries off padded keys, and the layer's
-    window / chunk comes from the plan's layer description, on absolute positions."""
+    window / chunk comes from the plan's layer description, on absolute positions. The
+    output is in ``query``'s dtype, or in ``icqs_out_dtype`` when that keyword asks for one."""
+    out_dtype = kwargs.pop(ATTENTION_OUT_DTYPE, None)
     plan, layer, la, softcap, sinks = _active_layer("plan", IMPL_NAME, "cascade_plan", module,
                                                     kwargs)
     r, hq, s, d = query.shape
@@ -466,7 +476,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     lay = la if local and fused else None
     if fused and support.entry("attention_lse", kernel).options >= {"state", "positions"}:
         return one_pass(plan, query, key, value, kp, vp, scale, kernel, lay, dot, softcap,
-                        sinks, layer)
+                        sinks, layer, out_dtype)
     if plan.query is not None:
         raise RuntimeError(f"layer {layer}: shared query states need the one-pass cascade "
                            "(a kernel that continues its softmax state)")
@@ -552,11 +562,11 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         lt = torch.logsumexp(torch.stack([l1, l2, ls]), dim=0)
         out = (torch.exp(l1 - lt)[..., None] * o1.float()
                + torch.exp(l2 - lt)[..., None] * o2.float())
-        return out.to(dt).reshape(r, s, hq, dv), None
+        return out.to(out_dtype or dt).reshape(r, s, hq, dv), None
     w1 = torch.sigmoid(l1 - l2)[..., None]
     out = o2.float() + w1 * (o1.float() - o2.float()) if dt != torch.float32 else \
         torch.lerp(o2, o1, w1)
-    return out.to(dt).reshape(r, s, hq, dv), None
+    return out.to(out_dtype or dt).reshape(r, s, hq, dv), None
 
 
 # --------------------------------------------------------------------------- positional masks
@@ -666,7 +676,9 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
     :func:`positional_kernel` says so): the mask comes from the active :class:`PositionPlan` and
     the layer's description (window, chunk, softcap) rather than from transformers' slot-based
     masks, as token positions in a fused kernel where one takes the layer; sinks (``s_aux``)
-    take their share of the denominator."""
+    take their share of the denominator. The output is in ``query``'s dtype, or in
+    ``icqs_out_dtype`` when that keyword asks for one."""
+    out_dtype = kwargs.pop(ATTENTION_OUT_DTYPE, None)
     plan, _, la, softcap, sinks = _active_layer("positions", POSITIONAL_IMPL, "position_plan",
                                                 module, kwargs)
     plan = plan.on(query.device)  # a split model's layer on another device
@@ -694,8 +706,10 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
             value = value.new_zeros(b, hk, p + 1, dv).scatter_(2, idx.expand(b, hk, tk, dv),
                                                                value)
             key, value = key[:, :, :p], value[:, :, :p]
+        direct = out_dtype if sinks is None and kernel_out(kernel, out_dtype) else None
         out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
-                                   softcap=softcap, positions=(plan.q_pos, k_pos), dot=dot)
+                                   softcap=softcap, positions=(plan.q_pos, k_pos), dot=dot,
+                                   out_dtype=direct)
     else:
         allow = plan.allow(la, tk, group)
         out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),
@@ -705,7 +719,14 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
         lse = lse.view(b, hq, lq)
         keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
         out = (out.float() * keep[..., None]).to(out.dtype)
+    if out_dtype is not None:
+        out = out.to(out_dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Both take the bf16 output a Llama attention's projection reads in place.
+setattr(cascade_attention, ATTENTION_OUT_DTYPE, True)
+setattr(positional_attention, ATTENTION_OUT_DTYPE, True)
 
 
 def _register() -> None:

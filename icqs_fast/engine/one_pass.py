@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from icqs_fast import ops
+from icqs_fast.backends import support
 
 if TYPE_CHECKING:
     from icqs_fast.engine.layout import LayerAttention
@@ -97,7 +98,8 @@ class OnePassIndices:
 def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              kp: torch.Tensor, vp: torch.Tensor, scale: float, kernel: str,
              lay: LayerAttention | None, dot: torch.dtype | None, softcap: float | None,
-             sinks: torch.Tensor | None, layer: int) -> tuple[torch.Tensor, None]:
+             sinks: torch.Tensor | None, layer: int, out_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, None]:
     """The cascade (``plan``: a :class:`~icqs_fast.engine.cascade.CascadePlan`; ``layer``: the
     layer's index) as one softmax pass per row, the same bits as a plain forward's attention
     over ``[prefix; suffix]`` (:func:`~icqs_fast.engine.cascade.positional_attention`, one call
@@ -109,7 +111,8 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     query tokens (``plan.query``, copied per row) and the row's own keys, in slot = position
     order. So the key blocks are those of one call over all the keys, and a row's result does
     not depend on where its prefix was cut, whether its query's states came from another
-    forward, or what shares its forward."""
+    forward, or what shares its forward. ``out_dtype``: the output in it (the kernel writes
+    bf16 where it takes that)."""
     r, hq, s, d = query.shape
     dev = query.device
     ix = plan.one_pass_indices(s, dev)
@@ -141,13 +144,24 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         k2 = ops.concat_slots([*parts_k, (key, ix.own, ix.zero, ix.full)], width)
         v2 = ops.concat_slots([*parts_v, (value, ix.own, ix.zero, ix.full)], width)
     k_pos, q_pos = ix.k_suf, ix.q_suf
+    direct = out_dtype if sinks is None and kernel_out(kernel, out_dtype) else None
     out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
                                  positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
-                                 backend=kernel, state=state, **local_args(lay))
+                                 backend=kernel, state=state, out_dtype=direct,
+                                 **local_args(lay))
     if sinks is not None:  # as positional_attention does, so the two stay equal
         keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
         out = (out.float() * keep[..., None]).to(out.dtype)
+    if out_dtype is not None:
+        out = out.to(out_dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def kernel_out(kernel: str, out_dtype: torch.dtype | None) -> bool:
+    """Whether ``kernel`` writes :func:`icqs_fast.ops.attention_lse`'s output in
+    ``out_dtype`` itself (bf16 on the cpp backend)."""
+    s = support.entry("attention_lse", kernel)
+    return out_dtype is not None and s is not None and "bf16_out" in s.options
 
 
 def local_args(la: LayerAttention | None) -> dict[str, int]:

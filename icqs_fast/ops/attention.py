@@ -116,6 +116,7 @@ def attention_lse(
     state: torch.Tensor | None = None,
     return_state: bool = False,
     key_batch: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
     partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
@@ -158,6 +159,9 @@ def attention_lse(
             ``key_batch[b]`` of ``k``, ``v`` (``[Bk, Hk, Tk, D]``), ``attention_mask`` and the
             key positions (``[Bk, Tk]``), as if they had been gathered (rows that share a
             prefix's keys read them once, in place on cpp); or None (``Bk = B``).
+        out_dtype: ``torch.bfloat16`` (float32 ``q``, not with ``return_state``): the output
+            rounded to bf16 (nearest even), written so on cpp, the input a bf16-products
+            :func:`icqs_fast.ops.linear` then reads in place; or None (``q``'s dtype).
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
@@ -193,11 +197,17 @@ def attention_lse(
         positions = (positions[0].to(q.device), positions[1].to(q.device))
     if dot_dtype not in (None, torch.bfloat16):
         raise ValueError(f"dot_dtype must be torch.bfloat16 or None, got {dot_dtype!r}")
+    if out_dtype not in (None, q.dtype) and not (
+            out_dtype == torch.bfloat16 and q.dtype == torch.float32 and not return_state):
+        raise ValueError(f"out_dtype must be q's dtype, or bfloat16 for float32 q without "
+                         f"return_state; got {out_dtype!r}")
+    out_dtype = None if out_dtype == q.dtype else out_dtype
     opts = support.requested(softcap=softcap, value_dim=v.shape[3] != d, window=window,
                              chunk=chunk, positions=positions is not None,
                              dot_dtype=dot_dtype is not None and dot_dtype != q.dtype,
                              state=state is not None or return_state,
-                             key_batch=key_batch is not None)
+                             key_batch=key_batch is not None,
+                             bf16_out=out_dtype is not None)
     name = backends.choose("attention_lse", backend, q.device, q.dtype, opts)
     if attention_mask is not None:
         attention_mask = attention_mask.to(q.device)
@@ -211,6 +221,8 @@ def attention_lse(
         variant.update(state=state, return_state=bool(return_state))
     if key_batch is not None:
         variant["key_batch"] = key_batch
+    if out_dtype is not None:
+        variant["out_dtype"] = out_dtype
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)
