@@ -281,17 +281,9 @@ def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
     if (attn is None or type(attn).forward is not LlamaAttention.forward or _hooked(attn)
             or not hasattr(sys.modules[type(attn).__module__], "eager_attention_forward")):
         return False
-    rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-    w = layer.input_layernorm.weight
-    x = _probe_input(w.shape[-1], w.device)
-    try:
-        with torch.no_grad():
-            pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
-    except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
-        return False
-    kw = {"position_embeddings": pe, "attention_mask": None}
-    if not _same_bits(lambda m, t: type(m).forward(m, t, **kw)[0],
-                      lambda m, t: _llama_attention(m, t, None, **kw), attn, x):
+    x, kw = _layer_probe(layer, model) or (None, {})
+    if x is None or not _same_bits(lambda m, t: type(m).forward(m, t, **kw)[0],
+                                   lambda m, t: _llama_attention(m, t, None, **kw), attn, x):
         return False
     setattr(attn, _MARK, True)
     return True
@@ -313,19 +305,24 @@ def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:
     """Whether :func:`_exact_layer` gives the layer's own output on a ``[2, 5, H]`` input with
     the model's rotary embedding (a layer that computes otherwise, e.g. Gemma's extra norms,
     or one whose attention needs more than the probe gives, keeps its forward)."""
+    x, kw = _layer_probe(layer, model) or (None, {})
+    return x is not None and _same_bits(lambda m, t: type(m).forward(m, t, **kw),
+                                        lambda m, t: _exact_layer(m, t, **kw), layer, x)
+
+
+def _layer_probe(layer: Any, model: torch.nn.Module) -> tuple[torch.Tensor, dict] | None:
+    """A layer's probe input and what a model always passes (its rotary embedding, no mask)."""
     rope = getattr(getattr(model, "model", model), "rotary_emb", None)
     w = layer.input_layernorm.weight
     if rope is None or w.dtype != torch.float32:
-        return False
+        return None
     x = _probe_input(w.shape[-1], w.device)
     try:
         with torch.no_grad():
             pe = rope(x, torch.arange(5, device=w.device).expand(2, 5))
     except Exception:  # noqa: BLE001 - what cannot take the probe stays as it is
-        return False
-    kw = {"position_embeddings": pe, "attention_mask": None}  # what a model always passes
-    return _same_bits(lambda m, t: type(m).forward(m, t, **kw),
-                      lambda m, t: _exact_layer(m, t, **kw), layer, x)
+        return None
+    return x, {"position_embeddings": pe, "attention_mask": None}
 
 
 def _probe_input(width: int, device: torch.device) -> torch.Tensor:

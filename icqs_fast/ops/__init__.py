@@ -581,15 +581,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     result rounded to bf16 (nearest even), a bf16-products :func:`linear`'s input read in
     place, with the bits it would give the fp32 norm."""
     _check_norm_weight(x, weight)
-    bf16 = out_dtype == torch.bfloat16
-    if out_dtype not in (None, x.dtype) and not (bf16 and x.dtype == torch.float32):
-        raise ValueError(f"out_dtype must be x's dtype, or bfloat16 for float32 x; got "
-                         f"{out_dtype} for {x.dtype}")
+    bf16 = _bf16_rows(x, out_dtype, "out_dtype")
     name = backends.choose("rms_norm", backend, x.device, x.dtype,
                            support.requested(bf16_out=bf16))
     if not bf16:
         return backends.module(name).rms_norm(x, weight, float(eps))
     return backends.module(name).rms_norm(x, weight, float(eps), torch.bfloat16)
+
+
+def _bf16_rows(x: torch.Tensor, dtype: torch.dtype | None, name: str) -> bool:
+    """Whether a norm's rows go out in bf16 (``dtype``: None, x's, or bf16 for fp32 ``x``)."""
+    bf16 = dtype == torch.bfloat16
+    if dtype not in (None, x.dtype) and not (bf16 and x.dtype == torch.float32):
+        raise ValueError(f"{name} must be x's dtype, or bfloat16 for float32 x; got {dtype} "
+                         f"for {x.dtype}")
+    return bf16
 
 
 def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -613,10 +619,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"x and residual must match: {x.dtype} {list(x.shape)} on {x.device} "
                          f"against {residual.dtype} {list(residual.shape)} on {residual.device}")
     _check_norm_weight(x, weight)
-    bf16 = normed_dtype == torch.bfloat16
-    if normed_dtype not in (None, x.dtype) and not (bf16 and x.dtype == torch.float32):
-        raise ValueError(f"normed_dtype must be x's dtype, or bfloat16 for float32 x; got "
-                         f"{normed_dtype} for {x.dtype}")
+    bf16 = _bf16_rows(x, normed_dtype, "normed_dtype")
     name = backends.choose("add_rms_norm", backend, x.device, x.dtype,
                            support.requested(bf16_normed=bf16))
     if not bf16:
