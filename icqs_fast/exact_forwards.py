@@ -160,15 +160,16 @@ def _exact_layer(self: Any, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 def _fused_layer(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """:func:`_exact_layer` with the fused parts' bits, each residual add folded into the
     pass after it: the first into the post-attention norm (``ops.add_rms_norm``), the second
-    into the down projection's product (``ops.linear``'s ``residual``). The same bits as the
-    layer's own forward over its fused norm and MLP, two passes over the activations fewer."""
+    into the down projection's product (``ops.linear``'s ``residual``); a probed Llama
+    attention runs as :func:`_llama_attention`. The same bits as the layer's own forward over
+    its fused norm and MLP, with fewer passes over the activations."""
     post, mlp = self.post_attention_layernorm, self.mlp
     if (args or getattr(post.forward, "__func__", None) is not _fused_norm
             or getattr(mlp.forward, "__func__", None) is not _fused_mlp
             or _hooked(post) or _hooked(mlp)):
         return type(self).forward(self, x, *args, **kwargs)
     attn, norm = self.self_attn, self.input_layernorm
-    if getattr(attn, _MARK, False):
+    if getattr(attn, _MARK, False) and not _hooked(attn):  # a hook expects its call
         qkv = _bf16_qkv(attn, norm, x, kwargs.get("position_embeddings"))
         if qkv is not None:  # the projections round the norm to bf16: it writes it so
             h = _llama_attention(attn, ops.rms_norm(x, norm.weight, _norm_eps(norm),
@@ -257,9 +258,8 @@ def _rotary_packs(attn: Any, x: torch.Tensor, cos: torch.Tensor) -> tuple[Any, A
 
 
 def _bf16_qkv(attn: Any, norm: Any, x: torch.Tensor, pe: Any) -> tuple | None:
-    """The query, key and value packs when all three are bf16-products ones (current, cpp,
-    unhooked, the first two taking the rotary embedding) and the input norm is the probed
-    fused one: then the norm may hand them its rows in bf16 (None otherwise)."""
+    """The q / k / v packs when all three are bf16-products ones (current, cpp, unhooked, q and
+    k taking the rotary embedding) and the norm is the probed fused one (else None)."""
     if (getattr(norm.forward, "__func__", None) is not _fused_norm or _hooked(norm)
             or not _probed_norm_call(norm, x, (), {}) or not isinstance(pe, tuple)
             or len(pe) != 2):

@@ -214,6 +214,11 @@ def test_fused_decoder_layers_keep_the_bits_of_their_parts(model_type, monkeypat
     rotated = sum(r for _, r in seen)
     assert rotated == (2 * len(fused) if llama else 0), (model_type, rotated)
     monkeypatch.undo()
+    if fused:  # a hook on the attention: its own call, which the hook sees, and the same bits
+        calls = []
+        handle = fused[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+        assert torch.equal(_logits(model, ids), got) and calls == [1]
+        handle.remove()
     assert torch.equal(_logits(model, ids[1:2]), got[1:2])
     for layer in fused:
         del layer.forward
