@@ -61,6 +61,10 @@ namespace py = pybind11;
 // else 0-2), for the gated product's epilogue.
 using SiluRowFn = void (*)(const float*, const float*, float*, int64_t);
 SiluRowFn silu_row_at(int isa);
+// Defined in rotary.cpp: ops.rotary's arithmetic on one row (the rotary epilogue's).
+void rotary_row(const float* xr, const float* cr, const float* sr, float* o, int64_t half);
+// Defined below: a row rounded to bf16 as a bf16-products x is.
+void bf16_round_row(const float* src, int64_t n, uint16_t* dst, int isa);
 
 namespace {
 
@@ -124,12 +128,8 @@ struct Args {
     int64_t rd, rt, rbs, rts;
 };
 
-// The output block's heads rotated in place: ops.rotary's arithmetic (x cos + rotate_half(x)
-// sin, each product and the sum rounded once; fp-contract off), so its bits.
-__attribute__((optimize("fp-contract=off"))) void rotate_block(const Args& a, int64_t m0,
-                                                              int64_t m1, int64_t n0,
-                                                              int64_t n1) {
-    const int64_t half = a.rd / 2;
+// The output block's heads rotated in place by ops.rotary's own row code, so its bits.
+void rotate_block(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     float x[1024];  // one head's values before the rotation (rd <= 1024, checked)
     for (int64_t m = m0; m < m1; ++m) {
         const int64_t b = m / a.rt, t = m % a.rt;
@@ -138,8 +138,7 @@ __attribute__((optimize("fp-contract=off"))) void rotate_block(const Args& a, in
         for (int64_t h = n0; h < n1; h += a.rd) {
             float* o = a.out + m * a.os + h;
             std::memcpy(x, o, static_cast<size_t>(a.rd) * sizeof(float));
-            for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] - x[i + half] * sn[i];
-            for (int64_t i = half; i < a.rd; ++i) o[i] = x[i] * c[i] + x[i - half] * sn[i];
+            rotary_row(x, c, sn, o, a.rd / 2);
         }
     }
 }
@@ -655,15 +654,9 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
                 silu(g, su + (m - m0) * kTaskCols, a.out + m * a.os + n0, n1 - n0);
                 continue;
             }
-            // bf16 out: the rounding the next product gives its x (bf16_terms, one term).
+            // bf16 out: the rounding the next product gives its x.
             silu(g, su + (m - m0) * kTaskCols, g, n1 - n0);
-            uint16_t* o16 = reinterpret_cast<uint16_t*>(out) + m * os + n0;
-#ifdef ICQS_LIN_X86
-            if (ran >= 2)
-                bf16_terms_v4(g, n1 - n0, 1, n1 - n0, o16);
-            else
-#endif
-                bf16_terms(g, 0, n1 - n0, 1, n1 - n0, o16);
+            bf16_round_row(g, n1 - n0, reinterpret_cast<uint16_t*>(out) + m * os + n0, ran);
         }
     }
     return reused;
@@ -675,7 +668,7 @@ const char* const kLevelNames[4] = {"generic", "avx2", "avx512", "amx"};
 
 // n fp32 values rounded to bf16 as linear rounds a bf16-products x (one term), at ISA level
 // `isa` (-1 the CPU's best; the same bits at every level): for the passes that write a
-// product's input in bf16 (rowwise.cpp's add_rms_norm), so that it is read in place.
+// product's input in bf16 (the gated epilogue above, rowwise.cpp's norms), read in place.
 void bf16_round_row(const float* src, int64_t n, uint16_t* dst, int isa) {
 #ifdef ICQS_LIN_X86
     if ((isa < 0 || isa >= 2) && best_level() >= 2) {

@@ -19,27 +19,32 @@
 
 namespace py = pybind11;
 
+// One row of 2 * half values (out must not alias x). Also the rotary epilogue of ops.linear's
+// query / key products (linear.cpp), so the two have one arithmetic.
+__attribute__((optimize("fp-contract=off"))) void rotary_row(const float* xr, const float* cr,
+                                                            const float* sr, float* o,
+                                                            int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = xr[i] * cr[i], m = xr[i + half] * sr[i];
+        o[i] = a - m;
+    }
+    for (int64_t i = half; i < 2 * half; ++i) {
+        const float a = xr[i] * cr[i], m = xr[i - half] * sr[i];
+        o[i] = a + m;
+    }
+}
+
 namespace {
 
-__attribute__((optimize("fp-contract=off"))) void rotary_rows(
-    const float* x, const int64_t* xs, const float* c, const float* s, const int64_t* cs,
-    float* out, const int64_t* os, int64_t B, int64_t H, int64_t T, int64_t D, int nthreads) {
-    const int64_t half = D / 2, rows = B * H * T;
+void rotary_rows(const float* x, const int64_t* xs, const float* c, const float* s,
+                 const int64_t* cs, float* out, const int64_t* os, int64_t B, int64_t H,
+                 int64_t T, int64_t D, int nthreads) {
+    const int64_t rows = B * H * T;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * D > (1 << 16) && nthreads > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t b = r / (H * T), h = (r / T) % H, t = r % T;
-        const float* xr = x + b * xs[0] + h * xs[1] + t * xs[2];
-        const float* cr = c + b * cs[0] + t * cs[1];
-        const float* sr = s + b * cs[0] + t * cs[1];
-        float* o = out + b * os[0] + h * os[1] + t * os[2];
-        for (int64_t i = 0; i < half; ++i) {
-            const float a = xr[i] * cr[i], m = xr[i + half] * sr[i];
-            o[i] = a - m;
-        }
-        for (int64_t i = half; i < D; ++i) {
-            const float a = xr[i] * cr[i], m = xr[i - half] * sr[i];
-            o[i] = a + m;
-        }
+        rotary_row(x + b * xs[0] + h * xs[1] + t * xs[2], c + b * cs[0] + t * cs[1],
+                   s + b * cs[0] + t * cs[1], out + b * os[0] + h * os[1] + t * os[2], D / 2);
     }
 }
 

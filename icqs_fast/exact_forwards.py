@@ -228,9 +228,8 @@ def _llama_attention(attn: Any, x: torch.Tensor, qkv: tuple | None = None, *,
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
-    o = _packed_now(attn.o_proj) if qkv is not None else None
-    bf16 = (o is not None and o.products == "bf16" and o.backend == "cpp"
-            and not _hooked(attn.o_proj) and getattr(interface, ATTENTION_OUT_DTYPE, False)
+    o = _cpp_packs((attn.o_proj,), bf16=True) if qkv is not None else None
+    bf16 = (o is not None and getattr(interface, ATTENTION_OUT_DTYPE, False)
             and q.dtype == torch.float32)
     out, _ = interface(attn, q, k, v, attention_mask,
                        dropout=0.0 if not attn.training else attn.attention_dropout,
@@ -238,23 +237,33 @@ def _llama_attention(attn: Any, x: torch.Tensor, qkv: tuple | None = None, *,
                        **({ATTENTION_OUT_DTYPE: torch.bfloat16} if bf16 else {}))
     out = out.reshape(*x.shape[:-1], -1).contiguous()
     if bf16 and out.dtype == torch.bfloat16:
-        return ops.linear(out, o, attn.o_proj.bias)
+        return ops.linear(out, o[0], attn.o_proj.bias)
     return attn.o_proj(out)
 
 
-def _rotary_packs(attn: Any, x: torch.Tensor, cos: torch.Tensor) -> tuple[Any, Any] | None:
-    """The query and key packs that can take the rotary embedding in their pass: current, cpp,
-    unhooked, the module's rotary the probed one (None otherwise)."""
-    parts = (attn.q_proj, attn.k_proj)
+def _cpp_packs(parts: tuple, bf16: bool = False) -> tuple | None:
+    """The packs of the linear layers ``parts`` when every one is current, of the cpp backend
+    (of bf16 products with ``bf16``) and unhooked (None otherwise)."""
     packs = tuple(_packed_now(p) for p in parts)
+    if (any(p is None or p.backend != "cpp" or bf16 and p.products != "bf16" for p in packs)
+            or any(_hooked(p) for p in parts)):
+        return None
+    return packs
+
+
+def _rotary_fits(attn: Any, x: torch.Tensor, cos: Any) -> bool:
+    """Whether q / k may take the rotary embedding in their products: the module's probed
+    rotary, a CPU ``[B, T, H]`` fp32 call, no autograd, a head size dividing 256."""
     rope = getattr(sys.modules[type(attn).__module__], _ROTARY, None)
     d = attn.head_dim
-    if (any(p is None or p.backend != "cpp" for p in packs) or any(_hooked(p) for p in parts)
-            or not getattr(rope, _MARK, False) or x.dim() != 3 or x.device.type != "cpu"
-            or not isinstance(cos, torch.Tensor) or cos.dtype != torch.float32
-            or d % 2 or 256 % d or torch.is_grad_enabled()):
-        return None
-    return packs  # type: ignore[return-value]
+    return not (not getattr(rope, _MARK, False) or x.dim() != 3 or x.device.type != "cpu"
+                or not isinstance(cos, torch.Tensor) or cos.dtype != torch.float32
+                or d % 2 or 256 % d or torch.is_grad_enabled())
+
+
+def _rotary_packs(attn: Any, x: torch.Tensor, cos: Any) -> tuple | None:
+    """The query and key packs that take the rotary embedding in their pass (else None)."""
+    return _cpp_packs((attn.q_proj, attn.k_proj)) if _rotary_fits(attn, x, cos) else None
 
 
 def _bf16_qkv(attn: Any, norm: Any, x: torch.Tensor, pe: Any) -> tuple | None:
@@ -262,14 +271,9 @@ def _bf16_qkv(attn: Any, norm: Any, x: torch.Tensor, pe: Any) -> tuple | None:
     k taking the rotary embedding) and the norm is the probed fused one (else None)."""
     if (getattr(norm.forward, "__func__", None) is not _fused_norm or _hooked(norm)
             or not _probed_norm_call(norm, x, (), {}) or not isinstance(pe, tuple)
-            or len(pe) != 2):
+            or len(pe) != 2 or not _rotary_fits(attn, x, pe[0])):
         return None
-    qk = _rotary_packs(attn, x, pe[0])
-    v = _packed_now(attn.v_proj)
-    if (qk is None or v is None or v.backend != "cpp" or _hooked(attn.v_proj)
-            or any(p.products != "bf16" for p in (*qk, v))):
-        return None
-    return (*qk, v)
+    return _cpp_packs((attn.q_proj, attn.k_proj, attn.v_proj), bf16=True)
 
 
 def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
@@ -292,13 +296,9 @@ def _use_llama_attention(layer: Any, model: torch.nn.Module) -> bool:
 def _bf16_mlp_packs(mlp: Any) -> tuple[Any, Any, Any] | None:
     """The gate, up and down packs of a gated MLP whose three products are bf16 ones of the
     cpp backend, current and unhooked, the gate and up without a bias (None otherwise)."""
-    parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    packs = tuple(_packed_now(p) for p in parts)
-    if (any(p is None or p.products != "bf16" or p.backend != "cpp" for p in packs)
-            or any(_hooked(p) for p in parts) or parts[0].bias is not None
-            or parts[1].bias is not None):
+    if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
         return None
-    return packs  # type: ignore[return-value]
+    return _cpp_packs((mlp.gate_proj, mlp.up_proj, mlp.down_proj), bf16=True)
 
 
 def _layer_equal_on_probe(layer: Any, model: torch.nn.Module) -> bool:
