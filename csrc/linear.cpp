@@ -61,8 +61,10 @@ namespace py = pybind11;
 // else 0-2), for the gated product's epilogue.
 using SiluRowFn = void (*)(const float*, const float*, float*, int64_t);
 SiluRowFn silu_row_at(int isa);
-// Defined in rotary.cpp: ops.rotary's arithmetic on one row (the rotary epilogue's).
-void rotary_row(const float* xr, const float* cr, const float* sr, float* o, int64_t half);
+// Defined in rotary.cpp: ops.rotary's arithmetic on one row at an ISA level (-1 the CPU's
+// best, else 0-2), for the rotary epilogue.
+using RotaryRowFn = void (*)(const float*, const float*, const float*, float*, int64_t);
+RotaryRowFn rotary_row_at(int isa);
 // Defined below: a row rounded to bf16 as a bf16-products x is.
 void bf16_round_row(const float* src, int64_t n, uint16_t* dst, int isa);
 
@@ -126,19 +128,18 @@ struct Args {
     // token m % rt of batch m / rt, its cos / sin rows at rc / rsn + b * rbs + t * rts.
     const float *rc, *rsn;
     int64_t rd, rt, rbs, rts;
+    RotaryRowFn rotary_row;  // rotary_row_at's, at the call's ISA level
 };
 
 // The output block's heads rotated in place by ops.rotary's own row code, so its bits.
 void rotate_block(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    float x[1024];  // one head's values before the rotation (rd <= 1024, checked)
     for (int64_t m = m0; m < m1; ++m) {
         const int64_t b = m / a.rt, t = m % a.rt;
         const float* c = a.rc + b * a.rbs + t * a.rts;
         const float* sn = a.rsn + b * a.rbs + t * a.rts;
         for (int64_t h = n0; h < n1; h += a.rd) {
             float* o = a.out + m * a.os + h;
-            std::memcpy(x, o, static_cast<size_t>(a.rd) * sizeof(float));
-            rotary_row(x, c, sn, o, a.rd / 2);
+            a.rotary_row(o, c, sn, o, a.rd / 2);  // in place: it reads each pair first
         }
     }
 }
@@ -511,11 +512,11 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     if (xs < K || os < N) throw std::invalid_argument("linear: row strides >= K and >= N");
     if (rot_dim != 0 &&
         (up != 0 || res != 0 || rot_cos == 0 || rot_sin == 0 || rot_dim < 2 || rot_dim % 2 ||
-         rot_dim > 1024 || kTaskCols % rot_dim || N % rot_dim || rot_tokens < 1 ||
+         kTaskCols % rot_dim || N % rot_dim || rot_tokens < 1 ||
          M % rot_tokens))
         throw std::invalid_argument(
             "linear: a rotary epilogue takes no up and no residual, cos and sin, an even head "
-            "size dividing N and 256 (at most 1024), and M a multiple of its tokens");
+            "size dividing N and 256, and M a multiple of its tokens");
     if (M == 0) return false;
     const int best = best_level();
     const auto [fn, ran] = pick(mode, isa < 0 ? best : std::min(isa, best));
@@ -534,6 +535,8 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     a.rc = reinterpret_cast<const float*>(rot_cos);
     a.rsn = reinterpret_cast<const float*>(rot_sin);
     a.rd = rot_dim, a.rt = rot_tokens, a.rbs = rot_bstride, a.rts = rot_tstride;
+    a.rotary_row = rot_dim != 0 ? rotary_row_at(isa < 0 ? -1 : std::min(isa, cpu_isa_level()))
+                                : nullptr;
     if (nthreads < 1) nthreads = 1;
     py::gil_scoped_release nogil;
     // x's bf16 terms once per call, rows padded to whole AMX blocks with zeros. The buffer is

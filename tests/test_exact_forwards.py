@@ -281,8 +281,9 @@ def test_every_family_fused_layer_keeps_its_parts_bits():
 def test_rotary_is_transformers_arithmetic_bit_for_bit(backend):
     """``ops.rotary`` against transformers' ``apply_rotary_pos_emb`` (the original, not the one
     :func:`use_exact_forwards` may have put in its place): a transposed query (the attention's
-    view), a key of one head, cos / sin broadcast from a batch of one, head sizes 2 and 256,
-    magnitudes from subnormal to 1e30, infinities; the output keeps the query's layout."""
+    view), a key of one head, cos / sin broadcast from a batch of one, head sizes 2, 40 (whole
+    vectors and a scalar tail) and 256, magnitudes from subnormal to 1e30, infinities; the
+    output keeps the query's layout."""
     from transformers.models.llama import modeling_llama
 
     from icqs_fast import backends, ops
@@ -292,7 +293,8 @@ def test_rotary_is_transformers_arithmetic_bit_for_bit(backend):
     f = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__",
                 modeling_llama.apply_rotary_pos_emb)
     g = torch.Generator().manual_seed(4)
-    for b, h, t, d, cb in ((2, 9, 37, 64, 2), (3, 2, 5, 2, 1), (1, 4, 3, 256, 1)):
+    for b, h, t, d, cb in ((2, 9, 37, 64, 2), (3, 2, 5, 2, 1), (2, 3, 7, 40, 1),
+                           (1, 4, 3, 256, 1)):
         q = torch.randn(b, t, h, d, generator=g).transpose(1, 2) * 1e3
         k = torch.randn(b, 1, t, d, generator=g)
         q[0, 0, 0, :2] = torch.tensor([1e-42, float("inf")])
