@@ -167,7 +167,7 @@ struct Args {
     const void *q, *k, *v;
     int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2 (the last dim is contiguous)
     float* out;                   // [B, Hq, Tq, Dv] fp32, contiguous
-    float* lse;                   // [B, Hq, Tq] fp32, contiguous
+    float* lse;                   // [B, Hq, Tq] fp32, contiguous, or null (not computed)
     const int64_t* qpos;          // [B, Tq] or null (Tk - Tq + i)
     const int64_t* kpos;          // [B, Tk] or null (j); negative = masked key
     int64_t B, Hq, Hk, Tq, Tk, D, Dv;
@@ -269,13 +269,16 @@ ATTN_INLINE void query_rows(const Args& a, int64_t b, int64_t hk, int64_t r, int
     q.n = n;
     q.qmin = INT64_MAX;
     q.qmax = INT64_MIN;
+    // (head, position) stepped along the rows: one division per block, not one per row (a
+    // 64-bit division per row was a tenth of a short-suffix call).
+    int64_t g = r / a.Tq, i = r % a.Tq;
     for (int rr = 0; rr < n; ++rr) {
-        const int64_t g = (r + rr) / a.Tq, i = (r + rr) % a.Tq;
         q.head[rr] = hk * group + g;
         q.i[rr] = i;
         q.pos[rr] = a.qpos ? a.qpos[b * a.Tq + i] : a.Tk - a.Tq + i;
         q.qmin = std::min(q.qmin, q.pos[rr]);
         q.qmax = std::max(q.qmax, q.pos[rr]);
+        if (++i == a.Tq) i = 0, ++g;
     }
 }
 
@@ -677,13 +680,15 @@ ATTN_INLINE void item_impl(const Args& a, int64_t b, int64_t hk, int64_t r0, int
                     for (int64_t c = 0; c < Dv; ++c) dst16[c] = to_bf16(ob[rr * dvp + c] * inv);
                 else
                     for (int64_t c = 0; c < Dv; ++c) dst[c] = ob[rr * dvp + c] * inv;
-                a.lse[row] = static_cast<float>((m[rr] + std::log2(static_cast<double>(l))) / kLog2e);
+                if (a.lse != nullptr)  // a double log per row: a tenth of a short call
+                    a.lse[row] =
+                        static_cast<float>((m[rr] + std::log2(static_cast<double>(l))) / kLog2e);
             } else {
                 if (a.out_bf16)
                     std::fill(dst16, dst16 + Dv, uint16_t{0});
                 else
                     std::fill(dst, dst + Dv, 0.f);
-                a.lse[row] = -std::numeric_limits<float>::infinity();
+                if (a.lse != nullptr) a.lse[row] = -std::numeric_limits<float>::infinity();
             }
         }
     }
@@ -1204,7 +1209,7 @@ void register_attention(py::module_& m) {
           "Softmax attention with log-sum-exp: q [B,Hq,Tq,D], k [B,Hk,Tk,D], v [B,Hk,Tk,Dv] "
           "(raw pointers, element strides of dims 0..2, unit last-dim stride; dtype 0=fp32, "
           "1=fp16, 2=bf16) into out [B,Hq,Tq,Dv] fp32 ([B,Tq,Hq,Dv] with token_major) and "
-          "lse [B,Hq,Tq] fp32 (contiguous). "
+          "lse [B,Hq,Tq] fp32 (contiguous; 0: not computed). "
           "qpos [B,Tq] / kpos [B,Tk] int64 positions (0 = defaults Tk-Tq+i / j; negative key "
           "position = masked key); causal, window, chunk (0 = none) on positions; softcap 0 = "
           "none. isa: -1 best, 0/1/2 as best_isa(). bf16_dot: bf16 inputs at isa 2 use the "

@@ -419,3 +419,27 @@ def test_a_bf16_output_is_the_fp32_one_rounded(isa, dot, monkeypatch):
     for bad in ({"out_dtype": torch.float16}, {"out_dtype": torch.bfloat16, "return_state": True}):
         with pytest.raises(ValueError, match="out_dtype must be q's dtype"):
             ops.attention_lse(q, k, v, **kw, **bad)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("dot", [None, torch.bfloat16])
+def test_without_the_lse_the_output_is_the_same(backend, dot):
+    """``with_lse=False`` (the cascade's last part, whose LSE nobody reads): the same output
+    bits, fp32 and bf16, with a resumed state and rows with no allowed key; the LSE is None."""
+    q, _, _ = _inputs(3, 6, 2, 13, 5, 64, 64, torch.float32, seed=11)
+    _, k, v = _inputs(3, 6, 2, 13, 70, 64, 64, torch.float32, seed=12)
+    kpos = torch.arange(70).expand(3, 70).clone()
+    kpos[2] = -1
+    kw = {"scale": 0.125, "causal": True, "backend": backend, "dot_dtype": dot,
+          "positions": (70 + torch.arange(13).expand(3, 13), kpos)}
+    for extra in ({}, {"out_dtype": torch.bfloat16}):
+        out, lse = ops.attention_lse(q, k, v, **kw, **extra)
+        alone, none = ops.attention_lse(q, k, v, with_lse=False, **kw, **extra)
+        assert none is None and lse is not None and torch.equal(alone, out)
+    if backend == "cpp":
+        state, _ = ops.attention_lse(q, k[:, :, :64], v[:, :, :64], return_state=True,
+                                     **{**kw, "positions": (kw["positions"][0], kpos[:, :64])})
+        rest = {**kw, "positions": (kw["positions"][0], kpos[:, 64:]), "state": state}
+        out, lse = ops.attention_lse(q, k[:, :, 64:], v[:, :, 64:], **rest)
+        alone, none = ops.attention_lse(q, k[:, :, 64:], v[:, :, 64:], with_lse=False, **rest)
+        assert none is None and torch.equal(alone, out)

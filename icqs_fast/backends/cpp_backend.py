@@ -193,7 +193,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                   dot_dtype: torch.dtype | None = None, state: torch.Tensor | None = None,
                   return_state: bool = False, key_batch: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None
+                  out_dtype: torch.dtype | None = None, with_lse: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """C++ flash attention with log-sum-exp (``csrc/attention.cpp``) for CPU tensors: the cpp
     backend of :func:`icqs_fast.ops.attention_lse` (arguments validated there).
@@ -214,11 +214,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and the key positions (``[Bk, ...]``), in place; or None.
         out_dtype: ``torch.bfloat16``: the output written in bf16 (each fp32 output rounded
             to nearest even, as a bf16-products linear rounds its input), or None (q's dtype).
+        with_lse: False: no log-sum-exp (the kernel skips its log per row; None returned).
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (fp32 accumulation; token-major strides, i.e.
         ``[B, Tq, Hq, Dv]`` transposed) and ``lse [B, Hq, Tq]`` fp32 (-inf and output 0 for a
-        row with no allowed key).
+        row with no allowed key), or None without ``with_lse``.
     """
     if _C is None or not hasattr(_C, "attention_lse"):
         raise RuntimeError("icqs_fast._C has no attention_lse: rebuild the extension")
@@ -234,7 +235,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bf16_out = out_dtype == torch.bfloat16
     out = torch.empty(0 if return_state else bsz * hq * tq * dv,
                       dtype=torch.bfloat16 if bf16_out else torch.float32)
-    lse = torch.empty(0 if return_state else bsz * hq * tq, dtype=torch.float32)
+    lse = torch.empty(bsz * hq * tq if with_lse and not return_state else 0,
+                      dtype=torch.float32)
     q_pos = k_pos = None
     if positions is not None:
         q_pos = positions[0].to(torch.int64).contiguous()
@@ -245,7 +247,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_pos is not None:
         k_pos = k_pos.contiguous()
     _C.attention_lse(q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3], v.data_ptr(),
-                     v.stride()[:3], out.data_ptr(), lse.data_ptr(),
+                     v.stride()[:3], out.data_ptr(), lse.data_ptr() if lse.numel() else 0,
                      0 if q_pos is None else q_pos.data_ptr(),
                      0 if k_pos is None else k_pos.data_ptr(), bsz, hq, hk, tq, tk, d, dv,
                      _DTYPE_CODES[q.dtype], bool(causal), int(window or 0), int(chunk or 0),
@@ -258,8 +260,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return st_out, None
     # Written token-major ([B, Tq, Hq, Dv] in memory): what a model's attention turns its
     # output into next (``out.transpose(1, 2).contiguous()`` is then a view, not a copy).
-    out, lse = out.view(bsz, tq, hq, dv).transpose(1, 2), lse.view(bsz, hq, tq)
-    return (out if q.dtype == torch.float32 or bf16_out else out.to(q.dtype)), lse
+    out = out.view(bsz, tq, hq, dv).transpose(1, 2)
+    return ((out if q.dtype == torch.float32 or bf16_out else out.to(q.dtype)),
+            lse.view(bsz, hq, tq) if with_lse else None)
 
 
 # ------------------------------------------------------------------ attention entropy (C++)

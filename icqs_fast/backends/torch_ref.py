@@ -286,8 +286,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                   dot_dtype: torch.dtype | None = None,
                   key_batch: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None, rows: int = 512
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  out_dtype: torch.dtype | None = None, with_lse: bool = True,
+                  rows: int = 512) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference of :func:`icqs_fast.ops.attention_lse` (inputs validated there): fp32 scores
     of ``rows`` query rows at a time (``[B, Hq, rows, Tk]``), GQA by grouping the query heads
     per key head, no ``repeat_kv`` copy.
@@ -300,11 +300,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (query i at ``Tk - Tq + i``, key j at ``j``); dot_dtype (q, k, v rounded to it
             first, the products still in fp32) or None; key_batch ``[B]`` (query batch b
             reads k, v, the mask and key positions of batch ``key_batch[b]``) or None;
-            out_dtype (the output rounded to it at the end) or None.
+            out_dtype (the output rounded to it at the end) or None; with_lse (False: None
+            for the lse).
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype (0 for a row with no allowed key) and ``lse
-        [B, Hq, Tq]`` fp32 (-inf for such a row).
+        [B, Hq, Tq]`` fp32 (-inf for such a row), or None without ``with_lse``.
     """
     if key_batch is not None:  # the reference gathers what the kernel reads in place
         k, v = k.index_select(0, key_batch), v.index_select(0, key_batch)
@@ -340,7 +341,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:, :, r0:r1], lse[:, :, r0:r1] = _attention_block(q[:, :, r0:r1], k, v,
                                                               allow[:, None], scale, softcap,
                                                               None)
-    return (out if out_dtype is None else out.to(out_dtype)), lse
+    return (out if out_dtype is None else out.to(out_dtype)), lse if with_lse else None
 
 
 def bf16_terms(x: torch.Tensor, terms: int) -> list[torch.Tensor]:

@@ -286,8 +286,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float | None = None, window: int | None = None,
                   chunk: int | None = None,
                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  dot_dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  dot_dtype: torch.dtype | None = None, with_lse: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused attention with its log-sum-exp output (``RETURN_LSE``, no entropy state):
     scores stay in registers, never a ``[.., Tq, Tk]`` tensor. The layer variants (score
     softcap, sliding window, chunks, token positions with padded slots, ``Dv != D``,
@@ -296,6 +296,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Inputs validated by :func:`icqs_fast.ops.attention_lse`."""
     from icqs_fast.kernels.attention_entropy import attention_lse as _lse
 
-    return _lse(q, k, v, scale=scale, causal=causal, attention_mask=attention_mask,
-                window=window, chunk=chunk, softcap=softcap, positions=positions,
-                dot_bf16=dot_dtype == torch.bfloat16)
+    out, lse = _lse(q, k, v, scale=scale, causal=causal, attention_mask=attention_mask,
+                    window=window, chunk=chunk, softcap=softcap, positions=positions,
+                    dot_bf16=dot_dtype == torch.bfloat16)
+    return out, lse if with_lse else None

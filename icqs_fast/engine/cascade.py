@@ -366,17 +366,18 @@ def _fused_attn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     la: LayerAttention | None = None,
                     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                     dot: torch.dtype | None = None, softcap: float | None = None,
-                    out_dtype: torch.dtype | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype | None = None, with_lse: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused attention with log-sum-exp on ``backend``: ``q [B, Hq, L, D]`` against ``k/v [B, Hk, T,
     D]`` (``Hq`` a multiple of ``Hk``; causal: query i at position ``T - L + i``, or at
     ``positions``; ``key_ok [B, T]`` bool, False = masked key; a local layer ``la``'s window /
     chunk on ``positions``; ``dot``: the products' input dtype, as ``dot_dtype``; the layer's
     score ``softcap``). Returns the output in q's dtype (or ``out_dtype``) and the fp32
-    natural-log LSE ``[B, Hq, L]``."""
+    natural-log LSE ``[B, Hq, L]`` (None without ``with_lse``)."""
     return ops.attention_lse(q, k, v, scale=scale, causal=causal, attention_mask=key_ok,
                              positions=positions, dot_dtype=dot, softcap=softcap,
-                             backend=backend, out_dtype=out_dtype, **local_args(la))
+                             backend=backend, out_dtype=out_dtype, with_lse=with_lse,
+                             **local_args(la))
 
 
 _CAUSAL: dict[tuple, Mask] = {}
@@ -709,7 +710,7 @@ def positional_attention(module, query, key, value, attention_mask, dropout=0.0,
         direct = out_dtype if sinks is None and kernel_out(kernel, out_dtype) else None
         out, lse = _fused_attn_lse(query, key, value, scale, kernel, causal=True, la=lay,
                                    softcap=softcap, positions=(plan.q_pos, k_pos), dot=dot,
-                                   out_dtype=direct)
+                                   out_dtype=direct, with_lse=sinks is not None)
     else:
         allow = plan.allow(la, tk, group)
         out, lse = attn_lse(query.reshape(b, hk, group * lq, d), key.contiguous(),

@@ -148,7 +148,7 @@ def one_pass(plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     out, lse = ops.attention_lse(query, k2, v2, scale=scale, causal=True,
                                  positions=(q_pos, k_pos), dot_dtype=dot, softcap=softcap,
                                  backend=kernel, state=state, out_dtype=direct,
-                                 **local_args(lay))
+                                 with_lse=sinks is not None, **local_args(lay))
     if sinks is not None:  # as positional_attention does, so the two stay equal
         keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, hq, 1)))
         out = (out.float() * keep[..., None]).to(out.dtype)

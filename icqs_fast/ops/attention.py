@@ -117,6 +117,7 @@ def attention_lse(
     return_state: bool = False,
     key_batch: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    with_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention returning the output and the log-sum-exp of each row's scores, so that
     partial attentions over disjoint key sets merge exactly (cascade attention's prefix and
@@ -162,11 +163,13 @@ def attention_lse(
         out_dtype: ``torch.bfloat16`` (float32 ``q``, not with ``return_state``): the output
             rounded to bf16 (nearest even), written so on cpp, the input a bf16-products
             :func:`icqs_fast.ops.linear` then reads in place; or None (``q``'s dtype).
+        with_lse: False: ``lse`` is None (a caller that only wants the output; the cpp
+            kernel then skips the log it takes per row).
 
     Returns:
         ``(out [B, Hq, Tq, Dv]`` in q's dtype, ``lse [B, Hq, Tq]`` fp32: natural log of the sum
         of ``exp(score)`` over the allowed keys; a row with none has ``lse = -inf`` and output 0,
-        so it drops out of a log-sum-exp merge exactly).
+        so it drops out of a log-sum-exp merge exactly; None without ``with_lse``).
     """
     b, _, tq, d = q.shape
     bk = b
@@ -223,6 +226,8 @@ def attention_lse(
         variant["key_batch"] = key_batch
     if out_dtype is not None:
         variant["out_dtype"] = out_dtype
+    if not with_lse and not return_state:
+        variant["with_lse"] = False
     return backends.module(name).attention_lse(
         q, k, v, attention_mask, bool(causal), 1.0 / math.sqrt(d) if scale is None
         else float(scale), **variant)
