@@ -35,20 +35,12 @@ from icqs_fast.engine.one_pass import QueryPart
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Prefix forwards on the CPU run in chunks of at most this many tokens. On the 2-core CPU, 20
-# prefixes of ~215 tokens (trie-shared) took, median of 4 interleaved runs: 8.2 s in chunks of
-# 256 tokens, 6.9 s at 512, 6.4 s at 1024, 6.5 s at 2048 (larger batches spill the elementwise
-# work out of the caches; one forward of everything measured 8.3 s). 1024 also matches the
-# suffix forwards' chunk (SUFFIX_CHUNK_CPU), so building the bank peaks no higher than scoring.
-PREFIX_CHUNK_CPU = 1024
-# What one more prefix forward costs, in tokens of compute (GPU, CPU): it reads every weight once
-# whatever its size (the embedded model on the 2-core CPU at auto: ~28 ms for a 1-token
-# forward, ~0.25 ms a token in long ones). Shared runs of prefix tokens that save less are
-# recomputed per prefix, and a chunk takes that much padding rather than a forward of its own.
-# 120 built bench icqs's bank in 1.22 s against 1.25-1.28 s, but padded a small model's short
-# shared runs past the prefixes' own tokens. The GPU value is an estimate (a forward's ~300
-# kernel launches against ~2 us a token for a 1B model).
-FORWARD_COST_TOKENS = (1024, 40)
+# A CPU prefix forward's chunk in tokens, and what one more forward costs in tokens of compute
+# (GPU, CPU; it reads every weight once whatever its size): docs/DECISIONS.md, "CPU chunks" and
+# "Forward cost in tokens". Shared runs of prefix tokens that save less than a forward are
+# recomputed per prefix; a chunk takes that much padding rather than a forward of its own.
+PREFIX_CHUNK_CPU = 4096
+FORWARD_COST_TOKENS = (1024, 150)
 
 
 _CACHE_KWARG: dict[type, str] = {}
