@@ -5,7 +5,7 @@ of different lengths, Llama (GQA, RoPE) and GPT-2 (absolute positions)."""
 import pytest
 import torch
 
-from icqs_fast.engine.batching import PrefixBank, suffix_hidden
+from icqs_fast.engine.batching import PrefixBank, forward_cost_tokens, suffix_hidden
 from icqs_fast.engine.capability import model_plan
 
 
@@ -185,3 +185,29 @@ def test_fused_attn_lse_matches_attn_lse():
     o, lse = _fused_attn_lse(q, k, v, 0.3, causal=True)
     torch.testing.assert_close(o, o_ref.reshape(r, hq, s, d), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, l_ref.reshape(r, hq, s), atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_costs_fewer_tokens_for_more_weights_a_layer():
+    """``forward_cost_tokens``: the CPU's table value for the embedded model's layer size (576,
+    1536), fewer tokens for bigger layers down to the floor, the table's value for smaller ones
+    and without the sizes; the GPU's value whatever the model."""
+    from transformers import AutoConfig
+
+    from icqs_fast.engine import batching
+
+    gpu, cpu = batching.FORWARD_COST_TOKENS
+
+    class Stub(torch.nn.Module):
+        def __init__(self, **sizes):
+            super().__init__()
+            self.config = AutoConfig.for_model("llama", **sizes)
+
+    dev = torch.device("cpu")
+    assert forward_cost_tokens(Stub(hidden_size=576, intermediate_size=1536), dev) == cpu
+    mid = forward_cost_tokens(Stub(hidden_size=640, intermediate_size=2048), dev)
+    assert batching.FORWARD_COST_FLOOR_CPU < mid < cpu
+    big = Stub(hidden_size=2048, intermediate_size=8192)
+    assert forward_cost_tokens(big, dev) == batching.FORWARD_COST_FLOOR_CPU
+    assert forward_cost_tokens(Stub(hidden_size=64, intermediate_size=128), dev) == cpu
+    assert forward_cost_tokens(torch.nn.Linear(2, 2), dev) == cpu
+    assert forward_cost_tokens(big, torch.device("meta")) == gpu

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 # recomputed per prefix; a chunk takes that much padding rather than a forward of its own.
 PREFIX_CHUNK_CPU = 4096
 FORWARD_COST_TOKENS = (1024, 150)
+# The CPU value is the embedded model's, H (4 H + 3 I) = 576 x 6912 weights a layer: a forward's
+# fixed cost grows with the layers, a token's with the weights, so a model with more weights a
+# layer pays fewer tokens for a forward, down to the floor.
+FORWARD_COST_WEIGHTS_CPU = 576 * 6912
+FORWARD_COST_FLOOR_CPU = 40
 
 
 _CACHE_KWARG: dict[type, str] = {}
@@ -69,6 +74,23 @@ def decoder_body(model: PreTrainedModel) -> Any:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def forward_cost_tokens(model: torch.nn.Module, device: torch.device) -> int:
+    """What one more forward of ``model`` costs on ``device``, in tokens of compute:
+    :data:`FORWARD_COST_TOKENS`, on the CPU scaled by the embedded model's weights a layer over
+    ``model``'s, ``H (4 H + 3 I)`` from the config (at least :data:`FORWARD_COST_FLOOR_CPU`, at
+    most the table's value; the table's value without a hidden and an intermediate size)."""
+    gpu, cpu = FORWARD_COST_TOKENS
+    if device.type != "cpu":
+        return gpu
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    h, i = getattr(cfg, "hidden_size", None), getattr(cfg, "intermediate_size", None)
+    if not isinstance(h, int) or not isinstance(i, int) or h < 1 or i < 1:
+        return cpu
+    return min(cpu, max(FORWARD_COST_FLOOR_CPU, round(cpu * FORWARD_COST_WEIGHTS_CPU
+                                                     / (h * (4 * h + 3 * i)))))
 
 
 def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -154,7 +176,7 @@ class PrefixBank:
         new_len = [len(p) for p in seqs]
         build = _BankBuild(self._kbuf, self._vbuf, first, first + len(seqs),
                            max([*new_len, *self.lengths]), max(self.lengths, default=0))
-        cost = FORWARD_COST_TOKENS[dev.type == "cpu"]
+        cost = forward_cost_tokens(self.model, dev)
         for level in _trie_edges(seqs, cost):
             level = sorted(level, key=lambda e: e[1] - e[0])
             start = 0

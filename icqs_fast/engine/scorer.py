@@ -30,8 +30,8 @@ import torch
 
 from icqs_fast import ops
 from icqs_fast.engine.batching import (
-    FORWARD_COST_TOKENS,
     PrefixBank,
+    forward_cost_tokens,
     plain_hidden,
     plain_logits,
     suffix_hidden,
@@ -717,8 +717,8 @@ class ICQSScorer:
                         dev: torch.device) -> torch.Tensor:
         """Hidden states ``[R, S, H]`` of rows continuing shared query states, in forwards by
         length: a pair's outputs may differ by hundreds of tokens, and one forward would pad the
-        short ones to the long (another forward costs :data:`FORWARD_COST_TOKENS`)."""
-        runs = length_runs([len(x) for x in suffixes], FORWARD_COST_TOKENS[dev.type == "cpu"])
+        short ones to the long (another forward costs :func:`forward_cost_tokens`)."""
+        runs = length_runs([len(x) for x in suffixes], forward_cost_tokens(self.model, dev))
         if len(runs) == 1:  # one forward, in the batch's (entry) order
             return suffix_hidden(self.model, self.prefix_bank, entries, suffixes, self.pad_id,
                                  query=query)[0]
