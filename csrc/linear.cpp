@@ -512,8 +512,7 @@ bool linear(uintptr_t x, int64_t xs, int64_t M, int64_t K, uintptr_t packed, int
     if (xs < K || os < N) throw std::invalid_argument("linear: row strides >= K and >= N");
     if (rot_dim != 0 &&
         (up != 0 || res != 0 || rot_cos == 0 || rot_sin == 0 || rot_dim < 2 || rot_dim % 2 ||
-         kTaskCols % rot_dim || N % rot_dim || rot_tokens < 1 ||
-         M % rot_tokens))
+         kTaskCols % rot_dim || N % rot_dim || rot_tokens < 1 || M % rot_tokens))
         throw std::invalid_argument(
             "linear: a rotary epilogue takes no up and no residual, cos and sin, an even head "
             "size dividing N and 256, and M a multiple of its tokens");

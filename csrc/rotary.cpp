@@ -50,7 +50,8 @@ namespace {
     }                                                                                  \
     for (; i < half; ++i) {                                                            \
         const float x0 = xr[i], x1 = xr[i + half];                                     \
-        const float lo = x0 * cr[i] - x1 * sr[i], hi = x1 * cr[i + half] + x0 * sr[i + half]; \
+        const float lo = x0 * cr[i] - x1 * sr[i];                                      \
+        const float hi = x1 * cr[i + half] + x0 * sr[i + half];                        \
         o[i] = lo;                                                                     \
         o[i + half] = hi;                                                              \
     }
@@ -83,9 +84,8 @@ namespace {
 
 void rotary_rows(const float* x, const int64_t* xs, const float* c, const float* s,
                  const int64_t* cs, float* out, const int64_t* os, int64_t B, int64_t H,
-                 int64_t T, int64_t D, int nthreads) {
+                 int64_t T, int64_t D, int nthreads, RotaryRowFn rotary_row) {
     const int64_t rows = B * H * T;
-    const RotaryRowFn rotary_row = rotary_row_at(-1);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * D > (1 << 16) && nthreads > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t b = r / (H * T), h = (r / T) % H, t = r % T;
@@ -96,7 +96,7 @@ void rotary_rows(const float* x, const int64_t* xs, const float* c, const float*
 
 void rotary(uintptr_t x, py::tuple x_strides, uintptr_t cos, uintptr_t sin, py::tuple cs_strides,
             uintptr_t out, py::tuple out_strides, int64_t B, int64_t H, int64_t T, int64_t D,
-            int nthreads) {
+            int nthreads, int isa) {
     if (B < 0 || H < 0 || T < 0 || D < 2 || D % 2)
         throw std::invalid_argument("rotary: sizes B, H, T >= 0 and an even D >= 2");
     if (x_strides.size() != 3 || cs_strides.size() != 2 || out_strides.size() != 3)
@@ -107,10 +107,11 @@ void rotary(uintptr_t x, py::tuple x_strides, uintptr_t cos, uintptr_t sin, py::
         os[i] = out_strides[i].cast<int64_t>();
     }
     for (int i = 0; i < 2; ++i) cs[i] = cs_strides[i].cast<int64_t>();
+    const RotaryRowFn row = rotary_row_at(isa);  // an ISA above the CPU's: invalid_argument
     py::gil_scoped_release nogil;
     rotary_rows(reinterpret_cast<const float*>(x), xs, reinterpret_cast<const float*>(cos),
                 reinterpret_cast<const float*>(sin), cs, reinterpret_cast<float*>(out), os, B, H,
-                T, D, nthreads < 1 ? 1 : nthreads);
+                T, D, nthreads < 1 ? 1 : nthreads, row);
 }
 
 }  // namespace
@@ -118,7 +119,8 @@ void rotary(uintptr_t x, py::tuple x_strides, uintptr_t cos, uintptr_t sin, py::
 void register_rotary(py::module_& m) {
     m.def("rotary", &rotary, py::arg("x"), py::arg("x_strides"), py::arg("cos"), py::arg("sin"),
           py::arg("cs_strides"), py::arg("out"), py::arg("out_strides"), py::arg("B"),
-          py::arg("H"), py::arg("T"), py::arg("D"), py::arg("nthreads"),
+          py::arg("H"), py::arg("T"), py::arg("D"), py::arg("nthreads"), py::arg("isa") = -1,
           "out [B,H,T,D] fp32 = x * cos + rotate_half(x) * sin (cos / sin [B,T,D], the same "
-          "strides), each product and the sum rounded once: transformers' bits");
+          "strides), each product and the sum rounded once: transformers' bits (the same at "
+          "every ISA level; isa: -1 best, 0/1/2).");
 }

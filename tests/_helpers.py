@@ -83,6 +83,11 @@ def ref_token_stats64(z: torch.Tensor, t: torch.Tensor, ignore_index: int = -100
                                             "valid")})
 
 
+# Every ICQS_FAST_CPP_ISA level a kernel test runs at; "auto": the CPU's best, the only level
+# that reaches AMX tiles (an explicit avx512 keeps to the AVX512_BF16 dot products).
+ISAS = ("sse4", "avx2", "avx512", "auto")
+
+
 def isa_runs(name: str) -> bool:
     """Whether this CPU (and build) runs the C++ kernels' ISA level ``name`` (an
     ``ICQS_FAST_CPP_ISA`` value: ``auto`` or a key of ``cpp_backend.ISA_LEVELS``)."""

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from _helpers import (
+    ISAS,
     attention_lse64,
     attention_within_torch_error,
     cascade_paths_agree,
@@ -24,10 +25,6 @@ from icqs_fast.backends import cpp_backend
 
 pytestmark = pytest.mark.skipif(not cpp_backend.available()[0],
                                 reason=f"cpp backend unavailable: {cpp_backend.available()[1]}")
-
-# "auto": the CPU's best, the only level that reaches AMX tiles (an explicit avx512 keeps to
-# the AVX512_BF16 dot products).
-ISAS = ("sse4", "avx2", "avx512", "auto")
 
 
 def _level(name):

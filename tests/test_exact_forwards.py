@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from _helpers import ISAS, isa_param
 from model_matrix import EXCLUDED, causal_lm_types, tiny_model
 
 from icqs_fast import ops
@@ -277,19 +278,24 @@ def test_every_family_fused_layer_keeps_its_parts_bits():
     assert not differ, differ
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
-def test_rotary_is_transformers_arithmetic_bit_for_bit(backend):
+@pytest.mark.parametrize("backend, isa", [
+    pytest.param("torch", None, id="torch"),
+    *(pytest.param("cpp", *p.values, id=f"cpp-{p.id}", marks=p.marks)
+      for p in map(isa_param, ISAS))])
+def test_rotary_is_transformers_arithmetic_bit_for_bit(backend, isa, monkeypatch):
     """``ops.rotary`` against transformers' ``apply_rotary_pos_emb`` (the original, not the one
     :func:`use_exact_forwards` may have put in its place): a transposed query (the attention's
     view), a key of one head, cos / sin broadcast from a batch of one, head sizes 2, 40 (whole
-    vectors and a scalar tail) and 256, magnitudes from subnormal to 1e30, infinities; the
-    output keeps the query's layout."""
+    vectors and a scalar tail) and 256, magnitudes from subnormal to 1e30, infinities, on cpp
+    at each ISA level; the output keeps the query's layout."""
     from transformers.models.llama import modeling_llama
 
     from icqs_fast import backends, ops
 
     if not backends.available(backend)[0]:
         pytest.skip(f"{backend} backend unavailable")
+    if isa is not None:
+        monkeypatch.setenv(cpp_backend.ISA_ENV, isa)
     f = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__",
                 modeling_llama.apply_rotary_pos_emb)
     g = torch.Generator().manual_seed(4)

@@ -351,7 +351,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty_like(x)
     _C.rotary(x.data_ptr(), x.stride()[:3], cos.data_ptr(), sin.data_ptr(), cos.stride()[:2],
-              out.data_ptr(), out.stride()[:3], b, h, t, d, torch.get_num_threads())
+              out.data_ptr(), out.stride()[:3], b, h, t, d, torch.get_num_threads(), isa_setting())
     return out
 
 
